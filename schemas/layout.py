@@ -1,0 +1,245 @@
+"""Fragment layout and fingerprints (DESIGN §3.2 step 3) — pure, deterministic.
+
+A session splits the canonical layout (the named tensors every island agrees on) into P fragments:
+
+* embedding-like tensors (names containing embed, wte, wpe, lm_head, output_layer) get a fragment of
+  their own: they are large, touched by every token, and syncing them alone keeps the other
+  fragments' sizes comparable;
+* the rest are strided by layer index (layer i -> fragment i mod Q) so each fragment holds a slice of
+  the depth, then tensors without a layer index are bin-packed (largest first into the lightest
+  fragment); ties are broken by name so every process computes the same assignment.
+
+Offsets inside a fragment are element offsets; a fragment's bytes on the wire are its tensors' values
+concatenated in fragment order, in the wire dtype.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import orjson
+
+from .errors import WireError
+
+EMBED_MARKERS = ("embed", "wte", "wpe", "lm_head", "output_layer")
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_NUM_RE = re.compile(r"(\d+)")
+
+# Bytes per element (or per block) of each wire dtype; q4 packs 256 values into a 4-byte f32 scale
+# plus 128 bytes of nibbles, so chunks must hold whole blocks to be unpacked independently.
+Q4_BLOCK = 256
+Q4_BLOCK_BYTES = 4 + Q4_BLOCK // 2
+WIRE_DTYPES = ("f32", "bf16", "q4")
+BULK_DTYPES = ("f32", "bf16")
+TENSOR_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders layers.2 before layers.10."""
+    return tuple(int(p) if p.isdigit() else p for p in _NUM_RE.split(name))
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_embedding(name: str) -> bool:
+    low = name.lower()
+    return any(marker in low for marker in EMBED_MARKERS)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def canonical_layout(layout: Iterable[dict]) -> list[dict]:
+    """Return the layout in canonical order (natural sort by name) with normalized entries.
+
+    Raises WireError on a duplicate name, a negative dimension or an unknown dtype.
+    """
+    out: list[dict] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(layout):
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise WireError("tensor name must be a non-empty string", field=f"layout.{i}.name", value=name)
+        if name in seen:
+            raise WireError("duplicate tensor name in layout", field=f"layout.{i}.name", value=name)
+        seen.add(name)
+        shape = entry.get("shape")
+        if not isinstance(shape, (list, tuple)) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape
+        ):
+            raise WireError("shape must be a list of non-negative integers", field=f"layout.{i}.shape", value=shape)
+        dtype = entry.get("dtype", "float32")
+        if dtype not in TENSOR_DTYPES:
+            raise WireError(f"dtype must be one of {TENSOR_DTYPES}", field=f"layout.{i}.dtype", value=dtype)
+        out.append({"name": name, "shape": [int(s) for s in shape], "dtype": dtype})
+    out.sort(key=lambda e: natural_key(e["name"]))
+    return out
+
+
+def _sha256_json(obj) -> str:
+    return hashlib.sha256(orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def layout_fingerprint(layout: Iterable[dict]) -> str:
+    """sha256 over names, shapes, dtypes in canonical order."""
+    canon = canonical_layout(layout)
+    return _sha256_json([[e["name"], e["shape"], e["dtype"]] for e in canon])
+
+
+def assign_fragments(layout: Iterable[dict], fragments: int) -> list[list[dict]]:
+    """Split a layout into `fragments` non-empty lists of tensors (each in canonical order)."""
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise WireError("must be a positive integer", field="fragments", value=fragments)
+    canon = [e for e in canonical_layout(layout) if numel(e["shape"]) > 0]
+    if len(canon) < fragments:
+        raise WireError(
+            f"cannot split {len(canon)} non-empty tensors into that many fragments", field="fragments", value=fragments
+        )
+    bins: list[list[dict]] = [[] for _ in range(fragments)]
+    embeds = [e for e in canon if is_embedding(e["name"])]
+    rest = [e for e in canon if not is_embedding(e["name"])]
+    if fragments == 1:
+        bins[0] = list(canon)
+        return bins
+    if embeds and rest:
+        bins[0] = embeds
+        body = list(range(1, fragments))
+    else:
+        body = list(range(fragments))
+        rest = canon
+    sizes = {b: 0 for b in body}
+    loose: list[dict] = []
+    for e in rest:
+        li = layer_index(e["name"])
+        if li is None:
+            loose.append(e)
+            continue
+        b = body[li % len(body)]
+        bins[b].append(e)
+        sizes[b] += numel(e["shape"])
+    # If striding left a fragment empty (fewer layers than fragments), bin-pack everything instead.
+    if any(not bins[b] for b in body) and len(rest) >= len(body):
+        for b in body:
+            bins[b] = []
+            sizes[b] = 0
+        loose = list(rest)
+    for e in sorted(loose, key=lambda e: (-numel(e["shape"]), natural_key(e["name"]))):
+        b = min(body, key=lambda b: (sizes[b], b))
+        bins[b].append(e)
+        sizes[b] += numel(e["shape"])
+    for b in range(fragments):
+        if not bins[b]:
+            raise WireError("a fragment would be empty; use fewer fragments", field="fragments", value=fragments)
+        bins[b].sort(key=lambda e: natural_key(e["name"]))
+    return bins
+
+
+def build_fragments(layout: Iterable[dict], fragments: int) -> list[dict]:
+    out = []
+    for fid, tensors in enumerate(assign_fragments(layout, fragments)):
+        offset = 0
+        entries = []
+        for e in tensors:
+            n = numel(e["shape"])
+            entries.append({"name": e["name"], "shape": e["shape"], "offset": offset, "numel": n})
+            offset += n
+        out.append({"id": fid, "tensors": entries, "numel": offset})
+    return out
+
+
+def session_fingerprint(layout_fp: str, fragments: list[dict], push_dtype: str, bulk_dtype: str, chunk_bytes: int) -> str:
+    assignment = [[f["id"], [t["name"] for t in f["tensors"]]] for f in fragments]
+    return _sha256_json([layout_fp, assignment, push_dtype, bulk_dtype, chunk_bytes])
+
+
+def build_session(
+    layout: Iterable[dict],
+    fragments: int,
+    *,
+    run: str,
+    push_dtype: str,
+    bulk_dtype: str,
+    chunk_bytes: int,
+    init_island: str,
+    sync_every: int,
+    created: float = 0.0,
+    protocol_version: int = 1,
+) -> dict:
+    """The session record the syncer writes to the `state` KV (key `session`)."""
+    if push_dtype not in WIRE_DTYPES:
+        raise WireError(f"must be one of {WIRE_DTYPES}", field="push_dtype", value=push_dtype)
+    if bulk_dtype not in BULK_DTYPES:
+        raise WireError(f"must be one of {BULK_DTYPES}", field="bulk_dtype", value=bulk_dtype)
+    layout = list(layout)
+    lfp = layout_fingerprint(layout)
+    frags = build_fragments(layout, fragments)
+    return {
+        "v": protocol_version,
+        "run": run,
+        "fragments": frags,
+        "layout_fingerprint": lfp,
+        "session_fingerprint": session_fingerprint(lfp, frags, push_dtype, bulk_dtype, chunk_bytes),
+        "push_dtype": push_dtype,
+        "bulk_dtype": bulk_dtype,
+        "chunk_bytes": chunk_bytes,
+        "init_island": init_island,
+        "sync_every": sync_every,
+        "created": created,
+    }
+
+
+# ---- element-aligned chunk plans -----------------------------------------------------------------
+
+def unit(wire_dtype: str) -> tuple[int, int]:
+    """(elements, bytes) of the smallest independently decodable unit of a wire dtype."""
+    if wire_dtype == "f32":
+        return 1, 4
+    if wire_dtype == "bf16":
+        return 1, 2
+    if wire_dtype == "q4":
+        return Q4_BLOCK, Q4_BLOCK_BYTES
+    raise WireError(f"must be one of {WIRE_DTYPES}", field="dtype", value=wire_dtype)
+
+
+def wire_nbytes(wire_dtype: str, n: int) -> int:
+    elems, nbytes = unit(wire_dtype)
+    return -(-n // elems) * nbytes
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    index: int
+    elem_offset: int
+    elem_count: int
+    byte_offset: int
+    nbytes: int
+
+
+def chunk_plan(n: int, wire_dtype: str, chunk_bytes: int) -> list[ChunkSpan]:
+    """Cut a fragment of `n` elements into chunks of whole units of at most `chunk_bytes` bytes.
+
+    Every member of a session cuts the same fragment the same way, so chunk k of every push covers
+    the same elements and the syncer can merge chunk by chunk.
+    """
+    elems, ubytes = unit(wire_dtype)
+    if chunk_bytes < ubytes:
+        raise WireError(f"must be at least {ubytes} bytes for {wire_dtype}", field="chunk_bytes", value=chunk_bytes)
+    if n <= 0:
+        raise WireError("fragment must hold at least one element", field="numel", value=n)
+    per_chunk = (chunk_bytes // ubytes) * elems
+    spans = []
+    off = 0
+    idx = 0
+    while off < n:
+        cnt = min(per_chunk, n - off)
+        spans.append(ChunkSpan(idx, off, cnt, (off // elems) * ubytes, wire_nbytes(wire_dtype, cnt)))
+        off += cnt
+        idx += 1
+    return spans

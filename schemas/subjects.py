@@ -1,0 +1,207 @@
+"""Every subject, stream, bucket, consumer name and `Nats-Msg-Id` of a run is built here, and only here.
+
+Layout (run R, island I, fragment F), DESIGN §3:
+
+    yeto.R.ctl.hello.I | ctl.hb.I | ctl.ack.I | ctl.pull | ctl.to.I      -> stream CTL
+    yeto.R.push.I.F                                                      -> stream PUSH
+    yeto.R.init.F                                                        -> stream INIT
+    yeto.R.bcast.F.<chunk>                                               -> stream BCAST (1 msg per subject)
+    yeto.R.final.F.<chunk>                                               -> stream FINAL (1 msg per subject)
+    yeto.R.steplog.I                                                     -> stream STEPLOG
+    yeto.R.events.<kind>                                                 -> stream EVENTS
+
+Subjects and state are per fragment so the syncer can later be sharded by fragment with no protocol
+change (DESIGN §8).
+"""
+from __future__ import annotations
+
+from .ids import check_island, check_run, check_token
+
+PREFIX = "yeto"
+MSG_ID = "Nats-Msg-Id"
+
+STREAM_KINDS = ("CTL", "PUSH", "INIT", "BCAST", "FINAL", "STEPLOG", "EVENTS")
+KV_KINDS = ("members", "state")
+
+
+def _i(value: int, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        from .errors import IdError
+
+        raise IdError("must be a non-negative integer", field=field, value=value)
+    return value
+
+
+def root(run: str) -> str:
+    return f"{PREFIX}.{check_run(run)}"
+
+
+# ---- streams, buckets, consumers ----------------------------------------------------------------
+
+def stream(run: str, kind: str) -> str:
+    if kind not in STREAM_KINDS:
+        raise ValueError(f"unknown stream kind {kind!r}; one of {STREAM_KINDS}")
+    return f"YETO_{check_run(run)}_{kind}"
+
+
+def kv_bucket(run: str, kind: str) -> str:
+    if kind not in KV_KINDS:
+        raise ValueError(f"unknown KV kind {kind!r}; one of {KV_KINDS}")
+    return f"yeto_{check_run(run)}_{kind}"
+
+
+def stream_subjects(run: str, kind: str) -> list[str]:
+    r = root(run)
+    return {
+        "CTL": [f"{r}.ctl.>"],
+        "PUSH": [f"{r}.push.*.*"],
+        "INIT": [f"{r}.init.*"],
+        "BCAST": [f"{r}.bcast.*.*"],
+        "FINAL": [f"{r}.final.*.*"],
+        "STEPLOG": [f"{r}.steplog.*"],
+        "EVENTS": [f"{r}.events.*"],
+    }[kind]
+
+
+SYNCER_CTL_CONSUMER = "syncer-ctl"
+SYNCER_INIT_CONSUMER = "syncer-init"
+SYNCER_PUSH_CONSUMER = "syncer-push"
+
+
+def island_pull_consumer(island: str, gen: str) -> str:
+    return f"isl-{check_island(island)}-{gen}"
+
+
+# ---- subjects -------------------------------------------------------------------------------------
+
+def hello(run: str, island: str) -> str:
+    return f"{root(run)}.ctl.hello.{check_island(island)}"
+
+
+def heartbeat(run: str, island: str) -> str:
+    return f"{root(run)}.ctl.hb.{check_island(island)}"
+
+
+def ack(run: str, island: str) -> str:
+    return f"{root(run)}.ctl.ack.{check_island(island)}"
+
+
+def pull(run: str) -> str:
+    return f"{root(run)}.ctl.pull"
+
+
+def to_island(run: str, island: str) -> str:
+    return f"{root(run)}.ctl.to.{check_island(island)}"
+
+
+def syncer_ctl_filters(run: str) -> list[str]:
+    r = root(run)
+    return [f"{r}.ctl.hello.*", f"{r}.ctl.hb.*", f"{r}.ctl.ack.*"]
+
+
+def island_ctl_filters(run: str, island: str) -> list[str]:
+    return [pull(run), to_island(run, island)]
+
+
+def push(run: str, island: str, fragment: int) -> str:
+    return f"{root(run)}.push.{check_island(island)}.{_i(fragment, 'fragment')}"
+
+
+def push_all(run: str) -> str:
+    return f"{root(run)}.push.*.*"
+
+
+def init(run: str, fragment: int) -> str:
+    return f"{root(run)}.init.{_i(fragment, 'fragment')}"
+
+
+def bcast(run: str, fragment: int, chunk: int) -> str:
+    return f"{root(run)}.bcast.{_i(fragment, 'fragment')}.{_i(chunk, 'chunk')}"
+
+
+def bcast_all(run: str) -> str:
+    return f"{root(run)}.bcast.*.*"
+
+
+def bcast_fragment(run: str, fragment: int) -> str:
+    return f"{root(run)}.bcast.{_i(fragment, 'fragment')}.*"
+
+
+def final(run: str, fragment: int, chunk: int) -> str:
+    return f"{root(run)}.final.{_i(fragment, 'fragment')}.{_i(chunk, 'chunk')}"
+
+
+def final_all(run: str) -> str:
+    return f"{root(run)}.final.*.*"
+
+
+def steplog(run: str, island: str) -> str:
+    return f"{root(run)}.steplog.{check_island(island)}"
+
+
+def steplog_all(run: str) -> str:
+    return f"{root(run)}.steplog.*"
+
+
+def events(run: str, kind: str) -> str:
+    return f"{root(run)}.events.{check_token(kind, 'kind')}"
+
+
+def events_all(run: str) -> str:
+    return f"{root(run)}.events.*"
+
+
+def parse(run: str, subject: str) -> tuple[str, ...]:
+    """Split a subject of run `run` into its tokens after `yeto.R.`; raise on a foreign subject."""
+    r = root(run) + "."
+    if not subject.startswith(r):
+        raise ValueError(f"subject {subject!r} is not under {r!r}")
+    return tuple(subject[len(r):].split("."))
+
+
+# ---- Nats-Msg-Id keys (per attempt; DESIGN §3 "Per-attempt keys for dedup") -------------------
+
+def pull_msg_id(fragment: int, step: int, attempt: int, seq: int) -> str:
+    return f"pull.{fragment}.{step}.{attempt}.{seq}"
+
+
+def push_msg_id(island: str, gen: str, fragment: int, step: int, attempt: int, try_: int, chunk: int) -> str:
+    return f"push.{check_island(island)}.{gen}.{fragment}.{step}.{attempt}.{try_}.{chunk}"
+
+
+def init_msg_id(fragment: int, chunk: int, gen: str) -> str:
+    # The INIT island's generation is part of the key: a restarted INIT island resends, and must not be
+    # swallowed by the duplicate window as if it were the first process's bytes.
+    return f"init.{fragment}.{gen}.{chunk}"
+
+
+def bcast_msg_id(fragment: int, version: int, chunk: int) -> str:
+    return f"bcast.{fragment}.{version}.{chunk}"
+
+
+def final_msg_id(fragment: int, version: int, chunk: int) -> str:
+    return f"final.{fragment}.{version}.{chunk}"
+
+
+def hello_msg_id(island: str, gen: str) -> str:
+    return f"hello.{check_island(island)}.{gen}"
+
+
+def heartbeat_msg_id(island: str, gen: str, seq: int) -> str:
+    return f"hb.{check_island(island)}.{gen}.{seq}"
+
+
+def ack_msg_id(island: str, gen: str, final_step: int) -> str:
+    return f"ack.{check_island(island)}.{gen}.{final_step}"
+
+
+def to_island_msg_id(island: str, kind: str, key: str) -> str:
+    return f"to.{check_island(island)}.{kind}.{key}"
+
+
+def steplog_msg_id(island: str, gen: str, step: int) -> str:
+    return f"steplog.{check_island(island)}.{gen}.{step}"
+
+
+def event_msg_id(kind: str, key: str) -> str:
+    return f"event.{kind}.{key}"

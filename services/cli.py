@@ -1,0 +1,82 @@
+"""`yeto` — the command line of yeto-nats.
+
+Every command takes `--nats URL` (default `NATS_URL`, else nats://127.0.0.1:4222) and, where it acts on a
+run, `--run R`; `YETO_*` variables mirror the flags.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from schemas.conn import ConnectOptions, add_connect_args
+
+
+def _cmd_broker(args) -> int:
+    from services.broker import run_foreground
+
+    store = args.store_dir or os.path.join(os.getcwd(), "yeto-data", "jetstream")
+    return run_foreground(args.port, store, args.config, host=args.host)
+
+
+def _cmd_run_rm(args) -> int:
+    from schemas.conn import connect
+    from schemas.provision import remove_run
+
+    async def go():
+        nc = await connect(ConnectOptions.from_args(args, name="yeto-run-rm"))
+        try:
+            removed = await remove_run(nc.jetstream(), args.run)
+        finally:
+            await nc.close()
+        return removed
+
+    removed = asyncio.run(go())
+    if removed:
+        print(f"removed from run {args.run}: {', '.join(removed)}")
+    else:
+        print(f"run {args.run}: nothing to remove")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="yeto", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("broker", help="run the embedded nats-server (JetStream) in the foreground")
+    b.add_argument("--port", type=int, default=int(os.environ.get("YETO_BROKER_PORT", "4222")), help="client port (env YETO_BROKER_PORT; default %(default)s)")
+    b.add_argument("--host", default=os.environ.get("YETO_BROKER_HOST", "127.0.0.1"), help="listen address (env YETO_BROKER_HOST; default %(default)s)")
+    b.add_argument("--store-dir", default=os.environ.get("YETO_BROKER_STORE"), help="JetStream store directory (env YETO_BROKER_STORE; default ./yeto-data/jetstream)")
+    b.add_argument("--config", default=os.environ.get("YETO_BROKER_CONFIG"), help="nats-server config file (default: the shipped services/nats.conf, max_payload 8 MiB)")
+    b.set_defaults(func=_cmd_broker)
+
+    r = sub.add_parser("run", help="manage a run's streams and buckets")
+    rsub = r.add_subparsers(dest="run_command", required=True)
+    rm = rsub.add_parser("rm", help="remove a run's streams and KV buckets")
+    rm.add_argument("run_id", metavar="R", help="run id")
+    add_connect_args(rm, run=False)
+    rm.set_defaults(func=_cmd_run_rm)
+
+    for name in ("syncer", "export", "demo"):
+        try:
+            mod = __import__(f"services.cmd_{name}", fromlist=["add_parser"])
+        except ModuleNotFoundError as exc:
+            if exc.name != f"services.cmd_{name}":
+                raise
+            continue
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "run_id", None) is not None:
+        from schemas.ids import check_run
+
+        args.run = check_run(args.run_id)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
