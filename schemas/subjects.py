@@ -205,3 +205,7 @@ def steplog_msg_id(island: str, gen: str, step: int) -> str:
 
 def event_msg_id(kind: str, key: str) -> str:
     return f"event.{kind}.{key}"
+
+
+def final_fragment(run: str, fragment: int) -> str:
+    return f"{root(run)}.final.{_i(fragment, 'fragment')}.*"
