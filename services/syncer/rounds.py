@@ -1,0 +1,1059 @@
+"""The syncer's round state machine: pure, deterministic, no I/O, no clock.
+
+The I/O shell (services/syncer/service.py) turns what it reads from NATS into *events*, feeds them to
+`RoundMachine.handle(event)` one at a time, and carries out the *actions* it gets back, in order.
+Time comes only with events (`now`, seconds; use wall-clock `time.time()` so tape times and the members
+KV read sensibly across restarts). A `now` older than one already seen is treated as the newest seen,
+so a late event never moves the machine's clock backwards. Every event, whatever its kind, also runs
+the time-driven checks (liveness, grace windows, deadlines, pacing, final timeout); `Tick(now)` carries
+nothing else. `next_wakeup()` says when the next of those fires, so the shell can sleep until then
+(but should still tick every second or so).
+
+Lifecycle (`phase`):
+  pinning -> init -> committing_v0 -> running -> finalizing -> done
+
+Choices the design leaves open, decided here:
+- **init_island named**: hellos from other islands are *queued* (not refused, not admitted) until the
+  INIT island's hello pins the session; then they are re-examined in arrival order. A dtype mismatch
+  is refused at once (it does not depend on the session). A queued island that sends a newer
+  generation replaces its queued hello.
+- **Pinning checks the hello's own fingerprint**: the session builder recomputes the layout
+  fingerprint; if it differs from the one the hello claims, the hello is refused (layout_mismatch).
+  A layout the builder refuses (WireError / ValueError) is refused with the error's code.
+- **Version 0**: the machine emits `CommitV0(fragments)` once every fragment is initialized and
+  `islands` members are live; the shell commits v0 of every fragment durably, broadcasts it, then
+  feeds back a single `V0Done(now)`. Rounds launch only after that.
+- **Attempts are 1-based, pull `seq` and push `try` 0-based** (as the schemas say).
+- **Commit order**: at most one `Merge` is outstanding; it is emitted for the lowest in-flight step
+  only once that round is complete, and the next one only after its `MergeDone`. Rounds that complete
+  early wait (they stop accepting pushes). A round stays in flight (holding a pipeline slot and its
+  fragment) until its `MergeDone`, so the next round on that fragment always has the new base version.
+- **Pacing outside strict mode** (round t, due H/P inner steps after round t-1): launch when the
+  pipeline and the fragment allow AND either
+    (time)     now >= previous launch (or V0Done) + (H/P) · slowest live member's EMA step time, or
+    (progress) every live member's estimated progress reached its due point:
+               est_local(now) >= ref_local + (t - ref_step)·H/P - launch_lead_steps,
+  where a member's (ref_step, ref_local) is (0, its estimated local step) at V0Done, and
+  (last launched step, 0) when it is admitted later or returns with a new generation (its local
+  step restarts at 0). est_local extrapolates the last reported local step with the EMA step time.
+  The time rule alone always makes progress once step times are known; the progress rule lets the
+  syncer catch up when islands are ahead (e.g. after a slow merge) and never waits on a newcomer's
+  load time. Without any step-time report and no progress, no round launches (islands heartbeat
+  every few seconds, so this only delays the first round). `launch_lead_steps` (default 1) makes the
+  pull arrive one step before the boundary it is due at.
+- **EMA step time**: from heartbeats: their `step_time_s` when given (> 0), else derived from two
+  heartbeats (Δtime / Δlocal_step). Pushes update progress only (their arrival lags their local step
+  by the transfer time, which would bias a derived step time).
+- **Strict (lockstep)**: launch as soon as pipeline and fragment allow; a round completes only when
+  every expected member answered (no quorum, no grace); a passed deadline tapes an error and moves
+  the deadline one timeout on (no attempt bump).
+- **Restart with no live member** keeps the attempt and moves the deadline on (nobody to ask).
+- **Members**: any number of islands may join (N only gates version 0). A member silent for
+  `member_timeout_s` or longer leaves; a heartbeat of its current generation brings it back.
+  A hello with a generation the island had before is a stale replay and is ignored.
+- **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (outer.weights_for).
+- **Finalization**: a new generation of a target island that has not acked replaces the target and
+  gets its own `Finalize(..., targets=((island, new_gen),))`, so the shell sends it the manifest;
+  hellos of unknown islands get a fatal `run_finishing` error.
+- **Release**: the machine tells the shell which push payloads it may delete from the PUSH stream at
+  once (rejected pushes, pushes discarded by a restart). It never releases the identity of a push that
+  a pending merge still needs; the shell deletes accepted pushes after `MergeDone` itself. Release may
+  repeat for the same identity: make deletion idempotent.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from services.syncer.outer import weights_for
+
+__all__ = [
+    "SyncerConfig", "RoundMachine", "Member", "Round",
+    # events
+    "Event", "Hello", "InitComplete", "PushComplete", "Heartbeat", "MergeDone", "V0Done", "Tick", "FinalAck",
+    # actions
+    "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
+    "Tape", "CommitV0", "Finalize", "Shutdown", "Done",
+    "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS",
+]
+
+PUSH_DTYPES = ("f32", "bf16", "q4")
+BULK_DTYPES = ("f32", "bf16")
+FIRST_ATTEMPT = 1
+EMA_ALPHA = 0.3
+DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid")
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    run: str
+    islands: int                      # N: live members needed before version 0
+    fragments: int                    # P
+    sync_every: int                   # H: inner steps between two syncs of one fragment, multiple of P
+    total_steps: int                  # global rounds to commit before finalization
+    pipeline: int = 1                 # rounds in flight at most (never two on one fragment)
+    quorum: int | None = None         # K; None = every expected member
+    quorum_timeout_s: float = 900.0   # a round below quorum this long after launch restarts
+    grace_ms: float = 10_000.0        # cap of the adaptive grace window
+    grace_gamma: float = 1.0          # γ
+    grace_tau: int | None = None      # τ, inner steps a push may lag; None = H/P
+    strict: bool = False              # lockstep test mode
+    max_base_lag: int = 1             # a push whose base is older than current - lag is stale
+    equal_weights: bool = False
+    push_dtype: str = "f32"
+    bulk_dtype: str = "f32"
+    chunk_bytes: int = 1 << 20
+    init_island: str | None = None    # None = the first admitted hello's island
+    member_timeout_s: float = 30.0
+    final_timeout_s: float = 600.0
+    launch_lead_steps: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(flag: str, why: str, value: Any) -> None:
+            raise ValueError(f"{flag} {why}, got {value!r}")
+
+        for name in ("islands", "fragments", "sync_every", "total_steps", "pipeline", "chunk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad("--" + name.replace("_", "-"), "must be an integer >= 1", value)
+        if self.sync_every % self.fragments:
+            bad("--sync-every", f"(H) must be a multiple of --fragments (P = {self.fragments})", self.sync_every)
+        if self.quorum is not None and (not isinstance(self.quorum, int) or self.quorum < 1):
+            bad("--quorum", "must be an integer >= 1 (or unset for all)", self.quorum)
+        for name in ("quorum_timeout_s", "member_timeout_s", "final_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                bad("--" + name.replace("_", "-"), "must be a number > 0", value)
+        for name in ("grace_ms", "grace_gamma"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                bad("--" + name.replace("_", "-"), "must be a number >= 0", value)
+        for name in ("grace_tau", "max_base_lag", "launch_lead_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                bad("--" + name.replace("_", "-"), "must be an integer >= 0", value)
+        if self.push_dtype not in PUSH_DTYPES:
+            bad("--push-dtype", f"must be one of {PUSH_DTYPES}", self.push_dtype)
+        if self.bulk_dtype not in BULK_DTYPES:
+            bad("--bulk-dtype", f"must be one of {BULK_DTYPES}", self.bulk_dtype)
+
+    @property
+    def steps_per_round(self) -> int:
+        """H/P: inner steps between two consecutive rounds (of different fragments)."""
+        return self.sync_every // self.fragments
+
+    @property
+    def tau(self) -> int:
+        return self.steps_per_round if self.grace_tau is None else self.grace_tau
+
+    def fragment_of(self, step: int) -> int:
+        """Round t (1-based) targets fragment (t-1) mod P."""
+        return (step - 1) % self.fragments
+
+
+# ---- events (shell -> machine) --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Event:
+    pass
+
+
+@dataclass(frozen=True)
+class Hello(Event):
+    island: str
+    gen: str
+    layout: Sequence[Mapping[str, Any]]
+    layout_fingerprint: str
+    push_dtype: str
+    bulk_dtype: str
+    now: float
+
+
+@dataclass(frozen=True)
+class InitComplete(Event):
+    """The INIT island's chunks of `fragment` are all in (the shell checked them)."""
+    island: str
+    gen: str
+    fragment: int
+    now: float
+
+
+@dataclass(frozen=True)
+class PushComplete(Event):
+    """Every chunk of one push try is in; the shell checked chunk digests, push digest, sizes and
+    finiteness and reports the outcome in `valid` / `reason`."""
+    island: str
+    gen: str
+    fragment: int
+    step: int
+    attempt: int
+    try_: int
+    base_version: int
+    local_step: int
+    c_steps: int
+    c_tokens: int
+    valid: bool
+    reason: str | None
+    now: float
+
+
+@dataclass(frozen=True)
+class Heartbeat(Event):
+    island: str
+    gen: str
+    local_step: int
+    step_time_s: float | None
+    now: float
+
+
+@dataclass(frozen=True)
+class MergeDone(Event):
+    """The shell finished the merge, the outer step, the durable checkpoint, the state KV and the
+    broadcast of `version` of `fragment` for round `step`; `sync_s` is how long that took."""
+    step: int
+    fragment: int
+    version: int
+    sync_s: float
+    now: float
+
+
+@dataclass(frozen=True)
+class V0Done(Event):
+    """Version 0 of every fragment is durable and broadcast (answer to CommitV0)."""
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    now: float
+
+
+@dataclass(frozen=True)
+class FinalAck(Event):
+    island: str
+    gen: str
+    final_step: int
+    now: float
+
+
+# ---- actions (machine -> shell) -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Action:
+    pass
+
+
+@dataclass(frozen=True)
+class WriteSession(Action):
+    session: dict
+
+
+@dataclass(frozen=True)
+class WriteMember(Action):
+    """Members KV: island -> {gen, layout_fingerprint, last_step, last_heartbeat, admitted_at, live}."""
+    island: str
+    record: dict
+
+
+@dataclass(frozen=True)
+class PublishPull(Action):
+    """pull: {fragment, step, attempt, seq, base_version, members: [{island, gen}] sorted by island};
+    the shell adds type/v/run and the msg id pull.F.step.attempt.seq."""
+    pull: dict
+
+
+@dataclass(frozen=True)
+class SendError(Action):
+    island: str
+    gen: str
+    code: str
+    message: str
+    fatal: bool
+    field: str | None = None
+
+
+@dataclass(frozen=True)
+class MergeInput:
+    """One accepted push of a merge; (island, gen, step, fragment, attempt, try_) names its chunks."""
+    island: str
+    gen: str
+    weight: float          # normalized merge weight (the members' weights sum to 1)
+    try_: int
+    c_tokens: int
+    c_steps: int
+    base_version: int
+    local_step: int
+
+
+@dataclass(frozen=True)
+class Merge(Action):
+    """Merge the accepted pushes (sorted by island), apply the outer step, commit `version` of
+    `fragment` durably, update `state`, broadcast, then feed back MergeDone(step, fragment, version)."""
+    step: int
+    fragment: int
+    attempt: int
+    version: int
+    base_version: int
+    members: tuple[MergeInput, ...]
+
+
+@dataclass(frozen=True)
+class Release(Action):
+    """The payload of this push will never be merged: its chunks may be deleted from PUSH."""
+    island: str
+    gen: str
+    step: int
+    fragment: int
+    attempt: int
+    try_: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tape(Action):
+    """One record for EVENTS (`events.<kind>`); the shell adds v and run."""
+    event: dict
+
+
+@dataclass(frozen=True)
+class CommitV0(Action):
+    """Commit version 0 of every fragment from the INIT data (durably), broadcast it, then feed V0Done."""
+    fragments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finalize(Action):
+    """Publish the f32 final cut (once) and send the manifest to each target (island, gen)."""
+    final_step: int
+    versions: dict
+    targets: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Shutdown(Action):
+    island: str
+    gen: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done(Action):
+    """The syncer may exit; ok=False names the targets that never acked."""
+    ok: bool
+    missing: tuple[str, ...]
+
+
+# ---- state ----------------------------------------------------------------------------------------
+
+@dataclass
+class Member:
+    island: str
+    gen: str
+    layout_fingerprint: str
+    admitted_at: float
+    last_heartbeat: float
+    live: bool = True
+    reported_step: int = 0            # highest local step heard of (heartbeat or push)
+    reported_at: float = 0.0          # when that progress was last confirmed
+    ema_step_s: float | None = None
+    ref_step: int = 0                 # pacing reference: global step ...
+    ref_local: float = 0.0            # ... and the member's local step at that point
+    retired_gens: set[str] = field(default_factory=set)
+    _hb_step: int | None = None
+    _hb_at: float | None = None
+
+    def est_local(self, now: float) -> float:
+        if self.ema_step_s:
+            return self.reported_step + max(0.0, now - self.reported_at) / self.ema_step_s
+        return float(self.reported_step)
+
+    def observe_heartbeat(self, local_step: int, step_time_s: float | None, now: float) -> None:
+        sample = None
+        if step_time_s is not None and math.isfinite(step_time_s) and step_time_s > 0:
+            sample = float(step_time_s)
+        elif self._hb_step is not None and local_step > self._hb_step and now > self._hb_at:
+            sample = (now - self._hb_at) / (local_step - self._hb_step)
+        if sample is not None:
+            self.ema_step_s = sample if self.ema_step_s is None else EMA_ALPHA * sample + (1 - EMA_ALPHA) * self.ema_step_s
+        self._hb_step, self._hb_at = local_step, now
+        # a heartbeat is current: the island is at local_step *now* (even if it did not move)
+        if local_step >= self.reported_step:
+            self.reported_step, self.reported_at = local_step, now
+
+    def observe_push(self, local_step: int, now: float) -> None:
+        # a push's local step is older than its arrival: only ever raise progress, never confirm it
+        if local_step > self.reported_step:
+            self.reported_step, self.reported_at = local_step, now
+
+    def record(self) -> dict:
+        return {
+            "gen": self.gen,
+            "layout_fingerprint": self.layout_fingerprint,
+            "last_step": self.reported_step,
+            "last_heartbeat": self.last_heartbeat,
+            "admitted_at": self.admitted_at,
+            "live": self.live,
+        }
+
+
+@dataclass
+class _Answer:
+    gen: str
+    try_: int
+    base_version: int
+    local_step: int
+    c_steps: int
+    c_tokens: int
+
+
+@dataclass
+class _Slot:
+    gen: str
+    answer: _Answer | None = None
+
+
+@dataclass
+class Round:
+    step: int
+    fragment: int
+    attempt: int
+    base_version: int
+    launched_at: float
+    deadline: float
+    quorum: int
+    slots: dict[str, _Slot]
+    seq: int = 0
+    quorum_at: float | None = None
+    grace_s: float | None = None
+    complete_at: float | None = None
+    merge: Merge | None = None
+
+    @property
+    def accepting(self) -> bool:
+        return self.complete_at is None
+
+    @property
+    def answered(self) -> int:
+        return sum(1 for s in self.slots.values() if s.answer is not None)
+
+    def members(self) -> list[dict]:
+        return [{"island": i, "gen": self.slots[i].gen} for i in sorted(self.slots)]
+
+    def responded(self) -> list[dict]:
+        return [{"island": i, "gen": s.answer.gen} for i, s in sorted(self.slots.items()) if s.answer]
+
+    def pull(self) -> dict:
+        return {
+            "fragment": self.fragment, "step": self.step, "attempt": self.attempt, "seq": self.seq,
+            "base_version": self.base_version, "members": self.members(),
+        }
+
+
+@dataclass
+class _Final:
+    final_step: int
+    started_at: float
+    targets: dict[str, str]           # island -> gen sent the cut
+    acked: set[str] = field(default_factory=set)
+
+
+def _default_builder() -> Callable[..., dict]:
+    from schemas.layout import build_session  # lazily: the machine is testable without it
+    return build_session
+
+
+# ---- the machine ----------------------------------------------------------------------------------
+
+class RoundMachine:
+    """See the module docstring. Feed events with `handle`, carry out the returned actions in order."""
+
+    def __init__(self, config: SyncerConfig, *, session_builder: Callable[..., dict] | None = None):
+        self.config = config
+        self.counters: Counter[str] = Counter()
+        self._builder = session_builder
+        self.phase = "pinning"
+        self.session: dict | None = None
+        self.init_island: str | None = None
+        self._layout_fp: str | None = None
+        self.members: dict[str, Member] = {}
+        self._queued: dict[str, Hello] = {}
+        self._initialized: set[int] = set()
+        self.versions: dict[int, int] = {}
+        self.committed_step = 0
+        self._next_step = 1
+        self.rounds: dict[int, Round] = {}          # in flight (launched, not yet committed), by step
+        self._merging: int | None = None
+        self._last_launch_at: float | None = None
+        self._last_sync_s = 0.0
+        self._min_attempts: dict[int, int] = {}
+        self._final: _Final | None = None
+        self._now = -math.inf
+        self._out: list[Action] = []
+
+    # -- public ------------------------------------------------------------------------------------
+
+    @classmethod
+    def restore(
+        cls,
+        config: SyncerConfig,
+        session: Mapping[str, Any],
+        versions: Mapping[Any, int],
+        committed_step: int,
+        members: Mapping[str, Mapping[str, Any]],
+        *,
+        now: float,
+        min_attempts: Mapping[int, int] | None = None,
+        session_builder: Callable[..., dict] | None = None,
+    ) -> "RoundMachine":
+        """A machine that continues a run (`--resume`) from `committed_step` + 1 with `versions`
+        (fragment -> committed version; JSON string keys accepted) and the members KV records.
+        No version 0 again. Restored members count as heard from at `now` (each gets a full
+        member_timeout_s to heartbeat). `min_attempts` (step -> lowest attempt) lets the shell make a
+        relaunched round use an attempt above the ones already published for that step before the
+        restart (e.g. the last pull per step in CTL + 1), so no pull id is reused with other members.
+        Feed a Tick(now) right after: it launches rounds, or finalizes if every step is committed.
+        """
+        cfg = config
+        frags = session.get("fragments")
+        if not isinstance(frags, Sequence) or len(frags) != cfg.fragments:
+            raise ValueError(f"--fragments {cfg.fragments} does not match the session's "
+                             f"{len(frags) if isinstance(frags, Sequence) else frags!r} fragments")
+        for key, flag in (("push_dtype", "--push-dtype"), ("bulk_dtype", "--bulk-dtype"), ("sync_every", "--sync-every")):
+            if key in session and session[key] != getattr(cfg, key):
+                raise ValueError(f"{flag} {getattr(cfg, key)!r} does not match the session's {key} {session[key]!r}")
+        vers = {int(k): int(v) for k, v in versions.items()}
+        if sorted(vers) != list(range(cfg.fragments)) or any(v < 0 for v in vers.values()):
+            raise ValueError(f"versions must give a version >= 0 for every fragment 0..{cfg.fragments - 1}, got {dict(versions)!r}")
+        if not (0 <= committed_step <= cfg.total_steps):
+            raise ValueError(f"committed step {committed_step} outside 0..--total-steps {cfg.total_steps}")
+        m = cls(cfg, session_builder=session_builder)
+        m.session = dict(session)
+        m.init_island = session.get("init_island")
+        m._layout_fp = session["layout_fingerprint"]
+        m._initialized = set(range(cfg.fragments))
+        m.versions = vers
+        m.committed_step = committed_step
+        m._next_step = committed_step + 1
+        m._now = now
+        m._last_launch_at = now
+        m._min_attempts = {int(k): int(v) for k, v in (min_attempts or {}).items()}
+        for island, rec in sorted(members.items()):
+            fp = rec.get("layout_fingerprint", m._layout_fp)
+            if fp != m._layout_fp:
+                raise ValueError(f"member {island!r} has layout_fingerprint {fp!r}, the session {m._layout_fp!r}")
+            last = int(rec.get("last_step", 0))
+            m.members[island] = Member(
+                island=island, gen=str(rec["gen"]), layout_fingerprint=fp,
+                admitted_at=float(rec.get("admitted_at", now)), last_heartbeat=now,
+                live=bool(rec.get("live", True)), reported_step=last, reported_at=now,
+                ref_step=committed_step, ref_local=float(last),
+            )
+        m.phase = "running"
+        return m
+
+    def handle(self, event: Event) -> list[Action]:
+        if self.phase == "done":
+            self.counters["ignored.after_done"] += 1
+            return []
+        now = max(float(event.now), self._now)
+        handler = self._HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"unknown event {type(event).__name__}")
+        self._out = []
+        handler(self, event, now)   # may raise on a shell contract violation, before any change
+        self._now = now
+        self._pump(now)
+        out, self._out = self._out, []
+        return out
+
+    def next_wakeup(self) -> float | None:
+        """The earliest time at which a Tick would change something (None: nothing pending)."""
+        cfg, cands = self.config, []
+        if self.phase == "done":
+            return None
+        for m in self.members.values():
+            if m.live:
+                cands.append(m.last_heartbeat + cfg.member_timeout_s)
+        for r in self.rounds.values():
+            if r.accepting:
+                cands.append(r.deadline)
+                if not cfg.strict and r.quorum_at is not None:
+                    cands.append(r.quorum_at + r.grace_s)
+        cap = self._can_launch_now() if self.phase == "running" and not cfg.strict else None
+        if cap is not None:
+            cands.append(self._launch_time(*cap))
+        if self._final is not None:
+            cands.append(self._final.started_at + cfg.final_timeout_s)
+        cands = [c for c in cands if math.isfinite(c)]
+        return min(cands) if cands else None
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    # -- helpers for actions -----------------------------------------------------------------------
+
+    def _emit(self, action: Action) -> None:
+        self._out.append(action)
+
+    def _tape(self, kind: str, now: float, **fields: Any) -> None:
+        self._emit(Tape({"kind": kind, "t": now, **{k: v for k, v in fields.items() if v is not None}}))
+
+    def _write_member(self, m: Member) -> None:
+        self._emit(WriteMember(m.island, m.record()))
+
+    def _reject(self, island: str, gen: str, code: str, message: str, now: float, *,
+                fatal: bool, field: str | None = None) -> None:
+        self.counters[f"rejected.{code}"] += 1
+        self._emit(SendError(island, gen, code, message, fatal, field))
+        self._tape("error", now, island=island, gen=gen, reason=f"{code}: {message}")
+
+    def _live(self) -> list[Member]:
+        return [self.members[i] for i in sorted(self.members) if self.members[i].live]
+
+    # -- hello, session, members -------------------------------------------------------------------
+
+    def _on_hello(self, ev: Hello, now: float) -> None:
+        cfg = self.config
+        m = self.members.get(ev.island)
+        if m is not None and ev.gen in m.retired_gens:
+            self.counters["ignored.hello_stale_gen"] += 1
+            return
+        if m is not None and ev.gen == m.gen:
+            self.counters["ignored.hello_duplicate"] += 1
+            return
+        for key, flag in (("push_dtype", "--push-dtype"), ("bulk_dtype", "--bulk-dtype")):
+            asked = getattr(ev, key)
+            if asked != "auto" and asked != getattr(cfg, key):
+                self._reject(ev.island, ev.gen, "dtype_mismatch",
+                             f"hello asks {key} {asked!r}, the session uses {getattr(cfg, key)!r} ({flag})",
+                             now, fatal=True, field=key)
+                return
+        if self.phase == "finalizing" and m is None:
+            self._reject(ev.island, ev.gen, "run_finishing",
+                         f"run is finalizing at step {self._final.final_step}; no rounds left to join",
+                         now, fatal=True)
+            return
+        if self.session is None:
+            if cfg.init_island is not None and ev.island != cfg.init_island:
+                self._queued[ev.island] = ev      # a newer generation replaces the queued one
+                self.counters["hello.queued"] += 1
+                return
+            if self._pin(ev, now):
+                self._admit(ev, now)
+                queued, self._queued = self._queued, {}
+                for q in queued.values():
+                    self._on_hello(q, now)
+            return
+        if ev.layout_fingerprint != self._layout_fp:
+            self._reject(ev.island, ev.gen, "layout_mismatch",
+                         f"layout_fingerprint {ev.layout_fingerprint} differs from the session's {self._layout_fp}",
+                         now, fatal=True, field="layout_fingerprint")
+            return
+        if m is None:
+            self._admit(ev, now)
+        else:
+            self._new_generation(m, ev, now)
+
+    def _pin(self, ev: Hello, now: float) -> bool:
+        cfg = self.config
+        builder = self._builder or _default_builder()
+        try:
+            session = builder(
+                list(ev.layout), cfg.fragments, run=cfg.run, push_dtype=cfg.push_dtype,
+                bulk_dtype=cfg.bulk_dtype, chunk_bytes=cfg.chunk_bytes, init_island=ev.island,
+                sync_every=cfg.sync_every, created=now,
+            )
+        except ValueError as exc:  # WireError is a ValueError: a layout the builder cannot use
+            code = getattr(exc, "code", "bad_layout")
+            code = "bad_layout" if code in (None, "invalid") else code
+            self._reject(ev.island, ev.gen, code, f"layout refused: {exc}", now, fatal=True,
+                         field=getattr(exc, "field", None) or "layout")
+            return False
+        fp = session.get("layout_fingerprint", ev.layout_fingerprint)
+        if fp != ev.layout_fingerprint:
+            self._reject(ev.island, ev.gen, "layout_mismatch",
+                         f"layout_fingerprint {ev.layout_fingerprint} is not the layout's fingerprint {fp}",
+                         now, fatal=True, field="layout_fingerprint")
+            return False
+        if len(session.get("fragments", ())) != cfg.fragments:
+            self._reject(ev.island, ev.gen, "bad_layout",
+                         f"layout gives {len(session.get('fragments', ()))} fragments, --fragments is {cfg.fragments}",
+                         now, fatal=True, field="layout")
+            return False
+        self.session = session
+        self.init_island = ev.island
+        self._layout_fp = fp
+        self.phase = "init"
+        self._emit(WriteSession(session))
+        self._tape("session", now, island=ev.island, gen=ev.gen,
+                   reason=f"session pinned by {ev.island}, the INIT island",
+                   detail={"session_fingerprint": session.get("session_fingerprint"), "layout_fingerprint": fp})
+        return True
+
+    def _admit(self, ev: Hello, now: float) -> None:
+        m = Member(island=ev.island, gen=ev.gen, layout_fingerprint=ev.layout_fingerprint,
+                   admitted_at=now, last_heartbeat=now, reported_at=now)
+        if self.phase in ("running", "finalizing"):
+            m.ref_step, m.ref_local = self._next_step - 1, 0.0
+        self.members[ev.island] = m
+        self.counters["join"] += 1
+        self._write_member(m)
+        self._tape("join", now, island=ev.island, gen=ev.gen, reason="admitted")
+
+    def _new_generation(self, m: Member, ev: Hello, now: float) -> None:
+        old = m.gen
+        m.retired_gens.add(old)
+        m.gen, m.live = ev.gen, True
+        m.admitted_at = m.last_heartbeat = m.reported_at = now
+        m.reported_step, m._hb_step, m._hb_at = 0, None, None   # local steps restart with the process
+        if self.phase in ("running", "finalizing"):
+            m.ref_step, m.ref_local = self._next_step - 1, 0.0
+        self.counters["join.new_gen"] += 1
+        self._write_member(m)
+        self._tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
+        # rebind unanswered slots; an answered slot keeps the old generation's accepted push
+        for step in sorted(self.rounds):
+            r = self.rounds[step]
+            slot = r.slots.get(m.island)
+            if r.accepting and slot is not None and slot.answer is None and slot.gen != m.gen:
+                slot.gen = m.gen
+                r.seq += 1
+                self.counters["pull.rebound"] += 1
+                self._emit(PublishPull(r.pull()))
+        f = self._final
+        if f is not None and m.island in f.targets and m.island not in f.acked:
+            f.targets[m.island] = m.gen
+            self._emit(Finalize(f.final_step, dict(self.versions), ((m.island, m.gen),)))
+
+    def _on_heartbeat(self, ev: Heartbeat, now: float) -> None:
+        m = self.members.get(ev.island)
+        if m is None:
+            self.counters["ignored.heartbeat_unknown"] += 1
+            return
+        if ev.gen != m.gen:
+            self.counters["ignored.heartbeat_stale_gen"] += 1
+            return
+        m.last_heartbeat = now
+        m.observe_heartbeat(int(ev.local_step), ev.step_time_s, now)
+        if not m.live:
+            m.live = True
+            self.counters["join.resumed"] += 1
+            self._tape("join", now, island=m.island, gen=m.gen, reason="heartbeat resumed")
+        self._write_member(m)
+
+    # -- INIT and version 0 ------------------------------------------------------------------------
+
+    def _on_init(self, ev: InitComplete, now: float) -> None:
+        if self.session is None or ev.island != self.init_island:
+            self._reject(ev.island, ev.gen, "not_init_island",
+                         f"INIT data is taken only from the INIT island {self.init_island!r}",
+                         now, fatal=False, field="island")
+            return
+        if ev.gen != self.members[ev.island].gen:
+            self.counters["ignored.init_stale_gen"] += 1
+            self._tape("error", now, island=ev.island, gen=ev.gen, fragment=ev.fragment,
+                       reason="INIT of fragment from a stale generation ignored")
+            return
+        if self.phase != "init":
+            self.counters["ignored.init_late"] += 1
+            return
+        if not 0 <= ev.fragment < self.config.fragments:
+            self._reject(ev.island, ev.gen, "bad_fragment",
+                         f"fragment {ev.fragment} outside 0..{self.config.fragments - 1}", now,
+                         fatal=False, field="fragment")
+            return
+        if ev.fragment in self._initialized:
+            self.counters["ignored.init_duplicate"] += 1
+            return
+        self._initialized.add(ev.fragment)
+        self.counters["init.fragment"] += 1
+
+    def _on_v0_done(self, ev: V0Done, now: float) -> None:
+        if self.phase != "committing_v0":
+            raise ValueError(f"V0Done in phase {self.phase!r}: no CommitV0 outstanding")
+        self.versions = {f: 0 for f in range(self.config.fragments)}
+        self.phase = "running"
+        self._last_launch_at = now
+        for m in self.members.values():
+            m.ref_step, m.ref_local = 0, m.est_local(now)
+        self._tape("session", now, reason="version 0 committed", detail={"versions": dict(self.versions)})
+
+    # -- pushes ------------------------------------------------------------------------------------
+
+    def _on_push(self, ev: PushComplete, now: float) -> None:
+        m = self.members.get(ev.island)
+        if m is not None and ev.gen == m.gen:
+            m.observe_push(int(ev.local_step), now)
+        r = self.rounds.get(ev.step)
+        current = self.versions.get(ev.fragment)
+        disposition, reason = None, None
+        if r is None:
+            disposition, reason = "out_of_round", f"no round in flight for step {ev.step}"
+        elif r.fragment != ev.fragment:
+            disposition, reason = "out_of_round", f"step {ev.step} targets fragment {r.fragment}, not {ev.fragment}"
+        elif r.attempt != ev.attempt:
+            disposition, reason = "out_of_round", f"stale attempt {ev.attempt} (current {r.attempt})"
+        elif not r.accepting:
+            disposition, reason = "out_of_round", "round already complete"
+        else:
+            slot = r.slots.get(ev.island)
+            if slot is None:
+                disposition, reason = "unexpected_member", "island not expected in this round"
+            elif slot.gen != ev.gen:
+                disposition, reason = "unexpected_member", f"generation {ev.gen} does not hold this slot ({slot.gen} does)"
+            elif slot.answer is not None:
+                disposition, reason = "duplicate", f"first valid push wins (try {slot.answer.try_} accepted)"
+            elif not ev.valid:
+                disposition, reason = "invalid", ev.reason or "invalid push"
+            elif ev.base_version > current:
+                disposition, reason = "future_base", f"base_version {ev.base_version} > current version {current}"
+            elif current - ev.base_version > self.config.max_base_lag:
+                disposition, reason = "stale_base", (f"base_version {ev.base_version} lags current version "
+                                                     f"{current} by more than {self.config.max_base_lag}")
+            else:
+                disposition = "accepted"
+                slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens)
+                if r.quorum_at is None and r.answered >= r.quorum:
+                    self._reach_quorum(r, now)
+        self.counters[f"disposition.{disposition}"] += 1
+        staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
+        self._tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
+                   gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
+                   detail={"staleness": staleness, "local_step": ev.local_step}, **{"try": ev.try_})
+        if disposition != "accepted" and not self._is_pending_merge_input(ev):
+            self._emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
+
+    def _is_pending_merge_input(self, ev: PushComplete) -> bool:
+        # a re-delivered copy of an accepted push has the same identity as the one the merge reads
+        r = self.rounds.get(ev.step)
+        if r is None or r.fragment != ev.fragment or r.attempt != ev.attempt:
+            return False
+        slot = r.slots.get(ev.island)
+        return slot is not None and slot.answer is not None and (slot.answer.gen, slot.answer.try_) == (ev.gen, ev.try_)
+
+    def _reach_quorum(self, r: Round, now: float) -> None:
+        cfg = self.config
+        r.quorum_at = now
+        times = [self.members[i].ema_step_s for i in r.slots if i in self.members and self.members[i].ema_step_s]
+        step_time = max(times) if times else 0.0
+        raw = cfg.grace_gamma * (cfg.tau * step_time - (now - r.launched_at) - self._last_sync_s)
+        r.grace_s = min(max(raw, 0.0), cfg.grace_ms / 1000.0)
+
+    # -- merges ------------------------------------------------------------------------------------
+
+    def _complete(self, r: Round, now: float) -> None:
+        r.complete_at = now
+        answers = [(i, s.answer) for i, s in sorted(r.slots.items()) if s.answer is not None]
+        weights = weights_for([a.c_tokens for _, a in answers], self.config.equal_weights)
+        inputs = tuple(
+            MergeInput(island=i, gen=a.gen, weight=w, try_=a.try_, c_tokens=a.c_tokens, c_steps=a.c_steps,
+                       base_version=a.base_version, local_step=a.local_step)
+            for (i, a), w in zip(answers, weights)
+        )
+        r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt,
+                        version=self.versions[r.fragment] + 1, base_version=r.base_version, members=inputs)
+
+    def _on_merge_done(self, ev: MergeDone, now: float) -> None:
+        r = self.rounds.get(ev.step)
+        if self._merging is None or ev.step != self._merging or r is None:
+            raise ValueError(f"MergeDone for step {ev.step} but the outstanding merge is step {self._merging}")
+        if ev.fragment != r.fragment or ev.version != r.merge.version:
+            raise ValueError(f"MergeDone(step {ev.step}, fragment {ev.fragment}, version {ev.version}) does not match "
+                             f"Merge(fragment {r.fragment}, version {r.merge.version})")
+        del self.rounds[ev.step]
+        self._merging = None
+        self.versions[r.fragment] = ev.version
+        self.committed_step = ev.step
+        self._last_sync_s = max(0.0, float(ev.sync_s))
+        self.counters["merge"] += 1
+        mg = r.merge
+        self._tape(
+            "merge", now, step=r.step, fragment=r.fragment, attempt=r.attempt, base_version=r.base_version,
+            version=ev.version, expected=r.members(), responded=r.responded(), quorum=r.quorum,
+            staleness={mi.island: r.base_version - mi.base_version for mi in mg.members},
+            weights=self._raw_weights(mg.members),
+            quorum_s=(r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
+            grace_s=r.grace_s, sync_s=max(0.0, now - r.launched_at),
+            detail={"merge_s": self._last_sync_s, "normalized_weights": {mi.island: mi.weight for mi in mg.members}},
+        )
+
+    def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:
+        # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
+        equal = self.config.equal_weights or all(mi.c_tokens == 0 for mi in inputs)
+        return {mi.island: (1.0 if equal else mi.c_tokens) for mi in inputs}
+
+    # -- finalization ------------------------------------------------------------------------------
+
+    def _start_final(self, now: float) -> None:
+        targets = {m.island: m.gen for m in self._live()}
+        self._final = _Final(final_step=self.committed_step, started_at=now, targets=targets)
+        self.phase = "finalizing"
+        self._emit(Finalize(self.committed_step, dict(self.versions), tuple(sorted(targets.items()))))
+        self._tape("final", now, step=self.committed_step, reason="final cut published",
+                   detail={"versions": {str(k): v for k, v in self.versions.items()},
+                           "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
+        if not targets:
+            self._finish(True, now)
+
+    def _on_final_ack(self, ev: FinalAck, now: float) -> None:
+        f = self._final
+        if f is None or f.targets.get(ev.island) != ev.gen or ev.final_step != f.final_step:
+            self.counters["rejected.final_ack"] += 1
+            self._tape("error", now, island=ev.island, gen=ev.gen,
+                       reason=f"final ack for step {ev.final_step} ignored: not a target of the final cut")
+            return
+        f.acked.add(ev.island)
+        self.counters["final.ack"] += 1
+        if f.acked == set(f.targets):
+            self._finish(True, now)
+
+    def _finish(self, ok: bool, now: float) -> None:
+        f = self._final
+        for island in sorted(f.acked):
+            self._emit(Shutdown(island, f.targets[island], "final"))
+        missing = tuple(sorted(set(f.targets) - f.acked))
+        self._tape("final", now, step=f.final_step,
+                   reason="all targets acked" if ok else f"final timeout: no ack from {', '.join(missing)}")
+        self._emit(Done(ok, missing))
+        self.phase = "done"
+
+    # -- time-driven -------------------------------------------------------------------------------
+
+    def _pump(self, now: float) -> None:
+        cfg = self.config
+        if self.phase == "done":
+            return
+        for m in self._live():
+            if now - m.last_heartbeat >= cfg.member_timeout_s:
+                m.live = False
+                self.counters["leave"] += 1
+                self._write_member(m)
+                self._tape("leave", now, island=m.island, gen=m.gen,
+                           reason=f"no heartbeat for {now - m.last_heartbeat:.1f}s")
+        if self.phase == "init" and len(self._initialized) == cfg.fragments and len(self._live()) >= cfg.islands:
+            self.phase = "committing_v0"
+            self._emit(CommitV0(tuple(range(cfg.fragments))))
+        for step in sorted(self.rounds):
+            r = self.rounds[step]
+            if r.accepting:
+                self._check_round(r, now)
+        self._emit_merge()
+        if self.phase == "running" and self.committed_step >= cfg.total_steps:
+            self._start_final(now)          # after the last MergeDone, or at once after restore
+        if self.phase == "running":
+            self._launch(now)
+        if self._final is not None and self.phase == "finalizing" and now - self._final.started_at >= cfg.final_timeout_s:
+            self._finish(False, now)
+
+    def _check_round(self, r: Round, now: float) -> None:
+        cfg = self.config
+        if r.answered == len(r.slots):
+            self._complete(r, now)
+        elif not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s:
+            self._complete(r, now)
+        elif now >= r.deadline and (cfg.strict or r.quorum_at is None):
+            self.counters["quorum_timeout"] += 1
+            if cfg.strict:
+                r.deadline = now + cfg.quorum_timeout_s
+                self._tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
+                           reason=f"quorum_timeout (strict: attempt stands): {r.answered}/{len(r.slots)} answered")
+            else:
+                self._restart(r, now)
+
+    def _restart(self, r: Round, now: float) -> None:
+        cfg = self.config
+        live = self._live()
+        old_responded, old_attempt = r.responded(), r.attempt
+        if not live:
+            r.deadline = now + cfg.quorum_timeout_s
+            self._tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
+                       reason="deadline passed below quorum and no member is live: attempt stands")
+            return
+        for island, slot in sorted(r.slots.items()):
+            if slot.answer is not None:
+                self._emit(Release(island, slot.answer.gen, r.step, r.fragment, old_attempt, slot.answer.try_, "restart"))
+        r.attempt += 1
+        r.seq = 0
+        r.slots = {m.island: _Slot(m.gen) for m in live}
+        r.quorum = self._quorum_for(len(live))
+        r.launched_at = now
+        r.deadline = now + cfg.quorum_timeout_s
+        r.quorum_at = r.grace_s = None
+        self.counters["restart"] += 1
+        self._emit(PublishPull(r.pull()))
+        self._tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
+                   base_version=r.base_version, expected=r.members(), responded=old_responded, quorum=r.quorum,
+                   reason=f"deadline passed below quorum: {len(old_responded)} of {r.quorum} needed answered attempt {old_attempt}")
+
+    def _quorum_for(self, expected: int) -> int:
+        k = self.config.quorum if self.config.quorum is not None else expected
+        return max(1, min(k, expected))
+
+    def _emit_merge(self) -> None:
+        if self._merging is not None or not self.rounds:
+            return
+        r = self.rounds[min(self.rounds)]
+        if not r.accepting:
+            self._merging = r.step
+            self._emit(r.merge)
+
+    def _can_launch_now(self) -> tuple[int, list[Member]] | None:
+        """(step, live members) if capacity allows launching the next round; pacing aside."""
+        cfg = self.config
+        t = self._next_step
+        if t > cfg.total_steps or len(self.rounds) >= cfg.pipeline:
+            return None
+        if any(r.fragment == cfg.fragment_of(t) for r in self.rounds.values()):
+            return None
+        live = self._live()
+        return (t, live) if live else None
+
+    def _launch_time(self, t: int, live: list[Member]) -> float:
+        """Earliest time the pacing rules allow round t (outside strict mode)."""
+        cfg = self.config
+        spr = cfg.steps_per_round
+        emas = [m.ema_step_s for m in live if m.ema_step_s]
+        by_time = self._last_launch_at + spr * max(emas) if emas else math.inf
+        by_progress = -math.inf
+        for m in live:
+            due = m.ref_local + (t - m.ref_step) * spr - cfg.launch_lead_steps
+            if m.reported_step >= due:
+                continue
+            if not m.ema_step_s:
+                by_progress = math.inf
+                break
+            by_progress = max(by_progress, m.reported_at + (due - m.reported_step) * m.ema_step_s)
+        return min(by_time, by_progress)
+
+    def _launch(self, now: float) -> None:
+        cfg = self.config
+        while (cap := self._can_launch_now()) is not None:
+            t, live = cap
+            if not cfg.strict and now < self._launch_time(t, live):
+                return
+            frag = cfg.fragment_of(t)
+            attempt = max(FIRST_ATTEMPT, self._min_attempts.get(t, FIRST_ATTEMPT))
+            r = Round(step=t, fragment=frag, attempt=attempt, base_version=self.versions[frag],
+                      launched_at=now, deadline=now + cfg.quorum_timeout_s, quorum=self._quorum_for(len(live)),
+                      slots={m.island: _Slot(m.gen) for m in live})
+            self.rounds[t] = r
+            self._next_step += 1
+            self._last_launch_at = now
+            self.counters["launch"] += 1
+            self._emit(PublishPull(r.pull()))
+
+    _HANDLERS: dict[type, Callable[["RoundMachine", Any, float], None]] = {
+        Hello: _on_hello,
+        InitComplete: _on_init,
+        PushComplete: _on_push,
+        Heartbeat: _on_heartbeat,
+        MergeDone: _on_merge_done,
+        V0Done: _on_v0_done,
+        Tick: lambda self, ev, now: None,
+        FinalAck: _on_final_ack,
+    }

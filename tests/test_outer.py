@@ -1,0 +1,127 @@
+"""The outer optimizer against torch.optim.SGD(nesterov=True) as the independent reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.syncer.outer import outer_step_, weights_for
+
+
+def _reference_grad(deltas: list[torch.Tensor], tokens: list[float]) -> torch.Tensor:
+    # Independent of outer_step_'s accumulation: float64 weighted mean, negated, rounded once to f32.
+    stacked = torch.stack([d.double() for d in deltas])
+    w = torch.tensor(tokens, dtype=torch.float64)
+    return (-(w[:, None] * stacked).sum(0) / w.sum()).float()
+
+
+def _random_bounds(n: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    cuts = sorted(set(torch.randint(1, n, (7,), generator=gen).tolist()))
+    edges = [0, *cuts, n]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+@pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (1.0, 0.0), (0.35, 0.5)])
+def test_matches_sgd_nesterov_chunkwise_over_many_rounds(lr: float, mu: float) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    n, members, rounds = 1031, 3, 50
+    theta0 = torch.randn(n, generator=gen)
+    ours, buf = theta0.clone(), torch.zeros(n)
+    ref_param = torch.nn.Parameter(theta0.clone())
+    # SGD refuses nesterov without momentum; with μ = 0 Nesterov is plain SGD
+    sgd = torch.optim.SGD([ref_param], lr=lr, momentum=mu, nesterov=mu > 0)
+    scratch = torch.empty(600)  # larger than any chunk: the shell reuses one scratch buffer
+    for _ in range(rounds):
+        deltas = [torch.randn(n, generator=gen) * 0.01 for _ in range(members)]
+        tokens = [float(t) for t in torch.randint(1, 10_000, (members,), generator=gen).tolist()]
+        w = weights_for(tokens, equal_weights=False)
+        for a, b in _random_bounds(n, gen):
+            chunk = [d[a:b] for d in deltas]
+            # scratch only fits chunks up to 600 elements; bigger ones allocate their own
+            outer_step_(ours[a:b], buf[a:b], chunk, w, lr, mu, out=scratch if b - a <= 600 else None)
+        ref_param.grad = _reference_grad(deltas, tokens)
+        sgd.step()
+    torch.testing.assert_close(ours, ref_param.detach(), rtol=1e-6, atol=1e-6)
+    if mu:
+        torch.testing.assert_close(buf, sgd.state[ref_param]["momentum_buffer"], rtol=1e-5, atol=1e-7)
+    # the run moved the parameters far beyond the tolerance, so the comparison is not vacuous
+    assert (ours - theta0).abs().max() > 1e-3
+
+
+def test_chunking_changes_no_bit() -> None:
+    gen = torch.Generator().manual_seed(7)
+    n = 777
+    deltas = [torch.randn(n, generator=gen) for _ in range(4)]
+    w = [3.0, 1.0, 0.0, 2.5]
+    whole_p, whole_m = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    chunk_p, chunk_m = whole_p.clone(), whole_m.clone()
+    outer_step_(whole_p, whole_m, deltas, w, 0.7, 0.9)
+    for a, b in _random_bounds(n, gen):
+        outer_step_(chunk_p[a:b], chunk_m[a:b], [d[a:b] for d in deltas], w, 0.7, 0.9)
+    assert torch.equal(whole_p, chunk_p) and torch.equal(whole_m, chunk_m)
+
+
+def test_sign_every_island_moves_up_so_the_global_value_moves_up() -> None:
+    # d = local - anchor = +1 on every island: the outer gradient is -1 and Θ must increase.
+    n = 16
+    theta = torch.zeros(n)
+    buf = torch.zeros(n)
+    deltas = [torch.ones(n) for _ in range(4)]
+    lr, mu = 0.5, 0.5  # exact in binary, so the first move is exactly lr·(1+μ) = 0.75
+    outer_step_(theta, buf, deltas, weights_for([10, 20, 30, 4], False), lr, mu)
+    assert torch.equal(theta, torch.full((n,), 0.75))
+    assert torch.equal(buf, torch.full((n,), -1.0))
+    # and with a non-binary lr/μ the first move is lr·(1+μ) to f32 rounding, still upward
+    theta2, buf2 = torch.zeros(n), torch.zeros(n)
+    outer_step_(theta2, buf2, [torch.ones(n)] * 3, [1, 1, 1], 0.7, 0.9)
+    torch.testing.assert_close(theta2, torch.full((n,), 0.7 * 1.9), rtol=2e-7, atol=0)
+    # a second identical round keeps moving up, faster (momentum)
+    before = theta2.clone()
+    outer_step_(theta2, buf2, [torch.ones(n)] * 3, [1, 1, 1], 0.7, 0.9)
+    assert bool(((theta2 - before) > 0.7 * 1.9).all())
+
+
+def test_lr1_mu0_lands_on_the_weighted_mean() -> None:
+    anchor = torch.tensor([1.0, -2.0, 0.5])
+    locals_ = [anchor + torch.tensor([1.0, 0.0, 2.0]), anchor + torch.tensor([-3.0, 4.0, 2.0])]
+    theta, buf = anchor.clone(), torch.zeros(3)
+    outer_step_(theta, buf, [x - anchor for x in locals_], [3.0, 1.0], 1.0, 0.0)
+    expected = (3 * locals_[0] + locals_[1]) / 4
+    torch.testing.assert_close(theta, expected, rtol=0, atol=1e-6)
+
+
+def test_bf16_deltas_are_upcast_exactly() -> None:
+    gen = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(100, generator=gen).bfloat16() for _ in range(3)]
+    p1, m1 = torch.randn(100, generator=gen), torch.zeros(100)
+    p2, m2 = p1.clone(), m1.clone()
+    outer_step_(p1, m1, deltas, [1, 2, 3], 0.7, 0.9)
+    outer_step_(p2, m2, [d.float() for d in deltas], [1, 2, 3], 0.7, 0.9)
+    assert torch.equal(p1, p2) and torch.equal(m1, m2)
+
+
+def test_weights() -> None:
+    assert weights_for([1, 3], False) == [0.25, 0.75]
+    assert weights_for([1, 3], True) == [0.5, 0.5]
+    # all-zero token counts fall back to equal weights instead of dividing by zero
+    assert weights_for([0, 0, 0, 0], False) == [0.25] * 4
+    assert weights_for([{"c_tokens": 2}, {"c_tokens": 6}], False) == [0.25, 0.75]
+    with pytest.raises(ValueError):
+        weights_for([], False)
+    with pytest.raises(ValueError):
+        weights_for([-1, 2], False)
+
+
+def test_refuses_bad_input() -> None:
+    p, m = torch.zeros(4), torch.zeros(4)
+    with pytest.raises(TypeError):
+        outer_step_(p.double(), m, [torch.zeros(4)], [1], 0.7, 0.9)
+    with pytest.raises(ValueError):
+        outer_step_(p, m, [torch.zeros(5)], [1], 0.7, 0.9)
+    with pytest.raises(ValueError):
+        outer_step_(p, m, [torch.zeros(4)], [1, 2], 0.7, 0.9)
+    with pytest.raises(ValueError):
+        outer_step_(p, m, [torch.zeros(4)], [0], 0.7, 0.9)
+    with pytest.raises(ValueError):
+        outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 1.0)
+    with pytest.raises(ValueError):
+        outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 0.9, out=torch.empty(3))
