@@ -1,0 +1,13 @@
+"""Model adapters: how the sync core reads and writes a model's synced parameters."""
+from .base import ModelAdapter, Shard, dtype_name, fragment_names, gather_fragment, scatter_fragment
+from .torch_module import TorchModuleAdapter
+
+__all__ = [
+    "ModelAdapter",
+    "Shard",
+    "TorchModuleAdapter",
+    "dtype_name",
+    "fragment_names",
+    "gather_fragment",
+    "scatter_fragment",
+]

@@ -1,0 +1,124 @@
+"""The model adapter interface: how the sync core sees a model's parameters (DESIGN §5, §6).
+
+An adapter lists the synced tensors as named *shards* with their global shapes, reads this rank's
+fp32 master piece of one, and writes values back into the master and the model parameter together
+(so they never drift apart). It is deliberately small: the plain-torch adapter implements it for an
+`nn.Module`; a megatron-core adapter will implement it over TP/PP/EP-sharded parameters and the
+distributed optimizer's fp32 shards, with `local_slices` saying which part of the global tensor this
+rank holds.
+
+`gather_fragment` / `scatter_fragment` move one session fragment between the model and a flat f32
+tensor in the fragment's layout order (the session record's `tensors` [{name, shape, offset, numel}]).
+They handle adapters whose shards are whole on this rank (every rank of a data-parallel island);
+sharded adapters need a collective gather, which is theirs to provide.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from schemas.errors import WireError
+from schemas.layout import canonical_layout
+
+TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def dtype_name(dtype: torch.dtype, name: str = "") -> str:
+    """The layout's name for a parameter dtype (float32, bfloat16, float16); others are refused."""
+    try:
+        return TORCH_DTYPES[dtype]
+    except KeyError:
+        raise WireError(f"parameter dtype must be one of {sorted(TORCH_DTYPES.values())}",
+                        field=f"param.{name}.dtype" if name else "dtype", value=str(dtype)) from None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One synced tensor as this rank sees it.
+
+    `global_shape`: the whole tensor's shape (what the layout and the session record list).
+    `dtype`: the model parameter's dtype name (the master copy is always fp32).
+    `local_slices`: the part of the global tensor this rank holds (one slice per dimension), or
+    None when it holds all of it.
+    `owner`: this rank is the one that reads for pushes and writes applied values for its replica
+    group (rank 0 of a data-parallel group); the others receive them through `sync_replicas`.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    local_slices: tuple[slice, ...] | None = None
+    owner: bool = True
+
+
+class ModelAdapter(ABC):
+    @abstractmethod
+    def shards(self) -> list[Shard]:
+        """The synced tensors (trainable only, each tied/shared tensor once), canonical order."""
+
+    @abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """This rank's fp32 master piece of `name` (may alias live memory: do not modify)."""
+
+    @abstractmethod
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Set this rank's piece of `name` (master and model parameter) to `value`."""
+
+    def sync_replicas(self, names: Iterable[str]) -> None:
+        """Collective over the replica group: make every replica's `names` equal to the owner's.
+        A single-replica adapter has nothing to do."""
+
+    def layout(self) -> list[dict]:
+        """[{name, shape, dtype}] in canonical order: what the hello message announces."""
+        return canonical_layout({"name": s.name, "shape": list(s.global_shape), "dtype": s.dtype}
+                                for s in self.shards())
+
+
+# ---- fragments ------------------------------------------------------------------------------------
+
+def fragment_names(frag: Mapping) -> list[str]:
+    return [t["name"] for t in frag["tensors"]]
+
+
+def _whole_shards(adapter: ModelAdapter, frag: Mapping) -> Iterable[tuple[dict, Shard]]:
+    by_name = {s.name: s for s in adapter.shards()}
+    for t in frag["tensors"]:
+        s = by_name.get(t["name"])
+        if s is None:
+            raise WireError("fragment tensor is not a synced tensor of this model", field="tensors.name",
+                            value=t["name"])
+        if list(s.global_shape) != list(t["shape"]):
+            raise WireError(f"model holds shape {list(s.global_shape)}", field=f"tensors.{t['name']}.shape",
+                            value=t["shape"])
+        if s.local_slices is not None:
+            raise NotImplementedError(f"{t['name']} is sharded on this rank: gather it with the adapter's collective")
+        yield t, s
+
+
+def _numel(frag: Mapping) -> int:
+    return max((t["offset"] + t["numel"] for t in frag["tensors"]), default=0)
+
+
+def gather_fragment(adapter: ModelAdapter, frag: Mapping, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fragment's values as one flat fp32 CPU tensor in layout order (a copy, read through the
+    adapter: the fp32 master where there is one)."""
+    n = frag.get("numel", _numel(frag))
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() != n:
+        raise WireError(f"out must be a 1-D float32 tensor of {n} values", field="out", value=tuple(out.shape))
+    for t, _ in _whole_shards(adapter, frag):
+        out[t["offset"] : t["offset"] + t["numel"]].copy_(adapter.read(t["name"]).reshape(-1))
+    return out
+
+
+def scatter_fragment(adapter: ModelAdapter, frag: Mapping, flat: torch.Tensor) -> None:
+    """Write a flat fp32 fragment (layout order) back through the adapter, tensor by tensor."""
+    n = frag.get("numel", _numel(frag))
+    if flat.dim() != 1 or flat.numel() != n:
+        raise WireError(f"expected a 1-D tensor of {n} values", field="flat", value=tuple(flat.shape))
+    for t, s in _whole_shards(adapter, frag):
+        adapter.write(t["name"], flat[t["offset"] : t["offset"] + t["numel"]].view(s.global_shape))

@@ -1,0 +1,302 @@
+"""The island's pending-pull ledger (DESIGN §5 take_ready_pulls) — pure logic, no I/O.
+
+The NATS thread feeds every pull it reads from the island's durable CTL consumer to `PullBook.offer`;
+at a step boundary the training loop asks `take_ready` which pulls to answer now, pushes them, and
+reports each push's outcome with `sent` (JetStream acknowledged every chunk) or `failed`.
+
+Rules, and why:
+
+* **Members.** A pull is answered only if its `members` name this island *with this process's
+  generation*. An entry naming this island with another generation is a slot bound to an earlier
+  process (or, once the syncer has rebound it, to a later one): it is never answered here.
+* **One live attempt per round.** A round is (fragment, step). For each round the book remembers the
+  newest (attempt, seq) it has seen, whoever it names. A pull older than that, or equal to it, is a
+  redelivery or a stale re-publication and is dropped. A newer *attempt* means the syncer restarted
+  the round and discarded its partial pushes, so it replaces whatever this island held for the round
+  (pending, in flight, or already pushed) — even when the new attempt does not name this island,
+  since a push for the old attempt would only be disposed of as "out of round".
+* **One copy per attempt.** A re-publication of the same attempt (seq + 1, sent when the syncer
+  rebinds a slot to a new generation) that still names this (island, gen) changes nothing: the copy
+  held keeps its state and its try counter, and a push already acknowledged is not sent again. If the
+  re-publication newly names this generation (our slot was just rebound to us) it becomes pending; if
+  it no longer names it (our slot was given to another generation of the island id) the held copy is
+  dropped.
+* **Generations across a restart** (the case the original design left open). A restarted learner is a
+  new process with a new generation and a fresh book, and its durable consumer `isl-I-<gen>` delivers
+  pulls from its admission on; the pulls it may see for a round it belonged to before the restart are
+  (a) the attempt still naming the old generation (published before the syncer noticed the restart):
+  it only raises the round's (attempt, seq) high-water mark and is not queued, so it cannot occupy the
+  round's slot; (b) the syncer's re-publication of that attempt with seq + 1 naming the new
+  generation: newer (attempt, seq), names us, queued; (c) a later attempt naming the new generation:
+  queued, replacing (b). A redelivered (a) after (b) or (c) is older than the high-water mark and
+  dropped. So a pull queued for an old generation never shadows the new one's pull of the same round.
+  Contract with the syncer: attempt numbers of a round only grow, also across a syncer restart (the
+  syncer must persist them or resume above the last one it may have published); otherwise a
+  re-launched attempt with a number this book has already seen is taken for a duplicate and ignored
+  until the round's deadline restarts it with a higher attempt.
+* **Supersession by commit.** A pull for round t of fragment F carries `base_version` b, the
+  version committed when the round was launched. The syncer never runs two rounds on one fragment at
+  once and commits them in order, so a version of F newer than b exists only once round t has
+  committed. The book therefore drops every round of F with base_version < v as soon as it learns that
+  version v of F exists: from `committed(F, v)` (the island applied v) or from a pull of F with
+  base_version v (that round's launch proves v was committed). Later copies of such pulls are dropped
+  on arrival.
+* **Readiness.** A pull waits while its fragment has no anchor or no local step since the anchor was
+  installed (`ready(fragment)` is False): the push d = local − anchor would be meaningless or zero.
+* **Tries.** A taken pull is in flight until `sent` (every chunk acknowledged: the round is done for
+  this island) or `failed` (it goes back to pending and the next push of it uses try + 1). A push is
+  recomputed from scratch for each try. Reports about an attempt or try the book no longer holds (it
+  was superseded meanwhile) are ignored and return False.
+* **Lockstep** (test mode): pass `max_step` to `take_ready` so a round is not answered before its due
+  local step; `max_due_step(local_step, H, P)` computes it, `due_round` names the round a boundary must
+  block on.
+
+Pull dicts are the decoded `pull` messages (schemas/json/pull.schema.json): fragment, step, attempt,
+seq, base_version, members [{island, gen}]. Validation of the wire form is the codec's job; the book
+only re-checks what it relies on, raising WireError naming the field.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from schemas.errors import WireError
+
+WAITING = "waiting"
+INFLIGHT = "inflight"
+DONE = "done"  # every chunk of a try acknowledged by JetStream
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPull:
+    """A pull to answer now. `try_` goes into the push's header (`try`) and its Nats-Msg-Ids.
+
+    `base_version` is the pull's (the version the syncer had when it launched the round); the push
+    carries the island's own anchor version instead."""
+
+    fragment: int
+    step: int
+    attempt: int
+    seq: int
+    base_version: int
+    try_: int
+
+
+@dataclass(slots=True)
+class _Round:
+    fragment: int
+    step: int
+    attempt: int  # newest attempt seen for this round, whoever it names
+    seq: int  # newest seq seen of that attempt
+    base_version: int
+    mine: bool  # the newest (attempt, seq) names this (island, gen)
+    state: str | None  # WAITING / INFLIGHT / DONE when mine, else None
+    try_: int = 0  # the in-flight try, or the next one to send
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """What the book knows of one round (for lockstep waits and logs)."""
+
+    fragment: int
+    step: int
+    attempt: int
+    seq: int
+    base_version: int
+    mine: bool
+    state: str | None
+    try_: int
+
+
+def _int_field(pull: Mapping, key: str, minimum: int) -> int:
+    value = pull.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WireError(f"pull field must be an integer >= {minimum}", field=key, value=value)
+    return value
+
+
+def _steps_per_round(sync_every: int, fragments: int) -> int:
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise WireError("must be a positive integer", field="fragments", value=fragments)
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1 or sync_every % fragments:
+        raise WireError(f"H must be a positive multiple of the fragment count {fragments}", field="sync_every",
+                        value=sync_every)
+    return sync_every // fragments
+
+
+def max_due_step(local_step: int, sync_every: int, fragments: int) -> int:
+    """The newest round due at or before `local_step` (round t is due at local step t·H/P); 0 if none."""
+    return local_step // _steps_per_round(sync_every, fragments)
+
+
+def due_round(local_step: int, sync_every: int, fragments: int) -> int | None:
+    """The round due exactly at `local_step` (the one a lockstep boundary blocks on), or None."""
+    per = _steps_per_round(sync_every, fragments)
+    if local_step < 1 or local_step % per:
+        return None
+    return local_step // per
+
+
+class PullBook:
+    """Pending pulls of one island process (island id + connection generation)."""
+
+    def __init__(self, island: str, gen: str, *, fragments: int | None = None):
+        self.island = island
+        self.gen = gen
+        # With the session's fragment count the book also checks that a pull's step targets its
+        # fragment ((t − 1) mod P), catching a syncer/learner disagreement on the session early.
+        self.fragments = fragments
+        self._rounds: dict[tuple[int, int], _Round] = {}
+        self._floor: dict[int, int] = {}  # fragment -> newest version known to exist
+        # Disposition counters (offer drops by reason, supersessions) for logs and the step log.
+        self.counts: Counter[str] = Counter()
+
+    # ---- intake ---------------------------------------------------------------------------------
+
+    def _names(self, members: Iterable) -> bool:
+        for i, m in enumerate(members):
+            if not isinstance(m, Mapping):
+                raise WireError("pull member must be an object", field=f"members.{i}", value=m)
+            if m.get("island") == self.island and m.get("gen") == self.gen:
+                return True
+        return False
+
+    def offer(self, pull: Mapping) -> bool:
+        """Take one pull from the wire. True when it became (or replaced) a pull this island must
+        answer; False when it was dropped (reason counted in `counts`) or is a copy already held."""
+        fragment = _int_field(pull, "fragment", 0)
+        step = _int_field(pull, "step", 1)
+        attempt = _int_field(pull, "attempt", 1)
+        seq = _int_field(pull, "seq", 0)
+        base = _int_field(pull, "base_version", 0)
+        members = pull.get("members")
+        if not isinstance(members, (list, tuple)):
+            raise WireError("pull members must be a list", field="members", value=members)
+        if self.fragments is not None:
+            if fragment >= self.fragments:
+                raise WireError(f"fragment must be below {self.fragments}", field="fragment", value=fragment)
+            if (step - 1) % self.fragments != fragment:
+                raise WireError(f"round {step} targets fragment {(step - 1) % self.fragments}", field="fragment",
+                                value=fragment)
+        mine = self._names(members)
+
+        # The launch of this round proves `base` is committed: older rounds of the fragment are done.
+        self._raise_floor(fragment, base)
+        if base < self._floor.get(fragment, -1):
+            self.counts["committed"] += 1
+            return False
+
+        key = (fragment, step)
+        r = self._rounds.get(key)
+        if r is not None and (attempt, seq) <= (r.attempt, r.seq):
+            self.counts["duplicate" if (attempt, seq) == (r.attempt, r.seq) else "stale"] += 1
+            return False
+
+        if r is not None and attempt == r.attempt:
+            # A re-publication of the attempt held (a slot was rebound).
+            r.seq = seq
+            if mine and r.mine:
+                self.counts["republished"] += 1
+                return False
+            if mine:
+                r.mine, r.state, r.try_ = True, WAITING, 0
+                return True
+            if r.mine:
+                self.counts["slot_lost"] += 1
+            r.mine, r.state = False, None
+            self.counts["not_member"] += 1
+            return False
+
+        if r is not None and r.mine and r.state != DONE:
+            self.counts["superseded_attempt"] += 1
+        self._rounds[key] = _Round(fragment, step, attempt, seq, base, mine, WAITING if mine else None)
+        if not mine:
+            self.counts["not_member"] += 1
+        return mine
+
+    # ---- supersession ---------------------------------------------------------------------------
+
+    def _raise_floor(self, fragment: int, version: int) -> None:
+        if version <= self._floor.get(fragment, -1):
+            return
+        self._floor[fragment] = version
+        for key in [k for k, r in self._rounds.items() if k[0] == fragment and r.base_version < version]:
+            r = self._rounds.pop(key)
+            if r.mine and r.state != DONE:
+                self.counts["superseded_commit"] += 1
+
+    def committed(self, fragment: int, version: int) -> int:
+        """The island holds version `version` of `fragment` (it applied a broadcast): every round of
+        the fragment launched on an older version has committed, so its pull is dropped. Returns the
+        number of unanswered pulls dropped."""
+        before = self.counts["superseded_commit"]
+        self._raise_floor(fragment, version)
+        return self.counts["superseded_commit"] - before
+
+    # ---- the boundary ---------------------------------------------------------------------------
+
+    def take_ready(self, ready: Callable[[int], bool], *, max_step: int | None = None) -> list[PendingPull]:
+        """Pulls to answer now, oldest round first; each moves to in flight with its try number.
+
+        `ready(fragment)`: the fragment has an anchor and at least one local step since it was
+        installed. `max_step` (lockstep): rounds after it are not due yet and wait."""
+        out = []
+        for r in sorted(self._rounds.values(), key=lambda r: (r.step, r.fragment)):
+            if not r.mine or r.state != WAITING:
+                continue
+            if max_step is not None and r.step > max_step:
+                continue
+            if not ready(r.fragment):
+                continue
+            r.state = INFLIGHT
+            out.append(PendingPull(r.fragment, r.step, r.attempt, r.seq, r.base_version, r.try_))
+        return out
+
+    def _inflight(self, fragment: int, step: int, attempt: int, try_: int) -> _Round | None:
+        r = self._rounds.get((fragment, step))
+        if r is None or not r.mine or r.state != INFLIGHT or r.attempt != attempt or r.try_ != try_:
+            return None
+        return r
+
+    def live(self, fragment: int, step: int, attempt: int, try_: int) -> bool:
+        """Whether this try is still the one in flight: a shell streaming a push's chunks can stop
+        early when a newer attempt or a commit superseded it."""
+        return self._inflight(fragment, step, attempt, try_) is not None
+
+    def sent(self, fragment: int, step: int, attempt: int, try_: int) -> bool:
+        """Every chunk of this try was acknowledged by JetStream: the round is answered."""
+        r = self._inflight(fragment, step, attempt, try_)
+        if r is None:
+            self.counts["late_report"] += 1
+            return False
+        r.state = DONE
+        return True
+
+    def failed(self, fragment: int, step: int, attempt: int, try_: int) -> bool:
+        """This try could not be delivered: the pull is pending again and its next push is try + 1."""
+        r = self._inflight(fragment, step, attempt, try_)
+        if r is None:
+            self.counts["late_report"] += 1
+            return False
+        r.state = WAITING
+        r.try_ += 1
+        self.counts["failed"] += 1
+        return True
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def pending(self) -> int:
+        """Pulls this island still owes (waiting or in flight), for the step log's `pending_pulls`."""
+        return sum(1 for r in self._rounds.values() if r.mine and r.state in (WAITING, INFLIGHT))
+
+    def record(self, fragment: int, step: int) -> RoundRecord | None:
+        """The round as the book knows it, or None (never seen, or dropped once committed)."""
+        r = self._rounds.get((fragment, step))
+        if r is None:
+            return None
+        return RoundRecord(r.fragment, r.step, r.attempt, r.seq, r.base_version, r.mine, r.state, r.try_)
+
+    def floor(self, fragment: int) -> int | None:
+        """The newest version of `fragment` the book knows to be committed."""
+        return self._floor.get(fragment)
