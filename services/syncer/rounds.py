@@ -781,7 +781,7 @@ class RoundMachine:
         self._last_launch_at = now
         for m in self.members.values():
             m.ref_step, m.ref_local = 0, m.est_local(now)
-        self._tape("session", now, reason="version 0 committed", detail={"versions": dict(self.versions)})
+        self._tape("session", now, reason="version 0 committed", detail={"versions": {str(k): v for k, v in self.versions.items()}})
 
     # -- pushes ------------------------------------------------------------------------------------
 

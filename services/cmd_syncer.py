@@ -1,0 +1,100 @@
+"""`yeto syncer`: the central syncer of a run (outer optimizer + round state machine)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from schemas.conn import ConnectOptions, add_connect_args
+
+
+def _env(name: str, default):
+    return os.environ.get(name, default)
+
+
+def _flag(parser, name: str, env: str, type_, default, help_: str, **kw):
+    parser.add_argument(name, type=type_, default=type_(_env(env, default)) if default is not None or env in os.environ else None,
+                        help=f"{help_} (env {env}; default %(default)s)", **kw)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "syncer", help="run the syncer of a run",
+        description="The central syncer: owns the global model split into fragments, runs streaming-DiLoCo rounds "
+                    "(pull, quorum, merge, f32 Nesterov outer step, durable commit, broadcast) and finalization.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_connect_args(p)
+    g = p.add_argument_group("run shape")
+    _flag(g, "--islands", "YETO_ISLANDS", int, 2, "islands admitted before version 0 is committed")
+    _flag(g, "--fragments", "YETO_FRAGMENTS", int, 1, "fragments P the model is split into (one round each, round-robin)")
+    _flag(g, "--sync-every", "YETO_SYNC_EVERY", int, 8, "H: inner steps between two syncs of one fragment (a multiple of P); round t is due at local step t*H/P")
+    _flag(g, "--total-steps", "YETO_TOTAL_STEPS", int, 10, "global rounds to commit before finalization")
+    _flag(g, "--init-island", "YETO_INIT_ISLAND", str, None, "island whose weights initialize the run (default: the first admitted)")
+    g = p.add_argument_group("rounds")
+    _flag(g, "--pipeline", "YETO_PIPELINE", int, 1, "rounds in flight at most (never two on one fragment)")
+    _flag(g, "--quorum", "YETO_QUORUM", int, None, "pushes needed to merge a round (default: every expected member)")
+    _flag(g, "--quorum-timeout", "YETO_QUORUM_TIMEOUT", float, 900.0, "seconds a round may stay below quorum before it restarts with attempt+1")
+    _flag(g, "--grace-ms", "YETO_GRACE_MS", float, 10000.0, "cap of the adaptive grace window after quorum (ms)")
+    _flag(g, "--grace-gamma", "YETO_GRACE_GAMMA", float, 1.0, "gamma of the adaptive grace window")
+    _flag(g, "--max-base-lag", "YETO_MAX_BASE_LAG", int, 1, "versions a push's base may lag the current one before it is stale")
+    _flag(g, "--member-timeout", "YETO_MEMBER_TIMEOUT", float, 30.0, "seconds without a heartbeat before an island counts as gone")
+    _flag(g, "--final-timeout", "YETO_FINAL_TIMEOUT", float, 600.0, "seconds to wait for final acks")
+    g.add_argument("--strict", action="store_true", default=_env("YETO_STRICT", "0") == "1",
+                   help="fixed-roster lockstep mode: a round waits for every member, no attempt bumps (env YETO_STRICT=1)")
+    g.add_argument("--equal-weights", action="store_true", default=_env("YETO_EQUAL_WEIGHTS", "0") == "1",
+                   help="weight every push 1 instead of its token count (env YETO_EQUAL_WEIGHTS=1)")
+    g = p.add_argument_group("outer optimizer")
+    _flag(g, "--outer-lr", "YETO_OUTER_LR", float, 0.7, "outer learning rate")
+    _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum")
+    g = p.add_argument_group("wire")
+    g.add_argument("--push-dtype", choices=("f32", "bf16", "q4"), default=_env("YETO_PUSH_DTYPE", "f32"),
+                   help="dtype of pushes (env YETO_PUSH_DTYPE; default %(default)s)")
+    g.add_argument("--bulk-dtype", choices=("f32", "bf16"), default=_env("YETO_BULK_DTYPE", "f32"),
+                   help="dtype of INIT and broadcasts (env YETO_BULK_DTYPE; default %(default)s)")
+    _flag(g, "--chunk-bytes", "YETO_CHUNK_BYTES", int, 1 << 20, "chunk size in bytes (bounded by the server's max_payload minus header room)")
+    g = p.add_argument_group("state")
+    g.add_argument("--checkpoint-dir", default=_env("YETO_CHECKPOINT_DIR", None),
+                   help="directory of the params+momentum checkpoint (env YETO_CHECKPOINT_DIR; default ./yeto-data/<run>/syncer)")
+    g.add_argument("--resume", action="store_true", default=_env("YETO_RESUME", "0") == "1",
+                   help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1)")
+    g.add_argument("--small-limits", action="store_true", default=_env("YETO_SMALL_LIMITS", "0") == "1",
+                   help="provision the run with small stream byte limits (tests, demos)")
+    g.add_argument("--log-level", default=_env("YETO_LOG_LEVEL", "INFO"))
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from schemas.provision import RunLimits
+    from services.syncer.rounds import SyncerConfig
+    from services.syncer.service import OuterConfig, ServiceConfig, SyncerError, SyncerService
+
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        mc = SyncerConfig(
+            run=args.run, islands=args.islands, fragments=args.fragments, sync_every=args.sync_every,
+            total_steps=args.total_steps, pipeline=args.pipeline, quorum=args.quorum,
+            quorum_timeout_s=args.quorum_timeout, grace_ms=args.grace_ms, grace_gamma=args.grace_gamma,
+            strict=args.strict, max_base_lag=args.max_base_lag, equal_weights=args.equal_weights,
+            push_dtype=args.push_dtype, bulk_dtype=args.bulk_dtype, chunk_bytes=args.chunk_bytes,
+            init_island=args.init_island, member_timeout_s=args.member_timeout, final_timeout_s=args.final_timeout,
+        )
+    except ValueError as exc:
+        print(f"yeto syncer: {exc}", file=sys.stderr)
+        return 2
+    ckpt = Path(args.checkpoint_dir or os.path.join("yeto-data", args.run, "syncer"))
+    limits = RunLimits.small() if args.small_limits else RunLimits()
+    cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
+                        connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"),
+                        checkpoint_dir=ckpt, resume=args.resume, limits=limits)
+    try:
+        return asyncio.run(SyncerService(cfg).run())
+    except SyncerError as exc:
+        print(f"yeto syncer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

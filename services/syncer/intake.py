@@ -1,0 +1,120 @@
+"""Push intake ledger — pure: which chunks of which push try have arrived, at which stream sequence.
+
+The syncer's PUSH consumer records each chunk's stream sequence and acks at once; the payload stays
+in JetStream until the merge reads it by sequence (direct get) and deletes it after the commit. This
+ledger turns the stream of chunk headers into "push try complete" facts for the round machine, and
+refuses inconsistent chunks (a total or count that changes, a duplicate index, a push digest that does
+not match) with the reason the tape records.
+
+`push_digest` (on the last chunk) is sha256 over the push's chunk digests in chunk order
+(`schemas.chunks.push_digest`): it binds the set and order of chunks to one push without re-reading
+the payloads, which stay in JetStream until the merge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.chunks import push_digest
+
+PushKey = tuple  # (island, gen, fragment, step, attempt, try)
+
+
+@dataclass
+class PushTry:
+    key: PushKey
+    chunks: int
+    total: int
+    dtype: str
+    base_version: int
+    local_step: int
+    c_steps: int
+    c_tokens: int
+    seqs: dict[int, int] = field(default_factory=dict)  # chunk index -> stream sequence
+    digests: dict[int, str] = field(default_factory=dict)
+    push_digest: str | None = None
+    invalid: str | None = None  # first reason this try is unusable
+    done: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seqs) == self.chunks
+
+    def ordered_seqs(self) -> list[int]:
+        return [self.seqs[i] for i in range(self.chunks)]
+
+
+def key_of(meta: dict) -> PushKey:
+    return (meta["island"], meta["gen"], meta["fragment"], meta["step"], meta["attempt"], meta["try"])
+
+
+class PushLedger:
+    def __init__(self) -> None:
+        self.tries: dict[PushKey, PushTry] = {}
+
+    def add(self, meta: dict, seq: int, *, expected_total: int | None, chunk_ok: bool, chunk_reason: str | None = None) -> PushTry | None:
+        """Record one validated chunk header at stream sequence `seq`.
+
+        `expected_total` is the byte size a push of this fragment must have in the session dtype (None if
+        the fragment is unknown: the try is then invalid). `chunk_ok` is False when the shell found the
+        payload's digest, size or values bad. Returns the try when it just became complete (valid or
+        not), else None.
+        """
+        key = key_of(meta)
+        t = self.tries.get(key)
+        if t is None:
+            t = self.tries[key] = PushTry(
+                key=key, chunks=meta["chunks"], total=meta["total"], dtype=meta["dtype"],
+                base_version=meta["base_version"], local_step=meta["local_step"],
+                c_steps=meta["c_steps"], c_tokens=meta["c_tokens"],
+            )
+            if expected_total is None:
+                t.invalid = f"unknown fragment {meta['fragment']}"
+            elif meta["total"] != expected_total:
+                t.invalid = f"push total {meta['total']} bytes, the session's fragment takes {expected_total}"
+        if t.done:
+            return None
+        if meta["chunks"] != t.chunks or meta["total"] != t.total:
+            t.invalid = t.invalid or f"chunks/total changed within one push ({meta['chunks']}/{meta['total']} vs {t.chunks}/{t.total})"
+        idx = meta["chunk"]
+        if idx in t.seqs:
+            # A resend of one chunk under the same try (JetStream's dedup window missed it): keep the first.
+            return None
+        if not chunk_ok:
+            t.invalid = t.invalid or (chunk_reason or f"chunk {idx} rejected")
+        t.seqs[idx] = seq
+        t.digests[idx] = meta["digest"]
+        if "push_digest" in meta:
+            t.push_digest = meta["push_digest"]
+        if t.complete:
+            t.done = True
+            if t.invalid is None:
+                want = push_digest([t.digests[i] for i in range(t.chunks)])
+                if t.push_digest != want:
+                    t.invalid = f"push_digest {t.push_digest} does not match its chunks ({want})"
+            return t
+        return None
+
+    def seqs_for(self, island: str, gen: str, fragment: int, step: int, attempt: int | None = None) -> list[int]:
+        """Every recorded stream sequence of a round's pushes (all tries), for deletion after the commit."""
+        out = []
+        for (i, g, f, s, a, _t), t in self.tries.items():
+            if i == island and g == gen and f == fragment and s == step and (attempt is None or a == attempt):
+                out.extend(t.seqs.values())
+        return out
+
+    def pop_round(self, fragment: int, step: int) -> list[int]:
+        """Forget every try of a (fragment, step) round; return their sequences to delete."""
+        seqs = []
+        for key in [k for k in self.tries if k[2] == fragment and k[3] == step]:
+            seqs.extend(self.tries.pop(key).seqs.values())
+        return seqs
+
+    def pop_older_than(self, step: int) -> list[int]:
+        seqs = []
+        for key in [k for k in self.tries if k[3] <= step]:
+            seqs.extend(self.tries.pop(key).seqs.values())
+        return seqs
+
+    def pop_try(self, key: PushKey) -> list[int]:
+        t = self.tries.pop(key, None)
+        return list(t.seqs.values()) if t else []

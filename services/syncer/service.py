@@ -1,0 +1,694 @@
+"""The syncer's I/O shell: NATS JetStream in, the round machine in the middle, checkpoint + NATS out.
+
+Three durable pull consumers feed one event queue (CTL: hello/heartbeat/ack; INIT: initial weights;
+PUSH: push chunk headers + payloads, checked and acked at once, payloads left in the stream); one task
+feeds the queue's events to the pure `RoundMachine` and carries out its actions in order. Long actions
+(a merge, version 0, the final cut) run as tasks that feed their completion back as events, so intake
+never stops while a fragment is merged.
+
+Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge — the
+pushes wait in JetStream and are read back chunk by chunk with direct gets.
+
+Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf, unknown fragment,
+digest mismatch, an island id that does not match its subject) is acked (never redelivered), counted,
+written to the EVENTS tape, and changes no state.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import torch
+
+from schemas import codec, subjects as S
+from schemas.chunks import VersionDigest, digest as chunk_digest, max_chunk_bytes
+from schemas.conn import ConnectOptions, connect, server_max_payload
+from schemas.dtypes import pack, unpack
+from schemas.errors import WireError
+from schemas.layout import chunk_plan
+from schemas.provision import RunLimits, kv as kv_handle, provision_run
+from schemas.publish import Pipeline, publish_retry
+from services.syncer import rounds as R
+from services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState
+from services.syncer.intake import PushLedger
+from services.syncer.outer import outer_step_
+
+log = logging.getLogger("yeto.syncer")
+
+FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
+PUSH_FETCH_BATCH = 8
+DIRECT_GET_TIMEOUT = 30.0
+
+
+class SyncerError(RuntimeError):
+    pass
+
+
+@dataclass
+class OuterConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
+@dataclass
+class ServiceConfig:
+    machine: R.SyncerConfig
+    outer: OuterConfig
+    connect: ConnectOptions
+    checkpoint_dir: Path
+    resume: bool = False
+    limits: RunLimits = field(default_factory=RunLimits)
+    tick_s: float = 0.2
+    status_every_s: float = 10.0
+
+
+@dataclass
+class _Frag:
+    numel: int
+    params: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None
+    init_chunks: dict[int, bool] = field(default_factory=dict)
+    init_done: bool = False
+
+
+class SyncerService:
+    def __init__(self, cfg: ServiceConfig):
+        self.cfg = cfg
+        self.run_id = cfg.machine.run
+        self.counters: Counter = Counter()
+        self.machine: R.RoundMachine | None = None
+        self.ckpt = CheckpointDir(cfg.checkpoint_dir)
+        self.ledger = PushLedger()
+        self.frags: dict[int, _Frag] = {}
+        self.session: dict | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done: R.Done | None = None
+        self.nc = None
+        self.js = None
+        self.state_kv = None
+        self.members_kv = None
+        self._tasks: list[asyncio.Task] = []
+        self._tape_seq = 0
+        self._tape_prefix = f"{int(time.time() * 1000):x}"
+        self._final_published = False
+        self._attempts_seen: dict[int, int] = {}
+        self._round_started: dict[int, float] = {}
+        self._status_t = 0.0
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.nc = await connect(self.cfg.connect, name=f"yeto-syncer-{self.run_id}", max_reconnect_attempts=-1,
+                                error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+                                reconnected_cb=self._on_reconnect)
+        self.js = self.nc.jetstream(timeout=30)
+        try:
+            bound = max_chunk_bytes(server_max_payload(self.nc))
+            if self.cfg.machine.chunk_bytes > bound:
+                log.warning("--chunk-bytes %d exceeds what the server's max_payload %d allows with headers; using %d",
+                            self.cfg.machine.chunk_bytes, server_max_payload(self.nc), bound)
+                self.cfg.machine = dataclasses.replace(self.cfg.machine, chunk_bytes=bound)
+            report = await provision_run(self.js, self.run_id, self.cfg.limits, push_headers_only=False)
+            log.info("provisioned run %s: %s", self.run_id, report)
+            self.state_kv = await kv_handle(self.js, self.run_id, "state")
+            self.members_kv = await kv_handle(self.js, self.run_id, "members")
+            await self._start_machine()
+            self._tasks = [
+                asyncio.create_task(self._consume("CTL", S.SYNCER_CTL_CONSUMER, self._on_ctl, FETCH_BATCH)),
+                asyncio.create_task(self._consume("INIT", S.SYNCER_INIT_CONSUMER, self._on_init, FETCH_BATCH)),
+                asyncio.create_task(self._consume("PUSH", S.SYNCER_PUSH_CONSUMER, self._on_push, PUSH_FETCH_BATCH)),
+            ]
+            await self._main_loop()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            try:
+                # drain() waits for every subscription (up to 30 s by default); everything that matters
+                # was acked or published already, so a flush and close is enough.
+                await asyncio.wait_for(self.nc.flush(), 5)
+            except Exception:
+                pass
+            await self.nc.close()
+        if self.done is None:
+            return 1
+        if not self.done.ok:
+            log.error("finalization timed out; no ack from: %s", ", ".join(self.done.missing))
+            return 3
+        log.info("run %s finished: %d rounds committed", self.run_id, self.machine.committed_step)
+        return 0
+
+    async def _on_error(self, exc):
+        self.counters["nats_error"] += 1
+        log.warning("nats error: %r", exc)
+
+    async def _on_disconnect(self):
+        self.counters["disconnects"] += 1
+        log.warning("disconnected from NATS; reconnecting")
+
+    async def _on_reconnect(self):
+        log.info("reconnected to NATS")
+
+    async def _start_machine(self) -> None:
+        mc = self.cfg.machine
+        kv_session = await self._kv_get(self.state_kv, "session")
+        if self.cfg.resume:
+            if not self.ckpt.exists():
+                raise SyncerError(f"--resume: no checkpoint in {self.ckpt.path} (missing checkpoint.json)")
+            state = self.ckpt.read_state()
+            session = self.ckpt.read_session()
+            if state.run != self.run_id:
+                raise SyncerError(f"--resume: checkpoint {self.ckpt.path} belongs to run {state.run!r}, not {self.run_id!r}")
+            if kv_session is not None and kv_session.get("session_fingerprint") != session["session_fingerprint"]:
+                raise SyncerError(
+                    f"--resume: checkpoint {self.ckpt.path} holds another layout (session fingerprint "
+                    f"{session['session_fingerprint'][:12]}…) than run {self.run_id}'s state KV "
+                    f"({kv_session.get('session_fingerprint', '?')[:12]}…)")
+            if len(session["fragments"]) != mc.fragments:
+                raise SyncerError(f"--resume: checkpoint has {len(session['fragments'])} fragments, --fragments is {mc.fragments}")
+            commit = await self._kv_get(self.state_kv, "commit")
+            if commit is not None and int(commit.get("committed_step", 0)) > state.committed_step:
+                raise SyncerError(
+                    f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
+                    f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
+            self._set_session(session)
+            for fid, fr in self.frags.items():
+                fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
+                fr.init_done = True
+            members = {}
+            async for island, rec in self._kv_items(self.members_kv):
+                members[island] = rec
+            self.machine = R.RoundMachine.restore(
+                mc, session, state.versions, state.committed_step, members, now=time.time(),
+                min_attempts={s: a + 1 for s, a in state.attempts.items()},
+            )
+            self._attempts_seen = dict(state.attempts)
+            # Bring the state KV in line with the checkpoint (the checkpoint is written first).
+            await self._write_commit_record(state)
+            log.info("resumed run %s from %s at step %d, versions %s", self.run_id, self.ckpt.path,
+                     state.committed_step, state.versions)
+            await self._tape({"kind": "restart", "step": state.committed_step + 1, "fragment": mc.fragment_of(state.committed_step + 1),
+                              "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
+            self._apply(self.machine.handle(R.Tick(now=time.time())))
+        else:
+            if self.ckpt.exists():
+                raise SyncerError(
+                    f"checkpoint directory {self.ckpt.path} already holds a checkpoint: pass --resume to continue "
+                    f"it, or choose another --checkpoint-dir")
+            if kv_session is not None:
+                raise SyncerError(
+                    f"run {self.run_id} already has a session in its state KV: pass --resume (with its checkpoint "
+                    f"directory) or remove the run with `yeto run rm {self.run_id}`")
+            self.machine = R.RoundMachine(mc)
+
+    # ---- intake -----------------------------------------------------------------------------------
+
+    async def _consume(self, kind: str, durable: str, handler, batch: int) -> None:
+        import nats.errors
+
+        sub = await self.js.pull_subscribe_bind(durable, stream=S.stream(self.run_id, kind))
+        while True:
+            try:
+                msgs = await sub.fetch(batch, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnects, 503s: back off and carry on
+                self.counters[f"fetch_error.{kind}"] += 1
+                log.debug("fetch on %s failed: %r", kind, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await handler(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # A handler bug must not kill intake; the message is acked so it cannot loop.
+                    self.counters[f"handler_error.{kind}"] += 1
+                    log.exception("handling a %s message failed: %r", kind, exc)
+                try:
+                    await msg.ack()
+                except Exception:
+                    self.counters["ack_error"] += 1
+
+    async def _reject(self, where: str, exc: Exception | str, *, island: str | None = None, gen: str | None = None,
+                      extra: dict | None = None) -> None:
+        code = getattr(exc, "code", "invalid")
+        self.counters[f"rejected.{code}"] += 1
+        self.counters["rejected"] += 1
+        reason = f"{where}: {exc}"
+        log.warning("rejected %s", reason)
+        rec = {"kind": "error", "reason": reason[:2000]}
+        if island is not None:
+            rec["island"] = island
+        if gen is not None:
+            rec["gen"] = gen
+        detail = {"code": code, "where": where}
+        if isinstance(exc, WireError) and exc.field is not None:
+            detail["field"] = exc.field
+        if extra:
+            detail.update(extra)
+        rec["detail"] = detail
+        await self._tape(rec, kind="error")
+
+    async def _on_ctl(self, msg) -> None:
+        tokens = msg.subject.split(".")
+        # yeto.R.ctl.<kind>.<island>
+        subj_island = tokens[4] if len(tokens) == 5 else None
+        try:
+            kind, m = codec.decode_typed(msg.data, allowed=("hello", "heartbeat", "ack"))
+        except WireError as exc:
+            await self._reject(f"ctl message on {msg.subject}", exc, island=subj_island)
+            return
+        if m["run"] != self.run_id or m["island"] != subj_island:
+            await self._reject(f"{kind} on {msg.subject}",
+                               WireError("island/run in the message does not match its subject", field="island",
+                                         value=m["island"], code="subject_mismatch"), island=subj_island)
+            return
+        now = time.time()
+        if kind == "hello":
+            await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
+                                         layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
+                                         bulk_dtype=m["bulk_dtype"], now=now))
+        elif kind == "heartbeat":
+            await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
+                                             step_time_s=m.get("step_time_s"), now=now))
+        else:
+            await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
+
+    async def _on_init(self, msg) -> None:
+        try:
+            meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            if self.session is None:
+                raise WireError("INIT chunk before the session is pinned", field="fragment", value=meta["fragment"], code="no_session")
+            fid = meta["fragment"]
+            fr = self.frags.get(fid)
+            if fr is None:
+                raise WireError("unknown fragment", field="fragment", value=fid, code="unknown_fragment")
+            if meta["dtype"] != self.session["bulk_dtype"]:
+                raise WireError(f"INIT dtype must be the session's bulk dtype {self.session['bulk_dtype']}", field="dtype", value=meta["dtype"])
+            spans = chunk_plan(fr.numel, meta["dtype"], self.session["chunk_bytes"])
+            k = meta["chunk"]
+            if meta["chunks"] != len(spans) or k >= len(spans):
+                raise WireError(f"fragment {fid} takes {len(spans)} chunks", field="chunks", value=meta["chunks"])
+            span = spans[k]
+            if meta["offset"] != span.byte_offset or meta["nbytes"] != span.nbytes or len(msg.data) != span.nbytes:
+                raise WireError(f"chunk {k} must cover bytes [{span.byte_offset}, +{span.nbytes})", field="nbytes",
+                                value={"offset": meta["offset"], "nbytes": meta["nbytes"], "payload": len(msg.data)}, code="wrong_size")
+            if chunk_digest(msg.data) != meta["digest"]:
+                raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
+            values = unpack(msg.data, meta["dtype"], span.elem_count)
+            if not bool(torch.isfinite(values).all()):
+                raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
+        except WireError as exc:
+            await self._reject(f"INIT chunk on {msg.subject}", exc)
+            return
+        if fr.init_done or k in fr.init_chunks:
+            self.counters["init.duplicate_chunk"] += 1
+            return
+        if fr.params is None:
+            fr.params = torch.zeros(fr.numel, dtype=torch.float32)
+            fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
+        fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
+        fr.init_chunks[k] = True
+        if len(fr.init_chunks) == len(spans):
+            fr.init_done = True
+            island = self.session["init_island"]
+            member = self.machine.members.get(island)
+            gen = member.gen if member is not None else "0" * 16
+            log.info("INIT: fragment %d complete (%d values)", fid, fr.numel)
+            await self.queue.put(R.InitComplete(island=island, gen=gen, fragment=fid, now=time.time()))
+
+    async def _on_push(self, msg) -> None:
+        seq = msg.metadata.sequence.stream
+        tokens = msg.subject.split(".")
+        subj_island = tokens[3] if len(tokens) == 5 else None
+        try:
+            meta = codec.decode_header("push_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+        except WireError as exc:
+            await self._reject(f"push chunk on {msg.subject}", exc, island=subj_island)
+            await self._delete_seqs([seq])
+            return
+        if meta["run"] != self.run_id or meta["island"] != subj_island or tokens[4] != str(meta["fragment"]):
+            await self._reject(f"push chunk on {msg.subject}",
+                               WireError("island/fragment in the header does not match the subject", field="island",
+                                         value=meta["island"], code="subject_mismatch"), island=subj_island)
+            await self._delete_seqs([seq])
+            return
+        ok, reason, expected_total = True, None, None
+        fr = self.frags.get(meta["fragment"])
+        if self.session is None or fr is None:
+            ok, reason = False, f"unknown fragment {meta['fragment']}"
+        else:
+            try:
+                if meta["dtype"] != self.session["push_dtype"]:
+                    raise WireError(f"push dtype must be the session's {self.session['push_dtype']}", field="dtype", value=meta["dtype"])
+                spans = chunk_plan(fr.numel, meta["dtype"], self.session["chunk_bytes"])
+                expected_total = sum(s.nbytes for s in spans)
+                k = meta["chunk"]
+                if meta["chunks"] != len(spans) or k >= len(spans):
+                    raise WireError(f"fragment {meta['fragment']} takes {len(spans)} chunks", field="chunks", value=meta["chunks"])
+                span = spans[k]
+                if meta["offset"] != span.byte_offset or meta["nbytes"] != span.nbytes or len(msg.data) != span.nbytes:
+                    raise WireError(f"chunk {k} must cover bytes [{span.byte_offset}, +{span.nbytes})", field="nbytes",
+                                    value={"offset": meta["offset"], "nbytes": meta["nbytes"], "payload": len(msg.data)},
+                                    code="wrong_size")
+                if chunk_digest(msg.data) != meta["digest"]:
+                    raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
+                values = unpack(msg.data, meta["dtype"], span.elem_count)
+                if not bool(torch.isfinite(values).all()):
+                    raise WireError("push values must be finite (NaN/Inf delta)", field="payload", value=f"chunk {k}", code="non_finite")
+            except WireError as exc:
+                ok, reason = False, str(exc)
+                self.counters[f"rejected.{exc.code}"] += 1
+        t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason)
+        if t is not None:
+            island, gen, fid, step, attempt, try_ = t.key
+            await self.queue.put(R.PushComplete(
+                island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
+                base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
+                valid=t.invalid is None, reason=t.invalid, now=time.time()))
+
+    # ---- the machine loop -------------------------------------------------------------------------
+
+    async def _main_loop(self) -> None:
+        while self.done is None:
+            wake = self.machine.next_wakeup()
+            timeout = self.cfg.tick_s
+            if wake is not None:
+                timeout = max(0.0, min(timeout, wake - time.time()))
+            try:
+                event = await asyncio.wait_for(self.queue.get(), timeout=timeout)
+            except asyncio.TimeoutError:
+                event = R.Tick(now=time.time())
+            if isinstance(event, BaseException):
+                raise event
+            actions = self.machine.handle(event)
+            await self._apply_async(actions)
+            self._status()
+
+    def _apply(self, actions) -> None:
+        """Queue actions produced outside the loop (at start) for the loop to carry out."""
+        self._pending_actions = list(actions)
+
+    async def _apply_async(self, actions) -> None:
+        pending = getattr(self, "_pending_actions", None)
+        if pending:
+            self._pending_actions = []
+            actions = list(pending) + list(actions)
+        for a in actions:
+            await self._do(a)
+
+    def _status(self) -> None:
+        now = time.monotonic()
+        if now - self._status_t < self.cfg.status_every_s:
+            return
+        self._status_t = now
+        m = self.machine
+        live = sorted(i for i, mem in m.members.items() if getattr(mem, "live", True))
+        log.info("phase %s | committed step %d/%d | versions %s | members %s | rejected %d | restarts %d",
+                 m.phase, m.committed_step, self.cfg.machine.total_steps, dict(m.versions), ",".join(live),
+                 self.counters["rejected"], m.counters.get("restart", 0))
+
+    async def _do(self, a) -> None:
+        if isinstance(a, R.WriteSession):
+            self._set_session(a.session)
+            await asyncio.to_thread(self.ckpt.write_session, a.session)
+            await self.state_kv.put("session", codec.encode("session", a.session))
+            log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
+                     len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
+        elif isinstance(a, R.WriteMember):
+            await self.members_kv.put(a.island, orjson.dumps(a.record))
+        elif isinstance(a, R.PublishPull):
+            p = dict(a.pull)
+            msg = codec.make("pull", run=self.run_id, **p)
+            self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
+            self._round_started.setdefault(p["step"], time.time())
+            await publish_retry(self.js, S.pull(self.run_id), codec.encode("pull", msg),
+                                S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters)
+        elif isinstance(a, R.SendError):
+            fields = {"run": self.run_id, "code": a.code, "message": a.message, "fatal": a.fatal, "gen": a.gen}
+            if a.field is not None:
+                fields["field"] = a.field
+            msg = codec.make("error", **fields)
+            await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("error", msg),
+                                S.to_island_msg_id(a.island, "error", f"{a.gen}.{self._next_tape_key()}"), counters=self.counters)
+            log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
+        elif isinstance(a, R.Release):
+            seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
+            await self._delete_seqs(seqs)
+        elif isinstance(a, R.Tape):
+            await self._tape(dict(a.event), kind=a.event.get("kind", "event"))
+        elif isinstance(a, R.Merge):
+            self._spawn(self._merge(a))
+        elif isinstance(a, R.CommitV0):
+            self._spawn(self._commit_v0(a))
+        elif isinstance(a, R.Finalize):
+            self._spawn(self._finalize(a))
+        elif isinstance(a, R.Shutdown):
+            msg = codec.make("shutdown", run=self.run_id, reason=a.reason, gen=a.gen)
+            await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("shutdown", msg),
+                                S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters)
+        elif isinstance(a, R.Done):
+            self.done = a
+        else:  # pragma: no cover - a new action type without a handler is a programming error
+            raise SyncerError(f"unhandled action {a!r}")
+
+    def _spawn(self, coro) -> None:
+        async def wrapped():
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # surface in the main loop: a failed commit must stop the syncer
+                log.exception("syncer task failed")
+                await self.queue.put(exc)
+
+        self._tasks.append(asyncio.create_task(wrapped()))
+
+    # ---- session / fragments ------------------------------------------------------------------------
+
+    def _set_session(self, session: dict) -> None:
+        self.session = session
+        for f in session["fragments"]:
+            self.frags.setdefault(f["id"], _Frag(numel=f["numel"]))
+
+    # ---- merge, commit, broadcast ------------------------------------------------------------------
+
+    async def _read_push_chunk(self, seq: int, dtype: str, count: int, want_digest: str | None) -> torch.Tensor:
+        m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
+        data = m.data
+        if want_digest is not None and chunk_digest(data) != want_digest:
+            raise SyncerError(f"PUSH message {seq} changed in the stream (digest mismatch)")
+        return unpack(data, dtype, count)
+
+    async def _merge(self, a: R.Merge) -> None:
+        t0 = time.time()
+        fid = a.fragment
+        fr = self.frags[fid]
+        dtype = self.session["push_dtype"]
+        spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
+        tries = []
+        for m in a.members:
+            t = self.ledger.tries.get((m.island, m.gen, fid, a.step, a.attempt, m.try_))
+            if t is None or not t.complete:
+                raise SyncerError(f"merge of step {a.step}: push of {m.island}/{m.gen} try {m.try_} is not in the ledger")
+            tries.append(t)
+        weights = [m.weight for m in a.members]
+        scratch = torch.empty(max(s.elem_count for s in spans), dtype=torch.float32)
+        lr, mu = self.cfg.outer.lr, self.cfg.outer.momentum
+
+        async def fetch(k):
+            s = spans[k]
+            return await asyncio.gather(*[self._read_push_chunk(t.seqs[k], dtype, s.elem_count, t.digests[k]) for t in tries])
+
+        nxt = asyncio.create_task(fetch(0))
+        for k, s in enumerate(spans):
+            deltas = await nxt
+            if k + 1 < len(spans):
+                nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
+            sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
+            await asyncio.to_thread(outer_step_, fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu,
+                                    out=scratch[: s.elem_count])
+        merge_s = time.time() - t0
+        await self._commit({fid: a.version}, step=a.step)
+        # The round's pushes (every member, every try, every attempt) are no longer needed.
+        seqs = self.ledger.pop_round(fid, a.step)
+        await self._purge_round(fid, seqs)
+        sync_s = time.time() - t0
+        log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
+                 ",".join(m.island for m in a.members), merge_s, sync_s)
+        await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=merge_s, now=time.time()))
+
+    async def _commit_v0(self, a: R.CommitV0) -> None:
+        for fid in a.fragments:
+            fr = self.frags[fid]
+            if fr.params is None or not fr.init_done:
+                raise SyncerError(f"version 0: fragment {fid} has no INIT data")
+        await self._commit({fid: 0 for fid in a.fragments}, step=0)
+        log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))
+        await self.queue.put(R.V0Done(now=time.time()))
+
+    def _bulk_digest(self, fid: int, dtype: str) -> str:
+        fr = self.frags[fid]
+        h = VersionDigest()
+        for s in chunk_plan(fr.numel, dtype, self.session["chunk_bytes"]):
+            h.update(pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype))
+        return h.hexdigest()
+
+    async def _commit(self, new_versions: dict[int, int], *, step: int) -> None:
+        """Durable (checkpoint files + state KV) before broadcast."""
+        bulk = self.session["bulk_dtype"]
+        digests = {}
+        for fid in new_versions:
+            digests[fid] = await asyncio.to_thread(self._bulk_digest, fid, bulk)
+        prev = self.ckpt.read_state() if self.ckpt.exists() else None
+        versions = dict(prev.versions) if prev else {}
+        vdig = dict(prev.version_digests) if prev else {}
+        versions.update(new_versions)
+        vdig.update(digests)
+        state = CheckpointState(
+            run=self.run_id, session_fingerprint=self.session["session_fingerprint"],
+            layout_fingerprint=self.session["layout_fingerprint"],
+            committed_step=max(step, prev.committed_step if prev else 0), versions=versions, version_digests=vdig,
+            attempts={s: a for s, a in self._attempts_seen.items() if s > step},
+        )
+        frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
+        await asyncio.to_thread(self.ckpt.commit, state, frags)
+        await self._write_commit_record(state)
+        for fid, v in new_versions.items():
+            await self._broadcast(fid, v, digests[fid])
+            await self._tape({"kind": "commit", "step": step, "fragment": fid, "version": v,
+                              "detail": {"version_digest": digests[fid]}}, kind="commit")
+
+    async def _write_commit_record(self, state: CheckpointState) -> None:
+        rec = {"committed_step": state.committed_step,
+               "versions": {str(k): v for k, v in state.versions.items()},
+               "version_digests": {str(k): v for k, v in state.version_digests.items()}}
+        await self.state_kv.put("commit", orjson.dumps(rec))
+
+    async def _broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None) -> int:
+        fr = self.frags[fid]
+        dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
+        kind = "final_chunk" if final_step is not None else "bcast_chunk"
+        spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
+        total = sum(s.nbytes for s in spans)
+        pipe = Pipeline(self.js, counters=self.counters)
+        sent = 0
+        for s in spans:
+            payload = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
+            buf = payload.numpy().tobytes()
+            meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
+                    "chunk": s.index, "chunks": len(spans), "offset": s.byte_offset, "nbytes": s.nbytes, "total": total,
+                    "digest": chunk_digest(buf), "version_digest": vdigest}
+            if final_step is not None:
+                meta["final_step"] = final_step
+                subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
+            else:
+                subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index)
+            await pipe.put(subject, buf, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
+            sent += len(buf)
+        await pipe.flush()
+        self.counters["bytes_broadcast"] += sent
+        return sent
+
+    async def _purge_round(self, fid: int, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        # One purge per fragment subject up to the round's last sequence: no later round of this fragment
+        # can have pushed yet (its pull is launched only after this commit).
+        try:
+            await self.js.purge_stream(S.stream(self.run_id, "PUSH"), subject=f"{S.root(self.run_id)}.push.*.{fid}",
+                                       seq=max(seqs) + 1)
+        except Exception as exc:
+            self.counters["purge_error"] += 1
+            log.warning("purging PUSH after the commit failed (max_age will expire them): %r", exc)
+
+    async def _delete_seqs(self, seqs) -> None:
+        for seq in seqs:
+            try:
+                await self.js.delete_msg(S.stream(self.run_id, "PUSH"), seq)
+            except Exception:
+                self.counters["delete_error"] += 1
+
+    async def _finalize(self, a: R.Finalize) -> None:
+        if not self._final_published:
+            # The f32 final cut, once: its digest hashes the f32 bytes, checked against the manifest.
+            self._final_digests = {}
+            for fid in sorted(self.frags):
+                d = await asyncio.to_thread(self._bulk_digest, fid, "f32")
+                self._final_digests[fid] = d
+                await self._broadcast(fid, a.versions[fid] if fid in a.versions else a.versions[str(fid)], d,
+                                      final_step=a.final_step)
+            self._final_published = True
+            st = self.ckpt.read_state()
+            st.final = True
+            await asyncio.to_thread(self.ckpt.commit, st, {})
+            log.info("final cut published (step %d)", a.final_step)
+        versions = {str(k): int(v) for k, v in a.versions.items()}
+        for island, gen in a.targets:
+            msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
+                             version_digests={str(k): v for k, v in self._final_digests.items()}, gen=gen)
+            await publish_retry(self.js, S.to_island(self.run_id, island), codec.encode("manifest", msg),
+                                S.to_island_msg_id(island, "manifest", gen), counters=self.counters)
+        await self._tape({"kind": "final", "step": a.final_step,
+                          "detail": {"targets": [f"{i}/{g}" for i, g in a.targets]}}, kind="final")
+
+    # ---- tape ---------------------------------------------------------------------------------------
+
+    def _next_tape_key(self) -> str:
+        self._tape_seq += 1
+        return f"{self._tape_prefix}.{self._tape_seq}"
+
+    async def _tape(self, event: dict, *, kind: str) -> None:
+        rec = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "t": time.time()}
+        rec.update(event)
+        try:
+            data = codec.encode("event", rec)
+        except WireError as exc:
+            self.counters["tape_invalid"] += 1
+            log.error("tape record does not validate (%s): %r", exc, rec)
+            return
+        try:
+            await publish_retry(self.js, S.events(self.run_id, kind), data, S.event_msg_id(kind, self._next_tape_key()),
+                                counters=self.counters, attempts=3)
+        except Exception as exc:
+            self.counters["tape_error"] += 1
+            log.warning("tape publish failed: %r", exc)
+
+    # ---- KV helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _kv_get(kv, key: str):
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            e = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if e is None or not e.value:
+            return None
+        return orjson.loads(e.value)
+
+    @staticmethod
+    async def _kv_items(kv):
+        from nats.js.errors import NoKeysError
+
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return
+        for k in keys:
+            e = await kv.get(k)
+            if e is not None and e.value:
+                yield k, orjson.loads(e.value)
