@@ -343,7 +343,8 @@ class Assembler:
         if chunks > total:
             raise WireError("more chunks than bytes", field="chunks", value=chunks)
         if self.chunk_bytes is not None and chunk_count(total, self.chunk_bytes) != chunks:
-            raise WireError(f"{total} bytes in chunks of {self.chunk_bytes} make {chunk_count(total, self.chunk_bytes)} chunks",
+            implied = chunk_count(total, self.chunk_bytes)
+            raise WireError(f"{total} bytes in chunks of {self.chunk_bytes} make {implied} chunks",
                             field="chunks", value=chunks)
         self.total, self.chunks = total, chunks
         self._have = bytearray(chunks)

@@ -106,7 +106,9 @@ def element_range(wire_dtype: str, byte_offset: int, nbytes: int, numel: int) ->
         raise WireError(f"byte range ends past the packed size {total}", field="nbytes", value=(byte_offset, nbytes))
     if byte_offset % ubytes or (end % ubytes and end != total):
         raise WireError(
-            f"byte range is not aligned to {ubytes}-byte units of {wire_dtype}", field="offset", value=(byte_offset, nbytes)
+            f"byte range is not aligned to {ubytes}-byte units of {wire_dtype}",
+            field="offset",
+            value=(byte_offset, nbytes),
         )
     first = (byte_offset // ubytes) * elems
     last = min(-(-end // ubytes) * elems, numel)
@@ -123,7 +125,8 @@ def as_bytes_view(buf: Any) -> memoryview:
         if buf.device.type != "cpu":
             raise WireError("tensor must be in CPU memory to be viewed as bytes", field="device", value=str(buf.device))
         if not buf.is_contiguous():
-            raise WireError("tensor must be contiguous to be viewed as bytes", field="stride", value=tuple(buf.stride()))
+            raise WireError("tensor must be contiguous to be viewed as bytes", field="stride",
+                            value=tuple(buf.stride()))
         return memoryview(_uint8_view(buf.detach()).numpy())
     try:
         mv = memoryview(buf)
@@ -171,7 +174,7 @@ def _q4_encode_blocks(blocks: torch.Tensor, out: torch.Tensor, first_block: int)
     # (Sterbenz). Comparing |x| with the midpoints 3 * s * 2^-k directly would not do: 3s needs 26 bits.
     # Blocks with 0 < s < 2^-100 are scaled up by 2^100 first (exact, and the choice of level is
     # scale-free), so every product above is a normal float.
-    tiny = (scale < 0)
+    tiny = (scale > 0) & (scale < _Q4_TINY)
     if bool(tiny.any()):
         factor = torch.where(tiny, _Q4_UPSCALE, 1.0).unsqueeze(1)
         mag = mag * factor
@@ -259,7 +262,8 @@ def unpack(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
     ok = torch.isfinite(scale) & (scale >= 0)
     if not bool(ok.all()):
         bad = int((~ok).nonzero()[0, 0])
-        raise DecodeError("q4 block scale must be finite and non-negative", field=f"block.{bad}.scale", value=float(scale[bad]))
+        raise DecodeError("q4 block scale must be finite and non-negative", field=f"block.{bad}.scale",
+                          value=float(scale[bad]))
     tail = n - (nb - 1) * Q4_BLOCK  # values in the last block
     if tail < Q4_BLOCK:
         last = rows[-1, 4 + tail // 2 :].clone()
@@ -313,7 +317,8 @@ def pack_stream(
         if wd != "q4":
             raise WireError("error feedback applies to q4 only", field="dtype", value=wd)
         if not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or residual.dim() != 1:
-            raise WireError("residual must be a 1-D float32 tensor", field="residual", value=getattr(residual, "shape", residual))
+            raise WireError("residual must be a 1-D float32 tensor", field="residual",
+                            value=getattr(residual, "shape", residual))
     if wd != "q4":
         for piece in pieces:
             yield pack(piece, wd)
@@ -353,4 +358,5 @@ def pack_stream(
         yield encode(carry, pos)
         pos += carry.numel()
     if residual is not None and pos != residual.numel():
-        raise WireError(f"stream held {pos} values but the residual has {residual.numel()}", field="residual", value=pos)
+        raise WireError(f"stream held {pos} values but the residual has {residual.numel()}", field="residual",
+                        value=pos)
