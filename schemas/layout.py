@@ -28,11 +28,10 @@ EMBED_MARKERS = ("embed", "wte", "wpe", "lm_head", "output_layer")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _NUM_RE = re.compile(r"(\d+)")
 
-# Bytes per element (or per block) of each wire dtype; q4 packs 256 values into a 4-byte f32 scale
-# plus 128 bytes of nibbles, so chunks must hold whole blocks to be unpacked independently.
-Q4_BLOCK = 256
-Q4_BLOCK_BYTES = 4 + Q4_BLOCK // 2
-WIRE_DTYPES = ("f32", "bf16", "q4")
+# Wire units come from schemas.dtypes: q4 packs 256 values into a 4-byte f32 scale plus 128 bytes of
+# nibbles, so chunks must hold whole blocks to be unpacked independently.
+from .dtypes import Q4_BLOCK, Q4_BLOCK_BYTES, WIRE_DTYPES, packed_nbytes, wire_align  # noqa: E402
+
 BULK_DTYPES = ("f32", "bf16")
 TENSOR_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -199,18 +198,11 @@ def build_session(
 
 def unit(wire_dtype: str) -> tuple[int, int]:
     """(elements, bytes) of the smallest independently decodable unit of a wire dtype."""
-    if wire_dtype == "f32":
-        return 1, 4
-    if wire_dtype == "bf16":
-        return 1, 2
-    if wire_dtype == "q4":
-        return Q4_BLOCK, Q4_BLOCK_BYTES
-    raise WireError(f"must be one of {WIRE_DTYPES}", field="dtype", value=wire_dtype)
+    return wire_align(wire_dtype)
 
 
 def wire_nbytes(wire_dtype: str, n: int) -> int:
-    elems, nbytes = unit(wire_dtype)
-    return -(-n // elems) * nbytes
+    return packed_nbytes(wire_dtype, n)
 
 
 @dataclass(frozen=True)
