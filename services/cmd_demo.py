@@ -1,38 +1,176 @@
 """`yeto demo`: the end-to-end CPU demo.
 
-Until the learner side lands (issue 4) it starts the embedded broker and says how to connect.
+Starts the embedded broker (or uses `--nats`), the syncer and two islands as separate processes — island
+`a` one process, island `b` two data-parallel gloo ranks — which train a tiny MLP on generated data
+with streaming DiLoCo, then finalize. It prints per-island progress and sync rounds, and ends with one
+JSON line: rounds (committed merges), final_loss per island (mean training loss over its last 10 steps),
+eval_loss (the syncer's exported final cut on held-out data), max_abs_diff_vs_final_cut (each island's
+saved parameters against the exported final cut: must be 0.0), and the boundary overhead from the step
+logs.
+
+The islands run `python -m learner.demo` (this package never imports the learner).
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import os
-import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
-
-from schemas.conn import DEFAULT_URL
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="run the CPU demo (embedded broker, syncer, two islands, a tiny model)")
-    p.add_argument("--nats", default=os.environ.get("YETO_NATS") or os.environ.get("NATS_URL"),
-                   help="use this NATS server instead of starting the embedded one")
-    p.add_argument("--seconds", type=float, default=None, help="stop the broker after this many seconds (default: until Ctrl-C)")
+    p = sub.add_parser("demo", help="run the CPU demo: embedded broker, syncer, two islands, a tiny model")
+    p.add_argument("--nats", default=None, help="use this NATS server instead of starting the embedded one")
+    p.add_argument("--rounds", type=int, default=24, help="global rounds to commit (default %(default)s)")
+    p.add_argument("--fragments", type=int, default=2)
+    p.add_argument("--sync-every", type=int, default=8, help="H, inner steps between two syncs of one fragment")
+    p.add_argument("--push-dtype", default="f32", choices=("f32", "bf16", "q4"))
+    p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=170.0, help="give up after this many seconds")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from services.broker import Broker
+def _pump(proc: subprocess.Popen, prefix: str, sink: list[str], show) -> threading.Thread:
+    def go():
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            sink.append(line)
+            if show(line):
+                print(f"{prefix} {line}", flush=True)
 
-    if args.nats:
-        print(f"yeto demo: using the NATS server at {args.nats}")
-        return 0
-    stop = {"flag": False}
-    signal.signal(signal.SIGINT, lambda *a: stop.__setitem__("flag", True))
-    signal.signal(signal.SIGTERM, lambda *a: stop.__setitem__("flag", True))
-    with Broker() as b:
-        print(f"yeto demo: embedded broker (JetStream) at {b.url}")
-        print(f"  connect with: export NATS_URL={b.url}   (default otherwise: {DEFAULT_URL})")
-        print("  the training demo (syncer + two islands) arrives with the learner; Ctrl-C stops the broker")
-        t0 = time.monotonic()
-        while not stop["flag"] and (args.seconds is None or time.monotonic() - t0 < args.seconds):
-            time.sleep(0.2)
-    return 0
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+async def _count_merges(url: str, run: str) -> int:
+    import nats
+    import orjson
+
+    from schemas import subjects as S
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(S.stream(run, "EVENTS"))
+        n = 0
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                m = await js.get_msg(S.stream(run, "EVENTS"), seq=seq)
+            except Exception:
+                continue
+            if orjson.loads(m.data).get("kind") == "merge":
+                n += 1
+        return n
+    finally:
+        await nc.close()
+
+
+def _overhead(path: Path) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if len(rows) < 3:
+        return {"steps": len(rows)}
+    span = rows[-1]["t"] - rows[0]["t"]
+    step_time = span / (len(rows) - 1)
+    boundary = sum(r["boundary_s"] for r in rows) / len(rows)
+    return {"steps": len(rows), "step_time_s": round(step_time, 5), "boundary_s": round(boundary, 5),
+            "boundary_overhead": round(boundary / step_time, 4) if step_time > 0 else None}
+
+
+def run(args) -> int:
+    from safetensors.torch import load_file
+
+    from services.broker import Broker
+    from services.cmd_export import export
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="yeto-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    run_id = f"demo-{int(time.time())}"
+    broker = None
+    url = args.nats
+    if not url:
+        broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
+        url = broker.url
+    print(f"yeto demo: run {run_id}, NATS {url}, files in {work}", flush=True)
+    env = dict(os.environ, YETO_NATS=url, YETO_RUN=run_id, PYTHONUNBUFFERED="1")
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, list[str]] = {}
+    t0 = time.monotonic()
+    try:
+        syncer_cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run_id,
+                      "--islands", "2", "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
+                      "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
+                      "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--quorum-timeout", "30",
+                      "--member-timeout", "20", "--final-timeout", "60"]
+        procs["syncer"] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        logs["syncer"] = []
+        _pump(procs["syncer"], "[syncer]", logs["syncer"],
+              lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l or "session pinned" in l)
+        for name, ranks in (("a", 1), ("b", 2)):
+            cmd = [sys.executable, "-m", "learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
+                   "--out", str(work / f"island-{name}.safetensors")]
+            e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"))
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e)
+            logs[name] = []
+            _pump(procs[name], f"[island {name}]", logs[name],
+                  lambda l: l.startswith("[") or "Error" in l or "Traceback" in l or l.startswith("RESULT"))
+        deadline = time.monotonic() + args.timeout
+        for name, p in procs.items():
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                rc = p.wait(left)
+            except subprocess.TimeoutExpired:
+                print(f"yeto demo: {name} did not finish within {args.timeout:.0f}s", file=sys.stderr)
+                return 1
+            if rc != 0:
+                print(f"yeto demo: {name} exited with {rc}; last lines:\n" + "\n".join(logs[name][-30:]), file=sys.stderr)
+                return 1
+        time.sleep(0.2)  # let the output pumps drain
+        results = {}
+        for name in ("a", "b"):
+            for line in logs[name]:
+                if line.startswith("RESULT "):
+                    results[name] = json.loads(line[len("RESULT "):])
+        final_path = work / "final-cut.safetensors"
+        export(work / "syncer", final_path, run_id)
+        final = load_file(str(final_path))
+        diff = 0.0
+        for name in ("a", "b"):
+            mine = load_file(str(work / f"island-{name}.safetensors"))
+            if sorted(mine) != sorted(final):
+                print(f"yeto demo: island {name} saved {sorted(mine)}, the final cut has {sorted(final)}", file=sys.stderr)
+                return 1
+            for k, v in final.items():
+                diff = max(diff, float((mine[k] - v).abs().max()))
+        ev = subprocess.run([sys.executable, "-m", "learner.demo", "eval", "--weights", str(final_path)],
+                            capture_output=True, text=True, env=env, check=True)
+        eval_loss = json.loads(ev.stdout.strip().splitlines()[-1])["eval_loss"]
+        rounds = asyncio.run(_count_merges(url, run_id))
+        summary = {
+            "run": run_id,
+            "rounds": rounds,
+            "final_loss": {n: round(r["final_loss"], 6) for n, r in results.items()},
+            "eval_loss": round(eval_loss, 6),
+            "max_abs_diff_vs_final_cut": diff,
+            "steps": {n: r["steps"] for n, r in results.items()},
+            "boundary": {n: _overhead(work / f"steplog-{n}.jsonl") for n in ("a", "b")},
+            "seconds": round(time.monotonic() - t0, 1),
+            "workdir": str(work),
+        }
+        print(json.dumps(summary), flush=True)
+        return 0 if diff == 0.0 and rounds == args.rounds else 1
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        if broker is not None:
+            broker.stop()

@@ -1,0 +1,184 @@
+"""The demo island: a tiny MLP learns a fixed random teacher function on CPU, synced through yeto-nats.
+
+Each island draws its training data from its own seed (heterogeneous shards of one task); held-out
+data comes from a third seed. No downloads: the data is generated.
+
+    python -m learner.demo --run R --island a [--ranks 2] [--steps-max N] [--out params.safetensors]
+
+With `--ranks 2` the island is data-parallel over two gloo processes (gradients all-reduced); only
+rank 0 talks to NATS. After the final cut is installed, rank 0 saves the island's parameters (canonical
+names) to `--out` and prints one JSON line with its mean loss over the last 10 steps.
+
+`python -m learner.demo eval --weights FILE` prints the held-out loss of a safetensors file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+D_IN, D_HID = 16, 64
+TEACHER_SEED, EVAL_SEED = 1234, 99
+
+
+def build_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(D_IN, D_HID), nn.Tanh(),
+        nn.Linear(D_HID, D_HID), nn.Tanh(),
+        nn.Linear(D_HID, 1),
+    )
+
+
+_TEACHER: nn.Module | None = None
+
+
+def teacher() -> nn.Module:
+    global _TEACHER
+    if _TEACHER is None:
+        g = torch.Generator().manual_seed(TEACHER_SEED)
+        t = nn.Sequential(nn.Linear(D_IN, 32), nn.Tanh(), nn.Linear(32, 1))
+        with torch.no_grad():
+            for p in t.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+        _TEACHER = t.requires_grad_(False)
+    return _TEACHER
+
+
+def batch(gen: torch.Generator, n: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs from a shifted normal (the shift makes the islands' shards differ); targets from the teacher."""
+    x = torch.randn(n, D_IN, generator=gen) + shift
+    with torch.no_grad():
+        y = teacher()(x) + 0.01 * torch.randn(n, 1, generator=gen)
+    return x, y
+
+
+def eval_loss(model: nn.Module, n: int = 4096) -> float:
+    x, y = batch(torch.Generator().manual_seed(EVAL_SEED), n)
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(x), y))
+
+
+def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone().contiguous() for name, p in model.named_parameters()}
+
+
+def _train(rank: int, world: int, args, result_q=None) -> None:
+    import torch.distributed as dist
+
+    from learner.adapters.torch_module import TorchModuleAdapter
+    from learner.config import IslandConfig
+    from learner.island import Island
+
+    torch.set_num_threads(1)
+    group = None
+    if world > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
+        group = dist.group.WORLD
+    # Every island starts from its own random weights: version 0 (the INIT island's) overwrites them.
+    model = build_model(seed=sum(map(ord, args.island)))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    adapter = TorchModuleAdapter(model, group=group)
+    cfg = IslandConfig.from_env(run=args.run, island=args.island)
+    island = Island(adapter, cfg, group=group)
+    island.start()
+    shard_seed = {"a": 1, "b": 2}.get(args.island, 3 + len(args.island))
+    gen = torch.Generator().manual_seed(shard_seed * 1000 + rank)
+    shift = 0.3 if shard_seed % 2 else -0.3
+    losses: list[float] = []
+    step = 0
+    t_last = time.monotonic()
+    while True:
+        x, y = batch(gen, args.batch, shift)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if world > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+                p.grad /= world
+        opt.step()
+        step += 1
+        lv = float(loss)
+        if world > 1:
+            t = torch.tensor([lv])
+            dist.all_reduce(t, group=group)
+            lv = float(t) / world
+        losses.append(lv)
+        if args.step_delay:
+            time.sleep(args.step_delay)  # stands in for a real model's compute time
+        keep = island.boundary(tokens=args.batch * world, loss=lv)
+        if rank == 0 and time.monotonic() - t_last > 2.0:
+            t_last = time.monotonic()
+            print(f"[{args.island}] step {step} loss {lv:.4f} versions {island.state.versions()}", flush=True)
+        if not keep or (args.steps_max and step >= args.steps_max):
+            break
+    island.close()
+    if rank == 0:
+        final = {
+            "island": args.island,
+            "steps": step,
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "eval_loss": eval_loss(model),
+            "counters": {k: v for k, v in island.counters.items() if isinstance(v, (int, float))},
+        }
+        if args.out:
+            from safetensors.torch import save_file
+
+            save_file(canonical_state(model), args.out)
+        print("RESULT " + json.dumps(final), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _spawn_rank(rank, world, args):
+    _train(rank, world, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval":
+        p = argparse.ArgumentParser(prog="python -m learner.demo eval")
+        p.add_argument("--weights", required=True)
+        a = p.parse_args(argv[1:])
+        from safetensors.torch import load_file
+
+        model = build_model()
+        model.load_state_dict(load_file(a.weights))
+        print(json.dumps({"eval_loss": eval_loss(model)}))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m learner.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default=os.environ.get("YETO_RUN"), required="YETO_RUN" not in os.environ)
+    p.add_argument("--island", default=os.environ.get("YETO_ISLAND"), required="YETO_ISLAND" not in os.environ)
+    p.add_argument("--ranks", type=int, default=1, help="data-parallel gloo processes in this island")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port for --ranks > 1 (default: a free one)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--step-delay", type=float, default=0.01, help="seconds of simulated compute per step")
+    p.add_argument("--steps-max", type=int, default=0, help="stop after this many steps even without a final cut (0: no limit)")
+    p.add_argument("--out", default=None, help="save the island's parameters here after the final cut")
+    args = p.parse_args(argv)
+    if args.ranks > 1:
+        import torch.multiprocessing as mp
+
+        if not args.port:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                args.port = s.getsockname()[1]
+        mp.spawn(_spawn_rank, args=(args.ranks, args), nprocs=args.ranks, join=True)
+    else:
+        _train(0, 1, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
