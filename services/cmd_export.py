@@ -26,15 +26,27 @@ def export(ckpt_dir: str | os.PathLike, out: str | os.PathLike, run: str | None 
     from services.syncer.checkpoint import CheckpointDir
 
     ck = CheckpointDir(ckpt_dir)
-    state = ck.read_state()
-    if run is not None and state.run != run:
-        raise SystemExit(f"yeto export: checkpoint {ckpt_dir} belongs to run {state.run!r}, not {run!r}")
     session = ck.read_session()
-    entries = []  # (name, shape, fragment file, byte offset, nbytes)
+    # A running syncer deletes a fragment's older files right after each commit: open every file of one
+    # checkpoint state first (an open file survives its unlink), and start over if a commit got between.
+    for _ in range(20):
+        state = ck.read_state()
+        if run is not None and state.run != run:
+            raise SystemExit(f"yeto export: checkpoint {ckpt_dir} belongs to run {state.run!r}, not {run!r}")
+        files = {}
+        try:
+            for f in session["fragments"]:
+                files[f["id"]] = open(ck.files(f["id"], state.versions[f["id"]])[0], "rb")
+            break
+        except FileNotFoundError:
+            for fh in files.values():
+                fh.close()
+    else:
+        raise SystemExit(f"yeto export: checkpoint {ckpt_dir} kept changing under the export; try again")
+    entries = []  # (name, shape, open fragment file, byte offset, nbytes)
     for f in session["fragments"]:
-        params_path, _ = ck.files(f["id"], state.versions[f["id"]])
         for t in f["tensors"]:
-            entries.append((t["name"], t["shape"], params_path, t["offset"] * 4, t["numel"] * 4))
+            entries.append((t["name"], t["shape"], files[f["id"]], t["offset"] * 4, t["numel"] * 4))
     entries.sort(key=lambda e: e[0])
     header, pos = {}, 0
     for name, shape, _, _, nbytes in entries:
@@ -46,13 +58,16 @@ def export(ckpt_dir: str | os.PathLike, out: str | os.PathLike, run: str | None 
     hjson = orjson.dumps(header)
     hjson += b" " * (-len(hjson) % 8)  # align the data section
     tmp = Path(str(out) + ".tmp")
-    with open(tmp, "wb") as w:
-        w.write(struct.pack("<Q", len(hjson)))
-        w.write(hjson)
-        for name, shape, path, off, nbytes in entries:
-            with open(path, "rb") as r:
+    try:
+        with open(tmp, "wb") as w:
+            w.write(struct.pack("<Q", len(hjson)))
+            w.write(hjson)
+            for name, shape, r, off, nbytes in entries:
                 r.seek(off)
                 w.write(r.read(nbytes))
+    finally:
+        for fh in files.values():
+            fh.close()
     os.replace(tmp, out)
     return {"tensors": len(entries), "bytes": pos, "committed_step": state.committed_step, "final": state.final}
 

@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
                    help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1)")
     g.add_argument("--small-limits", action="store_true", default=_env("YETO_SMALL_LIMITS", "0") == "1",
                    help="provision the run with small stream byte limits (tests, demos)")
+    _flag(g, "--status-every", "YETO_STATUS_EVERY", float, 5.0,
+          "seconds between status lines and updates of the state KV key `syncer` (phase, versions, counters)")
     g.add_argument("--log-level", default=_env("YETO_LOG_LEVEL", "INFO"))
     p.set_defaults(func=run)
 
@@ -91,6 +93,10 @@ def run(args) -> int:
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
                         connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"),
                         checkpoint_dir=ckpt, resume=args.resume, limits=limits)
+    if not (args.status_every > 0):
+        print(f"yeto syncer: --status-every must be a number > 0, got {args.status_every!r}", file=sys.stderr)
+        return 2
+    cfg.status_every_s = args.status_every
     try:
         return asyncio.run(SyncerService(cfg).run())
     except SyncerError as exc:

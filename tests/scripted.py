@@ -25,7 +25,7 @@ from schemas.chunks import digest, push_digest
 from schemas.dtypes import pack, unpack
 from schemas.ids import new_generation
 from schemas.layout import chunk_plan, layout_fingerprint
-from schemas.provision import ensure_island_consumers
+from schemas.provision import ensure_island_consumers, remove_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,17 +158,26 @@ class ScriptedIsland:
 
     async def push(self, pull: dict, delta: torch.Tensor, *, c_tokens: int = 100, try_: int = 0,
                    base_version: int | None = None, corrupt: str | None = None, local_step: int = 1,
-                   gen: str | None = None) -> None:
+                   gen: str | None = None, fragment: int | None = None) -> None:
+        """Push `delta` for `pull`. `corrupt` spoils chunk 0: "digest" (bytes no longer match the digest),
+        "size" (4 payload bytes short of its nbytes), "nan" (a NaN and an Inf in the values, digest
+        of the bad bytes). `fragment` publishes on push.I.<fragment> with that fragment in the header."""
         dtype = self.session["push_dtype"]
-        fid = pull["fragment"]
+        fid = pull["fragment"] if fragment is None else fragment
         spans = chunk_plan(delta.numel(), dtype, self.session["chunk_bytes"])
         total = sum(s.nbytes for s in spans)
         digests = []
         for s in spans:
-            buf = bytearray(pack(delta[s.elem_offset: s.elem_offset + s.elem_count].contiguous(), dtype).numpy().tobytes())
+            part = delta[s.elem_offset: s.elem_offset + s.elem_count].contiguous()
+            if corrupt == "nan" and s.index == 0:
+                part = part.clone()
+                part[0], part[-1] = float("nan"), float("inf")
+            buf = bytearray(pack(part, dtype).numpy().tobytes())
             d = digest(bytes(buf))
             if corrupt == "digest" and s.index == 0:
                 buf[0] ^= 0xFF  # bytes no longer match the digest
+            if corrupt == "size" and s.index == 0:
+                del buf[-4:]  # header still claims the full nbytes
             digests.append(d)
             meta = {"v": 1, "run": self.run, "island": self.island, "gen": gen or self.gen, "fragment": fid,
                     "step": pull["step"], "attempt": pull["attempt"], "try": try_,
@@ -214,6 +223,31 @@ class ScriptedIsland:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"fragment {fid} never reached version {version}")
 
+    async def expect(self, pred, timeout: float = 30.0) -> tuple[str, dict]:
+        """Like wait_for, but messages that do not match stay in an inbox for later calls (pipelined
+        rounds deliver several pulls in one fetch)."""
+        inbox = self.__dict__.setdefault("_inbox", [])
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, (kind, m) in enumerate(inbox):
+                if pred(kind, m):
+                    del inbox[i]
+                    return kind, m
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.island}: no matching message in {timeout}s; inbox holds "
+                                   f"{[(k, m.get('step'), m.get('attempt'), m.get('code')) for k, m in inbox]}")
+            inbox.extend(await self.messages(timeout=0.3))
+
+    async def expect_pull(self, step: int, attempt: int | None = None, timeout: float = 30.0) -> dict:
+        return (await self.expect(lambda k, m: k == "pull" and m["step"] == step
+                                  and (attempt is None or m["attempt"] == attempt), timeout))[1]
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict | None = None, msg_id: str | None = None):
+        """Publish arbitrary bytes (bad-input tests); a fresh Nats-Msg-Id unless one is given."""
+        hdrs = dict(headers or {})
+        hdrs[S.MSG_ID] = msg_id or f"raw.{self.island}.{time.time_ns()}"
+        return await self.js.publish(subject, data, headers=hdrs)
+
     async def ack(self, final_step: int) -> None:
         msg = codec.make("ack", run=self.run, island=self.island, gen=self.gen, final_step=final_step)
         await self.js.publish(S.ack(self.run, self.island), codec.encode("ack", msg),
@@ -233,3 +267,186 @@ async def tape(js, run: str, kind: str | None = None) -> list[dict]:
         if kind is None or rec["kind"] == kind:
             out.append(rec)
     return out
+
+
+# ---- helpers for the syncer e2e tests (rounds, bad input, resume) --------------------------------
+
+LR, MU = 0.7, 0.9
+
+
+class Reference:
+    """The outer optimizer computed independently: torch.optim.SGD(nesterov) per fragment, on the
+    float64 weighted mean of the deltas (c_tokens weights)."""
+
+    def __init__(self, init: dict[int, torch.Tensor], lr: float = LR, mu: float = MU):
+        self.p = {f: torch.nn.Parameter(v.clone()) for f, v in init.items()}
+        self.opt = {f: torch.optim.SGD([p], lr=lr, momentum=mu, nesterov=True) for f, p in self.p.items()}
+
+    def round(self, fid: int, deltas: list[torch.Tensor], tokens: list[int]) -> None:
+        w = torch.tensor(tokens, dtype=torch.float64)
+        avg = sum(wi * d.double() for wi, d in zip(w, deltas)) / w.sum()
+        self.p[fid].grad = (-avg).float()
+        self.opt[fid].step()
+
+    def value(self, fid: int) -> torch.Tensor:
+        return self.p[fid].detach().clone()
+
+
+async def wait_provisioned(js, run: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            await js.stream_info(S.stream(run, "CTL"))
+            await js.key_value(S.kv_bucket(run, "state"))
+            return
+        except Exception:
+            await asyncio.sleep(0.1)
+    raise TimeoutError("run never provisioned")
+
+
+async def start_run(nats_url: str, run: str, names: list[str], ckpt: Path, *syncer_args: str, layout=None,
+                    init_seed: int = 0, before_init=None):
+    """Start `yeto syncer`, connect scripted islands `names` (the first is the INIT island), say hello,
+    wait for the session and send INIT (random values; `before_init(isls)` runs first). Returns
+    (syncer, islands, init values per fragment as sent, i.e. rounded to the bulk dtype)."""
+    syncer = SyncerProc(nats_url, run, ckpt, *syncer_args).start()
+    isls = []
+    try:
+        for name in names:
+            isls.append(ScriptedIsland(await nats.connect(nats_url), run, name, layout))
+        await wait_provisioned(isls[0].js, run)
+        for isl in isls:
+            await isl.connect_consumer()
+        for isl in isls:
+            await isl.hello()
+            await asyncio.sleep(0.05)  # the first hello pins the session and names the INIT island
+        for isl in isls:
+            await isl.wait_session()
+        assert isls[0].session["init_island"] == names[0]
+        if before_init is not None:
+            await before_init(isls)
+        gen = torch.Generator().manual_seed(init_seed)
+        bulk = isls[0].session["bulk_dtype"]
+        init = {f["id"]: unpack(pack(torch.randn(f["numel"], generator=gen), bulk), bulk, f["numel"])
+                for f in isls[0].session["fragments"]}
+        await isls[0].send_init(init)
+    except BaseException:
+        await close_run(isls, syncer, run)
+        raise
+    return syncer, isls, init
+
+
+async def close_run(isls, syncer: SyncerProc | None, run: str, extra_nc=()) -> None:
+    """Stop the syncer, remove the run's streams and buckets, close the islands' connections."""
+    if syncer is not None:
+        syncer.stop()
+    try:
+        if isls:
+            await remove_run(isls[0].js, run)
+    finally:
+        for isl in isls:
+            await isl.nc.close()
+        for nc in extra_nc:
+            await nc.close()
+
+
+async def wait_tape(js, run: str, pred, timeout: float = 20.0, kind: str | None = None) -> dict:
+    """The first tape record (of `kind`) matching pred, waiting for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for rec in await tape(js, run, kind):
+            if pred(rec):
+                return rec
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"no tape record of kind {kind} matching in {timeout}s")
+
+
+async def syncer_status(js, run: str) -> dict | None:
+    """The syncer's status record (state KV key `syncer`: phase, versions, counters), or None."""
+    kv = await js.key_value(S.kv_bucket(run, "state"))
+    try:
+        e = await kv.get("syncer")
+    except KeyNotFoundError:
+        return None
+    return orjson.loads(e.value) if e and e.value else None
+
+
+async def wait_status(js, run: str, pred, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    st = None
+    while time.monotonic() < deadline:
+        st = await syncer_status(js, run)
+        if st is not None and pred(st):
+            return st
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"syncer status never matched; last: {st}")
+
+
+class Heartbeater:
+    """Heartbeats for an island every `every_s` (local_step advancing one per beat) until stopped."""
+
+    def __init__(self, isl: ScriptedIsland, every_s: float = 0.3, step_time_s: float = 0.05):
+        self.isl, self.every_s, self.step_time_s = isl, every_s, step_time_s
+        self.local_step = 0
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> "Heartbeater":
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.isl.heartbeat(self.local_step, self.step_time_s)
+            except Exception:  # a test tearing down its connection
+                return
+            self.local_step += 1
+            await asyncio.sleep(self.every_s)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+
+class CutWatcher:
+    """Every BCAST chunk notice of a run (ordered headers-only consumer, last per subject then new):
+    records (fragment, version) -> version_digest and each chunk subject's sequence of versions, so a
+    test can assert that no version number ever appears with two digests and no version goes back."""
+
+    def __init__(self, js, run: str):
+        self.js, self.run = js, run
+        self.digests: dict[tuple[int, int], str] = {}
+        self.conflicts: list[tuple[int, int, str, str]] = []
+        self.versions: dict[tuple[int, int], list[int]] = {}  # (fragment, chunk) -> versions in arrival order
+        self.sub = None
+
+    async def start(self) -> "CutWatcher":
+        from schemas.provision import bcast_consumer_config
+
+        cfg = bcast_consumer_config(self.run)
+        self.sub = await self.js.subscribe(cfg.filter_subject, stream=S.stream(self.run, "BCAST"),
+                                           ordered_consumer=True, config=cfg, cb=self._on_msg)
+        return self
+
+    async def _on_msg(self, msg) -> None:
+        meta = codec.decode_header("bcast_chunk", msg.headers[codec.CHUNK_HEADER])
+        key = (meta["fragment"], meta["version"])
+        seen = self.digests.setdefault(key, meta["version_digest"])
+        if seen != meta["version_digest"]:
+            self.conflicts.append((*key, seen, meta["version_digest"]))
+        self.versions.setdefault((meta["fragment"], meta["chunk"]), []).append(meta["version"])
+
+    def went_back(self) -> list[tuple[int, int, list[int]]]:
+        return [(f, c, vs) for (f, c), vs in self.versions.items() if any(b < a for a, b in zip(vs, vs[1:]))]
+
+    async def stop(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+            self.sub = None
+
+
+def snapshot_dir(path: Path) -> dict[str, bytes]:
+    """Name -> bytes of every file in a directory (a checkpoint before/after comparison)."""
+    return {q.name: q.read_bytes() for q in sorted(Path(path).iterdir()) if q.is_file()}

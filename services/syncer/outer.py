@@ -11,15 +11,51 @@ two agree to f32 rounding:
 
 The shell calls `outer_step_` per chunk with slices of the fragment's params and momentum; every
 operation is elementwise, so chunking never changes a single bit of the result.
+
+`delta_view` decodes a push chunk's wire bytes for the merge without a copy (f32 and bf16 are read in
+place; outer_step_ upcasts bf16 exactly): copying every chunk into fresh memory cost more than the
+outer step itself (bench/merge.py).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["weights_for", "outer_step_"]
+__all__ = ["weights_for", "outer_step_", "delta_view"]
+
+_VIEW_DTYPES = {"f32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+_frombuffer_warned = False
+
+
+def delta_view(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
+    """A push chunk's `numel` values as a read-only 1-D tensor over `buf` (bytes, memoryview, ...).
+
+    f32 and bf16 are viewed in place, no copy (the tensor keeps `buf` alive; never write to it); q4,
+    or a buffer whose address does not suit the dtype's alignment, is decoded into a new f32 tensor by
+    `schemas.dtypes.unpack`. A buffer of the wrong length raises the same DecodeError as unpack.
+    """
+    global _frombuffer_warned
+    from schemas.dtypes import unpack
+
+    spec = _VIEW_DTYPES.get(wire_dtype)
+    mv = memoryview(buf)
+    if spec is None or mv.nbytes != numel * spec[1] or numel == 0:
+        return unpack(buf, wire_dtype, numel)
+    if not _frombuffer_warned:
+        # torch warns once per process that a read-only buffer makes a writable-looking tensor; the
+        # merge only reads deltas, so swallow that one warning here.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.frombuffer(mv, dtype=spec[0])
+        _frombuffer_warned = True
+    else:
+        t = torch.frombuffer(mv, dtype=spec[0])
+    if t.data_ptr() % spec[1]:
+        return unpack(buf, wire_dtype, numel)
+    return t
 
 
 def _tokens_of(member: Any) -> float:
@@ -96,7 +132,8 @@ def outer_step_(
     else:
         if out.dtype != torch.float32 or out.numel() < n:
             raise ValueError(f"scratch must be float32 with >= {n} elements, got {out.dtype} with {out.numel()}")
-        scratch = out.reshape(-1)[:n].view(params.shape)
+        # the shell passes scratch[:n] already shaped like a 1-D chunk: skip three view ops per chunk
+        scratch = out if out.shape == params.shape else out.reshape(-1)[:n].view(params.shape)
 
     # Δ = -Σ (wᵢ/Σw)·dᵢ, accumulated in member order; the coefficients are exact in double and
     # rounded once to f32 by the kernel.

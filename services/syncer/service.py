@@ -12,6 +12,16 @@ pushes wait in JetStream and are read back chunk by chunk with direct gets.
 Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf, unknown fragment,
 digest mismatch, an island id that does not match its subject) is acked (never redelivered), counted,
 written to the EVENTS tape, and changes no state.
+
+Status for operators: every `status_every_s` (`--status-every`) and at exit the syncer logs one status
+line and writes the `state` KV key `syncer` (see `status_record`): phase, committed step, versions,
+live members, in-flight rounds, and the counters of the shell (`counters`: rejected.<code>, publish
+retries, bytes broadcast, ...) and of the round machine (`rounds`: disposition.<d>, restart, merge, ...).
+`nats kv get yeto_<run>_state syncer` shows it without touching the syncer.
+
+State KV key `pulls` ({"attempts": {step: highest attempt published}}) is written *before* a pull is
+published, so a restarted syncer relaunches an in-flight round with a higher attempt (a new pull id)
+even when the round was launched after the last checkpoint.
 """
 from __future__ import annotations
 
@@ -31,15 +41,15 @@ import torch
 from schemas import codec, subjects as S
 from schemas.chunks import VersionDigest, digest as chunk_digest, max_chunk_bytes
 from schemas.conn import ConnectOptions, connect, server_max_payload
-from schemas.dtypes import pack, unpack
+from schemas.dtypes import pack
 from schemas.errors import WireError
-from schemas.layout import chunk_plan
+from schemas.layout import chunk_plan, layout_fingerprint
 from schemas.provision import RunLimits, kv as kv_handle, provision_run
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
 from services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState
 from services.syncer.intake import PushLedger
-from services.syncer.outer import outer_step_
+from services.syncer.outer import delta_view, outer_step_
 
 log = logging.getLogger("yeto.syncer")
 
@@ -67,7 +77,7 @@ class ServiceConfig:
     resume: bool = False
     limits: RunLimits = field(default_factory=RunLimits)
     tick_s: float = 0.2
-    status_every_s: float = 10.0
+    status_every_s: float = 5.0
 
 
 @dataclass
@@ -102,6 +112,8 @@ class SyncerService:
         self._attempts_seen: dict[int, int] = {}
         self._round_started: dict[int, float] = {}
         self._status_t = 0.0
+        self._started_at = time.time()
+        self._pulls_written: dict[int, int] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -131,6 +143,11 @@ class SyncerService:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.machine is not None and self.state_kv is not None:
+                try:  # the last status record (counters at exit) for operators and post-mortems
+                    await asyncio.wait_for(self._write_status(final=True), 5)
+                except BaseException as exc:  # noqa: BLE001 - never mask the real exit reason
+                    log.warning("writing the final status record failed: %r", exc)
             try:
                 # drain() waits for every subscription (up to 30 s by default); everything that matters
                 # was acked or published already, so a flush and close is enough.
@@ -181,18 +198,48 @@ class SyncerService:
                     f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
             self._set_session(session)
             for fid, fr in self.frags.items():
-                fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
+                try:
+                    fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
+                except (CheckpointError, KeyError) as exc:
+                    raise SyncerError(f"--resume: checkpoint {self.ckpt.path} is incomplete: {exc}") from None
                 fr.init_done = True
+            # The checkpoint is the source of truth for bytes: check it against the digests it recorded
+            # (and broadcast) before serving it again.
+            digests = {}
+            for fid in sorted(self.frags):
+                digests[fid] = await asyncio.to_thread(self._bulk_digest, fid, session["bulk_dtype"])
+                want = state.version_digests.get(fid)
+                if want is not None and digests[fid] != want:
+                    raise SyncerError(
+                        f"--resume: checkpoint {self.ckpt.path} fragment {fid} version {state.versions[fid]} has "
+                        f"version digest {digests[fid][:12]}…, the checkpoint recorded {want[:12]}…: corrupt checkpoint")
             members = {}
             async for island, rec in self._kv_items(self.members_kv):
                 members[island] = rec
-            self.machine = R.RoundMachine.restore(
-                mc, session, state.versions, state.committed_step, members, now=time.time(),
-                min_attempts={s: a + 1 for s, a in state.attempts.items()},
-            )
-            self._attempts_seen = dict(state.attempts)
+            # Attempts already published: those recorded at the last commit, and (state KV `pulls`,
+            # written before each pull) those launched after it.
+            published = dict(state.attempts)
+            pulls = await self._kv_get(self.state_kv, "pulls")
+            for k, a in ((pulls or {}).get("attempts") or {}).items():
+                if int(k) > state.committed_step:
+                    published[int(k)] = max(published.get(int(k), 0), int(a))
+            try:
+                self.machine = R.RoundMachine.restore(
+                    mc, session, state.versions, state.committed_step, members, now=time.time(),
+                    min_attempts={s: a + 1 for s, a in published.items()},
+                )
+            except ValueError as exc:  # flags that contradict the checkpointed session
+                raise SyncerError(f"--resume: {exc}") from None
+            self._attempts_seen = dict(published)
             # Bring the state KV in line with the checkpoint (the checkpoint is written first).
             await self._write_commit_record(state)
+            # A crash between the durable commit and the end of its broadcast leaves BCAST without the
+            # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
+            # JetStream drops what it already holds inside the duplicate window; islands ignore a
+            # version they already hold.
+            if not state.final:
+                for fid in sorted(self.frags):
+                    await self._broadcast(fid, state.versions[fid], digests[fid])
             log.info("resumed run %s from %s at step %d, versions %s", self.run_id, self.ckpt.path,
                      state.committed_step, state.versions)
             await self._tape({"kind": "restart", "step": state.committed_step + 1, "fragment": mc.fragment_of(state.committed_step + 1),
@@ -277,6 +324,19 @@ class SyncerService:
             return
         now = time.time()
         if kind == "hello":
+            # The machine compares later hellos by their *claimed* fingerprint: make sure the claim is
+            # the layout's own (pinning checks this too), or a hello could bring another layout in.
+            try:
+                own_fp = layout_fingerprint(m["layout"])
+            except WireError as exc:
+                own_fp, why = None, f"layout refused: {exc}"
+            else:
+                why = f"layout_fingerprint {m['layout_fingerprint']} is not its layout's fingerprint {own_fp}"
+            if own_fp != m["layout_fingerprint"]:
+                err = WireError(why, field="layout_fingerprint", value=m["layout_fingerprint"], code="layout_mismatch")
+                await self._reject(f"hello on {msg.subject}", err, island=m["island"], gen=m["gen"])
+                await self._do(R.SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
+                return
             await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
                                          layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
                                          bulk_dtype=m["bulk_dtype"], now=now))
@@ -307,7 +367,7 @@ class SyncerService:
                                 value={"offset": meta["offset"], "nbytes": meta["nbytes"], "payload": len(msg.data)}, code="wrong_size")
             if chunk_digest(msg.data) != meta["digest"]:
                 raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
-            values = unpack(msg.data, meta["dtype"], span.elem_count)
+            values = delta_view(msg.data, meta["dtype"], span.elem_count)
             if not bool(torch.isfinite(values).all()):
                 raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
         except WireError as exc:
@@ -348,7 +408,14 @@ class SyncerService:
         ok, reason, expected_total = True, None, None
         fr = self.frags.get(meta["fragment"])
         if self.session is None or fr is None:
-            ok, reason = False, f"unknown fragment {meta['fragment']}"
+            # No round can ever target it: refuse the chunk here (tape + counter) rather than let a
+            # try that cannot complete sit in the ledger.
+            why = "no session pinned yet" if self.session is None else f"the session has {len(self.frags)} fragments"
+            await self._reject(f"push chunk on {msg.subject}",
+                               WireError(f"unknown fragment ({why})", field="fragment", value=meta["fragment"],
+                                         code="unknown_fragment"), island=subj_island, gen=meta["gen"])
+            await self._delete_seqs([seq])
+            return
         else:
             try:
                 if meta["dtype"] != self.session["push_dtype"]:
@@ -365,12 +432,13 @@ class SyncerService:
                                     code="wrong_size")
                 if chunk_digest(msg.data) != meta["digest"]:
                     raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
-                values = unpack(msg.data, meta["dtype"], span.elem_count)
+                values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
                 if not bool(torch.isfinite(values).all()):
                     raise WireError("push values must be finite (NaN/Inf delta)", field="payload", value=f"chunk {k}", code="non_finite")
             except WireError as exc:
                 ok, reason = False, str(exc)
                 self.counters[f"rejected.{exc.code}"] += 1
+                self.counters["rejected"] += 1
         t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
@@ -395,7 +463,7 @@ class SyncerService:
                 raise event
             actions = self.machine.handle(event)
             await self._apply_async(actions)
-            self._status()
+            await self._status()
 
     def _apply(self, actions) -> None:
         """Queue actions produced outside the loop (at start) for the loop to carry out."""
@@ -409,7 +477,7 @@ class SyncerService:
         for a in actions:
             await self._do(a)
 
-    def _status(self) -> None:
+    async def _status(self) -> None:
         now = time.monotonic()
         if now - self._status_t < self.cfg.status_every_s:
             return
@@ -419,6 +487,34 @@ class SyncerService:
         log.info("phase %s | committed step %d/%d | versions %s | members %s | rejected %d | restarts %d",
                  m.phase, m.committed_step, self.cfg.machine.total_steps, dict(m.versions), ",".join(live),
                  self.counters["rejected"], m.counters.get("restart", 0))
+        try:
+            await self._write_status()
+        except Exception as exc:  # status is for operators: never let it stop the syncer
+            self.counters["status_error"] += 1
+            log.warning("writing the status record failed: %r", exc)
+
+    def status_record(self, *, final: bool = False) -> dict:
+        """The `state` KV key `syncer`: where the syncer stands and every counter (JSON)."""
+        m = self.machine
+        return {
+            "pid": os.getpid(),
+            "started_at": self._started_at,
+            "updated_at": time.time(),
+            "exited": final,
+            "phase": m.phase,
+            "committed_step": m.committed_step,
+            "total_steps": self.cfg.machine.total_steps,
+            "versions": {str(k): v for k, v in m.versions.items()},
+            "live": sorted(i for i, mem in m.members.items() if mem.live),
+            "rounds_in_flight": [{"step": r.step, "fragment": r.fragment, "attempt": r.attempt,
+                                  "answered": r.answered, "expected": len(r.slots)}
+                                 for _, r in sorted(m.rounds.items())],
+            "counters": dict(sorted(self.counters.items())),
+            "rounds": dict(sorted(m.counters.items())),
+        }
+
+    async def _write_status(self, *, final: bool = False) -> None:
+        await self.state_kv.put("syncer", orjson.dumps(self.status_record(final=final)))
 
     async def _do(self, a) -> None:
         if isinstance(a, R.WriteSession):
@@ -433,6 +529,7 @@ class SyncerService:
             p = dict(a.pull)
             msg = codec.make("pull", run=self.run_id, **p)
             self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
+            await self._write_pulls_record()
             self._round_started.setdefault(p["step"], time.time())
             await publish_retry(self.js, S.pull(self.run_id), codec.encode("pull", msg),
                                 S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters)
@@ -490,7 +587,7 @@ class SyncerService:
         data = m.data
         if want_digest is not None and chunk_digest(data) != want_digest:
             raise SyncerError(f"PUSH message {seq} changed in the stream (digest mismatch)")
-        return unpack(data, dtype, count)
+        return delta_view(data, dtype, count)  # read in place: the merge never writes a delta
 
     async def _merge(self, a: R.Merge) -> None:
         t0 = time.time()
@@ -570,6 +667,17 @@ class SyncerService:
             await self._broadcast(fid, v, digests[fid])
             await self._tape({"kind": "commit", "step": step, "fragment": fid, "version": v,
                               "detail": {"version_digest": digests[fid]}}, kind="commit")
+
+    async def _write_pulls_record(self) -> None:
+        """Before a pull is published: remember its attempt durably (state KV `pulls`), so a restarted
+        syncer never reuses a published pull id for a relaunched round (JetStream would drop the
+        relaunch as a duplicate, and an island that already answered it would never push again)."""
+        done = self.machine.committed_step if self.machine is not None else 0
+        attempts = {s: a for s, a in self._attempts_seen.items() if s > done}
+        if attempts == self._pulls_written:
+            return
+        await self.state_kv.put("pulls", orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}))
+        self._pulls_written = attempts
 
     async def _write_commit_record(self, state: CheckpointState) -> None:
         rec = {"committed_step": state.committed_step,

@@ -1,0 +1,599 @@
+"""The island's NATS client (DESIGN §5): a background thread running nats-py's asyncio loop.
+
+The training thread never touches the network directly. The loop thread:
+
+* reads the island's durable CTL consumer `isl-I-<gen>` (pulls, and manifest / error / shutdown sent
+  to this island) into thread-safe inboxes, acking each message once it is in an inbox;
+* watches BCAST and FINAL with ordered, headers-only consumers: the inboxes hold *notices* (chunk
+  headers; the newest per chunk subject), the bytes stay in JetStream until the sync rank fetches
+  them at a boundary;
+* publishes a heartbeat every `heartbeat_s` and drains the step-log queue.
+
+The training thread drains the inboxes at step boundaries and runs the calls it must wait for
+(fetching chunks, publishing a push and waiting for its acks) on the loop with
+`asyncio.run_coroutine_threadsafe(...)`, always with a timeout (`call`).
+
+Bad input (malformed JSON, a schema violation, a header that does not match its subject) is counted
+in `counters["rejected"]`, logged and acked: redelivering it would not make it valid.
+
+Generation: one random `gen` per IslandClient (per process start); reconnects keep it, and it rides
+on every message. Health: nats-py reconnects on its own; `check_health` raises only once it gave up
+after `max_reconnects` failed attempts, or after the syncer sent a fatal error.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Awaitable, Iterable
+
+import nats
+import nats.errors
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from schemas import codec
+from schemas import provision as P
+from schemas import subjects as S
+from schemas.conn import connect
+from schemas.errors import DecodeError, WireError
+from schemas.ids import new_generation
+from schemas.publish import Pipeline, publish_retry
+
+from .config import IslandConfig
+from .steplog import StepLog
+
+log = logging.getLogger("yeto.island")
+
+ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
+CTL_FETCH_BATCH = 64
+PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
+
+
+class IslandUnhealthy(RuntimeError):
+    """The island cannot go on: the connection is gone for good, or the syncer refused it."""
+
+
+class SyncerRefused(IslandUnhealthy):
+    """The syncer sent a fatal error (e.g. layout or dtype mismatch at hello)."""
+
+    def __init__(self, msg: dict):
+        self.code, self.field = msg.get("code"), msg.get("field")
+        super().__init__(f"syncer refused this island: {msg.get('code')}: {msg.get('message')}"
+                         + (f" (field {msg['field']})" if msg.get("field") else ""))
+
+
+class NotConnected(RuntimeError):
+    """The connection is down right now (nats-py is reconnecting)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkNotice:
+    """A BCAST / FINAL chunk's header as seen by the cut watcher (the bytes stay in JetStream)."""
+
+    kind: str  # "bcast_chunk" or "final_chunk"
+    subject: str
+    fragment: int
+    chunk: int
+    version: int
+    nbytes: int
+    meta: dict
+
+
+class Inbox:
+    """A thread-safe FIFO the loop fills and the training thread drains at step boundaries."""
+
+    def __init__(self) -> None:
+        self._q: collections.deque = collections.deque()
+
+    def put(self, item: Any) -> None:
+        self._q.append(item)  # deque append/popleft are atomic
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self._q.popleft())
+            except IndexError:
+                return out
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+class CutInbox:
+    """The newest notice per chunk subject (fragment, chunk), for BCAST / FINAL.
+
+    A chunk subject holds one message, so an older notice of the same subject is obsolete: keeping
+    only the newest bounds the inbox by the number of chunks of the model, however many versions
+    land between two boundaries (a long evaluation, a slow step)."""
+
+    def __init__(self) -> None:
+        self._d: dict[tuple[int, int], ChunkNotice] = {}
+        self._lock = threading.Lock()
+
+    def put(self, n: ChunkNotice) -> None:
+        key = (n.fragment, n.chunk)
+        with self._lock:
+            cur = self._d.get(key)
+            if cur is None or n.version >= cur.version:
+                self._d[key] = n
+
+    def drain(self) -> list[ChunkNotice]:
+        with self._lock:
+            d, self._d = self._d, {}
+        return list(d.values())
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class IslandClient:
+    def __init__(self, config: IslandConfig, *, gen: str | None = None):
+        self.config = config
+        self.run, self.island = config.run, config.island
+        self.gen = gen or new_generation()
+        self.pulls = Inbox()  # decoded pull dicts
+        self.control = Inbox()  # (kind, msg): manifest / error / shutdown for this island (and gen)
+        self.bcast = CutInbox()
+        self.final = CutInbox()
+        self.steplog = StepLog(self.run, self.island, self.gen, maxlen=config.steplog_queue, path=config.step_log)
+        # Written by the loop thread only; read by the training thread as a copy (dict copy is atomic).
+        self._counters: Counter[str] = Counter()
+        self.rejections: collections.deque[str] = collections.deque(maxlen=64)  # recent reasons, newest last
+        # Progress reported in heartbeats (set by the training thread).
+        self.local_step = 0
+        self.step_time_s: float | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.nc = None
+        self.js = None
+        self._fatal: BaseException | None = None
+        self._gave_up = False
+        self._closing = False
+        self._tasks: list[asyncio.Task] = []
+        self._subs: list = []
+        self._wake: asyncio.Event | None = None
+        self._consumer: str | None = None
+
+    # ---- lifecycle (training thread) ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread and connect (retrying for `connect_timeout_s`)."""
+        if self.loop is not None:
+            return
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"yeto-nats-{self.island}", daemon=True)
+        self._thread.start()
+        self.call(self._connect(), self.config.connect_timeout_s + 5)
+
+    def call(self, coro: Awaitable, timeout: float | None) -> Any:
+        """Run `coro` on the loop and wait for its result; cancel it on timeout (TimeoutError)."""
+        if self.loop is None or not self.loop.is_running():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise NotConnected("the NATS client is not running")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise TimeoutError(f"NATS call did not finish within {timeout:.1f}s") from None
+
+    @property
+    def connected(self) -> bool:
+        nc = self.nc
+        return nc is not None and nc.is_connected
+
+    @property
+    def counters(self) -> Counter:
+        return Counter(dict(self._counters))
+
+    def rejected_total(self) -> int:
+        return self._counters.get("rejected", 0)
+
+    def check_health(self) -> None:
+        """Raise if the island must stop: a fatal error from the syncer, a crashed background task,
+        or the connection given up after `max_reconnects` failed reconnects. A connection that is
+        merely down (reconnecting) is healthy: training goes on."""
+        if self._fatal is not None:
+            raise self._fatal
+        if self._gave_up:
+            raise IslandUnhealthy(f"NATS connection to {self.config.nats.url} lost: gave up after "
+                                  f"{self.config.max_reconnects} failed reconnects (YETO_MAX_RECONNECTS)")
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Flush the step log (briefly), stop the background tasks, remove this generation's CTL
+        consumer and close the connection. Idempotent."""
+        self._closing = True
+        loop = self.loop
+        if loop is not None and loop.is_running():
+            try:
+                self.call(self._aclose(), timeout)
+            except Exception as exc:  # closing must not raise over the training loop's own error
+                log.warning("island %s: closing the NATS client: %r", self.island, exc)
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout)
+            if not loop.is_running():
+                loop.close()
+        self.loop = None
+        self.steplog.on_put = None
+        self.steplog.close()
+
+    # ---- provisioning and the session (training thread) -----------------------------------------
+
+    def provision(self, hello: dict) -> None:
+        """Island-side provisioning (DESIGN §3): wait for the run's streams, publish hello, create this
+        generation's CTL consumer delivering from the hello's own stream timestamp (nothing stored
+        before it can be meant for this generation), remove older generations' consumers, and start
+        the background readers and heartbeats.
+
+        `hello`: the hello fields beyond type / v / run / island / gen."""
+        to = self.config.session_timeout_s
+        self.call(P.check_run(self.js, self.run, timeout_s=to, log=log.warning), None if to is None else to + 10)
+        msg = codec.make("hello", hello, run=self.run, island=self.island, gen=self.gen)
+        ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
+                                      S.hello_msg_id(self.island, self.gen), counters=self._counters), 60)
+        self.call(self._after_hello(ack.seq), 60)
+
+    async def _after_hello(self, seq: int) -> None:
+        stored = await self.js.get_msg(S.stream(self.run, "CTL"), seq=seq)
+        admitted_at = stored.time.timestamp() - 1e-3  # microsecond truncation, float rounding
+        await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, admitted_at)
+        self._consumer = S.island_pull_consumer(self.island, self.gen)
+        gone = await P.cleanup_island_consumers(self.js, self.run, self.island, keep_gen=self.gen)
+        if gone:
+            log.info("island %s: removed consumers of earlier generations: %s", self.island, ", ".join(gone))
+        sub = await self.js.pull_subscribe_bind(durable=self._consumer, stream=S.stream(self.run, "CTL"))
+        self._spawn(self._ctl_pump(sub), "ctl")
+        for kind, stream, cfg in (("bcast_chunk", "BCAST", P.bcast_consumer_config(self.run)),
+                                  ("final_chunk", "FINAL", P.final_consumer_config(self.run))):
+            self._subs.append(await self.js.subscribe(
+                cfg.filter_subject, stream=S.stream(self.run, stream), ordered_consumer=True, config=cfg,
+                cb=self._cut_callback(kind)))
+        self._spawn(self._heartbeat_loop(), "heartbeat")
+        self._spawn(self._steplog_loop(), "steplog")
+
+    def state_key(self, key: str) -> bytes | None:
+        """The value of `key` in the run's `state` KV, or None when absent."""
+        return self.call(self._kv_get("state", key), 30)
+
+    async def _kv_get(self, bucket: str, key: str) -> bytes | None:
+        kv = await P.kv(self.js, self.run, bucket)
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return entry.value or None  # an empty value is a delete marker (NATS-NOTES trap 6)
+
+    def wait_session(self, *, poll_s: float = 0.2, log_every_s: float = 30.0) -> dict:
+        """Wait for the syncer's session record (state KV key `session`), with a log line while
+        waiting; raise on a fatal error from the syncer or after `session_timeout_s`."""
+        t0 = time.monotonic()
+        last_log = None
+        to = self.config.session_timeout_s
+        while True:
+            self.check_health()
+            raw = None
+            try:
+                raw = self.state_key("session")
+            except (TimeoutError, NotConnected, nats.errors.Error) as exc:
+                log.debug("island %s: reading the session record: %r", self.island, exc)
+            if raw is not None:
+                session = codec.decode("session", raw)
+                if session["run"] != self.run:
+                    raise WireError("session record names another run", field="run", value=session["run"])
+                if last_log is not None:
+                    log.warning("island %s: session record of run %s found after %.1fs", self.island, self.run,
+                                time.monotonic() - t0)
+                return session
+            waited = time.monotonic() - t0
+            if to is not None and waited >= to:
+                raise TimeoutError(f"island {self.island}: no session record for run {self.run} after {waited:.0f}s "
+                                   f"(is the syncer running and has it admitted this island?)")
+            if last_log is None or time.monotonic() - last_log >= log_every_s:
+                log.warning("island %s (gen %s): waiting for the syncer's session record of run %s "
+                            "(KV %s key 'session'; waited %.0fs)", self.island, self.gen, self.run,
+                            S.kv_bucket(self.run, "state"), waited)
+                last_log = time.monotonic()
+            time.sleep(poll_s)
+
+    # ---- calls the training thread waits for -----------------------------------------------------
+
+    def publish_stream(self, items: Iterable[tuple[str, Any, str, dict]], *, timeout: float) -> int:
+        """Publish (subject, payload, msg id, headers) items as they are produced, with bounded bytes
+        in flight, and wait until JetStream acked every one. Returns the payload bytes sent. Raises
+        NotConnected, TimeoutError or PublishFailed; then the caller treats the whole stream as not
+        sent (resends reuse the msg ids, so JetStream drops what did land)."""
+        deadline = time.monotonic() + timeout
+        # An ack future can hang when the server answers with an error (NATS-NOTES trap 2): the
+        # pipeline's own wait is a fraction of the budget, so such a publish is redone with
+        # publish_retry (same msg id, backoff on 10077 / 10167) before the whole stream times out.
+        pipe = Pipeline(self.js, max_bytes=PUSH_PIPELINE_BYTES, timeout=max(0.5, min(10.0, timeout / 4)),
+                        counters=self._counters)
+        sent = 0
+
+        def left() -> float:
+            rem = deadline - time.monotonic()
+            if rem <= 0:
+                raise TimeoutError(f"publishing did not finish within {timeout:.1f}s")
+            return rem
+
+        for subject, payload, msg_id, headers in items:
+            if not self.connected:
+                raise NotConnected("NATS connection is down")
+            self.call(pipe.put(subject, payload, msg_id, headers), left())
+            sent += len(payload)
+        self.call(pipe.flush(), left())
+        return sent
+
+    def fetch_last(self, kind: str, subjects: list[str], *, timeout: float | None = None) -> list:
+        """The newest message on each subject of stream `kind` (direct get), None where there is none."""
+        return self.call(self._fetch_last(kind, subjects), self.config.fetch_timeout_s if timeout is None else timeout)
+
+    async def _fetch_last(self, kind: str, subjects: list[str]) -> list:
+        stream = S.stream(self.run, kind)
+
+        async def one(subject: str):
+            try:
+                return await self.js.get_msg(stream, subject=subject, direct=True)
+            except NotFoundError:
+                return None
+
+        return list(await asyncio.gather(*(one(s) for s in subjects)))
+
+    def send_ack(self, final_step: int, *, timeout: float = 60.0) -> None:
+        msg = codec.make("ack", run=self.run, island=self.island, gen=self.gen, final_step=final_step)
+        self.call(publish_retry(self.js, S.ack(self.run, self.island), codec.encode("ack", msg),
+                                S.ack_msg_id(self.island, self.gen, final_step), counters=self._counters), timeout)
+
+    # ---- loop side -------------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        logged = False
+        while True:
+            try:
+                self.nc = await connect(
+                    cfg.nats, name=f"yeto-island-{self.island}-{self.gen}",
+                    # nats-py reads 0 as "no limit"; our 0 means "give up at the first loss".
+                    max_reconnect_attempts=cfg.max_reconnects, reconnect_time_wait=cfg.reconnect_wait_s,
+                    allow_reconnect=cfg.max_reconnects != 0, connect_timeout=5,
+                    disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
+                    closed_cb=self._on_closed, error_cb=self._on_error)
+                break
+            except Exception as exc:  # server not up yet: retry until connect_timeout_s
+                if time.monotonic() - t0 >= cfg.connect_timeout_s:
+                    raise IslandUnhealthy(f"cannot connect to NATS at {cfg.nats.url} within "
+                                          f"{cfg.connect_timeout_s:.0f}s: {exc!r}") from exc
+                if not logged:
+                    log.warning("island %s: waiting for NATS at %s (%r)", self.island, cfg.nats.url, exc)
+                    logged = True
+                await asyncio.sleep(0.5)
+        self.js = self.nc.jetstream()
+        self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # loop closed
+                pass
+
+        self.steplog.on_put = wake
+
+    async def _on_disconnected(self) -> None:
+        self._counters["disconnects"] += 1
+        if not self._closing:
+            log.warning("island %s: NATS connection lost; reconnecting (training goes on)", self.island)
+
+    async def _on_reconnected(self) -> None:
+        self._counters["reconnects"] += 1
+        log.warning("island %s: NATS reconnected", self.island)
+
+    async def _on_closed(self) -> None:
+        if not self._closing:
+            self._gave_up = True
+
+    async def _on_error(self, exc: Exception) -> None:
+        self._counters["nats_errors"] += 1
+        log.debug("island %s: nats error: %r", self.island, exc)
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=f"yeto-{name}")
+
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None and not self._closing:
+                log.error("island %s: background task %s crashed: %r", self.island, name, t.exception())
+                self._fatal = IslandUnhealthy(f"background task {name} crashed: {t.exception()!r}")
+
+        task.add_done_callback(done)
+        self._tasks.append(task)
+
+    def _reject(self, what: str, exc: Exception) -> None:
+        self._counters["rejected"] += 1
+        self._counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
+        text = f"{what}: {exc}"
+        self.rejections.append(text)
+        log.warning("island %s: rejected %s", self.island, text)
+
+    # CTL: pulls and messages to this island.
+
+    async def _ctl_pump(self, sub) -> None:
+        while not self._closing:
+            try:
+                msgs = await sub.fetch(CTL_FETCH_BATCH, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # disconnected, consumer briefly unavailable: retry
+                self._counters["ctl_fetch_errors"] += 1
+                log.debug("island %s: CTL fetch: %r", self.island, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for m in msgs:
+                self._on_ctl(m.subject, m.data)
+                try:
+                    await m.ack()
+                except Exception:  # redelivered later; the pull book keeps one copy
+                    pass
+
+    def _on_ctl(self, subject: str, data: bytes) -> None:
+        try:
+            kind, msg = codec.decode_typed(data, ISLAND_CTL_KINDS)
+            if msg["run"] != self.run:
+                raise WireError("message names another run", field="run", value=msg["run"])
+            want = S.pull(self.run) if kind == "pull" else S.to_island(self.run, self.island)
+            if subject != want:
+                raise WireError(f"a {kind} message must arrive on {want}", field="subject", value=subject)
+        except WireError as exc:
+            self._reject(f"CTL message on {subject}", exc)
+            return
+        if kind == "pull":
+            self._counters["pulls_received"] += 1
+            self.pulls.put(msg)
+            return
+        if msg.get("gen") not in (None, self.gen):
+            self._counters["ctl_other_gen"] += 1
+            return
+        if kind == "error":
+            log.error("island %s: syncer error %s (fatal=%s): %s", self.island, msg["code"], msg["fatal"], msg["message"])
+            if msg["fatal"]:
+                self._fatal = SyncerRefused(msg)
+        self.control.put((kind, msg))
+
+    # BCAST / FINAL notices.
+
+    def _cut_callback(self, kind: str):
+        inbox = self.bcast if kind == "bcast_chunk" else self.final
+        prefix = "bcast" if kind == "bcast_chunk" else "final"
+
+        async def cb(msg) -> None:
+            try:
+                hdr = (msg.headers or {}).get(codec.CHUNK_HEADER)
+                if hdr is None:
+                    raise DecodeError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
+                meta = codec.decode_header(kind, hdr)
+                toks = S.parse(self.run, msg.subject)
+                if meta["run"] != self.run:
+                    raise WireError("chunk names another run", field="run", value=meta["run"])
+                if toks != (prefix, str(meta["fragment"]), str(meta["chunk"])):
+                    raise WireError("chunk header does not match its subject", field="subject", value=msg.subject)
+                size = int((msg.headers or {}).get("Nats-Msg-Size", meta["nbytes"]))
+                if size != meta["nbytes"]:
+                    raise WireError(f"message holds {size} bytes", field="nbytes", value=meta["nbytes"])
+            except (WireError, ValueError) as exc:
+                self._reject(f"{kind} notice on {msg.subject}", exc)
+                return
+            inbox.put(ChunkNotice(kind, msg.subject, meta["fragment"], meta["chunk"], meta["version"], meta["nbytes"], meta))
+
+        return cb
+
+    # Heartbeats and the step log.
+
+    async def _heartbeat_loop(self) -> None:
+        seq = 0
+        period = self.config.heartbeat_s
+        while not self._closing:
+            if self.connected:
+                msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen,
+                                 local_step=self.local_step, step_time_s=self.step_time_s)
+                try:
+                    await publish_retry(self.js, S.heartbeat(self.run, self.island), codec.encode("heartbeat", msg),
+                                        S.heartbeat_msg_id(self.island, self.gen, seq), timeout=max(1.0, period),
+                                        attempts=2, counters=self._counters)
+                    self._counters["heartbeats"] += 1
+                except Exception as exc:
+                    self._counters["heartbeat_failed"] += 1
+                    log.debug("island %s: heartbeat: %r", self.island, exc)
+                seq += 1
+            await asyncio.sleep(period)
+
+    async def _steplog_loop(self) -> None:
+        subject = S.steplog(self.run, self.island)
+        while not self._closing:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that lands as it
+            # times out, and this loop would outlive close().
+            try:
+                async with asyncio.timeout(0.5):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            await self._flush_steplog(subject)
+
+    async def _flush_steplog(self, subject: str, timeout: float = 10.0) -> None:
+        # Events wait in the (bounded) queue while the connection is down: nothing is lost but drops.
+        while self.connected:
+            items = self.steplog.pop_all(256)
+            if not items:
+                return
+            futs = []
+            for step, line in items:
+                try:
+                    futs.append(await self.js.publish_async(
+                        subject, line, headers={S.MSG_ID: S.steplog_msg_id(self.island, self.gen, step)},
+                        wait_stall=timeout))
+                except Exception:
+                    self._counters["steplog_failed"] += 1
+            if futs:
+                try:
+                    res = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
+                except asyncio.TimeoutError:
+                    res = [TimeoutError()] * len(futs)
+                failed = sum(isinstance(r, BaseException) for r in res)
+                self._counters["steplog_sent"] += len(res) - failed
+                self._counters["steplog_failed"] += failed
+
+    async def _aclose(self) -> None:
+        if self.nc is None:
+            return
+        try:
+            await asyncio.wait_for(self._flush_steplog(S.steplog(self.run, self.island)), 3.0)
+        except Exception:
+            pass
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        self._tasks.clear()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs.clear()
+        if self._consumer is not None and self.nc.is_connected:
+            try:  # this generation's consumer is garbage once the process ends
+                await self.js.delete_consumer(S.stream(self.run, "CTL"), self._consumer)
+            except Exception:
+                pass
+        try:
+            await asyncio.wait_for(self.nc.close(), 5.0)
+        except Exception:
+            pass
+        # nats-py's own reader/flusher/subscription tasks: finish them before the loop stops, so
+        # none is destroyed pending.
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        if rest:
+            await asyncio.wait(rest, timeout=2.0)
+
+
+__all__ = [
+    "ChunkNotice",
+    "CutInbox",
+    "Inbox",
+    "IslandClient",
+    "IslandUnhealthy",
+    "NotConnected",
+    "SyncerRefused",
+]

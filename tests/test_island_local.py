@@ -1,0 +1,651 @@
+"""The island against a real nats-server, with the syncer side played by hand (schemas + nats-py).
+
+Each test provisions its own run, writes a session record, publishes broadcasts / pulls / final
+cut / manifest itself, and reads what the island publishes (pushes, INIT chunks, acks, step log)
+from the streams. The island runs its blocking calls in a worker thread (`asyncio.to_thread`) so
+this test's own event loop keeps serving the syncer side.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+import torch
+from torch import nn
+
+from learner.adapters import TorchModuleAdapter, gather_fragment
+from learner.config import IslandConfig
+from learner.fragments import ProtocolError
+from learner.island import Island
+from schemas import codec
+from schemas import subjects as S
+from schemas.chunks import Assembler, digest, iter_chunks, push_digest, version_digest
+from schemas.conn import ConnectOptions
+from schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
+from schemas.layout import build_session
+from schemas.provision import RunLimits, kv, provision_run, remove_run
+
+CHUNK_BYTES = 1024
+ISLAND = "a"
+
+
+class Net(nn.Module):
+    """Two fragments with P=2: the embedding alone (1 chunk in f32), the layers (4 chunks in f32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([nn.Linear(32, 24), nn.Linear(24, 8)])
+
+
+def net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+class Syncer:
+    """The syncer's side of the wire, by hand."""
+
+    def __init__(self, js, run: str, session: dict):
+        self.js, self.run, self.session = js, run, session
+
+    def numel(self, fid: int) -> int:
+        return self.session["fragments"][fid]["numel"]
+
+    def values(self, fid: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(self.numel(fid), generator=g)
+
+    async def _chunks(self, kind: str, fid: int, version: int, flat: torch.Tensor, dtype: str, extra: dict,
+                      subject, msg_id, corrupt: bool = False) -> str:
+        packed = pack(flat, dtype)
+        vdig = version_digest(packed)
+        unit = wire_align(dtype)[1]
+        for ch in iter_chunks(packed, (self.session["chunk_bytes"] // unit) * unit):
+            meta = {"v": 1, "run": self.run, "fragment": fid, "version": version, "dtype": dtype,
+                    **ch.header(), "version_digest": vdig, **extra}
+            if corrupt:
+                meta["digest"] = "0" * 16
+            await self.js.publish(subject(fid, ch.index), bytes(ch.payload),
+                                  headers={S.MSG_ID: msg_id(fid, version, ch.index),
+                                           codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
+        return vdig
+
+    async def bcast(self, fid: int, version: int, flat: torch.Tensor, *, corrupt: bool = False,
+                    msg_id=S.bcast_msg_id) -> str:
+        """Publish a version in the session bulk dtype; returns its version digest."""
+        return await self._chunks("bcast_chunk", fid, version, flat, self.session["bulk_dtype"], {},
+                                  lambda f, k: S.bcast(self.run, f, k), msg_id, corrupt)
+
+    def bcast_chunks(self, fid: int) -> int:
+        unit = wire_align(self.session["bulk_dtype"])[1]
+        total = self.numel(fid) * (4 if self.session["bulk_dtype"] == "f32" else 2)
+        return -(-total // ((self.session["chunk_bytes"] // unit) * unit))
+
+    async def final(self, fid: int, version: int, flat: torch.Tensor, final_step: int) -> str:
+        return await self._chunks("final_chunk", fid, version, flat, "f32", {"final_step": final_step},
+                                  lambda f, k: S.final(self.run, f, k), S.final_msg_id)
+
+    async def pull(self, fid: int, step: int, base: int, members: list[tuple[str, str]], attempt: int = 1, seq: int = 0):
+        msg = codec.make("pull", run=self.run, fragment=fid, step=step, attempt=attempt, seq=seq, base_version=base,
+                         members=[{"island": i, "gen": g} for i, g in members])
+        await self.js.publish(S.pull(self.run), codec.encode("pull", msg),
+                              headers={S.MSG_ID: S.pull_msg_id(fid, step, attempt, seq)})
+
+    async def to_island(self, kind: str, island: str, **fields):
+        msg = codec.make(kind, run=self.run, **fields)
+        await self.js.publish(S.to_island(self.run, island), codec.encode(kind, msg),
+                              headers={S.MSG_ID: S.to_island_msg_id(island, kind, str(time.monotonic_ns()))})
+
+    async def pushes(self, island: str, fid: int, count: int, timeout: float = 10.0) -> list[tuple[dict, bytes]]:
+        """The first `count` push chunks on push.I.F, decoded headers and payloads."""
+        sub = await self.js.subscribe(S.push(self.run, island, fid), stream=S.stream(self.run, "PUSH"),
+                                      ordered_consumer=True)
+        try:
+            out = []
+            for _ in range(count):
+                m = await sub.next_msg(timeout=timeout)
+                out.append((codec.decode_header("push_chunk", m.headers[codec.CHUNK_HEADER]), m.data))
+            return out
+        finally:
+            await sub.unsubscribe()
+
+    async def push_count(self, island: str, fid: int) -> int:
+        info = await self.js.stream_info(S.stream(self.run, "PUSH"), subjects_filter=S.push(self.run, island, fid))
+        return sum((info.state.subjects or {}).values())
+
+
+def assemble_push(chunks: list[tuple[dict, bytes]]) -> tuple[dict, bytes]:
+    """Check one push try's chunks like the syncer would; return the last header and the payload."""
+    chunks = sorted(chunks, key=lambda c: c[0]["chunk"])
+    first = chunks[0][0]
+    asm = Assembler(first["total"], first["chunks"])
+    for meta, data in chunks:
+        asm.add(meta, data)
+    last = chunks[-1][0]
+    assert last["push_digest"] == push_digest([m["digest"] for m, _ in chunks])
+    return last, bytes(asm.result().numpy())
+
+
+@pytest.fixture
+async def env(nc, run_id, nats_url, tmp_path):
+    js = nc.jetstream()
+    await provision_run(js, run_id, RunLimits.small(storage="memory"), log=lambda _: None)
+    made: list[Island] = []
+
+    def make(model: nn.Module, *, push_dtype="f32", bulk_dtype="f32", init_island="syncer-side", sync_every=2,
+             fragments=2, **cfg) -> tuple[Island, dict, Syncer]:
+        adapter = TorchModuleAdapter(model)
+        session = build_session(adapter.layout(), fragments, run=run_id, push_dtype=push_dtype, bulk_dtype=bulk_dtype,
+                                chunk_bytes=CHUNK_BYTES, init_island=init_island, sync_every=sync_every,
+                                created=time.time())
+        kw = dict(heartbeat_s=0.5, progress=False, session_timeout_s=20, lockstep_timeout_s=20, final_timeout_s=20,
+                  shutdown_timeout_s=10, push_timeout_s=20, fetch_timeout_s=10, connect_timeout_s=10,
+                  step_log=str(tmp_path / f"steplog-{len(made)}.jsonl"))
+        kw.update(cfg)
+        island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url), **kw))
+        made.append(island)
+        return island, session, Syncer(js, run_id, session)
+
+    async def write_session(session: dict):
+        await (await kv(js, run_id, "state")).put("session", codec.encode("session", session))
+
+    make.write_session = write_session
+    make.js = js
+    make.nats_url = nats_url
+    yield make
+    for island in made:
+        await asyncio.to_thread(island.close)
+    await remove_run(js, run_id)
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def started(make, island: Island, session: dict) -> Island:
+    await make.write_session(session)
+    await asyncio.to_thread(island.start)
+    return island
+
+
+async def boundary(island: Island, tokens: int = 1, loss=None) -> bool:
+    return await asyncio.to_thread(island.boundary, tokens, loss)
+
+
+async def publish_v(syncer: Syncer, island: Island, version: int, values: dict[int, torch.Tensor],
+                    **kw) -> dict[int, str]:
+    """Broadcast a version of each fragment given and wait until the island holds the notices."""
+    before = len(island.client.bcast)
+    digests = {fid: await syncer.bcast(fid, version, v, **kw) for fid, v in values.items()}
+    n = sum(syncer.bcast_chunks(fid) for fid in values)
+    await until(lambda: len(island.client.bcast) >= before + n, what="broadcast notices")
+    return digests
+
+
+def frag_values(island: Island, fid: int) -> torch.Tensor:
+    return gather_fragment(island.adapter, island.frags[fid])
+
+
+def steplog_lines(island: Island) -> list[dict]:
+    with open(island.config.step_log, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+
+async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env):
+    alpha = 0.25
+    island, session, syncer = env(net(), alpha=alpha)
+    await started(env, island, session)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)
+    for fid in (0, 1):  # first version: overwrite, bit for bit, no blend
+        assert torch.equal(bits(frag_values(island, fid)), bits(v0[fid]))
+    assert island.state.versions() == {"0": 0, "1": 0}
+
+    with torch.no_grad():
+        for p in island.adapter.module.parameters():
+            p.add_(0.5)
+    local = {fid: frag_values(island, fid) for fid in (0, 1)}
+    v1 = syncer.values(1, 3)
+    await publish_v(syncer, island, 1, {1: v1})
+    assert await boundary(island)
+    # θ = α·θ_local + (1−α)·Θ, checked against a float64 reference
+    want = alpha * local[1].double() + (1 - alpha) * v1.double()
+    assert torch.allclose(frag_values(island, 1).double(), want, rtol=0, atol=1e-6)
+    assert torch.equal(frag_values(island, 0), local[0])  # untouched fragment keeps its local values
+    assert torch.equal(island.state.states[1].anchor, v1)  # the raw global value is the anchor
+    events = steplog_lines(island)
+    assert [e["step"] for e in events] == [1, 2]
+    assert [e["applies"] for e in events] == [2, 1] and events[-1]["versions"] == {"0": 0, "1": 1}
+    assert events[0]["bytes_in"] == 4 * (session["fragments"][0]["numel"] + session["fragments"][1]["numel"])
+
+
+async def test_pull_is_answered_with_local_minus_anchor_and_other_gen_is_ignored(env):
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)  # v0 installed; counters reset
+    # Round 2 targets fragment 1 and names us; round 1 (fragment 0) names another generation of "a".
+    await syncer.pull(1, 2, 0, [(ISLAND, island.gen), ("b", "0123456789abcdef")])
+    await syncer.pull(0, 1, 0, [(ISLAND, "fedcba9876543210")])
+    await until(lambda: island.client.counters["pulls_received"] >= 2, what="pulls")
+    with torch.no_grad():
+        for p in island.adapter.module.parameters():
+            p.mul_(1.5).add_(0.125)
+    local1 = frag_values(island, 1)
+    assert await boundary(island, tokens=7)
+
+    chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
+    last, payload = assemble_push(chunks)
+    assert {(m["step"], m["attempt"], m["try"], m["base_version"], m["c_steps"], m["c_tokens"], m["local_step"],
+             m["gen"], m["dtype"]) for m, _ in chunks} == {(2, 1, 0, 0, 1, 7, 2, island.gen, "f32")}
+    d = unpack(payload, "f32", syncer.numel(1))
+    assert torch.equal(bits(d), bits(local1 - v0[1]))  # d = local − anchor, bit for bit
+    assert await syncer.push_count(ISLAND, 0) == 0  # the other generation's pull is never answered
+    assert island.counters["pull.not_member"] == 1 and island.counters["pushes"] == 1
+    assert island.book.pending() == 0
+    assert steplog_lines(island)[-1]["pushes"] == 1
+
+
+async def test_bad_input_is_counted_as_rejected_and_training_goes_on(env):
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    js = env.js
+    await js.publish(S.pull(syncer.run), b"{not json", headers={S.MSG_ID: "garbage-1"})
+    bad_pull = codec.make("pull", run=syncer.run, fragment=0, step=1, attempt=1, seq=0, base_version=0,
+                          members=[{"island": ISLAND, "gen": island.gen}])
+    bad_pull["step"] = 0  # schema: step >= 1
+    await js.publish(S.pull(syncer.run), orjson.dumps(bad_pull), headers={S.MSG_ID: "garbage-2"})
+    v0 = syncer.values(0, 1)
+    await syncer.bcast(0, 0, v0, corrupt=True)  # chunk digest does not match the bytes
+    # A chunk of a fragment the session does not have (subject and header agree, so it gets noticed).
+    meta = {"v": 1, "run": syncer.run, "fragment": 7, "version": 0, "dtype": "f32", "chunk": 0, "chunks": 1,
+            "offset": 0, "nbytes": 4, "total": 4, "digest": "0" * 16, "version_digest": "0" * 64}
+    await js.publish(S.bcast(syncer.run, 7, 0), b"\0\0\0\0",
+                     headers={codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", meta)})
+    # A chunk of fragment 1 whose size is not the fragment's (8 bytes where f32 needs 3968).
+    meta = dict(meta, fragment=1, nbytes=8, total=8, digest=digest(b"\1" * 8))
+    await js.publish(S.bcast(syncer.run, 1, 0), b"\1" * 8,
+                     headers={codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", meta)})
+    await until(lambda: island.client.rejected_total() >= 2 and len(island.client.bcast) >= 3, what="bad input")
+    before = frag_values(island, 0)
+    assert await boundary(island)
+    assert steplog_lines(island)[-1]["rejected"] == 5
+    assert island.state.version(1) is None
+    assert torch.equal(frag_values(island, 0), before) and island.state.version(0) is None
+    assert island.counters["rejected.digest_mismatch"] == 1
+    # A good version still lands afterwards (v1: v0's Nats-Msg-Ids are taken by the corrupt copy).
+    await publish_v(syncer, island, 1, {0: v0})
+    assert await boundary(island)
+    assert island.state.version(0) == 1 and torch.equal(frag_values(island, 0), v0)
+    assert steplog_lines(island)[-1]["rejected"] == 0
+
+
+async def test_versions_are_monotonic_and_one_version_with_two_digests_is_fatal(env):
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    v2 = syncer.values(0, 2)
+    await publish_v(syncer, island, 2, {0: v2})
+    assert await boundary(island) and island.state.version(0) == 2
+    await publish_v(syncer, island, 1, {0: syncer.values(0, 1)})  # older: ignored
+    assert await boundary(island)
+    assert island.state.version(0) == 2 and torch.equal(frag_values(island, 0), v2)
+    # Version 2 again with other bytes (a syncer bug; other msg ids so JetStream keeps it): fatal.
+    await publish_v(syncer, island, 2, {0: syncer.values(0, 3)}, msg_id=lambda f, v, k: f"again.{f}.{v}.{k}")
+    with pytest.raises(ProtocolError, match="version 2"):
+        await boundary(island)
+    assert torch.equal(frag_values(island, 0), v2)
+
+
+async def test_a_refused_push_is_recomputed_and_resent_with_the_next_try(nc, run_id, nats_url):
+    """PUSH full (10077): the push retries with backoff until its timeout, fails, the pull stays
+    pending, and the next boundary sends the push again as try 1."""
+    js = nc.jetstream()
+    await provision_run(js, run_id, RunLimits.small(storage="memory", push_max_bytes=8192), log=lambda _: None)
+    island = None
+    try:
+        adapter = TorchModuleAdapter(net())
+        session = build_session(adapter.layout(), 2, run=run_id, push_dtype="f32", bulk_dtype="f32",
+                                chunk_bytes=CHUNK_BYTES, init_island="syncer-side", sync_every=2, created=time.time())
+        await (await kv(js, run_id, "state")).put("session", codec.encode("session", session))
+        island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url),
+                                              progress=False, push_timeout_s=1.5, heartbeat_s=0.5))
+        await asyncio.to_thread(island.start)
+        syncer = Syncer(js, run_id, session)
+        await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+        assert await boundary(island)
+        filler = S.push(run_id, "filler", 1)
+        await js.publish(filler, b"x" * 7600)  # leaves no room for a 1 KiB chunk
+        await syncer.pull(1, 2, 0, [(ISLAND, island.gen)])
+        await until(lambda: island.client.counters["pulls_received"] >= 1, what="pull")
+        assert await boundary(island)
+        rec = island.book.record(1, 2)
+        assert rec.state == "waiting" and rec.try_ == 1 and island.counters["push_failed"] == 1
+        assert island.counters["publish_retry.stream_full"] >= 1
+        await js.purge_stream(S.stream(run_id, "PUSH"), subject=filler)  # the syncer made room
+        assert await boundary(island)
+        chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
+        assert {m["try"] for m, _ in chunks} == {1}
+        assert island.book.record(1, 2).state == "done" and island.book.pending() == 0
+    finally:
+        if island is not None:
+            await asyncio.to_thread(island.close)
+        await remove_run(js, run_id)
+
+
+async def test_q4_pushes_carry_error_feedback(env):
+    island, session, syncer = env(net(), push_dtype="q4")
+    await started(env, island, session)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)
+    g = torch.Generator().manual_seed(5)
+
+    async def round_trip(step: int, base: int, anchor: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        await syncer.pull(1, step, base, [(ISLAND, island.gen)])
+        await until(lambda: island.client.counters["pulls_received"] >= step // 2, what="pull")
+        with torch.no_grad():
+            for p in island.adapter.module.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+        d = frag_values(island, 1) - anchor
+        assert await boundary(island)
+        chunks = [c for c in await syncer.pushes(ISLAND, 1, step // 2) if c[0]["step"] == step]
+        return assemble_push(chunks)[1], d
+
+    sent1, d1 = await round_trip(2, 0, v0[1])
+    want1, r1 = q4_with_feedback(d1, None)
+    assert sent1 == bytes(want1.numpy())
+    assert torch.equal(island.state.states[1].residual, r1)
+    v1 = syncer.values(1, 3)
+    await publish_v(syncer, island, 1, {1: v1})
+    assert await boundary(island)  # v1 blends in; the residual survives the new anchor
+    sent2, d2 = await round_trip(4, 1, v1)
+    want2, r2 = q4_with_feedback(d2, r1)  # the second push carries the first one's quantization error
+    assert sent2 == bytes(want2.numpy())
+    assert sent2 != bytes(q4_with_feedback(d2, None)[0].numpy())
+    assert torch.equal(island.state.states[1].residual, r2)
+
+
+async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
+    island, session, syncer = env(net(), bulk_dtype="bf16")
+    await started(env, island, session)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)
+    assert torch.equal(frag_values(island, 1), v0[1].to(torch.bfloat16).float())  # bf16 bulk
+
+    final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
+    await syncer.bcast(1, 3, final[1])  # a bf16 broadcast of the final version: must never count
+    digest1 = await syncer.final(1, 3, final[1], final_step=6)  # fragment 1's final first: any order
+    ctl = await env.js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(syncer.run, "CTL"))
+    await syncer.to_island("manifest", ISLAND, final_step=6, versions={"0": 2, "1": 3},
+                           version_digests={"0": version_digest(pack(final[0], "f32")), "1": digest1},
+                           gen=island.gen)
+    await until(lambda: len(island.client.control) >= 1, what="manifest")
+    task = asyncio.create_task(boundary(island))
+    await asyncio.sleep(0.3)
+    assert not task.done()  # fragment 0's final cut has not landed yet
+    await syncer.final(0, 2, final[0], final_step=6)
+
+    ack = None
+    deadline = time.monotonic() + 15
+    while ack is None and time.monotonic() < deadline:
+        for m in await ctl.fetch(10, timeout=5):
+            await m.ack()
+            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+            if kind == "ack":
+                ack = (m.subject, msg)
+    assert ack is not None and ack[0] == S.ack(syncer.run, ISLAND)
+    assert ack[1]["final_step"] == 6 and ack[1]["gen"] == island.gen
+    assert not task.done()  # acknowledged; now waiting for shutdown
+    await syncer.to_island("shutdown", ISLAND, reason="run complete", gen=island.gen)
+    assert await asyncio.wait_for(task, 10) is False
+    for fid in (0, 1):  # installed without blending, bit for bit, from the f32 final cut
+        assert torch.equal(bits(frag_values(island, fid)), bits(final[fid]))
+    assert island.should_stop and island.finalized and island.final_step == 6
+    assert await boundary(island) is False
+    assert steplog_lines(island)[-1]["versions"] == {"0": 2, "1": 3}
+
+
+async def test_lockstep_blocks_until_the_pull_and_its_broadcast(env):
+    alpha = 0.5
+    island, session, syncer = env(net(), lockstep=True, alpha=alpha, sync_every=2)  # round t due at step t
+    await env.write_session(session)
+    start = asyncio.create_task(asyncio.to_thread(island.start))
+    await asyncio.sleep(0.5)
+    assert not start.done()  # lockstep waits for the whole cut before the first step
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    for fid, v in v0.items():
+        await syncer.bcast(fid, 0, v)
+    await asyncio.wait_for(start, 15)
+    assert island.state.versions() == {"0": 0, "1": 0}
+
+    with torch.no_grad():
+        island.adapter.module.embed.weight.add_(1.0)
+    local0 = frag_values(island, 0)
+    step1 = asyncio.create_task(boundary(island))
+    await asyncio.sleep(0.3)
+    assert not step1.done()  # blocked: round 1's pull has not come
+    await syncer.pull(0, 1, 0, [(ISLAND, island.gen)])
+    chunks = await syncer.pushes(ISLAND, 0, 1)
+    assert chunks[0][0]["step"] == 1
+    await asyncio.sleep(0.2)
+    assert not step1.done()  # answered, now blocked on the round's broadcast
+    v1 = syncer.values(0, 3)
+    await syncer.bcast(0, 1, v1)
+    assert await asyncio.wait_for(step1, 10)
+    want = alpha * local0.double() + (1 - alpha) * v1.double()
+    assert torch.allclose(frag_values(island, 0).double(), want, rtol=0, atol=1e-6)
+    assert island.state.version(0) == 1
+
+
+async def test_init_island_streams_its_weights_then_takes_v0(env):
+    model = net(3)
+    island, session, syncer = env(model, init_island=ISLAND, bulk_dtype="bf16", init_v0_timeout_s=20)
+    await env.write_session(session)
+    expected = {fid: pack(gather_fragment(island.adapter, f), "bf16") for fid, f in
+                enumerate(session["fragments"])}
+    start = asyncio.create_task(asyncio.to_thread(island.start))
+    sub = await env.js.pull_subscribe_bind(durable=S.SYNCER_INIT_CONSUMER, stream=S.stream(syncer.run, "INIT"))
+    want = sum(len(list(iter_chunks(p, CHUNK_BYTES))) for p in expected.values())
+    got: dict[int, list] = {0: [], 1: []}
+    while sum(map(len, got.values())) < want:
+        for m in await sub.fetch(want, timeout=10):
+            meta = codec.decode_header("init_chunk", m.headers[codec.CHUNK_HEADER])
+            assert m.subject == S.init(syncer.run, meta["fragment"]) and meta["dtype"] == "bf16"
+            assert m.headers[S.MSG_ID] == S.init_msg_id(meta["fragment"], meta["chunk"], island.client.gen)
+            got[meta["fragment"]].append((meta, m.data))
+            await m.ack()
+    for fid, chunks in got.items():
+        asm = Assembler(chunks[0][0]["total"], chunks[0][0]["chunks"])
+        for meta, data in chunks:
+            asm.add(meta, data)
+        assert torch.equal(asm.result(), expected[fid])
+    await asyncio.sleep(0.3)
+    assert not start.done()  # the INIT island waits for v0 before its first step
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    for fid, v in v0.items():
+        await syncer.bcast(fid, 0, v)
+    await asyncio.wait_for(start, 15)
+    for fid in (0, 1):  # v0 overwrites (bf16 bulk) before the first step
+        assert torch.equal(frag_values(island, fid), v0[fid].to(torch.bfloat16).float())
+
+
+async def test_initial_cut_is_installed_before_the_first_step(env):
+    island, session, syncer = env(net(), initial_cut_timeout=10.0)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    for fid, v in v0.items():
+        await syncer.bcast(fid, 0, v)
+    await started(env, island, session)
+    for fid in (0, 1):
+        assert torch.equal(frag_values(island, fid), v0[fid])
+    assert island.state.versions() == {"0": 0, "1": 0}
+    assert island.counters["applies"] == 2
+
+
+async def test_a_push_waits_while_disconnected_and_goes_out_after_the_reconnect(tmp_path):
+    """The connection drops between the pull and its boundary: no push and no try is spent; after the
+    reconnect (same generation) the next boundary sends it with try 0."""
+    import nats
+
+    from services.broker import Broker
+
+    store = tmp_path / "store"
+    broker = Broker(store_dir=store).start()
+    port = broker.port
+    nc = await nats.connect(broker.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    js = nc.jetstream()
+    run = "reconnect"
+    island = None
+    try:
+        await provision_run(js, run, RunLimits.small(), log=lambda _: None)  # file storage: survives the restart
+        adapter = TorchModuleAdapter(net())
+        session = build_session(adapter.layout(), 2, run=run, push_dtype="f32", bulk_dtype="f32",
+                                chunk_bytes=CHUNK_BYTES, init_island="syncer-side", sync_every=2, created=time.time())
+        await (await kv(js, run, "state")).put("session", codec.encode("session", session))
+        island = Island(adapter, IslandConfig(run=run, island=ISLAND, nats=ConnectOptions(url=broker.url),
+                                              reconnect_wait_s=0.2, max_reconnects=-1, progress=False,
+                                              push_timeout_s=20, connect_timeout_s=10, heartbeat_s=0.5))
+        await asyncio.to_thread(island.start)
+        syncer = Syncer(js, run, session)
+        v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+        await publish_v(syncer, island, 0, v0)
+        assert await boundary(island)
+        gen = island.gen
+        await syncer.pull(1, 2, 0, [(ISLAND, gen)])
+        await until(lambda: island.client.counters["pulls_received"] >= 1, what="pull")
+
+        broker.stop()
+        await until(lambda: not island.client.connected, what="disconnect")
+        assert await boundary(island)  # training goes on
+        rec = island.book.record(1, 2)
+        assert rec.state == "waiting" and rec.try_ == 0 and island.counters["push_failed"] == 0
+        assert island.book.pending() == 1
+
+        broker = Broker(port=port, store_dir=store).start()
+        await until(lambda: island.client.connected and nc.is_connected, timeout=20, what="reconnect")
+        deadline = time.monotonic() + 20
+        while True:  # JetStream recovers its streams a moment after the server accepts connections
+            try:
+                await js.stream_info(S.stream(run, "PUSH"))
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        assert await boundary(island)
+        chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
+        assert {(m["try"], m["gen"], m["local_step"]) for m, _ in chunks} == {(0, gen, 3)}
+        assert island.gen == gen and island.book.pending() == 0
+        assert island.counters["disconnects"] >= 1 and island.counters["reconnects"] >= 1
+    finally:
+        if island is not None:
+            await asyncio.to_thread(island.close)
+        await remove_run(js, run)
+        await nc.close()
+        broker.stop()
+
+
+def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:
+    import hashlib
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        model = net(0)
+        island = Island(TorchModuleAdapter(model, group=group),
+                        IslandConfig(run=run, island="dp", nats=ConnectOptions(url=url), heartbeat_s=0.5, progress=False,
+                                     session_timeout_s=30, final_timeout_s=30, shutdown_timeout_s=30,
+                                     connect_timeout_s=10), group=group)
+        island.start()
+        states = []
+        for _ in range(3000):
+            with torch.no_grad():
+                for p in model.parameters():  # the same update on every replica (DP after its all-reduce)
+                    p.add_(0.001)
+            if not island.boundary(tokens=4):
+                break
+            states.append(hashlib.sha256(b"".join(bits(p.detach()).numpy().tobytes()
+                                                  for p in model.parameters())).hexdigest())
+            time.sleep(0.01)
+        torch.save({"states": states, "finalized": island.finalized, "gen": island.gen,
+                    "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "applies": island.counters["applies"]}, f"{out}/rank{rank}.pt")
+        island.close()
+    finally:
+        dist.destroy_process_group()
+
+
+async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_and_final(env, tmp_path):
+    import torch.multiprocessing as mp
+
+    _, session, syncer = env(net())
+    session = dict(session, init_island="syncer-side")
+    await env.write_session(session)
+    js, run = env.js, syncer.run
+    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run, "CTL"))
+    ctx = mp.start_processes(_dp_island_worker, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path)),
+                             nprocs=2, join=False, start_method="spawn")
+    try:
+        hello = None
+        while hello is None:
+            for m in await ctl.fetch(10, timeout=30):
+                await m.ack()
+                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+                if kind == "hello":
+                    hello = msg
+        gen = hello["gen"]
+        assert hello["island"] == "dp" and hello["world"]["ranks"] == 2
+        v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+        for fid, v in v0.items():
+            await syncer.bcast(fid, 0, v)
+        await syncer.pull(1, 2, 0, [("dp", gen)])
+        chunks = await syncer.pushes("dp", 1, syncer.bcast_chunks(1), timeout=30)
+        assert {m["gen"] for m, _ in chunks} == {gen}
+        await syncer.bcast(1, 1, syncer.values(1, 3))  # blended on rank 0, synced to rank 1
+        await asyncio.sleep(0.5)
+        final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
+        digests = {str(fid): await syncer.final(fid, fid + 1, v, final_step=4) for fid, v in final.items()}
+        await syncer.to_island("manifest", "dp", final_step=4, versions={"0": 1, "1": 2}, version_digests=digests)
+        acked = False
+        while not acked:
+            for m in await ctl.fetch(10, timeout=30):
+                await m.ack()
+                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+                acked = acked or (kind == "ack" and msg["final_step"] == 4 and msg["gen"] == gen)
+        await syncer.to_island("shutdown", "dp", reason="done")
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(ctx.join, 5):  # True once every worker exited cleanly
+            assert time.monotonic() < deadline, "DP workers did not finish"
+
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["states"] == r1["states"] and len(r0["states"]) >= 3  # replicas equal after every boundary
+    assert r0["finalized"] and r1["finalized"] and r0["gen"] == r1["gen"] == gen
+    assert r0["applies"] == 5  # v0 of both fragments, v1 of fragment 1, the final cut of both
+    model = net(0)
+    adapter = TorchModuleAdapter(model)
+    for fid, frag in enumerate(session["fragments"]):
+        for r in (r0, r1):
+            for t in frag["tensors"]:
+                assert torch.equal(bits(r["params"][t["name"]].reshape(-1)),
+                                   bits(final[fid][t["offset"]: t["offset"] + t["numel"]]))

@@ -1,0 +1,249 @@
+"""The island's NATS client and its configuration, against a real nats-server."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from learner.client import IslandClient, IslandUnhealthy, SyncerRefused
+from learner.config import ENV, IslandConfig
+from learner.steplog import StepLog
+from schemas import codec
+from schemas import subjects as S
+from schemas.conn import ConnectOptions
+from schemas.errors import IdError, WireError
+from schemas.layout import layout_fingerprint
+from schemas.provision import RunLimits, provision_run, remove_run
+
+ISLAND = "a"
+LAYOUT = [{"name": "embed.weight", "shape": [4, 2], "dtype": "float32"},
+          {"name": "layers.0.weight", "shape": [2, 2], "dtype": "float32"}]
+HELLO = {"layout": LAYOUT, "layout_fingerprint": layout_fingerprint(LAYOUT), "push_dtype": "auto", "bulk_dtype": "bf16",
+         "world": {"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1}, "host": "test-host"}
+
+
+@pytest.fixture
+async def js(nc, run_id):
+    ctx = nc.jetstream()
+    await provision_run(ctx, run_id, RunLimits.small(storage="memory"), log=lambda _: None)
+    yield ctx
+    await remove_run(ctx, run_id)
+
+
+@pytest.fixture
+def clients():
+    made: list[IslandClient] = []
+    yield made
+    for c in made:
+        c.close()
+
+
+def config(run_id: str, url: str, **kw) -> IslandConfig:
+    base = dict(progress=False, heartbeat_s=0.2, session_timeout_s=10, connect_timeout_s=10)
+    base.update(kw)
+    return IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=url), **base)
+
+
+async def provisioned(clients, run_id, nats_url, **kw) -> IslandClient:
+    c = IslandClient(config(run_id, nats_url, **kw))
+    clients.append(c)
+    await asyncio.to_thread(c.start)
+    await asyncio.to_thread(c.provision, dict(HELLO))
+    return c
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_hello_and_heartbeats_arrive_valid_with_one_generation(js, run_id, nats_url, clients):
+    c = await provisioned(clients, run_id, nats_url)
+    c.local_step, c.step_time_s = 5, 0.125
+    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run_id, "CTL"))
+    got: list[tuple[str, dict, str]] = []
+    deadline = time.monotonic() + 10
+    while sum(k == "heartbeat" and m["local_step"] == 5 for k, m, _ in got) < 2 and time.monotonic() < deadline:
+        for m in await ctl.fetch(20, timeout=5):
+            await m.ack()
+            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))  # validates
+            got.append((kind, msg, m.headers[S.MSG_ID]))
+            assert m.subject == {"hello": S.hello, "heartbeat": S.heartbeat}[kind](run_id, ISLAND)
+    kinds = [k for k, _, _ in got]
+    assert kinds[0] == "hello" and kinds.count("hello") == 1 and kinds.count("heartbeat") >= 2
+    assert {m["gen"] for _, m, _ in got} == {c.gen}  # one generation, on every message
+    hello = got[0][1]
+    assert hello["layout"] == LAYOUT and hello["bulk_dtype"] == "bf16" and hello["push_dtype"] == "auto"
+    assert got[0][2] == S.hello_msg_id(ISLAND, c.gen)
+    beats = [(m, mid) for k, m, mid in got if k == "heartbeat"]
+    assert beats[-1][0]["local_step"] == 5 and beats[-1][0]["step_time_s"] == 0.125
+    assert len({mid for _, mid in beats}) == len(beats)  # one Nats-Msg-Id per heartbeat
+
+    # This generation's CTL consumer delivers from the hello on, and goes away with the client.
+    name = S.island_pull_consumer(ISLAND, c.gen)
+    info = await js.consumer_info(S.stream(run_id, "CTL"), name)
+    assert info.config.deliver_policy == api.DeliverPolicy.BY_START_TIME
+    gen = c.gen
+    await asyncio.to_thread(c.close)
+    with pytest.raises(NotFoundError):
+        await js.consumer_info(S.stream(run_id, "CTL"), S.island_pull_consumer(ISLAND, gen))
+
+
+async def test_control_messages_are_routed_by_kind_subject_and_generation(js, run_id, nats_url, clients):
+    async def send(subject: str, data: bytes, key: str):
+        await js.publish(subject, data, headers={S.MSG_ID: key})
+
+    def ctl(kind: str, **fields) -> bytes:
+        return codec.encode(kind, codec.make(kind, run=run_id, **fields))
+
+    pull = dict(fragment=0, step=1, attempt=1, seq=0, base_version=0, members=[{"island": ISLAND, "gen": "0" * 16}])
+    await send(S.pull(run_id), ctl("pull", **pull), "early")  # before the hello: never meant for this process
+    c = await provisioned(clients, run_id, nats_url)
+    other = "f" * 16 if c.gen != "f" * 16 else "e" * 16
+    to = S.to_island(run_id, ISLAND)
+    await send(S.pull(run_id), ctl("pull", **dict(pull, step=3)), "p3")
+    await send(to, ctl("shutdown", reason="for another generation", gen=other), "s-other")
+    await send(to, ctl("shutdown", reason="for this island"), "s-any")
+    await send(to, b"\xff not json", "junk")
+    await send(to, ctl("pull", **dict(pull, step=5)), "pull-on-wrong-subject")
+    await until(lambda: c.rejected_total() >= 2 and len(c.control) >= 1 and len(c.pulls) >= 1, what="routing")
+    await asyncio.sleep(0.2)  # let anything that should not arrive have its chance
+    assert [p["step"] for p in c.pulls.drain()] == [3]
+    assert [(k, m["reason"]) for k, m in c.control.drain()] == [("shutdown", "for this island")]
+    assert c.counters["ctl_other_gen"] == 1 and c.rejected_total() == 2
+    assert any("pull message must arrive on" in r for r in c.rejections)
+    c.check_health()  # all of that is survivable
+
+    await send(to, ctl("error", code="layout_mismatch", message="not this model", fatal=True, field="layout"), "err")
+    await until(lambda: len(c.control) >= 1, what="error")
+    with pytest.raises(SyncerRefused, match="layout_mismatch"):
+        c.check_health()
+
+
+async def test_step_log_events_validate_file_gets_the_same_lines_and_the_queue_drops(js, run_id, nats_url, clients,
+                                                                                    tmp_path):
+    path = tmp_path / "logs" / "steps.jsonl"
+    c = IslandClient(config(run_id, nats_url, steplog_queue=3, step_log=str(path)))
+    clients.append(c)
+
+    def emit(step: int, loss: float | None) -> dict:
+        return c.steplog.emit(step=step, boundary_s=0.01, export_s=0.0, apply_s=0.005, pushes=0, applies=1,
+                              bytes_out=0, bytes_in=128, versions={"0": step}, pending_pulls=1, rejected=0, loss=loss)
+
+    # Not connected yet: events wait in the bounded queue, the oldest are dropped and counted.
+    for step in range(1, 11):
+        emit(step, 1.0 / step)
+    assert c.steplog.dropped == 7 and len(c.steplog) == 3
+    await asyncio.to_thread(c.start)
+    await asyncio.to_thread(c.provision, dict(HELLO))
+    await until(lambda: c.counters["steplog_sent"] == 3, what="queued events sent")
+    emit(11, float("nan"))  # NaN has no JSON form: sent as null
+
+    sub = await js.subscribe(S.steplog(run_id, ISLAND), stream=S.stream(run_id, "STEPLOG"), ordered_consumer=True)
+    published = [await sub.next_msg(timeout=10) for _ in range(4)]
+    await sub.unsubscribe()
+    events = [codec.decode("steplog", m.data) for m in published]  # valid against the schema
+    assert [e["step"] for e in events] == [8, 9, 10, 11]
+    assert [e["dropped"] for e in events] == [4, 5, 6, 7]
+    assert {e["gen"] for e in events} == {c.gen} and events[-1]["loss"] is None
+    assert math.isclose(events[0]["loss"], 1 / 8)
+    assert [m.headers[S.MSG_ID] for m in published] == [S.steplog_msg_id(ISLAND, c.gen, s) for s in (8, 9, 10, 11)]
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 11  # the file is the complete record, drops only concern the network
+    assert lines[7:] == [m.data for m in published]  # the same bytes
+    assert c.counters["steplog_sent"] == 4
+
+
+def test_step_log_queue_is_thread_safe_and_bounded():
+    import threading
+
+    log = StepLog("r", "i", "0" * 16, maxlen=50)
+    threads = [threading.Thread(target=lambda: [log.put(s, b"x") for s in range(1000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(log) == 50 and log.dropped == 3950 and log.emitted == 4000
+    assert len(log.pop_all()) == 50 and len(log) == 0
+
+
+async def test_check_health_raises_only_after_the_configured_failed_reconnects(tmp_path):
+    from services.broker import Broker
+
+    broker = Broker(store_dir=tmp_path / "store").start()
+    c = IslandClient(IslandConfig(run="r", island=ISLAND, nats=ConnectOptions(url=broker.url), max_reconnects=2,
+                                  reconnect_wait_s=0.3, progress=False, connect_timeout_s=10))
+    try:
+        await asyncio.to_thread(c.start)
+        gen = c.gen
+        assert c.connected
+        broker.stop()
+        await until(lambda: not c.connected, what="disconnect")
+        c.check_health()  # down but still reconnecting: healthy, training goes on
+        await until(lambda: c._gave_up, timeout=15, what="giving up")
+        with pytest.raises(IslandUnhealthy, match="gave up after 2 failed reconnects"):
+            c.check_health()
+        assert c.gen == gen
+    finally:
+        c.close()
+        broker.stop()
+
+
+def test_config_from_env_and_validation(monkeypatch):
+    env = {"YETO_RUN": "r1", "YETO_ISLAND": "i-1", "NATS_URL": "nats://h:1", "YETO_PUSH_DTYPE": "q4",
+           "YETO_BULK_DTYPE": "bf16", "YETO_DILOCO_ALPHA": "0.3", "YETO_LOCKSTEP": "1",
+           "YETO_DILOCO_INITIAL_CUT_TIMEOUT": "12.5", "YETO_DILOCO_STEP_LOG": "/tmp/x.jsonl", "YETO_HEARTBEAT_S": "0.5",
+           "YETO_MAX_RECONNECTS": "-1", "YETO_FETCH_BATCH_BYTES": str(8 << 20)}
+    c = IslandConfig.from_env(env)
+    assert (c.run, c.island, c.nats.url, c.push_dtype, c.bulk_dtype) == ("r1", "i-1", "nats://h:1", "q4", "bf16")
+    assert (c.alpha, c.lockstep, c.initial_cut_timeout, c.step_log) == (0.3, True, 12.5, "/tmp/x.jsonl")
+    assert (c.heartbeat_s, c.max_reconnects, c.fetch_batch_bytes) == (0.5, -1, 8 << 20)
+    assert IslandConfig.from_env(dict(env, YETO_NATS="nats://y:2")).nats.url == "nats://y:2"  # YETO_NATS first
+    assert IslandConfig.from_env(env, alpha=0.9).alpha == 0.9  # keywords win
+    d = IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "i"})
+    assert (d.push_dtype, d.bulk_dtype, d.alpha, d.lockstep, d.initial_cut_timeout, d.heartbeat_s) == \
+        ("auto", "auto", 0.5, False, 0.0, 2.0)
+    assert d.step_log is None and d.max_reconnects == 60
+    monkeypatch.setenv("YETO_RUN", "from-os")
+    monkeypatch.setenv("YETO_ISLAND", "isl")
+    monkeypatch.setenv("YETO_NATS", "nats://os:3")
+    o = IslandConfig.from_env()
+    assert (o.run, o.island, o.nats.url) == ("from-os", "isl", "nats://os:3")
+
+    for var, value, field in (("YETO_DILOCO_ALPHA", "1.5", "alpha"), ("YETO_PUSH_DTYPE", "fp8", "push_dtype"),
+                              ("YETO_BULK_DTYPE", "q4", "bulk_dtype"), ("YETO_HEARTBEAT_S", "0", "heartbeat_s"),
+                              ("YETO_HEARTBEAT_S", "abc", "heartbeat_s"), ("YETO_LOCKSTEP", "maybe", "lockstep"),
+                              ("YETO_FETCH_BATCH_BYTES", str(64 << 20), "fetch_batch_bytes"),
+                              ("YETO_MAX_RECONNECTS", "-5", "max_reconnects")):
+        with pytest.raises(WireError) as err:
+            IslandConfig.from_env(dict(env, **{var: value}))
+        assert err.value.field == field and var in str(err.value)
+    with pytest.raises(IdError):
+        IslandConfig.from_env(dict(env, YETO_ISLAND="a.b"))
+    with pytest.raises(WireError) as err:
+        IslandConfig.from_env({"YETO_ISLAND": "i"})
+    assert err.value.field == "run"
+    assert set(ENV.values()) >= {"YETO_RUN", "YETO_ISLAND", "YETO_PUSH_DTYPE", "YETO_BULK_DTYPE", "YETO_DILOCO_ALPHA",
+                                 "YETO_LOCKSTEP", "YETO_DILOCO_INITIAL_CUT_TIMEOUT", "YETO_DILOCO_STEP_LOG",
+                                 "YETO_HEARTBEAT_S", "YETO_MAX_RECONNECTS"}
+
+
+def test_cut_inbox_keeps_the_newest_notice_per_chunk_subject():
+    from learner.client import ChunkNotice, CutInbox
+
+    def notice(fid: int, chunk: int, version: int) -> ChunkNotice:
+        return ChunkNotice("bcast_chunk", f"yeto.r.bcast.{fid}.{chunk}", fid, chunk, version, 8, {})
+
+    inbox = CutInbox()
+    for n in (notice(0, 0, 1), notice(0, 1, 1), notice(0, 0, 3), notice(0, 0, 2), notice(1, 0, 1)):
+        inbox.put(n)
+    assert len(inbox) == 3
+    assert sorted((n.fragment, n.chunk, n.version) for n in inbox.drain()) == [(0, 0, 3), (0, 1, 1), (1, 0, 1)]
+    assert len(inbox) == 0 and inbox.drain() == []
