@@ -11,23 +11,9 @@ import torch
 
 from schemas import subjects as S
 from schemas.provision import remove_run
-from tests.scripted import ROOT, ScriptedIsland, SyncerProc, tape, tiny_layout
+from tests.scripted import ROOT, Reference, ScriptedIsland, SyncerProc, tape, tiny_layout
 
 LR, MU = 0.7, 0.9
-
-
-class Reference:
-    """The outer optimizer computed independently: torch.optim.SGD(nesterov) per fragment."""
-
-    def __init__(self, init: dict[int, torch.Tensor]):
-        self.p = {f: torch.nn.Parameter(v.clone()) for f, v in init.items()}
-        self.opt = {f: torch.optim.SGD([p], lr=LR, momentum=MU, nesterov=True) for f, p in self.p.items()}
-
-    def round(self, fid: int, deltas: list[torch.Tensor], tokens: list[int]) -> None:
-        w = torch.tensor(tokens, dtype=torch.float64)
-        avg = sum(wi * d.double() for wi, d in zip(w, deltas)) / w.sum()
-        self.p[fid].grad = (-avg).float()
-        self.opt[fid].step()
 
 
 async def _islands(nats_url, run, names, layout=None):
