@@ -26,6 +26,7 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run the CPU demo: embedded broker, syncer, two islands, a tiny model")
     p.add_argument("--nats", default=None, help="use this NATS server instead of starting the embedded one")
+    p.add_argument("--run", default=None, help="run id (default: demo-<unix time>)")
     p.add_argument("--rounds", type=int, default=24, help="global rounds to commit (default %(default)s)")
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=8, help="H, inner steps between two syncs of one fragment")
@@ -90,7 +91,7 @@ def run(args) -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="yeto-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    run_id = f"demo-{int(time.time())}"
+    run_id = args.run or f"demo-{int(time.time())}"
     broker = None
     url = args.nats
     if not url:

@@ -62,3 +62,23 @@ async def nc(nats_url):
         yield conn
     finally:
         await conn.drain()
+
+
+@pytest.fixture(scope="session")
+def demo_run(nats_url, tmp_path_factory):
+    """One real `yeto demo` run (syncer + island a + two-rank island b) against the session broker,
+    shared by the tests that need real step-log events and a real final cut. Returns
+    {"run", "summary" (the final JSON line), "workdir", "output"}."""
+    import json
+    import sys
+    import time
+
+    work = tmp_path_factory.mktemp("demo")
+    run = f"t_demo_{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--nats", nats_url, "--run", run,
+                           "--workdir", str(work), "--rounds", "12"], capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"yeto demo exited {proc.returncode}:\n{out[-4000:]}"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"run": run, "summary": summary, "workdir": work, "output": out, "seconds": time.monotonic() - t0}

@@ -7,6 +7,19 @@ fp32 master piece of one, and writes values back into the master and the model p
 distributed optimizer's fp32 shards, with `local_slices` saying which part of the global tensor this
 rank holds.
 
+Contract for sharded adapters (multi-rank islands: TP/PP/EP, distributed optimizers):
+* `shards()` lists, on each rank, the tensors this rank holds a piece of; `local_slices` is the box
+  (one slice per dimension, step 1) of the global tensor it holds; `owner` marks the one rank whose
+  piece is read for pushes/INIT (every element of every synced tensor has exactly one owner across
+  the island; replicas of the same box are not owners). Fused tensors whose global layout would depend
+  on the TP size must be presented as TP-independent canonical tensors (or pinned, see issue 6).
+* `read(name)` returns this rank's fp32 piece (shape = the box's shape); `write(name, value)` takes a
+  value of that shape and sets master and model param. Every rank that lists a tensor calls `read`
+  (for a push or INIT) and `write` (for an applied version) on it, and all ranks do so in the same
+  order (fragment by fragment, canonical order within a fragment), so an adapter may run a collective
+  inside them over a group whose ranks all hold that tensor (e.g. the distributed optimizer's
+  all-gather of owned main_param ranges over its data-parallel group).
+
 `gather_fragment` / `scatter_fragment` move one session fragment between the model and a flat f32
 tensor in the fragment's layout order (the session record's `tensors` [{name, shape, offset, numel}]).
 They handle adapters whose shards are whole on this rank (every rank of a data-parallel island);
