@@ -64,6 +64,18 @@ def eval_loss(model: nn.Module, n: int = 4096) -> float:
         return float(nn.functional.mse_loss(model(x), y))
 
 
+def model_seed(island: str) -> int:
+    """Seed of an island's own initial weights (version 0, the INIT island's, overwrites the others)."""
+    return sum(map(ord, island))
+
+
+def shard(island: str, rank: int) -> tuple[torch.Generator, float]:
+    """The data stream of one rank of an island: its generator (a fixed seed, so a run's data order is
+    reproducible) and its input shift (islands a and b see opposite shifts: heterogeneous shards)."""
+    shard_seed = {"a": 1, "b": 2}.get(island, 3 + len(island))
+    return torch.Generator().manual_seed(shard_seed * 1000 + rank), (0.3 if shard_seed % 2 else -0.3)
+
+
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone().contiguous() for name, p in model.named_parameters()}
 
@@ -82,15 +94,13 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
         group = dist.group.WORLD
     # Every island starts from its own random weights: version 0 (the INIT island's) overwrites them.
-    model = build_model(seed=sum(map(ord, args.island)))
+    model = build_model(seed=model_seed(args.island))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     adapter = TorchModuleAdapter(model, group=group)
     cfg = IslandConfig.from_env(run=args.run, island=args.island)
     island = Island(adapter, cfg, group=group)
     island.start()
-    shard_seed = {"a": 1, "b": 2}.get(args.island, 3 + len(args.island))
-    gen = torch.Generator().manual_seed(shard_seed * 1000 + rank)
-    shift = 0.3 if shard_seed % 2 else -0.3
+    gen, shift = shard(args.island, rank)
     losses: list[float] = []
     step = 0
     t_last = time.monotonic()
@@ -105,7 +115,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
                 p.grad /= world
         opt.step()
         step += 1
-        lv = float(loss)
+        lv = float(loss.detach())
         if world > 1:
             t = torch.tensor([lv])
             dist.all_reduce(t, group=group)
@@ -132,7 +142,10 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
             from safetensors.torch import save_file
 
             save_file(canonical_state(model), args.out)
-        print("RESULT " + json.dumps(final), flush=True)
+        # One write call for the whole line: print() writes text and newline separately, and the
+        # other ranks of this island share stdout, so their output could split the line otherwise.
+        sys.stdout.write("RESULT " + json.dumps(final) + "\n")
+        sys.stdout.flush()
     if world > 1:
         dist.destroy_process_group()
 

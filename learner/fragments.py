@@ -1,24 +1,27 @@
-"""Per-fragment sync state and the boundary's math (DESIGN §3, §5) — pure: torch tensors, no I/O.
+"""Per-fragment sync bookkeeping and in-order reading of a cut (DESIGN §3, §5) — pure, no I/O.
 
-`SyncState` holds, per fragment of the session, the version the island holds, that version's digest,
-the *anchor* (the raw global value of that version, flat float32 in the fragment's layout order), the
-inner-step and token counters since the anchor was installed, and the q4 error-feedback residual.
+`SyncState` (the sync rank's view) holds, per fragment of the session, the version the island holds,
+that version's digest, and the inner-step and token counters since it was installed. The values —
+each rank's staging, anchor (raw Θ of the held version) and q4 residual — live on the ranks, per
+piece (`learner.anchors.AnchorStore`); `blend` is the math they apply.
 
-The boundary does, per fragment (see DESIGN §5 "Boundary order"):
+`CutReader` reads one stream's versions (BCAST, or FINAL with the manifest's versions) fragment by
+fragment, chunk by chunk, *in chunk order*: the version digest (sha256 over the chunks in order) is
+streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
 
-1. `BcastAssembly.add(meta, payload)` for every broadcast chunk fetched; it returns a `Completed`
-   version once it holds every chunk of one version.
-2. `SyncState.apply(fid, version, digest, values, local)`: the first version overwrites the local
-   values; later ones blend θ = α·θ_local + (1 − α)·Θ; the anchor becomes Θ and the counters reset.
-   The shell writes the returned tensor into the model (`scatter_fragment`) and tells the pull book
-   (`PullBook.committed`).
-3. For a pull to answer: `delta(fid, local)` = local − anchor, packed in the session's push dtype
-   (q4 with `push_residual` / `keep_residual`).
-
-Memory: one anchor per fragment (f32, the fragment's size) — an island holds a full f32 copy of the
-synced parameters besides its own. Multi-rank islands will later keep only their own slices of each
-anchor (DESIGN §6 per-rank scatter); this module is written for a single-process island (or rank 0 of
-a data-parallel one, where every rank holds the whole replica).
+* a version completes only when every chunk of that one version passed, in order, and their bytes
+  hash to the `version_digest` they carry; then it is `held`;
+* versions are monotonic: chunks of the held version or older are not read again (the held version
+  with another digest raises ProtocolError: one version, two contents);
+* BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
+  already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
+  if chunk k still holds an older version than the one wanted, the newer one has not reached it yet
+  ("wait": read on at a later boundary);
+* a bad chunk (framing that does not fit the session's chunk plan, a chunk digest mismatch) or a
+  version digest mismatch drops the reading and marks the version it claims failed: it is not read
+  again (the syncer never re-publishes one version with other bytes); a later version is read as
+  usual — the version read is the one found at chunk 0, never one a notice merely claims, so a
+  forged chunk "from the future" cannot hold the real versions back.
 """
 from __future__ import annotations
 
@@ -28,9 +31,10 @@ from typing import Any, Mapping
 
 import torch
 
-from schemas.chunks import Assembler, ChunkDuplicate, check_digest, version_digest
+from schemas.chunks import DigestMismatch, VersionDigest, check_digest, digest
 from schemas.dtypes import packed_nbytes
 from schemas.errors import WireError
+from schemas.layout import ChunkSpan, chunk_plan
 
 BULK_DTYPES = ("f32", "bf16")
 
@@ -48,16 +52,7 @@ def _check_count(value: Any, field: str) -> int:
     return value
 
 
-def _flat_f32(t: Any, numel: int, field: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
-        raise WireError("expected a 1-D float32 tensor", field=field,
-                        value=(getattr(t, "dtype", type(t).__name__), tuple(getattr(t, "shape", ()))))
-    if t.numel() != numel:
-        raise WireError(f"expected {numel} values (the fragment's size)", field=field, value=t.numel())
-    return t
-
-
-def _session_numels(session: Mapping) -> dict[int, int]:
+def session_numels(session: Mapping) -> dict[int, int]:
     frags = session.get("fragments")
     if not isinstance(frags, list) or not frags:
         raise WireError("session must list its fragments", field="fragments", value=frags)
@@ -72,7 +67,13 @@ def _session_numels(session: Mapping) -> dict[int, int]:
     return out
 
 
-# ---- per-fragment state ---------------------------------------------------------------------------
+def blend(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
+    """θ = α·θ_local + (1 − α)·Θ as a new float32 tensor (neither input is modified: `local` may alias
+    the live model)."""
+    return local.to(torch.float32).mul(alpha).add_(glob, alpha=1.0 - alpha)
+
+
+# ---- per-fragment bookkeeping ----------------------------------------------------------------------
 
 @dataclass
 class FragmentState:
@@ -80,10 +81,8 @@ class FragmentState:
     numel: int
     version: int | None = None  # None until the first version is installed
     digest: str | None = None  # version digest (sha256 of the bulk-dtype bytes) of `version`
-    anchor: torch.Tensor | None = None  # raw global value of `version`, flat f32, layout order
-    c_steps: int = 0  # inner steps since the anchor was installed
-    c_tokens: int = 0  # tokens trained since the anchor was installed (the push's merge weight)
-    residual: torch.Tensor | None = None  # q4 error feedback, flat f32, created on the first q4 push
+    c_steps: int = 0  # inner steps since the version was installed
+    c_tokens: int = 0  # tokens trained since the version was installed (the push's merge weight)
 
     @property
     def steps_since_reset(self) -> int:
@@ -100,7 +99,7 @@ class SyncState:
         self.island = island
         self.gen = gen
         self.alpha = float(alpha)
-        self.states: dict[int, FragmentState] = {fid: FragmentState(fid, n) for fid, n in _session_numels(session).items()}
+        self.states: dict[int, FragmentState] = {fid: FragmentState(fid, n) for fid, n in session_numels(session).items()}
 
     def _state(self, fid: int) -> FragmentState:
         st = self.states.get(fid)
@@ -108,11 +107,9 @@ class SyncState:
             raise WireError(f"no such fragment in the session (ids {sorted(self.states)})", field="fragment", value=fid)
         return st
 
-    # ---- versions -------------------------------------------------------------------------------
-
     def accept_version(self, fid: int, version: int, digest: str) -> str:
-        """Classify a complete broadcast version without changing state: "new" (newer than the one
-        held, or the first), "same" (the version held, same digest), "old" (older: ignored).
+        """Classify a broadcast version without changing state: "new" (newer than the one held, or
+        the first), "same" (the version held, same digest), "old" (older: ignored).
         Raises ProtocolError for the version held with another digest."""
         st = self._state(fid)
         _check_count(version, "version")
@@ -126,41 +123,19 @@ class SyncState:
         return "same"
 
     def needs_local(self, fid: int) -> bool:
-        """Whether `apply` of the next version blends, and so needs the island's local values."""
+        """Whether installing the next version blends (a version is held), else it overwrites."""
         return self._state(fid).version is not None
 
-    def apply(self, fid: int, version: int, digest: str, global_values: torch.Tensor,
-              local: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Install a complete version. Returns the values to write into the model, or None when the
-        version is not new ("same" or "old", nothing changes).
-
-        * first version of the fragment: returns `global_values` itself (overwrite, no blend; there
-          is no anchor to blend against) — `local` is not needed;
-        * later versions: blends into `local` *in place*, θ = α·θ_local + (1 − α)·Θ, and returns it.
-
-        Either way the anchor becomes `global_values` (the raw value, not the blend): the state keeps
-        that tensor without copying, so the caller hands it over and must not modify it, nor the
-        returned tensor in the overwrite case. Counters reset; the q4 residual is kept (it is error
-        the syncer has not yet received, whatever the anchor).
-        """
+    def installed(self, fid: int, version: int, digest: str) -> str:
+        """Record that every rank installed `version` (its values are now the ranks' anchors).
+        Returns how it was installed: "first" (overwrite) or "blend". Counters reset."""
         st = self._state(fid)
-        kind = self.accept_version(fid, version, digest)
-        if kind != "new":
-            return None
-        glob = _flat_f32(global_values, st.numel, "global_values")
-        if st.version is None:
-            out = glob
-        else:
-            if local is None:
-                raise WireError(f"fragment {fid} holds version {st.version}: blending needs the local values",
-                                field="local", value=None)
-            out = _flat_f32(local, st.numel, "local")
-            out.mul_(self.alpha).add_(glob, alpha=1.0 - self.alpha)
-        st.version, st.digest, st.anchor = version, digest, glob
+        if self.accept_version(fid, version, digest) != "new":
+            raise WireError(f"fragment {fid} already holds version {st.version}", field="version", value=version)
+        mode = "blend" if st.version is not None else "first"
+        st.version, st.digest = version, digest
         st.c_steps = st.c_tokens = 0
-        return out
-
-    # ---- steps and pushes -----------------------------------------------------------------------
+        return mode
 
     def note_step(self, tokens: int) -> None:
         """One inner step of `tokens` tokens completed: every fragment's counters grow."""
@@ -170,33 +145,10 @@ class SyncState:
             st.c_tokens += tokens
 
     def ready(self, fid: int) -> bool:
-        """A pull of this fragment can be answered: it has an anchor and a local step since."""
+        """A pull of this fragment can be answered: a version (so anchors) is held and a local step
+        was taken since."""
         st = self.states.get(fid)
-        return st is not None and st.anchor is not None and st.c_steps >= 1
-
-    def delta(self, fid: int, local: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
-        """d = local − anchor (flat f32). With `inplace` the subtraction overwrites `local` (a gathered
-        copy the caller no longer needs), saving one fragment-sized buffer."""
-        st = self._state(fid)
-        if st.anchor is None:
-            raise RuntimeError(f"fragment {fid} has no anchor yet: a pull for it is not ready")
-        loc = _flat_f32(local, st.numel, "local")
-        return loc.sub_(st.anchor) if inplace else loc - st.anchor
-
-    def push_residual(self, fid: int) -> torch.Tensor:
-        """A working copy of the q4 residual (zeros before the first q4 push) for `pack_stream` to
-        update in place. Keep it with `keep_residual` only once the push is acknowledged: a failed
-        try is recomputed, and must start again from the residual the syncer's view matches."""
-        st = self._state(fid)
-        if st.residual is None:
-            return torch.zeros(st.numel, dtype=torch.float32)
-        return st.residual.clone()
-
-    def keep_residual(self, fid: int, residual: torch.Tensor) -> None:
-        st = self._state(fid)
-        st.residual = _flat_f32(residual, st.numel, "residual")
-
-    # ---- queries --------------------------------------------------------------------------------
+        return st is not None and st.version is not None and st.c_steps >= 1
 
     def versions(self) -> dict[str, int]:
         """{fragment id (as a string, for JSON): version held} for the step log; unversioned ones absent."""
@@ -206,160 +158,224 @@ class SyncState:
         return self._state(fid).version
 
 
-# ---- broadcast assembly ---------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """One whole version of a fragment, decoded to flat float32 (layout order)."""
-
-    fragment: int
-    version: int
-    version_digest: str
-    values: torch.Tensor
-
+# ---- reading a cut in chunk order ------------------------------------------------------------------
 
 @dataclass
-class _Partial:
+class _Reading:
     version: int
-    version_digest: str
-    assembler: Assembler  # holds the bulk-dtype bytes
+    digest: str
+    hasher: VersionDigest
+    next: int = 0
 
 
-def _decode(buf: torch.Tensor, dtype: str) -> torch.Tensor:
-    # `buf` is the Assembler's own freshly allocated byte buffer, so the f32 case can reuse it.
-    if dtype == "f32":
-        return buf.view(torch.float32)
-    return buf.view(torch.bfloat16).to(torch.float32)
+class CutReader:
+    """In-order reader of one stream's versions, every fragment (see the module docstring).
 
+    Shell loop, per fragment that got notices: fetch the chunk subjects `next_chunks(fid)` (in order,
+    in bounded batches), hand each message to `take`, and act on the verdict: "accept" (stage the
+    chunk on the ranks; a chunk with index 0 starts a new staging), "complete" (the last chunk passed
+    and the version digest matched: commit on the ranks), "wait" (stop this fragment for now),
+    "restart" (fetch again from chunk 0). A WireError from `take` means the chunk is bad: the reading
+    was dropped and the version the chunk claims failed.
 
-class BcastAssembly:
-    """Assembles broadcast (or final) chunks per fragment, version by version.
+    What is read is decided by the stream, not by notices: the version found at chunk 0 (when newer
+    than the one held) is the one read, so a forged notice or chunk claiming a version far ahead
+    cannot hold back the real versions. `check` validates a chunk on its own (framing against the
+    session's chunk plan, its digest) — for a chunk a notice pointed at, out of order.
 
-    BCAST keeps one message per chunk subject, so a reader may see chunks of versions v and v+1 side
-    by side. Rules:
-
-    * a chunk of a version older than, or equal to, the newest version this assembly completed is
-      ignored (equal with another `version_digest` raises ProtocolError: one version, two contents);
-    * one partial version per fragment: a chunk of a newer version than the partial one drops the
-      partial (its missing chunks were overwritten on the stream by the newer version and will never
-      come; the newer version is what the island wants anyway); a chunk of an older version than the
-      partial one is ignored;
-    * a version completes only when every chunk of that one version is in; its bytes must hash to
-      the `version_digest` the chunks carry (DigestMismatch otherwise, and the partial is dropped).
-
-    Chunk framing, per-chunk digests, overlaps and duplicates are checked by `schemas.chunks.Assembler`;
-    a repeated identical chunk (a redelivery) is ignored, other chunk errors propagate (ChunkError)
-    and leave the state as it was.
-
-    Memory trade-off: a partial version is buffered whole, in the bulk dtype (2 or 4 bytes per
-    value), and decoded to f32 once complete — so a fragment costs its wire size while arriving plus
-    its f32 size when handed over. Applying chunk by chunk would avoid the buffer but then a version
-    would be half-applied while incomplete (the blend is in place); that chunk-wise scatter, which
-    must keep the anchor update atomic per version, is later work (issue 5). Fine for single-process
-    islands.
-
-    Use a separate instance for FINAL chunks: the final cut's f32 digest differs from a bf16
-    broadcast's digest of the same version.
+    `fixed=True` (FINAL): only the versions named with `want` are read.
     """
 
-    def __init__(self, session: Mapping, *, dtype: str | None = None):
+    def __init__(self, session: Mapping, *, dtype: str | None = None, fixed: bool = False):
         self.dtype = session.get("bulk_dtype") if dtype is None else dtype
         if self.dtype not in BULK_DTYPES:
             raise WireError(f"bulk dtype must be one of {BULK_DTYPES}", field="bulk_dtype", value=self.dtype)
-        self.numels = _session_numels(session)
-        self._partial: dict[int, _Partial] = {}
-        self._done: dict[int, tuple[int, str]] = {}  # fragment -> (version, digest) completed last
+        cb = session["chunk_bytes"]
+        numels = session_numels(session)
+        self.spans: dict[int, list[ChunkSpan]] = {fid: chunk_plan(n, self.dtype, cb) for fid, n in numels.items()}
+        self.total = {fid: packed_nbytes(self.dtype, n) for fid, n in numels.items()}
+        self.fixed = fixed
+        self.held: dict[int, tuple[int, str]] = {}
+        self.wanted: dict[int, tuple[int, str]] = {}  # fixed mode: the versions to read
+        self.announced: dict[int, int] = {}  # newest version a notice claimed (only says: look)
+        self.failed: set[tuple[int, int]] = set()
+        self._reading: dict[int, _Reading] = {}
         self.counts: Counter[str] = Counter()
 
-    def seed(self, fragment: int, version: int, digest: str) -> None:
-        """Declare a version already held (e.g. installed from another source): chunks of it and of
-        older versions are ignored from now on."""
-        if fragment not in self.numels:
-            raise WireError("no such fragment in the session", field="fragment", value=fragment)
-        done = self._done.get(fragment)
-        if done is None or version > done[0]:
-            self._done[fragment] = (version, digest)
-            p = self._partial.get(fragment)
-            if p is not None and p.version <= version:
-                del self._partial[fragment]
-
-    def add(self, meta: Mapping, payload: Any) -> Completed | None:
-        """Take one chunk (its decoded header dict and its payload bytes). Returns the completed
-        version when this chunk was the last one missing, else None."""
-        fid = meta.get("fragment")
-        if isinstance(fid, bool) or not isinstance(fid, int) or fid not in self.numels:
+    def _fid(self, fid: Any) -> int:
+        if isinstance(fid, bool) or not isinstance(fid, int) or fid not in self.spans:
             raise WireError("no such fragment in the session", field="fragment", value=fid)
-        version = _check_count(meta.get("version"), "version")
-        vdig = meta.get("version_digest")
-        if not isinstance(vdig, str):
-            raise WireError("version_digest must be a string", field="version_digest", value=vdig)
-        if meta.get("dtype") != self.dtype:
-            raise WireError(f"broadcast dtype must be the session's {self.dtype}", field="dtype", value=meta.get("dtype"))
-        total = packed_nbytes(self.dtype, self.numels[fid])
-        if meta.get("total") != total:
-            raise WireError(f"fragment {fid} is {total} bytes in {self.dtype}", field="total", value=meta.get("total"))
+        return fid
 
-        done = self._done.get(fid)
-        if done is not None and version <= done[0]:
-            if version == done[0] and vdig != done[1]:
-                raise ProtocolError(f"fragment {fid} version {version} completed before with digest {done[1]}",
-                                    field="version_digest", value=vdig)
-            self.counts["old" if version < done[0] else "same"] += 1
-            return None
+    # ---- what to read ---------------------------------------------------------------------------
 
-        p = self._partial.get(fid)
-        if p is not None and version < p.version:
-            self.counts["older_than_partial"] += 1
-            return None
-        if p is not None and version > p.version:
-            del self._partial[fid]
-            self.counts["dropped_partial"] += 1
-            p = None
-        if p is not None and vdig != p.version_digest:
-            raise ProtocolError(f"fragment {fid} version {version} chunks carry two version digests "
-                                f"({p.version_digest} first)", field="version_digest", value=vdig)
-        if p is None:
-            p = _Partial(version, vdig, Assembler(total, meta.get("chunks")))
-            self._partial[fid] = p
+    def hold(self, fid: int, version: int, vdigest: str) -> None:
+        """Declare a version held (installed from elsewhere): it and older ones are not read."""
+        fid = self._fid(fid)
+        h = self.held.get(fid)
+        if h is None or version > h[0]:
+            self.held[fid] = (version, vdigest)
+        rd = self._reading.get(fid)
+        if rd is not None and rd.version <= version:
+            del self._reading[fid]
+
+    def want(self, fid: int, version: int, vdigest: str) -> None:
+        """Read exactly this version of the fragment (FINAL: the manifest's version and digest)."""
+        self.wanted[self._fid(fid)] = (version, vdigest)
+
+    def held_version(self, fid: int) -> int:
+        h = self.held.get(fid)
+        return -1 if h is None else h[0]
+
+    def announce(self, fid: int, version: int, vdigest: str) -> bool:
+        """A notice says `version` has chunks on the stream. True when it is worth reading."""
+        fid = self._fid(fid)
+        _check_count(version, "version")
+        if not isinstance(vdigest, str):
+            raise WireError("version_digest must be a string", field="version_digest", value=vdigest)
+        h = self.held.get(fid)
+        if h is not None and version <= h[0]:
+            if version == h[0] and vdigest != h[1]:
+                raise ProtocolError(f"fragment {fid} version {version} was installed with digest {h[1]}",
+                                    field="version_digest", value=vdigest)
+            return False
+        rd = self._reading.get(fid)
+        if rd is not None and version == rd.version and vdigest != rd.digest:
+            raise ProtocolError(f"fragment {fid} version {version} is being read with digest {rd.digest}",
+                                field="version_digest", value=vdigest)
+        if (fid, version) in self.failed:
+            return False
+        if self.fixed:
+            w = self.wanted.get(fid)
+            if w is not None and version == w[0] and vdigest != w[1]:
+                raise ProtocolError(f"fragment {fid} version {version}: notices carry digest {vdigest}, not the "
+                                    f"{w[1]} wanted", field="version_digest", value=vdigest)
+            return w is not None and version == w[0]
+        self.announced[fid] = max(version, self.announced.get(fid, -1))
+        return True
+
+    def pending(self) -> list[int]:
+        """Fragments that may have something to read: (fixed) a wanted version not held yet, else a
+        notice newer than the version held."""
+        out = []
+        for fid in sorted(self.spans):
+            v = self.wanted[fid][0] if self.fixed and fid in self.wanted else \
+                (None if self.fixed else self.announced.get(fid))
+            if v is not None and v > self.held_version(fid) and (fid, v) not in self.failed:
+                out.append(fid)
+        return out
+
+    def next_chunks(self, fid: int) -> list[ChunkSpan]:
+        """The chunks to read next, in order: the rest of the reading in progress, else from chunk 0."""
+        rd = self._reading.get(fid)
+        return self.spans[fid][rd.next if rd is not None else 0:]
+
+    def reading(self, fid: int) -> tuple[int, int, int] | None:
+        """(version, chunks passed, chunks) of the version being read, or None."""
+        rd = self._reading.get(fid)
+        return None if rd is None else (rd.version, rd.next, len(self.spans[fid]))
+
+    def forget(self, fid: int) -> None:
+        """Drop the reading in progress (the shell aborted the ranks' staging): the next read of the
+        fragment starts again at chunk 0."""
+        self._reading.pop(fid, None)
+
+    # ---- one chunk ------------------------------------------------------------------------------
+
+    def _head(self, fid: int, index: int, meta: Mapping) -> tuple[int, str]:
+        if meta.get("fragment") != fid or meta.get("chunk") != index:
+            raise WireError("chunk header does not match its subject", field="subject",
+                            value=(fid, index, meta.get("fragment"), meta.get("chunk")))
+        v = _check_count(meta.get("version"), "version")
+        vd = meta.get("version_digest")
+        if not isinstance(vd, str):
+            raise WireError("version_digest must be a string", field="version_digest", value=vd)
+        return v, vd
+
+    def check(self, fid: int, index: int, meta: Mapping, payload: Any) -> None:
+        """Validate one chunk on its own: framing against the session's chunk plan and its digest.
+        A bad chunk fails the version it claims and drops the fragment's reading (that subject now
+        holds garbage: the reading cannot complete until a newer version overwrites it)."""
+        fid = self._fid(fid)
+        v, _ = self._head(fid, index, meta)
+        spans = self.spans[fid]
         try:
-            p.assembler.add(meta, payload)
-        except ChunkDuplicate as exc:
-            if exc.identical:
-                self.counts["duplicate_chunk"] += 1
-                return None
+            if meta.get("dtype") != self.dtype:
+                raise WireError(f"chunks must be in the session's {self.dtype}", field="dtype", value=meta.get("dtype"))
+            if meta.get("total") != self.total[fid]:
+                raise WireError(f"fragment {fid} is {self.total[fid]} bytes in {self.dtype}", field="total",
+                                value=meta.get("total"))
+            if meta.get("chunks") != len(spans):
+                raise WireError(f"fragment {fid} has {len(spans)} chunks", field="chunks", value=meta.get("chunks"))
+            s = spans[index]
+            if (meta.get("offset"), meta.get("nbytes")) != (s.byte_offset, s.nbytes):
+                raise WireError(f"chunk {index} is bytes [{s.byte_offset}, +{s.nbytes})", field="offset",
+                                value=(meta.get("offset"), meta.get("nbytes")))
+            if payload is None or len(payload) != s.nbytes:
+                raise WireError(f"chunk {index} payload must be {s.nbytes} bytes", field="nbytes",
+                                value=None if payload is None else len(payload))
+            check_digest(meta.get("digest"), digest(payload), field="digest")
+        except WireError:
+            self.failed.add((fid, v))
+            self._reading.pop(fid, None)
             raise
-        if not p.assembler.complete:
-            return None
 
-        del self._partial[fid]
-        buf = p.assembler.result()
-        check_digest(vdig, version_digest(buf), field="version_digest")
-        self._done[fid] = (version, vdig)
+    def take(self, fid: int, index: int, meta: Mapping | None, payload: Any) -> str:
+        """One fetched chunk message (its decoded header and payload bytes; meta None: no message on
+        that subject). Returns "accept", "complete", "wait" or "restart" (see the class doc)."""
+        fid = self._fid(fid)
+        if meta is None:
+            self.counts["missing"] += 1
+            return "wait"
+        v, vd = self._head(fid, index, meta)
+        if (fid, v) in self.failed:
+            self.counts["failed_version"] += 1
+            return "wait"
+        self.check(fid, index, meta, payload)
+        h = self.held.get(fid)
+        if h is not None and v <= h[0]:
+            if v == h[0] and vd != h[1]:
+                raise ProtocolError(f"fragment {fid} version {v} was installed with digest {h[1]}",
+                                    field="version_digest", value=vd)
+            self.counts["old"] += 1
+            return "wait"
+        if self.fixed:
+            w = self.wanted.get(fid)
+            if w is None or v != w[0]:
+                self.counts["ignored"] += 1
+                return "wait"
+            if vd != w[1]:
+                raise ProtocolError(f"fragment {fid} version {v}: chunks carry digest {vd}, not the {w[1]} wanted",
+                                    field="version_digest", value=vd)
+        rd = self._reading.get(fid)
+        if rd is not None:
+            if v < rd.version:  # the version being read has not reached this chunk yet
+                self.counts["not_yet"] += 1
+                return "wait"
+            if v == rd.version and vd != rd.digest:
+                raise ProtocolError(f"fragment {fid} version {v} chunks carry two version digests ({rd.digest} "
+                                    f"first)", field="version_digest", value=vd)
+            if v > rd.version or index != rd.next:  # overwritten by a newer version mid-read
+                del self._reading[fid]
+                self.counts["dropped_partial"] += 1
+                rd = None
+        if rd is None:
+            if index != 0:
+                return "restart"
+            rd = self._reading[fid] = _Reading(v, vd, VersionDigest())
+        rd.hasher.update(payload)
+        rd.next += 1
+        if rd.next < len(self.spans[fid]):
+            return "accept"
+        del self._reading[fid]
+        try:
+            check_digest(vd, rd.hasher.hexdigest(), field="version_digest")
+        except DigestMismatch:
+            self.failed.add((fid, v))
+            raise
+        self.held[fid] = (v, vd)
         self.counts["completed"] += 1
-        return Completed(fid, version, vdig, _decode(buf, self.dtype))
-
-    # ---- queries --------------------------------------------------------------------------------
-
-    def partial(self, fragment: int) -> tuple[int, int, int] | None:
-        """(version, chunks received, chunks) of the version being assembled, or None."""
-        p = self._partial.get(fragment)
-        if p is None:
-            return None
-        return p.version, p.assembler.received, p.assembler.chunks
-
-    def completed(self, fragment: int) -> int | None:
-        done = self._done.get(fragment)
-        return None if done is None else done[0]
-
-    def nbytes_held(self) -> int:
-        """Bytes buffered in partial versions (for memory accounting in logs)."""
-        return sum(p.assembler.total or 0 for p in self._partial.values())
+        return "complete"
 
 
-__all__ = [
-    "BcastAssembly",
-    "Completed",
-    "FragmentState",
-    "ProtocolError",
-    "SyncState",
-]
+__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "blend", "session_numels"]

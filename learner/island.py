@@ -1,29 +1,39 @@
-"""The island's sync core: start-up (hello, session, INIT, initial cut) and the step boundary
-(DESIGN §3.2, §5). Pure decisions live in `pulls.PullBook` and `fragments.SyncState` /
-`BcastAssembly`; the network lives in `client.IslandClient`; this module sequences them.
+"""The island's sync core: start-up (layout, hello, session, INIT, initial cut) and the step boundary
+(DESIGN §3.2, §5, §6). Pure decisions live in `pulls.PullBook`, `fragments.SyncState` /
+`CutReader` and `layout_map`; the network lives in `client.IslandClient`; the sync rank's reading
+of cuts and its exports in `island_wire` (mixed in); the ranks' share of the work in
+`island_ranks.RankOps` over `shard_io`; this module sequences them.
 
-Use:
+Use (every rank of the island group calls every method; `group` None: a single process):
 
-    island = Island(TorchModuleAdapter(model), IslandConfig.from_env()).start()
+    island = Island(adapter, IslandConfig.from_env(), group=group).start()
     while island.boundary(tokens=n_tokens, loss=loss):   # after every optimizer step, on every rank
         ... one training step ...
     island.close()
 
-Boundary order (sync rank): health → control messages (a manifest finalizes now) → count the step →
-drain broadcasts (chunks fetched by direct get in bounded batches; each complete version applied at
-once: the first version of a fragment overwrites, later ones blend θ = α·θ_local + (1−α)·Θ; the raw
-Θ becomes the anchor) → take the pulls that arrived → (lockstep: block for the due round) → answer
-ready pulls (d = local − anchor in the session push dtype, chunks streamed while produced; `sent`
-once every chunk is acked, `failed` otherwise: the next boundary retries with try + 1) → step-log
-event. Bad input is counted (`rejected`) and training goes on; a broken protocol invariant (one
-version, two digests) raises ProtocolError and stops the island.
+Ranks. Rank 0 of `group` (the sync rank) does all NATS I/O and all deciding; the others follow.
+Every step that needs the other ranks is announced with a small dict (broadcast_object_list) and
+then run by every rank (`RankOps`): the others loop on announcements until rank 0 says "end" (with
+its decision: stop, final) or "error". At start every rank's pieces are gathered once
+(`layout_map`); the hello announces the island's canonical layout, whatever its TP/PP/DP layout.
 
-Multi-rank (data-parallel) islands: every rank calls `start` and `boundary`; rank 0 of `group` (the
-sync rank) does all NATS I/O and writes applied values through the adapter; its decision (which
-tensors changed, whether to stop, or an error) is sent to the other ranks with
-`broadcast_object_list`, and the values reach them through `adapter.sync_replicas(names)`. The
-adapter must be built on the same group. `tokens` is the island's token count for the step (pass
-the same value on every rank: the sync rank's is used).
+Where things live. Rank 0: versions, digests, counters, pull book, the readers' positions — and at
+most one fetch batch of wire bytes (`fetch_batch_bytes`) or a few export chunks, never a fragment.
+Every rank: its own pieces' staging (the version arriving), anchor (raw Θ of the version held, owner
+pieces) and q4 residual (owner pieces), in `anchors.AnchorStore` (memory, or files under
+`Island(..., anchor_dir=...)`).
+
+Boundary order (rank 0): health → control messages (a manifest finalizes now) → count the step →
+read broadcasts: chunks fetched in order by direct get in bounded batches and scattered to the
+ranks' staging as they arrive; when a version's last chunk passes and its whole digest matches,
+every rank commits (the first version of a fragment overwrites, later ones blend
+θ = α·θ_local + (1−α)·Θ; the staged Θ becomes the anchor) — a version overwritten mid-read is
+dropped and read again, never half-applied → take the pulls that arrived → (lockstep: block for the
+due round) → answer ready pulls (the owners' d = local − anchor gathered to rank 0 chunk by chunk,
+packed in the session push dtype and streamed while produced; `sent` once every chunk is acked,
+`failed` otherwise: the next boundary retries with try + 1) → step-log event (with the bytes rank 0
+moved to and from the other ranks: scatter_bytes, gather_bytes). Bad input is counted (`rejected`)
+and training goes on; a broken protocol invariant (one version, two digests) raises ProtocolError.
 
 Decisions beyond DESIGN:
 * The island's CTL consumer delivers from its hello's stream timestamp (see IslandClient.provision).
@@ -33,105 +43,83 @@ Decisions beyond DESIGN:
 * Lockstep mode also waits (up to `lockstep_timeout_s`, then fails) for the whole cut before the
   first step: otherwise the step at which v0 lands, and so the run, would depend on timing.
 * A manifest seen while a lockstep boundary is blocked finalizes at that boundary.
+* INIT: rank 0 publishes on a background thread from a queue of `INIT_QUEUE_CHUNKS` packed chunks
+  while the island gathers the next ones (fragment k is on the wire while k+1 is gathered).
+* A fragment is fetched again only after a new notice for it (or a failed fetch): a reader that
+  waits for a version still being published does not poll the broker.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
-import nats.errors
 import torch.distributed as dist
 
-from schemas import codec
-from schemas import subjects as S
-from schemas.chunks import Chunker, iter_chunks, push_digest
-from schemas.dtypes import pack, pack_stream, packed_nbytes, wire_align
 from schemas.errors import WireError
-from schemas.layout import chunk_plan, layout_fingerprint
-from schemas.publish import PublishFailed
+from schemas.layout import layout_fingerprint
 
-from .adapters import ModelAdapter, fragment_names, gather_fragment, scatter_fragment
-from .client import ChunkNotice, IslandClient, IslandUnhealthy, NotConnected
+from .adapters import ModelAdapter
+from .anchors import AnchorStore
+from .client import IslandClient, IslandUnhealthy
 from .config import IslandConfig
-from .fragments import BcastAssembly, Completed, ProtocolError, SyncState
+from .fragments import CutReader, SyncState
+from .island_ranks import RankOps
+from .island_wire import POLL_S, TRANSIENT, IslandWire, _progress, _Stats
+from .layout_map import IslandLayout, describe
 from .pulls import PullBook, due_round, max_due_step
+from .shard_io import Comm
 
 log = logging.getLogger("yeto.island")
-
-# Errors that mean "this push / fetch did not get through now": retried at a later boundary.
-TRANSIENT = (NotConnected, TimeoutError, PublishFailed, nats.errors.Error, ConnectionError, OSError)
-POLL_S = 0.005  # sleep between polls while blocked (lockstep, cut, finalization)
-
 
 class LockstepTimeout(TimeoutError):
     pass
 
 
-@dataclass
-class _Stats:
-    """What one boundary did (the step-log event's counters)."""
-
-    export_s: float = 0.0
-    apply_s: float = 0.0
-    pushes: int = 0
-    applies: int = 0
-    bytes_out: int = 0
-    bytes_in: int = 0
-    rejected: int = 0
+def _world_of(layout: IslandLayout, world: int) -> dict:
+    """The hello's informational `world`, read off the gathered layout: TP = most owner boxes of one
+    tensor, DP = most holders of one box."""
+    tp = max((sum(p.owner for p in ps) for ps in layout.pieces.values()), default=1)
+    dp = max((sum(q.box == p.box for q in ps) for ps in layout.pieces.values() for p in ps), default=1)
+    return {"ranks": world, "tp": tp, "pp": max(1, world // max(1, tp * dp)), "ep": 1, "dp": dp, "nodes": 1}
 
 
-def _progress(total: int, desc: str, enabled: bool, unit: str = "B"):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
-
-
-def _batches(notices: Iterable[ChunkNotice], limit: int) -> Iterable[list[ChunkNotice]]:
-    """Group notices so one batch fetches at most `limit` bytes (one oversized chunk goes alone)."""
-    batch: list[ChunkNotice] = []
-    size = 0
-    for n in notices:
-        if batch and size + n.nbytes > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(n)
-        size += n.nbytes
-    if batch:
-        yield batch
-
-
-class Island:
-    def __init__(self, adapter: ModelAdapter, config: IslandConfig, *, group: "dist.ProcessGroup | None" = None):
+class Island(IslandWire):
+    def __init__(self, adapter: ModelAdapter, config: IslandConfig, *, group: "dist.ProcessGroup | None" = None,
+                 anchor_dir: str | os.PathLike | None = None):
         self.adapter = adapter
         self.config = config
         self.group = group
-        if group is not None:
-            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-            self._src = dist.get_global_rank(group, 0)
-        else:
-            self.rank, self.world, self._src = 0, 1, 0
+        self.comm = Comm(group)
+        self.rank, self.world = self.comm.rank, self.comm.world
         self.sync_rank = self.rank == 0
         self.client: IslandClient | None = IslandClient(config) if self.sync_rank else None
         self.gen: str | None = self.client.gen if self.client else None
+        # Where each rank keeps its pieces' staging/anchors/residuals: memory, or files in anchor_dir
+        # (see anchors.py; meant to become an IslandConfig setting).
+        self.store = AnchorStore(anchor_dir)
+        self.layout: IslandLayout | None = None
+        self.ops: RankOps | None = None
         self.session: dict | None = None
         self.frags: dict[int, dict] = {}
         self.state: SyncState | None = None
         self.book: PullBook | None = None
-        self.asm: BcastAssembly | None = None
+        self.reader: CutReader | None = None
         self.local_step = 0
         self.should_stop = False
         self.finalized = False  # the final cut is installed and acknowledged
         self.final_step: int | None = None
         self._counters: Counter[str] = Counter()
-        self._notices: dict[tuple[int, int], ChunkNotice] = {}  # BCAST chunks noticed, not yet fetched
+        self._dirty: set[int] = set()  # fragments with BCAST notices since their last read
+        self._noticed: dict[int, dict[int, int]] = {}  # fragment -> {chunk: version} those notices claim
+        self._staged: dict[int, int] = {}  # fragment -> version the ranks are staging (rank 0's view)
         self._seen_rounds: dict[tuple[int, int], int] = {}  # lockstep: (fragment, step) -> base_version
         self._manifest: dict | None = None
         self._shutdown: dict | None = None
         self._rejected_seen = 0
+        self._bytes_seen: Counter[str] = Counter()
         self._last_t: float | None = None
         self._step_ema: float | None = None
         self._started = False
@@ -140,22 +128,15 @@ class Island:
     # ---- public -----------------------------------------------------------------------------------
 
     def start(self) -> "Island":
-        """Connect, check the run, say hello, wait for the session, stream INIT (INIT island only),
-        install the initial cut (see the module doc). Collective over `group`."""
+        """Gather the layout, connect, check the run, say hello, wait for the session, stream INIT
+        (INIT island only), install the initial cut (see the module doc). Collective over `group`."""
         if self._started:
             return self
-        dec = None
-        if self.sync_rank:
-            try:
-                dec = self._start_sync_rank()
-            except BaseException as exc:
-                self._share_error(exc)
-                raise
-        dec = self._share(dec)
-        self._raise_shared(dec)
+        # Every rank's pieces, once: rank 0 announces the union, every rank maps fragments with it.
+        self.layout = IslandLayout(self.comm.all_gather(describe(self.adapter.shards())))
+        dec = self._lead_or_follow(self._start_sync_rank)
         self.gen = dec["gen"]
-        if dec["names"]:
-            self.adapter.sync_replicas(dec["names"])
+        self._bytes_seen = Counter(self.comm.bytes)  # the step log counts per step from here
         self._started = True
         return self
 
@@ -171,19 +152,9 @@ class Island:
         if self.should_stop:
             return False
         self.local_step += 1
-        dec = None
-        if self.sync_rank:
-            try:
-                dec = self._boundary_sync_rank(tokens, loss)
-            except BaseException as exc:
-                self._share_error(exc)
-                raise
-        dec = self._share(dec)
-        self._raise_shared(dec)
-        if dec["names"]:
-            self.adapter.sync_replicas(dec["names"])
+        dec = self._lead_or_follow(lambda: self._boundary_sync_rank(tokens, loss))
         if dec.get("final") is not None:
-            # Every replica holds the final cut now: only then may the syncer hear it is installed.
+            # Every rank holds the final cut now: only then may the syncer hear it is installed.
             self.final_step = dec["final"]
             if self.sync_rank:
                 self._ack_and_wait_shutdown(dec["final"])
@@ -198,6 +169,7 @@ class Island:
         self._closed = True
         if self.client is not None:
             self.client.close()
+        self.store.close()
 
     def __enter__(self) -> "Island":
         return self.start()
@@ -207,61 +179,109 @@ class Island:
 
     @property
     def counters(self) -> Counter:
-        """Totals since start: pushes, applies, bytes, rejected, retries, pull-book and assembly
-        dispositions (prefixed pull. / bcast.), step-log drops."""
+        """Totals since start: pushes, applies, bytes (incl. scatter_bytes / gather_bytes moved by rank
+        0 to and from the other ranks), rejected, retries, pull-book and reader dispositions
+        (prefixed pull. / bcast.), step-log drops."""
         c = Counter(self._counters)
+        c["scatter_bytes"] = self.comm.bytes["scatter"]
+        c["gather_bytes"] = self.comm.bytes["gather"]
         if self.client is not None:
             c.update(self.client.counters)
             c["steplog_dropped"] = self.client.steplog.dropped
         if self.book is not None:
             c.update({f"pull.{k}": v for k, v in self.book.counts.items()})
-        if self.asm is not None:
-            c.update({f"bcast.{k}": v for k, v in self.asm.counts.items()})
+        if self.reader is not None:
+            c.update({f"bcast.{k}": v for k, v in self.reader.counts.items()})
         return c
+
+    def anchor(self, fid: int) -> dict:
+        """{tensor name: this rank's anchor of its owner piece (flat float32)} of a fragment (tests)."""
+        fm = self.ops.maps[fid]
+        return {p.name: self.store.anchor(fid, p.name, 0, p.numel).clone()
+                for p in fm.pieces(self.rank) if p.owner}
+
+    def residual(self, fid: int) -> dict | None:
+        """{tensor name: this rank's q4 residual (flat float32)} of a fragment, None before a q4 push."""
+        fm = self.ops.maps[fid]
+        out = {}
+        for p in fm.pieces(self.rank):
+            if p.owner:
+                r = self.store.committed_residual(fid, p.name, 0, p.numel)
+                if r is None:
+                    return None
+                out[p.name] = r.clone()
+        return out
 
     # ---- rank coordination ------------------------------------------------------------------------
 
-    def _share(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._src, group=self.group)
-        return box[0]
+    def _lead_or_follow(self, work: Callable[[], dict]) -> dict:
+        """Rank 0 runs `work` (announcing its collective steps) and then shares its decision; the
+        others run what is announced until that decision arrives."""
+        if not self.sync_rank:
+            return self._follow()
+        try:
+            dec = work()
+        except BaseException as exc:
+            if self.world > 1:
+                try:
+                    self.comm.share({"op": "error", "error": f"{type(exc).__name__}: {exc}"})
+                except Exception:  # the group itself may be what failed
+                    pass
+            raise
+        self.comm.share({"op": "end", **dec})
+        return dec
 
-    def _share_error(self, exc: BaseException) -> None:
-        if self.world > 1:
-            try:
-                self._share({"error": f"{type(exc).__name__}: {exc}"})
-            except Exception:  # the group itself may be what failed
-                pass
+    def _follow(self) -> dict:
+        while True:
+            op = self.comm.share(None)
+            kind = op["op"]
+            if kind == "end":
+                return op
+            if kind == "error":
+                raise IslandUnhealthy(f"sync rank failed: {op['error']}")
+            if kind == "session":
+                self._setup(op)
+                continue
+            out = self.ops.run(op)
+            if kind == "export":
+                for _ in out:
+                    pass
+            elif kind == "commit" and op["mode"] != "final":
+                self.state.installed(op["fid"], op["version"], op["digest"])
 
-    def _raise_shared(self, dec: dict) -> None:
-        if dec.get("error") and not self.sync_rank:
-            raise IslandUnhealthy(f"sync rank failed: {dec['error']}")
+    def _lead(self, op: dict, payloads=None):
+        """Announce one collective step and run rank 0's part of it."""
+        self.comm.share(op)
+        return self.ops.run(op, payloads)
 
-    def _names(self, fids: Iterable[int]) -> list[str]:
-        return [n for fid in sorted(set(fids)) for n in fragment_names(self.frags[fid])]
+    def _setup(self, op: dict) -> None:
+        """Every rank: the session's fragments over the island layout, and the version bookkeeping."""
+        session = op["session"]
+        self.session = session
+        self.frags = {f["id"]: f for f in session["fragments"]}
+        self.ops = RankOps(self.adapter, self.comm, self.layout, session, self.store, op["alpha"])
+        self.state = SyncState(session, self.config.island, op["gen"], op["alpha"])
 
     # ---- start ------------------------------------------------------------------------------------
 
     def _start_sync_rank(self) -> dict:
         cfg, c = self.config, self.client
         c.start()
-        layout = self.adapter.layout()
+        layout = self.layout.layout()
         fp = layout_fingerprint(layout)
-        world = cfg.world or {"ranks": self.world, "tp": 1, "pp": 1, "ep": 1, "dp": self.world, "nodes": 1}
+        world = cfg.world or _world_of(self.layout, self.world)
         c.provision({"layout": layout, "layout_fingerprint": fp, "push_dtype": cfg.push_dtype,
                      "bulk_dtype": cfg.bulk_dtype, "world": world, "host": cfg.host})
         session = c.wait_session()
         self._check_session(session, fp)
-        self.session = session
-        self.frags = {f["id"]: f for f in session["fragments"]}
-        self.state = SyncState(session, cfg.island, c.gen, cfg.alpha)
+        op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha}
+        self.comm.share(op)
+        self._setup(op)
         self.book = PullBook(cfg.island, c.gen, fragments=len(self.frags))
-        self.asm = BcastAssembly(session)
-        log.info("island %s (gen %s): session %s… with %d fragments, push %s, bulk %s, H=%d, INIT island %s",
-                 cfg.island, c.gen, session["session_fingerprint"][:12], len(self.frags), session["push_dtype"],
-                 session["bulk_dtype"], session["sync_every"], session["init_island"])
+        self.reader = CutReader(session)
+        log.info("island %s (gen %s, %d ranks): session %s… with %d fragments, push %s, bulk %s, H=%d, INIT island %s",
+                 cfg.island, c.gen, self.world, session["session_fingerprint"][:12], len(self.frags),
+                 session["push_dtype"], session["bulk_dtype"], session["sync_every"], session["init_island"])
         init = session["init_island"] == cfg.island
         if init:
             if c.state_key("commit") is None:
@@ -276,7 +296,7 @@ class Island:
             installed = self._install_cut(cfg.initial_cut_timeout, strict=False)
         else:
             installed = []
-        return {"gen": c.gen, "names": self._names(installed)}
+        return {"gen": c.gen, "installed": sorted(installed), "stop": False}
 
     def _check_session(self, session: dict, fp: str) -> None:
         cfg = self.config
@@ -289,48 +309,6 @@ class Island:
             if want != "auto" and want != session[name]:
                 raise IslandUnhealthy(f"island {cfg.island}: configured {name}={want} but the session uses "
                                       f"{session[name]} (set it to auto or match the syncer)")
-
-    def _chunk_bytes(self, dtype: str) -> int:
-        unit = wire_align(dtype)[1]
-        return (self.session["chunk_bytes"] // unit) * unit  # what schemas.layout.chunk_plan cuts
-
-    def _stream_init(self) -> None:
-        """INIT: every fragment in the bulk dtype on init.F; fragment k is sent on a background
-        thread while fragment k+1 is gathered (at most two fragments' wire bytes held)."""
-        dtype = self.session["bulk_dtype"]
-        cb = self._chunk_bytes(dtype)
-        total = sum(packed_nbytes(dtype, f["numel"]) for f in self.frags.values())
-        bar = _progress(total, f"INIT {self.config.island}", self.config.progress)
-        t0 = time.monotonic()
-        sent = 0
-        pool = ThreadPoolExecutor(1, thread_name_prefix="yeto-init")
-        try:
-            prev = None
-            for fid in sorted(self.frags):
-                packed = pack(gather_fragment(self.adapter, self.frags[fid]), dtype)
-                if prev is not None:
-                    sent += prev.result()
-                prev = pool.submit(self._send_init_fragment, fid, packed, dtype, cb, bar.update)
-            if prev is not None:
-                sent += prev.result()
-        finally:
-            pool.shutdown(wait=True)
-            bar.close()
-        self._counters["init_bytes"] += sent
-        log.info("island %s: INIT sent %d bytes in %d fragments in %.1fs", self.config.island, sent, len(self.frags),
-                 time.monotonic() - t0)
-
-    def _send_init_fragment(self, fid: int, packed, dtype: str, cb: int, progress: Callable[[int], object]) -> int:
-        run, gen = self.config.run, self.gen
-
-        def items():
-            for ch in iter_chunks(packed, cb):
-                meta = {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": fid, "dtype": dtype, **ch.header()}
-                yield (S.init(run, fid), ch.payload, S.init_msg_id(fid, ch.index, gen),
-                       {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
-                progress(ch.nbytes)
-
-        return self.client.publish_stream(items(), timeout=self.config.push_timeout_s)
 
     def _install_cut(self, timeout: float, *, strict: bool) -> list[int]:
         """Before the first step: install each fragment's first version as it lands (overwrite),
@@ -378,24 +356,23 @@ class Island:
         self.state.note_step(tokens)
         stats = _Stats()
         self._read_control()
-        applied: list[int] = []
         if self._manifest is None and self._shutdown is None:
             ta = time.perf_counter()
-            applied = self._drain_broadcasts(stats)
+            self._drain_broadcasts(stats)
             stats.apply_s += time.perf_counter() - ta
             self._take_pulls(stats)
             if self.config.lockstep:
-                applied += self._lockstep(stats)
+                self._lockstep(stats)
             if self._manifest is None and self._shutdown is None:
                 self._answer_pulls(stats)
         if self._manifest is not None:
             ta = time.perf_counter()
-            final = self._install_final(stats)
+            self._install_final(stats)
             stats.apply_s += time.perf_counter() - ta
-            dec = {"names": self._names(final), "final": self._manifest["final_step"], "stop": True}
+            dec = {"final": self._manifest["final_step"], "stop": True}
             versions = {str(k): v for k, v in self._manifest["versions"].items()}
         else:
-            dec = {"names": self._names(applied), "stop": self._shutdown is not None}
+            dec = {"final": None, "stop": self._shutdown is not None}
             versions = None
             if self._shutdown is not None:
                 log.warning("island %s: shutdown from the syncer: %s", self.config.island, self._shutdown["reason"])
@@ -417,72 +394,6 @@ class Island:
         stats.rejected += 1
         self._counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
         log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
-
-    # broadcasts
-
-    def _drain_broadcasts(self, stats: _Stats) -> list[int]:
-        """Fetch the noticed BCAST chunks and apply every version that completes. Returns the
-        fragments applied. Notices whose fetch fails stay for the next boundary."""
-        for n in self.client.bcast.drain():
-            try:
-                # Monotonic versions; one version with two digests is fatal (ProtocolError).
-                if self.state.accept_version(n.fragment, n.version, n.meta["version_digest"]) != "new":
-                    continue
-            except ProtocolError:
-                raise
-            except WireError as exc:
-                self._reject(stats, f"bcast notice {n.subject}", exc)
-                continue
-            self._notices[(n.fragment, n.chunk)] = n
-        applied: list[int] = []
-        if not self.client.connected:
-            return applied  # a request now would only wait out its timeout: fetch after the reconnect
-        for batch in _batches([self._notices[k] for k in sorted(self._notices)], self.config.fetch_batch_bytes):
-            try:
-                msgs = self.client.fetch_last("BCAST", [n.subject for n in batch])
-            except TRANSIENT as exc:
-                log.warning("island %s: fetching broadcast chunks: %r (retried at the next boundary)",
-                            self.config.island, exc)
-                break
-            for n, m in zip(batch, msgs):
-                del self._notices[(n.fragment, n.chunk)]
-                comp = self._take_chunk("bcast_chunk", self.asm, n, m, stats)
-                if comp is not None and self._apply(comp):
-                    stats.applies += 1
-                    applied.append(comp.fragment)
-        return applied
-
-    def _take_chunk(self, kind: str, asm: BcastAssembly, n: ChunkNotice, m, stats: _Stats) -> Completed | None:
-        """One fetched chunk into an assembly; bad chunks are counted and dropped."""
-        if m is None:  # gone meanwhile (stream purged): a newer notice will come if it matters
-            self._counters[f"{kind}.missing"] += 1
-            return None
-        data = m.data or b""
-        stats.bytes_in += len(data)
-        try:
-            hdr = (m.headers or {}).get(codec.CHUNK_HEADER)
-            if hdr is None:
-                raise WireError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
-            meta = codec.decode_header(kind, hdr)
-            if meta["run"] != self.config.run or (meta["fragment"], meta["chunk"]) != (n.fragment, n.chunk):
-                raise WireError("chunk header does not match its subject", field="subject", value=n.subject)
-            return asm.add(meta, data)
-        except ProtocolError:
-            raise
-        except WireError as exc:
-            self._reject(stats, f"{kind} {n.subject}", exc)
-            return None
-
-    def _apply(self, comp: Completed) -> bool:
-        fid = comp.fragment
-        if self.state.accept_version(fid, comp.version, comp.version_digest) != "new":
-            return False
-        frag = self.frags[fid]
-        local = gather_fragment(self.adapter, frag) if self.state.needs_local(fid) else None
-        out = self.state.apply(fid, comp.version, comp.version_digest, comp.values, local)
-        scatter_fragment(self.adapter, frag, out)
-        self.book.committed(fid, comp.version)
-        return True
 
     # pulls
 
@@ -516,40 +427,6 @@ class Island:
             self.book.sent(p.fragment, p.step, p.attempt, p.try_)
             stats.pushes += 1
             stats.bytes_out += nbytes
-
-    def _push(self, p) -> int:
-        """Stream d = local − anchor in the session push dtype; returns the bytes sent once every
-        chunk is acked. q4 keeps its error-feedback residual only once the push got through."""
-        fid = p.fragment
-        st = self.state.states[fid]
-        dtype = self.session["push_dtype"]
-        run, island, gen = self.config.run, self.config.island, self.gen
-        d = self.state.delta(fid, gather_fragment(self.adapter, self.frags[fid]), inplace=True)
-        residual = self.state.push_residual(fid) if dtype == "q4" else None
-        spans = chunk_plan(st.numel, dtype, self.session["chunk_bytes"])
-        chunker = Chunker(packed_nbytes(dtype, st.numel), self._chunk_bytes(dtype))
-        base = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen, "fragment": fid,
-                "step": p.step, "attempt": p.attempt, "try": p.try_, "base_version": st.version,
-                "local_step": self.local_step, "c_steps": st.c_steps, "c_tokens": st.c_tokens, "dtype": dtype}
-        subject = S.push(run, island, fid)
-        digests: list[str] = []
-
-        def items():
-            pieces = (d[s.elem_offset : s.elem_offset + s.elem_count] for s in spans)
-            for packed in pack_stream(pieces, dtype, residual=residual):
-                for ch in chunker.feed(packed):
-                    digests.append(ch.digest)
-                    meta = dict(base, **ch.header())
-                    if ch.index == ch.chunks - 1:
-                        meta["push_digest"] = push_digest(digests)
-                    yield (subject, ch.payload, S.push_msg_id(island, gen, fid, p.step, p.attempt, p.try_, ch.index),
-                           {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
-            chunker.close()
-
-        sent = self.client.publish_stream(items(), timeout=self.config.push_timeout_s)
-        if residual is not None:
-            self.state.keep_residual(fid, residual)
-        return sent
 
     # lockstep
 
@@ -593,71 +470,6 @@ class Island:
                 time.sleep(POLL_S)
         return True
 
-    # finalization
-
-    def _install_final(self, stats: _Stats) -> list[int]:
-        """Install the manifest's exact f32 versions from FINAL (any arrival order), without blending."""
-        m = self._manifest
-        want = {int(k): (v, m["version_digests"][k]) for k, v in m["versions"].items()}
-        unknown = sorted(set(want) - set(self.frags))
-        if unknown:
-            raise ProtocolError("manifest names fragments the session does not have", field="versions", value=unknown)
-        missing = sorted(set(self.frags) - set(want))
-        if missing:
-            log.warning("island %s: the manifest leaves fragments %s out: they keep their values",
-                        self.config.island, missing)
-        asm = BcastAssembly(self.session, dtype="f32")
-        pending: dict[tuple[int, int], ChunkNotice] = {}
-        got: list[int] = []
-        deadline = time.monotonic() + self.config.final_timeout_s
-        bar = _progress(len(want), f"final {self.config.island}", self.config.progress, unit="frag")
-        try:
-            while len(got) < len(want):
-                self.client.check_health()
-                for n in self.client.final.drain():
-                    if n.fragment in want and n.fragment not in got and n.meta["final_step"] == m["final_step"] \
-                            and n.version == want[n.fragment][0]:
-                        pending[(n.fragment, n.chunk)] = n
-                    else:
-                        self._counters["final_chunk.ignored"] += 1
-                progressed = False
-                batches = _batches([pending[k] for k in sorted(pending)], self.config.fetch_batch_bytes)
-                for batch in batches if self.client.connected else ():
-                    try:
-                        msgs = self.client.fetch_last("FINAL", [n.subject for n in batch])
-                    except TRANSIENT as exc:
-                        log.warning("island %s: fetching the final cut: %r", self.config.island, exc)
-                        break
-                    for n, msg in zip(batch, msgs):
-                        del pending[(n.fragment, n.chunk)]
-                        comp = self._take_chunk("final_chunk", asm, n, msg, stats)
-                        progressed = True
-                        if comp is None or comp.fragment in got:
-                            continue
-                        version, digest = want[comp.fragment]
-                        if comp.version != version:
-                            self._counters["final_chunk.ignored"] += 1
-                            continue
-                        if comp.version_digest != digest:
-                            raise ProtocolError(f"final cut of fragment {comp.fragment} v{version} does not match "
-                                                f"the manifest's digest {digest}", field="version_digest",
-                                                value=comp.version_digest)
-                        scatter_fragment(self.adapter, self.frags[comp.fragment], comp.values)
-                        got.append(comp.fragment)
-                        stats.applies += 1
-                        bar.update(1)
-                if len(got) < len(want):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"island {self.config.island}: final cut incomplete after "
-                                           f"{self.config.final_timeout_s:.0f}s: fragments "
-                                           f"{sorted(set(want) - set(got))} missing")
-                    if not progressed:
-                        time.sleep(POLL_S)
-        finally:
-            bar.close()
-        log.warning("island %s: final cut of step %d installed (%d fragments)", self.config.island, m["final_step"], len(got))
-        return got
-
     def _ack_and_wait_shutdown(self, final_step: int) -> None:
         self.client.send_ack(final_step)
         deadline = time.monotonic() + self.config.shutdown_timeout_s
@@ -680,10 +492,13 @@ class Island:
         self._rejected_seen = client_rejected
         for key in ("pushes", "applies", "bytes_out", "bytes_in", "rejected"):
             self._counters[key] += getattr(stats, key)
+        moved = {k: self.comm.bytes[k] - self._bytes_seen[k] for k in ("scatter", "gather")}
+        self._bytes_seen = Counter(self.comm.bytes)
         self.client.steplog.emit(
             step=self.local_step, boundary_s=time.perf_counter() - t0, export_s=stats.export_s,
             apply_s=stats.apply_s, pushes=stats.pushes, applies=stats.applies, bytes_out=stats.bytes_out,
-            bytes_in=stats.bytes_in, versions=self.state.versions() if versions is None else versions,
+            bytes_in=stats.bytes_in, scatter_bytes=moved["scatter"], gather_bytes=moved["gather"],
+            versions=self.state.versions() if versions is None else versions,
             pending_pulls=self.book.pending(), rejected=rejected, loss=loss)
 
 

@@ -72,6 +72,16 @@ async def _count_merges(url: str, run: str) -> int:
         await nc.close()
 
 
+def _result(lines: list[str]) -> dict | None:
+    """An island's `RESULT {json}` line. Ranks of one island share its stdout, so another rank's
+    output may sit on the same line before or after the JSON object: decode just the object."""
+    for line in lines:
+        i = line.find("RESULT {")
+        if i >= 0:
+            return json.JSONDecoder().raw_decode(line, i + len("RESULT "))[0]
+    return None
+
+
 def _overhead(path: Path) -> dict:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if len(rows) < 3:
@@ -110,16 +120,16 @@ def run(args) -> int:
                       "--member-timeout", "20", "--final-timeout", "60"]
         procs["syncer"] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         logs["syncer"] = []
-        _pump(procs["syncer"], "[syncer]", logs["syncer"],
-              lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l or "session pinned" in l)
+        pumps = [_pump(procs["syncer"], "[syncer]", logs["syncer"],
+                       lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l or "session pinned" in l)]
         for name, ranks in (("a", 1), ("b", 2)):
             cmd = [sys.executable, "-m", "learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors")]
             e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"))
             procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e)
             logs[name] = []
-            _pump(procs[name], f"[island {name}]", logs[name],
-                  lambda l: l.startswith("[") or "Error" in l or "Traceback" in l or l.startswith("RESULT"))
+            pumps.append(_pump(procs[name], f"[island {name}]", logs[name],
+                               lambda l: l.startswith("[") or "Error" in l or "Traceback" in l or "RESULT {" in l))
         deadline = time.monotonic() + args.timeout
         for name, p in procs.items():
             left = max(1.0, deadline - time.monotonic())
@@ -131,12 +141,13 @@ def run(args) -> int:
             if rc != 0:
                 print(f"yeto demo: {name} exited with {rc}; last lines:\n" + "\n".join(logs[name][-30:]), file=sys.stderr)
                 return 1
-        time.sleep(0.2)  # let the output pumps drain
-        results = {}
-        for name in ("a", "b"):
-            for line in logs[name]:
-                if line.startswith("RESULT "):
-                    results[name] = json.loads(line[len("RESULT "):])
+        for t in pumps:  # every process exited: its pipe ends, and its pump with it
+            t.join(5)
+        results = {name: _result(logs[name]) for name in ("a", "b")}
+        missing = [name for name, r in results.items() if r is None]
+        if missing:
+            print(f"yeto demo: no RESULT line from island(s) {', '.join(missing)}", file=sys.stderr)
+            return 1
         final_path = work / "final-cut.safetensors"
         export(work / "syncer", final_path, run_id)
         final = load_file(str(final_path))

@@ -1,19 +1,22 @@
-"""SyncState (versions, overwrite vs blend, anchors, counters, delta) and BcastAssembly.
+"""SyncState (versions, counters, readiness), the blend, the per-rank AnchorStore (staging, anchors,
+q4 residual working copies; in memory and in files) and CutReader (in-order reading of versions).
 
 Broadcast chunks are built here from first principles (raw little-endian bytes, xxh3 and sha256
-straight from xxhash/hashlib) rather than with the project's own chunker, so the assembly is checked
+straight from xxhash/hashlib) rather than with the project's own chunker, so the reader is checked
 against an independent producer.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 import torch
 import xxhash
 
-from learner.fragments import BcastAssembly, Completed, ProtocolError, SyncState
-from schemas.chunks import ChunkError, DigestMismatch
+from learner.anchors import AnchorStore
+from learner.fragments import CutReader, ProtocolError, SyncState, blend
+from schemas.chunks import DigestMismatch
 from schemas.errors import WireError
 from schemas.layout import build_session
 
@@ -23,10 +26,11 @@ LAYOUT = [
     {"name": "layers.1.w", "shape": [4, 6], "dtype": "float32"},
     {"name": "layers.1.b", "shape": [6], "dtype": "float32"},
 ]
+CB = 24  # session chunk bytes: 6 f32 or 12 bf16 values per chunk
 
 
 def session(bulk="f32"):
-    return build_session(LAYOUT, 2, run="r", push_dtype="f32", bulk_dtype=bulk, chunk_bytes=64,
+    return build_session(LAYOUT, 2, run="r", push_dtype="f32", bulk_dtype=bulk, chunk_bytes=CB,
                          init_island="a", sync_every=4)
 
 
@@ -49,13 +53,13 @@ def raw_bytes(values: torch.Tensor, dtype: str) -> bytes:
     return values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
 
 
-def bcast_chunks(fid, version, values, dtype="f32", chunk_bytes=24, vdigest=None):
+def bcast_chunks(fid, version, values, dtype="f32", chunk_bytes=CB, vdigest=None):
     raw = raw_bytes(values, dtype)
     vd = vdigest or hashlib.sha256(raw).hexdigest()
     n = -(-len(raw) // chunk_bytes)
     out = []
     for i in range(n):
-        payload = raw[i * chunk_bytes : (i + 1) * chunk_bytes]
+        payload = raw[i * chunk_bytes: (i + 1) * chunk_bytes]
         out.append(({"v": 1, "run": "r", "fragment": fid, "version": version, "dtype": dtype, "chunk": i, "chunks": n,
                      "offset": i * chunk_bytes, "nbytes": len(payload), "total": len(raw),
                      "digest": xxhash.xxh3_64_hexdigest(payload), "version_digest": vd}, payload))
@@ -66,79 +70,25 @@ def digest_of(values, dtype="f32"):
     return hashlib.sha256(raw_bytes(values, dtype)).hexdigest()
 
 
-# ---- versions -------------------------------------------------------------------------------------
+# ---- versions and counters ------------------------------------------------------------------------
 
 def test_versions_are_monotonic_and_a_digest_conflict_is_fatal():
     st = state()
-    g = vec(N0, 1)
     assert st.accept_version(0, 3, "d3") == "new"
-    st.apply(0, 3, "d3", g)
+    assert st.installed(0, 3, "d3") == "first"
     assert st.accept_version(0, 3, "d3") == "same"
     assert st.accept_version(0, 2, "whatever") == "old"
     assert st.accept_version(0, 4, "d4") == "new"
     with pytest.raises(ProtocolError) as e:
         st.accept_version(0, 3, "other")
     assert e.value.field == "version_digest" and e.value.value == "other" and e.value.code == "protocol"
-    with pytest.raises(ProtocolError):
-        st.apply(0, 3, "other", vec(N0, 2), vec(N0, 3))
-    # not new: nothing changes, nothing to write
-    assert st.apply(0, 3, "d3", vec(N0, 2), vec(N0, 3)) is None
-    assert st.apply(0, 1, "d1", vec(N0, 2), vec(N0, 3)) is None
-    assert st.states[0].version == 3 and torch.equal(st.states[0].anchor, g)
-    assert st.versions() == {"0": 3}
-
-
-def test_first_version_overwrites_without_blending():
-    st = state(alpha=0.5)
-    g = vec(N0, 1)
-    st.note_step(100)
-    assert not st.needs_local(0)
-    out = st.apply(0, 0, digest_of(g), g)  # no local values needed
-    assert torch.equal(out, g)
-    assert torch.equal(st.states[0].anchor, g)
-    assert st.states[0].c_steps == 0 and st.states[0].c_tokens == 0
-    assert st.needs_local(0)
-
-
-def test_later_version_blends_against_a_hand_computation():
-    st = state(alpha=0.75)
-    st.apply(0, 0, "d0", torch.zeros(N0))
-    local = torch.zeros(N0)
-    glob = torch.zeros(N0)
-    local[:4] = torch.tensor([1.0, 2.0, 3.0, -4.0])
-    glob[:4] = torch.tensor([5.0, 6.0, 7.0, 8.0])
-    out = st.apply(0, 1, "d1", glob.clone(), local)
-    # 0.75*1 + 0.25*5 = 2, 0.75*2 + 0.25*6 = 3, 0.75*3 + 0.25*7 = 4, 0.75*(-4) + 0.25*8 = -1
-    assert out[:4].tolist() == [2.0, 3.0, 4.0, -1.0]
-    assert out is local  # blended in place: no second fragment-sized buffer
-    # The anchor is the raw global value, not the blend.
-    assert torch.equal(st.states[0].anchor, glob)
-    assert not torch.equal(st.states[0].anchor, out)
-
-
-def test_blend_matches_a_float64_reference_on_random_values():
-    alpha = 0.3
-    st = state(alpha=alpha)
-    st.apply(1, 0, "d0", vec(N1, 0))
-    local, glob = vec(N1, 1), vec(N1, 2)
-    ref = alpha * local.double() + (1 - alpha) * glob.double()
-    out = st.apply(1, 1, "d1", glob.clone(), local.clone())
-    assert torch.allclose(out.double(), ref, rtol=0, atol=4e-7 * ref.abs().max().item())
-
-
-def test_blend_needs_local_values_and_checks_sizes():
-    st = state()
-    st.apply(0, 0, "d0", vec(N0, 0))
+    with pytest.raises(WireError):  # not new: refused, nothing changes
+        st.installed(0, 2, "d2")
+    assert st.installed(0, 4, "d4") == "blend"
+    assert st.states[0].version == 4 and st.versions() == {"0": 4}
     with pytest.raises(WireError) as e:
-        st.apply(0, 1, "d1", vec(N0, 1))
-    assert e.value.field == "local"
-    with pytest.raises(WireError) as e:
-        st.apply(0, 1, "d1", vec(N0 + 1, 1), vec(N0, 2))
-    assert e.value.field == "global_values"
-    with pytest.raises(WireError) as e:
-        st.apply(7, 0, "d0", vec(N0, 1))
+        st.installed(7, 0, "d0")
     assert e.value.field == "fragment"
-    assert st.states[0].version == 0  # refused applies changed nothing
 
 
 def test_alpha_out_of_range_is_refused():
@@ -147,200 +97,273 @@ def test_alpha_out_of_range_is_refused():
     assert e.value.field == "alpha"
 
 
-# ---- counters, readiness, delta -------------------------------------------------------------------
-
 def test_counters_readiness_and_reset():
     st = state()
     assert not st.ready(0) and not st.ready(1)
     st.note_step(10)  # before any version: counted, but no anchor so not ready
-    assert not st.ready(0)
-    st.apply(0, 0, "d0", vec(N0, 0))
-    assert not st.ready(0)  # anchor but no step since it was installed
+    assert not st.ready(0) and not st.needs_local(0)
+    st.installed(0, 0, "d0")
+    assert not st.ready(0) and st.needs_local(0)  # a version but no step since it was installed
     st.note_step(32)
     st.note_step(16)
     assert st.ready(0) and not st.ready(1)
     s0 = st.states[0]
     assert (s0.c_steps, s0.c_tokens, s0.steps_since_reset) == (2, 48, 2)
     assert (st.states[1].c_steps, st.states[1].c_tokens) == (3, 58)
-    st.apply(0, 1, "d1", vec(N0, 1), vec(N0, 2))
+    st.installed(0, 1, "d1")
     assert (s0.c_steps, s0.c_tokens) == (0, 0) and not st.ready(0)
     assert not st.ready(99)  # unknown fragment: never ready
     with pytest.raises(WireError):
         st.note_step(-1)
 
 
-def test_delta_is_local_minus_anchor():
-    st = state()
-    g = vec(N0, 0)
-    st.apply(0, 0, "d0", g)
-    local = vec(N0, 1)
-    d = st.delta(0, local)
-    assert torch.equal(d, local - g)
-    assert torch.equal(local, vec(N0, 1))  # untouched
-    d2 = st.delta(0, local, inplace=True)
-    assert d2 is local and torch.equal(local, d)
+# ---- the blend ------------------------------------------------------------------------------------
+
+def test_blend_against_a_hand_computation_leaves_its_inputs_alone():
+    local = torch.tensor([1.0, 2.0, 3.0, -4.0])
+    glob = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    out = blend(local, glob, 0.75)
+    # 0.75*1 + 0.25*5 = 2, 0.75*2 + 0.25*6 = 3, 0.75*3 + 0.25*7 = 4, 0.75*(-4) + 0.25*8 = -1
+    assert out.tolist() == [2.0, 3.0, 4.0, -1.0]
+    assert local.tolist() == [1.0, 2.0, 3.0, -4.0] and glob.tolist() == [5.0, 6.0, 7.0, 8.0]
+
+
+def test_blend_matches_a_float64_reference_on_random_values():
+    alpha = 0.3
+    local, glob = vec(N1, 1), vec(N1, 2)
+    ref = alpha * local.double() + (1 - alpha) * glob.double()
+    out = blend(local, glob, alpha)
+    assert torch.allclose(out.double(), ref, rtol=0, atol=4e-7 * ref.abs().max().item())
+    assert torch.equal(blend(local, glob, 0.0), glob) and torch.equal(blend(local, glob, 1.0), local)
+
+
+# ---- per-rank values ------------------------------------------------------------------------------
+
+@pytest.fixture(params=["memory", "files"])
+def store(request, tmp_path):
+    s = AnchorStore(None if request.param == "memory" else tmp_path / "anchors")
+    yield s
+    s.close()
+
+
+def test_staging_becomes_the_anchor_of_owner_pieces_only_on_commit(store):
+    numels = {"w": 6, "b": 3}
+    store.begin(0, 5, numels)
+    assert store.staging(0) == 5 and not store.has_anchor(0)
+    store.stage(0, "w", 3, torch.tensor([4.0, 5.0, 6.0]))  # any order of runs
+    store.stage(0, "w", 0, torch.tensor([1.0, 2.0, 3.0]))
+    store.stage(0, "b", 0, torch.tensor([7.0, 8.0, 9.0]))
+    assert store.staged(0, "w").tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    store.commit(0, owned=["w"])
+    assert store.staging(0) is None and store.has_anchor(0)
+    assert store.anchor(0, "w", 1, 4).tolist() == [2.0, 3.0, 4.0]
+    # a newer version staged meanwhile does not touch the anchor until it commits; abort drops it
+    store.begin(0, 6, numels)
+    store.stage(0, "w", 0, torch.zeros(6))
+    assert store.anchor(0, "w", 0, 6).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    store.abort(0)
+    assert store.staging(0) is None and store.anchor(0, "w", 0, 2).tolist() == [1.0, 2.0]
     with pytest.raises(RuntimeError):
-        st.delta(1, vec(N1, 0))  # no anchor yet
+        store.anchor(1, "w", 0, 1)
 
 
-def test_q4_residual_is_a_working_copy_kept_only_on_ack():
-    st = state()
-    r = st.push_residual(0)
-    assert torch.equal(r, torch.zeros(N0))
-    r += 1.0  # the packer updates its working copy; the push then fails: nothing kept
-    assert torch.equal(st.push_residual(0), torch.zeros(N0))
-    st.keep_residual(0, r)
-    r2 = st.push_residual(0)
-    assert torch.equal(r2, torch.ones(N0)) and r2 is not r
-    st.apply(0, 0, "d0", vec(N0, 0))  # a new anchor keeps the residual (error not yet delivered)
-    assert torch.equal(st.states[0].residual, torch.ones(N0))
+def test_begin_replaces_another_version_being_staged(store):
+    store.begin(1, 1, {"w": 2})
+    store.stage(1, "w", 0, torch.tensor([1.0, 1.0]))
+    store.begin(1, 2, {"w": 2})
+    assert store.staging(1) == 2
+    store.stage(1, "w", 0, torch.tensor([2.0, 3.0]))
+    store.commit(1, owned=["w"])
+    assert store.anchor(1, "w", 0, 2).tolist() == [2.0, 3.0]
 
 
-# ---- broadcast assembly ---------------------------------------------------------------------------
+def test_q4_residual_is_a_working_copy_kept_only_on_ack(store):
+    numels = {"w": 4}
+    store.begin_residual(0, numels)
+    assert store.residual(0, "w", 0, 4).tolist() == [0.0] * 4  # zeros before the first q4 push
+    store.stage_residual(0, "w", 0, torch.ones(4))
+    store.abort_residual(0)  # the push failed: nothing kept
+    assert store.committed_residual(0, "w", 0, 4) is None
+    store.begin_residual(0, numels)
+    store.stage_residual(0, "w", 1, torch.tensor([2.0, 3.0]))
+    store.keep_residual(0)
+    assert store.committed_residual(0, "w", 0, 4).tolist() == [0.0, 2.0, 3.0, 0.0]
+    store.begin_residual(0, numels)  # the next push starts from the kept residual, on a copy
+    assert store.residual(0, "w", 0, 4).tolist() == [0.0, 2.0, 3.0, 0.0]
+    store.stage_residual(0, "w", 0, torch.full((4,), 9.0))
+    assert store.committed_residual(0, "w", 0, 4).tolist() == [0.0, 2.0, 3.0, 0.0]
+    # a new anchor keeps the residual (error not yet delivered)
+    store.begin(0, 0, numels)
+    store.commit(0, owned=["w"])
+    assert store.committed_residual(0, "w", 0, 4).tolist() == [0.0, 2.0, 3.0, 0.0]
 
-def feed(asm, chunks):
-    done = []
-    for meta, payload in chunks:
-        c = asm.add(meta, payload)
-        if c is not None:
-            done.append(c)
-    return done
+
+def test_file_store_holds_no_process_memory_and_cleans_up(tmp_path):
+    d = tmp_path / "anchors"
+    mem, files = AnchorStore(), AnchorStore(d)
+    for s in (mem, files):
+        s.begin(0, 0, {"w": 1000})
+        s.stage(0, "w", 0, torch.arange(1000, dtype=torch.float32))
+        s.commit(0, owned=["w"])
+    assert mem.nbytes() == 4000 and files.nbytes() == 0
+    assert torch.equal(mem.anchor(0, "w", 0, 1000), files.anchor(0, "w", 0, 1000))
+    assert os.listdir(d)
+    files.close()
+    mem.close()
+    assert os.listdir(d) == []
 
 
-def test_assembles_out_of_order_and_decodes_f32_bitwise():
-    asm = BcastAssembly(S)
+# ---- reading a cut --------------------------------------------------------------------------------
+
+def read(reader, fid, chunks):
+    """Feed chunks by index as a shell would fetch them; returns the verdicts."""
+    return [reader.take(fid, m["chunk"], m, p) for m, p in chunks]
+
+
+def test_reads_in_order_streams_the_digest_and_holds_the_version():
+    r = CutReader(S)
     g = vec(N0, 5)
     chunks = bcast_chunks(0, 0, g)
-    assert len(chunks) > 3
-    done = feed(asm, list(reversed(chunks)))
-    assert len(done) == 1
-    c = done[0]
-    assert isinstance(c, Completed) and (c.fragment, c.version) == (0, 0)
-    assert c.version_digest == digest_of(g)
-    assert torch.equal(c.values.view(torch.int32), g.view(torch.int32))
-    assert asm.partial(0) is None and asm.completed(0) == 0 and asm.nbytes_held() == 0
+    assert len(chunks) > 3 and r.announce(0, 0, digest_of(g)) and r.pending() == [0]
+    assert [s.index for s in r.next_chunks(0)] == list(range(len(chunks)))
+    assert read(r, 0, chunks[:2]) == ["accept", "accept"]
+    assert r.reading(0) == (0, 2, len(chunks)) and [s.index for s in r.next_chunks(0)][0] == 2
+    assert read(r, 0, chunks[2:]) == ["accept"] * (len(chunks) - 3) + ["complete"]
+    assert r.held[0] == (0, digest_of(g)) and r.reading(0) is None and r.pending() == []
+    # the held version and older ones are not read again
+    assert not r.announce(0, 0, digest_of(g))
+    assert read(r, 0, chunks[:1]) == ["wait"]
 
 
-def test_bf16_broadcast_decodes_to_the_rounded_values():
+def test_bf16_chunks_follow_the_bf16_plan():
     s = session(bulk="bf16")
-    asm = BcastAssembly(s)
+    r = CutReader(s)
     g = vec(s["fragments"][1]["numel"], 6)
-    (c,) = feed(asm, bcast_chunks(1, 2, g, dtype="bf16", chunk_bytes=16))
-    assert c.values.dtype == torch.float32
-    assert torch.equal(c.values, g.to(torch.bfloat16).to(torch.float32))
-    assert c.version_digest == digest_of(g, "bf16")
+    chunks = bcast_chunks(1, 2, g, dtype="bf16")
+    assert read(r, 1, chunks)[-1] == "complete" and r.held[1] == (2, digest_of(g, "bf16"))
 
 
-def test_interleaved_versions_complete_only_whole_versions_and_drop_the_older_partial():
-    # A late reader of BCAST: chunks 0..2 of v4 were overwritten by v5, so it sees v4's tail, then
-    # v5's head (the current messages), then v5's tail as the syncer publishes it.
-    asm = BcastAssembly(S)
+def test_a_version_overwritten_mid_read_is_dropped_and_the_newer_one_read_from_chunk_0():
+    # Chunks 0..k-1 were read at v4; chunk k is already v5: the reading restarts at chunk 0 with v5.
+    r = CutReader(S)
     v4, v5 = vec(N0, 4), vec(N0, 5)
     c4, c5 = bcast_chunks(0, 4, v4), bcast_chunks(0, 5, v5)
     k = len(c4) // 2
-    assert feed(asm, c4[k:]) == []
-    assert asm.partial(0) == (4, len(c4) - k, len(c4))
-    assert feed(asm, c5[:k]) == []
-    assert asm.partial(0) == (5, k, len(c5))  # v4's partial dropped
-    assert asm.counts["dropped_partial"] == 1
-    # A straggling v4 chunk (older than the partial) is ignored, not mixed into v5.
-    assert feed(asm, c4[:1]) == []
-    assert asm.partial(0) == (5, k, len(c5))
-    (done,) = feed(asm, c5[k:])
-    assert done.version == 5 and torch.equal(done.values, v5)
-    # Chunks of v4 and v5 after v5 completed: older or same version, ignored.
-    assert feed(asm, c4 + c5) == []
-    assert asm.counts["old"] == len(c4) and asm.counts["same"] == len(c5)
+    assert read(r, 0, c4[:k]) == ["accept"] * k
+    assert r.take(0, k, *c5[k]) == "restart"
+    assert r.reading(0) is None and r.counts["dropped_partial"] == 1
+    assert r.next_chunks(0)[0].index == 0
+    assert read(r, 0, c5)[-1] == "complete" and r.held[0][0] == 5
 
 
-def test_versions_of_different_fragments_assemble_independently():
-    asm = BcastAssembly(S)
+def test_a_newer_version_not_yet_published_at_a_chunk_means_wait():
+    # v5 is announced (its chunk 0 landed) but chunk 1 still holds v4: wait there, keep the reading.
+    r = CutReader(S)
+    v4, v5 = vec(N0, 4), vec(N0, 5)
+    c4, c5 = bcast_chunks(0, 4, v4), bcast_chunks(0, 5, v5)
+    r.announce(0, 5, digest_of(v5))
+    assert r.take(0, 0, *c5[0]) == "accept"
+    assert r.take(0, 1, *c4[1]) == "wait"
+    assert r.reading(0) == (5, 1, len(c5)) and r.next_chunks(0)[0].index == 1
+    assert read(r, 0, c5[1:])[-1] == "complete"
+
+
+def test_fragments_read_independently_and_consecutive_versions_each_complete():
+    r = CutReader(S)
     a, b = bcast_chunks(0, 1, vec(N0, 1)), bcast_chunks(1, 1, vec(N1, 2))
-    mixed = [x for pair in zip(a, b) for x in pair] + a[len(b):] + b[len(a):]
-    done = feed(asm, mixed)
-    assert sorted((c.fragment, c.version) for c in done) == [(0, 1), (1, 1)]
+    for x, y in zip(a, b):
+        r.take(0, x[0]["chunk"], *x)
+        r.take(1, y[0]["chunk"], *y)
+    read(r, 0, a[len(b):])
+    read(r, 1, b[len(a):])
+    assert r.held[0][0] == 1 and r.held[1][0] == 1
+    assert read(r, 0, bcast_chunks(0, 2, vec(N0, 2)))[-1] == "complete" and r.held[0][0] == 2
 
 
-def test_consecutive_complete_versions_each_complete():
-    asm = BcastAssembly(S)
-    done = feed(asm, bcast_chunks(0, 1, vec(N0, 1)) + bcast_chunks(0, 2, vec(N0, 2)))
-    assert [c.version for c in done] == [1, 2]
-
-
-def test_identical_redelivered_chunk_is_ignored():
-    asm = BcastAssembly(S)
-    chunks = bcast_chunks(0, 0, vec(N0, 1))
-    feed(asm, chunks[:2])
-    assert asm.add(*chunks[1]) is None
-    assert asm.counts["duplicate_chunk"] == 1
-    assert len(feed(asm, chunks[2:])) == 1
-
-
-def test_same_version_with_another_digest_is_fatal():
-    asm = BcastAssembly(S)
-    feed(asm, bcast_chunks(0, 3, vec(N0, 1)))
-    other = bcast_chunks(0, 3, vec(N0, 2))
+def test_one_version_with_two_digests_is_fatal():
+    r = CutReader(S)
+    read(r, 0, bcast_chunks(0, 3, vec(N0, 1)))
     with pytest.raises(ProtocolError):
-        asm.add(*other[0])
-    # ... and also while the version is still partial.
-    feed(asm, bcast_chunks(0, 4, vec(N0, 3))[:1])
+        r.announce(0, 3, digest_of(vec(N0, 2)))
     with pytest.raises(ProtocolError):
-        asm.add(*bcast_chunks(0, 4, vec(N0, 4))[1])
+        r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0])
+    # ... and while the version is still being read
+    read(r, 0, bcast_chunks(0, 4, vec(N0, 3))[:1])
+    with pytest.raises(ProtocolError):
+        r.take(0, 1, *bcast_chunks(0, 4, vec(N0, 4))[1])
 
 
-def test_version_digest_mismatch_drops_the_version():
-    asm = BcastAssembly(S)
-    g = vec(N0, 1)
-    bad = bcast_chunks(0, 1, g, vdigest="0" * 64)
-    with pytest.raises(DigestMismatch):
-        feed(asm, bad)
-    assert asm.partial(0) is None and asm.completed(0) is None
+def test_version_digest_mismatch_fails_that_version_only():
+    r = CutReader(S)
+    bad = bcast_chunks(0, 1, vec(N0, 1), vdigest="0" * 64)
+    with pytest.raises(DigestMismatch) as e:
+        read(r, 0, bad)
+    assert e.value.field == "version_digest"
+    assert r.reading(0) is None and 0 not in r.held and r.pending() == []
+    assert not r.announce(0, 1, "0" * 64)  # not read again
+    assert read(r, 0, bcast_chunks(0, 2, vec(N0, 2)))[-1] == "complete"
 
 
-def test_corrupted_chunk_is_refused_and_the_version_still_completes():
-    asm = BcastAssembly(S)
+def test_a_corrupted_chunk_fails_the_version():
+    r = CutReader(S)
     chunks = bcast_chunks(0, 1, vec(N0, 1))
+    read(r, 0, chunks[:1])
     meta, payload = chunks[1]
-    corrupt = bytes([payload[0] ^ 1]) + payload[1:]
-    with pytest.raises(ChunkError):
-        asm.add(meta, corrupt)
-    assert len(feed(asm, chunks)) == 1
+    with pytest.raises(DigestMismatch) as e:
+        r.take(0, 1, meta, bytes([payload[0] ^ 1]) + payload[1:])
+    assert e.value.field == "digest" and r.reading(0) is None and (0, 1) in r.failed
 
 
-@pytest.mark.parametrize("field,value", [("dtype", "bf16"), ("total", 12), ("fragment", 9), ("version", -1)])
+@pytest.mark.parametrize("field,value", [("dtype", "bf16"), ("total", 12), ("chunks", 99), ("offset", 4),
+                                         ("fragment", 1), ("chunk", 3), ("version", -1)])
 def test_chunks_that_do_not_fit_the_session_are_refused(field, value):
-    asm = BcastAssembly(S)
+    r = CutReader(S)
     meta, payload = bcast_chunks(0, 1, vec(N0, 1))[0]
     meta[field] = value
     with pytest.raises(WireError) as e:
-        asm.add(meta, payload)
-    assert e.value.field == field
+        r.take(0, 0, meta, payload)
+    assert e.value.field == {"fragment": "subject", "chunk": "subject"}.get(field, field)
+    with pytest.raises(WireError) as e:
+        CutReader(S).announce(9, 0, "d")
+    assert e.value.field == "fragment"
 
 
-def test_seed_ignores_versions_already_held():
-    asm = BcastAssembly(S)
+def test_hold_seeds_a_version_and_a_missing_message_means_wait():
+    r = CutReader(S)
     g = vec(N0, 1)
-    asm.seed(0, 2, digest_of(g))
-    assert feed(asm, bcast_chunks(0, 2, g) + bcast_chunks(0, 1, vec(N0, 0))) == []
-    assert asm.partial(0) is None and asm.completed(0) == 2
-    with pytest.raises(ProtocolError):
-        asm.add(*bcast_chunks(0, 2, vec(N0, 5))[0])
-    assert [c.version for c in feed(asm, bcast_chunks(0, 3, vec(N0, 3)))] == [3]
+    r.hold(0, 2, digest_of(g))
+    assert read(r, 0, bcast_chunks(0, 2, g)[:1] + bcast_chunks(0, 1, vec(N0, 0))[:1]) == ["wait", "wait"]
+    assert r.take(0, 0, None, None) == "wait" and r.counts["missing"] == 1
+    assert read(r, 0, bcast_chunks(0, 3, vec(N0, 3)))[-1] == "complete"
 
 
-# ---- the boundary, end to end ---------------------------------------------------------------------
+def test_a_forged_chunk_from_the_future_is_refused_and_holds_nothing_back():
+    # A chunk claiming version 10**6 (bytes not matching its digest) replaced chunk 2 on the stream.
+    r = CutReader(S)
+    v1, v2 = vec(N0, 1), vec(N0, 2)
+    c1, c2 = bcast_chunks(0, 1, v1), bcast_chunks(0, 2, v2)
+    forged_meta, payload = bcast_chunks(0, 10**6, vec(N0, 9))[2]
+    forged_meta = dict(forged_meta, digest="0" * 16)
+    assert r.announce(0, 10**6, forged_meta["version_digest"])  # a notice only says "look"
+    assert read(r, 0, c1[:2]) == ["accept", "accept"]
+    with pytest.raises(DigestMismatch):
+        r.take(0, 2, forged_meta, payload)
+    assert r.reading(0) is None and (0, 10**6) in r.failed
+    assert r.take(0, 2, forged_meta, payload) == "wait"  # the same garbage is not refused twice
+    # the next real version overwrites the subject and is read whole
+    assert read(r, 0, c2)[-1] == "complete" and r.held[0][0] == 2
+    # check() refuses a chunk on its own, out of order (what a shell does with a suspicious notice)
+    with pytest.raises(WireError) as e:
+        r.check(0, 3, dict(c2[3][0], nbytes=4), c2[3][1])
+    assert e.value.field == "offset"
 
-def test_boundary_flow_overwrite_then_blend_from_broadcast_chunks():
-    st, asm = state(alpha=0.5), BcastAssembly(S)
-    v0, v1 = vec(N0, 10), vec(N0, 11)
-    (c,) = feed(asm, bcast_chunks(0, 0, v0))
-    model = st.apply(c.fragment, c.version, c.version_digest, c.values).clone()
-    assert torch.equal(model, v0)
-    model += 1.0  # local training
-    st.note_step(8)
-    d = st.delta(0, model)
-    assert torch.allclose(d, torch.ones(N0))
-    (c,) = feed(asm, bcast_chunks(0, 1, v1))
-    out = st.apply(c.fragment, c.version, c.version_digest, c.values, model)
-    assert torch.allclose(out, 0.5 * (v0 + 1.0) + 0.5 * v1)
-    assert torch.equal(st.states[0].anchor, v1)
+
+def test_fixed_reader_reads_only_the_wanted_versions():
+    r = CutReader(S, dtype="f32", fixed=True)
+    want = vec(N0, 7)
+    r.want(0, 4, digest_of(want))
+    assert not r.announce(0, 5, digest_of(vec(N0, 8)))  # notices change nothing
+    assert r.take(0, 0, *bcast_chunks(0, 5, vec(N0, 8))[0]) == "wait" and r.counts["ignored"] == 1
+    with pytest.raises(ProtocolError):  # the wanted version with another digest than the manifest's
+        r.take(0, 0, *bcast_chunks(0, 4, vec(N0, 9))[0])
+    assert read(r, 0, bcast_chunks(0, 4, want))[-1] == "complete" and r.held[0][0] == 4

@@ -63,11 +63,13 @@ class Syncer:
         return torch.randn(self.numel(fid), generator=g)
 
     async def _chunks(self, kind: str, fid: int, version: int, flat: torch.Tensor, dtype: str, extra: dict,
-                      subject, msg_id, corrupt: bool = False) -> str:
+                      subject, msg_id, corrupt: bool = False, only: set[int] | None = None) -> str:
         packed = pack(flat, dtype)
         vdig = version_digest(packed)
         unit = wire_align(dtype)[1]
         for ch in iter_chunks(packed, (self.session["chunk_bytes"] // unit) * unit):
+            if only is not None and ch.index not in only:
+                continue
             meta = {"v": 1, "run": self.run, "fragment": fid, "version": version, "dtype": dtype,
                     **ch.header(), "version_digest": vdig, **extra}
             if corrupt:
@@ -78,10 +80,11 @@ class Syncer:
         return vdig
 
     async def bcast(self, fid: int, version: int, flat: torch.Tensor, *, corrupt: bool = False,
-                    msg_id=S.bcast_msg_id) -> str:
-        """Publish a version in the session bulk dtype; returns its version digest."""
+                    msg_id=S.bcast_msg_id, only: set[int] | None = None) -> str:
+        """Publish a version in the session bulk dtype (`only`: just those chunks); returns its
+        version digest."""
         return await self._chunks("bcast_chunk", fid, version, flat, self.session["bulk_dtype"], {},
-                                  lambda f, k: S.bcast(self.run, f, k), msg_id, corrupt)
+                                  lambda f, k: S.bcast(self.run, f, k), msg_id, corrupt, only)
 
     def bcast_chunks(self, fid: int) -> int:
         unit = wire_align(self.session["bulk_dtype"])[1]
@@ -140,7 +143,7 @@ async def env(nc, run_id, nats_url, tmp_path):
     made: list[Island] = []
 
     def make(model: nn.Module, *, push_dtype="f32", bulk_dtype="f32", init_island="syncer-side", sync_every=2,
-             fragments=2, **cfg) -> tuple[Island, dict, Syncer]:
+             fragments=2, anchor_dir=None, **cfg) -> tuple[Island, dict, Syncer]:
         adapter = TorchModuleAdapter(model)
         session = build_session(adapter.layout(), fragments, run=run_id, push_dtype=push_dtype, bulk_dtype=bulk_dtype,
                                 chunk_bytes=CHUNK_BYTES, init_island=init_island, sync_every=sync_every,
@@ -149,7 +152,8 @@ async def env(nc, run_id, nats_url, tmp_path):
                   shutdown_timeout_s=10, push_timeout_s=20, fetch_timeout_s=10, connect_timeout_s=10,
                   step_log=str(tmp_path / f"steplog-{len(made)}.jsonl"))
         kw.update(cfg)
-        island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url), **kw))
+        island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url), **kw),
+                        anchor_dir=anchor_dir)
         made.append(island)
         return island, session, Syncer(js, run_id, session)
 
@@ -197,6 +201,17 @@ def frag_values(island: Island, fid: int) -> torch.Tensor:
     return gather_fragment(island.adapter, island.frags[fid])
 
 
+def anchor_flat(island: Island, fid: int) -> torch.Tensor:
+    """The island's anchor of a fragment (a single process owns every piece), in layout order."""
+    pieces = island.anchor(fid)
+    return torch.cat([pieces[t["name"]] for t in island.frags[fid]["tensors"]])
+
+
+def residual_flat(island: Island, fid: int) -> torch.Tensor:
+    pieces = island.residual(fid)
+    return torch.cat([pieces[t["name"]] for t in island.frags[fid]["tensors"]])
+
+
 def steplog_lines(island: Island) -> list[dict]:
     with open(island.config.step_log, "rb") as f:
         return [orjson.loads(line) for line in f if line.strip()]
@@ -204,9 +219,10 @@ def steplog_lines(island: Island) -> list[dict]:
 
 # ---- tests ----------------------------------------------------------------------------------------
 
-async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env):
+@pytest.mark.parametrize("anchors", ["memory", "files"])
+async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env, anchors, tmp_path):
     alpha = 0.25
-    island, session, syncer = env(net(), alpha=alpha)
+    island, session, syncer = env(net(), alpha=alpha, anchor_dir=tmp_path / "anchors" if anchors == "files" else None)
     await started(env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
@@ -226,7 +242,9 @@ async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env):
     want = alpha * local[1].double() + (1 - alpha) * v1.double()
     assert torch.allclose(frag_values(island, 1).double(), want, rtol=0, atol=1e-6)
     assert torch.equal(frag_values(island, 0), local[0])  # untouched fragment keeps its local values
-    assert torch.equal(island.state.states[1].anchor, v1)  # the raw global value is the anchor
+    assert torch.equal(anchor_flat(island, 1), v1)  # the raw global value is the anchor
+    held = 4 * sum(f["numel"] for f in session["fragments"])  # one f32 anchor per fragment
+    assert island.store.nbytes() == (0 if anchors == "files" else held)
     events = steplog_lines(island)
     assert [e["step"] for e in events] == [1, 2]
     assert [e["applies"] for e in events] == [2, 1] and events[-1]["versions"] == {"0": 0, "1": 1}
@@ -295,6 +313,39 @@ async def test_bad_input_is_counted_as_rejected_and_training_goes_on(env):
     assert steplog_lines(island)[-1]["rejected"] == 0
 
 
+async def test_a_version_overwritten_mid_read_is_never_half_applied(env):
+    """Fragment 1 (4 chunks, fetched one per batch): v1's first two chunks land and are staged while
+    chunk 2 still holds v0 (the island waits there); then v2 overwrites every chunk. The island
+    drops v1's staging, reads v2 from chunk 0 and blends v2 only; v1 never touches the model."""
+    alpha = 0.5
+    island, session, syncer = env(net(), alpha=alpha, fetch_batch_bytes=CHUNK_BYTES)
+    await started(env, island, session)
+    assert syncer.bcast_chunks(1) == 4
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)
+    with torch.no_grad():
+        for p in island.adapter.module.parameters():
+            p.add_(0.5)
+    local = frag_values(island, 1)
+    before = len(island.client.bcast)
+    await syncer.bcast(1, 1, syncer.values(1, 3), only={0, 1})
+    await until(lambda: len(island.client.bcast) >= before + 2, what="v1 notices")
+    assert await boundary(island)
+    assert island.reader.reading(1) == (1, 2, 4) and island.ops.store.staging(1) == 1  # staged, not applied
+    assert island.state.version(1) == 0 and torch.equal(frag_values(island, 1), local)
+    v2 = syncer.values(1, 4)
+    await publish_v(syncer, island, 2, {1: v2})
+    assert await boundary(island)
+    assert island.state.version(1) == 2 and island.reader.reading(1) is None and island.store.staging(1) is None
+    want = alpha * local.double() + (1 - alpha) * v2.double()
+    assert torch.allclose(frag_values(island, 1).double(), want, rtol=0, atol=1e-6)
+    assert torch.equal(anchor_flat(island, 1), v2)
+    # chunk 2 still held v0 (the version installed: "old"), then v1's staging was dropped for v2
+    assert island.counters["bcast.old"] >= 1 and island.counters["bcast.dropped_partial"] == 1
+    assert [e["applies"] for e in steplog_lines(island)] == [2, 0, 1]
+
+
 async def test_versions_are_monotonic_and_one_version_with_two_digests_is_fatal(env):
     island, session, syncer = env(net())
     await started(env, island, session)
@@ -347,8 +398,9 @@ async def test_a_refused_push_is_recomputed_and_resent_with_the_next_try(nc, run
         await remove_run(js, run_id)
 
 
-async def test_q4_pushes_carry_error_feedback(env):
-    island, session, syncer = env(net(), push_dtype="q4")
+@pytest.mark.parametrize("anchors", ["memory", "files"])
+async def test_q4_pushes_carry_error_feedback(env, anchors, tmp_path):
+    island, session, syncer = env(net(), push_dtype="q4", anchor_dir=tmp_path / "anchors" if anchors == "files" else None)
     await started(env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
@@ -369,7 +421,7 @@ async def test_q4_pushes_carry_error_feedback(env):
     sent1, d1 = await round_trip(2, 0, v0[1])
     want1, r1 = q4_with_feedback(d1, None)
     assert sent1 == bytes(want1.numpy())
-    assert torch.equal(island.state.states[1].residual, r1)
+    assert torch.equal(residual_flat(island, 1), r1)
     v1 = syncer.values(1, 3)
     await publish_v(syncer, island, 1, {1: v1})
     assert await boundary(island)  # v1 blends in; the residual survives the new anchor
@@ -377,7 +429,7 @@ async def test_q4_pushes_carry_error_feedback(env):
     want2, r2 = q4_with_feedback(d2, r1)  # the second push carries the first one's quantization error
     assert sent2 == bytes(want2.numpy())
     assert sent2 != bytes(q4_with_feedback(d2, None)[0].numpy())
-    assert torch.equal(island.state.states[1].residual, r2)
+    assert torch.equal(residual_flat(island, 1), r2)
 
 
 async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):

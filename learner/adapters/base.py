@@ -15,15 +15,25 @@ Contract for sharded adapters (multi-rank islands: TP/PP/EP, distributed optimiz
   on the TP size must be presented as TP-independent canonical tensors (or pinned, see issue 6).
 * `read(name)` returns this rank's fp32 piece (shape = the box's shape); `write(name, value)` takes a
   value of that shape and sets master and model param. Every rank that lists a tensor calls `read`
-  (for a push or INIT) and `write` (for an applied version) on it, and all ranks do so in the same
-  order (fragment by fragment, canonical order within a fragment), so an adapter may run a collective
-  inside them over a group whose ranks all hold that tensor (e.g. the distributed optimizer's
-  all-gather of owned main_param ranges over its data-parallel group).
+  (for a push or INIT, and before blending an applied version into it) and `write` (for an applied
+  version) on it, and all ranks do so in the same order (fragment by fragment, canonical order within
+  a fragment), so an adapter may run a collective inside them over a group whose ranks all hold that
+  tensor (e.g. the distributed optimizer's all-gather of owned main_param ranges over its
+  data-parallel group).
+
+How the island uses it (learner/island.py, learner/shard_io.py): at start every rank's shards are
+gathered once over the island group (`layout_map.describe`: name, global shape, box, owner, and the
+partition dim / offset / expert derived from them) and checked — the owners must tile every tensor
+exactly once, else a WireError names the tensor and the ranks. An applied version reaches every
+holder (owner or replica) as its own slices, point to point from the sync rank, and each holder
+`write`s its piece: the island does not call `sync_replicas`. Exports gather the owners' pieces to
+the sync rank chunk by chunk. The island group must carry CPU tensors (gloo, or hybrid groups).
+`Shard.expert` (optional, informational) is the global expert index of an expert tensor.
 
 `gather_fragment` / `scatter_fragment` move one session fragment between the model and a flat f32
 tensor in the fragment's layout order (the session record's `tensors` [{name, shape, offset, numel}]).
-They handle adapters whose shards are whole on this rank (every rank of a data-parallel island);
-sharded adapters need a collective gather, which is theirs to provide.
+They handle adapters whose shards are whole on this rank (a single process, tests); the island itself
+moves fragments chunk by chunk through `learner.shard_io`, for whole and sharded pieces alike.
 """
 from __future__ import annotations
 
@@ -56,8 +66,10 @@ class Shard:
     `dtype`: the model parameter's dtype name (the master copy is always fp32).
     `local_slices`: the part of the global tensor this rank holds (one slice per dimension), or
     None when it holds all of it.
-    `owner`: this rank is the one that reads for pushes and writes applied values for its replica
-    group (rank 0 of a data-parallel group); the others receive them through `sync_replicas`.
+    `owner`: this rank's piece is the one read for pushes and INIT (one owner per element across the
+    island; rank 0 of a data-parallel group for replicated pieces). Applied values are written on
+    every holder, owner or not.
+    `expert`: the global expert index of an expert-parallel tensor (informational), else None.
     """
 
     name: str
@@ -65,6 +77,7 @@ class Shard:
     dtype: str
     local_slices: tuple[slice, ...] | None = None
     owner: bool = True
+    expert: int | None = None
 
 
 class ModelAdapter(ABC):
@@ -82,7 +95,8 @@ class ModelAdapter(ABC):
 
     def sync_replicas(self, names: Iterable[str]) -> None:
         """Collective over the replica group: make every replica's `names` equal to the owner's.
-        A single-replica adapter has nothing to do."""
+        A single-replica adapter has nothing to do. (The island no longer needs it: every holder
+        receives and writes its own values; kept for adapters' and callers' own use.)"""
 
     def layout(self) -> list[dict]:
         """[{name, shape, dtype}] in canonical order: what the hello message announces."""

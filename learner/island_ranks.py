@@ -1,0 +1,160 @@
+"""What every rank of an island does for one step the sync rank announces (DESIGN §5, §6).
+
+The sync rank (rank 0 of the island group) decides; each collective step is a small dict ("op")
+that it shares with `Comm.share` before running it itself, and the other ranks run the same op in
+the same order (`Island` holds the loop). `RankOps` is that op's work on one rank — the same code on
+rank 0 (which also holds the wire bytes) and on the others:
+
+* `stage`: chunks of an incoming version (BCAST or FINAL), scattered to the ranks' staging, chunk by
+  chunk (rank 0 holds a fetched batch, never a fragment);
+* `abort`: drop a staging (a newer version overwrote it mid-read, or it was bad);
+* `commit`: the sync rank verified the version digest: every rank writes its pieces through the
+  adapter — overwrite for the first version or a final cut, θ = α·θ_local + (1 − α)·Θ later — and
+  keeps the staged Θ as the anchor of its owner pieces;
+* `export`: the fragment gathered to rank 0 chunk by chunk for a push (d = local − anchor, computed
+  by the owners on their pieces; q4: plus the owner's residual, and rank 0 returns each owner its
+  new residual) or for INIT (the values); rank 0 packs and yields each chunk as it fills;
+* `residual`: keep or drop the q4 residual of the push just made.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import torch
+
+from schemas.dtypes import pack, unpack
+from schemas.layout import ChunkSpan, chunk_plan
+
+from .anchors import AnchorStore
+from .fragments import blend
+from .layout_map import FragmentMap, IslandLayout
+from .shard_io import Comm, PieceReads, gather_chunk, scatter_chunk
+
+XFER = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def payload_tensor(payload, dtype: str) -> torch.Tensor:
+    """A fetched chunk's bytes as values of its wire dtype (one chunk-sized copy: NATS hands out
+    read-only bytes)."""
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(XFER[dtype])
+
+
+class RankOps:
+    def __init__(self, adapter, comm: Comm, layout: IslandLayout, session: Mapping, store: AnchorStore, alpha: float):
+        self.adapter, self.comm, self.store, self.alpha = adapter, comm, store, alpha
+        self.rank = comm.rank
+        self.chunk_bytes = session["chunk_bytes"]
+        self.maps: dict[int, FragmentMap] = {f["id"]: layout.fragment(f) for f in session["fragments"]}
+        self._spans: dict[tuple[int, str], list[ChunkSpan]] = {}
+
+    def spans(self, fid: int, dtype: str) -> list[ChunkSpan]:
+        key = (fid, dtype)
+        s = self._spans.get(key)
+        if s is None:
+            s = self._spans[key] = chunk_plan(self.maps[fid].numel, dtype, self.chunk_bytes)
+        return s
+
+    def _numels(self, fid: int, owned: bool = False) -> dict[str, int]:
+        return {p.name: p.numel for p in self.maps[fid].pieces(self.rank) if p.owner or not owned}
+
+    # ---- incoming versions ----------------------------------------------------------------------
+
+    def stage(self, op: Mapping, payloads: Mapping[int, object] | None = None) -> None:
+        """op: fid, version, dtype (wire), chunks [indexes], begin (the first is chunk 0)."""
+        fid, dtype = op["fid"], op["dtype"]
+        fm, spans = self.maps[fid], self.spans(fid, dtype)
+        if op["begin"]:
+            self.store.begin(fid, op["version"], self._numels(fid))
+
+        def sink(run, values):
+            self.store.stage(fid, run.piece.name, run.lo, values)
+
+        for k in op["chunks"]:
+            s = spans[k]
+            vals = payload_tensor(payloads[k], dtype) if self.comm.lead else None
+            scatter_chunk(self.comm, fm, s.elem_offset, s.elem_count, vals, sink, dtype=XFER[dtype])
+
+    def abort(self, op: Mapping) -> None:
+        self.store.abort(op["fid"])
+
+    def commit(self, op: Mapping) -> None:
+        """op: fid, mode ("first", "blend" or "final"). Writes every piece this rank holds, in
+        fragment order (the adapter contract), then keeps the staging as the anchor (not for a final
+        cut: nothing is pushed after it)."""
+        fid, mode = op["fid"], op["mode"]
+        pieces = self.maps[fid].pieces(self.rank)
+        for p in pieces:
+            staged = self.store.staged(fid, p.name)
+            if mode == "blend":
+                value = blend(self.adapter.read(p.name).detach().reshape(-1), staged, self.alpha)
+            else:
+                value = staged
+            self.adapter.write(p.name, value.view(p.local_shape))
+        if mode == "final":
+            self.store.drop_staged(fid)
+        else:
+            self.store.commit(fid, [p.name for p in pieces if p.owner])
+
+    # ---- exports --------------------------------------------------------------------------------
+
+    def export(self, op: Mapping) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
+        """op: fid, dtype (wire), purpose ("push" or "init"). On rank 0 yields (span, packed bytes)
+        per chunk in order; the others yield nothing. Every rank must exhaust it (rank 0 does so even
+        when it stops publishing, so the others are never left waiting in a gather)."""
+        fid, dtype, purpose = op["fid"], op["dtype"], op["purpose"]
+        fm = self.maps[fid]
+        reads = PieceReads(self.adapter, fm, self.rank)
+        q4 = purpose == "push" and dtype == "q4"
+        if q4:
+            self.store.begin_residual(fid, self._numels(fid, owned=True))
+
+        def source(run):
+            name = run.piece.name
+            loc = reads.flat(run)[run.lo: run.hi]
+            if purpose == "init":
+                return loc
+            d = loc - self.store.anchor(fid, name, run.lo, run.hi)
+            if q4:
+                d += self.store.residual(fid, name, run.lo, run.hi)
+            return d
+
+        def keep_residual(run, values):
+            self.store.stage_residual(fid, run.piece.name, run.lo, values)
+
+        try:
+            for s in self.spans(fid, dtype):
+                reads.advance(s.elem_offset, s.elem_count)
+                y = gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, source)
+                packed = pack(y, dtype) if y is not None else None
+                if q4:  # error feedback: r' = y − q4(y), back to the owners of each value
+                    r = y - unpack(packed, "q4", s.elem_count) if y is not None else None
+                    scatter_chunk(self.comm, fm, s.elem_offset, s.elem_count, r, keep_residual, owned=True,
+                                  purpose="gather")
+                if packed is not None:
+                    yield s, packed
+        finally:
+            reads.close()
+
+    def residual(self, op: Mapping) -> None:
+        """op: fid, keep (the push got through)."""
+        if op["keep"]:
+            self.store.keep_residual(op["fid"])
+        else:
+            self.store.abort_residual(op["fid"])
+
+    def run(self, op: Mapping, payloads: Mapping[int, object] | None = None):
+        kind = op["op"]
+        if kind == "stage":
+            return self.stage(op, payloads)
+        if kind == "abort":
+            return self.abort(op)
+        if kind == "commit":
+            return self.commit(op)
+        if kind == "export":
+            return self.export(op)
+        if kind == "residual":
+            return self.residual(op)
+        raise ValueError(f"unknown island op {kind!r}")
+
+
+__all__ = ["RankOps", "payload_tensor"]

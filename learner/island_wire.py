@@ -1,0 +1,384 @@
+"""The sync rank's side of the wire for `learner.island.Island` (DESIGN §3, §5, §6): reading cuts
+(BCAST and FINAL) in chunk order into the ranks' staging, and exporting (INIT, pushes) chunk by chunk.
+A mixin: `Island` holds the state these methods use (client, reader, ops, session, counters) and
+sequences them; every collective step goes through `Island._lead` (announce, then run rank 0's part).
+
+Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get
+in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and scattered to the
+ranks' staging as they pass; the version commits on every rank once its last chunk passed and the
+whole version digest matched. A version overwritten mid-read is dropped and read again from chunk 0.
+When chunk 0 holds nothing new although notices claim a newer version further on, those chunks are
+fetched on their own and checked (`_probe`), so garbage on the stream is refused when it lands.
+
+Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there
+and published as they fill; INIT publishes on a background thread from a short queue.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import nats.errors
+
+from schemas import codec
+from schemas import subjects as S
+from schemas.chunks import digest, push_digest
+from schemas.dtypes import as_bytes_view, packed_nbytes
+from schemas.errors import WireError
+from schemas.publish import PublishFailed
+
+from .client import NotConnected
+from .fragments import CutReader, ProtocolError
+
+log = logging.getLogger("yeto.island")
+
+# Errors that mean "this push / fetch did not get through now": retried at a later boundary.
+TRANSIENT = (NotConnected, TimeoutError, PublishFailed, nats.errors.Error, ConnectionError, OSError)
+POLL_S = 0.005  # sleep between polls while blocked (lockstep, cut, finalization)
+INIT_QUEUE_CHUNKS = 4  # packed INIT chunks waiting for the publisher thread on rank 0
+MAX_RESTARTS = 3  # re-reads of one fragment per boundary when newer versions keep overwriting it
+
+
+@dataclass
+class _Stats:
+    """What one boundary did (the step-log event's counters)."""
+
+    export_s: float = 0.0
+    apply_s: float = 0.0
+    pushes: int = 0
+    applies: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    rejected: int = 0
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "B"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
+
+
+class IslandWire:
+    """Rank 0's reading and exporting (see the module doc); mixed into `Island`."""
+
+    def _chunk_header(self, fid: int, s, chunks: int, total: int, payload) -> dict:
+        return {"chunk": s.index, "chunks": chunks, "offset": s.byte_offset, "nbytes": s.nbytes, "total": total,
+                "digest": digest(payload)}
+
+    def _stream_init(self) -> None:
+        """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module
+        doc): the main thread gathers (collective), a background thread publishes."""
+        dtype = self.session["bulk_dtype"]
+        run, gen = self.config.run, self.gen
+        fids = sorted(self.frags)
+        total_bytes = sum(packed_nbytes(dtype, self.frags[f]["numel"]) for f in fids)
+        bar = _progress(total_bytes, f"INIT {self.config.island}", self.config.progress)
+        q: queue.Queue = queue.Queue(maxsize=INIT_QUEUE_CHUNKS)
+        err: list[BaseException] = []
+        sent = [0]
+
+        def publisher() -> None:
+            for fid in fids:
+                spans = self.ops.spans(fid, dtype)
+                total = packed_nbytes(dtype, self.frags[fid]["numel"])
+                ended = [False]
+
+                def items():
+                    while True:
+                        x = q.get()
+                        if x is None:
+                            ended[0] = True
+                            return
+                        s, packed = x
+                        payload = as_bytes_view(packed)  # zero copy: the publisher copies it once
+                        meta = {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": fid, "dtype": dtype,
+                                **self._chunk_header(fid, s, len(spans), total, payload)}
+                        yield (S.init(run, fid), payload, S.init_msg_id(fid, s.index, gen),
+                               {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
+                        bar.update(s.nbytes)
+
+                try:
+                    if not err:
+                        sent[0] += self.client.publish_stream(items(), timeout=self.config.push_timeout_s)
+                except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                    err.append(exc)
+                while not ended[0]:  # drain what the gather still produces for this fragment
+                    if q.get() is None:
+                        ended[0] = True
+
+        t0 = time.monotonic()
+        thread = threading.Thread(target=publisher, name="yeto-init", daemon=True)
+        thread.start()
+        ended = 0
+        try:
+            for fid in fids:
+                for s, packed in self._lead({"op": "export", "fid": fid, "dtype": dtype, "purpose": "init"}):
+                    if not err:
+                        q.put((s, packed))
+                q.put(None)
+                ended += 1
+        except BaseException as exc:
+            err.append(exc)
+            for _ in range(len(fids) - ended):  # release the publisher: no more chunks are coming
+                q.put(None)
+            raise
+        finally:
+            thread.join(timeout=self.config.push_timeout_s * len(fids) + 10)
+            bar.close()
+        if err:
+            raise err[0]
+        self._counters["init_bytes"] += sent[0]
+        log.info("island %s: INIT sent %d bytes in %d fragments in %.1fs", self.config.island, sent[0], len(fids),
+                 time.monotonic() - t0)
+
+
+    # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
+
+    def _drain_broadcasts(self, stats: _Stats) -> list[int]:
+        """Read the fragments with new BCAST notices and install every version that completes.
+        Returns the fragments installed."""
+        for n in self.client.bcast.drain():
+            try:
+                if self.reader.announce(n.fragment, n.version, n.meta["version_digest"]):
+                    self._dirty.add(n.fragment)
+                    self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
+            except ProtocolError:
+                raise
+            except WireError as exc:
+                self._reject(stats, f"bcast notice {n.subject}", exc)
+        applied: list[int] = []
+        if not self.client.connected:
+            return applied  # a request now would only wait out its timeout: fetch after the reconnect
+        for fid in sorted(self._dirty):
+            res = self._read_fragment(self.reader, "BCAST", fid, stats)
+            if res == "transient":
+                break  # the rest waits for the next boundary (still dirty)
+            if res == "wait" and self.reader.reading(fid) is None and not self._probe(fid, stats):
+                break
+            self._noticed.pop(fid, None)
+            if res != "restart":
+                self._dirty.discard(fid)
+            if res == "complete":
+                version, vdigest = self.reader.held[fid]
+                mode = self.state.installed(fid, version, vdigest)
+                self._commit(fid, version, vdigest, mode)
+                self.book.committed(fid, version)
+                stats.applies += 1
+                applied.append(fid)
+        return applied
+
+    def _probe(self, fid: int, stats: _Stats) -> bool:
+        """Chunk 0 holds nothing new, yet notices claimed a newer version at later chunks: fetch
+        those and check them on their own, so a corrupted or forged chunk is refused (and counted)
+        now rather than whenever a reading reaches it. Real chunks of a version being published out
+        of order pass and are read in order later. False when the fetch failed (later)."""
+        held = self.reader.held_version(fid)
+        cand = sorted(k for k, v in self._noticed.get(fid, {}).items()
+                      if k > 0 and v > held and (fid, v) not in self.reader.failed)
+        if not cand:
+            return True
+        try:
+            msgs = self.client.fetch_last("BCAST", [S.bcast(self.config.run, fid, k) for k in cand])
+        except TRANSIENT as exc:
+            log.warning("island %s: fetching broadcast chunks of fragment %d: %r", self.config.island, fid, exc)
+            return False
+        for k, m in zip(cand, msgs):
+            if m is None:
+                continue
+            stats.bytes_in += len(m.data or b"")
+            try:
+                meta = self._chunk_meta("bcast_chunk", m)
+                if meta["version"] > held and (fid, meta["version"]) not in self.reader.failed:
+                    self.reader.check(fid, k, meta, m.data or b"")
+            except WireError as exc:
+                self._reject(stats, f"bcast_chunk {fid}/{k}", exc)
+                self._abort_staging(fid, self.reader)
+        return True
+
+    def _read_fragment(self, reader: CutReader, kind: str, fid: int, stats: _Stats) -> str:
+        """Fetch the fragment's next chunks in order (bounded batches) and stage them on the ranks.
+        Returns "complete" (staged whole, digest verified: commit it), "wait", "restart" (newer
+        versions kept overwriting it), "failed" (a bad chunk: that version is dropped) or
+        "transient" (a fetch failed: later)."""
+        header = "bcast_chunk" if kind == "BCAST" else "final_chunk"
+        subject = S.bcast if kind == "BCAST" else S.final
+        restarts = 0
+        while True:
+            batch, size = [], 0
+            for s in reader.next_chunks(fid):
+                if batch and size + s.nbytes > self.config.fetch_batch_bytes:
+                    break
+                batch.append(s)
+                size += s.nbytes
+            if not batch:
+                return "wait"
+            try:
+                msgs = self.client.fetch_last(kind, [subject(self.config.run, fid, s.index) for s in batch])
+            except TRANSIENT as exc:
+                log.warning("island %s: fetching %s chunks of fragment %d: %r (retried at the next boundary)",
+                            self.config.island, kind, fid, exc)
+                return "transient"
+            staged: dict[int, bytes] = {}
+            version = None
+            for s, m in zip(batch, msgs):
+                data = None if m is None else (m.data or b"")
+                stats.bytes_in += 0 if data is None else len(data)
+                try:
+                    meta = None if m is None else self._chunk_meta(header, m)
+                    verdict = reader.take(fid, s.index, meta, data)
+                except ProtocolError:
+                    raise
+                except WireError as exc:
+                    self._reject(stats, f"{header} {fid}/{s.index}", exc)
+                    self._abort_staging(fid, reader)
+                    return "failed"
+                if verdict in ("accept", "complete"):
+                    staged[s.index] = data
+                    version = meta["version"]
+                    if verdict == "complete":
+                        self._stage(fid, version, reader.dtype, staged)
+                        return "complete"
+                elif verdict == "restart":
+                    self._abort_staging(fid, reader)
+                    restarts += 1
+                    if restarts > MAX_RESTARTS:
+                        return "restart"
+                    break
+                else:
+                    self._stage(fid, version, reader.dtype, staged)
+                    return "wait"
+            else:
+                self._stage(fid, version, reader.dtype, staged)
+
+    def _chunk_meta(self, kind: str, m) -> dict:
+        hdr = (m.headers or {}).get(codec.CHUNK_HEADER)
+        if hdr is None:
+            raise WireError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
+        meta = codec.decode_header(kind, hdr)
+        if meta["run"] != self.config.run:
+            raise WireError("chunk names another run", field="run", value=meta["run"])
+        return meta
+
+    def _stage(self, fid: int, version: int | None, dtype: str, staged: dict[int, bytes]) -> None:
+        if not staged:
+            return
+        chunks = sorted(staged)
+        self._lead({"op": "stage", "fid": fid, "version": version, "dtype": dtype, "chunks": chunks,
+                    "begin": chunks[0] == 0}, staged)
+        self._staged[fid] = version
+
+    def _abort_staging(self, fid: int, reader: CutReader) -> None:
+        """Drop the fragment's staging on the ranks, and the reader's position with it (both always
+        describe the same chunks)."""
+        reader.forget(fid)
+        if self._staged.pop(fid, None) is not None:
+            self._lead({"op": "abort", "fid": fid})
+
+    def _commit(self, fid: int, version: int, vdigest: str, mode: str) -> None:
+        self._lead({"op": "commit", "fid": fid, "version": version, "digest": vdigest, "mode": mode})
+        self._staged.pop(fid, None)
+
+
+    def _push(self, p) -> int:
+        """Stream d = local − anchor in the session push dtype, gathered from the owners chunk by
+        chunk; returns the bytes sent once every chunk is acked. q4 keeps its error-feedback residual
+        (on the owners) only once the push got through."""
+        fid = p.fragment
+        st = self.state.states[fid]
+        dtype = self.session["push_dtype"]
+        run, island, gen = self.config.run, self.config.island, self.gen
+        spans = self.ops.spans(fid, dtype)
+        total = packed_nbytes(dtype, st.numel)
+        base = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen, "fragment": fid,
+                "step": p.step, "attempt": p.attempt, "try": p.try_, "base_version": st.version,
+                "local_step": self.local_step, "c_steps": st.c_steps, "c_tokens": st.c_tokens, "dtype": dtype}
+        subject = S.push(run, island, fid)
+        digests: list[str] = []
+        chunks = self._lead({"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"})
+
+        def items():
+            for s, packed in chunks:
+                payload = as_bytes_view(packed)
+                meta = dict(base, **self._chunk_header(fid, s, len(spans), total, payload))
+                digests.append(meta["digest"])
+                if s.index == len(spans) - 1:
+                    meta["push_digest"] = push_digest(digests)
+                yield (subject, payload, S.push_msg_id(island, gen, fid, p.step, p.attempt, p.try_, s.index),
+                       {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
+
+        ok = False
+        try:
+            sent = self.client.publish_stream(items(), timeout=self.config.push_timeout_s)
+            ok = True
+        finally:
+            for _ in chunks:  # a failed push still completes the gather the other ranks are in
+                pass
+            if dtype == "q4":
+                self._lead({"op": "residual", "fid": fid, "keep": ok})
+        return sent
+
+
+    # ---- the final cut -----------------------------------------------------------------------------
+
+    def _install_final(self, stats: _Stats) -> list[int]:
+        """Install the manifest's exact f32 versions from FINAL (any arrival order), without blending."""
+        m = self._manifest
+        want = {int(k): (v, m["version_digests"][k]) for k, v in m["versions"].items()}
+        unknown = sorted(set(want) - set(self.frags))
+        if unknown:
+            raise ProtocolError("manifest names fragments the session does not have", field="versions", value=unknown)
+        missing = sorted(set(self.frags) - set(want))
+        if missing:
+            log.warning("island %s: the manifest leaves fragments %s out: they keep their values",
+                        self.config.island, missing)
+        for fid in list(self._staged):  # a broadcast half-read is moot now
+            self._abort_staging(fid, self.reader)
+        reader = CutReader(self.session, dtype="f32", fixed=True)
+        for fid, (v, d) in want.items():
+            reader.want(fid, v, d)
+        dirty = set(want)  # look once at every wanted fragment, then on notices
+        got: list[int] = []
+        deadline = time.monotonic() + self.config.final_timeout_s
+        bar = _progress(len(want), f"final {self.config.island}", self.config.progress, unit="frag")
+        try:
+            while len(got) < len(want):
+                self.client.check_health()
+                for n in self.client.final.drain():
+                    if n.fragment in want and n.fragment not in got and n.meta["final_step"] == m["final_step"] \
+                            and n.version == want[n.fragment][0]:
+                        dirty.add(n.fragment)
+                    else:
+                        self._counters["final_chunk.ignored"] += 1
+                progressed = False
+                for fid in reader.pending() if self.client.connected else ():
+                    if fid not in dirty:
+                        continue
+                    res = self._read_fragment(reader, "FINAL", fid, stats)
+                    if res == "transient":
+                        break
+                    progressed = True
+                    if res != "restart":
+                        dirty.discard(fid)
+                    if res == "complete":
+                        version, vdigest = reader.held[fid]
+                        self._commit(fid, version, vdigest, "final")
+                        got.append(fid)
+                        stats.applies += 1
+                        bar.update(1)
+                if len(got) < len(want):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"island {self.config.island}: final cut incomplete after "
+                                           f"{self.config.final_timeout_s:.0f}s: fragments "
+                                           f"{sorted(set(want) - set(got))} missing")
+                    if not progressed:
+                        time.sleep(POLL_S)
+        finally:
+            bar.close()
+        log.warning("island %s: final cut of step %d installed (%d fragments)", self.config.island, m["final_step"], len(got))
+        return got
+
+
+__all__ = ["INIT_QUEUE_CHUNKS", "IslandWire", "MAX_RESTARTS", "POLL_S", "TRANSIENT"]

@@ -1,0 +1,238 @@
+"""ms-swift plugin: streaming DiLoCo for `megatron sft` / `megatron pt` (DESIGN §5, §6).
+
+    megatron sft ... --external_plugins /path/to/learner/plugins/yeto_swift_plugin.py
+
+(the yeto-nats package must be installed in the training environment; docs/megatron.md has the full
+launch lines and every YETO_* variable).
+
+At import this file only registers and patches — ms-swift 4.6 imports plugins under a hashed module
+name (`_swift_external_<sha256>`) and imports them again in every dataloader worker:
+
+* in a dataloader worker: nothing at all;
+* `YETO_CROSS_NODE_GLOO=1`: hybrid process groups are installed (learner.hybrid) — ms-swift imports
+  plugins while parsing its arguments, before it initializes torch.distributed and Megatron's groups;
+* when ms-swift's Megatron side is loaded: `YetoCallback` is registered as the Megatron callback
+  `yeto` (so `--callbacks yeto` works) and `BaseMegatronTrainer.__init__` is wrapped to add it to
+  every Megatron trainer that does not already have it (so nothing else is needed).
+Importing the file twice (another module name, a worker replay) changes nothing: the work lives in
+the module `learner.plugins.yeto_swift_plugin`, once per process. (ms-swift puts the plugin's folder
+on sys.path: learner/plugins holds nothing that could shadow another module's name.)
+
+The callback, on every rank:
+* `on_train_begin` (before the first step): builds `MegatronAdapter(trainer.wrapped_models,
+  trainer.optimizer)` and `Island(...).start()` — hello, session, INIT (the INIT island), the initial cut
+  (`YETO_DILOCO_INITIAL_CUT_TIMEOUT`);
+* `on_step_end` (after every optimizer step, skipped steps included): `island.boundary(tokens)` with
+  tokens = global_batch_size × seq_length (`YETO_TOKENS_PER_STEP` overrides); when the boundary says
+  stop (final cut installed and acknowledged, or a shutdown) training stops after this step;
+* `on_train_end`: if the run has not been finalized yet, idle boundaries (no training, tokens 0)
+  go on until the final cut arrives or `YETO_FINAL_TIMEOUT` passes; then the final cut is written with
+  ms-swift's own `save_mcore_checkpoint` as a Megatron (torch_dist) checkpoint in
+  `YETO_FINAL_CUT_DIR` (default `<output_dir>/yeto-final-cut`; `none` skips it), loadable with
+  `--mcore_model` (`--mcore_adapter` for LoRA), plus safetensors in HF layout through mcore-bridge when
+  `--save_safetensors` is on and the model has a bridge.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("yeto.swift")
+
+CALLBACK_NAME = "yeto"
+ENV_TOKENS = "YETO_TOKENS_PER_STEP"
+ENV_FINAL_DIR = "YETO_FINAL_CUT_DIR"
+IDLE_SLEEP_S = 0.2  # between idle boundaries after the last training step
+
+_STATE = {"registered": False, "hybrid": False}
+
+
+def _in_dataloader_worker() -> bool:
+    try:
+        from torch.utils.data import get_worker_info
+    except Exception:  # torch missing: nothing to do anyway
+        return True
+    return get_worker_info() is not None
+
+
+def register() -> dict:
+    """Idempotent: install hybrid groups (if asked) and hook ms-swift's Megatron trainers. Returns what
+    is in place ({"registered", "hybrid"})."""
+    if _in_dataloader_worker():
+        return dict(_STATE)
+    if not _STATE["hybrid"]:
+        from learner import hybrid
+
+        _STATE["hybrid"] = hybrid.install_from_env()
+    if not _STATE["registered"] and "swift.megatron" in sys.modules:
+        _hook_trainer()
+        _STATE["registered"] = True
+    return dict(_STATE)
+
+
+def _hook_trainer() -> None:
+    from swift.megatron.callbacks import mapping
+    from swift.megatron.trainers.base import BaseMegatronTrainer
+
+    callback_cls = make_callback_class()
+    mapping.megatron_callbacks_map[CALLBACK_NAME] = callback_cls
+    import swift.megatron.callbacks as callbacks_pkg
+
+    callbacks_pkg.megatron_callbacks_map[CALLBACK_NAME] = callback_cls
+    import swift.megatron.trainers.base as base_mod
+
+    base_mod.megatron_callbacks_map[CALLBACK_NAME] = callback_cls  # the name the trainer module bound
+    init = BaseMegatronTrainer.__init__
+    if getattr(init, "_yeto_wrapped", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not any(getattr(c, "_yeto_callback", False) for c in self.callbacks):
+            self.callbacks.append(callback_cls(self))
+
+    __init__._yeto_wrapped = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    __init__.__doc__ = init.__doc__
+    BaseMegatronTrainer.__init__ = __init__
+    log.info("yeto: streaming DiLoCo callback installed in ms-swift's Megatron trainers")
+
+
+_CALLBACK_CLS = None
+
+
+def make_callback_class():
+    """The MegatronCallback subclass (built on first use: ms-swift is imported only then)."""
+    global _CALLBACK_CLS
+    if _CALLBACK_CLS is not None:
+        return _CALLBACK_CLS
+    from swift.megatron.callbacks.base import MegatronCallback
+
+    class YetoCallback(MegatronCallback):
+        _yeto_callback = True
+
+        def __init__(self, trainer):
+            super().__init__(trainer)
+            self.island = None
+            self.adapter = None
+            self.steps = 0
+            self.stopped = False
+            self.final_dir: str | None = None
+
+        # -- events ------------------------------------------------------------------------------
+
+        def on_train_begin(self):
+            from learner.adapters.megatron import MegatronAdapter
+            from learner.config import IslandConfig
+            from learner.island import Island
+
+            t = self.trainer
+            self.adapter = MegatronAdapter(t.wrapped_models, t.optimizer)
+            cfg = IslandConfig.from_env(world=_world_info())
+            self.island = Island(self.adapter, cfg, group=_world_group()).start()
+            log.info("yeto: island %s started (%d synced tensors on this rank)", cfg.island,
+                     len(self.adapter.shards()))
+
+        def on_step_end(self):
+            if self.island is None or self.stopped:
+                return
+            self.steps += 1
+            if not self.island.boundary(tokens=_tokens_per_step(self.args)):
+                self._stop()
+
+        def on_train_end(self):
+            if self.island is None:
+                return
+            try:
+                if not self.stopped:
+                    deadline = time.monotonic() + self.island.config.final_timeout_s
+                    while time.monotonic() < deadline and self.island.boundary(tokens=0):
+                        time.sleep(IDLE_SLEEP_S)
+                if self.island.finalized:
+                    self.final_dir = write_final_cut(self.trainer)
+                else:
+                    log.warning("yeto: training ended without the run's final cut: no final checkpoint written")
+            finally:
+                self.island.close()
+
+        def _stop(self):
+            # Training ends after this step: run_train_step sees iteration >= train_iters, and so does
+            # the trainer's own loop.
+            self.stopped = True
+            self.trainer.args.train_iters = self.trainer.state.iteration
+            log.warning("yeto: the island stops training at iteration %d (%s)", self.trainer.state.iteration,
+                        "final cut installed" if self.island.finalized else "shutdown")
+
+    _CALLBACK_CLS = YetoCallback
+    return YetoCallback
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+def _world_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _world_info() -> dict | None:
+    """The island's parallel layout for hello (informational)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    from learner.hybrid import ranks_per_node
+
+    world = dist.get_world_size()
+    return {"ranks": world, "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "nodes": max(1, -(-world // ranks_per_node(world_size=world)))}
+
+
+def _tokens_per_step(args) -> int:
+    text = os.environ.get(ENV_TOKENS, "").strip()
+    if text:
+        return int(text)
+    return int(getattr(args, "global_batch_size", 0) or 0) * int(getattr(args, "seq_length", 0) or 0)
+
+
+def write_final_cut(trainer) -> str | None:
+    """Write the installed final cut with ms-swift's own saver (collective: every rank calls it).
+    Returns the directory, or None when YETO_FINAL_CUT_DIR=none."""
+    args = trainer.args
+    out = os.environ.get(ENV_FINAL_DIR, "").strip() or os.path.join(args.output_dir, "yeto-final-cut")
+    if out.lower() == "none":
+        return None
+    from swift.megatron.utils import save_mcore_checkpoint
+
+    lora = getattr(args, "tuner_type", "full") == "lora"
+    keep = args.no_save_optim
+    args.no_save_optim = True  # the final cut is weights only
+    try:
+        save_mcore_checkpoint(args, trainer.wrapped_models, iteration=trainer.state.iteration, output_dir=out,
+                              peft_format=lora)
+    finally:
+        args.no_save_optim = keep
+    bridge = getattr(trainer, "bridge", None)
+    if getattr(args, "save_safetensors", False) and bridge is not None:
+        template = getattr(trainer, "template", None)
+        bridge.save_weights(trainer.unwrapped_models, out, peft_format=lora, args=args,
+                            processor=getattr(template, "processor", None))
+    log.warning("yeto: final cut written to %s (Megatron torch_dist%s)", out,
+                " + HF safetensors" if getattr(args, "save_safetensors", False) and bridge is not None else "")
+    return out
+
+
+# ---- at import --------------------------------------------------------------------------------------------
+
+if __name__ != "learner.plugins.yeto_swift_plugin":
+    # Imported by ms-swift from its path (hashed module name): do the work in the one canonical module.
+    from learner.plugins import yeto_swift_plugin as _canonical
+
+    _canonical.register()
+else:
+    register()

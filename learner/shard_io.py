@@ -1,0 +1,179 @@
+"""Moving chunks between the sync rank and the ranks that hold the pieces (DESIGN §6): the thin
+torch.distributed shell around `layout_map`.
+
+* `Comm`: the island group — `share` (rank 0's small plan to everyone, broadcast_object_list),
+  `all_gather` (objects), and `exchange` (batched isend/irecv, point to point). A single process is
+  the degenerate case: nothing travels.
+* `scatter_chunk`: rank 0 holds one chunk of a fragment (decoded from the wire, in the transfer
+  dtype); it cuts out each rank's own runs and sends each peer only those, in one message per peer.
+  Every rank hands its runs to a `sink` (staging). Bytes on the wire: the sum of the peers' own
+  slices of the chunk — about DP copies of a fragment in all, never world copies.
+* `gather_chunk`: the reverse for exports — each owner sends rank 0 its owned runs of the chunk
+  (values from a `source`), rank 0 places them; owners tile every tensor, so the chunk is complete.
+* `PieceReads`: the adapter's `read` for one pass over a fragment, on every rank that holds a tensor,
+  in fragment order (the adapter contract lets `read` run a collective over the tensor's holders).
+
+Every rank calls these with the same arguments in the same order (rank 0 announces each step with
+`Comm.share` first); the P2P messages between one pair of ranks then match in order. Tensors travel
+as raw bytes (uint8 views), so bf16 needs nothing from the backend. The island group must carry CPU
+tensors (gloo, or a group set up by `learner.hybrid`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .layout_map import FragmentMap, Run
+
+Sink = Callable[[Run, torch.Tensor], None]
+Source = Callable[[Run], torch.Tensor]
+
+
+class Comm:
+    """The island's process group as the sync core uses it (group None: a single process)."""
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None):
+        self.group = group
+        if group is None:
+            self.rank, self.world, self.ranks = 0, 1, [0]
+        else:
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+            self.ranks = [dist.get_global_rank(group, i) for i in range(self.world)]
+        # Bytes rank 0 moved, by purpose ("scatter", "gather"), since start: the step log's counters.
+        self.bytes: Counter[str] = Counter()
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def share(self, obj=None):
+        """Rank 0's object on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def exchange(self, sends: Iterable[tuple[int, torch.Tensor]], recvs: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Point to point with group ranks: send each (peer, tensor), receive into each (peer, tensor);
+        returns once all are done. Tensors must be contiguous CPU tensors."""
+        ops = [dist.P2POp(dist.isend, _raw(t), self.ranks[p], self.group) for p, t in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, _raw(t), self.ranks[p], self.group) for p, t in recvs if t.numel()]
+        if not ops:
+            return
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def scatter_chunk(comm: Comm, fm: FragmentMap, elem_offset: int, elem_count: int, values: torch.Tensor | None,
+                  sink: Sink, *, dtype: torch.dtype = torch.float32, owned: bool = False,
+                  purpose: str = "scatter") -> None:
+    """Rank 0's `values` (1-D, `elem_count` values of the fragment from `elem_offset`, in `dtype`) to
+    every rank's runs (only owner pieces with `owned`); each rank's `sink(run, float32 values)`."""
+    if comm.lead:
+        sends = []
+        for r in range(comm.world):
+            runs = fm.runs(elem_offset, elem_count, r, owned=owned)
+            if not runs:
+                continue
+            parts = [values[fm.positions(run, elem_offset)] for run in runs]
+            if r == 0:
+                for run, part in zip(runs, parts):
+                    sink(run, part.to(torch.float32))
+            else:
+                buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                sends.append((r, buf))
+                comm.bytes[purpose] += buf.numel() * buf.element_size()
+        comm.exchange(sends, ())
+        return
+    runs = fm.runs(elem_offset, elem_count, comm.rank, owned=owned)
+    if not runs:
+        return
+    buf = torch.empty(sum(r.count for r in runs), dtype=dtype)
+    comm.exchange((), [(0, buf)])
+    pos = 0
+    for run in runs:
+        sink(run, buf[pos: pos + run.count].to(torch.float32))
+        pos += run.count
+
+
+def gather_chunk(comm: Comm, fm: FragmentMap, elem_offset: int, elem_count: int, source: Source,
+                 *, purpose: str = "gather") -> torch.Tensor | None:
+    """The owners' values of the span, assembled on rank 0 (float32, `elem_count` values); None on
+    the other ranks. `source(run)` gives this rank's float32 values of an owned run."""
+    if comm.lead:
+        out = torch.empty(elem_count, dtype=torch.float32)
+        recvs = []
+        for r in range(comm.world):
+            runs = fm.runs(elem_offset, elem_count, r, owned=True)
+            if not runs:
+                continue
+            if r == 0:
+                for run in runs:
+                    out[fm.positions(run, elem_offset)] = source(run)
+            else:
+                recvs.append((r, torch.empty(sum(x.count for x in runs), dtype=torch.float32), runs))
+        comm.exchange((), [(r, buf) for r, buf, _ in recvs])
+        for _, buf, runs in recvs:
+            comm.bytes[purpose] += buf.numel() * buf.element_size()
+            pos = 0
+            for run in runs:
+                out[fm.positions(run, elem_offset)] = buf[pos: pos + run.count]
+                pos += run.count
+        return out
+    runs = fm.runs(elem_offset, elem_count, comm.rank, owned=True)
+    if runs:
+        parts = [source(run).to(torch.float32) for run in runs]
+        comm.exchange([(0, torch.cat(parts) if len(parts) > 1 else parts[0].contiguous())], ())
+    return None
+
+
+class PieceReads:
+    """`adapter.read` for one pass over a fragment, chunk after chunk: `advance(span)` reads every
+    tensor the span reaches for the first time that this rank holds (owner or replica, in fragment
+    order, as the adapter contract asks) and keeps the owner pieces the span overlaps, flat."""
+
+    def __init__(self, adapter, fm: FragmentMap, rank: int):
+        self.adapter, self.fm = adapter, fm
+        self._mine = {}
+        for i, t in enumerate(fm.tensors):
+            ps = [p for p in fm.pieces(rank) if p.name == t["name"]]
+            if ps:
+                self._mine[i] = ps[0]
+        self._next = 0
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def advance(self, elem_offset: int, elem_count: int) -> None:
+        rng = self.fm.tensor_range(elem_offset, elem_count)
+        for i in range(self._next, rng.stop):
+            p = self._mine.get(i)
+            if p is not None:
+                v = self.adapter.read(p.name)
+                if p.owner:
+                    self._cache[i] = v.detach().reshape(-1)
+        self._next = max(self._next, rng.stop)
+        for i in [i for i in self._cache if i < rng.start]:
+            del self._cache[i]
+
+    def flat(self, run: Run) -> torch.Tensor:
+        return self._cache[run.tensor]
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+__all__ = ["Comm", "PieceReads", "gather_chunk", "scatter_chunk"]

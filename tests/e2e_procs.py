@@ -1,0 +1,169 @@
+"""Real processes for the learner end-to-end tests: `python -m learner.demo` islands next to the real
+`yeto syncer` (tests.scripted.SyncerProc), plus small readers of what a run leaves behind (step-log
+files, RESULT lines, the state KV, the EVENTS tape).
+
+Each island runs in its own session (process group), so a test can SIGKILL a whole data-parallel
+island — the launcher and every gloo rank — at once, as a crashed node would die.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from schemas import subjects as S
+from tests.scripted import ROOT, tape
+
+# Fail fast instead of hanging for the production defaults (600 s) when a run goes wrong.
+ISLAND_TIMEOUTS = {
+    "YETO_SESSION_TIMEOUT": "60",
+    "YETO_LOCKSTEP_TIMEOUT": "60",
+    "YETO_FINAL_TIMEOUT": "60",
+    "YETO_SHUTDOWN_TIMEOUT": "30",
+    "YETO_INIT_V0_TIMEOUT": "60",
+    "YETO_PUSH_TIMEOUT": "30",
+    "YETO_PROGRESS": "0",
+}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without any YETO_* variable of the test runner's shell, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class IslandProc:
+    """One `python -m learner.demo` island (all its ranks), logging to files under `work`.
+
+    `tag` names this process's files (a restarted island gets a new tag, so each generation has its
+    own log and step-log file)."""
+
+    def __init__(self, url: str, run: str, island: str, work: Path, *, ranks: int = 1, tag: str | None = None,
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+        self.island = island
+        self.tag = tag or island
+        self.log = work / f"island-{self.tag}.log"
+        self.steplog = work / f"steplog-{self.tag}.jsonl"
+        self.out = work / f"island-{self.tag}.safetensors"
+        self.cmd = [sys.executable, "-m", "learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+                    "--out", str(self.out), *args]
+        self.env = clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island,
+                             YETO_DILOCO_STEP_LOG=str(self.steplog), **ISLAND_TIMEOUTS, **(env or {}))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "IslandProc":
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
+                                     start_new_session=True)
+        return self
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill_group(self) -> None:
+        """SIGKILL the launcher and every rank (one process group), then reap the launcher."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        # ranks may outlive the launcher: clear the whole group
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait()
+        self._logf.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def result(self) -> dict | None:
+        """The island's `RESULT {json}` line (decoded), or None. Ranks share the log file, so another
+        rank's output may share the line: decode just the JSON object after the marker."""
+        for line in self.output().splitlines():
+            i = line.find("RESULT {")
+            if i >= 0:
+                return json.JSONDecoder().raw_decode(line, i + len("RESULT "))[0]
+        return None
+
+    def steplog_rows(self) -> list[dict]:
+        """The step-log file's events; a torn last line (SIGKILL mid-write) is left out."""
+        if not self.steplog.exists():
+            return []
+        rows = []
+        for line in self.steplog.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+
+async def wait_exit(procs: dict, timeout: float) -> dict[str, int]:
+    """Wait (without blocking the event loop) until every process (IslandProc or SyncerProc) exited;
+    their return codes. On timeout, fails naming who is still running with the tail of their output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rcs = {name: p.proc.poll() for name, p in procs.items()}
+        if all(rc is not None for rc in rcs.values()):
+            return rcs
+        await asyncio.sleep(0.1)
+    running = [n for n, p in procs.items() if p.proc.poll() is None]
+    raise AssertionError(f"still running after {timeout:.0f}s: {running}\n" + tails(procs))
+
+
+def tails(procs: dict, lines: int = 25) -> str:
+    return "\n".join(f"--- {name} ---\n" + "\n".join(p.output().splitlines()[-lines:]) for name, p in procs.items())
+
+
+async def kv_json(js, run: str, key: str) -> dict | None:
+    """A JSON record of the run's `state` KV (session, commit, syncer), or None."""
+    kv = await js.key_value(S.kv_bucket(run, "state"))
+    try:
+        e = await kv.get(key)
+    except KeyNotFoundError:
+        return None
+    return orjson.loads(e.value) if e is not None and e.value else None
+
+
+async def merges(js, run: str) -> list[dict]:
+    """The merge records of the syncer's EVENTS tape, in commit order ([] before the syncer
+    provisioned the run)."""
+    try:
+        return await tape(js, run, "merge")
+    except NotFoundError:
+        return []
+
+
+async def wait_until(pred, timeout: float, what: str, poll: float = 0.1):
+    """Poll an async predicate until it returns a truthy value (returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(poll)
