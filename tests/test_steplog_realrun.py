@@ -17,27 +17,13 @@ from services.steplog.aggregate import Aggregator
 from services.steplog.consume import SourceOptions
 from services.steplog.exporter import Exporter, serve_exporter
 from services.steplog.tail import tail
-from tests.test_steplog_dashboard import ARTIFACTS, Served, browser  # noqa: F401  (browser: a fixture)
+from tests.test_steplog_dashboard import ARTIFACTS, Served, _until, browser  # noqa: F401  (browser: a fixture)
 from tests.test_steplog_exporter import scrape
 
 
 def _steplog(demo_run, island: str) -> list[dict]:
     path = Path(demo_run["workdir"]) / f"steplog-{island}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-async def _until(cond, timeout=20.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        val = cond()
-        if asyncio.iscoroutine(val):
-            val = await val
-        if val:
-            return val
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
