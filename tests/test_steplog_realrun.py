@@ -44,7 +44,7 @@ async def test_tail_renders_a_real_run(nc, demo_run, logs):
                                     refresh_hz=20))
     rounds = demo_run["summary"]["rounds"]
     await _until(lambda: agg.kinds["steplog"] == sum(map(len, logs.values())) and agg.merges == rounds,
-                 what="every step-log event and merge")
+                 timeout=20, what="every step-log event and merge")
     await asyncio.sleep(0.2)  # one more frame after the last event
     stop.set()
     await asyncio.wait_for(task, 5)
@@ -79,7 +79,7 @@ async def test_exporter_scrape_matches_the_step_logs(nc, demo_run, logs):
         port = await asyncio.wait_for(started, 10)
         rounds = demo_run["summary"]["rounds"]
         await _until(lambda: exp.agg.kinds["steplog"] == sum(map(len, logs.values())) and exp.agg.merges == rounds,
-                     what="every step-log event and merge")
+                     timeout=20, what="every step-log event and merge")
         m = await scrape(port)
     finally:
         stop.set()
@@ -105,7 +105,7 @@ async def test_dashboard_draws_a_real_run(nc, demo_run, logs, browser):  # noqa:
     run = demo_run["run"]
     async with Served(nc, run) as srv:
         total = sum(map(len, logs.values()))
-        await _until(lambda: srv.dash.agg.kinds["steplog"] == total, what="events read")
+        await _until(lambda: srv.dash.agg.kinds["steplog"] == total, timeout=20, what="events read")
         await asyncio.to_thread(browser.open, srv.url)
 
         async def drawn():
@@ -114,7 +114,7 @@ async def test_dashboard_draws_a_real_run(nc, demo_run, logs, browser):  # noqa:
             return s if (s and s["islands"] == want and s["rounds"] == demo_run["summary"]["rounds"]
                          and s["drawn"].get("boundary") == total) else None
 
-        s = await _until(drawn, what="the real run drawn")
+        s = await _until(drawn, timeout=20, what="the real run drawn")
         assert s["errors"] == 0 and s["malformed"] == 0
         assert s["drawn"]["split"] >= 1 and s["drawn"]["rounds"] >= demo_run["summary"]["rounds"]
         legend = await asyncio.to_thread(browser.eval, "[...document.querySelectorAll('#legend span')].map(e => e.textContent)")
