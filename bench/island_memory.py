@@ -17,7 +17,7 @@ baseline. A sampler thread (VmRSS every 5 ms) backs the reading up where clear_r
 After the phase each rank checks that its pieces hold exactly what it started with (v0 is the INIT
 island's own f32 weights, so the whole round trip must be bit-exact).
 
-`--anchors files` (default) keeps each rank's anchors — the raw value of the version it holds, an
+`--anchors files` (default; `YETO_ANCHOR_DIR` in a run) keeps each rank's anchors — the raw value of the version it holds, an
 f32 copy of the rank's *own* share, which DiLoCo needs — in files (page cache, not process memory),
 so the growth is the transient wire state only; `--anchors memory` keeps them in RAM, where they add
 rank 0's share of the model (1/ranks of it) to the growth by design.
@@ -169,9 +169,9 @@ def _rank(rank: int, world: int, cfg: dict) -> None:
         before = _crc(ad)
         icfg = IslandConfig(run=cfg["run"], island=ISLAND, nats=ConnectOptions(url=cfg["url"]), progress=False,
                             session_timeout_s=120, init_v0_timeout_s=600, push_timeout_s=600, fetch_timeout_s=120,
-                            connect_timeout_s=60, heartbeat_s=2.0)
-        island = Island(ad, icfg, group=dist.group.WORLD,
-                        anchor_dir=cfg["anchor_dir"] + f"/r{rank}" if cfg["anchors"] == "files" else None)
+                            connect_timeout_s=60, heartbeat_s=2.0,
+                            anchor_dir=cfg["anchor_dir"] if cfg["anchors"] == "files" else None)  # YETO_ANCHOR_DIR
+        island = Island(ad, icfg, group=dist.group.WORLD)
         gc.collect()
         dist.barrier()
         base = rss()

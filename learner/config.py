@@ -27,6 +27,7 @@ value raises WireError naming the attribute and, in the message, the variable it
 | push_timeout_s | YETO_PUSH_TIMEOUT | 120 | one push (all chunks acked) or one INIT fragment |
 | fetch_timeout_s | YETO_FETCH_TIMEOUT | 60 | one fetch batch |
 | progress | YETO_PROGRESS | on | tqdm bars (INIT, initial cut) on the sync rank |
+| anchor_dir | YETO_ANCHOR_DIR | none (memory) | each rank keeps its anchors, staging and q4 residuals in files under `<dir>/<island>-rank<r>/` instead of RAM |
 
 Why α = 0.5 by default: α is the weight the island keeps on its own value. α = 0 would throw away
 every inner step taken since the island's push for that round (the broadcast was computed without
@@ -74,6 +75,7 @@ ENV = {
     "push_timeout_s": "YETO_PUSH_TIMEOUT",
     "fetch_timeout_s": "YETO_FETCH_TIMEOUT",
     "progress": "YETO_PROGRESS",
+    "anchor_dir": "YETO_ANCHOR_DIR",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -105,6 +107,7 @@ class IslandConfig:
     fetch_timeout_s: float = 60.0
     connect_timeout_s: float = 60.0
     progress: bool = True
+    anchor_dir: str | None = None
     host: str = field(default_factory=socket.gethostname)
     # The island's parallel layout for hello (informational); None: computed from the group size.
     world: dict | None = None
@@ -139,6 +142,10 @@ class IslandConfig:
             self._bad("steplog_queue", "must be a positive integer")
         if self.step_log is not None and not isinstance(self.step_log, (str, os.PathLike)):
             self._bad("step_log", "must be a path")
+        if self.anchor_dir is not None:
+            if not isinstance(self.anchor_dir, (str, os.PathLike)) or not os.fspath(self.anchor_dir):
+                self._bad("anchor_dir", "must be a directory path")
+            self.anchor_dir = os.fspath(self.anchor_dir)
 
     def _bad(self, name: str, why: str) -> None:
         var = ENV.get(name)

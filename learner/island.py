@@ -21,7 +21,7 @@ Where things live. Rank 0: versions, digests, counters, pull book, the readers' 
 most one fetch batch of wire bytes (`fetch_batch_bytes`) or a few export chunks, never a fragment.
 Every rank: its own pieces' staging (the version arriving), anchor (raw Θ of the version held, owner
 pieces) and q4 residual (owner pieces), in `anchors.AnchorStore` (memory, or files under
-`Island(..., anchor_dir=...)`).
+`YETO_ANCHOR_DIR` / `Island(..., anchor_dir=...)`: page cache instead of process memory).
 
 Boundary order (rank 0): health → control messages (a manifest finalizes now) → count the step →
 read broadcasts: chunks fetched in order by direct get in bounded batches and scattered to the
@@ -86,6 +86,19 @@ def _world_of(layout: IslandLayout, world: int) -> dict:
     return {"ranks": world, "tp": tp, "pp": max(1, world // max(1, tp * dp)), "ep": 1, "dp": dp, "nodes": 1}
 
 
+def rank_anchor_dir(base: str | os.PathLike | None, island: str, rank: int) -> str | None:
+    """This rank's own directory under `base`, emptied of a previous process's files: one process per
+    (island, rank) runs at a time, and a SIGKILLed one cannot remove its files itself."""
+    if base is None:
+        return None
+    d = os.path.join(os.fspath(base), f"{island}-rank{rank}")
+    if os.path.isdir(d):
+        for name in os.listdir(d):
+            if ".f32" in name:
+                os.unlink(os.path.join(d, name))
+    return d
+
+
 class Island(IslandWire):
     def __init__(self, adapter: ModelAdapter, config: IslandConfig, *, group: "dist.ProcessGroup | None" = None,
                  anchor_dir: str | os.PathLike | None = None):
@@ -97,9 +110,10 @@ class Island(IslandWire):
         self.sync_rank = self.rank == 0
         self.client: IslandClient | None = IslandClient(config) if self.sync_rank else None
         self.gen: str | None = self.client.gen if self.client else None
-        # Where each rank keeps its pieces' staging/anchors/residuals: memory, or files in anchor_dir
-        # (see anchors.py; meant to become an IslandConfig setting).
-        self.store = AnchorStore(anchor_dir)
+        # Where each rank keeps its pieces' staging/anchors/residuals: memory, or files under
+        # <anchor_dir>/<island>-rank<r>/ (YETO_ANCHOR_DIR; the keyword wins), see anchors.py.
+        self.store = AnchorStore(rank_anchor_dir(anchor_dir if anchor_dir is not None else config.anchor_dir,
+                                                 config.island, self.rank))
         self.layout: IslandLayout | None = None
         self.ops: RankOps | None = None
         self.session: dict | None = None

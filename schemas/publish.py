@@ -13,6 +13,7 @@ import random
 from collections import Counter
 from typing import Callable
 
+from .dtypes import as_bytes_view
 from .subjects import MSG_ID
 
 BACKPRESSURE_CODES = {10077: "stream_full", 10167: "too_many_requests"}
@@ -96,7 +97,9 @@ class Pipeline:
         self._bytes = 0
 
     async def put(self, subject: str, payload, msg_id: str, headers: dict | None = None) -> None:
-        data = bytes(payload) if not isinstance(payload, bytes) else payload
+        # One memcpy for any buffer (memoryview, NumPy array, CPU torch tensor of any dtype): bytes() of a
+        # tensor would iterate it element by element. nats-py needs bytes, so one copy is unavoidable.
+        data = payload if isinstance(payload, bytes) else as_bytes_view(payload).tobytes()
         while self._inflight and (self._bytes + len(data) > self.max_bytes or len(self._inflight) >= self.max_msgs):
             await self._settle_one()
         hdrs = dict(headers or {})

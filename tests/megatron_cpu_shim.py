@@ -1,9 +1,9 @@
 """TEST-ONLY FAKE: lets megatron-core's DDP, optimizers and GPT forward run on a CPU-only torch.
 
-megatron-core 0.16 hard-codes CUDA in a few places that do not matter for what the tests check
-(stream objects, `device="cuda"` for scalars such as the unit loss scale, `torch.cuda.current_device()`
-as the device of the grad/param buffers, `param.type() == 'torch.cuda.FloatTensor'` to sort
-parameters into fp16/bf16/fp32 groups). `install()` makes exactly those work on the CPU:
+megatron-core (0.16.1 and 0.19.x alike) hard-codes CUDA in a few places that do not matter for what
+the tests check (stream objects, `device="cuda"` for scalars such as the unit loss scale,
+`torch.cuda.current_device()` as the device of the grad/param buffers,
+`param.type() == 'torch.cuda.FloatTensor'` to sort parameters into fp16/bf16/fp32 groups). `install()` makes exactly those work on the CPU:
 
 * factory functions called with a CUDA device (`torch.tensor/zeros/empty/ones/full/arange/…`,
   `Tensor.new_empty/…`, `Tensor.to`) get the CPU instead, `Tensor.cuda()` returns the tensor itself;
@@ -11,12 +11,14 @@ parameters into fp16/bf16/fp32 groups). `install()` makes exactly those work on 
   inert objects, `synchronize` / `empty_cache` do nothing, RNG state calls use the CPU generator;
 * `Tensor.type()` (no argument) answers the CUDA type names for CPU tensors;
 * megatron-core's RNG tracker forks the CPU generator; the MoE router's `te_general_gemm` (unbound
-  without TE in megatron-core 0.16.1) is None; the alltoall dispatcher's split sizes become numpy
-  on the CPU as they do when moved off a GPU.
+  without TE in megatron-core 0.16.1; 0.19 binds it to None itself) is None; the alltoall
+  dispatcher's split sizes become numpy on the CPU as they do when moved off a GPU.
 
 Never import this outside tests. `transformer_engine_stub()` puts the test-only stubs
 `tests/stubs/transformer_engine` and `tests/stubs/triton` on the path (mcore-bridge imports both at
-import time; ms-swift's Megatron trainers import mcore-bridge).
+import time; ms-swift's Megatron trainers import mcore-bridge). Where a real triton is installed (the
+CUDA torch wheel brings one: Python 3.12 with megatron-core 0.19 here) megatron-core has imported it
+already and mcore-bridge gets the real one; the stub only stands in where triton is absent.
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ def install() -> None:
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # megatron-core 0.16.1 reads `te_general_gemm` in the MoE router even when TE is absent (the name is
-    # only bound when the TE import succeeds): give it the "no TE" value.
+    # only bound when the TE import succeeds; 0.19 binds it to None): give it the "no TE" value.
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,43 @@ def test_install_patches_both_namespaces_and_uninstall_restores():
         hybrid.uninstall()
     assert {(m.__name__, n): getattr(m, n) for m in (dist, c10d) for n in _PATCHED} == before
     assert c10d._check_op is check_op and not hybrid.installed()
+
+
+_PLUGIN_PROBE = """
+import hashlib, importlib.util, json, sys, torch.distributed as dist
+from learner import hybrid
+path = sys.argv[1]
+loaded = []
+for _ in range(2):  # as ms-swift's import_external_file does it: a hashed module name, imported twice
+    name = "_swift_external_" + hashlib.sha256(path.encode()).hexdigest() + str(len(loaded))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    loaded.append(mod.INSTALLED)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+g = dist.new_group([0])
+print(json.dumps({"loaded": loaded, "installed": hybrid.installed(),
+                  "choices": len(hybrid.choices())}))
+"""
+
+
+@pytest.mark.parametrize("enable", ["1", "0"])
+def test_hybrid_plugin_file_installs_only_when_asked(tmp_path, enable):
+    """learner/plugins/yeto_hybrid_plugin.py, loaded the way ms-swift loads --external_plugins, installs
+    the hybrid groups with YETO_CROSS_NODE_GLOO=1 (then every new group is decided and recorded) and
+    leaves torch.distributed untouched without it."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    plugin = root / "learner" / "plugins" / "yeto_hybrid_plugin.py"
+    env = dict(os.environ, YETO_CROSS_NODE_GLOO=enable, YETO_RANKS_PER_NODE="1", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE, str(plugin), str(tmp_path / "pg")], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    on = enable == "1"
+    assert got == {"loaded": [on, on], "installed": on, "choices": 1 if on else 0}
 
 
 # ------------------------------------------------------------------------------------------------

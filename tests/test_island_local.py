@@ -143,7 +143,7 @@ async def env(nc, run_id, nats_url, tmp_path):
     made: list[Island] = []
 
     def make(model: nn.Module, *, push_dtype="f32", bulk_dtype="f32", init_island="syncer-side", sync_every=2,
-             fragments=2, anchor_dir=None, **cfg) -> tuple[Island, dict, Syncer]:
+             fragments=2, store_dir=None, **cfg) -> tuple[Island, dict, Syncer]:
         adapter = TorchModuleAdapter(model)
         session = build_session(adapter.layout(), fragments, run=run_id, push_dtype=push_dtype, bulk_dtype=bulk_dtype,
                                 chunk_bytes=CHUNK_BYTES, init_island=init_island, sync_every=sync_every,
@@ -153,7 +153,7 @@ async def env(nc, run_id, nats_url, tmp_path):
                   step_log=str(tmp_path / f"steplog-{len(made)}.jsonl"))
         kw.update(cfg)
         island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url), **kw),
-                        anchor_dir=anchor_dir)
+                        anchor_dir=store_dir)  # the keyword; cfg's anchor_dir is YETO_ANCHOR_DIR's field
         made.append(island)
         return island, session, Syncer(js, run_id, session)
 
@@ -222,7 +222,12 @@ def steplog_lines(island: Island) -> list[dict]:
 @pytest.mark.parametrize("anchors", ["memory", "files"])
 async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env, anchors, tmp_path):
     alpha = 0.25
-    island, session, syncer = env(net(), alpha=alpha, anchor_dir=tmp_path / "anchors" if anchors == "files" else None)
+    # files: through the config (YETO_ANCHOR_DIR); a file left by a SIGKILLed predecessor is removed
+    rank_dir = tmp_path / "anchors" / f"{ISLAND}-rank0"
+    if anchors == "files":
+        rank_dir.mkdir(parents=True)
+        (rank_dir / "deadbeef-anchor-f0-123456.f32").write_bytes(b"\0" * 64)
+    island, session, syncer = env(net(), alpha=alpha, **({"anchor_dir": str(tmp_path / "anchors")} if anchors == "files" else {}))
     await started(env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
@@ -245,6 +250,10 @@ async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env, anchors
     assert torch.equal(anchor_flat(island, 1), v1)  # the raw global value is the anchor
     held = 4 * sum(f["numel"] for f in session["fragments"])  # one f32 anchor per fragment
     assert island.store.nbytes() == (0 if anchors == "files" else held)
+    if anchors == "files":
+        files = sorted(p.name for p in rank_dir.iterdir())
+        assert files and "deadbeef-anchor-f0-123456.f32" not in files
+        assert sum(p.stat().st_size for p in rank_dir.iterdir()) >= held  # the anchors live in these files
     events = steplog_lines(island)
     assert [e["step"] for e in events] == [1, 2]
     assert [e["applies"] for e in events] == [2, 1] and events[-1]["versions"] == {"0": 0, "1": 1}
@@ -400,7 +409,7 @@ async def test_a_refused_push_is_recomputed_and_resent_with_the_next_try(nc, run
 
 @pytest.mark.parametrize("anchors", ["memory", "files"])
 async def test_q4_pushes_carry_error_feedback(env, anchors, tmp_path):
-    island, session, syncer = env(net(), push_dtype="q4", anchor_dir=tmp_path / "anchors" if anchors == "files" else None)
+    island, session, syncer = env(net(), push_dtype="q4", store_dir=tmp_path / "anchors" if anchors == "files" else None)
     await started(env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)

@@ -200,8 +200,9 @@ def test_config_from_env_and_validation(monkeypatch):
     env = {"YETO_RUN": "r1", "YETO_ISLAND": "i-1", "NATS_URL": "nats://h:1", "YETO_PUSH_DTYPE": "q4",
            "YETO_BULK_DTYPE": "bf16", "YETO_DILOCO_ALPHA": "0.3", "YETO_LOCKSTEP": "1",
            "YETO_DILOCO_INITIAL_CUT_TIMEOUT": "12.5", "YETO_DILOCO_STEP_LOG": "/tmp/x.jsonl", "YETO_HEARTBEAT_S": "0.5",
-           "YETO_MAX_RECONNECTS": "-1", "YETO_FETCH_BATCH_BYTES": str(8 << 20)}
+           "YETO_MAX_RECONNECTS": "-1", "YETO_FETCH_BATCH_BYTES": str(8 << 20), "YETO_ANCHOR_DIR": "/scratch/yeto"}
     c = IslandConfig.from_env(env)
+    assert c.anchor_dir == "/scratch/yeto"
     assert (c.run, c.island, c.nats.url, c.push_dtype, c.bulk_dtype) == ("r1", "i-1", "nats://h:1", "q4", "bf16")
     assert (c.alpha, c.lockstep, c.initial_cut_timeout, c.step_log) == (0.3, True, 12.5, "/tmp/x.jsonl")
     assert (c.heartbeat_s, c.max_reconnects, c.fetch_batch_bytes) == (0.5, -1, 8 << 20)
@@ -210,7 +211,8 @@ def test_config_from_env_and_validation(monkeypatch):
     d = IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "i"})
     assert (d.push_dtype, d.bulk_dtype, d.alpha, d.lockstep, d.initial_cut_timeout, d.heartbeat_s) == \
         ("auto", "auto", 0.5, False, 0.0, 2.0)
-    assert d.step_log is None and d.max_reconnects == 60
+    assert d.step_log is None and d.max_reconnects == 60 and d.anchor_dir is None
+    assert IslandConfig.from_env(dict(env, YETO_ANCHOR_DIR="")).anchor_dir is None  # empty: in memory
     monkeypatch.setenv("YETO_RUN", "from-os")
     monkeypatch.setenv("YETO_ISLAND", "isl")
     monkeypatch.setenv("YETO_NATS", "nats://os:3")

@@ -20,8 +20,9 @@ import megatron_tiny as T
 from learner.adapters.megatron import EMBEDDING, MegatronAdapter, gather_full, layout_all, scatter_full
 from learner.adapters.megatron_names import strip_wrappers
 from schemas.layout import layout_fingerprint
+from tests.extras import require
 
-pytest.importorskip("megatron.core")
+require("swift", "megatron.core")
 
 FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
 

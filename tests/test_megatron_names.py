@@ -28,6 +28,9 @@ def test_wrappers_layers_and_experts():
         "decoder.layers.0.mlp.experts.8.linear_fc1.lora_A.default.weight"
     with pytest.raises(WireError):
         global_expert_name("decoder.layers.0.mlp.experts.weight1", 0, 2)  # legacy GroupedMLP
+    with pytest.raises(WireError, match="moe_single_grouped_weight"):
+        # megatron-core >= 0.19 `moe_single_grouped_weight`: all local experts in one unindexed tensor
+        global_expert_name("decoder.layers.0.mlp.experts.linear_fc1.weight", 0, 2)
     with pytest.raises(WireError):
         global_expert_name("decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight", 0, 2)
 

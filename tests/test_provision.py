@@ -227,6 +227,33 @@ async def test_full_push_stream_refuses_with_10077(js, run_id):
     assert (await js.stream_info(S.stream(run_id, "PUSH"))).state.messages == 1
 
 
+async def test_pipeline_stores_raw_bytes_of_tensors_arrays_and_views(js, run_id):
+    """Pipeline.put takes any buffer: a bf16 / f32 CPU tensor, a NumPy array or a memoryview lands as
+    its raw little-endian bytes (not element by element), in publish order, each under its msg id."""
+    import numpy as np
+    import torch
+
+    from schemas.publish import Pipeline
+
+    await provision_run(js, run_id, LIMITS, log=lambda _: None)
+    gen = new_generation()
+    t32 = torch.linspace(-3, 3, 1000, dtype=torch.float32)
+    payloads = [t32, t32.to(torch.bfloat16), np.arange(300, dtype=np.int16), memoryview(b"abc" * 100)]
+    expected = [t32.numpy().tobytes(), t32.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
+                np.arange(300, dtype=np.int16).tobytes(), b"abc" * 100]
+    pipe = Pipeline(js, max_bytes=3000, max_msgs=2, timeout=5.0)
+    subj = S.push(run_id, "a", 0)
+    for i, p in enumerate(payloads):
+        await pipe.put(subj, p, S.push_msg_id("a", gen, 0, 1, 0, 0, i))
+    await pipe.flush()
+    got = []
+    for seq in range(1, len(payloads) + 1):
+        got.append((await js.get_msg(S.stream(run_id, "PUSH"), seq=seq, direct=True)).data)
+    assert got == expected
+    with pytest.raises(WireError, match="contiguous"):
+        await pipe.put(subj, t32.view(10, 100).t(), S.push_msg_id("a", gen, 0, 1, 0, 0, 9))
+
+
 async def test_bcast_keeps_newest_per_chunk_and_cut_reader_sees_it(js, run_id, nc):
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
     name = S.stream(run_id, "BCAST")

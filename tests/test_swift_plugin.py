@@ -26,8 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("swift")
-pytest.importorskip("megatron.core")
+from tests.extras import require  # noqa: E402
+
+require("swift", "swift", "megatron.core")
 
 import megatron_tiny as T  # noqa: E402
 from tests.scripted import ScriptedIsland, SyncerProc, wait_provisioned  # noqa: E402

@@ -11,6 +11,8 @@ A canonical name is the same on every island whatever its TP/PP/EP/VPP sizes (DE
   `ep_rank × num_local_experts + local`, written `<...>.mlp.experts.<E>.<rest>` for both expert
   layouts megatron-core has (SequentialMLP: `experts.local_experts.<j>.linear_fc1.weight`; TE grouped
   GEMM: `experts.linear_fc1.weight<j>`), so islands with different expert implementations share names.
+  One tensor for all local experts is refused: the legacy GroupedMLP (`experts.weight1`) and TE grouped
+  GEMM with megatron-core's `moe_single_grouped_weight` (≥ 0.19; `experts.linear_fc1.weight`, no index).
 
 TP boxes come from megatron-core's own parameter attributes (`tensor_model_parallel`, `partition_dim`,
 `partition_stride`) and the TP group size. A partition stride s > 1 means megatron-core cut the
@@ -96,8 +98,9 @@ def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
         if not 0 <= local < num_local_experts:
             raise WireError(f"local expert index out of range 0..{num_local_experts - 1}", field="param", value=name)
         return f"{prefix}{ep_rank * num_local_experts + local}.{rest}"
-    raise WireError("expert parameter in an unsupported layout (use SequentialMLP or TE grouped GEMM; the legacy "
-                    "GroupedMLP keeps all local experts in one tensor)", field="param", value=name)
+    raise WireError("expert parameter in an unsupported layout (use SequentialMLP or TE grouped GEMM with one "
+                    "tensor per expert; the legacy GroupedMLP and megatron-core's moe_single_grouped_weight keep all "
+                    "local experts in one tensor)", field="param", value=name)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from schemas.codec import load_schema
 from services.syncer.outer import weights_for
+
+_CHUNK_BYTES_RANGE = tuple(load_schema("session")["properties"]["chunk_bytes"][k] for k in ("minimum", "maximum"))
 
 __all__ = [
     "SyncerConfig", "RoundMachine", "Member", "Round",
@@ -120,6 +123,11 @@ class SyncerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 bad("--" + name.replace("_", "-"), "must be an integer >= 1", value)
+        # The session record's schema bounds the chunk size: checked here so a bad flag is a one-line
+        # error at start-up, not a schema error when the first hello arrives.
+        lo, hi = _CHUNK_BYTES_RANGE
+        if not lo <= self.chunk_bytes <= hi:
+            bad("--chunk-bytes", f"must be between {lo} and {hi} (the session schema's bounds)", self.chunk_bytes)
         if self.sync_every % self.fragments:
             bad("--sync-every", f"(H) must be a multiple of --fragments (P = {self.fragments})", self.sync_every)
         if self.quorum is not None and (not isinstance(self.quorum, int) or self.quorum < 1):

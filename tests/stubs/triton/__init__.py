@@ -4,7 +4,8 @@ mcore-bridge 1.6.5 imports `triton` unguarded at import time for a vendored CUDA
 attention of one model family) that the tests never run. This stub lets that module import (for
 torch and megatron-core, e.g. torch._dynamo, `import triton` keeps failing: ModuleNotFoundError):
 `triton.jit` returns the undecorated function, `triton.language` answers any attribute. Calling a
-kernel fails. Only tests put tests/stubs on sys.path.
+kernel fails. Only tests put tests/stubs on sys.path. Where a real triton is installed (the CUDA torch
+wheel depends on it) megatron-core has imported it before mcore-bridge does, and this stub is unused.
 """
 import sys
 
