@@ -389,9 +389,10 @@ class IslandClient:
         self.steplog.on_put = wake
 
     async def _on_disconnected(self) -> None:
+        if self._closing:  # our own close(): not a network event, not counted
+            return
         self._counters["disconnects"] += 1
-        if not self._closing:
-            log.warning("island %s: NATS connection lost; reconnecting (training goes on)", self.island)
+        log.warning("island %s: NATS connection lost; reconnecting (training goes on)", self.island)
 
     async def _on_reconnected(self) -> None:
         self._counters["reconnects"] += 1

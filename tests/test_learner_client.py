@@ -92,6 +92,7 @@ async def test_hello_and_heartbeats_arrive_valid_with_one_generation(js, run_id,
     assert info.config.deliver_policy == api.DeliverPolicy.BY_START_TIME
     gen = c.gen
     await asyncio.to_thread(c.close)
+    assert c.counters["disconnects"] == 0  # its own close is not a lost connection
     with pytest.raises(NotFoundError):
         await js.consumer_info(S.stream(run_id, "CTL"), S.island_pull_consumer(ISLAND, gen))
 
