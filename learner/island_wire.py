@@ -72,7 +72,7 @@ class IslandWire:
         """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module
         doc): the main thread gathers (collective), a background thread publishes."""
         dtype = self.session["bulk_dtype"]
-        run, gen = self.config.run, self.gen
+        run, gen, island = self.config.run, self.gen, self.config.island
         fids = sorted(self.frags)
         total_bytes = sum(packed_nbytes(dtype, self.frags[f]["numel"]) for f in fids)
         bar = _progress(total_bytes, f"INIT {self.config.island}", self.config.progress)
@@ -94,7 +94,9 @@ class IslandWire:
                             return
                         s, packed = x
                         payload = as_bytes_view(packed)  # zero copy: the publisher copies it once
-                        meta = {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": fid, "dtype": dtype,
+                        # island + gen: the syncer builds version 0 from one process's chunks only
+                        meta = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen,
+                                "fragment": fid, "dtype": dtype,
                                 **self._chunk_header(fid, s, len(spans), total, payload)}
                         yield (S.init(run, fid), payload, S.init_msg_id(fid, s.index, gen),
                                {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})

@@ -36,7 +36,7 @@ CHUNK_KINDS: tuple[str, ...] = ("push_chunk", "init_chunk", "bcast_chunk", "fina
 # the syncer's CTL consumer (hello, heartbeat, ack), an island's (pull, manifest, error, shutdown).
 TYPED_KINDS: tuple[str, ...] = ("hello", "heartbeat", "pull", "ack", "manifest", "error", "shutdown")
 # Kinds sent by an island: they carry `island` and `gen`.
-ISLAND_KINDS: tuple[str, ...] = ("hello", "heartbeat", "push_chunk", "ack", "steplog")
+ISLAND_KINDS: tuple[str, ...] = ("hello", "heartbeat", "init_chunk", "push_chunk", "ack", "steplog")
 
 # JSON numbers past 2^53 lose bits in most JSON readers (the reason `gen` is hex): refuse them at the source.
 MAX_SAFE_INT = 2**53 - 1

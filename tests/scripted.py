@@ -121,18 +121,29 @@ class ScriptedIsland:
     def frag(self, fid: int) -> dict:
         return self.session["fragments"][fid]
 
-    async def send_init(self, values: dict[int, torch.Tensor]) -> None:
+    async def send_init(self, values: dict[int, torch.Tensor], *, chunks=None, gen: str | None = None,
+                        island: str | None = None) -> int:
+        """INIT chunks of `values` (fragment -> flat values). `chunks` (a set of chunk indexes) sends only
+        those; `gen` / `island` put another generation / island id in the headers (and the msg id).
+        Returns the number of chunks sent."""
         dtype = self.session["bulk_dtype"]
+        gen = gen or self.gen
+        sent = 0
         for fid, flat in values.items():
             spans = chunk_plan(flat.numel(), dtype, self.session["chunk_bytes"])
             total = sum(s.nbytes for s in spans)
             for s in spans:
+                if chunks is not None and s.index not in chunks:
+                    continue
                 buf = pack(flat[s.elem_offset: s.elem_offset + s.elem_count], dtype).numpy().tobytes()
-                meta = {"v": 1, "run": self.run, "fragment": fid, "dtype": dtype, "chunk": s.index, "chunks": len(spans),
-                        "offset": s.byte_offset, "nbytes": s.nbytes, "total": total, "digest": digest(buf)}
+                meta = {"v": 1, "run": self.run, "island": island or self.island, "gen": gen, "fragment": fid,
+                        "dtype": dtype, "chunk": s.index, "chunks": len(spans), "offset": s.byte_offset,
+                        "nbytes": s.nbytes, "total": total, "digest": digest(buf)}
                 await self.js.publish(S.init(self.run, fid), buf, headers={
-                    S.MSG_ID: S.init_msg_id(fid, s.index, self.gen),
+                    S.MSG_ID: S.init_msg_id(fid, s.index, gen) + ("" if island is None else f".{island}"),
                     codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
+                sent += 1
+        return sent
 
     async def messages(self, timeout: float = 1.0) -> list[tuple[str, dict]]:
         """Everything on this island's consumer (pulls and to-island messages), decoded."""

@@ -187,13 +187,68 @@ def test_init_only_from_the_init_island_and_v0_needs_all_fragments_and_n_islands
     acts = m.handle(InitComplete("b", GEN["b"], 1, 2.0))       # b is not the INIT island
     err = of(acts, SendError)
     assert err[0].code == "not_init_island" and not err[0].fatal and not of(acts, CommitV0)
-    acts = m.handle(InitComplete("a", "a9" * 8, 1, 2.5))        # not the INIT island's current generation
-    assert not of(acts, CommitV0) and m.counters["ignored.init_stale_gen"] == 1
+    acts = m.handle(InitComplete("a", "a9" * 8, 1, 2.5))        # a generation whose hello is not in: held
+    assert not of(acts, CommitV0) and m.counters["init.held"] == 1 and m.counters["init.fragment"] == 1
     acts = m.handle(InitComplete("a", GEN["a"], 1, 3.0))
     assert of(acts, CommitV0) == [CommitV0((0, 1))] and m.phase == "committing_v0"
     assert not pulls(acts)                                     # nothing launches before V0Done
     acts = m.handle(V0Done(4.0))
     assert m.versions == {0: 0, 1: 0} and pulls(acts)[0]["base_version"] == 0
+
+
+def test_new_init_generation_during_init_clears_what_the_old_one_sent():
+    m = machine(fragments=2, islands=2)
+    m.handle(hello("a"))
+    m.handle(hello("b"))
+    m.handle(InitComplete("a", GEN["a"], 0, 1.0))
+    acts = m.handle(hello("a", gen=A2, now=2.0))                   # the INIT island restarted mid-INIT
+    assert m.counters["init.restart"] == 1 and not of(acts, CommitV0)
+    (rec,) = [t for t in tapes(acts, "session") if "INIT restarts" in t["reason"]]
+    assert rec["gen"] == A2 and rec["detail"] == {"dropped_fragments": [0]}
+    assert not list(_validator("event").iter_errors({"v": 1, "run": "r1", **rec}))   # a valid tape record
+    # the old process's last fragment completes late: ignored, it must not mix into version 0
+    acts = m.handle(InitComplete("a", GEN["a"], 1, 2.5))
+    assert not of(acts, CommitV0) and m.counters["ignored.init_stale_gen"] == 1
+    assert tapes(acts, "error")[0]["gen"] == GEN["a"]
+    acts = m.handle(InitComplete("a", A2, 1, 3.0))                 # fragment 0 must come again from A2
+    assert not of(acts, CommitV0)
+    acts = m.handle(InitComplete("a", A2, 0, 3.5))
+    assert of(acts, CommitV0) == [CommitV0((0, 1))]
+
+
+def test_init_of_an_unseen_generation_is_held_and_replayed_at_its_hello():
+    m = machine(fragments=2, islands=2)
+    m.handle(hello("a"))
+    m.handle(hello("b"))
+    m.handle(InitComplete("a", GEN["a"], 0, 1.0))
+    # A2's chunks overtook its hello (INIT and CTL are separate consumers)
+    assert m.handle(InitComplete("a", A2, 0, 2.0)) == [] and m.handle(InitComplete("a", A2, 1, 2.1)) == []
+    assert m.counters["init.held"] == 2 and not m._initialized - {0}
+    acts = m.handle(hello("a", gen=A2, now=3.0))                   # clears GEN[a]'s fragment 0, replays A2's
+    assert m.counters["init.restart"] == 1 and m.counters["init.replayed"] == 2
+    assert of(acts, CommitV0) == [CommitV0((0, 1))]
+    assert m.counters["init.fragment"] == 3 and m.members["a"].gen == A2
+
+
+def test_held_init_of_a_generation_that_is_retired_or_late_never_counts():
+    m = machine(fragments=2, islands=2)
+    m.handle(hello("a"))
+    m.handle(hello("b"))
+    m.handle(InitComplete("a", A2, 0, 1.0))                       # held: A2 unseen
+    m.handle(hello("a", gen=A2, now=2.0))                          # replayed: fragment 0 from A2
+    assert m._initialized == {0}
+    m.handle(hello("a", gen=A3, now=3.0))                          # restarts again: A2 is retired
+    assert m._initialized == set() and m.counters["init.restart"] == 2
+    for f in (0, 1):                                               # A2's late completions: ignored
+        assert not of(m.handle(InitComplete("a", A2, f, 4.0)), CommitV0)
+    assert m.counters["ignored.init_stale_gen"] == 2 and m._initialized == set()
+    assert m.handle(hello("a", gen=A2, now=4.5)) == []             # a replay of a retired hello changes nothing
+    assert of(m.handle(InitComplete("a", A3, 0, 5.0)) + m.handle(InitComplete("a", A3, 1, 5.0)), CommitV0)
+    # once version 0 is being committed, a new generation does not touch INIT, and its INIT is late
+    acts = m.handle(hello("a", gen="a4" * 8, now=6.0))
+    assert m.counters["init.restart"] == 2 and m.phase == "committing_v0" and not tapes(acts, "session")
+    m.handle(InitComplete("a", "a5" * 8, 0, 6.5))
+    assert m.counters["ignored.init_late"] == 1 and m.counters["init.held"] == 1
 
 
 def test_v0_waits_for_the_nth_island():

@@ -16,6 +16,7 @@ from schemas import codec
 from schemas.errors import DecodeError, SchemaError, WireError
 
 KINDS = codec.KINDS
+# INIT chunks carry the INIT island's id and generation too (version 0 comes from one process).
 ISLAND_KINDS = codec.ISLAND_KINDS
 
 

@@ -97,7 +97,7 @@ async def test_bad_wire_input_is_refused_counted_taped_and_changes_nothing(nats_
         total = sum(s.nbytes for s in chunk_plan(a.frag(0)["numel"], "f32", a.session["chunk_bytes"]))
         for what, vals in (("digest", torch.full((span.elem_count,), 7.0)), ("nan", torch.full((span.elem_count,), float("nan")))):
             buf = pack(vals, "f32").numpy().tobytes()
-            meta = {"v": 1, "run": run_id, "fragment": 0, "dtype": "f32", "chunk": 0, "chunks": len(chunk_plan(a.frag(0)["numel"], "f32", 1024)),
+            meta = {"v": 1, "run": run_id, "island": a.island, "gen": a.gen, "fragment": 0, "dtype": "f32", "chunk": 0, "chunks": len(chunk_plan(a.frag(0)["numel"], "f32", 1024)),
                     "offset": 0, "nbytes": span.nbytes, "total": total,
                     "digest": digest(b"x" + buf) if what == "digest" else digest(buf)}
             await a.publish_raw(S.init(run_id, 0), buf, {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})

@@ -23,6 +23,13 @@ Choices the design leaves open, decided here:
 - **Version 0**: the machine emits `CommitV0(fragments)` once every fragment is initialized and
   `islands` members are live; the shell commits v0 of every fragment durably, broadcasts it, then
   feeds back a single `V0Done(now)`. Rounds launch only after that.
+- **INIT and generations**: version 0 comes from one process of the INIT island. A new generation of
+  the INIT island while `phase == "init"` clears every initialized fragment (counter `init.restart`,
+  a `session` tape record): INIT restarts with the new process, which sends everything again. An
+  `InitComplete` of a retired generation is ignored (`ignored.init_stale_gen`); one of a generation
+  the machine has not seen yet (its hello comes through another consumer than the INIT chunks, so it
+  may arrive later) is held (`init.held`) and replayed when that generation's hello is admitted.
+  Once `CommitV0` is out, INIT is over: a new generation changes nothing about version 0.
 - **Attempts are 1-based, pull `seq` and push `try` 0-based** (as the schemas say).
 - **Commit order**: at most one `Merge` is outstanding; it is emitted for the lowest in-flight step
   only once that round is complete, and the next one only after its `MergeDone`. Rounds that complete
@@ -490,6 +497,7 @@ class RoundMachine:
         self.members: dict[str, Member] = {}
         self._queued: dict[str, Hello] = {}
         self._initialized: set[int] = set()
+        self._held_init: dict[str, dict[int, InitComplete]] = {}   # unseen gen -> fragment -> event
         self.versions: dict[int, int] = {}
         self.committed_step = 0
         self._next_step = 1
@@ -712,6 +720,7 @@ class RoundMachine:
         self.counters["join"] += 1
         self._write_member(m)
         self._tape("join", now, island=ev.island, gen=ev.gen, reason="admitted")
+        self._replay_held_init(m, now)
 
     def _new_generation(self, m: Member, ev: Hello, now: float) -> None:
         old = m.gen
@@ -724,6 +733,16 @@ class RoundMachine:
         self.counters["join.new_gen"] += 1
         self._write_member(m)
         self._tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
+        if m.island == self.init_island and self.phase == "init":
+            # The new process sends every fragment again; what the old one sent must not be mixed in.
+            dropped = sorted(self._initialized)
+            self._initialized.clear()
+            self._held_init.pop(old, None)
+            self.counters["init.restart"] += 1
+            self._tape("session", now, island=m.island, gen=m.gen,
+                       reason=f"INIT restarts with the INIT island's new generation {m.gen} (was {old})",
+                       detail={"dropped_fragments": dropped})
+            self._replay_held_init(m, now)
         # rebind unanswered slots; an answered slot keeps the old generation's accepted push
         for step in sorted(self.rounds):
             r = self.rounds[step]
@@ -762,13 +781,19 @@ class RoundMachine:
                          f"INIT data is taken only from the INIT island {self.init_island!r}",
                          now, fatal=False, field="island")
             return
-        if ev.gen != self.members[ev.island].gen:
+        m = self.members[ev.island]
+        if ev.gen in m.retired_gens:
             self.counters["ignored.init_stale_gen"] += 1
             self._tape("error", now, island=ev.island, gen=ev.gen, fragment=ev.fragment,
                        reason="INIT of fragment from a stale generation ignored")
             return
         if self.phase != "init":
             self.counters["ignored.init_late"] += 1
+            return
+        if ev.gen != m.gen:
+            # Its hello is not in yet (another consumer): keep it until that generation is admitted.
+            self._held_init.setdefault(ev.gen, {})[ev.fragment] = ev
+            self.counters["init.held"] += 1
             return
         if not 0 <= ev.fragment < self.config.fragments:
             self._reject(ev.island, ev.gen, "bad_fragment",
@@ -780,6 +805,12 @@ class RoundMachine:
             return
         self._initialized.add(ev.fragment)
         self.counters["init.fragment"] += 1
+
+    def _replay_held_init(self, m: Member, now: float) -> None:
+        held = self._held_init.pop(m.gen, None) if m.island == self.init_island else None
+        for f in sorted(held or ()):
+            self.counters["init.replayed"] += 1
+            self._on_init(held[f], now)
 
     def _on_v0_done(self, ev: V0Done, now: float) -> None:
         if self.phase != "committing_v0":

@@ -56,6 +56,10 @@ log = logging.getLogger("yeto.syncer")
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
 DIRECT_GET_TIMEOUT = 30.0
+# How long an INIT chunk of a generation the round machine has not seen waits for that generation's
+# hello (CTL and INIT are separate consumers) before it may replace a fragment that is complete.
+# Well under the INIT consumer's ack wait; waited at most once per generation.
+INIT_HELLO_WAIT_S = 10.0
 
 
 class SyncerError(RuntimeError):
@@ -87,6 +91,7 @@ class _Frag:
     momentum: torch.Tensor | None = None
     init_chunks: dict[int, bool] = field(default_factory=dict)
     init_done: bool = False
+    init_gen: str | None = None     # the INIT island generation whose chunks fill init_chunks
 
 
 class SyncerService:
@@ -114,6 +119,7 @@ class SyncerService:
         self._status_t = 0.0
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
+        self._init_waited: set[str] = set()
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -347,10 +353,21 @@ class SyncerService:
             await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
 
     async def _on_init(self, msg) -> None:
+        """One INIT chunk. Version 0 must come from one process of the INIT island: each fragment's
+        chunks are accumulated for one generation (`init_gen`); a chunk of a retired generation is
+        refused (stale_gen), one of another live generation starts the fragment over with that
+        generation, and InitComplete names the generation whose chunks filled the fragment."""
+        meta: dict | None = None
         try:
             meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
             if self.session is None:
                 raise WireError("INIT chunk before the session is pinned", field="fragment", value=meta["fragment"], code="no_session")
+            if meta["run"] != self.run_id:
+                raise WireError(f"INIT chunk of another run on run {self.run_id}'s stream", field="run",
+                                value=meta["run"], code="subject_mismatch")
+            if meta["island"] != self.session["init_island"]:
+                raise WireError(f"INIT data is taken only from the INIT island {self.session['init_island']!r}",
+                                field="island", value=meta["island"], code="not_init_island")
             fid = meta["fragment"]
             fr = self.frags.get(fid)
             if fr is None:
@@ -370,9 +387,38 @@ class SyncerService:
             values = delta_view(msg.data, meta["dtype"], span.elem_count)
             if not bool(torch.isfinite(values).all()):
                 raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
+            gen = meta["gen"]
+            if fr.init_gen is not None and gen != fr.init_gen:
+                # Another generation than the fragment's. Before starting a *complete* fragment over,
+                # the machine must know this generation (its hello cleared INIT), or version 0 could
+                # still be cut from the fragment's bytes; and when the fragment's own generation is
+                # the unknown one, its hello tells which of the two is the newer.
+                for g in (gen, fr.init_gen):
+                    if not self._init_gen_known(g):
+                        await self._wait_init_gen(g)
+                if fr.init_done and not self._init_gen_known(gen):
+                    raise WireError(f"INIT chunk of generation {gen}, whose hello the syncer has not admitted, would "
+                                    f"replace fragment {fid} complete from generation {fr.init_gen}",
+                                    field="gen", value=gen, code="unknown_gen")
+            if gen in self._init_retired():
+                raise WireError(f"INIT chunk of a retired generation of {meta['island']} (a restarted process "
+                                f"resends everything)", field="gen", value=gen, code="stale_gen")
         except WireError as exc:
-            await self._reject(f"INIT chunk on {msg.subject}", exc)
+            await self._reject(f"INIT chunk on {msg.subject}", exc, island=meta and meta["island"], gen=meta and meta["gen"])
             return
+        if self.machine.phase != "init":
+            # Version 0 is decided (or committed): INIT bytes can no longer change it.
+            self.counters["init.late_chunk"] += 1
+            return
+        if fr.init_gen is not None and gen != fr.init_gen:
+            self.counters["init.restart_fragment"] += 1
+            log.warning("INIT: fragment %d starts over with generation %s of %s (had %d/%d chunks of generation %s)",
+                        fid, gen, meta["island"], len(fr.init_chunks), len(spans), fr.init_gen)
+            fr.init_chunks.clear()
+            fr.init_done = False
+            fr.init_gen = None
+        if fr.init_gen is None:
+            fr.init_gen = gen
         if fr.init_done or k in fr.init_chunks:
             self.counters["init.duplicate_chunk"] += 1
             return
@@ -383,11 +429,25 @@ class SyncerService:
         fr.init_chunks[k] = True
         if len(fr.init_chunks) == len(spans):
             fr.init_done = True
-            island = self.session["init_island"]
-            member = self.machine.members.get(island)
-            gen = member.gen if member is not None else "0" * 16
-            log.info("INIT: fragment %d complete (%d values)", fid, fr.numel)
-            await self.queue.put(R.InitComplete(island=island, gen=gen, fragment=fid, now=time.time()))
+            log.info("INIT: fragment %d complete (%d values, generation %s)", fid, fr.numel, gen)
+            await self.queue.put(R.InitComplete(island=meta["island"], gen=gen, fragment=fid, now=time.time()))
+
+    def _init_retired(self) -> set[str]:
+        member = self.machine.members.get(self.session["init_island"])
+        return member.retired_gens if member is not None else set()
+
+    def _init_gen_known(self, gen: str) -> bool:
+        member = self.machine.members.get(self.session["init_island"])
+        return member is not None and (gen == member.gen or gen in member.retired_gens)
+
+    async def _wait_init_gen(self, gen: str) -> None:
+        """Give the generation's hello (CTL consumer, then the machine loop) time to be admitted."""
+        if gen in self._init_waited:
+            return
+        self._init_waited.add(gen)
+        deadline = time.monotonic() + INIT_HELLO_WAIT_S
+        while not self._init_gen_known(gen) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def _on_push(self, msg) -> None:
         seq = msg.metadata.sequence.stream
