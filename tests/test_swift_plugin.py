@@ -8,7 +8,8 @@ and its `save_mcore_checkpoint` / `load_mcore_checkpoint`; megatron-core models,
 a real nats-server and the real `yeto syncer`. What is replaced, because it needs a GPU or an HF
 checkpoint: the trainer's model/optimizer construction (`prepare_model`, `get_optimizer_and_scheduler`:
 a tiny megatron-core GPT and megatron's own optimizer instead of mcore-bridge from an HF model), its
-data (`_prepare_data_iterator`, `forward_step`: fixed random tokens instead of a dataset + template),
+data (`_prepare_data_iterator`, `forward_step`: fixed random tokens, different on each data-parallel
+rank, instead of a dataset + template; the loss is ms-swift's own `loss_func`),
 CUDA / Transformer Engine / Triton (tests/megatron_cpu_shim.py, tests/stubs), and the trainer's
 warm-up of CUDA kernel fusions (`warmup_jit_function`, skipped).
 """
@@ -95,6 +96,8 @@ def _trainer_class(seed: int):
     class CPUTrainer(MegatronTrainer):
         """ms-swift's Megatron trainer; only model/optimizer construction and data are replaced."""
 
+        local_losses: dict[int, float]
+
         def prepare_model(self):
             cfg = T.config(layers=2, bf16=self.args.bf16)
             self.unwrapped_models = T.build(cfg, seed=seed)
@@ -115,13 +118,20 @@ def _trainer_class(seed: int):
             return iter(int, 1), None  # endless; forward_step draws its own tokens
 
         def forward_step(self, data_iterator, model):
-            toks = T.tokens(seed * 1000 + self.state.iteration)
+            from functools import partial
+
+            from megatron.core import parallel_state as ps
+
+            # each DP rank its own tokens: the step's loss is a mean over the global batch, not one rank's
+            toks = T.tokens(seed * 1000 + self.state.iteration * 10 + ps.get_data_parallel_rank())
             pos = torch.arange(T.SEQ).unsqueeze(0).expand(toks.shape[0], T.SEQ)
             out = model(toks, pos, None, labels=toks)
+            step = self.state.iteration + 1
 
             def loss_fn(o):
-                loss = o.float().mean()
-                return loss, {"loss": torch.stack([loss.detach() * o.numel(), torch.tensor(float(o.numel()))])}
+                # independent reference: this rank's mean per-token cross entropy (megatron-core's) for the step
+                self.local_losses[step] = o.detach().float().mean().item()
+                return partial(self.loss_func, labels=toks)(o)  # ms-swift's own causal-LM loss and metrics
             return out, loss_fn
 
     return CPUTrainer
@@ -136,7 +146,8 @@ def _swift_args(out: str, *, bf16: bool, distributed: bool):
         check_model=False, callbacks=["default_flow"], async_save=False, use_persistent_ckpt_worker=False,
         is_multimodal=False, overlap_grad_reduce=False, align_grad_reduce=False, overlap_param_gather=False,
         align_param_gather=False, nccl_comm_warmup=False, manual_gc=False, manual_gc_steps=0, manual_gc_eval=False,
-        logging_steps=10**6, eval_steps=None, eval_iters=0, save_steps=None, use_megatron_fsdp=False,
+        logging_steps=1, eval_steps=None, enable_dft_loss=False, enable_channel_loss=False, eval_iters=0,
+        save_steps=None, use_megatron_fsdp=False,
         use_distributed_optimizer=distributed, output_dir=out, no_save_optim=True, no_save_rng=True,
         save_safetensors=False, tuner_type="full", virtual_pipeline_model_parallel_size=None, mtp_num_layers=None,
         dsa_indexer_loss_coeff=None, metric_for_best_model=None, lr=1e-2, data_parallel_random_init=False,
@@ -145,9 +156,26 @@ def _swift_args(out: str, *, bf16: bool, distributed: bool):
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, save_total_limit=None)
 
 
+def _log_recorder(yeto_cb):
+    from swift.megatron.callbacks.base import MegatronCallback
+
+    class LogRecorder(MegatronCallback):
+        """What ms-swift logs each step (logging_steps 1: on_log after every step), beside what the yeto
+        callback passed to that step's boundary."""
+
+        def __init__(self, trainer):
+            super().__init__(trainer)
+            self.rows = {}
+
+        def on_log(self, logs):
+            self.rows[self.state.iteration] = (logs.get("loss"), yeto_cb.last_loss)
+
+    return LogRecorder
+
+
 def _island(proc: int, url: str, run: str, out: str) -> None:
-    name = "a" if proc == 0 else "b"
-    rank, world = (0, 1) if name == "a" else (proc - 1, 2)
+    name = "a" if proc < 2 else "b"
+    rank, world = (proc, 2) if name == "a" else (proc - 2, 2)
     os.environ.update(YETO_RUN=run, YETO_ISLAND=name, YETO_NATS=url, YETO_LOCKSTEP="1", YETO_PROGRESS="0",
                       YETO_HEARTBEAT_S="0.5", YETO_SESSION_TIMEOUT="60", YETO_LOCKSTEP_TIMEOUT="60",
                       YETO_FINAL_TIMEOUT="60", YETO_SHUTDOWN_TIMEOUT="30", YETO_DILOCO_ALPHA="0.5",
@@ -161,12 +189,14 @@ def _island(proc: int, url: str, run: str, out: str) -> None:
     from swift.utils import import_external_file
 
     import_external_file(str(PLUGIN))  # what `--external_plugins` does, while parsing those arguments
-    # bf16 models (the layout names the dtype: both islands must agree); island a: TP 1 with
-    # Float16OptimizerWithFloat16Params; island b: TP 2 with the DistributedOptimizer
-    tp, bf16, distributed = (1, True, False) if name == "a" else (2, True, True)
-    T.layout(tp=tp)
+    # bf16 models (the layout names the dtype: both islands must agree); island a: PP 2 with
+    # Float16OptimizerWithFloat16Params (its sync rank, on the first stage, has no loss of its own);
+    # island b: DP 2 with the DistributedOptimizer (sharded over the two ranks; each sees its own data)
+    pp, dp, bf16, distributed = (2, 1, True, False) if name == "a" else (1, 2, True, True)
+    T.layout(pp=pp)
     args = _swift_args(f"{out}/{name}", bf16=bf16, distributed=distributed)
-    args.tensor_model_parallel_size = tp
+    args.pipeline_model_parallel_size = pp
+    args.global_batch_size = args.micro_batch_size * args.num_microbatches * dp
     from types import SimpleNamespace
 
     import swift.megatron.trainers.base as base
@@ -176,12 +206,16 @@ def _island(proc: int, url: str, run: str, out: str) -> None:
     callbacks = [c for c in trainer.callbacks if getattr(c, "_yeto_callback", False)]
     assert len(callbacks) == 1
     cb = callbacks[0]
+    trainer.local_losses = {}
+    recorder = _log_recorder(cb)(trainer)
+    trainer.callbacks.append(recorder)
     trainer.train(None, None)
     from learner.adapters.megatron import MegatronAdapter, gather_full
 
     result = {"iteration": trainer.state.iteration, "steps": cb.steps, "local_step": cb.island.local_step,
               "finalized": cb.island.finalized, "final_dir": cb.final_dir, "values": gather_full(cb.adapter),
-              "counters": {k: v for k, v in cb.island.counters.items() if isinstance(v, (int, float))}}
+              "counters": {k: v for k, v in cb.island.counters.items() if isinstance(v, (int, float))},
+              "logged": recorder.rows, "local_losses": trainer.local_losses}
     if name == "b":  # the final cut, from ms-swift's checkpoint, in a fresh TP 1 island (DP 2)
         from swift.megatron.utils import load_mcore_checkpoint
 
@@ -208,7 +242,7 @@ async def test_syncer_and_two_swift_megatron_islands_complete_rounds_and_finaliz
         await wait_provisioned(nc.jetstream(), run_id)
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt",
                                                 "megatron.core.optimizer", "megatron.core.distributed"])
-        ctx = mp.start_processes(_island, args=(nats_url, run_id, str(tmp_path)), nprocs=3, join=False,
+        ctx = mp.start_processes(_island, args=(nats_url, run_id, str(tmp_path)), nprocs=4, join=False,
                                  start_method="forkserver")
         deadline = time.monotonic() + 200
         while not await asyncio.to_thread(ctx.join, 2):
@@ -229,7 +263,7 @@ async def test_syncer_and_two_swift_megatron_islands_complete_rounds_and_finaliz
     final = {t["name"]: cut[f["id"]][t["offset"]: t["offset"] + t["numel"]].view(t["shape"])
              for f in frags for t in f["tensors"]}
     load = lambda n: torch.load(tmp_path / f"{n}.pt", weights_only=False)  # noqa: E731
-    results = {n: load(n) for n in ("a0", "b0", "b1")}
+    results = {n: load(n) for n in ("a0", "a1", "b0", "b1")}
     for n, r in results.items():
         # the callback ran the boundary once after every optimizer step of ms-swift's loop, and the
         # run stopped at the boundary that installed the final cut
@@ -237,9 +271,31 @@ async def test_syncer_and_two_swift_megatron_islands_complete_rounds_and_finaliz
         assert set(r["values"]) == set(final)
         for name, v in final.items():  # every island ends with exactly the final cut (its fp32 masters)
             assert torch.equal(r["values"][name], v), (n, name)
-        assert r["counters"].get("pushes", 0) >= (ROUNDS if n != "b1" else 0)
+        assert r["counters"].get("pushes", 0) >= (ROUNDS if n in ("a0", "b0") else 0)
         assert Path(r["final_dir"], "latest_checkpointed_iteration.txt").read_text() == str(ROUNDS + 1)
     for name, v in final.items():  # ms-swift's checkpoint of the final cut (the bf16 model params) loads back
         assert torch.equal(results["b0"]["reloaded"][name], v.bfloat16().float()), name
-    lines = [json.loads(x) for x in (tmp_path / "steplog-a.jsonl").read_text().splitlines()]
-    assert len(lines) == ROUNDS + 1
+    # the training loss in the step log: every step's event (written by the sync rank, rank 0) carries
+    # the loss ms-swift logged for that step — on island a computed on the last pipeline stage (a1),
+    # on island b the token-weighted mean over both DP ranks' batches
+    steps = range(1, ROUNDS + 2)
+    for island, last in (("a", "a1"), ("b", "b0")):
+        lines = [json.loads(x) for x in (tmp_path / f"steplog-{island}.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in lines] == list(steps)
+        logged = results[last]["logged"]
+        assert sorted(logged) == list(steps)
+        for e in lines:
+            swift_loss = logged[e["step"]][0]
+            assert isinstance(swift_loss, float) and 0 < swift_loss < 20, (island, e["step"], swift_loss)
+            assert e["loss"] == pytest.approx(swift_loss, rel=1e-6, abs=0), (island, e)
+        for n in (f"{island}0", f"{island}1"):  # every rank passed the same loss to its boundary
+            assert [results[n]["logged"][s][1] for s in steps] == [e["loss"] for e in lines], n
+    # independent of ms-swift's and the plugin's bookkeeping: the per-token cross entropy megatron-core
+    # returned to each last-stage rank's loss function (equal token counts: the global mean is the mean)
+    for island, ranks in (("a", ["a1"]), ("b", ["b0", "b1"])):
+        lines = [json.loads(x) for x in (tmp_path / f"steplog-{island}.jsonl").read_text().splitlines()]
+        for e in lines:
+            ref = sum(results[n]["local_losses"][e["step"]] for n in ranks) / len(ranks)
+            assert e["loss"] == pytest.approx(ref, rel=1e-5), (island, e["step"], ref)
+    b0, b1 = results["b0"]["local_losses"], results["b1"]["local_losses"]
+    assert all(abs(b0[s] - b1[s]) > 1e-4 for s in steps)  # the two DP ranks really saw different batches

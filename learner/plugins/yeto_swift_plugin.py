@@ -22,15 +22,30 @@ The callback, on every rank:
 * `on_train_begin` (before the first step): builds `MegatronAdapter(trainer.wrapped_models,
   trainer.optimizer)` and `Island(...).start()` — hello, session, INIT (the INIT island), the initial cut
   (`YETO_DILOCO_INITIAL_CUT_TIMEOUT`);
-* `on_step_end` (after every optimizer step, skipped steps included): `island.boundary(tokens)` with
-  tokens = global_batch_size × seq_length (`YETO_TOKENS_PER_STEP` overrides); when the boundary says
-  stop (final cut installed and acknowledged, or a shutdown) training stops after this step;
+* `on_step_end` (after every optimizer step, skipped steps included): `island.boundary(tokens, loss)` with
+  tokens = global_batch_size × seq_length (`YETO_TOKENS_PER_STEP` overrides) and loss = the step's
+  training loss (`step_loss`, below); when the boundary says stop (final cut installed and
+  acknowledged, or a shutdown) training stops after this step;
 * `on_train_end`: if the run has not been finalized yet, idle boundaries (no training, tokens 0)
   go on until the final cut arrives or `YETO_FINAL_TIMEOUT` passes; then the final cut is written with
   ms-swift's own `save_mcore_checkpoint` as a Megatron (torch_dist) checkpoint in
   `YETO_FINAL_CUT_DIR` (default `<output_dir>/yeto-final-cut`; `none` skips it), loadable with
   `--mcore_model` (`--mcore_adapter` for LoRA), plus safetensors in HF layout through mcore-bridge when
   `--save_safetensors` is on and the model has a bridge.
+
+The step's loss. ms-swift 4.6 calls `on_step_end()` with no arguments and before it folds the step's
+metrics into its log (`run_train_step`: `metrics, ... = self.train_step(...)`, `on_step_end`, then
+`_aggregated_metrics(metrics, ...)`), and keeps them nowhere else: so the callback wraps the trainer's
+`train_step` (an instance attribute) to keep the list of per-microbatch metric dicts that megatron-core's
+forward_backward_func returned. That list is filled on the last pipeline stage only. `step_loss` turns
+it into the number ms-swift's log shows for a one-step logging window, by ms-swift's own rules:
+`loss_parts` accumulates the `loss` entries as `_aggregated_metrics` does ([sum, count] entries summed;
+scalar entries as [sum, n]); when ms-swift's `MegatronTrainer._log_callback` would (`megatron sft/pt`,
+task_type causal_lm) the last stage sums them over the data+context-parallel group — its `loss` is the
+token-weighted mean over the global batch; then the last stage broadcasts [sum, count] over the
+pipeline group, so every rank passes the same loss (the sync rank, rank 0, is on the first stage).
+None when the step had no loss (count 0, no `loss` metric). Cost per step: one 2-float all-reduce
+(DP × CP > 1) and one 2-float broadcast (PP > 1).
 """
 from __future__ import annotations
 
@@ -120,6 +135,16 @@ def make_callback_class():
             self.steps = 0
             self.stopped = False
             self.final_dir: str | None = None
+            self.last_loss: float | None = None  # what the last training boundary got (every rank)
+            self._metrics = None  # the current step's per-microbatch metrics (last pipeline stage)
+            inner = trainer.train_step
+
+            def train_step(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                self._metrics = out[0]
+                return out
+
+            trainer.train_step = train_step  # run_train_step calls self.train_step: the instance's
 
         # -- events ------------------------------------------------------------------------------
 
@@ -139,7 +164,9 @@ def make_callback_class():
             if self.island is None or self.stopped:
                 return
             self.steps += 1
-            if not self.island.boundary(tokens=_tokens_per_step(self.args)):
+            metrics, self._metrics = self._metrics, None
+            self.last_loss = step_loss(self.trainer, metrics)  # collective: every rank, before the boundary
+            if not self.island.boundary(tokens=_tokens_per_step(self.args), loss=self.last_loss):
                 self._stop()
 
         def on_train_end(self):
@@ -198,6 +225,70 @@ def _tokens_per_step(args) -> int:
     if text:
         return int(text)
     return int(getattr(args, "global_batch_size", 0) or 0) * int(getattr(args, "seq_length", 0) or 0)
+
+
+def loss_parts(metrics) -> "torch.Tensor | None":
+    """[sum, count] (float32) of one step's `loss` metric on this rank, from the per-microbatch dicts
+    megatron-core's forward_backward_func returns, accumulated as ms-swift 4.6's
+    `BaseMegatronTrainer._aggregated_metrics` does: [sum, count] entries are summed (a zero count is no
+    loss), scalar entries become [sum of them, how many]. None when there is no loss (pure)."""
+    import torch
+
+    vals = [m["loss"] for m in (metrics or ()) if isinstance(m, dict) and m.get("loss") is not None]
+    if not vals:
+        return None
+    val = torch.stack([v.detach() for v in vals], dim=0)
+    if val[0].numel() == 2:
+        val = val.sum(dim=0)
+        if val[1] == 0:
+            return None
+    elif val[0].numel() == 1:
+        val = val.new_tensor([val.sum(), val.shape[0]])
+    else:
+        raise ValueError(f"loss metric of shape {tuple(val[0].shape)}: expected a scalar or [sum, count]")
+    return val.float()
+
+
+def _reduces_loss_over_dp(trainer) -> bool:
+    """Whether ms-swift sums the logged `loss` over the data(+context)-parallel group: its
+    `MegatronTrainer._log_callback` does, for task_type causal_lm (the loss function keeps local
+    [sum, tokens]); other trainers reduce inside their loss functions."""
+    try:
+        from swift.megatron.trainers import MegatronTrainer
+    except ImportError:
+        return False
+    return isinstance(trainer, MegatronTrainer) and getattr(trainer.args, "task_type", None) == "causal_lm"
+
+
+def step_loss(trainer, metrics) -> float | None:
+    """The step's training loss, the same on every rank (collective: every rank of the island calls it):
+    the number ms-swift logs for this step with a one-step logging window. See the module doc."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    parts = loss_parts(metrics) if last else None
+    if not dist.is_initialized():
+        return _mean(parts)
+    from swift.utils import get_current_device
+
+    device = get_current_device()  # the device backend's (NCCL / HCCL) tensors must live there
+    v = torch.zeros(2, dtype=torch.float32, device=device) if parts is None else parts.to(device)
+    if last and _reduces_loss_over_dp(trainer):
+        # every last-stage rank joins, with zeros when it has no loss (as ms-swift does)
+        dist.all_reduce(v, op=dist.ReduceOp.SUM, group=ps.get_data_parallel_group(with_context_parallel=True))
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(v, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return _mean(v)
+
+
+def _mean(v) -> float | None:
+    # ms-swift's own arithmetic: v[0] / v[1] in float32, then .item(); no tokens: no loss
+    if v is None or not float(v[1]) > 0:
+        return None
+    return (v[0] / v[1]).item()
 
 
 def write_final_cut(trainer) -> str | None:
