@@ -8,6 +8,7 @@ island — the launcher and every gloo rank — at once, as a crashed node would
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +33,10 @@ ISLAND_TIMEOUTS = {
     "YETO_PUSH_TIMEOUT": "30",
     "YETO_PROGRESS": "0",
 }
+
+
+# The syncer's side of the same: a stuck round, a silent island or a missing final ack fails in a minute.
+SYNCER_TIMEOUTS = ("--quorum-timeout", "60", "--member-timeout", "20", "--final-timeout", "60")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -167,3 +172,27 @@ async def wait_until(pred, timeout: float, what: str, poll: float = 0.1):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(poll)
+
+
+@contextlib.contextmanager
+def rank_processes(fn, args: tuple, nprocs: int, start_method: str = "spawn"):
+    """`nprocs` gloo ranks running fn(rank, *args) (torch.multiprocessing); whatever is still alive
+    when the block ends (a failed assertion included) is killed."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method)
+    try:
+        yield ctx
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+async def join_ranks_and_syncer(ctx, syncer, timeout: float) -> None:
+    """Wait for every rank to exit 0 (ctx.join raises on a failed rank) and then the syncer; on a
+    timeout the syncer's output tail explains what the run was waiting for."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(ctx.join, 2):
+        assert time.monotonic() < deadline, "islands did not finish:\n" + syncer.output()[-3000:]
+    assert syncer.wait(30) == 0, syncer.output()[-3000:]

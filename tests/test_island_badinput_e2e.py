@@ -22,7 +22,7 @@ from schemas.chunks import digest
 from schemas.layout import chunk_plan
 from schemas.provision import remove_run
 from services.cmd_export import export
-from tests.e2e_procs import IslandProc, kv_json, merges, tails, wait_exit, wait_until
+from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc
 
 H, P, ROUNDS = 8, 2, 16  # 4 inner steps per round
@@ -79,7 +79,7 @@ async def test_garbage_on_island_subjects_is_rejected_and_training_goes_on(nc, n
     syncer = SyncerProc(
         nats_url, run_id, ckpt,
         "--islands", "2", "--fragments", str(P), "--sync-every", str(H), "--total-steps", str(ROUNDS),
-        "--init-island", "a", "--quorum-timeout", "60", "--member-timeout", "20", "--final-timeout", "60",
+        "--init-island", "a", *SYNCER_TIMEOUTS,
         "--chunk-bytes", str(CHUNK_BYTES), log=tmp_path / "syncer.log").start()
     args = ("--step-delay", "0.05")
     islands = {name: IslandProc(nats_url, run_id, name, tmp_path, args=args).start() for name in ("a", "b")}

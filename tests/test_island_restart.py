@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from schemas.provision import remove_run
 from services.cmd_export import export
-from tests.e2e_procs import IslandProc, kv_json, merges, tails, wait_exit, wait_until
+from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc, tape
 
 H, P, ROUNDS = 8, 2, 16        # 4 inner steps per round
@@ -27,7 +27,7 @@ async def test_killed_island_restarts_with_the_current_cut_and_the_run_completes
     syncer = SyncerProc(
         nats_url, run_id, ckpt,
         "--islands", "2", "--fragments", str(P), "--sync-every", str(H), "--total-steps", str(ROUNDS),
-        "--init-island", "a", "--quorum-timeout", "60", "--member-timeout", "20", "--final-timeout", "60",
+        "--init-island", "a", *SYNCER_TIMEOUTS,
         log=tmp_path / "syncer.log").start()
     args = ("--step-delay", STEP_DELAY)
     a = IslandProc(nats_url, run_id, "a", tmp_path, args=args).start()

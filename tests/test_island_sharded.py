@@ -13,10 +13,8 @@ per-rank traffic: rank 1's own slices, not whole fragments.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import time
 import warnings
 import zlib
 
@@ -24,11 +22,11 @@ import nats
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from learner.adapters.sliced_torch import SlicedTorchAdapter
 from learner.fragments import blend
 from schemas.layout import build_fragments
+from tests.e2e_procs import join_ranks_and_syncer, rank_processes
 from tests.scripted import LR, MU, Reference, ScriptedIsland, SyncerProc, wait_provisioned
 
 SHAPES = {"embed.weight": (40, 16), "layers.0.w": (36, 16), "layers.0.b": (36,), "layers.1.w": (16, 36),
@@ -121,16 +119,11 @@ async def test_a_tp1_and_a_tp2_island_share_one_session_and_end_with_identical_g
                         "--sync-every", str(H), "--total-steps", str(ROUNDS), "--strict", "--init-island", "b",
                         "--outer-lr", str(LR), "--outer-momentum", str(MU), "--chunk-bytes", "1024",
                         "--status-every", "0.5").start()
-    ctx = None
     nc = await nats.connect(nats_url)
     try:
         await wait_provisioned(nc.jetstream(), run_id)
-        ctx = mp.start_processes(_island, args=(nats_url, run_id, str(tmp_path)), nprocs=3, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + 150
-        while not await asyncio.to_thread(ctx.join, 2):
-            assert time.monotonic() < deadline, "islands did not finish:\n" + syncer.output()[-3000:]
-        assert syncer.wait(30) == 0, syncer.output()[-3000:]
+        with rank_processes(_island, (nats_url, run_id, str(tmp_path)), 3) as ctx:
+            await join_ranks_and_syncer(ctx, syncer, 150)
 
         watcher = ScriptedIsland(nc, run_id, "watcher")
         session = await watcher.wait_session()
@@ -141,10 +134,6 @@ async def test_a_tp1_and_a_tp2_island_share_one_session_and_end_with_identical_g
                 [{"name": n, "shape": list(s), "dtype": "float32"} for n, s in SHAPES.items()], P)]
         cut = {f["id"]: (await watcher.read_cut(f["id"], final=True))[1] for f in frags}
     finally:
-        if ctx is not None:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
         syncer.stop()
         await nc.close()
 

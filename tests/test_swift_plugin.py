@@ -15,11 +15,9 @@ warm-up of CUDA kernel fusions (`warmup_jit_function`, skipped).
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import nats
@@ -32,6 +30,7 @@ from tests.extras import require  # noqa: E402
 require("swift", "swift", "megatron.core")
 
 import megatron_tiny as T  # noqa: E402
+from tests.e2e_procs import join_ranks_and_syncer, rank_processes  # noqa: E402
 from tests.scripted import ScriptedIsland, SyncerProc, wait_provisioned  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,32 +230,21 @@ def _island(proc: int, url: str, run: str, out: str) -> None:
 async def test_syncer_and_two_swift_megatron_islands_complete_rounds_and_finalization(nats_url, run_id, tmp_path):
     import multiprocessing
 
-    import torch.multiprocessing as mp
-
     syncer = SyncerProc(nats_url, run_id, tmp_path / "ckpt", "--islands", "2", "--fragments", str(P),
                         "--sync-every", str(H), "--total-steps", str(ROUNDS), "--strict", "--init-island", "b",
                         "--chunk-bytes", "16384", "--status-every", "0.5").start()
-    ctx = None
     nc = await nats.connect(nats_url)
     try:
         await wait_provisioned(nc.jetstream(), run_id)
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt",
                                                 "megatron.core.optimizer", "megatron.core.distributed"])
-        ctx = mp.start_processes(_island, args=(nats_url, run_id, str(tmp_path)), nprocs=4, join=False,
-                                 start_method="forkserver")
-        deadline = time.monotonic() + 200
-        while not await asyncio.to_thread(ctx.join, 2):
-            assert time.monotonic() < deadline, "islands did not finish:\n" + syncer.output()[-3000:]
-        assert syncer.wait(30) == 0, syncer.output()[-3000:]
+        with rank_processes(_island, (nats_url, run_id, str(tmp_path)), 4, start_method="forkserver") as ctx:
+            await join_ranks_and_syncer(ctx, syncer, 200)
         watcher = ScriptedIsland(nc, run_id, "watcher")
         session = await watcher.wait_session()
         frags = session["fragments"]
         cut = {f["id"]: (await watcher.read_cut(f["id"], final=True))[1] for f in frags}
     finally:
-        if ctx is not None:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
         syncer.stop()
         await nc.close()
 

@@ -7,18 +7,9 @@ so megatron-core keeps seeing Transformer Engine as absent (HAVE_TE = False) and
 (non-TE) modules. Only tests put tests/stubs on sys.path
 (tests/megatron_cpu_shim.transformer_engine_stub(), which imports megatron-core's modules first).
 """
-import sys
+from _stub_guard import refuse_for_megatron_and_torch
 
-
-def _importer() -> str:
-    f = sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
-        f = f.f_back
-    return "" if f is None else str(f.f_globals.get("__name__", ""))
-
-
-if _importer().startswith(("megatron.", "torch.")):
-    raise ModuleNotFoundError("transformer_engine is a test-only stub: megatron-core and torch must see it as absent")
+refuse_for_megatron_and_torch("transformer_engine")
 
 __version__ = "0.0.0+yeto.test.stub"
 STUB = True

@@ -7,18 +7,9 @@ torch and megatron-core, e.g. torch._dynamo, `import triton` keeps failing: Modu
 kernel fails. Only tests put tests/stubs on sys.path. Where a real triton is installed (the CUDA torch
 wheel depends on it) megatron-core has imported it before mcore-bridge does, and this stub is unused.
 """
-import sys
+from _stub_guard import refuse_for_megatron_and_torch
 
-
-def _importer() -> str:
-    f = sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
-        f = f.f_back
-    return "" if f is None else str(f.f_globals.get("__name__", ""))
-
-
-if _importer().startswith(("megatron.", "torch.")):
-    raise ModuleNotFoundError("triton is a test-only stub: megatron-core and torch must see it as absent")
+refuse_for_megatron_and_torch("triton")
 __version__ = "0.0.0+yeto.test.stub"
 STUB = True
 
