@@ -144,12 +144,29 @@ def browser():
     if binary is None:
         pytest.skip("no Chromium binary found (Debian: apt-get install -y chromium; or set YETO_CHROMIUM): "
                     "the dashboard's page cannot be rendered here")
-    cdp = CDP(binary)
+    cdp = start_browser(binary)
     try:
-        cdp.call("Browser.getVersion", session=False)
         yield cdp
     finally:
         cdp.close()
+
+
+def start_browser(binary: str, attempts: int = 2, timeout: float = 60.0) -> CDP:
+    """A Chromium answering on its DevTools pipe. A cold first start on a fresh machine (font and
+    profile caches) has taken over 20 s, and once a start never answered at all: the second attempt
+    gets a fresh process; the error carries Chromium's own log."""
+    errors = []
+    for _ in range(attempts):
+        cdp = CDP(binary)
+        try:
+            cdp.call("Browser.getVersion", session=False, timeout=timeout)
+            return cdp
+        except (TimeoutError, RuntimeError) as exc:
+            cdp.log.flush()
+            log = Path(cdp.log.name).read_text(errors="replace")[-2000:]
+            errors.append(f"{exc}; chromium log:\n{log}")
+            cdp.close()
+    raise AssertionError(f"Chromium did not start in {attempts} attempts:\n" + "\n---\n".join(errors))
 
 
 @pytest.fixture
