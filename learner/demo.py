@@ -148,8 +148,8 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         sys.stdout.flush()
     if world > 1:
         # Leave together. Without this barrier rank 1 tore its gloo group down while rank 0 still
-        # waited for the syncer's shutdown, and twice in about 60 loaded runs (once in CI) it died
-        # in teardown with SIGABRT ("terminate called without an active exception"); the cause
+        # waited for the syncer's shutdown, and it died in teardown with SIGABRT once in CI and once
+        # in about 120 runs here under load ("terminate called without an active exception"); the cause
         # inside gloo was not pinned down. torch documents destroy_process_group as called by all
         # ranks together, which the barrier makes true.
         dist.barrier(group=group)
