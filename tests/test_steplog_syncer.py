@@ -11,6 +11,7 @@ import torch
 from schemas import codec, subjects as S
 from services.steplog.consume import SourceOptions
 from services.steplog.exporter import Exporter, serve_exporter
+from tests.e2e_procs import wait_until
 from tests.scripted import close_run, start_run, tape
 from tests.test_steplog_exporter import scrape
 
@@ -63,16 +64,12 @@ async def test_real_syncer_tape_with_a_quorum_timeout(nats_url, run_id, tmp_path
         await _until(lambda: agg.merges == 2 and agg.kinds["steplog"] == 2, what="both merges seen")
         # The syncer keeps writing (the final manifest's events) while we read: take the tape and the
         # aggregator's counts at a moment when both hold the same number of records.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while True:
+        async def settled():
             records = await tape(a.js, run_id)
             seen = {k: v for k, v in agg.kinds.items() if k != "steplog"}
-            seen_disp = dict(agg.dispositions)
-            if sum(seen.values()) == len(records):
-                break
-            assert loop.time() < deadline, f"aggregator {seen} never matched a tape of {len(records)} records"
-            await asyncio.sleep(0.1)
+            return (records, seen, dict(agg.dispositions)) if sum(seen.values()) == len(records) else None
+
+        records, seen, seen_disp = await wait_until(settled, 30, "the aggregator to match the whole tape")
         m = await scrape(port)
     finally:
         stop.set()
