@@ -40,6 +40,8 @@ ISLAND_KINDS: tuple[str, ...] = ("hello", "heartbeat", "init_chunk", "push_chunk
 
 # JSON numbers past 2^53 lose bits in most JSON readers (the reason `gen` is hex): refuse them at the source.
 MAX_SAFE_INT = 2**53 - 1
+# No message nests deeper than a handful of levels (a session's fragments.N.tensors.M.shape.K is 5).
+MAX_DEPTH = 32
 _EXCERPT = 80
 
 
@@ -145,37 +147,105 @@ def _excerpt(data: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------------- plain JSON
 
-def _check_plain(kind: str, obj: Any, path: tuple = ()) -> None:
+def _check_plain(kind: str, obj: Any) -> None:
     """Refuse what JSON cannot carry faithfully before the schema sees it.
 
     orjson would write NaN/inf as null and numpy scalars only with an option; int keys would break the schema's
-    pattern checks. Each refusal names the field.
+    pattern checks; a lone surrogate makes orjson raise its own TypeError. Each refusal names the field.
+    Iterative with a depth cap: orjson parses up to 1024 levels, which a recursive walk (and repr() of the
+    value in the error) would meet as RecursionError, an exception no caller expects from bad input.
     """
-    if obj is None or isinstance(obj, (str, bool)):
-        return
-    if isinstance(obj, int):
-        if abs(obj) > MAX_SAFE_INT:
-            raise _fail(kind, _dotted(path) or "<message>", obj, "is an integer beyond 2^53-1, which loses bits in JSON", "int_range")
-        return
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise _fail(kind, _dotted(path) or "<message>", obj,
-                        "is not a finite number (JSON has no NaN/Infinity; orjson would write null)", "finite")
-        return
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise _fail(kind, _dotted(path + (key,)) or "<message>", key,
-                            f"object key must be a string, got {type(key).__name__}", "key_type")
-            _check_plain(kind, value, path + (key,))
-        return
-    if isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _check_plain(kind, value, path + (i,))
-        return
-    raise _fail(kind, _dotted(path) or "<message>", obj,
-                f"is a {type(obj).__module__}.{type(obj).__qualname__}, not a JSON value (convert it to int/float/str/list/dict)",
-                "json_type")
+    stack: list[tuple[Any, tuple]] = [(obj, ())]
+    while stack:
+        obj, path = stack.pop()
+        if obj is None or isinstance(obj, bool):
+            continue
+        if isinstance(obj, str):
+            if not obj.isascii():
+                try:
+                    obj.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise _fail(kind, _dotted(path) or "<message>", obj[max(0, exc.start - 8): exc.end + 8],
+                                "holds a lone surrogate, not valid UTF-8 text", "utf8") from None
+            continue
+        if isinstance(obj, int):
+            if abs(obj) > MAX_SAFE_INT:
+                raise _fail(kind, _dotted(path) or "<message>", obj, "is an integer beyond 2^53-1, which loses bits in JSON", "int_range")
+            continue
+        if isinstance(obj, float):
+            if not math.isfinite(obj):
+                raise _fail(kind, _dotted(path) or "<message>", obj,
+                            "is not a finite number (JSON has no NaN/Infinity; orjson would write null)", "finite")
+            continue
+        if isinstance(obj, (dict, list, tuple)):
+            if len(path) >= MAX_DEPTH:
+                raise _fail(kind, _dotted(path) or "<message>", f"<{type(obj).__name__} of {len(obj)}>",
+                            f"nests deeper than {MAX_DEPTH} levels", "depth")
+            if isinstance(obj, dict):
+                for key in obj:
+                    if not isinstance(key, str):
+                        raise _fail(kind, _dotted(path + (key,)) or "<message>", key,
+                                    f"object key must be a string, got {type(key).__name__}", "key_type")
+                # reversed: the first field's problem is the one reported, as in document order
+                for key, value in reversed(obj.items()):
+                    stack.append((value, path + (key,)))
+                    stack.append((key, path + (key,)))
+            else:
+                stack.extend((value, path + (i,)) for i, value in reversed(list(enumerate(obj))))
+            continue
+        raise _fail(kind, _dotted(path) or "<message>", obj,
+                    f"is a {type(obj).__module__}.{type(obj).__qualname__}, not a JSON value (convert it to int/float/str/list/dict)",
+                    "json_type")
+
+
+def _resolve(kind: str, node: Any) -> dict:
+    while isinstance(node, dict) and "$ref" in node:
+        # fastjsonschema rewrites the cached schema's refs in place to absolute ones (<$id>#/$defs/x)
+        base, _, pointer = node["$ref"].partition("#")
+        if base not in ("", _schema(kind).get("$id")) or not pointer.startswith("/"):
+            return {}
+        target: Any = _schema(kind)
+        for part in pointer[1:].split("/"):
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        node = target
+    return node if isinstance(node, dict) else {}
+
+
+def _check_integers(kind: str, msg: Any) -> None:
+    """Refuse a float where the schema says integer.
+
+    JSON Schema counts 3.0 as an integer and orjson parses it as a float; a float chunk index or step then
+    reaches list indexing, subject tokens and `==` with ints on the consumer side, far from the codec.
+    Runs after the schema, so the message's shape already matches it.
+    """
+    stack: list[tuple[dict, Any, tuple]] = [(_schema(kind), msg, ())]
+    while stack:
+        node, value, path = stack.pop()
+        node = _resolve(kind, node)
+        if not node:
+            continue
+        if isinstance(value, float):
+            if node.get("type") == "integer" or (isinstance(node.get("type"), list) and "integer" in node["type"]
+                                                  and "number" not in node["type"]):
+                raise _fail(kind, _dotted(path) or "<message>", value, "must be an integer, not a float", "integer")
+            continue
+        if isinstance(value, dict):
+            props = node.get("properties", {})
+            pats = node.get("patternProperties", {})
+            extra = node.get("additionalProperties")
+            for key, sub in value.items():
+                if key in props:
+                    stack.append((props[key], sub, path + (key,)))
+                    continue
+                matched = False
+                for pat, psch in pats.items():
+                    if re.search(pat, key):
+                        stack.append((psch, sub, path + (key,)))
+                        matched = True
+                if not matched and isinstance(extra, dict):
+                    stack.append((extra, sub, path + (key,)))
+        elif isinstance(value, list) and isinstance(node.get("items"), dict):
+            stack.extend((node["items"], sub, path + (i,)) for i, sub in enumerate(value))
 
 
 # ---------------------------------------------------------------------------------------------------- cross-field checks
@@ -280,6 +350,7 @@ def validate(kind: str, msg: Any) -> dict:
         _validator(kind)(msg)
     except fastjsonschema.JsonSchemaValueException as exc:
         raise _schema_error(kind, exc) from None
+    _check_integers(kind, msg)
     check = _CHECKS.get(kind)
     if check is not None:
         check(kind, msg)
