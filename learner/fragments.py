@@ -11,17 +11,23 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
 
 * a version completes only when every chunk of that one version passed, in order, and their bytes
   hash to the `version_digest` they carry; then it is `held`;
-* versions are monotonic: chunks of the held version or older are not read again (the held version
-  with another digest raises ProtocolError: one version, two contents);
+* versions are monotonic: chunks of the held version or older are not read again;
 * BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
   already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
   if chunk k still holds an older version than the one wanted, the newer one has not reached it yet
   ("wait": read on at a later boundary);
-* a bad chunk (framing that does not fit the session's chunk plan, a chunk digest mismatch) or a
-  version digest mismatch drops the reading and marks the version it claims failed: it is not read
-  again (the syncer never re-publishes one version with other bytes); a later version is read as
-  usual — the version read is the one found at chunk 0, never one a notice merely claims, so a
-  forged chunk "from the future" cannot hold the real versions back.
+* anyone who can publish on the stream can put garbage there (until #17 closes that), so nothing a
+  chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
+  chunk plan, a chunk digest mismatch, a version number that another chunk — or the version held —
+  carries with another `version_digest`) or a version digest mismatch is refused (WireError, the
+  shell counts it) and drops the reading; the island trains on. What is refused is that *message*
+  (its stream sequence), never a version number: the syncer's real chunks of the same version (a
+  re-broadcast, or a chunk that overwrote the garbage) are new messages and are read as usual, so a
+  forged chunk "from the future" or with a predicted version number cannot hold the real versions
+  back. The version read is the one found at chunk 0, never one a notice merely claims.
+
+Nothing is installed unless every chunk of that one version passed in order and the bytes hash to the
+version digest, and a version is installed at most once: a version can never be partial or mixed.
 """
 from __future__ import annotations
 
@@ -40,10 +46,17 @@ BULK_DTYPES = ("f32", "bf16")
 
 
 class ProtocolError(WireError):
-    """The syncer broke an invariant the island relies on (e.g. one version number with two different
-    contents). Fatal: the island stops rather than train on weights it cannot trust."""
+    """The island's own bookkeeping broke an invariant (never raised for anything read off the wire:
+    that is refused and counted as a WireError, see VersionConflict)."""
 
     code = "protocol"
+
+
+class VersionConflict(WireError):
+    """One version number seen with two version digests (the version held, being read, or the
+    manifest's). One of the two is garbage someone published; the chunk is refused, not fatal."""
+
+    code = "version_conflict"
 
 
 def _check_count(value: Any, field: str) -> int:
@@ -110,7 +123,8 @@ class SyncState:
     def accept_version(self, fid: int, version: int, digest: str) -> str:
         """Classify a broadcast version without changing state: "new" (newer than the one held, or
         the first), "same" (the version held, same digest), "old" (older: ignored).
-        Raises ProtocolError for the version held with another digest."""
+        Raises ProtocolError for the version held with another digest (the reader refuses such
+        chunks before they get here)."""
         st = self._state(fid)
         _check_count(version, "version")
         if st.version is None or version > st.version:
@@ -175,8 +189,10 @@ class CutReader:
     in bounded batches), hand each message to `take`, and act on the verdict: "accept" (stage the
     chunk on the ranks; a chunk with index 0 starts a new staging), "complete" (the last chunk passed
     and the version digest matched: commit on the ranks), "wait" (stop this fragment for now),
-    "restart" (fetch again from chunk 0). A WireError from `take` means the chunk is bad: the reading
-    was dropped and the version the chunk claims failed.
+    "restart" (fetch again from chunk 0). A WireError from `take` means the chunk (or the version it
+    completed) is refused: the reading was dropped (abort the ranks' staging); read the fragment
+    again once a new message lands on one of its subjects (a new notice). Pass each message's
+    stream sequence as `seq` so that a refused message is not refused (and counted) twice.
 
     What is read is decided by the stream, not by notices: the version found at chunk 0 (when newer
     than the one held) is the one read, so a forged notice or chunk claiming a version far ahead
@@ -198,7 +214,9 @@ class CutReader:
         self.held: dict[int, tuple[int, str]] = {}
         self.wanted: dict[int, tuple[int, str]] = {}  # fixed mode: the versions to read
         self.announced: dict[int, int] = {}  # newest version a notice claimed (only says: look)
-        self.failed: set[tuple[int, int]] = set()
+        # (fragment, chunk) -> stream sequence of the message refused there: that message is not read
+        # (nor counted) again; any new message on the subject is.
+        self.refused: dict[tuple[int, int], int] = {}
         self._reading: dict[int, _Reading] = {}
         self.counts: Counter[str] = Counter()
 
@@ -236,20 +254,14 @@ class CutReader:
         h = self.held.get(fid)
         if h is not None and version <= h[0]:
             if version == h[0] and vdigest != h[1]:
-                raise ProtocolError(f"fragment {fid} version {version} was installed with digest {h[1]}",
-                                    field="version_digest", value=vdigest)
-            return False
-        rd = self._reading.get(fid)
-        if rd is not None and version == rd.version and vdigest != rd.digest:
-            raise ProtocolError(f"fragment {fid} version {version} is being read with digest {rd.digest}",
-                                field="version_digest", value=vdigest)
-        if (fid, version) in self.failed:
+                raise VersionConflict(f"fragment {fid} version {version} was installed with digest {h[1]}",
+                                      field="version_digest", value=vdigest)
             return False
         if self.fixed:
             w = self.wanted.get(fid)
             if w is not None and version == w[0] and vdigest != w[1]:
-                raise ProtocolError(f"fragment {fid} version {version}: notices carry digest {vdigest}, not the "
-                                    f"{w[1]} wanted", field="version_digest", value=vdigest)
+                raise VersionConflict(f"fragment {fid} version {version}: notices carry digest {vdigest}, not the "
+                                      f"{w[1]} wanted", field="version_digest", value=vdigest)
             return w is not None and version == w[0]
         self.announced[fid] = max(version, self.announced.get(fid, -1))
         return True
@@ -261,7 +273,7 @@ class CutReader:
         for fid in sorted(self.spans):
             v = self.wanted[fid][0] if self.fixed and fid in self.wanted else \
                 (None if self.fixed else self.announced.get(fid))
-            if v is not None and v > self.held_version(fid) and (fid, v) not in self.failed:
+            if v is not None and v > self.held_version(fid):
                 out.append(fid)
         return out
 
@@ -292,12 +304,27 @@ class CutReader:
             raise WireError("version_digest must be a string", field="version_digest", value=vd)
         return v, vd
 
-    def check(self, fid: int, index: int, meta: Mapping, payload: Any) -> None:
+    def known_bad(self, fid: int, index: int, seq: int | None) -> bool:
+        """The message at stream sequence `seq` on that chunk subject was refused before."""
+        return seq is not None and self.refused.get((fid, index)) == seq
+
+    def refuse(self, fid: int, index: int, seq: int | None) -> None:
+        """That message on that chunk subject is garbage: drop the reading, remember the message."""
+        self._reading.pop(fid, None)
+        self.counts["refused"] += 1
+        if seq is not None:
+            self.refused[(fid, index)] = seq
+
+    def check(self, fid: int, index: int, meta: Mapping, payload: Any, seq: int | None = None) -> None:
         """Validate one chunk on its own: framing against the session's chunk plan and its digest.
-        A bad chunk fails the version it claims and drops the fragment's reading (that subject now
-        holds garbage: the reading cannot complete until a newer version overwrites it)."""
+        A bad chunk drops the fragment's reading (that subject holds garbage now: the reading can
+        complete only once a new message lands there) and that message is remembered as refused."""
         fid = self._fid(fid)
-        v, _ = self._head(fid, index, meta)
+        try:
+            v, _ = self._head(fid, index, meta)
+        except WireError:
+            self.refuse(fid, index, seq)
+            raise
         spans = self.spans[fid]
         try:
             if meta.get("dtype") != self.dtype:
@@ -316,27 +343,29 @@ class CutReader:
                                 value=None if payload is None else len(payload))
             check_digest(meta.get("digest"), digest(payload), field="digest")
         except WireError:
-            self.failed.add((fid, v))
-            self._reading.pop(fid, None)
+            self.refuse(fid, index, seq)
             raise
 
-    def take(self, fid: int, index: int, meta: Mapping | None, payload: Any) -> str:
-        """One fetched chunk message (its decoded header and payload bytes; meta None: no message on
-        that subject). Returns "accept", "complete", "wait" or "restart" (see the class doc)."""
+    def take(self, fid: int, index: int, meta: Mapping | None, payload: Any, seq: int | None = None) -> str:
+        """One fetched chunk message (its decoded header, payload bytes and stream sequence; meta None:
+        no message on that subject). Returns "accept", "complete", "wait" or "restart" (see the class
+        doc). Raises WireError for a chunk refused (counted under `refused`; not again for the same
+        `seq`: that message then means "wait")."""
         fid = self._fid(fid)
         if meta is None:
             self.counts["missing"] += 1
             return "wait"
-        v, vd = self._head(fid, index, meta)
-        if (fid, v) in self.failed:
-            self.counts["failed_version"] += 1
+        if self.known_bad(fid, index, seq):
+            self.counts["refused_again"] += 1
             return "wait"
-        self.check(fid, index, meta, payload)
+        self.check(fid, index, meta, payload, seq)
+        v, vd = self._head(fid, index, meta)
         h = self.held.get(fid)
         if h is not None and v <= h[0]:
             if v == h[0] and vd != h[1]:
-                raise ProtocolError(f"fragment {fid} version {v} was installed with digest {h[1]}",
-                                    field="version_digest", value=vd)
+                self.refuse(fid, index, seq)
+                raise VersionConflict(f"fragment {fid} version {v} was installed with digest {h[1]}",
+                                      field="version_digest", value=vd)
             self.counts["old"] += 1
             return "wait"
         if self.fixed:
@@ -345,16 +374,20 @@ class CutReader:
                 self.counts["ignored"] += 1
                 return "wait"
             if vd != w[1]:
-                raise ProtocolError(f"fragment {fid} version {v}: chunks carry digest {vd}, not the {w[1]} wanted",
-                                    field="version_digest", value=vd)
+                self.refuse(fid, index, seq)
+                raise VersionConflict(f"fragment {fid} version {v}: chunks carry digest {vd}, not the {w[1]} wanted",
+                                      field="version_digest", value=vd)
         rd = self._reading.get(fid)
         if rd is not None:
             if v < rd.version:  # the version being read has not reached this chunk yet
                 self.counts["not_yet"] += 1
                 return "wait"
             if v == rd.version and vd != rd.digest:
-                raise ProtocolError(f"fragment {fid} version {v} chunks carry two version digests ({rd.digest} "
-                                    f"first)", field="version_digest", value=vd)
+                # Which of the two is garbage is unknown: drop both readings; the next one starts
+                # again at chunk 0 once a new message lands.
+                self.refuse(fid, index, seq)
+                raise VersionConflict(f"fragment {fid} version {v} chunks carry two version digests ({rd.digest} "
+                                      f"first)", field="version_digest", value=vd)
             if v > rd.version or index != rd.next:  # overwritten by a newer version mid-read
                 del self._reading[fid]
                 self.counts["dropped_partial"] += 1
@@ -371,11 +404,14 @@ class CutReader:
         try:
             check_digest(vd, rd.hasher.hexdigest(), field="version_digest")
         except DigestMismatch:
-            self.failed.add((fid, v))
+            # Some chunk's bytes are not the version's (a forged chunk with a valid chunk digest). Not
+            # knowing which, none is remembered: the fragment is read again only when a new message
+            # lands on one of its subjects, which is what can make it whole.
+            self.counts["refused"] += 1
             raise
         self.held[fid] = (v, vd)
         self.counts["completed"] += 1
         return "complete"
 
 
-__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "blend", "session_numels"]
+__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "VersionConflict", "blend", "session_numels"]

@@ -33,7 +33,9 @@ due round) → answer ready pulls (the owners' d = local − anchor gathered to 
 packed in the session push dtype and streamed while produced; `sent` once every chunk is acked,
 `failed` otherwise: the next boundary retries with try + 1) → step-log event (with the bytes rank 0
 moved to and from the other ranks: scatter_bytes, gather_bytes). Bad input is counted (`rejected`)
-and training goes on; a broken protocol invariant (one version, two digests) raises ProtocolError.
+and training goes on: that includes chunks that claim a version held or being read with another
+version digest (until #17 anyone on the bus may publish them); the cut is read again when new
+messages land.
 
 Decisions beyond DESIGN:
 * The island's CTL consumer delivers from its hello's stream timestamp (see IslandClient.provision).

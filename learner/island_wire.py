@@ -147,9 +147,7 @@ class IslandWire:
                 if self.reader.announce(n.fragment, n.version, n.meta["version_digest"]):
                     self._dirty.add(n.fragment)
                     self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
-            except ProtocolError:
-                raise
-            except WireError as exc:
+            except WireError as exc:  # garbage someone published on BCAST: counted, training goes on
                 self._reject(stats, f"bcast notice {n.subject}", exc)
         applied: list[int] = []
         if not self.client.connected:
@@ -178,8 +176,7 @@ class IslandWire:
         now rather than whenever a reading reaches it. Real chunks of a version being published out
         of order pass and are read in order later. False when the fetch failed (later)."""
         held = self.reader.held_version(fid)
-        cand = sorted(k for k, v in self._noticed.get(fid, {}).items()
-                      if k > 0 and v > held and (fid, v) not in self.reader.failed)
+        cand = sorted(k for k, v in self._noticed.get(fid, {}).items() if k > 0 and v > held)
         if not cand:
             return True
         try:
@@ -191,10 +188,12 @@ class IslandWire:
             if m is None:
                 continue
             stats.bytes_in += len(m.data or b"")
+            if self.reader.known_bad(fid, k, m.seq):
+                continue
             try:
-                meta = self._chunk_meta("bcast_chunk", m)
-                if meta["version"] > held and (fid, meta["version"]) not in self.reader.failed:
-                    self.reader.check(fid, k, meta, m.data or b"")
+                meta = self._chunk_meta("bcast_chunk", m, self.reader, fid, k)
+                if meta["version"] > held:
+                    self.reader.check(fid, k, meta, m.data or b"", m.seq)
             except WireError as exc:
                 self._reject(stats, f"bcast_chunk {fid}/{k}", exc)
                 self._abort_staging(fid, self.reader)
@@ -229,10 +228,8 @@ class IslandWire:
                 data = None if m is None else (m.data or b"")
                 stats.bytes_in += 0 if data is None else len(data)
                 try:
-                    meta = None if m is None else self._chunk_meta(header, m)
-                    verdict = reader.take(fid, s.index, meta, data)
-                except ProtocolError:
-                    raise
+                    meta = None if m is None else self._chunk_meta(header, m, reader, fid, s.index)
+                    verdict = reader.take(fid, s.index, meta, data, None if m is None else m.seq)
                 except WireError as exc:
                     self._reject(stats, f"{header} {fid}/{s.index}", exc)
                     self._abort_staging(fid, reader)
@@ -255,13 +252,21 @@ class IslandWire:
             else:
                 self._stage(fid, version, reader.dtype, staged)
 
-    def _chunk_meta(self, kind: str, m) -> dict:
-        hdr = (m.headers or {}).get(codec.CHUNK_HEADER)
-        if hdr is None:
-            raise WireError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
-        meta = codec.decode_header(kind, hdr)
-        if meta["run"] != self.config.run:
-            raise WireError("chunk names another run", field="run", value=meta["run"])
+    def _chunk_meta(self, kind: str, m, reader: CutReader, fid: int, index: int) -> dict:
+        """The chunk header of a fetched message; a message already refused yields {} (the reader
+        answers "wait" for it); a header that does not decode refuses the message."""
+        if reader.known_bad(fid, index, m.seq):
+            return {}
+        try:
+            hdr = (m.headers or {}).get(codec.CHUNK_HEADER)
+            if hdr is None:
+                raise WireError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
+            meta = codec.decode_header(kind, hdr)
+            if meta["run"] != self.config.run:
+                raise WireError("chunk names another run", field="run", value=meta["run"])
+        except WireError:
+            reader.refuse(fid, index, m.seq)
+            raise
         return meta
 
     def _stage(self, fid: int, version: int | None, dtype: str, staged: dict[int, bytes]) -> None:

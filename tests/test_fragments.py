@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from learner.anchors import AnchorStore
-from learner.fragments import CutReader, ProtocolError, SyncState, blend
+from learner.fragments import CutReader, ProtocolError, SyncState, VersionConflict, blend
 from schemas.chunks import DigestMismatch
 from schemas.errors import WireError
 from schemas.layout import build_session
@@ -280,38 +280,65 @@ def test_fragments_read_independently_and_consecutive_versions_each_complete():
     assert read(r, 0, bcast_chunks(0, 2, vec(N0, 2)))[-1] == "complete" and r.held[0][0] == 2
 
 
-def test_one_version_with_two_digests_is_fatal():
+def test_one_version_with_two_digests_is_refused_not_fatal_and_the_real_one_still_completes():
+    # Issue 16: a chunk claiming the version held (or being read) with another version_digest used
+    # to raise ProtocolError and kill the island. It is garbage someone published: refused, counted.
     r = CutReader(S)
-    read(r, 0, bcast_chunks(0, 3, vec(N0, 1)))
-    with pytest.raises(ProtocolError):
+    real3 = vec(N0, 1)
+    read(r, 0, bcast_chunks(0, 3, real3))
+    with pytest.raises(VersionConflict) as e:
         r.announce(0, 3, digest_of(vec(N0, 2)))
-    with pytest.raises(ProtocolError):
-        r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0])
-    # ... and while the version is still being read
-    read(r, 0, bcast_chunks(0, 4, vec(N0, 3))[:1])
-    with pytest.raises(ProtocolError):
-        r.take(0, 1, *bcast_chunks(0, 4, vec(N0, 4))[1])
+    assert e.value.field == "version_digest" and not isinstance(e.value, ProtocolError)
+    with pytest.raises(VersionConflict):
+        r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0], seq=10)
+    assert r.held[0] == (3, digest_of(real3)) and r.counts["refused"] == 1
+    assert r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0], seq=10) == "wait"  # that message: not again
+    assert r.counts["refused"] == 1 and r.counts["refused_again"] == 1
+    # ... and while the version is still being read: the reading is dropped, nothing is held
+    real4 = vec(N0, 3)
+    c4 = bcast_chunks(0, 4, real4)
+    assert r.take(0, 0, *c4[0], seq=20) == "accept"
+    with pytest.raises(VersionConflict):
+        r.take(0, 1, *bcast_chunks(0, 4, vec(N0, 4))[1], seq=21)
+    assert r.reading(0) is None and r.held[0][0] == 3
+    # the real chunk 1 overwrites the forged one (a new message): v4 is read again, whole
+    assert [r.take(0, m["chunk"], m, p, seq=30 + i) for i, (m, p) in enumerate(c4)][-1] == "complete"
+    assert r.held[0] == (4, digest_of(real4))
 
 
-def test_version_digest_mismatch_fails_that_version_only():
+def test_version_digest_mismatch_refuses_that_reading_only_and_the_version_is_read_again():
     r = CutReader(S)
-    bad = bcast_chunks(0, 1, vec(N0, 1), vdigest="0" * 64)
+    real = vec(N0, 1)
+    bad = bcast_chunks(0, 1, real, vdigest="0" * 64)
     with pytest.raises(DigestMismatch) as e:
         read(r, 0, bad)
     assert e.value.field == "version_digest"
-    assert r.reading(0) is None and 0 not in r.held and r.pending() == []
-    assert not r.announce(0, 1, "0" * 64)  # not read again
-    assert read(r, 0, bcast_chunks(0, 2, vec(N0, 2)))[-1] == "complete"
+    assert r.reading(0) is None and 0 not in r.held
+    # a new notice of version 1 (the syncer's re-broadcast) is read, and completes
+    assert r.announce(0, 1, digest_of(real)) and r.pending() == [0]
+    assert read(r, 0, bcast_chunks(0, 1, real))[-1] == "complete" and r.held[0] == (1, digest_of(real))
 
 
-def test_a_corrupted_chunk_fails_the_version():
+def test_a_forged_chunk_with_a_predicted_version_number_does_not_make_the_real_version_refused():
+    # Issue 16: a bad-digest chunk claiming v2 (the next version, easy to predict) used to put
+    # (fragment, 2) in a `failed` set for good: the real v2 was never installed, pushes went stale.
     r = CutReader(S)
-    chunks = bcast_chunks(0, 1, vec(N0, 1))
-    read(r, 0, chunks[:1])
-    meta, payload = chunks[1]
-    with pytest.raises(DigestMismatch) as e:
-        r.take(0, 1, meta, bytes([payload[0] ^ 1]) + payload[1:])
-    assert e.value.field == "digest" and r.reading(0) is None and (0, 1) in r.failed
+    read(r, 0, bcast_chunks(0, 1, vec(N0, 1)))
+    real2 = bcast_chunks(0, 2, vec(N0, 2))
+    forged_meta, payload = real2[0]
+    with pytest.raises(DigestMismatch):
+        r.take(0, 0, dict(forged_meta, digest="0" * 16), payload, seq=5)
+    assert r.announce(0, 2, forged_meta["version_digest"])
+    assert [r.take(0, m["chunk"], m, p, seq=6 + i) for i, (m, p) in enumerate(real2)][-1] == "complete"
+    assert r.held[0][0] == 2
+    # a self-consistent forged chunk (valid chunk digest) mixed into v3 is never installed as v3
+    real3 = bcast_chunks(0, 3, vec(N0, 3))
+    garbage = bcast_chunks(0, 3, vec(N0, 9), vdigest=real3[0][0]["version_digest"])
+    mixed = real3[:2] + garbage[2:3] + real3[3:]
+    with pytest.raises(DigestMismatch):
+        read(r, 0, mixed)
+    assert r.held[0][0] == 2 and r.reading(0) is None
+    assert read(r, 0, real3)[-1] == "complete" and r.held[0][0] == 3
 
 
 @pytest.mark.parametrize("field,value", [("dtype", "bf16"), ("total", 12), ("chunks", 99), ("offset", 4),
@@ -347,9 +374,9 @@ def test_a_forged_chunk_from_the_future_is_refused_and_holds_nothing_back():
     assert r.announce(0, 10**6, forged_meta["version_digest"])  # a notice only says "look"
     assert read(r, 0, c1[:2]) == ["accept", "accept"]
     with pytest.raises(DigestMismatch):
-        r.take(0, 2, forged_meta, payload)
-    assert r.reading(0) is None and (0, 10**6) in r.failed
-    assert r.take(0, 2, forged_meta, payload) == "wait"  # the same garbage is not refused twice
+        r.take(0, 2, forged_meta, payload, seq=77)
+    assert r.reading(0) is None and r.refused == {(0, 2): 77}
+    assert r.take(0, 2, forged_meta, payload, seq=77) == "wait"  # the same garbage is not refused twice
     # the next real version overwrites the subject and is read whole
     assert read(r, 0, c2)[-1] == "complete" and r.held[0][0] == 2
     # check() refuses a chunk on its own, out of order (what a shell does with a suspicious notice)
@@ -364,6 +391,6 @@ def test_fixed_reader_reads_only_the_wanted_versions():
     r.want(0, 4, digest_of(want))
     assert not r.announce(0, 5, digest_of(vec(N0, 8)))  # notices change nothing
     assert r.take(0, 0, *bcast_chunks(0, 5, vec(N0, 8))[0]) == "wait" and r.counts["ignored"] == 1
-    with pytest.raises(ProtocolError):  # the wanted version with another digest than the manifest's
+    with pytest.raises(VersionConflict):  # the wanted version with another digest than the manifest's
         r.take(0, 0, *bcast_chunks(0, 4, vec(N0, 9))[0])
     assert read(r, 0, bcast_chunks(0, 4, want))[-1] == "complete" and r.held[0][0] == 4

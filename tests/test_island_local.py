@@ -17,7 +17,6 @@ from torch import nn
 
 from learner.adapters import TorchModuleAdapter, gather_fragment
 from learner.config import IslandConfig
-from learner.fragments import ProtocolError
 from learner.island import Island
 from schemas import codec
 from schemas import subjects as S
@@ -355,8 +354,11 @@ async def test_a_version_overwritten_mid_read_is_never_half_applied(env):
     assert [e["applies"] for e in steplog_lines(island)] == [2, 0, 1]
 
 
-async def test_versions_are_monotonic_and_one_version_with_two_digests_is_fatal(env):
-    island, session, syncer = env(net())
+async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refused_not_fatal(env):
+    """Issue 16: version 2 again with other bytes (held, or being read) used to raise ProtocolError
+    and end the island. Anyone may publish on BCAST: the chunks are refused and counted, the island
+    keeps v2 and trains on, and reads the next real version."""
+    island, session, syncer = env(net(), fetch_batch_bytes=CHUNK_BYTES)
     await started(env, island, session)
     v2 = syncer.values(0, 2)
     await publish_v(syncer, island, 2, {0: v2})
@@ -364,11 +366,65 @@ async def test_versions_are_monotonic_and_one_version_with_two_digests_is_fatal(
     await publish_v(syncer, island, 1, {0: syncer.values(0, 1)})  # older: ignored
     assert await boundary(island)
     assert island.state.version(0) == 2 and torch.equal(frag_values(island, 0), v2)
-    # Version 2 again with other bytes (a syncer bug; other msg ids so JetStream keeps it): fatal.
+    # Version 2 again with other bytes (other msg ids so JetStream keeps it): refused, not fatal.
     await publish_v(syncer, island, 2, {0: syncer.values(0, 3)}, msg_id=lambda f, v, k: f"again.{f}.{v}.{k}")
-    with pytest.raises(ProtocolError, match="version 2"):
-        await boundary(island)
-    assert torch.equal(frag_values(island, 0), v2)
+    assert await boundary(island)
+    assert torch.equal(frag_values(island, 0), v2) and island.state.version(0) == 2
+    assert island.counters["rejected.version_conflict"] >= 1 and steplog_lines(island)[-1]["rejected"] >= 1
+    # Fragment 1 (4 chunks): v5's chunks 0-1 are being read when a chunk 2 claiming v5 with another
+    # version digest lands; the reading is dropped, nothing of v5 is applied; the real chunks 2-3 of
+    # v5 then land (new messages) and v5 is read again, whole.
+    v5 = syncer.values(1, 5)
+    await syncer.bcast(1, 5, v5, only={0, 1})
+    await until(lambda: len(island.client.bcast) >= 2, what="v5 notices")
+    assert await boundary(island) and island.reader.reading(1) == (5, 2, 4)
+    await syncer.bcast(1, 5, syncer.values(1, 6), only={2}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    await until(lambda: len(island.client.bcast) >= 1, what="forged notice")
+    assert await boundary(island)
+    assert island.state.version(1) is None and island.reader.reading(1) is None
+    assert island.counters["rejected.version_conflict"] >= 2
+    await syncer.bcast(1, 5, v5, only={2, 3}, msg_id=lambda f, v, k: f"real.{f}.{v}.{k}")
+    await until(lambda: len(island.client.bcast) >= 2, what="real notices")
+    assert await boundary(island)
+    assert island.state.version(1) == 5 and torch.equal(frag_values(island, 1), v5)
+
+
+async def test_a_forged_future_chunk_does_not_make_the_island_refuse_the_real_version(env):
+    """Issue 16: a bad-digest chunk claiming the next version (easy to guess) put that version in a
+    `failed` set for good. Here it lands first, then the real v1 overwrites it and is installed; a
+    forged chunk that *replaces* a real one (one message per subject) holds v2 back only until the
+    syncer re-broadcasts v2 (new messages, same version); the island never installs a mixed
+    version and never the same version twice."""
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)
+    real1 = syncer.values(1, 3)
+    await publish_v(syncer, island, 1, {1: syncer.values(1, 9)}, corrupt=True,
+                    msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    assert await boundary(island)
+    assert island.state.version(1) == 0 and island.counters["rejected.digest_mismatch"] >= 1
+    await publish_v(syncer, island, 1, {1: real1})
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), real1)
+    # v2 published, then chunk 3 replaced by a forged one: v2 cannot complete (and is not applied)...
+    real2 = syncer.values(1, 4)
+    await syncer.bcast(1, 2, real2)
+    await syncer.bcast(1, 2, syncer.values(1, 8), corrupt=True, only={3}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    await until(lambda: len(island.client.bcast) >= 4, what="v2 notices")
+    applied_before = island.counters["applies"]
+    for _ in range(3):
+        assert await boundary(island)
+    assert island.state.version(1) == 1 and island.counters["applies"] == applied_before
+    # ... until the syncer re-broadcasts v2 (a resumed syncer does): installed once, exactly
+    await publish_v(syncer, island, 2, {1: real2}, msg_id=lambda f, v, k: f"again.{f}.{v}.{k}")
+    assert await boundary(island)
+    assert island.state.version(1) == 2 and torch.equal(anchor_flat(island, 1), real2)
+    await publish_v(syncer, island, 2, {1: real2}, msg_id=lambda f, v, k: f"third.{f}.{v}.{k}")
+    assert await boundary(island)
+    assert island.counters["applies"] == applied_before + 1  # never the same version twice
+    assert [e["versions"].get("1") for e in steplog_lines(island)][-1] == 2
 
 
 async def test_a_refused_push_is_recomputed_and_resent_with_the_next_try(nc, run_id, nats_url):
