@@ -5,6 +5,12 @@ requests), or one that times out (e.g. right after a reconnect, NATS-NOTES trap 
 backoff and the SAME `Nats-Msg-Id`: JetStream's duplicate window makes a retry of a publish that did
 land harmless. Every retry is counted. `publish_async` futures can hang forever when the server answers
 with an error (trap 2), so everything here waits with a timeout.
+
+A PubAck is lost for good when the connection that carried the publish dies (a broker restart, or a
+cluster node's death): the server that would answer is gone. Waiting such a future out costs its whole
+timeout, and a pipeline holds dozens of them (one broadcast took 330 s after a broker restart). So every
+wait here also watches the connection: once the client has reconnected after the publish went out, the
+publish is re-sent at once with the same `Nats-Msg-Id` (counted as `publish_retry.reconnected`).
 """
 from __future__ import annotations
 
@@ -19,6 +25,60 @@ from .subjects import MSG_ID
 BACKPRESSURE_CODES = {10077: "stream_full", 10167: "too_many_requests"}
 
 
+class _Reconnected(Exception):
+    """The connection a publish went out on is gone: its PubAck will never come."""
+
+
+# How often a wait for a PubAck looks at the connection. Cheap (two attribute reads); short enough that
+# a lost ack costs a fraction of a second after the reconnect.
+_WATCH_S = 0.1
+
+
+def _sent_on(js) -> int | None:
+    """The connection a publish made now travels on, as nats-py's reconnect count: the current one, or,
+    while disconnected, the next one (the client buffers the publish and sends it after reconnecting).
+    None when the client does not expose it (then only the timeout ends a wait)."""
+    nc = getattr(js, "_nc", None)  # JetStreamContext keeps its Client there (nats-py 2.x)
+    stats = getattr(nc, "stats", None)
+    if not isinstance(stats, dict) or "reconnects" not in stats:
+        return None
+    return stats["reconnects"] + (0 if nc.is_connected else 1)
+
+
+async def _await_ack(js, fut: asyncio.Future, timeout: float, sent_on: int | None):
+    """The PubAck of `fut`, or asyncio.TimeoutError after `timeout`, or _Reconnected as soon as the
+    client has reconnected since the publish went out. A future given up is cancelled, which returns its
+    slot in nats-py's pending-publish semaphore."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    nc = getattr(js, "_nc", None)
+    try:
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait({fut}, timeout=min(_WATCH_S, remaining) if sent_on is not None else remaining)
+            if fut.done():
+                return fut.result()
+            if sent_on is not None and nc.stats["reconnects"] > sent_on:
+                raise _Reconnected
+    finally:
+        if not fut.done():
+            fut.cancel()
+
+
+async def _until_connected(js, timeout: float) -> None:
+    """Wait (at most `timeout`) for the client to be connected again, so an outage longer than the
+    backoff does not use up a publish's attempts while nothing can be sent."""
+    nc = getattr(js, "_nc", None)
+    if nc is None or not hasattr(nc, "is_connected"):
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not nc.is_connected and not nc.is_closed and loop.time() < deadline:
+        await asyncio.sleep(_WATCH_S)
+
+
 class PublishFailed(RuntimeError):
     def __init__(self, subject: str, msg_id: str, attempts: int, last: BaseException | None):
         self.subject, self.msg_id, self.attempts, self.last = subject, msg_id, attempts, last
@@ -31,8 +91,13 @@ def _reason(exc: BaseException) -> str | None:
 
     if isinstance(exc, APIError):
         return BACKPRESSURE_CODES.get(getattr(exc, "err_code", None) or 0)
+    if isinstance(exc, _Reconnected):
+        return "reconnected"
+    if isinstance(exc, (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError)):
+        # Disconnected, and the client's reconnect buffer (2 MiB, trap 7) is full: wait for the reconnect.
+        return "disconnected"
     if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                        nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError)):
+                        nats.errors.ConnectionClosedError)):
         return "timeout"
     from nats.js.errors import NoStreamResponseError
 
@@ -66,7 +131,9 @@ async def publish_retry(
     data = bytes(payload) if isinstance(payload, memoryview) else payload
     for i in range(attempts):
         try:
-            return await js.publish(subject, data, timeout=timeout, headers=hdrs)
+            sent_on = _sent_on(js)
+            fut = await js.publish_async(subject, data, headers=hdrs, wait_stall=timeout)
+            return await _await_ack(js, fut, timeout, sent_on)
         except Exception as exc:  # classify: transient ones are retried
             reason = _reason(exc)
             if reason is None:
@@ -76,6 +143,8 @@ async def publish_retry(
                 counters[f"publish_retry.{reason}"] += 1
             if should_continue is not None and not should_continue():
                 break
+            if reason == "disconnected":
+                await _until_connected(js, timeout)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_backoff_s)
     raise PublishFailed(subject, msg_id, attempts, last)
@@ -93,7 +162,7 @@ class Pipeline:
                  counters: Counter | None = None):
         self.js, self.max_bytes, self.max_msgs, self.timeout = js, max_bytes, max_msgs, timeout
         self.counters = counters
-        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int]] = []
+        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None]] = []
         self._bytes = 0
 
     async def put(self, subject: str, payload, msg_id: str, headers: dict | None = None) -> None:
@@ -104,21 +173,35 @@ class Pipeline:
             await self._settle_one()
         hdrs = dict(headers or {})
         hdrs[MSG_ID] = msg_id
-        fut = await self.js.publish_async(subject, data, headers=hdrs, wait_stall=self.timeout)
-        self._inflight.append((fut, subject, data, msg_id, headers or {}, len(data)))
+        sent_on = _sent_on(self.js)
+        try:
+            fut = await self.js.publish_async(subject, data, headers=hdrs, wait_stall=self.timeout)
+        except Exception as exc:
+            if _reason(exc) is None:
+                raise
+            # Disconnected with a full reconnect buffer: what is in flight is settled first (in order), then
+            # this one goes through publish_retry's backoff until the client is back.
+            self._count(exc)
+            await self.flush()
+            await publish_retry(self.js, subject, data, msg_id, headers, timeout=self.timeout, counters=self.counters)
+            return
+        self._inflight.append((fut, subject, data, msg_id, headers or {}, len(data), sent_on))
         self._bytes += len(data)
 
+    def _count(self, exc: BaseException) -> None:
+        if self.counters is not None:
+            self.counters[f"publish_retry.{_reason(exc) or 'pipeline'}"] += 1
+
     async def _settle_one(self) -> None:
-        fut, subject, data, msg_id, headers, n = self._inflight.pop(0)
+        fut, subject, data, msg_id, headers, n, sent_on = self._inflight.pop(0)
         self._bytes -= n
         try:
-            await asyncio.wait_for(fut, self.timeout)
+            await _await_ack(self.js, fut, self.timeout, sent_on)
         except Exception as exc:
-            if _reason(exc) is None and not isinstance(exc, asyncio.TimeoutError):
+            if _reason(exc) is None:
                 raise
-            if self.counters is not None:
-                self.counters["publish_retry.pipeline"] += 1
-            await publish_retry(self.js, subject, data, msg_id, headers, counters=self.counters)
+            self._count(exc)
+            await publish_retry(self.js, subject, data, msg_id, headers, timeout=self.timeout, counters=self.counters)
 
     async def flush(self) -> None:
         while self._inflight:
