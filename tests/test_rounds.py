@@ -9,9 +9,9 @@ import pytest
 
 from schemas.errors import WireError
 from services.syncer.rounds import (
-    CommitV0, Done, FinalAck, Finalize, Heartbeat, Hello, InitComplete, Merge, MergeDone, PublishPull,
-    PushComplete, Release, RoundMachine, SendError, Shutdown, SyncerConfig, Tape, Tick, V0Done, WriteMember,
-    WriteSession,
+    CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitComplete, Merge, MergeDone, PublishFinal,
+    PublishPull, PushComplete, RecordFinal, Release, RoundMachine, SendError, SendManifest, Shutdown, SyncerConfig,
+    Tape, Tick, V0Done, WriteMember, WriteSession,
 )
 
 LAYOUT = [{"name": "w", "shape": [4], "dtype": "f32"}]
@@ -264,7 +264,7 @@ def test_v0_waits_for_the_nth_island():
 def test_strict_full_run_steps_fragments_versions_and_final():
     m = machine(total_steps=4, fragments=2, sync_every=4)
     acts = start(m)
-    seen = []
+    seen, merges = [], []
     for t in range(1, 5):
         (p,) = pulls(acts)
         assert (p["step"], p["fragment"], p["attempt"], p["seq"]) == (t, (t - 1) % 2, 1, 0)
@@ -278,13 +278,14 @@ def test_strict_full_run_steps_fragments_versions_and_final():
         assert [(x.island, x.gen) for x in mg.members] == [("a", GEN["a"]), ("b", GEN["b"])]
         assert [x.weight for x in mg.members] == [0.25, 0.75]
         assert not pulls(acts)                                 # pipeline 1: next round after the commit
+        merges.append(mg.record)
         acts = merge_done(m, mg, now=t + 0.5)
         seen.append((mg.step, mg.fragment, mg.version))
     assert seen == [(1, 0, 1), (2, 1, 1), (3, 0, 2), (4, 1, 2)]
     assert m.versions == {0: 2, 1: 2} and m.committed_step == 4
-    (fin,) = of(acts, Finalize)
-    assert fin.final_step == 4 and fin.versions == {0: 2, 1: 2} and fin.targets == (("a", GEN["a"]), ("b", GEN["b"]))
-    merges = tapes(acts, "merge")
+    (fin,) = of(acts, PublishFinal)
+    assert fin.final_step == 4 and fin.versions == {0: 2, 1: 2} and fin.record["targets"] == {"a": GEN["a"], "b": GEN["b"]}
+    assert not of(acts, SendManifest)                           # manifests only once the cut is out
     assert merges and merges[0]["weights"] == {"a": 100, "b": 300} and merges[0]["responded"][0]["island"] == "a"
     assert m.counters["disposition.accepted"] == 8 and m.counters["merge"] == 4
     assert not pulls(acts)                                     # never beyond --total-steps
@@ -302,7 +303,7 @@ def test_merge_weights_equal_and_all_zero_fallback():
     acts = m.handle(push(m, "b", 1, tokens=0))
     (mg,) = of(acts, Merge)
     assert [x.weight for x in mg.members] == [0.5, 0.5]
-    assert tapes(merge_done(m, mg, 2.0), "merge")[0]["weights"] == {"a": 1.0, "b": 1.0}
+    assert mg.record["weights"] == {"a": 1.0, "b": 1.0}
 
 
 # ---- dispositions ---------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ def test_stale_base_beyond_max_lag():
     assert dispositions(acts) == ["accepted"]
     (mg,) = of(m.handle(push(m, "b", 3, base=2)), Merge)
     assert {x.island: x.base_version for x in mg.members} == {"a": 1, "b": 2}
-    assert tapes(merge_done(m, mg, 4.0), "merge")[0]["staleness"] == {"a": 1, "b": 0}
+    assert mg.record["staleness"] == {"a": 1, "b": 0}
 
 
 def test_release_for_rejected_pushes_but_never_for_the_accepted_identity():
@@ -400,13 +401,15 @@ def test_adaptive_grace_after_quorum():
     assert [x.island for x in mg.members] == ["a"] and mg.members[0].weight == 1.0
     # a push after completion is out of round; last sync time shortens the next grace
     assert dispositions(m.handle(push(m, "b", 1, now=8.5))) == ["out_of_round"]
+    t = mg.record
+    assert t["quorum_s"] == 1.0 and t["grace_s"] == 3.0 and t["quorum"] == 1 and mg.launched_at == 4.0
+    # the shell reports merge time only (0.5 s), but the Merge went out at 8 and its MergeDone (after
+    # checkpoint and broadcast) came at 9: the whole sync, 1.0 s, shortens the next grace
     acts = merge_done(m, mg, now=9.0, sync_s=0.5)
-    t = tapes(acts, "merge")[0]
-    assert t["quorum_s"] == 1.0 and t["grace_s"] == 3.0 and t["sync_s"] == 5.0 and t["quorum"] == 1
     # round 2 was due 4 s (H/P steps) after round 1's launch, i.e. at 8: it launches at the commit
     assert [p["step"] for p in pulls(acts)] == [2]
     m.handle(push(m, "b", 2, now=9.5))
-    assert m.rounds[2].grace_s == pytest.approx(4.0 - 0.5 - 0.5)
+    assert m.rounds[2].grace_s == pytest.approx(4.0 - 0.5 - 1.0)
 
 
 def test_grace_cap_gamma_and_all_pushed_completes_at_once():
@@ -504,8 +507,9 @@ def test_liveness_leave_not_captured_then_heartbeat_revives():
     assert p["members"] == [{"island": "a", "gen": GEN["a"]}]   # b is not captured while gone
     acts = m.handle(Heartbeat("b", GEN["b"], 40, 1.0, 33.0))
     assert tapes(acts, "join")[0]["reason"] == "heartbeat resumed" and m.members["b"].live
-    assert m.handle(Heartbeat("b", "b9" * 8, 40, 1.0, 33.0)) == []   # other generation: ignored
-    assert m.counters["ignored.heartbeat_stale_gen"] == 1
+    acts = m.handle(Heartbeat("b", "b9" * 8, 40, 1.0, 33.0))   # a generation never seen: asked to say hello
+    assert [e.code for e in of(acts, SendError)] == ["unknown_member"] and not of(acts, WriteMember)
+    assert m.members["b"].gen == GEN["b"]
 
 
 # ---- pacing (not strict) --------------------------------------------------------------------------
@@ -609,20 +613,33 @@ def run_to_final(m, now=1.0):
     return acts
 
 
+def publish_final(m, now=1.5):
+    """Answer the machine's PublishFinal (the shell published the f32 cut)."""
+    return m.handle(FinalPublished(now))
+
+
 def test_final_acks_only_from_targets_then_shutdown_and_done():
     m = machine(total_steps=2)
     acts = run_to_final(m)
-    (fin,) = of(acts, Finalize)
-    assert fin.final_step == 2 and m.phase == "finalizing" and tapes(acts, "final")
+    (fin,) = of(acts, PublishFinal)
+    assert fin.final_step == 2 and m.phase == "finalizing" and tapes(acts, "final") and not of(acts, SendManifest)
+    acts = m.handle(FinalAck("a", GEN["a"], 2, 1.2))            # before the cut is out: nobody was sent it
+    assert m.counters["rejected.final_ack"] == 1
+    acts = publish_final(m)
+    assert of(acts, SendManifest) == [SendManifest("a", GEN["a"], 2, {0: 1, 1: 1}), SendManifest("b", GEN["b"], 2, {0: 1, 1: 1})]
+    assert of(acts, RecordFinal)[0].record == {"final_step": 2, "versions": {"0": 1, "1": 1},
+                                               "targets": {"a": GEN["a"], "b": GEN["b"]}, "acked": [], "finished": False}
     acts = m.handle(FinalAck("c", GEN["c"], 2, 2.0))
-    assert not of(acts, Done) and m.counters["rejected.final_ack"] == 1
+    assert not of(acts, Done) and m.counters["rejected.final_ack"] == 2
     acts = m.handle(FinalAck("a", "a9" * 8, 2, 2.0))            # not the generation sent the cut
     acts += m.handle(FinalAck("a", GEN["a"], 1, 2.0))           # wrong step
-    assert not of(acts, Done) and m.counters["rejected.final_ack"] == 3
+    assert not of(acts, Done) and m.counters["rejected.final_ack"] == 4
     assert dispositions(m.handle(push(m, "a", 3))) == ["out_of_round"]
-    assert not of(m.handle(FinalAck("a", GEN["a"], 2, 3.0)), Done)
+    acts = m.handle(FinalAck("a", GEN["a"], 2, 3.0))
+    assert not of(acts, Done) and of(acts, RecordFinal)[0].record["acked"] == ["a"]   # acks are kept durably
     acts = m.handle(FinalAck("b", GEN["b"], 2, 3.0))
     assert of(acts, Shutdown) == [Shutdown("a", GEN["a"], "final"), Shutdown("b", GEN["b"], "final")]
+    assert of(acts, RecordFinal)[-1].record["finished"] is True
     assert of(acts, Done) == [Done(True, ())] and m.phase == "done"
     assert m.handle(Tick(100.0)) == []
 
@@ -630,6 +647,7 @@ def test_final_acks_only_from_targets_then_shutdown_and_done():
 def test_final_timeout_names_the_missing_and_shuts_down_the_acked():
     m = machine(total_steps=1, fragments=1, sync_every=1, final_timeout_s=50.0)
     run_to_final(m, now=1.0)
+    publish_final(m)
     m.handle(FinalAck("b", GEN["b"], 1, 2.0))
     assert not of(m.handle(Tick(50.9)), Done)
     acts = m.handle(Tick(51.0))
@@ -639,13 +657,82 @@ def test_final_timeout_names_the_missing_and_shuts_down_the_acked():
 def test_new_generation_of_a_target_gets_the_cut_unknown_islands_are_refused():
     m = machine(total_steps=1, fragments=1, sync_every=1)
     run_to_final(m)
+    publish_final(m)
     acts = m.handle(hello("a", gen=A2, now=2.0))
-    assert of(acts, Finalize) == [Finalize(1, {0: 1}, (("a", A2),))]
+    assert of(acts, SendManifest) == [SendManifest("a", A2, 1, {0: 1})] and not of(acts, PublishFinal)
     acts = m.handle(hello("c", now=2.0))
     assert [e.code for e in of(acts, SendError)] == ["run_finishing"] and "c" not in m.members
     m.handle(FinalAck("b", GEN["b"], 1, 3.0))
     acts = m.handle(FinalAck("a", A2, 1, 3.0))
     assert of(acts, Done) == [Done(True, ())] and Shutdown("a", A2, "final") in acts
+
+
+def test_new_generation_while_the_final_cut_is_published_never_publishes_it_twice():
+    # issue 16, final-cut race: a target's new generation during the publication made the machine
+    # emit a second Finalize while the first ran (a partial digest dict, two checkpoint writers)
+    m = machine(total_steps=1, fragments=2, sync_every=2)
+    acts = run_to_final(m)
+    assert len(of(acts, PublishFinal)) == 1
+    acts = m.handle(hello("a", gen=A2, now=1.2))                # cut not out yet
+    assert not of(acts, PublishFinal) and not of(acts, SendManifest) and not of(acts, RecordFinal)
+    acts = m.handle(hello("a", gen=A3, now=1.3))
+    assert not of(acts, PublishFinal) and not of(acts, SendManifest)
+    acts = publish_final(m, now=1.5)
+    # one manifest per target, to the newest generation only, after the cut is out
+    assert of(acts, SendManifest) == [SendManifest("a", A3, 1, {0: 1, 1: 0}), SendManifest("b", GEN["b"], 1, {0: 1, 1: 0})]
+    with pytest.raises(ValueError, match="FinalPublished"):
+        m.handle(FinalPublished(1.6))                          # a second publication is a shell bug
+    assert m.handle(FinalAck("a", A2, 1, 2.0)) == [] or m.counters["rejected.final_ack"] == 1
+    m.handle(FinalAck("a", A3, 1, 2.0))
+    assert of(m.handle(FinalAck("b", GEN["b"], 1, 2.0)), Done) == [Done(True, ())]
+
+
+def test_known_island_back_during_finalization_gets_the_manifest():
+    # issue 16: a known island heard from after finalization started (heartbeat of a member that had
+    # left, or a new generation, even of one that acked) got neither manifest nor error
+    m = machine(total_steps=1, fragments=1, sync_every=1, member_timeout_s=5.0)
+    start(m)
+    m.handle(Heartbeat("a", GEN["a"], 1, 0.1, 0.5))
+    m.handle(push(m, "a", 1, now=0.5))
+    (mg,) = of(m.handle(push(m, "b", 1, now=0.5)), Merge)
+    m.handle(Heartbeat("b", GEN["b"], 1, 0.1, 5.5))             # a falls silent: it leaves at 5.5
+    acts = merge_done(m, mg, now=5.6)
+    assert not m.members["a"].live
+    (fin,) = of(acts, PublishFinal)
+    assert fin.record["targets"] == {"b": GEN["b"]}
+    acts = m.handle(Heartbeat("a", GEN["a"], 2, 0.1, 5.8))      # a is back before the cut is out
+    assert not of(acts, SendManifest) and m._final.targets == {"a": GEN["a"], "b": GEN["b"]}
+    acts = publish_final(m, now=6.0)
+    assert {(x.island, x.gen) for x in of(acts, SendManifest)} == {("a", GEN["a"]), ("b", GEN["b"])}
+    m.handle(FinalAck("b", GEN["b"], 1, 6.5))
+    # b's process restarts after its ack: the new one must install the cut too, and ack
+    acts = m.handle(hello("b", gen="b2" * 8, now=7.0))
+    assert of(acts, SendManifest) == [SendManifest("b", "b2" * 8, 1, {0: 1})]
+    assert not of(m.handle(FinalAck("a", GEN["a"], 1, 7.5)), Done)
+    acts = m.handle(FinalAck("b", "b2" * 8, 1, 8.0))
+    assert of(acts, Done) == [Done(True, ())]
+
+
+def test_heartbeat_of_an_unknown_island_or_generation_asks_for_hello():
+    # issue 16: a resumed syncer without members ignored their heartbeats for ever
+    m = machine(member_timeout_s=10.0)
+    start(m, islands=("a", "b"))
+    acts = m.handle(Heartbeat("c", GEN["c"], 5, 0.1, 1.0))
+    (err,) = of(acts, SendError)
+    assert (err.island, err.gen, err.code, err.fatal, err.field) == ("c", GEN["c"], "unknown_member", False, "gen")
+    assert "hello again" in err.message and tapes(acts, "error")
+    assert not of(m.handle(Heartbeat("c", GEN["c"], 6, 0.1, 5.0)), SendError)   # once per member timeout
+    assert of(m.handle(Heartbeat("c", GEN["c"], 7, 0.1, 11.0)), SendError)
+    # a known island with a generation the machine never saw (its hello was lost) is asked too
+    (err,) = of(m.handle(Heartbeat("a", A2, 1, 0.1, 12.0)), SendError)
+    assert err.code == "unknown_member" and err.gen == A2
+    # a retired generation is only stale: no answer
+    m.handle(hello("b", gen="b2" * 8, now=13.0))
+    assert not of(m.handle(Heartbeat("b", GEN["b"], 1, 0.1, 14.0)), SendError)
+    assert m.counters["ignored.heartbeat_stale_gen"] == 1
+    # saying hello again makes it a member
+    m.handle(hello("c", now=15.0))
+    assert "c" in m.members and not of(m.handle(Heartbeat("c", GEN["c"], 8, 0.1, 16.0)), SendError)
 
 
 # ---- restore (--resume) ---------------------------------------------------------------------------
@@ -682,8 +769,39 @@ def test_restore_refuses_inconsistent_state_and_finalizes_when_done():
         RoundMachine.restore(c, session_record(c), {0: 0, 1: 0}, 0,
                              {"a": {"gen": GEN["a"], "layout_fingerprint": OTHER_FP}}, now=1.0)
     m = RoundMachine.restore(c, session_record(c), {0: 1, 1: 1}, 2, members, now=1.0)
-    (fin,) = of(m.handle(Tick(1.0)), Finalize)
-    assert fin.targets == (("a", GEN["a"]),) and fin.versions == {0: 1, 1: 1}
+    (fin,) = of(m.handle(Tick(1.0)), PublishFinal)
+    assert fin.record["targets"] == {"a": GEN["a"]} and fin.versions == {0: 1, 1: 1}
+
+
+def test_restore_of_a_finished_run_is_done_at_once():
+    # issue 16: --resume of a finished run finalized again, waited --final-timeout and exited 3
+    c = cfg(total_steps=2)
+    members = {i: {"gen": GEN[i], "layout_fingerprint": FP} for i in ("a", "b")}
+    rec = {"final_step": 2, "versions": {"0": 1, "1": 1}, "targets": {"a": GEN["a"], "b": GEN["b"]},
+           "acked": ["a", "b"], "finished": True}
+    m = RoundMachine.restore(c, session_record(c), {0: 1, 1: 1}, 2, members, now=1.0, final=rec)
+    acts = m.handle(Tick(1.0))
+    assert of(acts, Done) == [Done(True, ())] and m.phase == "done"
+    assert not of(acts, PublishFinal) and not of(acts, SendManifest) and not of(acts, Shutdown)
+
+
+def test_restore_mid_finalization_resends_the_manifest_to_targets_that_did_not_ack():
+    c = cfg(total_steps=2)
+    members = {i: {"gen": GEN[i], "layout_fingerprint": FP} for i in ("a", "b")}
+    rec = {"final_step": 2, "versions": {"0": 1, "1": 1}, "targets": {"a": GEN["a"], "b": GEN["b"]},
+           "acked": ["a"], "finished": False}
+    m = RoundMachine.restore(c, session_record(c), {0: 1, 1: 1}, 2, members, now=1.0, final=rec)
+    acts = m.handle(Tick(1.0))
+    assert not of(acts, PublishFinal)                           # the cut is out already
+    assert of(acts, SendManifest) == [SendManifest("b", GEN["b"], 2, {0: 1, 1: 1})]
+    acts = m.handle(FinalAck("b", GEN["b"], 2, 2.0))
+    assert of(acts, Shutdown) == [Shutdown("a", GEN["a"], "final"), Shutdown("b", GEN["b"], "final")]
+    assert of(acts, Done) == [Done(True, ())]
+    # every target had acked before the crash: done at once, with their shutdowns
+    m = RoundMachine.restore(c, session_record(c), {0: 1, 1: 1}, 2, members, now=1.0,
+                             final={**rec, "acked": ["a", "b"]})
+    acts = m.handle(Tick(1.0))
+    assert len(of(acts, Shutdown)) == 2 and of(acts, Done) == [Done(True, ())]
 
 
 # ---- wire conformance and determinism -------------------------------------------------------------
@@ -722,6 +840,7 @@ def scenario() -> list:
     for mg in of(out, Merge):
         if mg.step == 3:
             out += merge_done(m, mg, now=50.0)
+    out += m.handle(FinalPublished(50.5))
     out += m.handle(FinalAck("a", A2, 3, 51.0)) + m.handle(FinalAck("b", GEN["b"], 3, 51.0))
     return out
 
@@ -729,10 +848,12 @@ def scenario() -> list:
 def test_tape_pulls_and_errors_conform_to_the_wire_schemas():
     out = scenario()
     kinds = {e["kind"] for e in tapes(out)}
-    assert {"merge", "restart", "disposition", "join", "final", "error", "session"} <= kinds
+    assert {"restart", "disposition", "join", "final", "error", "session"} <= kinds
     assert of(out, Done) == [Done(True, ())]
     event_v, pull_v, error_v = _validator("event"), _validator("pull"), _validator("error")
-    for e in tapes(out):
+    merges = [mg.record for mg in of(out, Merge)]
+    assert len(merges) == 3
+    for e in tapes(out) + [{**r, "t": 1.0, "sync_s": 1.0} for r in merges]:
         event_v.validate({"v": 1, "run": "r1", **e})
     for p in pulls(out):
         pull_v.validate({"type": "pull", "v": 1, "run": "r1", **p})

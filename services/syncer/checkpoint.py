@@ -66,6 +66,11 @@ class CheckpointState:
     version_digests: dict[int, str] = field(default_factory=dict)
     attempts: dict[int, int] = field(default_factory=dict)  # highest attempt used per step in flight at the last commit
     final: bool = False
+    # The tape records of the last commit (merge + commit), written with it: a syncer killed before
+    # they reached the EVENTS tape writes them on resume (same Nats-Msg-Ids, so never twice).
+    tape: list[dict] = field(default_factory=list)
+    # The finalization record (rounds.RecordFinal): targets, acks, finished.
+    final_record: dict | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps({
@@ -78,6 +83,8 @@ class CheckpointState:
             "version_digests": {str(k): v for k, v in self.version_digests.items()},
             "attempts": {str(k): v for k, v in self.attempts.items()},
             "final": self.final,
+            "tape": self.tape,
+            "final_record": self.final_record,
         }, option=orjson.OPT_INDENT_2)
 
     @classmethod
@@ -94,6 +101,8 @@ class CheckpointState:
             version_digests={int(k): v for k, v in d.get("version_digests", {}).items()},
             attempts={int(k): int(v) for k, v in d.get("attempts", {}).items()},
             final=bool(d.get("final", False)),
+            tape=list(d.get("tape") or []),
+            final_record=d.get("final_record"),
         )
 
 

@@ -59,9 +59,19 @@ Choices the design leaves open, decided here:
   `member_timeout_s` or longer leaves; a heartbeat of its current generation brings it back.
   A hello with a generation the island had before is a stale replay and is ignored.
 - **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (outer.weights_for).
-- **Finalization**: a new generation of a target island that has not acked replaces the target and
-  gets its own `Finalize(..., targets=((island, new_gen),))`, so the shell sends it the manifest;
-  hellos of unknown islands get a fatal `run_finishing` error.
+- **Finalization** is decided here, carried out by the shell: once every step is committed the
+  machine emits one `PublishFinal` (the f32 cut; never a second one), and only after its
+  `FinalPublished` a `SendManifest` per target (live members), so a manifest always carries every
+  fragment's digest. A known island heard from during finalization with a generation that is not the
+  target (a new generation, or a heartbeat of a member that was not live when finalization began)
+  becomes the target and gets the manifest as soon as the cut is out — even if an earlier generation
+  acked — so no process trains on after the syncer exits. Hellos of unknown islands get a fatal
+  `run_finishing` error. `RecordFinal` keeps targets and acks durable so a resumed syncer continues
+  finalization (or, when the run finished, exits at once).
+- **Unknown members**: a heartbeat of an island, or of a generation of it, the machine has no record
+  of (a resumed syncer that lost the members record, a hello lost with a killed syncer) gets a
+  non-fatal `SendError` with code `unknown_member` (at most once per member timeout per generation):
+  the island must send hello again.
 - **Release**: the machine tells the shell which push payloads it may delete from the PUSH stream at
   once (rejected pushes, pushes discarded by a restart). It never releases the identity of a push that
   a pending merge still needs; the shell deletes accepted pushes after `MergeDone` itself. Release may
@@ -83,9 +93,10 @@ __all__ = [
     "SyncerConfig", "RoundMachine", "Member", "Round",
     # events
     "Event", "Hello", "InitComplete", "PushComplete", "Heartbeat", "MergeDone", "V0Done", "Tick", "FinalAck",
+    "FinalPublished",
     # actions
     "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
-    "Tape", "CommitV0", "Finalize", "Shutdown", "Done",
+    "Tape", "CommitV0", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
     "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS",
 ]
 
@@ -93,6 +104,7 @@ PUSH_DTYPES = ("f32", "bf16", "q4")
 BULK_DTYPES = ("f32", "bf16")
 FIRST_ATTEMPT = 1
 EMA_ALPHA = 0.3
+UNKNOWN_MEMBER = "unknown_member"   # SendError code: the island must send hello again (non-fatal)
 DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid")
 
 
@@ -255,6 +267,12 @@ class FinalAck(Event):
     now: float
 
 
+@dataclass(frozen=True)
+class FinalPublished(Event):
+    """The f32 final cut (answer to PublishFinal) is in FINAL and the checkpoint says final."""
+    now: float
+
+
 # ---- actions (machine -> shell) -------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -307,13 +325,20 @@ class MergeInput:
 @dataclass(frozen=True)
 class Merge(Action):
     """Merge the accepted pushes (sorted by island), apply the outer step, commit `version` of
-    `fragment` durably, update `state`, broadcast, then feed back MergeDone(step, fragment, version)."""
+    `fragment` durably, update `state`, broadcast, then feed back MergeDone(step, fragment, version).
+
+    `record` is the round's `merge` tape record, less `t` and `sync_s` (the shell adds both at the
+    durable commit: launch to commit, `launched_at` being the round's launch time). The shell keeps it
+    in the checkpoint with the commit, so the record reaches the tape exactly once even when the syncer
+    dies between the commit and the tape write."""
     step: int
     fragment: int
     attempt: int
     version: int
     base_version: int
     members: tuple[MergeInput, ...]
+    record: dict = field(default_factory=dict, compare=False)
+    launched_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -341,11 +366,32 @@ class CommitV0(Action):
 
 
 @dataclass(frozen=True)
-class Finalize(Action):
-    """Publish the f32 final cut (once) and send the manifest to each target (island, gen)."""
+class PublishFinal(Action):
+    """Publish the f32 final cut of `versions` and mark the checkpoint final (with `record`, the
+    finalization record RecordFinal describes), then feed back FinalPublished. Emitted once per run:
+    the machine owns the decision, so no second publication runs beside the first."""
     final_step: int
     versions: dict
-    targets: tuple[tuple[str, str], ...]
+    record: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class SendManifest(Action):
+    """Send the manifest (final step, version per fragment, the f32 cut's digests) to one island
+    generation. Emitted only once the final cut is out (after FinalPublished), so the shell always
+    holds every fragment's digest."""
+    island: str
+    gen: str
+    final_step: int
+    versions: dict
+
+
+@dataclass(frozen=True)
+class RecordFinal(Action):
+    """Keep the finalization record durably (checkpoint): {final_step, versions, targets {island: gen},
+    acked [island], finished}. `RoundMachine.restore(final=record)` continues from it: a finished run
+    ends at once, an unfinished one re-sends the manifest to the targets that have not acked."""
+    record: dict
 
 
 @dataclass(frozen=True)
@@ -446,6 +492,7 @@ class Round:
     grace_s: float | None = None
     complete_at: float | None = None
     merge: Merge | None = None
+    merge_at: float | None = None     # when the Merge action went out
 
     @property
     def accepting(self) -> bool:
@@ -472,8 +519,14 @@ class Round:
 class _Final:
     final_step: int
     started_at: float
-    targets: dict[str, str]           # island -> gen sent the cut
+    targets: dict[str, str]           # island -> gen that must install the cut and ack
+    versions: dict[int, int] = field(default_factory=dict)
     acked: set[str] = field(default_factory=set)
+    cut_out: bool = False             # FinalPublished seen: manifests may go out
+
+    def record(self, *, finished: bool = False) -> dict:
+        return {"final_step": self.final_step, "versions": {str(k): v for k, v in sorted(self.versions.items())},
+                "targets": dict(sorted(self.targets.items())), "acked": sorted(self.acked), "finished": finished}
 
 
 def _default_builder() -> Callable[..., dict]:
@@ -507,6 +560,9 @@ class RoundMachine:
         self._last_sync_s = 0.0
         self._min_attempts: dict[int, int] = {}
         self._final: _Final | None = None
+        self._hello_asked: dict[tuple[str, str], float] = {}
+        self._restored_finished = False
+        self._resend_manifests = False
         self._now = -math.inf
         self._out: list[Action] = []
 
@@ -524,6 +580,7 @@ class RoundMachine:
         now: float,
         min_attempts: Mapping[int, int] | None = None,
         session_builder: Callable[..., dict] | None = None,
+        final: Mapping[str, Any] | None = None,
     ) -> "RoundMachine":
         """A machine that continues a run (`--resume`) from `committed_step` + 1 with `versions`
         (fragment -> committed version; JSON string keys accepted) and the members KV records.
@@ -532,6 +589,9 @@ class RoundMachine:
         relaunched round use an attempt above the ones already published for that step before the
         restart (e.g. the last pull per step in CTL + 1), so no pull id is reused with other members.
         Feed a Tick(now) right after: it launches rounds, or finalizes if every step is committed.
+        `final` is the last RecordFinal record (the final cut is out): a finished run emits Done(True)
+        at once; an unfinished one continues finalization, re-sending the manifest to every target
+        that has not acked (targets that acked stay acked and get their Shutdown at the end).
         """
         cfg = config
         frags = session.get("fragments")
@@ -569,6 +629,16 @@ class RoundMachine:
                 ref_step=committed_step, ref_local=float(last),
             )
         m.phase = "running"
+        if final is not None:
+            if final.get("finished"):
+                m._restored_finished = True
+            else:
+                targets = {str(i): str(g) for i, g in (final.get("targets") or {}).items()}
+                m._final = _Final(final_step=int(final.get("final_step", committed_step)), started_at=now,
+                                  targets=targets, versions=dict(vers), cut_out=True,
+                                  acked={str(i) for i in final.get("acked") or () if str(i) in targets})
+                m.phase = "finalizing"
+                m._resend_manifests = True
         return m
 
     def handle(self, event: Event) -> list[Action]:
@@ -752,15 +822,20 @@ class RoundMachine:
                 r.seq += 1
                 self.counters["pull.rebound"] += 1
                 self._emit(PublishPull(r.pull()))
-        f = self._final
-        if f is not None and m.island in f.targets and m.island not in f.acked:
-            f.targets[m.island] = m.gen
-            self._emit(Finalize(f.final_step, dict(self.versions), ((m.island, m.gen),)))
+        if self._final is not None:
+            # A new process trains on unless it installs the final cut: it becomes the target, even
+            # if its previous generation had acked.
+            self._final.acked.discard(m.island)
+            self._final_target(m, now)
 
     def _on_heartbeat(self, ev: Heartbeat, now: float) -> None:
         m = self.members.get(ev.island)
-        if m is None:
-            self.counters["ignored.heartbeat_unknown"] += 1
+        if m is None or (ev.gen != m.gen and ev.gen not in m.retired_gens):
+            # The syncer has no record of this generation (e.g. a resumed syncer whose members KV
+            # missed it, or a hello lost with a killed syncer): the island trains, pushes nothing
+            # useful and is never asked. Tell it to say hello again.
+            self.counters["heartbeat.unknown"] += 1
+            self._ask_hello(ev.island, ev.gen, now)
             return
         if ev.gen != m.gen:
             self.counters["ignored.heartbeat_stale_gen"] += 1
@@ -772,6 +847,19 @@ class RoundMachine:
             self.counters["join.resumed"] += 1
             self._tape("join", now, island=m.island, gen=m.gen, reason="heartbeat resumed")
         self._write_member(m)
+        f = self._final
+        if f is not None and f.targets.get(m.island) != m.gen:
+            self._final_target(m, now)
+
+    def _ask_hello(self, island: str, gen: str, now: float) -> None:
+        # Once per member timeout per generation: heartbeats come every few seconds, errors need not.
+        last = self._hello_asked.get((island, gen))
+        if last is not None and now - last < self.config.member_timeout_s:
+            return
+        self._hello_asked[(island, gen)] = now
+        self._reject(island, gen, UNKNOWN_MEMBER,
+                     f"island {island!r} generation {gen} is not a member of run {self.config.run} (the syncer has no "
+                     f"record of it, e.g. after a restart): send hello again", now, fatal=False, field="gen")
 
     # -- INIT and version 0 ------------------------------------------------------------------------
 
@@ -894,8 +982,20 @@ class RoundMachine:
                        base_version=a.base_version, local_step=a.local_step)
             for (i, a), w in zip(answers, weights)
         )
-        r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt,
-                        version=self.versions[r.fragment] + 1, base_version=r.base_version, members=inputs)
+        version = self.versions[r.fragment] + 1
+        record = {
+            "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
+            "base_version": r.base_version, "version": version, "expected": r.members(),
+            "responded": r.responded(), "quorum": r.quorum,
+            "staleness": {mi.island: r.base_version - mi.base_version for mi in inputs},
+            "weights": self._raw_weights(inputs),
+            "quorum_s": (r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
+            "grace_s": r.grace_s,
+            "detail": {"normalized_weights": {mi.island: mi.weight for mi in inputs}},
+        }
+        r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt, version=version,
+                        base_version=r.base_version, members=inputs,
+                        record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at)
 
     def _on_merge_done(self, ev: MergeDone, now: float) -> None:
         r = self.rounds.get(ev.step)
@@ -908,18 +1008,11 @@ class RoundMachine:
         self._merging = None
         self.versions[r.fragment] = ev.version
         self.committed_step = ev.step
-        self._last_sync_s = max(0.0, float(ev.sync_s))
+        # Adaptive grace subtracts the last *whole* sync (merge + checkpoint + broadcast): the time from
+        # the Merge action to its MergeDone covers all of it, whatever part of it the shell measured.
+        self._last_sync_s = max(0.0, float(ev.sync_s), now - r.merge_at if r.merge_at is not None else 0.0)
         self.counters["merge"] += 1
-        mg = r.merge
-        self._tape(
-            "merge", now, step=r.step, fragment=r.fragment, attempt=r.attempt, base_version=r.base_version,
-            version=ev.version, expected=r.members(), responded=r.responded(), quorum=r.quorum,
-            staleness={mi.island: r.base_version - mi.base_version for mi in mg.members},
-            weights=self._raw_weights(mg.members),
-            quorum_s=(r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
-            grace_s=r.grace_s, sync_s=max(0.0, now - r.launched_at),
-            detail={"merge_s": self._last_sync_s, "normalized_weights": {mi.island: mi.weight for mi in mg.members}},
-        )
+        # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
 
     def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:
         # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
@@ -930,32 +1023,66 @@ class RoundMachine:
 
     def _start_final(self, now: float) -> None:
         targets = {m.island: m.gen for m in self._live()}
-        self._final = _Final(final_step=self.committed_step, started_at=now, targets=targets)
+        f = self._final = _Final(final_step=self.committed_step, started_at=now, targets=targets,
+                                 versions=dict(self.versions))
         self.phase = "finalizing"
-        self._emit(Finalize(self.committed_step, dict(self.versions), tuple(sorted(targets.items()))))
-        self._tape("final", now, step=self.committed_step, reason="final cut published",
+        self._emit(PublishFinal(f.final_step, dict(f.versions), f.record()))
+        self._tape("final", now, step=self.committed_step, reason="final cut publishing",
                    detail={"versions": {str(k): v for k, v in self.versions.items()},
                            "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
-        if not targets:
+
+    def _on_final_published(self, ev: FinalPublished, now: float) -> None:
+        f = self._final
+        if f is None or f.cut_out:
+            raise ValueError("FinalPublished without an outstanding PublishFinal")
+        f.cut_out = True
+        self._emit(RecordFinal(f.record()))
+        self._tape("final", now, step=f.final_step, reason="final cut published",
+                   detail={"targets": [{"island": i, "gen": g} for i, g in sorted(f.targets.items())]})
+        for island, gen in sorted(f.targets.items()):
+            if island not in f.acked:
+                self._emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
+        if not f.targets or f.acked >= set(f.targets):
             self._finish(True, now)
+
+    def _final_target(self, m: Member, now: float) -> None:
+        """A known island heard from during finalization with a generation that is not the target:
+        it must install the final cut and ack (once the cut is out, it gets the manifest now)."""
+        f = self._final
+        if m.island in f.acked:
+            return
+        f.targets[m.island] = m.gen
+        self.counters["final.target_added"] += 1
+        self._tape("final", now, step=f.final_step, island=m.island, gen=m.gen,
+                   reason="manifest target: a known island came back during finalization")
+        if f.cut_out:
+            self._emit(RecordFinal(f.record()))
+            self._emit(SendManifest(m.island, m.gen, f.final_step, dict(f.versions)))
 
     def _on_final_ack(self, ev: FinalAck, now: float) -> None:
         f = self._final
-        if f is None or f.targets.get(ev.island) != ev.gen or ev.final_step != f.final_step:
+        if f is None or not f.cut_out or f.targets.get(ev.island) != ev.gen or ev.final_step != f.final_step:
             self.counters["rejected.final_ack"] += 1
             self._tape("error", now, island=ev.island, gen=ev.gen,
                        reason=f"final ack for step {ev.final_step} ignored: not a target of the final cut")
+            return
+        if ev.island in f.acked:
+            self.counters["ignored.final_ack_duplicate"] += 1
             return
         f.acked.add(ev.island)
         self.counters["final.ack"] += 1
         if f.acked == set(f.targets):
             self._finish(True, now)
+        else:
+            self._emit(RecordFinal(f.record()))
 
     def _finish(self, ok: bool, now: float) -> None:
         f = self._final
         for island in sorted(f.acked):
             self._emit(Shutdown(island, f.targets[island], "final"))
         missing = tuple(sorted(set(f.targets) - f.acked))
+        if f.cut_out:
+            self._emit(RecordFinal(f.record(finished=True)))
         self._tape("final", now, step=f.final_step,
                    reason="all targets acked" if ok else f"final timeout: no ack from {', '.join(missing)}")
         self._emit(Done(ok, missing))
@@ -967,6 +1094,23 @@ class RoundMachine:
         cfg = self.config
         if self.phase == "done":
             return
+        if self._restored_finished:
+            self._tape("final", now, step=self.committed_step, reason="run already finished: nothing to do")
+            self._emit(Done(True, ()))
+            self.phase = "done"
+            return
+        if self._resend_manifests:
+            self._resend_manifests = False
+            f = self._final
+            self._tape("final", now, step=f.final_step, reason="finalization resumed: manifest sent again",
+                       detail={"targets": [{"island": i, "gen": g} for i, g in sorted(f.targets.items())],
+                               "acked": sorted(f.acked)})
+            for island, gen in sorted(f.targets.items()):
+                if island not in f.acked:
+                    self._emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
+            if f.acked >= set(f.targets):
+                self._finish(True, now)
+                return
         for m in self._live():
             if now - m.last_heartbeat >= cfg.member_timeout_s:
                 m.live = False
@@ -981,7 +1125,7 @@ class RoundMachine:
             r = self.rounds[step]
             if r.accepting:
                 self._check_round(r, now)
-        self._emit_merge()
+        self._emit_merge(now)
         if self.phase == "running" and self.committed_step >= cfg.total_steps:
             self._start_final(now)          # after the last MergeDone, or at once after restore
         if self.phase == "running":
@@ -1033,12 +1177,13 @@ class RoundMachine:
         k = self.config.quorum if self.config.quorum is not None else expected
         return max(1, min(k, expected))
 
-    def _emit_merge(self) -> None:
+    def _emit_merge(self, now: float) -> None:
         if self._merging is not None or not self.rounds:
             return
         r = self.rounds[min(self.rounds)]
         if not r.accepting:
             self._merging = r.step
+            r.merge_at = now
             self._emit(r.merge)
 
     def _can_launch_now(self) -> tuple[int, list[Member]] | None:
@@ -1095,4 +1240,5 @@ class RoundMachine:
         V0Done: _on_v0_done,
         Tick: lambda self, ev, now: None,
         FinalAck: _on_final_ack,
+        FinalPublished: _on_final_published,
     }

@@ -113,7 +113,7 @@ class SyncerService:
         self._tasks: list[asyncio.Task] = []
         self._tape_seq = 0
         self._tape_prefix = f"{int(time.time() * 1000):x}"
-        self._final_published = False
+        self._final_digests: dict[int, str] = {}
         self._attempts_seen: dict[int, int] = {}
         self._round_started: dict[int, float] = {}
         self._status_t = 0.0
@@ -219,9 +219,12 @@ class SyncerService:
                     raise SyncerError(
                         f"--resume: checkpoint {self.ckpt.path} fragment {fid} version {state.versions[fid]} has "
                         f"version digest {digests[fid][:12]}…, the checkpoint recorded {want[:12]}…: corrupt checkpoint")
-            members = {}
-            async for island, rec in self._kv_items(self.members_kv):
-                members[island] = rec
+            members = await self._read_members()
+            final_record = state.final_record
+            if state.final and final_record is None:
+                # Marked final by a syncer that kept no finalization record (before records existed):
+                # the run ended then.
+                final_record = {"final_step": state.committed_step, "finished": True}
             # Attempts already published: those recorded at the last commit, and (state KV `pulls`,
             # written before each pull) those launched after it.
             published = dict(state.attempts)
@@ -232,13 +235,22 @@ class SyncerService:
             try:
                 self.machine = R.RoundMachine.restore(
                     mc, session, state.versions, state.committed_step, members, now=time.time(),
-                    min_attempts={s: a + 1 for s, a in published.items()},
+                    min_attempts={s: a + 1 for s, a in published.items()}, final=final_record,
                 )
             except ValueError as exc:  # flags that contradict the checkpointed session
                 raise SyncerError(f"--resume: {exc}") from None
             self._attempts_seen = dict(published)
             # Bring the state KV in line with the checkpoint (the checkpoint is written first).
             await self._write_commit_record(state)
+            # A crash between the durable commit and its tape records: write the ones the tape lacks.
+            await self._retape(state)
+            if final_record is not None and not final_record.get("finished"):
+                # Finalization continues: manifests carry the f32 cut's digests (the cut is in FINAL).
+                self._final_digests = {fid: await asyncio.to_thread(self._bulk_digest, fid, "f32")
+                                       for fid in sorted(self.frags)}
+            if final_record is not None and final_record.get("finished"):
+                log.info("run %s already finished at step %d (final cut in FINAL; export it with `yeto export`): "
+                         "nothing to do", self.run_id, state.committed_step)
             # A crash between the durable commit and the end of its broadcast leaves BCAST without the
             # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
             # JetStream drops what it already holds inside the duplicate window; islands ignore a
@@ -610,8 +622,12 @@ class SyncerService:
             self._spawn(self._merge(a))
         elif isinstance(a, R.CommitV0):
             self._spawn(self._commit_v0(a))
-        elif isinstance(a, R.Finalize):
-            self._spawn(self._finalize(a))
+        elif isinstance(a, R.PublishFinal):
+            self._spawn(self._publish_final(a))
+        elif isinstance(a, R.SendManifest):
+            await self._send_manifest(a)
+        elif isinstance(a, R.RecordFinal):
+            await self._record_final(a.record)
         elif isinstance(a, R.Shutdown):
             msg = codec.make("shutdown", run=self.run_id, reason=a.reason, gen=a.gen)
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("shutdown", msg),
@@ -678,14 +694,19 @@ class SyncerService:
             await asyncio.to_thread(outer_step_, fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu,
                                     out=scratch[: s.elem_count])
         merge_s = time.time() - t0
-        await self._commit({fid: a.version}, step=a.step)
+        rec = dict(a.record)
+        rec["t"] = time.time()
+        rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # launch to durable commit
+        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s}
+        await self._commit({fid: a.version}, step=a.step, records=[rec])
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
         await self._purge_round(fid, seqs)
         sync_s = time.time() - t0
         log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
                  ",".join(m.island for m in a.members), merge_s, sync_s)
-        await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=merge_s, now=time.time()))
+        # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
+        await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=sync_s, now=time.time()))
 
     async def _commit_v0(self, a: R.CommitV0) -> None:
         for fid in a.fragments:
@@ -703,8 +724,10 @@ class SyncerService:
             h.update(pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype))
         return h.hexdigest()
 
-    async def _commit(self, new_versions: dict[int, int], *, step: int) -> None:
-        """Durable (checkpoint files + state KV) before broadcast."""
+    async def _commit(self, new_versions: dict[int, int], *, step: int, records: list[dict] = ()) -> None:
+        """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
+        plus one `commit` record per fragment) are written with the checkpoint and taped after the
+        broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape)."""
         bulk = self.session["bulk_dtype"]
         digests = {}
         for fid in new_versions:
@@ -719,14 +742,48 @@ class SyncerService:
             layout_fingerprint=self.session["layout_fingerprint"],
             committed_step=max(step, prev.committed_step if prev else 0), versions=versions, version_digests=vdig,
             attempts={s: a for s, a in self._attempts_seen.items() if s > step},
+            tape=list(records) + [{"kind": "commit", "t": time.time(), "step": step, "fragment": fid, "version": v,
+                                   "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
         )
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
         await asyncio.to_thread(self.ckpt.commit, state, frags)
         await self._write_commit_record(state)
         for fid, v in new_versions.items():
             await self._broadcast(fid, v, digests[fid])
-            await self._tape({"kind": "commit", "step": step, "fragment": fid, "version": v,
-                              "detail": {"version_digest": digests[fid]}}, kind="commit")
+        for rec in state.tape:
+            await self._tape(dict(rec), kind=rec["kind"], msg_id=self._record_msg_id(rec))
+
+    @staticmethod
+    def _record_msg_id(rec: dict) -> str:
+        # one per committed (fragment, version): a resumed syncer re-taping it is dropped as a duplicate
+        return S.event_msg_id(rec["kind"], f"{rec['fragment']}.{rec['version']}")
+
+    async def _retape(self, state: CheckpointState) -> None:
+        """Tape the last commit's records that the tape lacks (the syncer died between the commit and
+        the tape write). Records of one kind are taped in order, so the last record on a kind's subject
+        tells which are in; Nats-Msg-Id dedup covers a record taped while this runs."""
+        by_kind: dict[str, list[dict]] = {}
+        for rec in state.tape:
+            by_kind.setdefault(rec["kind"], []).append(rec)
+        for kind, recs in by_kind.items():
+            ids = [self._record_msg_id(r) for r in recs]
+            last = None
+            for attempt in range(5):
+                try:
+                    m = await self.js.get_msg(S.stream(self.run_id, "EVENTS"), subject=S.events(self.run_id, kind))
+                    last = (m.headers or {}).get(S.MSG_ID)
+                    break
+                except Exception as exc:
+                    import nats.js.errors
+                    if isinstance(exc, nats.js.errors.NotFoundError):
+                        break
+                    await asyncio.sleep(0.5 * (attempt + 1))
+            start = ids.index(last) + 1 if last in ids else 0
+            for rec, mid in list(zip(recs, ids))[start:]:
+                self.counters["tape.replayed"] += 1
+                log.info("taping %s record of fragment %s version %s again: the syncer stopped before it was taped",
+                         kind, rec.get("fragment"), rec.get("version"))
+                await self._tape(dict(rec), kind=kind, msg_id=mid)
 
     async def _write_pulls_record(self) -> None:
         """Before a pull is published: remember its attempt durably (state KV `pulls`), so a restarted
@@ -789,28 +846,33 @@ class SyncerService:
             except Exception:
                 self.counters["delete_error"] += 1
 
-    async def _finalize(self, a: R.Finalize) -> None:
-        if not self._final_published:
-            # The f32 final cut, once: its digest hashes the f32 bytes, checked against the manifest.
-            self._final_digests = {}
-            for fid in sorted(self.frags):
-                d = await asyncio.to_thread(self._bulk_digest, fid, "f32")
-                self._final_digests[fid] = d
-                await self._broadcast(fid, a.versions[fid] if fid in a.versions else a.versions[str(fid)], d,
-                                      final_step=a.final_step)
-            self._final_published = True
+    async def _publish_final(self, a: R.PublishFinal) -> None:
+        """The f32 final cut (the machine emits PublishFinal once); its digests hash the f32 bytes and
+        are checked against the manifest. The checkpoint is marked final (with the machine's
+        finalization record) before FinalPublished lets the manifests go out."""
+        digests = {}
+        for fid in sorted(self.frags):
+            digests[fid] = await asyncio.to_thread(self._bulk_digest, fid, "f32")
+            await self._broadcast(fid, int(a.versions[fid]), digests[fid], final_step=a.final_step)
+        self._final_digests = digests
+        await self._record_final(a.record)
+        log.info("final cut published (step %d)", a.final_step)
+        await self.queue.put(R.FinalPublished(now=time.time()))
+
+    async def _record_final(self, record: dict) -> None:
+        def write():
             st = self.ckpt.read_state()
-            st.final = True
-            await asyncio.to_thread(self.ckpt.commit, st, {})
-            log.info("final cut published (step %d)", a.final_step)
+            st.final, st.final_record = True, dict(record)
+            self.ckpt.commit(st, {})
+        await asyncio.to_thread(write)
+
+    async def _send_manifest(self, a: R.SendManifest) -> None:
         versions = {str(k): int(v) for k, v in a.versions.items()}
-        for island, gen in a.targets:
-            msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
-                             version_digests={str(k): v for k, v in self._final_digests.items()}, gen=gen)
-            await publish_retry(self.js, S.to_island(self.run_id, island), codec.encode("manifest", msg),
-                                S.to_island_msg_id(island, "manifest", gen), counters=self.counters)
-        await self._tape({"kind": "final", "step": a.final_step,
-                          "detail": {"targets": [f"{i}/{g}" for i, g in a.targets]}}, kind="final")
+        msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
+                         version_digests={str(k): v for k, v in sorted(self._final_digests.items())}, gen=a.gen)
+        await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("manifest", msg),
+                            S.to_island_msg_id(a.island, "manifest", a.gen), counters=self.counters)
+        log.info("manifest (final step %d) sent to %s/%s", a.final_step, a.island, a.gen)
 
     # ---- tape ---------------------------------------------------------------------------------------
 
@@ -818,7 +880,7 @@ class SyncerService:
         self._tape_seq += 1
         return f"{self._tape_prefix}.{self._tape_seq}"
 
-    async def _tape(self, event: dict, *, kind: str) -> None:
+    async def _tape(self, event: dict, *, kind: str, msg_id: str | None = None) -> None:
         rec = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "t": time.time()}
         rec.update(event)
         try:
@@ -828,8 +890,8 @@ class SyncerService:
             log.error("tape record does not validate (%s): %r", exc, rec)
             return
         try:
-            await publish_retry(self.js, S.events(self.run_id, kind), data, S.event_msg_id(kind, self._next_tape_key()),
-                                counters=self.counters, attempts=3)
+            await publish_retry(self.js, S.events(self.run_id, kind), data,
+                                msg_id or S.event_msg_id(kind, self._next_tape_key()), counters=self.counters, attempts=3)
         except Exception as exc:
             self.counters["tape_error"] += 1
             log.warning("tape publish failed: %r", exc)
@@ -848,15 +910,34 @@ class SyncerService:
             return None
         return orjson.loads(e.value)
 
-    @staticmethod
-    async def _kv_items(kv):
-        from nats.js.errors import NoKeysError
+    async def _read_members(self) -> dict[str, dict]:
+        """Every record of the members KV. Read from the bucket's stream (its subjects, then a get per
+        key) rather than nats-py's `kv.keys()`: that watcher can report no keys while the first
+        entries are still in flight (NoKeysError right after connecting), and a resumed syncer that
+        takes it for "no members" ignores every island. An error is retried, then stops the syncer;
+        it is never read as an empty bucket."""
+        from nats.js.errors import KeyNotFoundError
 
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return
-        for k in keys:
-            e = await kv.get(k)
-            if e is not None and e.value:
-                yield k, orjson.loads(e.value)
+        kv = self.members_kv
+        last_exc = None
+        for attempt in range(10):
+            try:
+                info = await self.js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
+                out = {}
+                for subject in sorted(info.state.subjects or {}):
+                    key = subject[len(kv._pre):]
+                    try:
+                        e = await kv.get(key)
+                    except KeyNotFoundError:  # deleted or purged
+                        continue
+                    if e is not None and e.value:
+                        out[key] = orjson.loads(e.value)
+                if info.state.messages and not info.state.subjects:
+                    raise SyncerError(f"members bucket holds {info.state.messages} messages but listed no keys")
+                return out
+            except Exception as exc:  # noqa: BLE001 - a broker that just came up, a timeout: retry
+                last_exc = exc
+                self.counters["members_read_retry"] += 1
+                log.warning("reading the members KV failed (attempt %d): %r", attempt + 1, exc)
+                await asyncio.sleep(min(0.2 * 2 ** attempt, 3.0))
+        raise SyncerError(f"--resume: cannot read the members KV of run {self.run_id}: {last_exc!r}")

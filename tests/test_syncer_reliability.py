@@ -1,0 +1,196 @@
+"""Syncer failures found by issue 16 (chaos and review), each against a real nats-server and a real
+`yeto syncer` process killed with SIGKILL and resumed, driven by scripted islands.
+
+- `--resume` of a finished run exits 0 at once (it used to finalize again, wait --final-timeout, exit 3);
+- a syncer killed between a durable commit and its tape records: the resumed syncer tapes them, and
+  every merge/commit record is on the tape exactly once across kills;
+- a resumed syncer whose members record is empty asks each island that heartbeats to say hello again
+  (it used to ignore them for ever: no round ever launched).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import orjson
+import pytest
+import torch
+
+from schemas import codec, subjects as S
+from tests.scripted import (LR, MU, Heartbeater, Reference, SyncerProc, close_run, start_run, tape, tiny_layout,
+                            wait_status, wait_tape)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _ckpt_step(ckpt) -> int:
+    try:
+        return orjson.loads((ckpt / "checkpoint.json").read_bytes())["committed_step"]
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+async def _play(isls, ref, t: int, gen: torch.Generator, *, attempt: int | None = None) -> None:
+    fid = (t - 1) % len(isls[0].session["fragments"])
+    deltas = []
+    for isl in isls:
+        pull = await isl.expect_pull(t, attempt=attempt, timeout=60)
+        deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
+        await isl.push(pull, deltas[-1], c_tokens=100)
+    ref.round(fid, deltas, [100] * len(isls))
+
+
+async def _finish(isls, syncer, final_step: int) -> None:
+    for isl in isls:
+        _, man = await isl.expect(lambda k, m: k == "manifest", timeout=60)
+        assert man["final_step"] == final_step
+    for isl in isls:
+        await isl.ack(final_step)
+    rc = await asyncio.to_thread(syncer.wait, 60)
+    assert rc == 0, syncer.output()[-4000:]
+
+
+async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ("--islands", "1", "--fragments", "1", "--sync-every", "1", "--total-steps", "2", "--strict",
+            "--chunk-bytes", "1024", "--final-timeout", "90")
+    syncer, isls, init = await start_run(nats_url, run_id, ["a"], ckpt, *args)
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(3)
+        for t in (1, 2):
+            await _play(isls, ref, t, gen)
+        await _finish(isls, syncer, 2)
+        state = orjson.loads((ckpt / "checkpoint.json").read_bytes())
+        assert state["final"] and state["final_record"]["finished"] and state["final_record"]["acked"] == ["a"]
+        before = (ckpt / "checkpoint.json").read_bytes()
+
+        resumed = SyncerProc(nats_url, run_id, ckpt, *args, log=tmp_path / "resumed.log").start("--resume")
+        t0 = time.monotonic()
+        try:
+            rc = await asyncio.to_thread(resumed.wait, 60)   # the old syncer waited --final-timeout (90 s), exit 3
+        finally:
+            resumed.stop()
+        took = time.monotonic() - t0
+        out = resumed.output()
+        assert rc == 0, out[-3000:]
+        assert took < 30, f"a finished run took {took:.1f}s to resume and exit"
+        assert "already finished" in out
+        # nothing was finalized again: no second manifest, the checkpoint is as it was
+        assert (ckpt / "checkpoint.json").read_bytes() == before
+        assert not [m for k, m in await isls[0].messages(timeout=1.0) if k == "manifest"]
+        finals = await tape(isls[0].js, run_id, "final")
+        assert any("already finished" in r.get("reason", "") for r in finals)
+    finally:
+        await close_run(isls, syncer, run_id)
+
+
+async def test_tape_keeps_every_round_exactly_once_across_kills_after_the_commit(nats_url, run_id, tmp_path):
+    # One big fragment in small chunks: its broadcast (between the durable commit and the tape write)
+    # takes long enough to SIGKILL the syncer inside it.
+    ckpt = tmp_path / "ckpt"
+    layout = tiny_layout(4, 128)
+    args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "4", "--strict",
+            "--outer-lr", str(LR), "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--final-timeout", "60",
+            "--status-every", "0.3")
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *args, layout=layout)
+    js = isls[0].js
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(4)
+        await _play(isls, ref, 1, gen)
+        await wait_tape(js, run_id, lambda r: r["step"] == 1, kind="merge", timeout=60)
+
+        # ---- kill 1: right after round 2's durable commit, while its version is broadcast
+        await _play(isls, ref, 2, gen)
+        deadline = time.monotonic() + 60
+        while _ckpt_step(ckpt) < 2:
+            assert time.monotonic() < deadline, "round 2 never committed"
+            await asyncio.sleep(0.002)
+        syncer.kill()
+        taped = {r["step"] for r in await tape(js, run_id, "merge")}
+        assert 2 not in taped, "killed too late: round 2's merge record was already taped"
+        syncer.start("--resume")
+        await wait_tape(js, run_id, lambda r: r["step"] == 2, kind="merge", timeout=60)
+
+        # ---- kill 2: after round 3 is committed and taped; the resumed syncer must not tape it again
+        await _play(isls, ref, 3, gen)
+        await wait_tape(js, run_id, lambda r: r["step"] == 3, kind="merge", timeout=60)
+        syncer.kill()
+        killed_at = time.time()
+        syncer.start("--resume")
+        # round 4 may or may not have been launched before the kill: play the resumed syncer's attempt
+        st = await wait_status(js, run_id, lambda st: st["started_at"] > killed_at and
+                               any(r["step"] == 4 for r in st["rounds_in_flight"]), timeout=60)
+        await _play(isls, ref, 4, gen, attempt=next(r["attempt"] for r in st["rounds_in_flight"] if r["step"] == 4))
+        await _finish(isls, syncer, 4)
+
+        for fid in range(1):
+            _, vals, _ = await isls[0].read_cut(fid, final=True)
+            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+        merges = Counter(r["step"] for r in await tape(js, run_id, "merge"))
+        commits = Counter((r["fragment"], r["version"]) for r in await tape(js, run_id, "commit"))
+        assert merges == {1: 1, 2: 1, 3: 1, 4: 1}, merges
+        assert commits == {(0, v): 1 for v in range(5)}, commits
+        rec2 = next(r for r in await tape(js, run_id, "merge") if r["step"] == 2)
+        assert rec2["version"] == 2 and rec2["sync_s"] >= 0 and set(rec2["weights"]) == {"a", "b"}
+    finally:
+        await close_run(isls, syncer, run_id)
+
+
+async def test_resumed_syncer_without_members_asks_islands_to_say_hello_again(nats_url, run_id, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "2", "--strict",
+            "--chunk-bytes", "1024", "--final-timeout", "60")
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *args)
+    js = isls[0].js
+    beats = []
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(5)
+        await _play(isls, ref, 1, gen)
+        await wait_tape(js, run_id, lambda r: r["step"] == 1, kind="merge", timeout=60)
+        await isls[0].expect_pull(2, timeout=60)
+        await isls[1].expect_pull(2, timeout=60)
+        syncer.kill()
+        # what a NoKeysError misread as "no members" left the resumed syncer with
+        kv = await js.key_value(S.kv_bucket(run_id, "members"))
+        for isl in isls:
+            await kv.purge(isl.island)
+        syncer.start("--resume")
+        await wait_tape(js, run_id, lambda r: "resumed" in r.get("reason", ""), kind="restart", timeout=60)
+        beats = [Heartbeater(isl, every_s=0.5).start() for isl in isls]
+        for isl in isls:
+            _, err = await isl.expect(lambda k, m: k == "error", timeout=30)
+            assert err["code"] == "unknown_member" and err["fatal"] is False and err["gen"] == isl.gen
+            assert "hello again" in err["message"]
+            # hello again (a new Nats-Msg-Id: the first hello is inside JetStream's duplicate window)
+            msg = codec.make("hello", run=run_id, island=isl.island, gen=isl.gen, layout=isl.layout,
+                             layout_fingerprint=isl.session["layout_fingerprint"], push_dtype="auto", bulk_dtype="auto",
+                             world={"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1}, host="test")
+            await isl.publish_raw(S.hello(run_id, isl.island), codec.encode("hello", msg),
+                                  msg_id=f"{S.hello_msg_id(isl.island, isl.gen)}.again")
+        # the round in flight is relaunched (strict: with whoever is a member when it launches; N gates
+        # only version 0), and the run ends
+        pulls, deadline = {}, time.monotonic() + 60
+        while not pulls:
+            assert time.monotonic() < deadline, "no island got round 2's pull after saying hello again"
+            for isl in isls:
+                try:
+                    pulls[isl.island] = await isl.expect_pull(2, timeout=0.3)
+                except TimeoutError:
+                    pass
+        members = {m["island"] for m in next(iter(pulls.values()))["members"]}
+        deltas = []
+        for isl in isls:
+            if isl.island in members:
+                pull = pulls.get(isl.island) or await isl.expect_pull(2, timeout=30)
+                assert pull["attempt"] >= 2   # never the pull id of the killed syncer's attempt
+                deltas.append(torch.randn(isl.frag(0)["numel"], generator=gen) * 0.1)
+                await isl.push(pull, deltas[-1], c_tokens=100)
+        ref.round(0, deltas, [100] * len(deltas))
+        await _finish(isls, syncer, 2)
+        _, vals, _ = await isls[0].read_cut(0, final=True)
+        torch.testing.assert_close(vals, ref.value(0), rtol=1e-6, atol=1e-6)
+    finally:
+        for b in beats:
+            await b.stop()
+        await close_run(isls, syncer, run_id)
