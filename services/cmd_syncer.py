@@ -60,7 +60,11 @@ def add_parser(sub) -> None:
     g.add_argument("--checkpoint-dir", default=_env("YETO_CHECKPOINT_DIR", None),
                    help="directory of the params+momentum checkpoint (env YETO_CHECKPOINT_DIR; default ./yeto-data/<run>/syncer)")
     g.add_argument("--resume", action="store_true", default=_env("YETO_RESUME", "0") == "1",
-                   help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1)")
+                   help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1). "
+                        "A run killed mid-round continues with the round in flight (a new attempt); one killed during "
+                        "finalization sends the manifest again to the islands that have not acked and waits for them; "
+                        "a finished run (every ack in, or --final-timeout passed) exits 0 at once and changes nothing "
+                        "(its final cut stays in FINAL; `yeto export` writes it)")
     g.add_argument("--small-limits", action="store_true", default=_env("YETO_SMALL_LIMITS", "0") == "1",
                    help="provision the run with small stream byte limits (tests, demos)")
     _flag(g, "--status-every", "YETO_STATUS_EVERY", float, 5.0,
