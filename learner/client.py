@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -52,6 +53,11 @@ log = logging.getLogger("yeto.island")
 ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
 CTL_FETCH_BATCH = 64
 PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
+DETACH_POLL_S = 0.02  # how soon a detached publish notices a lost connection
+# A detached publish (a push) waits this long for its last acks before finishing in the background:
+# on a healthy broker they are in within milliseconds, so the step log still shows the push at the
+# boundary that made it; a full PUSH stream or a dying broker no longer holds the boundary.
+ACK_WAIT_S = 1.0
 
 
 class IslandUnhealthy(RuntimeError):
@@ -82,6 +88,23 @@ class ChunkNotice:
     version: int
     nbytes: int
     meta: dict
+
+
+@dataclass(slots=True)
+class PublishHandle:
+    """A detached publish (see IslandClient.publish_stream): every item was handed over; `future`
+    resolves once JetStream acked them all (None) or the stream failed (its exception)."""
+
+    future: concurrent.futures.Future
+    nbytes: int
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> int:
+        """The payload bytes sent; raises the stream's error (or CancelledError). Only once done()."""
+        self.future.result(0)
+        return self.nbytes
 
 
 class Inbox:
@@ -305,11 +328,19 @@ class IslandClient:
 
     # ---- calls the training thread waits for -----------------------------------------------------
 
-    def publish_stream(self, items: Iterable[tuple[str, Any, str, dict]], *, timeout: float) -> int:
+    def publish_stream(self, items: Iterable[tuple[str, Any, str, dict]], *, timeout: float,
+                       detach: bool = False) -> "int | PublishHandle":
         """Publish (subject, payload, msg id, headers) items as they are produced, with bounded bytes
         in flight, and wait until JetStream acked every one. Returns the payload bytes sent. Raises
         NotConnected, TimeoutError or PublishFailed; then the caller treats the whole stream as not
-        sent (resends reuse the msg ids, so JetStream drops what did land)."""
+        sent (resends reuse the msg ids, so JetStream drops what did land).
+
+        `detach=True` (pushes; the README promises the boundary never blocks): the items are still
+        produced here (the export is collective), but a wait for pipeline room gives up at once when
+        the connection drops (NotConnected: the try failed, nothing more is produced); once every
+        item is handed over, the acks are awaited only while connected and at most ACK_WAIT_S: a
+        PublishHandle is returned, done or not, and the pipeline goes on in the background (same
+        msg ids, re-sent after a reconnect) until `timeout`."""
         deadline = time.monotonic() + timeout
         # An ack future can hang when the server answers with an error (NATS-NOTES trap 2): the
         # pipeline's own wait is a fraction of the budget, so such a publish is redone with
@@ -327,10 +358,56 @@ class IslandClient:
         for subject, payload, msg_id, headers in items:
             if not self.connected:
                 raise NotConnected("NATS connection is down")
-            self.call(pipe.put(subject, payload, msg_id, headers), left())
+            if detach:
+                self._wait_connected(self._submit(pipe.put(subject, payload, msg_id, headers)), left(), cancel=True)
+            else:
+                self.call(pipe.put(subject, payload, msg_id, headers), left())
             sent += len(payload)
-        self.call(pipe.flush(), left())
-        return sent
+        if not detach:
+            self.call(pipe.flush(), left())
+            return sent
+        handle = PublishHandle(self._submit(self._flush_within(pipe, left())), sent)
+        self._wait_connected(handle.future, min(ACK_WAIT_S, deadline - time.monotonic()), cancel=False)
+        return handle
+
+    def _submit(self, coro: Awaitable) -> "concurrent.futures.Future":
+        if self.loop is None or not self.loop.is_running():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise NotConnected("the NATS client is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _wait_connected(self, fut: "concurrent.futures.Future", timeout: float, *, cancel: bool) -> None:
+        """Wait for `fut` (its result or error is left in it) while connected and within `timeout`.
+        cancel=True: a wait cut short cancels `fut` and raises (NotConnected / TimeoutError);
+        cancel=False: `fut` goes on in the background and this returns."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                fut.result(DETACH_POLL_S)
+                return
+            except FutureTimeout:
+                pass
+            except BaseException:  # noqa: BLE001 - the caller reads the outcome from fut
+                if cancel:
+                    raise
+                return
+            if self.connected and time.monotonic() < end:
+                continue
+            if not cancel:
+                return
+            fut.cancel()
+            if not self.connected:
+                raise NotConnected("NATS connection lost while publishing")
+            raise TimeoutError(f"publishing did not finish within {timeout:.1f}s")
+
+    @staticmethod
+    async def _flush_within(pipe: Pipeline, timeout: float) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await pipe.flush()
+        except TimeoutError:
+            raise TimeoutError(f"acks did not all arrive within {timeout:.1f}s") from None
 
     def fetch_last(self, kind: str, subjects: list[str], *, timeout: float | None = None) -> list:
         """The newest message on each subject of stream `kind` (direct get), None where there is none."""
@@ -596,5 +673,6 @@ __all__ = [
     "IslandClient",
     "IslandUnhealthy",
     "NotConnected",
+    "PublishHandle",
     "SyncerRefused",
 ]

@@ -31,7 +31,10 @@ every rank commits (the first version of a fragment overwrites, later ones blend
 dropped and read again, never half-applied → take the pulls that arrived → (lockstep: block for the
 due round) → answer ready pulls (the owners' d = local − anchor gathered to rank 0 chunk by chunk,
 packed in the session push dtype and streamed while produced; `sent` once every chunk is acked,
-`failed` otherwise: the next boundary retries with try + 1) → step-log event (with the bytes rank 0
+`failed` otherwise: a later boundary retries with try + 1. Acks not in within `ACK_WAIT_S`, or
+when the connection drops, are awaited in the background: the pull stays in flight, the boundary
+returns, and the boundary after the outcome reports it; one push per fragment at a time) →
+step-log event (with the bytes rank 0
 moved to and from the other ranks: scatter_bytes, gather_bytes). Bad input is counted (`rejected`)
 and training goes on: that includes chunks that claim a version held or being read with another
 version digest (until #17 anyone on the bus may publish them); the cut is read again when new
@@ -56,6 +59,7 @@ import logging
 import os
 import time
 from collections import Counter
+from concurrent.futures import CancelledError
 from typing import Callable
 
 import torch.distributed as dist
@@ -131,6 +135,7 @@ class Island(IslandWire):
         self._dirty: set[int] = set()  # fragments with BCAST notices since their last read
         self._noticed: dict[int, dict[int, int]] = {}  # fragment -> {chunk: version} those notices claim
         self._staged: dict[int, int] = {}  # fragment -> version the ranks are staging (rank 0's view)
+        self._pushing: dict[int, tuple] = {}  # fragment -> (PendingPull, PublishHandle) awaiting acks
         self._seen_rounds: dict[tuple[int, int], int] = {}  # lockstep: (fragment, step) -> base_version
         self._manifest: dict | None = None
         self._shutdown: dict | None = None
@@ -425,24 +430,46 @@ class Island(IslandWire):
                 self._seen_rounds[key] = max(self._seen_rounds.get(key, -1), p["base_version"])
 
     def _answer_pulls(self, stats: _Stats) -> None:
+        self._reap_pushes(stats)
         if not self.client.connected:
             return  # pulls stay pending (no try is spent): answered at a later boundary
         max_step = max_due_step(self.local_step, self.session["sync_every"], len(self.frags)) if self.config.lockstep else None
-        for p in self.book.take_ready(self.state.ready, max_step=max_step):
+        # One push per fragment at a time: a push still awaiting its acks (see _push) keeps its
+        # fragment's next pull waiting, so q4's working residual and the try numbers stay one per push.
+        ready = lambda fid: self.state.ready(fid) and fid not in self._pushing  # noqa: E731
+        for p in self.book.take_ready(ready, max_step=max_step):
             t0 = time.perf_counter()
             try:
-                nbytes = self._push(p)
+                handle = self._push(p)
             except TRANSIENT as exc:
-                self.book.failed(p.fragment, p.step, p.attempt, p.try_)
-                self._counters["push_failed"] += 1
-                log.warning("island %s: push of fragment %d round %d (attempt %d, try %d) failed: %r; retried "
-                            "at the next boundary", self.config.island, p.fragment, p.step, p.attempt, p.try_, exc)
+                self._push_failed(p, exc)
                 continue
             finally:
                 stats.export_s += time.perf_counter() - t0
+            self._pushing[p.fragment] = (p, handle)
+            self._reap_pushes(stats)
+
+    def _reap_pushes(self, stats: _Stats) -> None:
+        """Report the pushes whose acks all arrived (sent) or that failed (the pull is pending
+        again, its next push is try + 1); the others stay in flight without blocking the boundary."""
+        for fid in [f for f, (_, h) in self._pushing.items() if h.done()]:
+            p, h = self._pushing.pop(fid)
+            try:
+                nbytes = h.result()
+            except (*TRANSIENT, CancelledError) as exc:
+                self._settle_push(p, False)
+                self._push_failed(p, exc)
+                continue
+            self._settle_push(p, True)
             self.book.sent(p.fragment, p.step, p.attempt, p.try_)
             stats.pushes += 1
             stats.bytes_out += nbytes
+
+    def _push_failed(self, p, exc: BaseException) -> None:
+        self.book.failed(p.fragment, p.step, p.attempt, p.try_)
+        self._counters["push_failed"] += 1
+        log.warning("island %s: push of fragment %d round %d (attempt %d, try %d) failed: %r; retried "
+                    "at a later boundary", self.config.island, p.fragment, p.step, p.attempt, p.try_, exc)
 
     # lockstep
 

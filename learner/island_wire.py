@@ -289,10 +289,12 @@ class IslandWire:
         self._staged.pop(fid, None)
 
 
-    def _push(self, p) -> int:
+    def _push(self, p):
         """Stream d = local − anchor in the session push dtype, gathered from the owners chunk by
-        chunk; returns the bytes sent once every chunk is acked. q4 keeps its error-feedback residual
-        (on the owners) only once the push got through."""
+        chunk. Returns the PublishHandle of the chunks' acks once every chunk is handed over (done
+        unless the connection dropped meanwhile: then the acks are awaited in the background and
+        `_settle_push` reports the outcome at a later boundary). Raises (TRANSIENT) when the push
+        could not even be handed over; q4 then drops its working residual at once."""
         fid = p.fragment
         st = self.state.states[fid]
         dtype = self.session["push_dtype"]
@@ -316,16 +318,19 @@ class IslandWire:
                 yield (subject, payload, S.push_msg_id(island, gen, fid, p.step, p.attempt, p.try_, s.index),
                        {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
 
-        ok = False
         try:
-            sent = self.client.publish_stream(items(), timeout=self.config.push_timeout_s)
-            ok = True
-        finally:
+            return self.client.publish_stream(items(), timeout=self.config.push_timeout_s, detach=True)
+        except BaseException:
             for _ in chunks:  # a failed push still completes the gather the other ranks are in
                 pass
             if dtype == "q4":
-                self._lead({"op": "residual", "fid": fid, "keep": ok})
-        return sent
+                self._lead({"op": "residual", "fid": fid, "keep": False})
+            raise
+
+    def _settle_push(self, p, ok: bool) -> None:
+        """A push's acks are all in (ok) or it failed: q4 keeps its working residual only if ok."""
+        if self.session["push_dtype"] == "q4":
+            self._lead({"op": "residual", "fid": p.fragment, "keep": ok})
 
 
     # ---- the final cut -----------------------------------------------------------------------------
