@@ -1,0 +1,790 @@
+#!/usr/bin/env python
+"""Chaos soak: SIGKILL islands, the syncer and the broker at chosen moments of a real run, restart them,
+and check from what the run leaves behind that nothing was lost, doubled or torn.
+
+    python bench/chaos.py [--rounds 200] [--islands 4] [--seed 1] [--quick] [--no-baseline] [--workdir DIR]
+
+Everything is a real process: the embedded nats-server (services.broker.Broker, own port and store
+dir), the syncer (`python -m services.cli syncer`, restarted with `--resume`), and N islands
+(`python -m learner.demo`; island `b` has 2 gloo ranks). Each runs in its own process group, so a
+SIGKILL takes a whole island (launcher and ranks) down at once, as a dead node would.
+
+Moments are detected only from what the product already publishes: a monitor holds a core NATS
+subscription on `yeto.<run>.>` and sees pulls, push chunks, INIT chunks, broadcast and final chunks
+(their `Yeto-Chunk` headers) and the syncer's tape records as they are published. The seeded
+schedule arms one kill at a time (the next one only after the previous kill recovered and a few more
+rounds committed); the kill fires in the monitor's callback when its moment is seen:
+
+  island-init            the INIT island, at its first INIT chunk (once, at the start)
+  island-after-pull      an island, right after a round's pull is published
+  island-mid-push        an island, at chunk 0 of its push (pushes have several chunks: small --chunk-bytes)
+  syncer-mid-merge       the syncer, when the last expected push of a round was accepted (tape), before
+                         the round's commit record
+  syncer-mid-broadcast   the syncer, at chunk 0 of a new version on BCAST
+  broker-mid-broadcast   nats-server, at chunk 0 of a new version on BCAST; restarted on the same port
+                         and store dir
+  broker-mid-push        nats-server, at chunk 0 of a push
+  syncer-final           the syncer, at the first chunk of the final cut (once, at the end)
+  island-final           an island, at the first chunk of the final cut (once, at the end)
+
+Recovery time of a kill = from the SIGKILL to the next round committed with the killed part back (an
+island's new generation among the round's responders; for the syncer and the broker, any round
+committed after the restart; for the final kinds, the end of the run).
+
+Checks at the end, from the tape (EVENTS stream), the step logs, the BCAST headers seen, and the
+export of the syncer's checkpoint (`yeto export`):
+  lost    rounds 1..T without a merge record or without a commit record of their version, plus
+          versions short of T/P in the exported cut
+  double  rounds with more than one merge record, versions committed (tape) or broadcast (BCAST
+          headers) with more than one version digest
+  bad_apply  island processes whose step log shows a version going back, more applies than version
+          changes (a version applied twice), or a version that was never committed (a partial one)
+  final_equal  every island's last process saved exactly the exported final cut (bitwise)
+  left    processes of any started group still running after the run ended
+The same seed is then run without faults; goodput = useful island-steps per second with faults over
+the same without. Useful island-steps: per island process, the local step of its last push that a
+committed round merged (steps after that were lost with the process, or ended under the final cut).
+
+Last line: `chaos rounds=<n> kills=<k> lost=<x> double=<y> final_equal=<true|false> goodput=<g>`
+(goodput `na` with --no-baseline). Exit status 0 only when every check holds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import orjson  # noqa: E402
+
+MID_KINDS = ("island-after-pull", "island-mid-push", "syncer-mid-merge", "syncer-mid-broadcast",
+             "broker-mid-broadcast", "broker-mid-push")
+START_KINDS = ("island-init",)
+END_KINDS = ("syncer-final", "island-final")
+ALL_KINDS = START_KINDS + MID_KINDS + END_KINDS
+
+# The islands fail fast instead of waiting out production defaults when a run goes wrong; reconnects
+# are quick and patient enough to outlast a broker restart.
+ISLAND_ENV = {
+    "YETO_SESSION_TIMEOUT": "120", "YETO_LOCKSTEP_TIMEOUT": "120", "YETO_FINAL_TIMEOUT": "120",
+    "YETO_SHUTDOWN_TIMEOUT": "30", "YETO_INIT_V0_TIMEOUT": "120", "YETO_PUSH_TIMEOUT": "30",
+    "YETO_PROGRESS": "0", "YETO_RECONNECT_WAIT_S": "0.5", "YETO_MAX_RECONNECTS": "600",
+}
+
+
+def log(t0: float, msg: str) -> None:
+    print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, read from /proc: a zombie still answers
+    kill(pid, 0), and nobody may reap the orphaned ranks of a killed island in a container."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
+            out.append(int(d))
+    return out
+
+
+class Child:
+    """One process group we started: an island (all ranks), the syncer, or nats-server."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name, self.cmd, self.log_path, self.env = name, cmd, log_path, env
+        self.proc: subprocess.Popen | None = None
+        self.killed = False
+
+    def start(self) -> "Child":
+        self._logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
+                                     start_new_session=True)
+        return self
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def sigkill(self) -> None:
+        self.killed = True
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def reap(self) -> int | None:
+        return self.proc.poll()
+
+    def left(self) -> list[int]:
+        return group_members(self.pgid)
+
+    def clear(self) -> None:
+        """Whatever of the group still runs dies now (cleanup only; `left` is read before)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._logf.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class IslandChild(Child):
+    def __init__(self, url: str, run: str, island: str, work: Path, tag: str, ranks: int, step_delay: float,
+                 restarted: bool):
+        self.island, self.tag, self.ranks = island, tag, ranks
+        self.steplog = work / f"steplog-{tag}.jsonl"
+        self.out = work / f"island-{tag}.safetensors"
+        env = clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island, YETO_DILOCO_STEP_LOG=str(self.steplog),
+                        **ISLAND_ENV)
+        if restarted:  # a restarted island installs the current cut before its first step
+            env["YETO_DILOCO_INITIAL_CUT_TIMEOUT"] = "30"
+        cmd = [sys.executable, "-m", "learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+               "--step-delay", str(step_delay), "--out", str(self.out)]
+        super().__init__(f"island-{tag}", cmd, work / f"island-{tag}.log", env)
+
+    def result(self) -> dict | None:
+        for line in self.output().splitlines():
+            i = line.find("RESULT {")
+            if i >= 0:
+                return json.JSONDecoder().raw_decode(line, i + len("RESULT "))[0]
+        return None
+
+    def rows(self) -> list[dict]:
+        if not self.steplog.exists():
+            return []
+        rows = []
+        for line in self.steplog.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line (SIGKILL mid-write)
+                continue
+        return rows
+
+
+class BrokerChild:
+    """nats-server on a fixed port and store dir; a kill is SIGKILL, a restart reuses both."""
+
+    def __init__(self, work: Path, port: int):
+        self.store, self.port, self.log_path = work / "jetstream", port, work / "nats-server.log"
+        self.broker = None
+        self.pgids: list[int] = []
+
+    def start(self) -> None:
+        from services.broker import Broker
+
+        self.broker = Broker(port=self.port, store_dir=self.store, log_file=self.log_path).start(timeout=60)
+        self.pgids.append(self.broker.proc.pid)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def sigkill(self) -> None:
+        try:
+            os.killpg(self.broker.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.broker is not None:
+            self.broker.stop()
+
+
+@dataclass
+class Kill:
+    kind: str
+    target: str                      # island id, "syncer" or "broker"
+    after_step: int                  # armed once this many rounds are committed (mid-run kinds)
+    restart_delay: float
+    fired_at: float | None = None
+    what: str = ""
+    on_target: bool = True
+    restarted_at: float | None = None
+    recovered_at: float | None = None
+    killed_gen: str | None = None
+    committed_at_kill: int = 0
+
+
+@dataclass
+class Watch:
+    """What the monitor has seen on `yeto.<run>.>` (live; messages published while the broker is down
+    are not seen, which only delays a trigger)."""
+    committed: int = 0
+    merges: dict = field(default_factory=lambda: defaultdict(list))        # step -> merge records
+    commits: dict = field(default_factory=lambda: defaultdict(set))        # (f, v) -> digests (tape)
+    bcast_digests: dict = field(default_factory=lambda: defaultdict(set))  # (f, v) -> version digests
+    bcast_seen: set = field(default_factory=set)                           # (f, v) with a chunk seen
+    pull_members: dict = field(default_factory=dict)                        # (step, attempt) -> n members
+    accepted: dict = field(default_factory=lambda: defaultdict(set))       # (step, attempt) -> islands
+    gens: dict = field(default_factory=dict)                                # island -> newest gen seen
+    final_seen: bool = False
+    init_seen: bool = False
+
+
+class Chaos:
+    def __init__(self, args, *, faults: bool, work: Path, t0: float):
+        self.args, self.faults, self.work, self.t0 = args, faults, work, t0
+        self.run = f"chaos_{'f' if faults else 'b'}_{uuid.uuid4().hex[:8]}"
+        self.islands = [chr(ord("a") + i) for i in range(args.islands)]
+        self.ranks = {i: (2 if i == "b" else 1) for i in self.islands}
+        self.rng = random.Random(args.seed)
+        self.watch = Watch()
+        self.children: list = []          # every Child ever started (for the "left" check)
+        self.current: dict[str, IslandChild] = {}
+        self.syncer: Child | None = None
+        self.broker: BrokerChild | None = None
+        self.restarts: dict[str, int] = defaultdict(int)
+        self.kills: list[Kill] = []
+        self.armed: Kill | None = None
+        self.end_kill: Kill | None = None
+        self.crashes: list[str] = []
+        self.syncer_rcs: list[int] = []
+        self.from_root = None
+
+    # ---- schedule ----------------------------------------------------------------------------------
+
+    def schedule(self) -> list[Kill]:
+        a, rng = self.args, self.rng
+        kinds = [k for k in a.kinds if k in MID_KINDS] * a.kills_per_kind
+        rng.shuffle(kinds)
+        plan: list[Kill] = []
+        if "island-init" in a.kinds:
+            plan.append(Kill("island-init", a.init_island, 0, rng.uniform(0.2, 1.5)))
+        step = a.first_kill_after
+        for k in kinds:
+            target = "syncer" if k.startswith("syncer") else "broker" if k.startswith("broker") else rng.choice(self.islands)
+            plan.append(Kill(k, target, step, rng.uniform(0.2, 1.5)))
+            step += rng.randint(a.gap_min, a.gap_max)
+        ends = [k for k in a.kinds if k in END_KINDS]
+        if ends:
+            k = rng.choice(ends)
+            plan.append(Kill(k, "syncer" if k == "syncer-final" else rng.choice(self.islands), 0, rng.uniform(0.2, 1.5)))
+        return plan
+
+    # ---- processes ----------------------------------------------------------------------------------
+
+    def start_syncer(self, resume: bool) -> None:
+        a = self.args
+        n = len([c for c in self.children if c.name.startswith("syncer")])
+        cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
+               "--checkpoint-dir", str(self.work / "syncer"), "--small-limits", "--islands", str(a.islands),
+               "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
+               "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", "60",
+               "--member-timeout", "20", "--final-timeout", "60", "--status-every", "2"]
+        if resume:
+            cmd.append("--resume")
+        self.syncer = Child(f"syncer-{n}", cmd, self.work / f"syncer-{n}.log", clean_env()).start()
+        self.children.append(self.syncer)
+
+    def start_island(self, island: str) -> None:
+        n = self.restarts[island]
+        tag = island if n == 0 else f"{island}-r{n}"
+        c = IslandChild(self.broker.url, self.run, island, self.work, tag, self.ranks[island], self.args.step_delay,
+                        restarted=n > 0).start()
+        self.current[island] = c
+        self.children.append(c)
+
+    # ---- monitor --------------------------------------------------------------------------------------
+
+    async def on_msg(self, msg) -> None:
+        if os.environ.get("CHAOS_DEBUG"):
+            print("MSG", msg.subject, flush=True)
+        try:
+            self._see(msg)
+        except Exception as exc:  # the monitor must never die on something it did not expect
+            log(self.t0, f"monitor: could not read {msg.subject}: {exc!r}")
+
+    def _see(self, msg) -> None:
+        w = self.watch
+        tok = msg.subject.split(".")[2:]
+        kind = tok[0]
+        hdr = None
+        if msg.headers and "Yeto-Chunk" in msg.headers:
+            hdr = orjson.loads(msg.headers["Yeto-Chunk"])
+        if kind == "events":
+            rec = orjson.loads(msg.data)
+            k = rec.get("kind")
+            if k == "merge":
+                w.merges[rec["step"]].append(rec)
+                w.committed = max(w.committed, rec["step"])
+                self._recovered_by_merge(rec)
+            elif k == "commit":
+                w.commits[(rec["fragment"], rec["version"])].add(rec.get("detail", {}).get("version_digest"))
+            elif k == "disposition" and rec.get("disposition") == "accepted":
+                key = (rec["step"], rec["attempt"])
+                w.accepted[key].add(rec["island"])
+                if len(w.accepted[key]) >= w.pull_members.get(key, 10**9):
+                    self._trigger("syncer-mid-merge", what=f"step {rec['step']} attempt {rec['attempt']}: last push accepted",
+                                  late=bool(w.merges.get(rec["step"])))
+        elif kind == "ctl":
+            if tok[1] == "pull":
+                p = orjson.loads(msg.data)
+                w.pull_members[(p["step"], p["attempt"])] = len(p["members"])
+                if self.armed and self.armed.kind == "island-after-pull" and any(
+                        m["island"] == self.armed.target for m in p["members"]):
+                    self._trigger("island-after-pull", what=f"pull step {p['step']} attempt {p['attempt']}")
+            elif tok[1] in ("hello", "hb"):
+                m = orjson.loads(msg.data)
+                w.gens[m["island"]] = m["gen"]
+        elif kind == "push" and hdr is not None:
+            if hdr["chunk"] == 0 and hdr["chunks"] > 1:
+                island = tok[1]
+                what = f"{island} push step {hdr['step']} attempt {hdr['attempt']} chunk 0/{hdr['chunks']}"
+                if self.armed and self.armed.kind == "island-mid-push" and island == self.armed.target:
+                    self._trigger("island-mid-push", what=what)
+                self._trigger("broker-mid-push", what=what)
+        elif kind == "init" and hdr is not None:
+            w.init_seen = True
+            self._trigger("island-init", what=f"INIT fragment {hdr['fragment']} chunk {hdr['chunk']}/{hdr['chunks']}")
+        elif kind == "bcast" and hdr is not None:
+            fv = (hdr["fragment"], hdr["version"])
+            w.bcast_digests[fv].add(hdr["version_digest"])
+            new = fv not in w.bcast_seen
+            w.bcast_seen.add(fv)
+            if new and hdr["version"] >= 1 and hdr["chunk"] == 0 and hdr["chunks"] > 1:
+                what = f"BCAST fragment {fv[0]} version {fv[1]} chunk 0/{hdr['chunks']}"
+                self._trigger("syncer-mid-broadcast", what=what)
+                self._trigger("broker-mid-broadcast", what=what)
+        elif kind == "final" and hdr is not None:
+            if not w.final_seen:
+                w.final_seen = True
+                k = self.end_kill
+                if k is not None and k.fired_at is None:
+                    self._fire(k, f"final cut fragment {hdr['fragment']} chunk {hdr['chunk']}/{hdr['chunks']}")
+
+    def _trigger(self, kind: str, *, what: str, late: bool = False) -> None:
+        k = self.armed
+        if k is None or k.kind != kind or k.fired_at is not None:
+            return
+        if kind == "island-init":
+            if k.target not in self.current:
+                return
+        self._fire(k, what)
+        k.on_target = not late
+
+    def _fire(self, k: Kill, what: str) -> None:
+        k.fired_at = time.monotonic()
+        k.what = what
+        k.committed_at_kill = self.watch.committed
+        if k.target == "syncer":
+            self.syncer.sigkill()
+        elif k.target == "broker":
+            self.broker.sigkill()
+        else:
+            k.killed_gen = self.watch.gens.get(k.target)
+            self.current[k.target].sigkill()
+        if k is self.armed:
+            self.armed = None
+        log(self.t0, f"KILL #{len([x for x in self.kills if x.fired_at])} {k.kind} -> {k.target} at {what} "
+                     f"(committed {k.committed_at_kill})")
+
+    def _recovered_by_merge(self, rec: dict) -> None:
+        now = time.monotonic()
+        for k in self.kills:
+            if k.fired_at is None or k.recovered_at is not None or k.restarted_at is None or k.kind in END_KINDS:
+                continue
+            if k.target in ("syncer", "broker"):
+                ok = rec["step"] > k.committed_at_kill or now > k.restarted_at
+            else:
+                ok = any(r["island"] == k.target and r["gen"] != k.killed_gen for r in rec.get("responded", []))
+            if ok:
+                k.recovered_at = now
+                log(self.t0, f"recovered from {k.kind} ({k.target}) in {now - k.fired_at:.1f}s (round {rec['step']})")
+
+    # ---- the run --------------------------------------------------------------------------------------
+
+    async def go(self) -> dict:
+        import nats
+
+        a = self.args
+        self.work.mkdir(parents=True, exist_ok=True)
+        port = a.port or __import__("services.broker", fromlist=["free_port"]).free_port()
+        self.broker = BrokerChild(self.work, port)
+        await asyncio.to_thread(self.broker.start)
+        started = time.monotonic()
+        plan = self.schedule() if self.faults else []
+        self.kills = plan
+        mids = [k for k in plan if k.kind not in END_KINDS]
+        ends = [k for k in plan if k.kind in END_KINDS]
+        self.end_kill = ends[0] if ends else None
+        log(self.t0, f"{'chaos' if self.faults else 'baseline'} run {self.run}: {a.islands} islands "
+                     f"(b has 2 ranks), {a.rounds} rounds, {len(plan)} kills planned, files in {self.work}")
+        if plan:
+            log(self.t0, "schedule: " + ", ".join(f"{k.kind}->{k.target}@{k.after_step}" for k in plan))
+        nc = await nats.connect(self.broker.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                                name="chaos-monitor", error_cb=self._quiet, disconnected_cb=self._quiet2,
+                                reconnected_cb=self._quiet2)
+        from schemas import subjects as S
+
+        await nc.subscribe(S.root(self.run) + ".>", cb=self.on_msg, pending_msgs_limit=1_000_000,
+                           pending_bytes_limit=1 << 30)
+        await nc.flush()
+        self.start_syncer(resume=False)
+        for i in self.islands:
+            self.start_island(i)
+        deadline = time.monotonic() + a.timeout
+        last_progress = 0.0
+        i_mid = 0
+        timed_out = False
+        try:
+            while True:
+                now = time.monotonic()
+                if now > deadline:
+                    timed_out = True
+                    log(self.t0, f"TIMEOUT after {a.timeout:.0f}s at committed round {self.watch.committed}")
+                    break
+                # arm the next mid-run kill once the previous one recovered and enough rounds committed
+                if self.armed is None and i_mid < len(mids):
+                    prev = [k for k in mids[:i_mid] if k.fired_at is not None]
+                    ready = all(k.recovered_at is not None for k in prev)
+                    nxt = mids[i_mid]
+                    if ready and self.watch.committed >= nxt.after_step and (
+                            nxt.kind == "island-init" or self.watch.committed < a.rounds - 2):
+                        self.armed = nxt
+                        i_mid += 1
+                    elif nxt.kind != "island-init" and self.watch.committed >= a.rounds - 2:
+                        i_mid = len(mids)  # too late in the run: the rest of the schedule is dropped
+                if self.armed is not None and self.armed.kind == "island-init" and self.watch.committed > 0:
+                    self.armed = None  # INIT ended before the island sent a chunk we saw
+                await self._restarts()
+                self._reap()
+                if self.syncer.reap() is not None and not self._restart_pending("syncer"):
+                    k = self.end_kill
+                    if k is not None and k.restarted_at is not None and k.recovered_at is None and self.syncer.reap() == 0:
+                        k.recovered_at = now  # a final-cut kill is over when the run ends cleanly
+                        log(self.t0, f"recovered from {k.kind} ({k.target}): the run ended {now - k.fired_at:.1f}s after the kill")
+                    if all(c.reap() is not None for c in self.current.values()) or now > self._syncer_exit_grace():
+                        break
+                if now - last_progress > a.progress_every:
+                    last_progress = now
+                    log(self.t0, f"progress: round {self.watch.committed}/{a.rounds}, "
+                                 f"kills {len([k for k in plan if k.fired_at])}/{len(plan)}")
+                await asyncio.sleep(0.05)
+            wall = time.monotonic() - started
+            # the islands leave after the syncer's shutdown: give them a moment before judging
+            end = time.monotonic() + 60
+            while time.monotonic() < end and any(c.reap() is None for c in self.current.values()):
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)
+            left = {c.name: c.left() for c in self.children}
+            left = {n: p for n, p in left.items() if p}
+            tape_recs = await self._read_tape(nc)
+            with open(self.work / "tape.jsonl", "wb") as f:  # for post-mortems once the broker is gone
+                for r in tape_recs:
+                    f.write(orjson.dumps(r) + b"\n")
+        finally:
+            for c in self.children:
+                c.clear()
+            try:
+                await asyncio.wait_for(nc.close(), 5)
+            except Exception:
+                pass
+            self.broker.stop()
+        self.syncer_rcs.append(self.syncer.reap())
+        return self._verdict(tape_recs, wall, left, timed_out)
+
+    def _syncer_exit_grace(self) -> float:
+        if not hasattr(self, "_exit_seen"):
+            self._exit_seen = time.monotonic()
+        return self._exit_seen + 90
+
+    async def _quiet(self, exc) -> None:
+        pass
+
+    async def _quiet2(self) -> None:
+        pass
+
+    def _restart_pending(self, target: str) -> bool:
+        return any(k.target == target and k.fired_at is not None and k.restarted_at is None for k in self.kills)
+
+    async def _restarts(self) -> None:
+        now = time.monotonic()
+        for k in self.kills:
+            if k.fired_at is None or k.restarted_at is not None or now < k.fired_at + k.restart_delay:
+                continue
+            if k.target == "syncer":
+                self.syncer_rcs.append(self.syncer.proc.wait(10))
+                self.start_syncer(resume=True)
+            elif k.target == "broker":
+                self.broker.broker.proc.wait(10)
+                await asyncio.to_thread(self.broker.start)
+            else:
+                self.current[k.target].proc.wait(10)
+                self.restarts[k.target] += 1
+                self.start_island(k.target)
+            k.restarted_at = time.monotonic()
+            log(self.t0, f"restarted {k.target} {k.restart_delay:.1f}s after {k.kind}"
+                         + (" (--resume)" if k.target == "syncer" else ""))
+
+    def _reap(self) -> None:
+        for island, c in self.current.items():
+            rc = c.reap()
+            if rc not in (None, 0) and not c.killed and c.name not in self.crashes:
+                self.crashes.append(c.name)
+                tail = "\n".join(c.output().splitlines()[-15:])
+                log(self.t0, f"CRASH: {c.name} exited {rc} without being killed:\n{tail}")
+        rc = self.syncer.reap()
+        if rc not in (None, 0) and not self.syncer.killed and self.syncer.name not in self.crashes:
+            self.crashes.append(self.syncer.name)
+            tail = "\n".join(self.syncer.output().splitlines()[-15:])
+            log(self.t0, f"CRASH: {self.syncer.name} exited {rc} without being killed:\n{tail}")
+
+    async def _read_tape(self, nc) -> list[dict]:
+        from schemas import subjects as S
+
+        js = nc.jetstream(timeout=10)
+        out = []
+        for _ in range(3):
+            try:
+                info = await js.stream_info(S.stream(self.run, "EVENTS"))
+                break
+            except Exception as exc:
+                log(self.t0, f"reading the tape: {exc!r}; retrying")
+                await asyncio.sleep(2)
+        else:
+            return out
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                m = await js.get_msg(S.stream(self.run, "EVENTS"), seq=seq)
+            except Exception:
+                continue
+            out.append(orjson.loads(m.data))
+        return out
+
+    # ---- checks -----------------------------------------------------------------------------------------
+
+    def _verdict(self, recs: list[dict], wall: float, left: dict, timed_out: bool) -> dict:
+        a = self.args
+        P, T = a.fragments, a.rounds
+        merges = defaultdict(list)
+        commits = defaultdict(set)
+        accepted = {}
+        for r in recs:
+            if r.get("kind") == "merge":
+                merges[r["step"]].append(r)
+            elif r.get("kind") == "commit":
+                commits[(r["fragment"], r["version"])].add(r.get("detail", {}).get("version_digest"))
+            elif r.get("kind") == "disposition" and r.get("disposition") == "accepted":
+                accepted[(r["step"], r["attempt"], r["island"], r["gen"])] = r.get("detail", {}).get("local_step")
+        # export the checkpoint: the final cut
+        final_path = self.work / "final-cut.safetensors"
+        ex = subprocess.run([sys.executable, "-m", "services.cli", "export", "--run", self.run, "--checkpoint-dir",
+                             str(self.work / "syncer"), "--out", str(final_path)], capture_output=True, text=True,
+                            cwd=ROOT, env=clean_env())
+        final, meta = None, {}
+        if ex.returncode == 0:
+            from safetensors import safe_open
+
+            with safe_open(str(final_path), "pt") as f:
+                final = {k: f.get_tensor(k) for k in f.keys()}
+                meta = f.metadata() or {}
+        else:
+            log(self.t0, f"export failed: {ex.stderr.strip()[-500:]}")
+        versions = {int(k): v for k, v in orjson.loads(meta.get("versions", "{}")).items()}
+        # lost: a round without its merge or commit record; versions short of T/P
+        lost_rounds, count = [], defaultdict(int)
+        for t in range(1, T + 1):
+            f = (t - 1) % P
+            count[f] += 1
+            if not merges.get(t) or (f, count[f]) not in commits:
+                lost_rounds.append(t)
+        short = sum(max(0, T // P + (1 if f < T % P else 0) - versions.get(f, 0)) for f in range(P))
+        lost = len(lost_rounds) + short
+        # double: a round merged twice, a version with two digests (tape or BCAST)
+        double_rounds = [t for t, ms in merges.items() if len(ms) > 1]
+        double_versions = sorted({fv for fv, d in commits.items() if len(d) > 1}
+                                 | {fv for fv, d in self.watch.bcast_digests.items() if len(d) > 1})
+        double = len(double_rounds) + len(double_versions)
+        # islands: applies at most once per version, never a version that was not committed
+        bad_apply = []
+        islands_ok = {}
+        for c in (c for c in self.children if isinstance(c, IslandChild)):
+            rows = c.rows()
+            prev: dict[str, int] = {}
+            changes = applies = 0
+            why = None
+            for row in rows:
+                applies += row.get("applies", 0)
+                for fk, v in row.get("versions", {}).items():
+                    if fk in prev and v < prev[fk]:
+                        why = f"fragment {fk} went back from version {prev[fk]} to {v} at step {row['step']}"
+                    if prev.get(fk) != v:
+                        changes += 1
+                    if v > versions.get(int(fk), -1) and final is not None:
+                        why = f"fragment {fk} version {v} at step {row['step']} was never committed"
+                    prev[fk] = v
+            if c.result() is not None and rows:
+                # the last boundary installed the final cut: up to one apply per fragment, no version change
+                applies -= min(P, rows[-1].get("applies", 0))
+            if applies > changes and why is None:
+                why = f"{applies} applies for {changes} version changes (a version applied twice)"
+            if why:
+                bad_apply.append(f"{c.name}: {why}")
+        # final_equal: every island's last process saved the exported final cut, bit for bit
+        import torch
+        from safetensors.torch import load_file
+
+        final_equal = final is not None and meta.get("final") == "True"
+        for island, c in self.current.items():
+            ok = c.reap() == 0 and c.out.exists() and final is not None
+            if ok:
+                mine = load_file(str(c.out))
+                ok = sorted(mine) == sorted(final) and all(torch.equal(mine[k], v) for k, v in final.items())
+            islands_ok[island] = ok
+            final_equal = final_equal and ok
+        # goodput: useful island-steps (per process: local step of its last merged push)
+        useful = defaultdict(int)
+        for t, ms in merges.items():
+            m = ms[0]
+            for r in m.get("responded", []):
+                ls = accepted.get((t, m["attempt"], r["island"], r["gen"]))
+                if ls is not None:
+                    useful[(r["island"], r["gen"])] = max(useful[(r["island"], r["gen"])], ls)
+        # steps before a process held every fragment were overwritten by its first cut: not useful
+        offset = {}
+        for c in (c for c in self.children if isinstance(c, IslandChild)):
+            for row in c.rows():
+                if len(row.get("versions", {})) == P:
+                    offset[(c.island, row["gen"])] = row["step"] - 1
+                    break
+        useful_steps = sum(max(0, ls - offset.get(key, 0)) for key, ls in useful.items())
+        rec_by_kind = defaultdict(list)
+        for k in self.kills:
+            if k.fired_at is not None:
+                rec_by_kind[k.kind].append(None if k.recovered_at is None else k.recovered_at - k.fired_at)
+        return {
+            "run": self.run, "wall_s": wall, "committed": int(meta.get("committed_step", 0) or 0),
+            "kills": sum(1 for k in self.kills if k.fired_at is not None), "planned": len(self.kills),
+            "off_target": [f"{k.kind}: {k.what}" for k in self.kills if k.fired_at is not None and not k.on_target],
+            "lost": lost, "lost_rounds": lost_rounds, "short_versions": short, "double": double,
+            "double_rounds": double_rounds, "double_versions": double_versions, "bad_apply": bad_apply,
+            "final_equal": final_equal, "islands_equal": islands_ok, "left": left, "crashes": self.crashes,
+            "syncer_rcs": self.syncer_rcs, "timed_out": timed_out, "useful_steps": useful_steps,
+            "goodput": useful_steps / wall if wall > 0 else 0.0, "recovery": dict(rec_by_kind),
+            "final_versions": versions, "pgids": {c.name: c.pgid for c in self.children} | {
+                f"nats-server-{i}": g for i, g in enumerate(self.broker.pgids)},
+        }
+
+
+def _fmt_recovery(rec: dict) -> list[str]:
+    lines = []
+    for kind in ALL_KINDS:
+        if kind not in rec:
+            continue
+        got = [x for x in rec[kind] if x is not None]
+        miss = len(rec[kind]) - len(got)
+        if got:
+            lines.append(f"  {kind:22s} n={len(rec[kind])} recovery median {statistics.median(got):.1f}s "
+                         f"max {max(got):.1f}s" + (f" ({miss} never recovered)" if miss else ""))
+        else:
+            lines.append(f"  {kind:22s} n={len(rec[kind])} never recovered")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/chaos.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=None, help="global rounds to commit (default 200; 40 with --quick)")
+    p.add_argument("--islands", type=int, default=4, help="islands; island b has 2 gloo ranks (default %(default)s)")
+    p.add_argument("--fragments", type=int, default=2)
+    p.add_argument("--sync-every", type=int, default=8, help="H: inner steps between two syncs of one fragment")
+    p.add_argument("--step-delay", type=float, default=0.02, help="seconds of simulated compute per inner step")
+    p.add_argument("--chunk-bytes", type=int, default=4096,
+                   help="chunk size: small, so pushes and broadcasts of the tiny model have several chunks")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kinds", default=",".join(ALL_KINDS), help="comma-separated kill kinds (default: all)")
+    p.add_argument("--kills-per-kind", type=int, default=4, help="kills of each mid-run kind (default %(default)s)")
+    p.add_argument("--first-kill-after", type=int, default=3, help="rounds committed before the first mid-run kill")
+    p.add_argument("--gap-min", type=int, default=2, help="fewest rounds between two mid-run kills")
+    p.add_argument("--gap-max", type=int, default=5)
+    p.add_argument("--init-island", default="a")
+    p.add_argument("--quick", action="store_true",
+                   help="a short soak: 40 rounds, 2 kills of each mid-run kind (well under 10 minutes)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (goodput=na)")
+    p.add_argument("--timeout", type=float, default=None, help="give up on a run after this many seconds")
+    p.add_argument("--progress-every", type=float, default=10.0)
+    p.add_argument("--port", type=int, default=0, help="broker port (default: a free one)")
+    p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the full results as JSON here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.rounds = a.rounds or 40
+        a.kills_per_kind = min(a.kills_per_kind, 2)
+        a.first_kill_after, a.gap_min, a.gap_max = 2, 1, 2
+    a.rounds = a.rounds or 200
+    a.kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    bad = [k for k in a.kinds if k not in ALL_KINDS]
+    if bad:
+        p.error(f"--kinds: unknown kind(s) {', '.join(bad)}; known: {', '.join(ALL_KINDS)}")
+    if a.islands < 2:
+        p.error(f"--islands must be >= 2 (island b has 2 ranks), got {a.islands}")
+    if a.timeout is None:
+        a.timeout = 300 + a.rounds * 4 + 30 * a.kills_per_kind * len(a.kinds)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="yeto-chaos-"))
+    t0 = time.monotonic()
+    res = asyncio.run(Chaos(a, faults=True, work=work / "chaos", t0=t0).go())
+    print(f"chaos: {res['committed']} rounds in {res['wall_s']:.1f}s, kills {res['kills']}/{res['planned']}, "
+          f"useful island-steps {res['useful_steps']} ({res['goodput']:.2f}/s)", flush=True)
+    print("recovery per kill kind (SIGKILL -> next round committed with the part back):", flush=True)
+    for line in _fmt_recovery(res["recovery"]):
+        print(line, flush=True)
+    for key in ("lost_rounds", "double_rounds", "double_versions", "bad_apply", "crashes", "left", "off_target"):
+        if res[key]:
+            print(f"  {key}: {res[key]}", flush=True)
+    print(f"  syncer exit codes: {res['syncer_rcs']}; islands equal to the final cut: {res['islands_equal']}", flush=True)
+    goodput = "na"
+    base = None
+    if not a.no_baseline:
+        base = asyncio.run(Chaos(a, faults=False, work=work / "baseline", t0=t0).go())
+        print(f"baseline (no faults): {base['committed']} rounds in {base['wall_s']:.1f}s, useful island-steps "
+              f"{base['useful_steps']} ({base['goodput']:.2f}/s), final_equal={base['final_equal']}", flush=True)
+        if base["goodput"] > 0:
+            goodput = f"{res['goodput'] / base['goodput']:.3f}"
+    if a.json:
+        Path(a.json).write_text(json.dumps({"chaos": res, "baseline": base, "args": vars(a)}, default=str, indent=1))
+    ok = (res["lost"] == 0 and res["double"] == 0 and res["final_equal"] and not res["left"] and not res["bad_apply"]
+          and not res["crashes"] and not res["timed_out"])
+    print(f"chaos rounds={res['committed']} kills={res['kills']} lost={res['lost']} double={res['double']} "
+          f"final_equal={'true' if res['final_equal'] else 'false'} goodput={goodput}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
