@@ -43,13 +43,23 @@ class ConnectOptions:
     def kwargs(self) -> dict:
         kw: dict = {"servers": [u.strip() for u in self.url.split(",") if u.strip()]}
         if self.creds:
-            kw["user_credentials"] = self.creds
+            # `yeto auth init` writes a bare nkey seed; a JWT .creds file (nsc) goes to user_credentials.
+            kw["nkeys_seed" if _is_nkey_seed(self.creds) else "user_credentials"] = self.creds
         if self.tls_ca:
             ctx = ssl.create_default_context(cafile=self.tls_ca)
             kw["tls"] = ctx
         if self.name:
             kw["name"] = self.name
         return kw
+
+
+def _is_nkey_seed(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).strip()
+    except OSError as exc:
+        raise ValueError(f"--nats-creds / YETO_NATS_CREDS: cannot read {path!r}: {exc.strerror}") from None
+    return head.startswith(b"SU") and b"\n" not in head
 
 
 def add_connect_args(parser: argparse.ArgumentParser, *, run: bool = True, run_required: bool = True) -> None:

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_connect_args(rm, run=False)
     rm.set_defaults(func=_cmd_run_rm)
 
-    for name in ("syncer", "export", "demo", "steplog", "exporter", "dashboard"):
+    for name in ("syncer", "export", "demo", "steplog", "exporter", "dashboard", "auth"):
         try:
             mod = __import__(f"services.cmd_{name}", fromlist=["add_parser"])
         except ModuleNotFoundError as exc:

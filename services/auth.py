@@ -1,0 +1,433 @@
+"""Identities and server-enforced permissions of a secured run (issue 17, DESIGN §7/§8 "Security").
+
+`yeto auth init --run R --islands a,b --out DIR` writes, with the private files mode 0600:
+
+* `DIR/<identity>.creds` — one NATS **nkey** user seed per identity (`syncer`, each island, `observer`,
+  `admin`), made with the nats-io `nkeys` package. `--nats-creds FILE` accepts it as is
+  (schemas/conn.py hands a bare seed to nats-py's `nkeys_seed=`, a JWT .creds file to
+  `user_credentials=`). The server only ever sees public keys.
+* `DIR/auth.conf` — a nats-server `authorization` block: one nkey user per identity with its
+  publish/subscribe allow and deny lists. No `no_auth_user`: a connection without a key is refused.
+* `DIR/identities.json` — the public half (run, INIT island, name -> role and public key); a second
+  `yeto auth init` on DIR reads it, adds the new islands and keeps every existing key valid.
+* with `--tls`: `DIR/tls/ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (made with
+  `cryptography`); clients verify the server with `--tls-ca DIR/tls/ca.pem`.
+
+Why nkey users in the server config rather than operator-mode JWTs: the permissions then sit in one
+readable file next to the broker (what an operator reviews), adding an island is a config reload,
+and nothing but the public keys ever leaves DIR.
+
+Permissions are built from the same `schemas.subjects` functions the processes publish with, and from
+the JetStream API subjects nats-py 2.16 really sends (nats/js/manager.py): stream info
+`$JS.API.STREAM.INFO.<stream>`, message get `$JS.API.STREAM.MSG.GET.<stream>`, direct get
+`$JS.API.DIRECT.GET.<stream>[.<subject>]`, consumer create `$JS.API.CONSUMER.CREATE.<stream>`
+(ephemeral / ordered), `...CREATE.<stream>.<name>[.<filter>]`, `...DURABLE.CREATE.<stream>.<name>`,
+info / delete / list / next, acks `$JS.ACK.<stream>.>`, flow control of ordered consumers
+`$JS.FC.<stream>.>`, KV writes `$KV.<bucket>.<key>`, and replies on `_INBOX.>`.
+
+NATS wildcards match whole tokens only, and a consumer name is one token; so rules can name a stream
+(hence a run) exactly, but not "consumers whose name starts with isl-a-". See `KNOWN_GAPS`.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import ipaddress
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas import subjects as S
+from schemas.ids import check_island, check_run
+
+ROLES = ("syncer", "island", "observer", "admin")
+RESERVED = ("syncer", "observer", "admin")  # identity names an island may not take
+API = "$JS.API"
+IDENTITIES_FILE = "identities.json"
+AUTH_CONF = "auth.conf"
+TLS_DIR = "tls"
+DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+
+# What the server cannot tell apart today, said once so the README and the report quote the same text.
+KNOWN_GAPS = (
+    "An island's CTL consumer is named isl-<island>-<gen> with a random gen, and NATS permissions match "
+    "whole tokens only: the rules can confine an island's consumer operations to the run's CTL stream, "
+    "not to its own consumers on it. A per-island consumer name (one token the rules can name) closes this.",
+)
+
+
+class AuthError(ValueError):
+    """Bad input to `yeto auth init` (names the field and the value)."""
+
+
+# ---- permissions (pure) -------------------------------------------------------------------------
+
+def _streams(run: str) -> dict[str, str]:
+    out = {k: S.stream(run, k) for k in S.STREAM_KINDS}
+    out.update({f"kv_{k}": f"KV_{S.kv_bucket(run, k)}" for k in S.KV_KINDS})
+    return out
+
+
+def _read_stream(s: str, *, consumers: bool = True) -> list[str]:
+    """Read-only access to stream `s`: info, message get, direct get, and (optionally) ephemeral /
+    ordered consumers (create, flow control replies)."""
+    out = [f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.MSG.GET.{s}", f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>"]
+    if consumers:
+        # nats-py creates an unnamed (ordered) consumer with CONSUMER.CREATE.<stream>; newer clients
+        # name it: CONSUMER.CREATE.<stream>.<name>[.<filter>].
+        out += [f"{API}.CONSUMER.CREATE.{s}", f"{API}.CONSUMER.CREATE.{s}.*", f"{API}.CONSUMER.CREATE.{s}.*.>",
+                f"$JS.FC.{s}.>"]
+    return out
+
+
+def _all_consumer_ops(s: str) -> list[str]:
+    return [f"{API}.CONSUMER.*.{s}", f"{API}.CONSUMER.*.{s}.>", f"{API}.CONSUMER.DURABLE.CREATE.{s}.*",
+            f"{API}.CONSUMER.MSG.NEXT.{s}.*", f"$JS.ACK.{s}.>", f"$JS.FC.{s}.>"]
+
+
+# Denied to every identity but the admin / syncer as noted, whatever the allow lists grow into later.
+_NEVER_FOR_CLIENTS = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>", f"{API}.STREAM.PURGE.>",
+                      f"{API}.STREAM.MSG.DELETE.>", f"{API}.CONSUMER.MSG.DELETE.>", "$KV.>"]
+
+
+def permissions(run: str, name: str, role: str, *, init_island: str | None = None) -> dict:
+    """nats-server permissions of identity `name` (role `role`) of run `run`:
+    {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...], "deny": [...]}}. Pure."""
+    check_run(run)
+    st = _streams(run)
+    r = S.root(run)
+    pub: list[str]
+    sub = ["_INBOX.>"]
+    deny_pub: list[str] = []
+    if role == "island":
+        check_island(name)
+        ctl = st["CTL"]
+        pub = [f"{r}.push.{name}.*", S.hello(run, name), S.heartbeat(run, name), S.ack(run, name),
+               S.steplog(run, name)]
+        if name == init_island:
+            pub.append(f"{r}.init.*")
+        # check_run: every stream and bucket of the run must exist
+        pub += [f"{API}.STREAM.INFO.{s}" for s in st.values()]
+        # its CTL consumer (create / bind / fetch / ack / remove older generations); the hello read back by seq
+        pub += [f"{API}.STREAM.MSG.GET.{ctl}", f"{API}.CONSUMER.CREATE.{ctl}.*", f"{API}.CONSUMER.DURABLE.CREATE.{ctl}.*",
+                f"{API}.CONSUMER.INFO.{ctl}.*", f"{API}.CONSUMER.DELETE.{ctl}.*", f"{API}.CONSUMER.LIST.{ctl}",
+                f"{API}.CONSUMER.NAMES.{ctl}", f"{API}.CONSUMER.MSG.NEXT.{ctl}.*", f"$JS.ACK.{ctl}.>"]
+        # the current cut and the final cut (ordered consumers, chunk reads), the session record
+        pub += _read_stream(st["BCAST"]) + _read_stream(st["FINAL"]) + _read_stream(st["kv_state"])
+        # Reading another island's push (its data's update) or forging one through a consumer is out.
+        deny_pub = list(_NEVER_FOR_CLIENTS) + [f"{API}.CONSUMER.*.{st['PUSH']}.>", f"{API}.CONSUMER.*.{st['PUSH']}",
+                                               f"{API}.DIRECT.GET.{st['PUSH']}", f"{API}.DIRECT.GET.{st['PUSH']}.>",
+                                               f"{API}.STREAM.MSG.GET.{st['PUSH']}"]
+        if name != init_island:
+            deny_pub.append(f"{r}.init.>")
+    elif role == "syncer":
+        pub = [f"{r}.>", f"$KV.{S.kv_bucket(run, 'members')}.>", f"$KV.{S.kv_bucket(run, 'state')}.>", f"{API}.INFO"]
+        for s in st.values():
+            pub += [f"{API}.STREAM.CREATE.{s}", f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.PURGE.{s}",
+                    f"{API}.STREAM.MSG.GET.{s}", f"{API}.STREAM.MSG.DELETE.{s}", f"{API}.DIRECT.GET.{s}",
+                    f"{API}.DIRECT.GET.{s}.>"] + _all_consumer_ops(s)
+        sub.append(f"{r}.>")
+        # removing or reshaping the run is the admin's
+        deny_pub = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>"]
+    elif role == "observer":
+        pub = [f"{API}.INFO"]
+        for s in (st["STEPLOG"], st["EVENTS"], st["kv_state"]):
+            pub += _read_stream(s)
+        pub += [f"{API}.CONSUMER.DELETE.{s}.*" for s in (st["STEPLOG"], st["EVENTS"], st["kv_state"])]
+        sub += [S.steplog_all(run), S.events_all(run)]
+        deny_pub = list(_NEVER_FOR_CLIENTS) + [f"{r}.>"]
+    elif role == "admin":
+        pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST"]
+        for s in st.values():
+            pub += [f"{API}.STREAM.CREATE.{s}", f"{API}.STREAM.UPDATE.{s}", f"{API}.STREAM.DELETE.{s}",
+                    f"{API}.STREAM.INFO.{s}", f"{API}.CONSUMER.*.{s}", f"{API}.CONSUMER.*.{s}.>",
+                    f"{API}.CONSUMER.DURABLE.CREATE.{s}.*"]
+        # provisioning only: no message of the run, no KV write, no read of the weights
+        deny_pub = [f"{r}.>", "$KV.>", f"{API}.STREAM.MSG.>", f"{API}.DIRECT.>", f"{API}.CONSUMER.MSG.>"]
+    else:
+        raise AuthError(f"role: must be one of {ROLES}, got {role!r}")
+    perms = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    if deny_pub:
+        perms["publish"]["deny"] = deny_pub
+    return perms
+
+
+# ---- identities and files -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    role: str
+    public_key: str
+
+
+def parse_islands(text: str) -> list[str]:
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if not names:
+        raise AuthError(f"--islands: give at least one island id (comma separated), got {text!r}")
+    for n in names:
+        try:
+            check_island(n)
+        except Exception as exc:
+            raise AuthError(f"--islands: {n!r} is not an island id ([A-Za-z0-9_-]+): {exc}") from None
+        if n in RESERVED:
+            raise AuthError(f"--islands: {n!r} is reserved for the {n} identity; name the island otherwise")
+    if len(set(names)) != len(names):
+        raise AuthError(f"--islands: repeated island id in {text!r}")
+    return names
+
+
+def _quote(s: str) -> str:
+    return json.dumps(s)  # nats-server's config reads JSON strings; quoting keeps `$JS...` from being a variable
+
+
+def _perm_text(p: dict, indent: str) -> str:
+    lines = []
+    for kind in ("publish", "subscribe"):
+        if kind not in p:
+            continue
+        parts = []
+        for k in ("allow", "deny"):
+            if p[kind].get(k):
+                parts.append(f"{indent}    {k}: [" + ", ".join(_quote(x) for x in p[kind][k]) + "]")
+        lines.append(f"{indent}  {kind}: {{\n" + "\n".join(parts) + f"\n{indent}  }}")
+    return "\n".join(lines)
+
+
+def users_text(run: str, identities: list[Identity], init_island: str | None, indent: str = "    ") -> str:
+    """The `users` entries (one nkey user per identity, its permissions, its name as a comment)."""
+    out = []
+    for ident in identities:
+        p = permissions(run, ident.name, ident.role, init_island=init_island)
+        out.append(f"{indent}# run {run}: {ident.role} {ident.name}\n"
+                   f"{indent}{{\n{indent}  nkey: {ident.public_key}\n{indent}  permissions: {{\n"
+                   f"{_perm_text(p, indent + '  ')}\n{indent}  }}\n{indent}}}")
+    return "\n".join(out)
+
+
+def auth_conf_text(runs: list[tuple[str, list[Identity], str | None]]) -> str:
+    """A nats-server `authorization` block with the users of every (run, identities, init island)."""
+    body = "\n".join(users_text(r, ids, init) for r, ids, init in runs)
+    return ("# Generated by `yeto auth init`: public keys and permissions only (the seeds are the .creds files).\n"
+            "# No no_auth_user: a client without a key is refused.\n"
+            "authorization {\n  timeout: 5\n  users = [\n" + body + "\n  ]\n}\n")
+
+
+def tls_block(tls_dir: str | os.PathLike) -> str:
+    d = Path(tls_dir).resolve()
+    return ("tls {\n"
+            f"  cert_file: {_quote(str(d / 'server.pem'))}\n"
+            f"  key_file: {_quote(str(d / 'server-key.pem'))}\n"
+            "  timeout: 5\n"
+            "}\n")
+
+
+def load_identities(auth_dir: str | os.PathLike) -> tuple[str, list[Identity], str | None]:
+    d = Path(auth_dir)
+    try:
+        rec = json.loads((d / IDENTITIES_FILE).read_text())
+    except FileNotFoundError:
+        raise AuthError(f"auth dir {str(d)!r}: no {IDENTITIES_FILE} (make it with `yeto auth init --out {d}`)") from None
+    ids = [Identity(n, v["role"], v["public_key"]) for n, v in rec["identities"].items()]
+    return rec["run"], ids, rec.get("init_island")
+
+
+def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os.PathLike | None = None,
+                       *, tls: bool | None = None) -> str:
+    """A whole nats-server config: the base settings (default: the shipped services/nats.conf), the
+    users of every auth dir (several runs may share one broker), and a TLS block when the first dir
+    has `tls/` (or `tls=True`). What `yeto broker --auth DIR` serves."""
+    if base_config is None:
+        from services.broker import default_config_path
+
+        base_config = default_config_path()
+    runs = [load_identities(d) for d in auth_dirs]
+    seen = {}
+    for d, (run, _ids, _i) in zip(auth_dirs, runs):
+        if run in seen:
+            raise AuthError(f"auth dirs {seen[run]!r} and {str(d)!r} are both for run {run!r}")
+        seen[run] = str(d)
+    text = Path(base_config).read_text() + "\n" + auth_conf_text(runs)
+    tls_dir = Path(auth_dirs[0]) / TLS_DIR
+    if tls or (tls is None and (tls_dir / "server.pem").exists()):
+        text += tls_block(tls_dir)
+    return text
+
+
+def write_server_config(auth_dirs: list[str | os.PathLike], out: str | os.PathLike,
+                        base_config: str | os.PathLike | None = None, *, tls: bool | None = None) -> Path:
+    out = Path(out)
+    _write_private(out, server_config_text(auth_dirs, base_config, tls=tls))
+    return out
+
+
+def _write_private(path: Path, data: str | bytes) -> None:
+    """Write atomically with mode 0600 from the first byte (never briefly world-readable)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _new_seed() -> tuple[bytes, str]:
+    """A fresh nkey user key pair: (seed, public key)."""
+    import nacl.signing  # PyNaCl, a dependency of nkeys
+    import nkeys
+
+    raw = nacl.signing.SigningKey.generate().encode()
+    seed = nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_USER)
+    kp = nkeys.from_seed(bytearray(seed))
+    try:
+        return bytes(seed), kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
+def _public_of(seed_file: Path) -> str:
+    import nkeys
+
+    kp = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
+    try:
+        return kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
+@dataclass
+class InitReport:
+    run: str
+    out: Path
+    created: list[str]
+    kept: list[str]
+    tls: list[str]
+    init_island: str | None
+
+
+def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_island: str | None = None,
+              tls: bool = False, hosts: list[str] | None = None) -> InitReport:
+    """`yeto auth init`: create or extend DIR. Existing identities keep their keys; new islands get new
+    ones; auth.conf is rewritten from the union."""
+    check_run(run)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    existing: dict[str, Identity] = {}
+    prev_init = None
+    if (out / IDENTITIES_FILE).exists():
+        prev_run, ids, prev_init = load_identities(out)
+        if prev_run != run:
+            raise AuthError(f"--run: {out} holds identities of run {prev_run!r}, not {run!r}; "
+                            f"use another --out for another run")
+        existing = {i.name: i for i in ids}
+    all_islands = [i.name for i in existing.values() if i.role == "island"]
+    all_islands += [n for n in islands if n not in all_islands]
+    if init_island is None:
+        init_island = prev_init or all_islands[0]
+    elif init_island not in all_islands:
+        raise AuthError(f"--init-island: {init_island!r} is not one of the islands {all_islands}")
+    wanted = [("syncer", "syncer"), *((n, "island") for n in all_islands), ("observer", "observer"), ("admin", "admin")]
+    created, kept, final = [], [], []
+    for name, role in wanted:
+        creds = out / f"{name}.creds"
+        ident = existing.get(name)
+        if ident is not None and creds.exists():
+            if _public_of(creds) != ident.public_key:
+                raise AuthError(f"{creds}: its key is not the one recorded in {IDENTITIES_FILE} for {name!r}; "
+                                f"restore the file or remove both to issue a new identity")
+            os.chmod(creds, 0o600)
+            kept.append(name)
+            final.append(ident)
+            continue
+        seed, pub = _new_seed()
+        _write_private(creds, seed + b"\n")
+        created.append(name)
+        final.append(Identity(name, role, pub))
+    rec = {"run": run, "init_island": init_island,
+           "identities": {i.name: {"role": i.role, "public_key": i.public_key} for i in final}}
+    _write_private(out / IDENTITIES_FILE, json.dumps(rec, indent=2) + "\n")
+    _write_private(out / AUTH_CONF, auth_conf_text([(run, final, init_island)]))
+    tls_files: list[str] = []
+    if tls:
+        tls_files = make_tls(out / TLS_DIR, list(hosts or DEFAULT_HOSTS))
+    return InitReport(run, out, created, kept, tls_files, init_island)
+
+
+# ---- TLS ------------------------------------------------------------------------------------------
+
+def _san(hosts: list[str]):
+    from cryptography import x509
+
+    names = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(names)
+
+
+def cert_hosts(cert_pem: bytes) -> list[str]:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [str(v) for v in san.get_values_for_type(x509.DNSName)] + \
+           [str(v) for v in san.get_values_for_type(x509.IPAddress)]
+
+
+def make_tls(tls_dir: Path, hosts: list[str], *, days: int = 825) -> list[str]:
+    """A CA (kept when it exists) and a server certificate for `hosts` signed by it (re-issued when
+    missing or when the hosts changed). ECDSA P-256; keys mode 0600."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if not hosts:
+        raise AuthError("--hosts: give at least one host name or address")
+    tls_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(tls_dir, 0o700)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    pem = serialization.Encoding.PEM
+    written = []
+
+    def key_bytes(k) -> bytes:
+        return k.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    ca_pem, ca_key_pem = tls_dir / "ca.pem", tls_dir / "ca-key.pem"
+    if ca_pem.exists() and ca_key_pem.exists():
+        ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
+        ca_key = serialization.load_pem_private_key(ca_key_pem.read_bytes(), None)
+    else:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "yeto-nats run CA")])
+        ca_cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=3650))
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                   .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                                data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                                crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+                   .sign(ca_key, hashes.SHA256()))
+        _write_private(ca_key_pem, key_bytes(ca_key))
+        ca_pem.write_bytes(ca_cert.public_bytes(pem))  # public: clients need it
+        written += ["ca.pem", "ca-key.pem"]
+    srv_pem, srv_key_pem = tls_dir / "server.pem", tls_dir / "server-key.pem"
+    if srv_pem.exists() and srv_key_pem.exists() and sorted(cert_hosts(srv_pem.read_bytes())) == sorted(hosts):
+        return written
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=days))
+            .add_extension(_san(hosts), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write_private(srv_key_pem, key_bytes(key))
+    _write_private(srv_pem, cert.public_bytes(pem))
+    return written + ["server.pem", "server-key.pem"]
