@@ -37,10 +37,21 @@ Rules, and why:
 * **Supersession by commit.** A pull for round t of fragment F carries `base_version` b, the
   version committed when the round was launched. The syncer never runs two rounds on one fragment at
   once and commits them in order, so a version of F newer than b exists only once round t has
-  committed. The book therefore drops every round of F with base_version < v as soon as it learns that
-  version v of F exists: from `committed(F, v)` (the island applied v) or from a pull of F with
-  base_version v (that round's launch proves v was committed). Later copies of such pulls are dropped
-  on arrival.
+  committed. The book therefore drops every round of F with base_version < v as soon as the island
+  applied version v of F (`committed(F, v)`: bytes whose digest matched). Later copies of such pulls
+  are dropped on arrival. A pull's own `base_version` is *not* taken as proof (it once was): until
+  #17 anyone on the bus may publish a pull, and one claiming base 2^53−1 made the island drop every
+  real pull of its fragment for good. Since the broadcasts are applied before pulls are answered at
+  a boundary, the commit rule alone rarely lets a moot push out (the syncer disposes of it).
+* **Plausibility** (hostile pulls, issue 16). Refused (WireError naming the field, counted by the
+  shell): a number above MAX_COUNT (2^31 − 1: no run gets near it, and values near 2^53 lose
+  precision in JSON readers); with the session's fragment count, a step that targets another
+  fragment or a base_version above the number of rounds of the fragment before it,
+  (t − 1 − F) // P (each committed round adds exactly one version); a new attempt of a round more
+  than MAX_ATTEMPT_JUMP above the newest seen (the syncer adds 1 per restart, also across its own
+  resume, and every island reads every pull in order), which would otherwise make the real attempts
+  look stale. Rounds that do not name this island are remembered only for dedup and at most
+  2·MAX_ROUNDS of them (trimmed to MAX_ROUNDS, the newest steps first), so a flood of forged pulls cannot grow the book.
 * **Readiness.** A pull waits while its fragment has no anchor or no local step since the anchor was
   installed (`ready(fragment)` is False): the push d = local − anchor would be meaningless or zero.
 * **Tries.** A taken pull is in flight until `sent` (every chunk acknowledged: the round is done for
@@ -64,6 +75,9 @@ from typing import Callable, Iterable, Mapping
 from schemas.errors import WireError
 
 WAITING = "waiting"
+MAX_COUNT = 2**31 - 1
+MAX_ATTEMPT_JUMP = 16
+MAX_ROUNDS = 1024  # rounds kept for dedup only
 INFLIGHT = "inflight"
 DONE = "done"  # every chunk of a try acknowledged by JetStream
 
@@ -111,8 +125,8 @@ class RoundRecord:
 
 def _int_field(pull: Mapping, key: str, minimum: int) -> int:
     value = pull.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WireError(f"pull field must be an integer >= {minimum}", field=key, value=value)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+        raise WireError(f"pull field must be an integer in [{minimum}, {MAX_COUNT}]", field=key, value=value)
     return value
 
 
@@ -179,10 +193,11 @@ class PullBook:
             if (step - 1) % self.fragments != fragment:
                 raise WireError(f"round {step} targets fragment {(step - 1) % self.fragments}", field="fragment",
                                 value=fragment)
+            if base > (step - 1 - fragment) // self.fragments:
+                raise WireError(f"round {step} of fragment {fragment} follows {(step - 1 - fragment) // self.fragments} "
+                                f"rounds of it: its base version cannot be higher", field="base_version", value=base)
         mine = self._names(members)
 
-        # The launch of this round proves `base` is committed: older rounds of the fragment are done.
-        self._raise_floor(fragment, base)
         if base < self._floor.get(fragment, -1):
             self.counts["committed"] += 1
             return False
@@ -192,6 +207,9 @@ class PullBook:
         if r is not None and (attempt, seq) <= (r.attempt, r.seq):
             self.counts["duplicate" if (attempt, seq) == (r.attempt, r.seq) else "stale"] += 1
             return False
+        if r is not None and attempt > r.attempt + MAX_ATTEMPT_JUMP:
+            raise WireError(f"round {step} is at attempt {r.attempt}: a jump of more than {MAX_ATTEMPT_JUMP}",
+                            field="attempt", value=attempt)
 
         if r is not None and attempt == r.attempt:
             # A re-publication of the attempt held (a slot was rebound).
@@ -213,7 +231,20 @@ class PullBook:
         self._rounds[key] = _Round(fragment, step, attempt, seq, base, mine, WAITING if mine else None)
         if not mine:
             self.counts["not_member"] += 1
+        self._trim()
         return mine
+
+    def _trim(self) -> None:
+        """At most MAX_ROUNDS rounds kept only for dedup (not naming this island, or answered); the
+        newest steps (the likeliest forged) are forgotten first."""
+        if len(self._rounds) <= 2 * MAX_ROUNDS:  # trimmed in batches: amortized O(1) per pull
+            return
+        others = [k for k, r in self._rounds.items() if not r.mine or r.state == DONE]
+        if len(others) <= MAX_ROUNDS:
+            return
+        for k in sorted(others, key=lambda k: (k[1], k[0]))[MAX_ROUNDS:]:
+            del self._rounds[k]
+            self.counts["forgotten"] += 1
 
     # ---- supersession ---------------------------------------------------------------------------
 

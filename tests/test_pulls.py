@@ -205,14 +205,59 @@ def test_commit_supersedes_rounds_launched_on_older_versions():
     assert book.floor(0) == 5
 
 
-def test_pull_of_a_later_round_supersedes_the_fragments_older_round():
-    # Round 5 (fragment 0) launched on version 7 proves version 7 of fragment 0 is committed, so
-    # round 1's pull (base 6) — not yet answered because this island missed the broadcast — is moot.
+def test_a_pull_claiming_a_later_base_does_not_drop_other_rounds_on_its_own_word():
+    # Issue 16: a pull's base_version was taken as proof that the version was committed; one forged
+    # pull (base 2^53-1) made the island drop every real pull of its fragment for good. Now only an
+    # applied version (committed) supersedes rounds; the real round goes on being answered.
     book = PullBook(ISL, GEN, fragments=4)
-    book.offer(pull(fragment=0, step=1, base=6))
-    assert book.offer(pull(fragment=0, step=5, base=7)) is True
+    book.offer(pull(fragment=0, step=5, base=1))
+    assert book.offer(pull(fragment=0, step=4 * 10**6 + 1, base=10**6, members=(OTHER,))) is False
     assert keys(book.take_ready(ALWAYS)) == [(0, 5, 1, 0)]
-    assert book.counts["superseded_commit"] == 1
+    assert book.offer(pull(fragment=0, step=5, attempt=2, base=1)) is True  # its restart still counts
+    assert book.counts["superseded_commit"] == 0 and book.floor(0) is None
+    assert book.committed(0, 2) == 1  # the round committed: the book learns it from the broadcast
+    assert book.pending() == 0
+
+
+@pytest.mark.parametrize("field,value", [("step", 2**53 - 1), ("attempt", 2**53 - 1), ("base_version", 2**53 - 1),
+                                         ("seq", 2**31)])
+def test_absurd_numbers_in_a_pull_are_refused_and_change_nothing(field, value):
+    book = PullBook(ISL, GEN)
+    book.offer(pull(fragment=0, step=1))
+    forged = pull(fragment=0, step=1)
+    forged[field] = value
+    with pytest.raises(WireError) as e:
+        book.offer(forged)
+    assert e.value.field == field
+    assert keys(book.take_ready(ALWAYS)) == [(0, 1, 1, 0)]
+
+
+def test_a_base_version_the_round_cannot_have_is_refused():
+    book = PullBook(ISL, GEN, fragments=4)
+    assert book.offer(pull(fragment=2, step=11, base=2)) is True  # rounds 3 and 7 of fragment 2 came before
+    with pytest.raises(WireError) as e:
+        book.offer(pull(fragment=2, step=15, base=4))
+    assert e.value.field == "base_version"
+
+
+def test_an_attempt_jump_is_refused_and_the_real_attempts_still_count():
+    # A forged attempt 2^31-1 of a real round would make every real restart look stale.
+    book = PullBook(ISL, GEN)
+    book.offer(pull(fragment=0, step=1, attempt=3))
+    with pytest.raises(WireError) as e:
+        book.offer(pull(fragment=0, step=1, attempt=3 + 17, members=(OTHER,)))
+    assert e.value.field == "attempt"
+    assert book.offer(pull(fragment=0, step=1, attempt=4)) is True
+    assert keys(book.take_ready(ALWAYS)) == [(0, 1, 4, 0)]
+
+
+def test_a_flood_of_pulls_not_naming_this_island_does_not_grow_the_book():
+    book = PullBook(ISL, GEN)
+    book.offer(pull(fragment=0, step=1))
+    for step in range(2, 5000):
+        book.offer(pull(fragment=0, step=step, members=(OTHER,)))
+    assert len(book._rounds) <= 1 + 2 * 1024 and book.counts["forgotten"] > 0
+    assert keys(book.take_ready(ALWAYS)) == [(0, 1, 1, 0)]  # the island's own round survives
 
 
 def test_done_rounds_are_forgotten_once_committed():
