@@ -18,8 +18,8 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
   ("wait": read on at a later boundary);
 * anyone who can publish on the stream can put garbage there (until #17 closes that), so nothing a
   chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
-  chunk plan, a chunk digest mismatch, a version number that another chunk — or the version held —
-  carries with another `version_digest`) or a version digest mismatch is refused (WireError, the
+  chunk plan, a chunk digest mismatch, NaN / Inf values, a version number that another chunk — or
+  the version held — carries with another `version_digest`) or a version digest mismatch is refused (WireError, the
   shell counts it) and drops the reading; the island trains on. What is refused is that *message*
   (its stream sequence), never a version number: the syncer's real chunks of the same version (a
   re-broadcast, or a chunk that overwrote the garbage) are new messages and are read as usual, so a
@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from schemas.chunks import DigestMismatch, VersionDigest, check_digest, digest
@@ -78,6 +79,17 @@ def session_numels(session: Mapping) -> dict[int, int]:
             raise WireError("fragment numel must be a positive integer", field=f"fragments.{i}.numel", value=n)
         out[fid] = n
     return out
+
+
+# An IEEE float is NaN or ±Inf exactly when its exponent bits are all ones.
+_EXP_MASK = {"f32": (np.uint32, 0x7F800000), "bf16": (np.uint16, 0x7F80)}
+
+
+def all_finite(payload: Any, dtype: str) -> bool:
+    """No NaN / Inf among the little-endian `dtype` values of `payload` (one vectorized pass)."""
+    word, mask = _EXP_MASK[dtype]
+    bits = np.frombuffer(payload, dtype=np.dtype(word).newbyteorder("<"))
+    return not bool(np.any((bits & mask) == mask))
 
 
 def blend(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -342,6 +354,11 @@ class CutReader:
                 raise WireError(f"chunk {index} payload must be {s.nbytes} bytes", field="nbytes",
                                 value=None if payload is None else len(payload))
             check_digest(meta.get("digest"), digest(payload), field="digest")
+            # The syncer never broadcasts a non-finite weight (its outer step would have to diverge
+            # first, and then no island should take it); garbage with a valid digest is refused here.
+            if not all_finite(payload, self.dtype):
+                raise WireError(f"chunk {index} holds NaN or Inf values", field="payload", value=index,
+                                code="non_finite")
         except WireError:
             self.refuse(fid, index, seq)
             raise
@@ -414,4 +431,4 @@ class CutReader:
         return "complete"
 
 
-__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "VersionConflict", "blend", "session_numels"]
+__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "VersionConflict", "all_finite", "blend", "session_numels"]

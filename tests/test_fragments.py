@@ -385,6 +385,41 @@ def test_a_forged_chunk_from_the_future_is_refused_and_holds_nothing_back():
     assert e.value.field == "offset"
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_self_consistent_version_with_nan_or_inf_is_never_installed(dtype, bad):
+    # Issue 16: chunks whose digests all match but whose values are NaN/Inf were installed.
+    s = session(bulk=dtype)
+    r = CutReader(s)
+    g = vec(s["fragments"][0]["numel"], 3)
+    g[len(g) // 2] = bad
+    chunks = bcast_chunks(0, 1, g, dtype=dtype)
+    with pytest.raises(WireError) as e:
+        read(r, 0, chunks)
+    assert e.value.code == "non_finite" and e.value.field == "payload"
+    assert 0 not in r.held and r.reading(0) is None and r.counts["refused"] == 1
+    g[len(g) // 2] = 1.0
+    assert read(r, 0, bcast_chunks(0, 2, g, dtype=dtype))[-1] == "complete"
+
+
+@pytest.mark.parametrize("cut", ["truncated", "oversize", "overlapping"])
+def test_truncated_oversize_and_overlapping_chunks_are_refused_and_nothing_is_held(cut):
+    r = CutReader(S)
+    chunks = bcast_chunks(0, 1, vec(N0, 1))
+    meta, payload = chunks[1]
+    if cut == "truncated":
+        bad = (dict(meta, nbytes=len(payload) - 4, digest=xxhash.xxh3_64_hexdigest(payload[:-4])), payload[:-4])
+    elif cut == "oversize":
+        big = payload + b"\0" * (1 << 20)
+        bad = (dict(meta, nbytes=len(big), digest=xxhash.xxh3_64_hexdigest(big)), big)
+    else:  # claims to start inside chunk 0's bytes
+        bad = (dict(meta, offset=meta["offset"] - 4), payload)
+    assert r.take(0, 0, *chunks[0]) == "accept"
+    with pytest.raises(WireError):
+        r.take(0, 1, *bad)
+    assert r.reading(0) is None and 0 not in r.held
+
+
 def test_fixed_reader_reads_only_the_wanted_versions():
     r = CutReader(S, dtype="f32", fixed=True)
     want = vec(N0, 7)
