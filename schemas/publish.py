@@ -46,9 +46,9 @@ def _sent_on(js) -> int | None:
 
 
 async def _await_ack(js, fut: asyncio.Future, timeout: float, sent_on: int | None):
-    """The PubAck of `fut`, or asyncio.TimeoutError after `timeout`, or _Reconnected as soon as the
-    client has reconnected since the publish went out. A future given up is cancelled, which returns its
-    slot in nats-py's pending-publish semaphore."""
+    """The PubAck of `fut` (a publish_async future or a js.publish task), or asyncio.TimeoutError after
+    `timeout`, or _Reconnected as soon as the client has reconnected since the publish went out. A future
+    given up is cancelled (for publish_async that returns its slot in nats-py's pending semaphore)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     nc = getattr(js, "_nc", None)
@@ -132,8 +132,11 @@ async def publish_retry(
     for i in range(attempts):
         try:
             sent_on = _sent_on(js)
-            fut = await js.publish_async(subject, data, headers=hdrs, wait_stall=timeout)
-            return await _await_ack(js, fut, timeout, sent_on)
+            # js.publish (a request), not publish_async: nats-py 2.16 loses a publish_async future's
+            # JetStream error (APIError.from_error raises 503s inside the reply callback), so 10077 would
+            # look like a timeout. The request, run as a task, can still be given up on a reconnect.
+            req = asyncio.ensure_future(js.publish(subject, data, timeout=timeout, headers=hdrs))
+            return await _await_ack(js, req, timeout, sent_on)
         except Exception as exc:  # classify: transient ones are retried
             reason = _reason(exc)
             if reason is None:
