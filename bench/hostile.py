@@ -62,7 +62,8 @@ from schemas.layout import chunk_plan, layout_fingerprint  # noqa: E402
 ISLANDS = ("a", "b")
 ISLAND_ENV = {"YETO_SESSION_TIMEOUT": "90", "YETO_FINAL_TIMEOUT": "90", "YETO_SHUTDOWN_TIMEOUT": "30",
               "YETO_INIT_V0_TIMEOUT": "90", "YETO_PUSH_TIMEOUT": "30", "YETO_PROGRESS": "0"}
-RX_CTL = re.compile(r"rejected CTL message on |rejected pull \d+/\d+: ")
+# what pull_inconsistent makes the pull book refuse (other pull refusals belong to observed categories)
+RX_CTL = re.compile(r"rejected CTL message on |rejected pull \d+/\d+: (fragment must be below|round \d+ targets fragment)")
 # notice garbage goes to chunk subjects 50..99 (past every real chunk); payload forgeries to real ones
 RX_NOTICE = re.compile(r"rejected bcast_chunk notice on \S+\.bcast\.\d+\.(\d+)")
 RX_CUT = re.compile(r"rejected (bcast_chunk|final_chunk) \d+/\d+|rejected bcast notice")
@@ -92,7 +93,7 @@ class Cat:
 CATS = [
     # towards the syncer: one tape record per unit
     Cat("ctl_bad_json", "syncer", 6, 1), Cat("ctl_schema", "syncer", 8, 1), Cat("ctl_forged_island", "syncer", 5, 1),
-    Cat("ctl_wrong_run", "syncer", 3, 1), Cat("hello_bad_fingerprint", "syncer", 2, 1),
+    Cat("ctl_wrong_run", "syncer", 3, 1), Cat("ctl_deep_json", "syncer", 1, 1), Cat("hello_bad_fingerprint", "syncer", 2, 1),
     Cat("hello_other_layout", "syncer", 2, 1), Cat("hello_dtype", "syncer", 2, 1), Cat("ack_forged", "syncer", 3, 1),
     Cat("push_bad_header", "syncer", 5, 1), Cat("push_schema", "syncer", 6, 1), Cat("push_subject_mismatch", "syncer", 4, 1),
     Cat("push_unknown_fragment", "syncer", 3, 1), Cat("push_bad_digest", "syncer", 4, 1, "disposition"),
@@ -104,7 +105,7 @@ CATS = [
     Cat("push_forged_gen", "observed", 3, 0, "disposition"), Cat("push_future_base", "observed", 2, 0, "disposition"),
     Cat("init_malformed", "syncer", 3, 1), Cat("init_not_init_island", "syncer", 3, 1), Cat("init_bad_digest", "syncer", 2, 1),
     # towards the islands: one rejection per island
-    Cat("pull_bad_json", "islands", 3, 1), Cat("pull_schema", "islands", 4, 1), Cat("pull_wrong_run", "islands", 2, 1),
+    Cat("pull_bad_json", "islands", 3, 1), Cat("pull_deep_json", "islands", 1, 1), Cat("pull_schema", "islands", 4, 1), Cat("pull_wrong_run", "islands", 2, 1),
     Cat("ctl_wrong_subject", "islands", 2, 1), Cat("to_island_garbage", "islands", 3, 1),
     Cat("bcast_notice_garbage", "islands", 5, 1), Cat("pull_inconsistent", "islands", 2, 1),
     # observed only (no fixed count: see the module doc)
@@ -196,6 +197,12 @@ class Hostile:
         return self.rnd.choice([b"", b"{", b"{not json", b"\xff\xfe\x00", b"null", b"[]", b"42", b'"hello"',
                                 b'{"type": "hello"', b"[" * 1010 + b"]" * 1010, os.urandom(self.rnd.randrange(1, 64))])
 
+    def deep_json(self, typ: str) -> bytes:
+        """A typed message nesting 990-1020 levels deep: orjson parses up to 1024, and a recursive walk of it
+        raised RecursionError in the codec before (an island's CTL pump died of it)."""
+        n = self.rnd.randrange(990, 1020)
+        return b'{"type":"%s","v":1,"x":' % typ.encode() + b'{"a":' * n + b"1" + b"}" * (n + 1)
+
     def hello(self, island: str, gen: str, **kw) -> dict:
         lay = kw.pop("layout", self.layout)
         return codec.make("hello", run=self.run, island=island, gen=gen, layout=lay,
@@ -270,6 +277,9 @@ class Hostile:
         if cat == "ctl_bad_json":
             subj = rnd.choice([S.hello, S.heartbeat, S.ack])(run, isl)
             return Unit(cat, [Msg(subj, r.bad_json())])
+        if cat == "ctl_deep_json":
+            subj, typ = rnd.choice([(S.hello, "hello"), (S.heartbeat, "heartbeat"), (S.ack, "ack")])
+            return Unit(cat, [Msg(subj(run, isl), r.deep_json(typ))])
         if cat == "ctl_schema":
             kind = rnd.choice(["hello", "heartbeat", "ack"])
             msg = {"hello": lambda: r.hello(isl, gen), "heartbeat": lambda: r.heartbeat(isl, gen),
@@ -404,6 +414,8 @@ class Hostile:
         # ---- towards the islands
         if cat == "pull_bad_json":
             return Unit(cat, [Msg(S.pull(run), r.bad_json())], islands=2)
+        if cat == "pull_deep_json":
+            return Unit(cat, [Msg(S.pull(run), r.deep_json("pull"))], islands=2)
         if cat == "pull_schema":
             return Unit(cat, [Msg(S.pull(run), orjson.dumps(r.invalid("pull", self.pull_msg(gen))))], islands=2)
         if cat == "pull_wrong_run":
@@ -435,6 +447,7 @@ class Hostile:
             if self.committed < 1:
                 return self.unit("pull_bad_json")
             m = self.pull_msg(gen, step=rnd.randrange(1, self.committed + 1))
+            m["base_version"] = (m["step"] - 1) // len(self.frags)   # what that round's launch carried
             return Unit(cat, [Msg(S.pull(run), codec.encode("pull", m))])
         if cat == "pull_inconsistent":   # a fragment the round does not target, or one the session lacks
             m = self.pull_msg(gen)
@@ -661,6 +674,7 @@ async def attack(url: str, run: str, procs: Procs, args, report: dict) -> None:
         if args.impersonate:
             weights = [c.weight or (4 if c.name in ("pull_forged_future", "to_island_real_gen") else 0) for c in CATS]
         plan = [c.name for c in rnd.choices(CATS, weights=weights, k=args.count * 2)]
+        plan[0:0] = ["pull_deep_json", "ctl_deep_json"]   # every run carries the codec's regression once
         pid = procs.procs["syncer"].pid
         rss = report["rss_kib"] = [_rss_kib(pid) or 0]
         sent = 0
