@@ -44,7 +44,14 @@ class ConnectOptions:
         kw: dict = {"servers": [u.strip() for u in self.url.split(",") if u.strip()]}
         if self.creds:
             # `yeto auth init` writes a bare nkey seed; a JWT .creds file (nsc) goes to user_credentials.
-            kw["nkeys_seed" if _is_nkey_seed(self.creds) else "user_credentials"] = self.creds
+            pub = _nkey_seed_public(self.creds)
+            if pub is None:
+                kw["user_credentials"] = self.creds
+            else:
+                kw["nkeys_seed"] = self.creds
+                # Replies (JetStream API answers, fetched messages) come to an inbox only this key may
+                # read: with the shared _INBOX.> one island could read another's or the syncer's replies.
+                kw["inbox_prefix"] = nkey_inbox_prefix(pub)
         if self.tls_ca:
             ctx = ssl.create_default_context(cafile=self.tls_ca)
             kw["tls"] = ctx
@@ -53,13 +60,27 @@ class ConnectOptions:
         return kw
 
 
-def _is_nkey_seed(path: str) -> bool:
+def nkey_inbox_prefix(public_key: str) -> str:
+    """The inbox prefix of a connection made with nkey user `public_key` (services/auth.py permits it)."""
+    return f"_INBOX_{public_key}"
+
+
+def _nkey_seed_public(path: str) -> str | None:
+    """The public key of a bare nkey user seed file; None for anything else (a JWT .creds file)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4096).strip()
+            seed = bytearray(f.read(4096).strip())
     except OSError as exc:
         raise ValueError(f"--nats-creds / YETO_NATS_CREDS: cannot read {path!r}: {exc.strerror}") from None
-    return head.startswith(b"SU") and b"\n" not in head
+    if not seed.startswith(b"SU") or b"\n" in seed:
+        return None
+    import nkeys
+
+    kp = nkeys.from_seed(seed)
+    try:
+        return kp.public_key.decode()
+    finally:
+        kp.wipe()
 
 
 def add_connect_args(parser: argparse.ArgumentParser, *, run: bool = True, run_required: bool = True) -> None:

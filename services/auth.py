@@ -23,7 +23,8 @@ the JetStream API subjects nats-py 2.16 really sends (nats/js/manager.py): strea
 `$JS.API.DIRECT.GET.<stream>[.<subject>]`, consumer create `$JS.API.CONSUMER.CREATE.<stream>`
 (ephemeral / ordered), `...CREATE.<stream>.<name>[.<filter>]`, `...DURABLE.CREATE.<stream>.<name>`,
 info / delete / list / next, acks `$JS.ACK.<stream>.>`, flow control of ordered consumers
-`$JS.FC.<stream>.>`, KV writes `$KV.<bucket>.<key>`, and replies on `_INBOX.>`.
+`$JS.FC.<stream>.>`, KV writes `$KV.<bucket>.<key>`; replies come on the key's own inbox prefix
+`_INBOX_<public key>.>` (schemas/conn.py sets it when it connects with a seed).
 
 NATS wildcards match whole tokens only, and a consumer name is one token; so rules can name a stream
 (hence a run) exactly, but not "consumers whose name starts with isl-a-". See `KNOWN_GAPS`.
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas import subjects as S
+from schemas.conn import nkey_inbox_prefix
 from schemas.ids import check_island, check_run
 
 ROLES = ("syncer", "island", "observer", "admin")
@@ -90,14 +92,16 @@ _NEVER_FOR_CLIENTS = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>", f"{API
                       f"{API}.STREAM.MSG.DELETE.>", f"{API}.CONSUMER.MSG.DELETE.>", "$KV.>"]
 
 
-def permissions(run: str, name: str, role: str, *, init_island: str | None = None) -> dict:
-    """nats-server permissions of identity `name` (role `role`) of run `run`:
-    {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...], "deny": [...]}}. Pure."""
+def permissions(run: str, name: str, role: str, public_key: str, *, init_island: str | None = None) -> dict:
+    """nats-server permissions of identity `name` (role `role`, nkey `public_key`) of run `run`:
+    {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}}. Pure."""
     check_run(run)
     st = _streams(run)
     r = S.root(run)
     pub: list[str]
-    sub = ["_INBOX.>"]
+    # Each key reads only its own replies (schemas/conn.py connects with this inbox prefix); a shared
+    # _INBOX.> would let an island read the syncer's direct gets of other islands' pushes.
+    sub = [nkey_inbox_prefix(public_key) + ".>"]
     deny_pub: list[str] = []
     if role == "island":
         check_island(name)
@@ -198,7 +202,7 @@ def users_text(run: str, identities: list[Identity], init_island: str | None, in
     """The `users` entries (one nkey user per identity, its permissions, its name as a comment)."""
     out = []
     for ident in identities:
-        p = permissions(run, ident.name, ident.role, init_island=init_island)
+        p = permissions(run, ident.name, ident.role, ident.public_key, init_island=init_island)
         out.append(f"{indent}# run {run}: {ident.role} {ident.name}\n"
                    f"{indent}{{\n{indent}  nkey: {ident.public_key}\n{indent}  permissions: {{\n"
                    f"{_perm_text(p, indent + '  ')}\n{indent}  }}\n{indent}}}")

@@ -356,6 +356,29 @@ async def test_island_cannot_read_or_consume_other_islands_pushes(provisioned):
         await b.close()
 
 
+async def test_an_island_cannot_read_replies_meant_for_others(provisioned):
+    """Replies (JetStream API answers, direct gets of pushes by the syncer) travel on the requester's
+    inbox: each key may subscribe only to its own prefix."""
+    from schemas.conn import nkey_inbox_prefix
+    from services.auth import load_identities
+
+    s = provisioned
+    _run, ids, _init = load_identities(s.dirs["r1"])
+    keys = {i.name: i.public_key for i in ids}
+    b_err = []
+    b = await s.conn("r1", "b", b_err)
+    try:
+        for subject in ("_INBOX.>", nkey_inbox_prefix(keys["syncer"]) + ".>", nkey_inbox_prefix(keys["a"]) + ".>"):
+            await b.subscribe(subject)
+            await b.flush()
+            await _violation(b_err, "subscription", subject)
+        # positive control: its own inbox carries its requests' answers
+        assert b._inbox_prefix.decode() == nkey_inbox_prefix(keys["b"])
+        await b.jetstream(timeout=5).stream_info(S.stream(s.runs["r1"], "BCAST"))
+    finally:
+        await b.close()
+
+
 # ---- the observer reads, never writes -------------------------------------------------------------
 
 async def test_observer_reads_the_state_kv_and_publishes_nothing(provisioned):
