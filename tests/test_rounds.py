@@ -9,7 +9,8 @@ import pytest
 
 from schemas.errors import WireError
 from services.syncer.rounds import (
-    CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitComplete, Merge, MergeDone, PublishFinal,
+    CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, InitDrop, InitStore, Merge,
+    MergeDone, PublishFinal,
     PublishPull, PushComplete, RecordFinal, Release, RoundMachine, SendError, SendManifest, Shutdown, SyncerConfig,
     Tape, Tick, V0Done, WriteMember, WriteSession,
 )
@@ -249,6 +250,60 @@ def test_held_init_of_a_generation_that_is_retired_or_late_never_counts():
     assert m.counters["init.restart"] == 2 and m.phase == "committing_v0" and not tapes(acts, "session")
     m.handle(InitComplete("a", "a5" * 8, 0, 6.5))
     assert m.counters["ignored.init_late"] == 1 and m.counters["init.held"] == 1
+
+
+def chunks(m, gen, fragment, idx, n=3, island="a", now=1.0):
+    acts = []
+    for k in idx:
+        acts += m.handle(InitChunk(island, gen, fragment, k, n, now))
+    return acts
+
+
+def test_init_chunks_of_an_unseen_generation_are_held_never_waited_for_then_replayed():
+    # issue 16: each INIT chunk of an unknown generation blocked INIT intake for 10 s in the shell;
+    # the machine now decides per chunk: store, drop, or hold until the generation's hello
+    m = machine(fragments=2, islands=2)
+    m.handle(hello("a"))
+    m.handle(hello("b"))
+    acts = chunks(m, GEN["a"], 0, range(3))
+    assert of(acts, InitStore) == [InitStore(GEN["a"], 0, k) for k in range(3)] and m._initialized == {0}
+    # A2's chunks overtake its hello: held (no store, no drop), fragment 0 of GEN[a] stays complete
+    acts = chunks(m, A2, 0, range(3)) + chunks(m, A2, 1, [0, 1])
+    assert not of(acts, InitStore) and not of(acts, InitDrop) and m._initialized == {0}
+    assert m.counters["init.held_chunk"] == 5
+    assert of(chunks(m, A2, 0, [1]), InitDrop) == [InitDrop(A2, 0, 1, "duplicate")]   # a resend while held
+    # a chunk of the current generation is still taken at once: intake is not blocked
+    assert of(chunks(m, GEN["a"], 1, [0]), InitStore) == [InitStore(GEN["a"], 1, 0)]
+    acts = m.handle(hello("a", gen=A2, now=2.0))             # INIT restarts with A2, its held chunks replayed
+    assert of(acts, InitStore) == [InitStore(A2, 0, 0), InitStore(A2, 0, 1), InitStore(A2, 0, 2),
+                                   InitStore(A2, 1, 0), InitStore(A2, 1, 1)]
+    assert m._initialized == {0} and not of(acts, CommitV0)
+    # GEN[a]'s late chunk is refused as stale: counted, taped with its code, its bytes freed, no error message
+    acts = chunks(m, GEN["a"], 1, [2])
+    assert of(acts, InitDrop) == [InitDrop(GEN["a"], 1, 2, "stale_gen")] and not of(acts, SendError)
+    (rec,) = tapes(acts, "error")
+    assert rec["detail"]["code"] == "stale_gen" and rec["gen"] == GEN["a"] and m.counters["rejected.stale_gen"] == 1
+    acts = chunks(m, A2, 1, [2])
+    assert of(acts, InitStore) == [InitStore(A2, 1, 2)] and of(acts, CommitV0) == [CommitV0((0, 1))]
+    assert of(chunks(m, A2, 1, [2]), InitDrop) == [InitDrop(A2, 1, 2, "late")]
+
+
+def test_init_chunks_refused_bounded_and_dropped_when_v0_is_decided():
+    m = machine(fragments=1, sync_every=1, islands=2)
+    m.handle(hello("a"))
+    (d,) = of(chunks(m, GEN["b"], 0, [0], island="b"), InitDrop)          # not the INIT island
+    assert d.reason == "not_init_island" and m.counters["rejected.not_init_island"] == 1
+    (d,) = of(chunks(m, GEN["a"], 5, [0]), InitDrop)
+    assert d.reason == "unknown_fragment"
+    # at most MAX_HELD_GENS unseen generations are held; a further one is refused, never stored
+    chunks(m, "c1" * 8, 0, [0])
+    chunks(m, "c2" * 8, 0, [0])
+    (d,) = of(chunks(m, "c3" * 8, 0, [0]), InitDrop)
+    assert d.reason == "unknown_gen" and m.counters["rejected.unknown_gen"] == 1
+    chunks(m, GEN["a"], 0, range(3))
+    acts = m.handle(hello("b"))                                           # N islands: version 0 is decided
+    assert of(acts, CommitV0) and of(acts, InitDrop) == [InitDrop("c1" * 8, 0, 0, "version 0 decided"),
+                                                          InitDrop("c2" * 8, 0, 0, "version 0 decided")]
 
 
 def test_v0_waits_for_the_nth_island():

@@ -144,7 +144,13 @@ async def test_bad_wire_input_is_refused_counted_taped_and_changes_nothing(nats_
         codes = sorted(r["detail"]["code"] for r in errors if "detail" in r)
         assert codes == sorted(["digest_mismatch", "non_finite",                 # INIT
                                 "malformed", "schema", "subject_mismatch",      # CTL
-                                "unknown_fragment", "malformed", "malformed"])  # PUSH
+                                "unknown_fragment", "malformed", "malformed",   # PUSH
+                                # chunk rejects inside push tries, taped when they arrive (issue 16)
+                                "wrong_size", "non_finite", "digest_mismatch"])
+        chunk_rejects = [r for r in errors if r["detail"].get("where") == "push chunk on " + S.push(run_id, "a", 0)
+                         and "try" in r["detail"]]
+        assert sorted(r["detail"]["try"] for r in chunk_rejects) == [0, 1, 2]
+        assert all(r["island"] == "a" and r["gen"] == a.gen and r["detail"]["step"] == 1 for r in chunk_rejects)
         unknown = next(r for r in errors if r["detail"]["code"] == "unknown_fragment")
         assert unknown["island"] == "a" and unknown["detail"]["field"] == "fragment"
 

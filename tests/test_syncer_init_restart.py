@@ -66,8 +66,8 @@ async def test_v0_comes_from_the_restarted_init_island_only(nats_url, run_id, tm
         stale = await isl.send_init({part: x[part]}, chunks=tail, gen=gen_a)
         # a chunk that names another island: refused, whatever its generation
         await isl.send_init({whole: y[whole]}, chunks={0}, island="mallory")
-        st = await wait_status(js, run_id, lambda st: st["counters"].get("rejected.stale_gen", 0) == stale
-                               and st["counters"].get("rejected.not_init_island", 0) == 1)
+        st = await wait_status(js, run_id, lambda st: st["rounds"].get("rejected.stale_gen", 0) == stale
+                               and st["rounds"].get("rejected.not_init_island", 0) == 1)
         assert st["phase"] == "init" and not st["versions"]
 
         # ---- generation B sends everything: version 0 is Y, bit for bit
@@ -79,9 +79,9 @@ async def test_v0_comes_from_the_restarted_init_island_only(nats_url, run_id, tm
 
         st = await wait_status(js, run_id, lambda st: st["phase"] == "running")
         c, r = st["counters"], st["rounds"]
-        assert c["rejected.stale_gen"] == stale == len(tail)
-        assert c["init.restart_fragment"] == 2        # both fragments held A's chunks when B's came in
-        assert c.get("init.duplicate_chunk", 0) == 0
+        assert r["rejected.stale_gen"] == stale == len(tail) == c["init.dropped.stale_gen"]
+        assert c.get("init.duplicate_chunk", 0) == 0 and r.get("init.duplicate_chunk", 0) == 0
+        # B's hello dropped both fragments' A chunks (the whole one and the part); B's filled both
         assert r["init.restart"] == 1 and r["init.fragment"] == 3   # A's whole one, then B's two
         errors = await tape(js, run_id, "error")
         stale_recs = [e for e in errors if e["detail"]["code"] == "stale_gen"]

@@ -61,8 +61,6 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
         for t in (1, 2):
             await _play(isls, ref, t, gen)
         await _finish(isls, syncer, 2)
-        state = orjson.loads((ckpt / "checkpoint.json").read_bytes())
-        assert state["final"] and state["final_record"]["finished"] and state["final_record"]["acked"] == ["a"]
         before = (ckpt / "checkpoint.json").read_bytes()
 
         resumed = SyncerProc(nats_url, run_id, ckpt, *args, log=tmp_path / "resumed.log").start("--resume")
@@ -76,6 +74,8 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
         assert rc == 0, out[-3000:]
         assert took < 30, f"a finished run took {took:.1f}s to resume and exit"
         assert "already finished" in out
+        state = orjson.loads(before)
+        assert state["final"] and state["final_record"]["finished"] and state["final_record"]["acked"] == ["a"]
         # nothing was finalized again: no second manifest, the checkpoint is as it was
         assert (ckpt / "checkpoint.json").read_bytes() == before
         assert not [m for k, m in await isls[0].messages(timeout=1.0) if k == "manifest"]
@@ -193,4 +193,92 @@ async def test_resumed_syncer_without_members_asks_islands_to_say_hello_again(na
     finally:
         for b in beats:
             await b.stop()
+        await close_run(isls, syncer, run_id)
+
+
+async def test_init_chunks_that_overtake_their_hello_are_held_not_waited_for(nats_url, run_id, tmp_path):
+    # issue 16: each INIT chunk of a generation the syncer had not seen blocked INIT intake for 10 s,
+    # and a complete fragment's chunks of that generation were then refused (unknown_gen) for good
+    from schemas.dtypes import pack, unpack
+    from tests.scripted import ScriptedIsland, wait_provisioned
+    import nats
+
+    layout = tiny_layout(4, 32)
+    args = ("--islands", "1", "--fragments", "2", "--sync-every", "2", "--total-steps", "1", "--strict",
+            "--chunk-bytes", "1024", "--status-every", "0.3")
+    syncer = SyncerProc(nats_url, run_id, tmp_path / "ckpt", *args).start()
+    isl = ScriptedIsland(await nats.connect(nats_url), run_id, "a", layout)
+    try:
+        js = isl.js
+        await wait_provisioned(js, run_id)
+        await isl.connect_consumer()
+        await isl.hello()
+        session = await isl.wait_session()
+
+        def values(seed):
+            g = torch.Generator().manual_seed(seed)
+            return {f["id"]: unpack(pack(torch.randn(f["numel"], generator=g), "f32"), "f32", f["numel"])
+                    for f in session["fragments"]}
+
+        x, y = values(1), values(2)
+        # generation A: fragment 0 whole
+        await isl.send_init({0: x[0]})
+        await wait_status(js, run_id, lambda st: st["rounds"].get("init.fragment", 0) == 1)
+        # generation B restarts; all its chunks arrive before its hello
+        gen_a = isl.gen
+        await isl.new_generation()
+        t0 = time.monotonic()
+        sent = await isl.send_init(y)
+        st = await wait_status(js, run_id, lambda st: st["rounds"].get("init.held_chunk", 0) == sent, timeout=30)
+        held_s = time.monotonic() - t0
+        assert held_s < 8, f"holding {sent} chunks of an unseen generation took {held_s:.1f}s"
+        assert st["phase"] == "init" and not st["versions"]      # A's complete fragment 0 is not replaced yet
+        await isl.hello()                                        # B's hello: its held chunks make version 0
+        for f in sorted(y):
+            v0 = await isl.wait_version(f, 0, timeout=30)
+            assert torch.equal(v0, y[f]), f"fragment {f}: version 0 is not generation B's bytes"
+        st = await wait_status(js, run_id, lambda st: st["phase"] == "running")
+        assert st["rounds"]["init.chunk_replayed"] == sent and st["rounds"].get("rejected.unknown_gen", 0) == 0
+        assert gen_a in {r.get("gen") for r in await tape(js, run_id, "join")}
+        assert (await js.stream_info(S.stream(run_id, "INIT"))).state.messages == 0
+    finally:
+        await close_run([isl], syncer, run_id)
+
+
+async def test_syncer_killed_in_finalization_resumes_it_and_exits_0(nats_url, run_id, tmp_path):
+    # keeps holding: killed after the final cut and one ack, the resumed syncer keeps that ack (the
+    # checkpoint's finalization record), sends the manifest to the target that has not acked, no new
+    # final cut, and exits 0 on the missing ack
+    ckpt = tmp_path / "ckpt"
+    args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "1", "--strict",
+            "--chunk-bytes", "1024", "--final-timeout", "60")
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *args)
+    a, b = isls
+    js = a.js
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(6)
+        await _play(isls, ref, 1, gen)
+        for isl in isls:
+            _, man = await isl.expect(lambda k, m: k == "manifest", timeout=60)
+        await a.ack(1)
+        deadline = time.monotonic() + 30
+        while "a" not in ((orjson.loads((ckpt / "checkpoint.json").read_bytes()).get("final_record") or {})
+                          .get("acked") or []):
+            assert time.monotonic() < deadline, "a's ack never reached the checkpoint"
+            await asyncio.sleep(0.05)
+        final_seq = (await js.stream_info(S.stream(run_id, "FINAL"))).state.last_seq
+        syncer.kill()
+        syncer.start("--resume")
+        await wait_tape(js, run_id, lambda r: "finalization resumed" in r.get("reason", ""), kind="final", timeout=60)
+        await b.ack(1)
+        rc = await asyncio.to_thread(syncer.wait, 60)
+        assert rc == 0, syncer.output()[-3000:]
+        for isl in isls:   # both get their shutdown, a's from the resumed syncer
+            await isl.expect(lambda k, m: k == "shutdown", timeout=30)
+        assert (await js.stream_info(S.stream(run_id, "FINAL"))).state.last_seq == final_seq   # no second cut
+        _, vals, _ = await a.read_cut(0, final=True)
+        torch.testing.assert_close(vals, ref.value(0), rtol=1e-6, atol=1e-6)
+        state = orjson.loads((ckpt / "checkpoint.json").read_bytes())
+        assert state["final_record"]["finished"] and state["final_record"]["acked"] == ["a", "b"]
+    finally:
         await close_run(isls, syncer, run_id)

@@ -48,8 +48,29 @@ def key_of(meta: dict) -> PushKey:
 
 
 class PushLedger:
-    def __init__(self) -> None:
+    """Tries are forgotten when their round commits (`pop_round`) or when the machine releases them
+    (`pop_try`). JetStream redelivers chunks (a fetch whose ack was lost, a resumed syncer's durable
+    consumer), and a chunk arriving after its try or round was forgotten would open a try that never
+    completes and is never removed. So: a chunk of a *released* try is closed (dropped), and so is a
+    *redelivered* chunk of a committed round (`committed_step`: rounds commit strictly in step order).
+    A fresh late push to a committed round is still taken, so it completes and gets its out_of_round
+    disposition; one that never completes is swept at the next commit (`pop_round` returns its
+    sequences in `swept`)."""
+
+    def __init__(self, committed_step: int = 0) -> None:
         self.tries: dict[PushKey, PushTry] = {}
+        self.committed_step = committed_step
+        self.released: set[PushKey] = set()
+        self._opened_at: dict[PushKey, int] = {}   # committed_step when the try was opened
+        self.swept: list[int] = []                 # sequences of swept tries, for the shell to delete
+
+    def closed(self, meta: dict, *, redelivered: bool = False) -> str | None:
+        """Why a chunk can never count (its try released, or a redelivery of a committed round), else None."""
+        if key_of(meta) in self.released:
+            return "its push try was released (rejected, or discarded by a restart)"
+        if redelivered and meta["step"] <= self.committed_step:
+            return f"redelivered chunk of committed round {meta['step']} (committed step {self.committed_step})"
+        return None
 
     def add(self, meta: dict, seq: int, *, expected_total: int | None, chunk_ok: bool, chunk_reason: str | None = None) -> PushTry | None:
         """Record one validated chunk header at stream sequence `seq`.
@@ -60,8 +81,11 @@ class PushLedger:
         not), else None.
         """
         key = key_of(meta)
+        if key in self.released:
+            return None
         t = self.tries.get(key)
         if t is None:
+            self._opened_at[key] = self.committed_step
             t = self.tries[key] = PushTry(
                 key=key, chunks=meta["chunks"], total=meta["total"], dtype=meta["dtype"],
                 base_version=meta["base_version"], local_step=meta["local_step"],
@@ -103,18 +127,28 @@ class PushLedger:
         return out
 
     def pop_round(self, fragment: int, step: int) -> list[int]:
-        """Forget every try of a (fragment, step) round; return their sequences to delete."""
+        """Forget every try of a (fragment, step) round, which is committed; return their sequences to
+        delete (one purge of the fragment's subject). Also sweeps incomplete tries of committed rounds
+        that stayed incomplete for a whole commit (`swept`: their sequences, to delete one by one)."""
         seqs = []
         for key in [k for k in self.tries if k[2] == fragment and k[3] == step]:
-            seqs.extend(self.tries.pop(key).seqs.values())
+            seqs.extend(self._pop(key))
+        prev, self.committed_step = self.committed_step, max(self.committed_step, step)
+        for key in [k for k, t in self.tries.items() if k[3] <= prev and not t.done and self._opened_at[k] < prev]:
+            self.swept.extend(self._pop(key))
+        self.released = {k for k in self.released if k[3] > self.committed_step}
         return seqs
 
-    def pop_older_than(self, step: int) -> list[int]:
-        seqs = []
-        for key in [k for k in self.tries if k[3] <= step]:
-            seqs.extend(self.tries.pop(key).seqs.values())
-        return seqs
+    def pop_swept(self) -> list[int]:
+        out, self.swept = self.swept, []
+        return out
 
     def pop_try(self, key: PushKey) -> list[int]:
+        if key[3] > self.committed_step or key in self.tries:
+            self.released.add(key)
+        return self._pop(key)
+
+    def _pop(self, key: PushKey) -> list[int]:
+        self._opened_at.pop(key, None)
         t = self.tries.pop(key, None)
         return list(t.seqs.values()) if t else []

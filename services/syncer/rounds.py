@@ -23,13 +23,22 @@ Choices the design leaves open, decided here:
 - **Version 0**: the machine emits `CommitV0(fragments)` once every fragment is initialized and
   `islands` members are live; the shell commits v0 of every fragment durably, broadcasts it, then
   feeds back a single `V0Done(now)`. Rounds launch only after that.
-- **INIT and generations**: version 0 comes from one process of the INIT island. A new generation of
-  the INIT island while `phase == "init"` clears every initialized fragment (counter `init.restart`,
-  a `session` tape record): INIT restarts with the new process, which sends everything again. An
-  `InitComplete` of a retired generation is ignored (`ignored.init_stale_gen`); one of a generation
-  the machine has not seen yet (its hello comes through another consumer than the INIT chunks, so it
-  may arrive later) is held (`init.held`) and replayed when that generation's hello is admitted.
-  Once `CommitV0` is out, INIT is over: a new generation changes nothing about version 0.
+- **INIT and generations**: version 0 comes from one process of the INIT island. The shell feeds
+  each INIT chunk whose framing it checked as `InitChunk` and keeps its bytes until the machine
+  answers `InitStore` (write them) or `InitDrop` (free them) — exactly one per chunk. A fragment's
+  chunks come from one generation; a chunk of a retired generation is refused (`stale_gen`), one of
+  another island (`not_init_island`) or fragment (`unknown_fragment`) too: counted and taped, no
+  error message (a flood of chunks must not become a flood of errors). A chunk of a generation not
+  seen yet (its hello comes through another consumer, so it may arrive later) is *held* — no
+  waiting — and replayed when that generation's hello is admitted; at most `MAX_HELD_GENS` unseen
+  generations are held (a further one is refused, `unknown_gen`), and held chunks are dropped when
+  their generation is retired or version 0 is decided. A new generation of the INIT island while
+  `phase == "init"` clears every initialized fragment (counter `init.restart`, a `session` tape
+  record): INIT restarts with the new process, which sends everything again. `InitComplete` (a whole
+  fragment at once) follows the same generation rules for callers that check fragments themselves:
+  one of a retired generation is ignored (`ignored.init_stale_gen`), one of an unseen generation held
+  (`init.held`) and replayed at its hello. Once `CommitV0` is out, INIT is over: a new generation
+  changes nothing about version 0.
 - **Attempts are 1-based, pull `seq` and push `try` 0-based** (as the schemas say).
 - **Commit order**: at most one `Merge` is outstanding; it is emitted for the lowest in-flight step
   only once that round is complete, and the next one only after its `MergeDone`. Rounds that complete
@@ -93,10 +102,10 @@ __all__ = [
     "SyncerConfig", "RoundMachine", "Member", "Round",
     # events
     "Event", "Hello", "InitComplete", "PushComplete", "Heartbeat", "MergeDone", "V0Done", "Tick", "FinalAck",
-    "FinalPublished",
+    "FinalPublished", "InitChunk",
     # actions
     "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
-    "Tape", "CommitV0", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
+    "Tape", "CommitV0", "InitStore", "InitDrop", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
     "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS",
 ]
 
@@ -206,6 +215,20 @@ class InitComplete(Event):
     island: str
     gen: str
     fragment: int
+    now: float
+
+
+@dataclass(frozen=True)
+class InitChunk(Event):
+    """One INIT chunk whose framing the shell checked (run, known fragment, dtype, chunk plan, size,
+    digest, finite values). The shell keeps its bytes until the machine answers with InitStore (write
+    them into the fragment) or InitDrop (free them): every InitChunk gets exactly one of the two, at
+    once or — for a chunk held until its generation's hello — later."""
+    island: str
+    gen: str
+    fragment: int
+    chunk: int
+    chunks: int
     now: float
 
 
@@ -363,6 +386,23 @@ class Tape(Action):
 class CommitV0(Action):
     """Commit version 0 of every fragment from the INIT data (durably), broadcast it, then feed V0Done."""
     fragments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InitStore(Action):
+    """Write the held bytes of this INIT chunk into the fragment's values."""
+    gen: str
+    fragment: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class InitDrop(Action):
+    """Free the held bytes of this INIT chunk: they never become part of version 0."""
+    gen: str
+    fragment: int
+    chunk: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -551,6 +591,8 @@ class RoundMachine:
         self._queued: dict[str, Hello] = {}
         self._initialized: set[int] = set()
         self._held_init: dict[str, dict[int, InitComplete]] = {}   # unseen gen -> fragment -> event
+        self._init_chunks: dict[int, tuple[str, int, set[int]]] = {}  # fragment -> (gen, chunks, indexes stored)
+        self._held_chunks: dict[str, dict[tuple[int, int], InitChunk]] = {}  # unseen gen -> (fragment, chunk) -> event
         self.versions: dict[int, int] = {}
         self.committed_step = 0
         self._next_step = 1
@@ -696,7 +738,8 @@ class RoundMachine:
                 fatal: bool, field: str | None = None) -> None:
         self.counters[f"rejected.{code}"] += 1
         self._emit(SendError(island, gen, code, message, fatal, field))
-        self._tape("error", now, island=island, gen=gen, reason=f"{code}: {message}")
+        self._tape("error", now, island=island, gen=gen, reason=f"{code}: {message}",
+                   detail={"code": code, "field": field})
 
     def _live(self) -> list[Member]:
         return [self.members[i] for i in sorted(self.members) if self.members[i].live]
@@ -807,7 +850,9 @@ class RoundMachine:
             # The new process sends every fragment again; what the old one sent must not be mixed in.
             dropped = sorted(self._initialized)
             self._initialized.clear()
+            self._init_chunks.clear()
             self._held_init.pop(old, None)
+            self._drop_held_chunks(old, "generation retired")
             self.counters["init.restart"] += 1
             self._tape("session", now, island=m.island, gen=m.gen,
                        reason=f"INIT restarts with the INIT island's new generation {m.gen} (was {old})",
@@ -899,6 +944,85 @@ class RoundMachine:
         for f in sorted(held or ()):
             self.counters["init.replayed"] += 1
             self._on_init(held[f], now)
+        if m.island == self.init_island:
+            for g in sorted(m.retired_gens & set(self._held_chunks)):
+                self._drop_held_chunks(g, "generation retired")
+            chunks = self._held_chunks.pop(m.gen, {})
+            for key in sorted(chunks):
+                self.counters["init.chunk_replayed"] += 1
+                self._on_init_chunk(chunks[key], now)
+
+    def _drop_held_chunks(self, gen: str, reason: str) -> None:
+        for (f, k) in sorted(self._held_chunks.pop(gen, {})):
+            self.counters["init.held_dropped"] += 1
+            self._emit(InitDrop(gen, f, k, reason))
+
+    def _refuse_init_chunk(self, ev: InitChunk, code: str, message: str, now: float, field: str) -> None:
+        # Counted and taped, never answered on ctl.to: a flood of bad chunks must not become a flood
+        # of error messages (and the process that sent a stale generation's chunks is gone).
+        self.counters[f"rejected.{code}"] += 1
+        self._tape("error", now, island=ev.island, gen=ev.gen, fragment=ev.fragment,
+                   reason=f"{code}: {message}", detail={"code": code, "field": field, "chunk": ev.chunk})
+        self._emit(InitDrop(ev.gen, ev.fragment, ev.chunk, code))
+
+    MAX_HELD_GENS = 2   # unseen INIT generations whose chunks are held at once (a restart races its hello)
+
+    def _on_init_chunk(self, ev: InitChunk, now: float) -> None:
+        """Version 0 comes from one process (generation) of the INIT island: a fragment's chunks are
+        taken from one generation; a chunk of the island's current generation starts a fragment that
+        holds another generation's chunks over; a retired generation's chunk is refused; a chunk of a
+        generation not seen yet is held until its hello (CTL and INIT are separate consumers)."""
+        if self.session is None or ev.island != self.init_island:
+            self._refuse_init_chunk(ev, "not_init_island",
+                                    f"INIT data is taken only from the INIT island {self.init_island!r}", now, "island")
+            return
+        m = self.members[ev.island]
+        if ev.gen in m.retired_gens:
+            self._refuse_init_chunk(ev, "stale_gen", f"INIT chunk of a retired generation of {ev.island} (a restarted "
+                                    f"process resends everything)", now, "gen")
+            return
+        if not 0 <= ev.fragment < self.config.fragments:
+            self._refuse_init_chunk(ev, "unknown_fragment", f"fragment {ev.fragment} outside "
+                                    f"0..{self.config.fragments - 1}", now, "fragment")
+            return
+        if self.phase != "init":
+            # Version 0 is decided (or committed): INIT bytes can no longer change it.
+            self.counters["init.late_chunk"] += 1
+            self._emit(InitDrop(ev.gen, ev.fragment, ev.chunk, "late"))
+            return
+        if ev.gen != m.gen:
+            held = self._held_chunks.get(ev.gen)
+            if held is None and len(self._held_chunks) >= self.MAX_HELD_GENS:
+                self._refuse_init_chunk(ev, "unknown_gen", f"INIT chunk of generation {ev.gen}, whose hello the syncer "
+                                        f"has not admitted ({self.MAX_HELD_GENS} unseen generations held already)",
+                                        now, "gen")
+                return
+            key = (ev.fragment, ev.chunk)
+            if held is not None and key in held:
+                self.counters["init.duplicate_chunk"] += 1
+                self._emit(InitDrop(ev.gen, ev.fragment, ev.chunk, "duplicate"))
+                return
+            self._held_chunks.setdefault(ev.gen, {})[key] = ev
+            self.counters["init.held_chunk"] += 1
+            return
+        gen, count, stored = self._init_chunks.get(ev.fragment, (None, ev.chunks, set()))
+        if gen is not None and gen != ev.gen:
+            self.counters["init.restart_fragment"] += 1
+            self._tape("session", now, island=ev.island, gen=ev.gen, fragment=ev.fragment,
+                       reason=f"INIT of fragment {ev.fragment} starts over with generation {ev.gen} "
+                              f"(had {len(stored)}/{count} chunks of generation {gen})")
+            self._initialized.discard(ev.fragment)
+            gen, count, stored = None, ev.chunks, set()
+        if ev.fragment in self._initialized or ev.chunk in stored or ev.chunks != count or not 0 <= ev.chunk < count:
+            self.counters["init.duplicate_chunk"] += 1
+            self._emit(InitDrop(ev.gen, ev.fragment, ev.chunk, "duplicate"))
+            return
+        stored.add(ev.chunk)
+        self._init_chunks[ev.fragment] = (ev.gen, count, stored)
+        self._emit(InitStore(ev.gen, ev.fragment, ev.chunk))
+        if len(stored) == count:
+            self._initialized.add(ev.fragment)
+            self.counters["init.fragment"] += 1
 
     def _on_v0_done(self, ev: V0Done, now: float) -> None:
         if self.phase != "committing_v0":
@@ -1120,6 +1244,8 @@ class RoundMachine:
                            reason=f"no heartbeat for {now - m.last_heartbeat:.1f}s")
         if self.phase == "init" and len(self._initialized) == cfg.fragments and len(self._live()) >= cfg.islands:
             self.phase = "committing_v0"
+            for g in sorted(self._held_chunks):   # INIT is over: unseen generations' chunks never count
+                self._drop_held_chunks(g, "version 0 decided")
             self._emit(CommitV0(tuple(range(cfg.fragments))))
         for step in sorted(self.rounds):
             r = self.rounds[step]
@@ -1234,6 +1360,7 @@ class RoundMachine:
     _HANDLERS: dict[type, Callable[["RoundMachine", Any, float], None]] = {
         Hello: _on_hello,
         InitComplete: _on_init,
+        InitChunk: _on_init_chunk,
         PushComplete: _on_push,
         Heartbeat: _on_heartbeat,
         MergeDone: _on_merge_done,

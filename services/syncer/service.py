@@ -56,10 +56,6 @@ log = logging.getLogger("yeto.syncer")
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
 DIRECT_GET_TIMEOUT = 30.0
-# How long an INIT chunk of a generation the round machine has not seen waits for that generation's
-# hello (CTL and INIT are separate consumers) before it may replace a fragment that is complete.
-# Well under the INIT consumer's ack wait; waited at most once per generation.
-INIT_HELLO_WAIT_S = 10.0
 
 
 class SyncerError(RuntimeError):
@@ -89,9 +85,6 @@ class _Frag:
     numel: int
     params: torch.Tensor | None = None
     momentum: torch.Tensor | None = None
-    init_chunks: dict[int, bool] = field(default_factory=dict)
-    init_done: bool = False
-    init_gen: str | None = None     # the INIT island generation whose chunks fill init_chunks
 
 
 class SyncerService:
@@ -119,7 +112,7 @@ class SyncerService:
         self._status_t = 0.0
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
-        self._init_waited: set[str] = set()
+        self._init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -203,12 +196,12 @@ class SyncerService:
                     f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
                     f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
             self._set_session(session)
+            self.ledger = PushLedger(committed_step=state.committed_step)
             for fid, fr in self.frags.items():
                 try:
                     fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
                 except (CheckpointError, KeyError) as exc:
                     raise SyncerError(f"--resume: checkpoint {self.ckpt.path} is incomplete: {exc}") from None
-                fr.init_done = True
             # The checkpoint is the source of truth for bytes: check it against the digests it recorded
             # (and broadcast) before serving it again.
             digests = {}
@@ -365,10 +358,9 @@ class SyncerService:
             await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
 
     async def _on_init(self, msg) -> None:
-        """One INIT chunk. Version 0 must come from one process of the INIT island: each fragment's
-        chunks are accumulated for one generation (`init_gen`); a chunk of a retired generation is
-        refused (stale_gen), one of another live generation starts the fragment over with that
-        generation, and InitComplete names the generation whose chunks filled the fragment."""
+        """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
+        generation's chunks make version 0 is the round machine's decision (InitChunk -> InitStore /
+        InitDrop). The bytes wait in `_init_pending` until it decides — never in a sleep."""
         meta: dict | None = None
         try:
             meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
@@ -377,9 +369,6 @@ class SyncerService:
             if meta["run"] != self.run_id:
                 raise WireError(f"INIT chunk of another run on run {self.run_id}'s stream", field="run",
                                 value=meta["run"], code="subject_mismatch")
-            if meta["island"] != self.session["init_island"]:
-                raise WireError(f"INIT data is taken only from the INIT island {self.session['init_island']!r}",
-                                field="island", value=meta["island"], code="not_init_island")
             fid = meta["fragment"]
             fr = self.frags.get(fid)
             if fr is None:
@@ -399,67 +388,16 @@ class SyncerService:
             values = delta_view(msg.data, meta["dtype"], span.elem_count)
             if not bool(torch.isfinite(values).all()):
                 raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
-            gen = meta["gen"]
-            if fr.init_gen is not None and gen != fr.init_gen:
-                # Another generation than the fragment's. Before starting a *complete* fragment over,
-                # the machine must know this generation (its hello cleared INIT), or version 0 could
-                # still be cut from the fragment's bytes; and when the fragment's own generation is
-                # the unknown one, its hello tells which of the two is the newer.
-                for g in (gen, fr.init_gen):
-                    if not self._init_gen_known(g):
-                        await self._wait_init_gen(g)
-                if fr.init_done and not self._init_gen_known(gen):
-                    raise WireError(f"INIT chunk of generation {gen}, whose hello the syncer has not admitted, would "
-                                    f"replace fragment {fid} complete from generation {fr.init_gen}",
-                                    field="gen", value=gen, code="unknown_gen")
-            if gen in self._init_retired():
-                raise WireError(f"INIT chunk of a retired generation of {meta['island']} (a restarted process "
-                                f"resends everything)", field="gen", value=gen, code="stale_gen")
         except WireError as exc:
             await self._reject(f"INIT chunk on {msg.subject}", exc, island=meta and meta["island"], gen=meta and meta["gen"])
             return
-        if self.machine.phase != "init":
-            # Version 0 is decided (or committed): INIT bytes can no longer change it.
-            self.counters["init.late_chunk"] += 1
-            return
-        if fr.init_gen is not None and gen != fr.init_gen:
-            self.counters["init.restart_fragment"] += 1
-            log.warning("INIT: fragment %d starts over with generation %s of %s (had %d/%d chunks of generation %s)",
-                        fid, gen, meta["island"], len(fr.init_chunks), len(spans), fr.init_gen)
-            fr.init_chunks.clear()
-            fr.init_done = False
-            fr.init_gen = None
-        if fr.init_gen is None:
-            fr.init_gen = gen
-        if fr.init_done or k in fr.init_chunks:
+        key = (meta["gen"], fid, k)
+        if key in self._init_pending:
             self.counters["init.duplicate_chunk"] += 1
             return
-        if fr.params is None:
-            fr.params = torch.zeros(fr.numel, dtype=torch.float32)
-            fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
-        fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
-        fr.init_chunks[k] = True
-        if len(fr.init_chunks) == len(spans):
-            fr.init_done = True
-            log.info("INIT: fragment %d complete (%d values, generation %s)", fid, fr.numel, gen)
-            await self.queue.put(R.InitComplete(island=meta["island"], gen=gen, fragment=fid, now=time.time()))
-
-    def _init_retired(self) -> set[str]:
-        member = self.machine.members.get(self.session["init_island"])
-        return member.retired_gens if member is not None else set()
-
-    def _init_gen_known(self, gen: str) -> bool:
-        member = self.machine.members.get(self.session["init_island"])
-        return member is not None and (gen == member.gen or gen in member.retired_gens)
-
-    async def _wait_init_gen(self, gen: str) -> None:
-        """Give the generation's hello (CTL consumer, then the machine loop) time to be admitted."""
-        if gen in self._init_waited:
-            return
-        self._init_waited.add(gen)
-        deadline = time.monotonic() + INIT_HELLO_WAIT_S
-        while not self._init_gen_known(gen) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        self._init_pending[key] = (span, values)
+        await self.queue.put(R.InitChunk(island=meta["island"], gen=meta["gen"], fragment=fid, chunk=k,
+                                         chunks=len(spans), now=time.time()))
 
     async def _on_push(self, msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -475,6 +413,13 @@ class SyncerService:
             await self._reject(f"push chunk on {msg.subject}",
                                WireError("island/fragment in the header does not match the subject", field="island",
                                          value=meta["island"], code="subject_mismatch"), island=subj_island)
+            await self._delete_seqs([seq])
+            return
+        why_closed = self.ledger.closed(meta, redelivered=msg.metadata.num_delivered > 1)
+        if why_closed is not None:
+            # A redelivery (or a late resend) of a chunk no round can use: drop it, it opens no try.
+            self.counters["push.late_chunk"] += 1
+            log.debug("push chunk on %s dropped: %s", msg.subject, why_closed)
             await self._delete_seqs([seq])
             return
         ok, reason, expected_total = True, None, None
@@ -508,9 +453,12 @@ class SyncerService:
                 if not bool(torch.isfinite(values).all()):
                     raise WireError("push values must be finite (NaN/Inf delta)", field="payload", value=f"chunk {k}", code="non_finite")
             except WireError as exc:
+                # The try is invalid (its disposition says so once complete), but a try whose other
+                # chunks never come would never be taped: tape the chunk's rejection now.
                 ok, reason = False, str(exc)
-                self.counters[f"rejected.{exc.code}"] += 1
-                self.counters["rejected"] += 1
+                await self._reject(f"push chunk on {msg.subject}", exc, island=subj_island, gen=meta["gen"],
+                                   extra={"step": meta["step"], "attempt": meta["attempt"], "try": meta["try"],
+                                          "chunk": meta["chunk"]})
         t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
@@ -613,6 +561,16 @@ class SyncerService:
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("error", msg),
                                 S.to_island_msg_id(a.island, "error", f"{a.gen}.{self._next_tape_key()}"), counters=self.counters)
             log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
+        elif isinstance(a, R.InitStore):
+            span, values = self._init_pending.pop((a.gen, a.fragment, a.chunk))
+            fr = self.frags[a.fragment]
+            if fr.params is None:
+                fr.params = torch.zeros(fr.numel, dtype=torch.float32)
+                fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
+            fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
+        elif isinstance(a, R.InitDrop):
+            self._init_pending.pop((a.gen, a.fragment, a.chunk), None)
+            self.counters[f"init.dropped.{a.reason}"] += 1
         elif isinstance(a, R.Release):
             seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
             await self._delete_seqs(seqs)
@@ -702,6 +660,7 @@ class SyncerService:
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
         await self._purge_round(fid, seqs)
+        await self._delete_seqs(self.ledger.pop_swept())
         sync_s = time.time() - t0
         log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
                  ",".join(m.island for m in a.members), merge_s, sync_s)
@@ -711,7 +670,7 @@ class SyncerService:
     async def _commit_v0(self, a: R.CommitV0) -> None:
         for fid in a.fragments:
             fr = self.frags[fid]
-            if fr.params is None or not fr.init_done:
+            if fr.params is None:
                 raise SyncerError(f"version 0: fragment {fid} has no INIT data")
         await self._commit({fid: 0 for fid in a.fragments}, step=0)
         log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))

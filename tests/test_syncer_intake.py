@@ -1,0 +1,75 @@
+"""The syncer's pure push ledger (services/syncer/intake.py): tries complete, and nothing leaks."""
+from __future__ import annotations
+
+from schemas.chunks import push_digest
+from services.syncer.intake import PushLedger, key_of
+
+
+def chunk(i: int, *, island="a", gen="g1", fragment=0, step=1, attempt=1, try_=0, chunks=3) -> dict:
+    meta = {"island": island, "gen": gen, "fragment": fragment, "step": step, "attempt": attempt, "try": try_,
+            "chunks": chunks, "total": 12 * chunks, "dtype": "f32", "base_version": 0, "local_step": 1,
+            "c_steps": 1, "c_tokens": 10, "chunk": i, "digest": f"d{i}"}
+    if i == chunks - 1:
+        meta["push_digest"] = push_digest([f"d{k}" for k in range(chunks)])
+    return meta
+
+
+def feed(ledger: PushLedger, metas, seq0: int = 1, *, redelivered: bool = False):
+    """What the shell does per chunk: drop closed ones, add the rest. Returns completed tries."""
+    done = []
+    for n, meta in enumerate(metas):
+        if ledger.closed(meta, redelivered=redelivered) is not None:
+            continue
+        t = ledger.add(meta, seq0 + n, expected_total=meta["total"], chunk_ok=True)
+        if t is not None:
+            done.append(t)
+    return done
+
+
+def test_a_try_completes_once_and_pop_round_forgets_it():
+    led = PushLedger()
+    (t,) = feed(led, [chunk(0), chunk(2), chunk(1)])
+    assert t.invalid is None and t.ordered_seqs() == [1, 3, 2]
+    assert feed(led, [chunk(1)], 10) == []                      # a resend of a chunk: the first stays
+    assert sorted(led.pop_round(0, 1)) == [1, 2, 3] and led.tries == {}
+
+
+def test_redelivered_chunks_after_pop_round_or_pop_try_open_no_try():
+    # issue 16: chunks redelivered after pop_round / pop_try created tries that never completed and
+    # were never removed
+    led = PushLedger()
+    feed(led, [chunk(i) for i in range(3)])
+    feed(led, [chunk(i, island="b", try_=1) for i in range(3)], 10)
+    assert led.pop_try(("b", "g1", 0, 1, 1, 1)) == [10, 11, 12]   # a rejected try, released
+    # while its round is in flight a released try stays closed, redelivered or not
+    assert feed(led, [chunk(i, island="b", try_=1) for i in range(3)], 15) == [] and len(led.tries) == 1
+    assert sorted(led.pop_round(0, 1)) == [1, 2, 3]
+    feed(led, [chunk(1), chunk(0, island="b", try_=1)], 20, redelivered=True)
+    assert led.tries == {}
+
+
+def test_late_fresh_push_to_a_committed_round_completes_and_partial_ones_are_swept():
+    led = PushLedger()
+    feed(led, [chunk(i) for i in range(3)])
+    led.pop_round(0, 1)
+    # a fresh (not redelivered) late push still completes, so the machine can tape out_of_round
+    (t,) = feed(led, [chunk(i, island="c") for i in range(3)], 30)
+    assert t.key == ("c", "g1", 0, 1, 1, 0)
+    led.pop_try(t.key)                                          # the machine released it
+    # an island that died mid-push: its partial try of a committed round goes at the next commit but one
+    feed(led, [chunk(0, island="d")], 40)
+    assert key_of(chunk(0, island="d")) in led.tries
+    feed(led, [chunk(i, step=2, fragment=1) for i in range(3)], 50)
+    led.pop_round(1, 2)                                         # opened after commit 1: survives this one
+    assert key_of(chunk(0, island="d")) in led.tries and led.pop_swept() == []
+    feed(led, [chunk(i, step=3) for i in range(3)], 60)
+    led.pop_round(0, 3)
+    assert led.tries == {} and led.pop_swept() == [40]
+    assert led.released == set()                                # tombstones of committed rounds pruned
+
+
+def test_resumed_ledger_starts_at_the_checkpoints_committed_step():
+    led = PushLedger(committed_step=5)
+    assert feed(led, [chunk(i, step=4) for i in range(3)], redelivered=True) == [] and led.tries == {}
+    (t,) = feed(led, [chunk(i, step=6) for i in range(3)], redelivered=True)
+    assert t.key[3] == 6
