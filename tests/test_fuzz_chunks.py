@@ -171,3 +171,18 @@ def test_a_sink_that_fails_leaves_the_chunk_to_be_added_again():
     bad = dict(c0.header(), chunk=1, offset=25, digest=digest(b"?" * 25))
     with pytest.raises(DigestMismatch):
         a.add(bad, b"!" * 25)
+
+
+@FUZZ
+@given(st.binary(max_size=600), st.sampled_from(("f32", "bf16", "q4")), st.integers(-3, 300))
+def test_unpacking_any_payload_returns_the_values_or_raises_a_wire_error(buf, dtype, numel):
+    """A chunk payload that passed its digest still decodes only if its size fits: anything else is refused as
+    bad input (WireError naming the field), never a numpy/torch error."""
+    from schemas.dtypes import packed_nbytes, unpack
+    from schemas.errors import WireError
+
+    try:
+        out = unpack(buf, dtype, numel)
+    except WireError:
+        return
+    assert numel >= 0 and len(buf) == packed_nbytes(dtype, numel) and out.numel() == numel
