@@ -314,6 +314,9 @@ def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_isla
     """`yeto auth init`: create or extend DIR. Existing identities keep their keys; new islands get new
     ones; auth.conf is rewritten from the union."""
     check_run(run)
+    hosts = list(DEFAULT_HOSTS if hosts is None else hosts)
+    if tls and not hosts:
+        raise AuthError("--hosts: give at least one host name or address")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
@@ -354,7 +357,7 @@ def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_isla
     _write_private(out / AUTH_CONF, auth_conf_text([(run, final, init_island)]))
     tls_files: list[str] = []
     if tls:
-        tls_files = make_tls(out / TLS_DIR, list(hosts or DEFAULT_HOSTS))
+        tls_files = make_tls(out / TLS_DIR, hosts)
     return InitReport(run, out, created, kept, tls_files, init_island)
 
 

@@ -1,0 +1,176 @@
+"""`yeto auth init` (issue 17 item 1): the files it writes, their modes, re-running it, bad input, and
+the generated config served by a real nats-server (with TLS, and reloaded after adding an island)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import nkeys
+import pytest
+
+from schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
+from services.auth import cert_hosts, load_identities, write_server_config
+from services.broker import Broker, check_config
+from tests.e2e_procs import clean_env
+from tests.scripted import ROOT
+
+
+def yeto_auth(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "auth", "init", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=clean_env(), timeout=120)
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def public_of(creds: Path) -> str:
+    kp = nkeys.from_seed(bytearray(creds.read_bytes().strip()))
+    try:
+        return kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
+def test_init_writes_one_private_identity_per_process_and_a_valid_config(tmp_path):
+    out = tmp_path / "auth"
+    r = yeto_auth("--run", "prod1", "--islands", "a,b", "--out", str(out), "--tls", "--hosts",
+                  "localhost,127.0.0.1,nats.example.org")
+    assert r.returncode == 0, r.stderr
+    assert "yeto broker --auth" in r.stdout
+    names = ["syncer", "a", "b", "observer", "admin"]
+    assert mode(out) == 0o700
+    pubs = {}
+    for n in names:
+        creds = out / f"{n}.creds"
+        assert mode(creds) == 0o600, n
+        pubs[n] = public_of(creds)
+        assert pubs[n].startswith("U")
+    assert len(set(pubs.values())) == len(names)
+    conf = (out / "auth.conf").read_text()
+    assert mode(out / "auth.conf") == 0o600 and mode(out / "identities.json") == 0o600
+    for n, pub in pubs.items():
+        assert f"nkey: {pub}" in conf
+        # a seed never leaves its creds file
+        assert (out / f"{n}.creds").read_text().strip() not in conf
+    assert "no_auth_user" not in conf.replace("No no_auth_user", "")
+    run, ids, init = load_identities(out)
+    assert run == "prod1" and init == "a"  # the first island unless --init-island
+    assert {i.name: i.role for i in ids} == {"syncer": "syncer", "a": "island", "b": "island",
+                                              "observer": "observer", "admin": "admin"}
+    # TLS: private keys 0600, the CA public; the server certificate covers the hosts and is signed by the CA
+    tls = out / "tls"
+    assert mode(tls / "ca-key.pem") == 0o600 and mode(tls / "server-key.pem") == 0o600
+    assert sorted(cert_hosts((tls / "server.pem").read_bytes())) == sorted(["localhost", "127.0.0.1", "nats.example.org"])
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate((tls / "ca.pem").read_bytes())
+    x509.load_pem_x509_certificate((tls / "server.pem").read_bytes()).verify_directly_issued_by(ca)
+    # nats-server itself accepts the whole config (shipped settings + users + TLS)
+    conf_file = write_server_config([out], tmp_path / "server.conf")
+    assert "tls {" in conf_file.read_text() and "max_payload: 8MB" in conf_file.read_text()
+    check_config(conf_file)
+
+
+def test_connect_options_hand_the_seed_to_nats_py_with_its_own_inbox(tmp_path):
+    out = tmp_path / "auth"
+    assert yeto_auth("--run", "r", "--islands", "a", "--out", str(out)).returncode == 0
+    kw = ConnectOptions(creds=str(out / "a.creds")).kwargs()
+    assert kw["nkeys_seed"] == str(out / "a.creds") and "user_credentials" not in kw
+    assert kw["inbox_prefix"] == nkey_inbox_prefix(public_of(out / "a.creds"))
+    jwt_creds = tmp_path / "user.creds"
+    jwt_creds.write_text("-----BEGIN NATS USER JWT-----\neyJ0eXAi.x.y\n------END NATS USER JWT------\n\n"
+                         "-----BEGIN USER NKEY SEED-----\nSUAXXX\n------END USER NKEY SEED------\n")
+    kw = ConnectOptions(creds=str(jwt_creds)).kwargs()
+    assert kw["user_credentials"] == str(jwt_creds) and "nkeys_seed" not in kw and "inbox_prefix" not in kw
+    with pytest.raises(ValueError, match="YETO_NATS_CREDS: cannot read"):
+        ConnectOptions(creds=str(tmp_path / "missing.creds")).kwargs()
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--islands", "a.b"), "--islands: 'a.b'"),
+    (("--islands", "a,syncer"), "--islands: 'syncer' is reserved"),
+    (("--islands", "a,a"), "--islands: repeated"),
+    (("--islands", ","), "--islands: give at least one"),
+    (("--islands", "a,b", "--init-island", "z"), "--init-island: 'z' is not one of the islands"),
+    (("--islands", "a", "--tls", "--hosts", ","), "--hosts: give at least one"),
+    (("--islands", "a", "--run", "a.b"), "--run:"),
+])
+def test_bad_input_is_refused_naming_the_flag_and_value(tmp_path, args, says):
+    out = tmp_path / "auth"
+    r = yeto_auth("--run", "r", "--out", str(out), *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists() or not any(out.iterdir())  # nothing half-written
+
+
+def test_rerun_adds_islands_and_keeps_every_existing_identity(tmp_path):
+    out = tmp_path / "auth"
+    assert yeto_auth("--run", "r", "--islands", "a,b", "--out", str(out), "--tls").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.glob("*.creds")}
+    tls_before = {p.name: p.read_bytes() for p in (out / "tls").iterdir()}
+    r = yeto_auth("--run", "r", "--islands", "b,c", "--out", str(out), "--tls")
+    assert r.returncode == 0, r.stderr
+    assert "new identities: c.creds" in r.stdout
+    after = {p.name: p.read_bytes() for p in out.glob("*.creds")}
+    assert set(after) == set(before) | {"c.creds"}
+    assert all(after[n] == before[n] for n in before)  # same keys: running processes stay valid
+    assert {p.name: p.read_bytes() for p in (out / "tls").iterdir()} == tls_before  # same CA, same cert
+    run, ids, init = load_identities(out)
+    assert [i.name for i in ids if i.role == "island"] == ["a", "b", "c"] and init == "a"
+    conf = (out / "auth.conf").read_text()
+    assert all(f"nkey: {public_of(out / n)}" in conf for n in after)
+    # another run in the same directory is refused, and nothing in it changes
+    r = yeto_auth("--run", "other", "--islands", "x", "--out", str(out))
+    assert r.returncode == 2 and "--run:" in r.stderr and "'r'" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in out.glob("*.creds")} == after
+    # a creds file that no longer matches its recorded key is refused, not silently re-keyed
+    (out / "b.creds").write_bytes(before["a.creds"])
+    r = yeto_auth("--run", "r", "--islands", "d", "--out", str(out))
+    assert r.returncode == 2 and "b.creds" in r.stderr, r.stderr
+    assert not (out / "d.creds").exists()
+
+
+async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones(tmp_path):
+    """How to add an island to a live run: `yeto auth init` again, rewrite the config, reload
+    (SIGHUP). The new island gets in; island a's open connection and its key keep working."""
+    out = tmp_path / "auth"
+    assert yeto_auth("--run", "r", "--islands", "a", "--out", str(out), "--tls").returncode == 0
+    conf = write_server_config([out], tmp_path / "server.conf")
+    ca = str(out / "tls" / "ca.pem")
+    with Broker(store_dir=tmp_path / "store", config=conf, log_file=tmp_path / "server.log") as broker:
+        def opts(name):
+            return ConnectOptions(url=broker.url, creds=str(out / f"{name}.creds"), tls_ca=ca)
+
+        a = await connect(opts("a"), allow_reconnect=False)
+        assert yeto_auth("--run", "r", "--islands", "c", "--out", str(out), "--tls").returncode == 0
+        with pytest.raises(Exception, match="(?i)authorization"):  # not yet: the server has the old config
+            await connect(opts("c"), allow_reconnect=False, max_reconnect_attempts=0)
+        write_server_config([out], conf)
+        broker.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c = await connect(opts("c"), allow_reconnect=False, max_reconnect_attempts=0)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        try:
+            assert a.is_connected
+            await a.publish("yeto.r.ctl.hb.a", b"still here")
+            await a.flush()
+            a2 = await connect(opts("a"), allow_reconnect=False)
+            await a2.close()
+        finally:
+            await a.close()
+            await c.close()
