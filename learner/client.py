@@ -13,8 +13,10 @@ The training thread drains the inboxes at step boundaries and runs the calls it 
 (fetching chunks, publishing a push and waiting for its acks) on the loop with
 `asyncio.run_coroutine_threadsafe(...)`, always with a timeout (`call`).
 
-Bad input (malformed JSON, a schema violation, a header that does not match its subject) is counted
-in `counters["rejected"]`, logged and acked: redelivering it would not make it valid.
+Bad input (malformed JSON, a schema violation, a header that does not match its subject, a manifest /
+error / shutdown that does not name a generation) is counted in `counters["rejected"]`, logged and
+acked: redelivering it would not make it valid. A non-fatal error `unknown_member` (the syncer has no
+record of this generation, e.g. it resumed without its members) makes the client say hello again.
 
 Generation: one random `gen` per IslandClient (per process start); reconnects keep it, and it rides
 on every message. Health: nats-py reconnects on its own; `check_health` raises only once it gave up
@@ -51,6 +53,8 @@ from .steplog import StepLog
 log = logging.getLogger("yeto.island")
 
 ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
+# Non-fatal syncer error codes that mean "I have no record of you": the island says hello again.
+REHELLO_CODES = frozenset({"unknown_member"})
 CTL_FETCH_BATCH = 64
 PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
 DETACH_POLL_S = 0.02  # how soon a detached publish notices a lost connection
@@ -182,6 +186,8 @@ class IslandClient:
         self._subs: list = []
         self._wake: asyncio.Event | None = None
         self._consumer: str | None = None
+        self._hello: dict | None = None  # the hello's fields, for a re-hello
+        self._rehellos = 0
 
     # ---- lifecycle (training thread) ------------------------------------------------------------
 
@@ -259,6 +265,7 @@ class IslandClient:
         `hello`: the hello fields beyond type / v / run / island / gen."""
         to = self.config.session_timeout_s
         self.call(P.check_run(self.js, self.run, timeout_s=to, log=log.warning), None if to is None else to + 10)
+        self._hello = dict(hello)
         msg = codec.make("hello", hello, run=self.run, island=self.island, gen=self.gen)
         ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
                                       S.hello_msg_id(self.island, self.gen), counters=self._counters), 60)
@@ -538,14 +545,43 @@ class IslandClient:
             self._counters["pulls_received"] += 1
             self.pulls.put(msg)
             return
-        if msg.get("gen") not in (None, self.gen):
+        if msg.get("gen") is None:
+            # The syncer names the generation in every message to an island; one without it could
+            # stop (shutdown, a fatal error) or finalize every generation of the island at once.
+            self._reject(f"{kind} message on {subject}", WireError(
+                f"a {kind} to an island must name its generation", field="gen", value=None, code="no_gen"))
+            return
+        if msg["gen"] != self.gen:
             self._counters["ctl_other_gen"] += 1
             return
         if kind == "error":
             log.error("island %s: syncer error %s (fatal=%s): %s", self.island, msg["code"], msg["fatal"], msg["message"])
             if msg["fatal"]:
                 self._fatal = SyncerRefused(msg)
+            elif msg["code"] in REHELLO_CODES:
+                self._spawn(self._hello_again(msg["code"]), "rehello")
         self.control.put((kind, msg))
+
+    async def _hello_again(self, code: str) -> None:
+        """The syncer has no record of this generation (it resumed without its members, or the hello
+        was lost with it): say hello again, same generation, so it admits this process. The CTL
+        consumer already delivers everything since the first hello. Never raises (a failure is
+        logged; the syncer asks again at its next chance)."""
+        if self._hello is None:
+            return
+        self._rehellos += 1
+        try:
+            msg = codec.make("hello", self._hello, run=self.run, island=self.island, gen=self.gen)
+            # A fresh Nats-Msg-Id per re-hello: the duplicate window would drop the first hello's.
+            await publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
+                                f"{S.hello_msg_id(self.island, self.gen)}.again.{self._rehellos}",
+                                counters=self._counters)
+            self._counters["rehello"] += 1
+            log.warning("island %s: the syncer does not know generation %s (%s): hello sent again", self.island,
+                        self.gen, code)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self._counters["rehello_failed"] += 1
+            log.warning("island %s: hello again failed: %r", self.island, exc)
 
     # BCAST / FINAL notices.
 

@@ -64,6 +64,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from schemas import codec
+from schemas import subjects as S
 from schemas.errors import WireError
 from schemas.layout import layout_fingerprint
 
@@ -137,7 +139,9 @@ class Island(IslandWire):
         self._staged: dict[int, int] = {}  # fragment -> version the ranks are staging (rank 0's view)
         self._pushing: dict[int, tuple] = {}  # fragment -> (PendingPull, PublishHandle) awaiting acks
         self._seen_rounds: dict[tuple[int, int], int] = {}  # lockstep: (fragment, step) -> base_version
-        self._manifest: dict | None = None
+        self._manifest: dict | None = None  # verified (backed by the final cut): finalize now
+        self._offered: tuple[dict, float] | None = None  # a manifest not verified yet, and since when
+        self._ctl_rejected = 0
         self._shutdown: dict | None = None
         self._rejected_seen = 0
         self._bytes_seen: Counter[str] = Counter()
@@ -403,13 +407,68 @@ class Island(IslandWire):
     def _read_control(self) -> None:
         for kind, msg in self.client.control.drain():
             if kind == "manifest":
-                if self._manifest is None or msg["final_step"] > self._manifest["final_step"]:
-                    self._manifest = msg
-                    log.warning("island %s: manifest for final step %d: finalizing", self.config.island, msg["final_step"])
+                try:
+                    self._check_manifest(msg)
+                except WireError as exc:
+                    self._reject_ctl(f"manifest for final step {msg.get('final_step')}", exc)
+                    continue
+                cur = self._offered
+                if cur is None or msg["final_step"] > cur[0]["final_step"]:
+                    self._offered = (msg, time.monotonic())
             elif kind == "shutdown":
                 self._shutdown = msg
             elif kind == "error":  # fatal ones already made check_health raise
                 self._counters["syncer_errors"] += 1
+        if self._manifest is None and self._offered is not None:
+            self._verify_manifest()
+
+    def _check_manifest(self, msg: dict) -> None:
+        unknown = sorted(int(k) for k in msg["versions"] if int(k) not in self.frags)
+        if unknown:
+            raise WireError("manifest names fragments the session does not have", field="versions", value=unknown)
+
+    def _verify_manifest(self) -> None:
+        """Finalize only once the manifest is backed by the final cut: the syncer publishes FINAL
+        before any manifest, so chunk 0 of every fragment it names already carries its version, digest
+        and final step. Until then (a lagging replica, a fetch that failed) the island trains on and
+        looks again at the next boundary; a manifest still unbacked after `final_timeout_s` (forged:
+        until #17 anyone may publish one) is dropped and counted, instead of stopping the island to
+        wait for a cut that never comes."""
+        msg, since = self._offered
+        want = sorted((int(k), v) for k, v in msg["versions"].items())
+        backed = False
+        if self.client.connected:
+            try:
+                got = self.client.fetch_last("FINAL", [S.final(self.config.run, fid, 0) for fid, _ in want])
+            except TRANSIENT as exc:
+                log.warning("island %s: checking the final cut of a manifest: %r", self.config.island, exc)
+                got = None
+            if got is not None:
+                backed = True
+                for (fid, v), m in zip(want, got):
+                    try:
+                        meta = None if m is None else codec.decode_header(
+                            "final_chunk", (m.headers or {}).get(codec.CHUNK_HEADER, b""))
+                    except WireError:
+                        meta = None
+                    if meta is None or (meta["version"], meta["version_digest"], meta["final_step"]) != \
+                            (v, msg["version_digests"][str(fid)], msg["final_step"]):
+                        backed = False
+                        break
+        if backed:
+            self._manifest, self._offered = msg, None
+            log.warning("island %s: manifest for final step %d: finalizing", self.config.island, msg["final_step"])
+        elif time.monotonic() - since > self.config.final_timeout_s:
+            self._offered = None
+            self._reject_ctl(f"manifest for final step {msg['final_step']}", WireError(
+                f"no final cut on FINAL matches it after {self.config.final_timeout_s:.0f}s", field="versions",
+                value=msg["versions"], code="manifest_unbacked"))
+
+    def _reject_ctl(self, what: str, exc: Exception) -> None:
+        """A control message refused outside a boundary's stats: counted into the next step-log event."""
+        self._ctl_rejected += 1
+        self._counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
+        log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
 
     def _reject(self, stats: _Stats, what: str, exc: Exception) -> None:
         stats.rejected += 1
@@ -530,6 +589,8 @@ class Island(IslandWire):
     # step log
 
     def _emit(self, stats: _Stats, loss: float | None, t0: float, versions: dict | None) -> None:
+        stats.rejected += self._ctl_rejected
+        self._ctl_rejected = 0
         client_rejected = self.client.rejected_total()
         rejected = stats.rejected + client_rejected - self._rejected_seen
         self._rejected_seen = client_rejected

@@ -119,3 +119,110 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
             pass
         await nc.close()
         broker.stop()
+
+
+# ---- hostile messages toward the island (issue 16) ------------------------------------------------
+
+async def test_forged_manifests_do_not_stop_or_crash_the_island(env):
+    """A manifest naming a fragment the session does not have raised ProtocolError (the island
+    exited); one not backed by a final cut on FINAL stopped training and waited `final_timeout_s`
+    for it, then raised. Both are refused and counted now, and training goes on; the real manifest
+    (FINAL published first, as the syncer does) still finalizes."""
+    island, session, syncer = env(net(), final_timeout_s=1.0)
+    await started(env, island, session)
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)
+    assert await boundary(island)
+    zero = "0" * 64
+    await syncer.to_island("manifest", ISLAND, final_step=6, versions={"0": 2, "7": 3},
+                           version_digests={"0": zero, "7": zero}, gen=island.gen)
+    await syncer.to_island("manifest", ISLAND, final_step=9, versions={"0": 4, "1": 4},
+                           version_digests={"0": zero, "1": zero}, gen=island.gen)
+    await until(lambda: len(island.client.control) >= 2, what="manifests")
+    t0 = time.monotonic()
+    assert await boundary(island) is True  # neither stops the island
+    assert time.monotonic() - t0 < 0.9
+    assert island.counters["rejected.invalid"] >= 1 and not island.finalized
+    await asyncio.sleep(1.1)  # past final_timeout_s: the unbacked manifest is dropped
+    assert await boundary(island) is True
+    assert island.counters["rejected.manifest_unbacked"] == 1 and island._offered is None
+    rejected = sum(e["rejected"] for e in steplog_lines(island))
+    assert rejected >= 2
+    # the real one: final cut first, then the manifest
+    final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
+    digests = {str(fid): await syncer.final(fid, fid + 2, v, final_step=12) for fid, v in final.items()}
+    await syncer.to_island("manifest", ISLAND, final_step=12, versions={"0": 2, "1": 3}, version_digests=digests,
+                           gen=island.gen)
+    await until(lambda: len(island.client.control) >= 1, what="manifest")
+    task = asyncio.create_task(boundary(island))
+    await until(lambda: island.finalized or task.done() or island.final_step is not None, timeout=20,
+                what="final cut installed")
+    await syncer.to_island("shutdown", ISLAND, reason="run complete", gen=island.gen)
+    assert await asyncio.wait_for(task, 20) is False
+    for fid in (0, 1):
+        assert torch.equal(frag_values(island, fid), final[fid])
+
+
+async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(env):
+    """A FINAL chunk carrying the manifest's version with another digest raised ProtocolError in the
+    middle of finalization; it is refused and counted now, and the real chunk (a new message on the
+    subject) is installed."""
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island)
+    final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
+    digests = {str(fid): await syncer.final(fid, 5, v, final_step=8) for fid, v in final.items()}
+    # a forged chunk 1 of fragment 1 (same version, another version digest) replaces the real one
+    forged = syncer.values(1, 99)
+    await syncer._chunks("final_chunk", 1, 5, forged, "f32", {"final_step": 8}, lambda f, k: S.final(syncer.run, f, k),
+                         lambda f, v, k: f"forged.{f}.{v}.{k}", only={1})
+    await syncer.to_island("manifest", ISLAND, final_step=8, versions={"0": 5, "1": 5}, version_digests=digests,
+                           gen=island.gen)
+    await until(lambda: len(island.client.control) >= 1, what="manifest")
+    task = asyncio.create_task(boundary(island))
+    await until(lambda: island.counters["rejected.version_conflict"] >= 1 or task.done(), timeout=20,
+                what="the forged chunk refused")
+    assert not task.done()  # finalizing: waiting for fragment 1's real chunk 1
+    await syncer._chunks("final_chunk", 1, 5, final[1], "f32", {"final_step": 8}, lambda f, k: S.final(syncer.run, f, k),
+                         lambda f, v, k: f"real-again.{f}.{v}.{k}", only={1})
+    await until(lambda: island.final_step == 8 or task.done(), timeout=20, what="final cut installed")
+    await syncer.to_island("shutdown", ISLAND, reason="run complete", gen=island.gen)
+    assert await asyncio.wait_for(task, 20) is False
+    for fid in (0, 1):
+        assert torch.equal(frag_values(island, fid), final[fid])
+
+
+async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(env):
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island)
+    big = 2**53 - 1
+    me = [(ISLAND, island.gen)]
+    n = 0
+
+    async def forged(fid, step, base, members, attempt=1):
+        nonlocal n
+        n += 1
+        msg = codec.make("pull", run=syncer.run, fragment=fid, step=step, attempt=attempt, seq=0, base_version=base,
+                         members=[{"island": i, "gen": g} for i, g in members])
+        await env.js.publish(S.pull(syncer.run), codec.encode("pull", msg), headers={S.MSG_ID: f"forged-{n}"})
+
+    await forged(1, 2, big, me)  # base_version far beyond the round
+    await forged(1, big, 0, me)  # absurd step
+    await forged(5, 6, 0, me)  # unknown fragment
+    await forged(1, 2 + 2 * 10**6, 10**6, [("b", "0123456789abcdef")])  # consistent, huge, not naming us
+    await syncer.pull(1, 2, 0, me)  # the real round
+    # an attempt jump of the real round (a forged first sighting of a round cannot be told from a
+    # real one without #17's permissions: this one follows the real attempt)
+    await forged(1, 2, 0, [("b", "0123456789abcdef")], attempt=2**31 - 1)
+    await until(lambda: island.client.counters["pulls_received"] + island.client.rejected_total() >= 6,
+                what="pulls")
+    assert await boundary(island)
+    await until(lambda: island.book.record(1, 2) is not None and island.book.record(1, 2).state == "done",
+                what="the real round answered")
+    chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
+    assert {(m["step"], m["attempt"]) for m, _ in chunks} == {(2, 1)}
+    assert island.book.floor(1) == 0  # v0 applied; no forged base raised the supersession floor
+    assert sum(e["rejected"] for e in steplog_lines(island)) >= 4 and island.counters["rejected.invalid"] >= 4

@@ -111,21 +111,64 @@ async def test_control_messages_are_routed_by_kind_subject_and_generation(js, ru
     to = S.to_island(run_id, ISLAND)
     await send(S.pull(run_id), ctl("pull", **dict(pull, step=3)), "p3")
     await send(to, ctl("shutdown", reason="for another generation", gen=other), "s-other")
-    await send(to, ctl("shutdown", reason="for this island"), "s-any")
+    await send(to, ctl("shutdown", reason="without a generation"), "s-any")  # issue 16: refused
+    await send(to, ctl("shutdown", reason="for this island", gen=c.gen), "s-mine")
     await send(to, b"\xff not json", "junk")
     await send(to, ctl("pull", **dict(pull, step=5)), "pull-on-wrong-subject")
-    await until(lambda: c.rejected_total() >= 2 and len(c.control) >= 1 and len(c.pulls) >= 1, what="routing")
+    await until(lambda: c.rejected_total() >= 3 and len(c.control) >= 1 and len(c.pulls) >= 1, what="routing")
     await asyncio.sleep(0.2)  # let anything that should not arrive have its chance
     assert [p["step"] for p in c.pulls.drain()] == [3]
     assert [(k, m["reason"]) for k, m in c.control.drain()] == [("shutdown", "for this island")]
-    assert c.counters["ctl_other_gen"] == 1 and c.rejected_total() == 2
+    assert c.counters["ctl_other_gen"] == 1 and c.rejected_total() == 3 and c.counters["rejected.no_gen"] == 1
     assert any("pull message must arrive on" in r for r in c.rejections)
     c.check_health()  # all of that is survivable
 
-    await send(to, ctl("error", code="layout_mismatch", message="not this model", fatal=True, field="layout"), "err")
+    await send(to, ctl("error", code="layout_mismatch", message="not this model", fatal=True, field="layout"),
+               "err-no-gen")  # refused: not acted on
+    await send(to, ctl("error", code="layout_mismatch", message="not this model", fatal=True, field="layout",
+                       gen=c.gen), "err")
     await until(lambda: len(c.control) >= 1, what="error")
     with pytest.raises(SyncerRefused, match="layout_mismatch"):
         c.check_health()
+    assert c.counters["rejected.no_gen"] == 2
+
+
+async def test_unknown_member_error_makes_the_island_say_hello_again(js, run_id, nats_url, clients):
+    """A syncer that resumed without its members answers heartbeats with a non-fatal `unknown_member`
+    error: the island sends its hello again (same generation, a fresh Nats-Msg-Id so the duplicate
+    window does not swallow it), and keeps running. Before, it only counted the error."""
+    c = await provisioned(clients, run_id, nats_url)
+    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run_id, "CTL"))
+
+    async def hellos(want: int, timeout: float = 10.0) -> list[tuple[dict, str]]:
+        got = []
+        deadline = time.monotonic() + timeout
+        while len(got) < want and time.monotonic() < deadline:
+            try:
+                msgs = await ctl.fetch(20, timeout=1)
+            except Exception:
+                continue
+            for m in msgs:
+                await m.ack()
+                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+                if kind == "hello":
+                    got.append((msg, m.headers[S.MSG_ID]))
+        return got
+
+    assert len(await hellos(1)) == 1
+    err = codec.make("error", run=run_id, code="unknown_member", message="no record of you", fatal=False,
+                     field="gen", gen=c.gen)
+    await js.publish(S.to_island(run_id, ISLAND), codec.encode("error", err), headers={S.MSG_ID: "unknown-1"})
+    again = await hellos(1)
+    assert len(again) == 1
+    msg, msg_id = again[0]
+    assert msg["gen"] == c.gen and msg["layout"] == LAYOUT and msg_id != S.hello_msg_id(ISLAND, c.gen)
+    await until(lambda: c.counters["rehello"] == 1, what="the re-hello's ack")
+    c.check_health()  # non-fatal: the island goes on
+    # another error code (non-fatal) does not trigger a hello
+    other = dict(err, code="schema")
+    await js.publish(S.to_island(run_id, ISLAND), codec.encode("error", other), headers={S.MSG_ID: "schema-1"})
+    assert await hellos(1, timeout=2) == [] and c.counters["rehello"] == 1
 
 
 async def test_step_log_events_validate_file_gets_the_same_lines_and_the_queue_drops(js, run_id, nats_url, clients,
