@@ -30,6 +30,7 @@ from services.auth import init_auth, write_server_config
 from services.broker import Broker
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, clean_env, kv_json, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
+from tests.test_steplog_exporter import scrape
 
 GEN = "0123456789abcdef"
 
@@ -93,7 +94,8 @@ H, P, ROUNDS = 8, 2, 12
 
 @pytest.mark.timeout(240)
 async def test_a_real_run_through_the_secured_broker_finishes_normally(secured, tmp_path):
-    """The real syncer, two learner.demo islands and `yeto steplog tail`, each with its own identity,
+    """The real syncer, two learner.demo islands, `yeto steplog tail` and `yeto exporter` (both as the
+    observer), each with its own identity,
     over TLS: the run provisions, initializes, merges every round, finalizes and exits 0, and the server
     logged no permission violation at all (so no identity lacks a permission the code uses)."""
     run = secured.runs["e2e"]
@@ -107,6 +109,10 @@ async def test_a_real_run_through_the_secured_broker_finishes_normally(secured, 
                                 env={"YETO_NATS_CREDS": secured.creds("e2e", name), "YETO_TLS_CA": secured.ca}).start()
                for name in ("a", "b")}
     tail_out = tmp_path / "tail.jsonl"
+    exporter = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "exporter", "--run", run, "--nats", url, "--port", "0", "--from-start",
+        "--log-level", "WARNING", "--nats-creds", secured.creds("e2e", "observer"), *tls,
+        cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with open(tail_out, "wb") as out:
         tail = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "steplog", "tail", "--json", "--count", "6", "--timeout", "150",
@@ -114,13 +120,26 @@ async def test_a_real_run_through_the_secured_broker_finishes_normally(secured, 
             stdout=out, stderr=subprocess.PIPE, cwd=ROOT, env=clean_env())
         procs = {"syncer": syncer, **islands}
         try:
+            line = (await asyncio.wait_for(exporter.stdout.readline(), 60)).decode()
+            assert "/metrics" in line, line
+            port = int(line.rsplit(":", 1)[1].split("/")[0])
             rcs = await wait_exit(procs, 180)
             tail_rc = await asyncio.to_thread(tail.wait, 60)
+
+            async def exported():  # every island's step events, read with the observer's identity
+                m = await scrape(port)
+                return all(m.get(("yeto_island_steplog_events_total", (("island", i),)), (0,))[0] > 0 for i in islands)
+
+            await wait_until(exported, 30, "the exporter's step-log counters of both islands")
         finally:
             for p in procs.values():
                 p.stop()
             if tail.poll() is None:
                 tail.kill()
+            if exporter.returncode is None:
+                exporter.terminate()
+            _out, exporter_err = await asyncio.wait_for(exporter.communicate(), 20)
+    assert exporter.returncode == 0, exporter_err.decode(errors="replace")[-2000:]
     assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
     nc = await secured.conn("e2e", "observer")
     try:
