@@ -258,6 +258,58 @@ class Watch:
     init_seen: bool = False
 
 
+def useful_work(recs: list[dict], steplogs: list[list[dict]], fragments: int) -> tuple[int, float]:
+    """(useful island-steps, training span in seconds) of one run, from its tape and step logs.
+
+    A step is useful when it reached the model: per island process (island, gen), the steps from its
+    first complete cut (steps before it are overwritten by that cut) to the local step of its last push
+    that a committed round merged (later steps died with the process or ended under the final cut).
+    Steps taken while the syncer or the broker is down count: the next push carries them (islands never
+    wait for a round). The span runs from version 0's commit to the last merge, so both runs are
+    measured over training only, not over process start-up."""
+    accepted, merges = {}, {}
+    t_v0 = t_last = None
+    for r in recs:
+        k = r.get("kind")
+        if k == "disposition" and r.get("disposition") == "accepted":
+            accepted[(r["step"], r["attempt"], r["island"], r["gen"])] = r.get("detail", {}).get("local_step")
+        elif k == "merge":
+            merges.setdefault(r["step"], r)
+            t_last = r["t"] if t_last is None else max(t_last, r["t"])
+        elif k == "session" and r.get("reason") == "version 0 committed" and t_v0 is None:
+            t_v0 = r["t"]
+    last: dict[tuple[str, str], int] = defaultdict(int)
+    for t, m in merges.items():
+        for who in m.get("responded", []):
+            ls = accepted.get((t, m["attempt"], who["island"], who["gen"]))
+            if ls is not None:
+                last[(who["island"], who["gen"])] = max(last[(who["island"], who["gen"])], ls)
+    first: dict[tuple[str, str], int] = {}
+    for rows in steplogs:
+        for row in rows:
+            if len(row.get("versions", {})) == fragments:
+                first.setdefault((row["island"], row["gen"]), row["step"] - 1)
+                break
+    steps = sum(max(0, ls - first.get(key, 0)) for key, ls in last.items())
+    span = (t_last - t_v0) if t_v0 is not None and t_last is not None else 0.0
+    return steps, span
+
+
+def score_dir(work: Path, fragments: int) -> tuple[int, float]:
+    """useful_work() of a finished run's directory (tape.jsonl and steplog-*.jsonl)."""
+    recs = [orjson.loads(line) for line in (work / "tape.jsonl").read_bytes().splitlines() if line.strip()]
+    logs = []
+    for f in sorted(work.glob("steplog-*.jsonl")):
+        rows = []
+        for line in f.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        logs.append(rows)
+    return useful_work(recs, logs, fragments)
+
+
 class Chaos:
     def __init__(self, args, *, faults: bool, work: Path, t0: float):
         self.args, self.faults, self.work, self.t0 = args, faults, work, t0
@@ -306,7 +358,7 @@ class Chaos:
         cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
                "--checkpoint-dir", str(self.work / "syncer"), "--small-limits", "--islands", str(a.islands),
                "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
-               "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", "60",
+               "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),
                "--member-timeout", "20", "--final-timeout", "60", "--status-every", "2"]
         if resume:
             cmd.append("--resume")
@@ -669,22 +721,7 @@ class Chaos:
                 ok = sorted(mine) == sorted(final) and all(torch.equal(mine[k], v) for k, v in final.items())
             islands_ok[island] = ok
             final_equal = final_equal and ok
-        # goodput: useful island-steps (per process: local step of its last merged push)
-        useful = defaultdict(int)
-        for t, ms in merges.items():
-            m = ms[0]
-            for r in m.get("responded", []):
-                ls = accepted.get((t, m["attempt"], r["island"], r["gen"]))
-                if ls is not None:
-                    useful[(r["island"], r["gen"])] = max(useful[(r["island"], r["gen"])], ls)
-        # steps before a process held every fragment were overwritten by its first cut: not useful
-        offset = {}
-        for c in (c for c in self.children if isinstance(c, IslandChild)):
-            for row in c.rows():
-                if len(row.get("versions", {})) == P:
-                    offset[(c.island, row["gen"])] = row["step"] - 1
-                    break
-        useful_steps = sum(max(0, ls - offset.get(key, 0)) for key, ls in useful.items())
+        useful_steps, span = useful_work(recs, [c.rows() for c in self.children if isinstance(c, IslandChild)], P)
         rec_by_kind = defaultdict(list)
         for k in self.kills:
             if k.fired_at is not None:
@@ -697,7 +734,7 @@ class Chaos:
             "double_rounds": double_rounds, "double_versions": double_versions, "bad_apply": bad_apply,
             "final_equal": final_equal, "islands_equal": islands_ok, "left": left, "crashes": self.crashes,
             "syncer_rcs": self.syncer_rcs, "timed_out": timed_out, "useful_steps": useful_steps,
-            "goodput": useful_steps / wall if wall > 0 else 0.0, "recovery": dict(rec_by_kind),
+            "train_s": span, "goodput": useful_steps / span if span > 0 else 0.0, "recovery": dict(rec_by_kind),
             "final_versions": versions, "pgids": {c.name: c.pgid for c in self.children} | {
                 f"nats-server-{i}": g for i, g in enumerate(self.broker.pgids)},
         }
@@ -735,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-min", type=int, default=2, help="fewest rounds between two mid-run kills")
     p.add_argument("--gap-max", type=int, default=5)
     p.add_argument("--init-island", default="a")
+    p.add_argument("--quorum-timeout", type=float, default=60.0,
+                   help="the syncer's --quorum-timeout: the longest a round waits below quorum (default %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="a short soak: 40 rounds, 2 kills of each mid-run kind (well under 10 minutes)")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (goodput=na)")
@@ -743,7 +782,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="broker port (default: a free one)")
     p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the full results as JSON here")
+    p.add_argument("--rescore", default=None, metavar="WORKDIR",
+                   help="only recompute goodput from a finished soak's WORKDIR/chaos and WORKDIR/baseline files")
     a = p.parse_args(argv)
+    if a.rescore:
+        (fs, ft), (bs, bt) = (score_dir(Path(a.rescore) / d, a.fragments) for d in ("chaos", "baseline"))
+        print(f"chaos {fs} useful island-steps in {ft:.1f}s, baseline {bs} in {bt:.1f}s: goodput {(fs / ft) / (bs / bt):.3f}")
+        return 0
     if a.quick:
         a.rounds = a.rounds or 40
         a.kills_per_kind = min(a.kills_per_kind, 2)
@@ -760,8 +805,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.workdir or tempfile.mkdtemp(prefix="yeto-chaos-"))
     t0 = time.monotonic()
     res = asyncio.run(Chaos(a, faults=True, work=work / "chaos", t0=t0).go())
-    print(f"chaos: {res['committed']} rounds in {res['wall_s']:.1f}s, kills {res['kills']}/{res['planned']}, "
-          f"useful island-steps {res['useful_steps']} ({res['goodput']:.2f}/s)", flush=True)
+    print(f"chaos: {res['committed']} rounds in {res['wall_s']:.1f}s ({res['train_s']:.1f}s from version 0 to the "
+          f"last merge), kills {res['kills']}/{res['planned']}, useful island-steps {res['useful_steps']} "
+          f"({res['goodput']:.2f}/s)", flush=True)
     print("recovery per kill kind (SIGKILL -> next round committed with the part back):", flush=True)
     for line in _fmt_recovery(res["recovery"]):
         print(line, flush=True)
@@ -773,10 +819,15 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     if not a.no_baseline:
         base = asyncio.run(Chaos(a, faults=False, work=work / "baseline", t0=t0).go())
-        print(f"baseline (no faults): {base['committed']} rounds in {base['wall_s']:.1f}s, useful island-steps "
-              f"{base['useful_steps']} ({base['goodput']:.2f}/s), final_equal={base['final_equal']}", flush=True)
+        print(f"baseline (no faults): {base['committed']} rounds in {base['wall_s']:.1f}s ({base['train_s']:.1f}s "
+              f"from version 0 to the last merge), useful island-steps {base['useful_steps']} "
+              f"({base['goodput']:.2f}/s), final_equal={base['final_equal']}", flush=True)
         if base["goodput"] > 0:
             goodput = f"{res['goodput'] / base['goodput']:.3f}"
+        if res["train_s"] > 0 and base["train_s"] > 0:
+            # islands never wait for a round, so goodput hides what the kills cost the syncer: show that too
+            print(f"round rate with faults over without: {(res['committed'] / res['train_s']) / (base['committed'] / base['train_s']):.3f} "
+                  f"({res['committed'] / res['train_s']:.2f} vs {base['committed'] / base['train_s']:.2f} rounds/s)", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"chaos": res, "baseline": base, "args": vars(a)}, default=str, indent=1))
     ok = (res["lost"] == 0 and res["double"] == 0 and res["final_equal"] and not res["left"] and not res["bad_apply"]
