@@ -10,6 +10,8 @@
   publish/subscribe allow and deny lists. No `no_auth_user`: a connection without a key is refused.
 * `DIR/identities.json` — the public half (run, INIT island, name -> role and public key); a second
   `yeto auth init` on DIR reads it, adds the new islands and keeps every existing key valid.
+* `DIR/server.conf` — a whole nats-server config: the shipped services/nats.conf settings, the users,
+  and a `tls` block when `DIR/tls/` holds a certificate (`yeto broker --config DIR/server.conf`).
 * with `--tls`: `DIR/tls/ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (made with
   `cryptography`); clients verify the server with `--tls-ca DIR/tls/ca.pem`.
 
@@ -47,6 +49,7 @@ RESERVED = ("syncer", "observer", "admin")  # identity names an island may not t
 API = "$JS.API"
 IDENTITIES_FILE = "identities.json"
 AUTH_CONF = "auth.conf"
+SERVER_CONF = "server.conf"
 TLS_DIR = "tls"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
@@ -358,6 +361,9 @@ def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_isla
     tls_files: list[str] = []
     if tls:
         tls_files = make_tls(out / TLS_DIR, hosts)
+    # A whole broker config (shipped settings + these users + TLS when DIR/tls has a certificate), so
+    # `yeto broker --config DIR/server.conf` serves it as is.
+    write_server_config([out], out / SERVER_CONF)
     return InitReport(run, out, created, kept, tls_files, init_island)
 
 

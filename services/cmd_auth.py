@@ -49,5 +49,5 @@ def _cmd_init(args) -> int:
         print("  kept (still valid): " + ", ".join(rep.kept))
     if rep.tls:
         print("  tls: " + ", ".join(f"tls/{f}" for f in rep.tls) + f"  (clients: --tls-ca {rep.out}/tls/ca.pem)")
-    print(f"  serve with: yeto broker --auth {rep.out}   (or reload a running broker after adding islands)")
+    print(f"  serve with: yeto broker --config {rep.out}/server.conf   (a running broker: reload it, SIGHUP to nats-server)")
     return 0

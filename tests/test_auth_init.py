@@ -44,7 +44,7 @@ def test_init_writes_one_private_identity_per_process_and_a_valid_config(tmp_pat
     r = yeto_auth("--run", "prod1", "--islands", "a,b", "--out", str(out), "--tls", "--hosts",
                   "localhost,127.0.0.1,nats.example.org")
     assert r.returncode == 0, r.stderr
-    assert "yeto broker --auth" in r.stdout
+    assert f"yeto broker --config {out}/server.conf" in r.stdout
     names = ["syncer", "a", "b", "observer", "admin"]
     assert mode(out) == 0o700
     pubs = {}
@@ -74,9 +74,11 @@ def test_init_writes_one_private_identity_per_process_and_a_valid_config(tmp_pat
     ca = x509.load_pem_x509_certificate((tls / "ca.pem").read_bytes())
     x509.load_pem_x509_certificate((tls / "server.pem").read_bytes()).verify_directly_issued_by(ca)
     # nats-server itself accepts the whole config (shipped settings + users + TLS)
-    conf_file = write_server_config([out], tmp_path / "server.conf")
+    conf_file = out / "server.conf"
+    assert mode(conf_file) == 0o600
     assert "tls {" in conf_file.read_text() and "max_payload: 8MB" in conf_file.read_text()
     check_config(conf_file)
+    assert write_server_config([out], tmp_path / "again.conf").read_text() == conf_file.read_text()
 
 
 def test_connect_options_hand_the_seed_to_nats_py_with_its_own_inbox(tmp_path):
@@ -139,12 +141,24 @@ def test_rerun_adds_islands_and_keeps_every_existing_identity(tmp_path):
     assert not (out / "d.creds").exists()
 
 
-async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones(tmp_path):
-    """How to add an island to a live run: `yeto auth init` again, rewrite the config, reload
-    (SIGHUP). The new island gets in; island a's open connection and its key keep working."""
+async def _connect_within(opts, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await connect(opts, allow_reconnect=False, max_reconnect_attempts=0)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones_and_rotates_one(tmp_path):
+    """How to add an island to a live run: `yeto auth init` again, reload (SIGHUP). The new island gets
+    in; island a's open connection and its key keep working. Rotating b: remove b.creds, `yeto auth
+    init` again, reload: the new key gets in and the old one is refused."""
     out = tmp_path / "auth"
-    assert yeto_auth("--run", "r", "--islands", "a", "--out", str(out), "--tls").returncode == 0
-    conf = write_server_config([out], tmp_path / "server.conf")
+    assert yeto_auth("--run", "r", "--islands", "a,b", "--out", str(out), "--tls").returncode == 0
+    conf = out / "server.conf"
     ca = str(out / "tls" / "ca.pem")
     with Broker(store_dir=tmp_path / "store", config=conf, log_file=tmp_path / "server.log") as broker:
         def opts(name):
@@ -154,17 +168,8 @@ async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones(tm
         assert yeto_auth("--run", "r", "--islands", "c", "--out", str(out), "--tls").returncode == 0
         with pytest.raises(Exception, match="(?i)authorization"):  # not yet: the server has the old config
             await connect(opts("c"), allow_reconnect=False, max_reconnect_attempts=0)
-        write_server_config([out], conf)
         broker.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                c = await connect(opts("c"), allow_reconnect=False, max_reconnect_attempts=0)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        c = await _connect_within(opts("c"))
         try:
             assert a.is_connected
             await a.publish("yeto.r.ctl.hb.a", b"still here")
@@ -172,5 +177,19 @@ async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones(tm
             a2 = await connect(opts("a"), allow_reconnect=False)
             await a2.close()
         finally:
-            await a.close()
             await c.close()
+        # rotate b
+        old_b = tmp_path / "old-b.creds"
+        old_b.write_bytes((out / "b.creds").read_bytes())
+        (out / "b.creds").unlink()
+        r = yeto_auth("--run", "r", "--islands", "b", "--out", str(out), "--tls")
+        assert r.returncode == 0 and "new identities: b.creds" in r.stdout, r.stdout + r.stderr
+        assert public_of(out / "b.creds") != public_of(old_b)
+        broker.proc.send_signal(signal.SIGHUP)
+        b = await _connect_within(opts("b"))
+        await b.close()
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await connect(ConnectOptions(url=broker.url, creds=str(old_b), tls_ca=ca), allow_reconnect=False,
+                          max_reconnect_attempts=0)
+        assert a.is_connected
+        await a.close()
