@@ -811,6 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--run", default=None)
     a = p.parse_args(argv)
+    import signal
+
+    # a SIGTERM (a CI timeout) still runs the `finally` below: no syncer, island or broker left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.count = a.count if a.count is not None else (250 if a.quick else 1000)
     a.rounds = a.rounds if a.rounds is not None else (30 if a.quick else 80)
     a.step_delay = a.step_delay if a.step_delay is not None else (0.04 if a.quick else 0.05)
