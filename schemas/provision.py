@@ -722,3 +722,26 @@ async def kv(js, run: str, kind: str):
     """The KeyValue handle of bucket `kind` ('members' or 'state') of `run`; raises
     nats.js.errors.BucketNotFoundError if the run is not provisioned."""
     return await js.key_value(S.kv_bucket(run, kind))
+
+
+# KV writes go through JetStream publishes to `$KV.<bucket>.<key>` (the KV protocol nats-py's
+# KeyValue.put uses). On a cluster, a node's death leaves the buckets it led without a leader for the
+# few seconds of an election: a bare put fails at once with "no responders" (503) and would stop the
+# writer. Retried with one Nats-Msg-Id per logical write, a put that did land before its ack was lost
+# is stored once.
+KV_PUT_ATTEMPTS = 40  # with publish_retry's backoff (<= 2 s): about a minute, beyond any election
+
+
+async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=None, attempts: int = KV_PUT_ATTEMPTS):
+    """Put `value` under `key` in the run's KV bucket `kind`, riding through reconnects and leader
+    elections (see above). Returns the PubAck (its `seq` is the entry's revision)."""
+    import uuid
+
+    from .publish import publish_retry
+
+    if kind not in S.KV_KINDS:
+        raise WireError(f"must be one of {', '.join(S.KV_KINDS)}", field="kind", value=kind, code="bad_kv")
+    subject = f"$KV.{S.kv_bucket(_check_run_id(run), kind)}.{key}"
+    return await publish_retry(js, subject, value, f"kv.{kind}.{key}.{uuid.uuid4().hex}",
+                               counters=counters, attempts=attempts)
+

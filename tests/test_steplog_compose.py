@@ -34,7 +34,8 @@ def test_yeto_services_run_valid_commands_against_the_compose_nats(compose, monk
     assert set(svcs) >= {"syncer", "exporter", "dashboard"}
     for name, svc in svcs.items():
         env = svc["environment"]
-        assert env["YETO_NATS"] == "nats://nats:4222" and "YETO_RUN" in env, name
+        # nats://nats:4222 unless YETO_NATS names other servers (the `cluster` profile's list)
+        assert env["YETO_NATS"] == "${YETO_NATS:-nats://nats:4222}" and "YETO_RUN" in env, name
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
         assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
         monkeypatch.setenv("YETO_RUN", "demo")  # as the container's environment provides it
@@ -95,3 +96,40 @@ def test_dashboard_page_ships_as_package_data():
     ok = any(Path(page).match(p) for p in data.get("services.steplog", [])) or \
         any(Path("steplog/" + page).match(p) for p in data.get("services", []))
     assert ok, f"pyproject package-data does not ship services/steplog/{page}: {data}"
+
+
+def test_cluster_profile_runs_three_hub_nodes_from_the_shipped_templates(compose, monkeypatch):
+    """`docker compose --profile cluster up`: three NATS servers, each with its own hub-<i>.conf from
+    deploy/nats/ (which pass `nats-server -t`, tests/test_broker.py), its own volume and host ports,
+    and a health check; the syncer passes YETO_REPLICAS through."""
+    from services.broker import check_config
+    from services.cli import build_parser
+
+    hubs = {n: s for n, s in compose["services"].items() if "cluster" in s.get("profiles", [])}
+    assert sorted(hubs) == ["hub-1", "hub-2", "hub-3"]
+    host_ports, volumes = set(), set()
+    for name, svc in hubs.items():
+        assert svc["image"].startswith("nats:")
+        conf = svc["command"][svc["command"].index("-c") + 1]
+        assert conf == f"/etc/nats/{name}.conf"
+        mounts = dict(v.split(":")[:2] for v in svc["volumes"])
+        assert mounts["./deploy/nats"] == "/etc/nats"
+        host_file = ROOT / "deploy" / "nats" / f"{name}.conf"
+        check_config(host_file)
+        # the container reaches its peers by service name: the routes of the shipped config
+        common = (ROOT / "deploy" / "nats" / "hub-common.conf").read_text()
+        assert all(f"nats-route://{peer}:6222" in common for peer in hubs)
+        data = [k for k, v in mounts.items() if v == "/data"]
+        assert len(data) == 1 and data[0] in compose["volumes"]
+        volumes.add(data[0])
+        ports = {p.split(":")[1]: p.split(":")[0] for p in svc["ports"]}
+        assert set(ports) == {"4222", "8222", "7422"}
+        host_ports |= set(ports.values())
+        assert "healthz" in " ".join(svc["healthcheck"]["test"])
+    assert len(volumes) == 3 and len(host_ports) == 9  # nothing shared between the nodes
+    assert not host_ports & {"4222", "8222"}  # the default `nats` service keeps its ports
+    syncer = compose["services"]["syncer"]
+    assert syncer["environment"]["YETO_REPLICAS"] == "${YETO_REPLICAS:-1}"
+    monkeypatch.setenv("YETO_RUN", "demo")
+    monkeypatch.setenv("YETO_REPLICAS", "3")
+    assert build_parser().parse_args(syncer["command"]).replicas == 3
