@@ -221,7 +221,7 @@ def auth_conf_text(runs: list[tuple[str, list[Identity], str | None]]) -> str:
 
 
 def tls_block(tls_dir: str | os.PathLike) -> str:
-    d = Path(tls_dir).resolve()
+    d = Path(tls_dir) if Path(tls_dir).is_absolute() else Path(tls_dir).resolve()
     return ("tls {\n"
             f"  cert_file: {_quote(str(d / 'server.pem'))}\n"
             f"  key_file: {_quote(str(d / 'server-key.pem'))}\n"
@@ -240,10 +240,12 @@ def load_identities(auth_dir: str | os.PathLike) -> tuple[str, list[Identity], s
 
 
 def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os.PathLike | None = None,
-                       *, tls: bool | None = None) -> str:
+                       *, tls: bool | None = None, served_dir: str | None = None) -> str:
     """A whole nats-server config: the base settings (default: the shipped services/nats.conf), the
     users of every auth dir (several runs may share one broker), and a TLS block when the first dir
-    has `tls/` (or `tls=True`). What `yeto broker --auth DIR` serves."""
+    has `tls/` (or `tls=True`). What `yeto broker --auth DIR` serves. `served_dir`: where the server
+    sees the first dir when that differs from here (a container's mount, e.g. /etc/yeto-auth); the
+    TLS file paths use it."""
     if base_config is None:
         from services.broker import default_config_path
 
@@ -257,14 +259,15 @@ def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os
     text = Path(base_config).read_text() + "\n" + auth_conf_text(runs)
     tls_dir = Path(auth_dirs[0]) / TLS_DIR
     if tls or (tls is None and (tls_dir / "server.pem").exists()):
-        text += tls_block(tls_dir)
+        text += tls_block(tls_dir if served_dir is None else f"{served_dir.rstrip('/')}/{TLS_DIR}")
     return text
 
 
 def write_server_config(auth_dirs: list[str | os.PathLike], out: str | os.PathLike,
-                        base_config: str | os.PathLike | None = None, *, tls: bool | None = None) -> Path:
+                        base_config: str | os.PathLike | None = None, *, tls: bool | None = None,
+                        served_dir: str | None = None) -> Path:
     out = Path(out)
-    _write_private(out, server_config_text(auth_dirs, base_config, tls=tls))
+    _write_private(out, server_config_text(auth_dirs, base_config, tls=tls, served_dir=served_dir))
     return out
 
 

@@ -193,3 +193,105 @@ async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones_an
                           max_reconnect_attempts=0)
         assert a.is_connected
         await a.close()
+
+
+# ---- the rules themselves (pure): every case the server tests check, plus the ones they cannot reach quickly
+
+def _match(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _may(perms: dict, kind: str, subject: str) -> bool:
+    rules = perms.get(kind, {})
+    return (any(_match(p, subject) for p in rules.get("allow", []))
+            and not any(_match(p, subject) for p in rules.get("deny", [])))
+
+
+@pytest.mark.parametrize("who, kind, subject, allowed", [
+    ("a", "publish", "yeto.r.push.a.0", True),
+    ("a", "publish", "yeto.r.push.b.0", False),
+    ("a", "publish", "yeto.r.init.0", True),          # a is the INIT island
+    ("b", "publish", "yeto.r.init.0", False),
+    ("b", "publish", "yeto.r.ctl.hello.b", True),
+    ("b", "publish", "yeto.r.ctl.hello.a", False),
+    ("b", "publish", "yeto.r.ctl.hb.a", False),
+    ("b", "publish", "yeto.r.ctl.ack.a", False),
+    ("b", "publish", "yeto.r.steplog.a", False),
+    ("a", "publish", "yeto.r.ctl.pull", False),
+    ("a", "publish", "yeto.r.ctl.to.a", False),
+    ("a", "publish", "yeto.r.bcast.0.0", False),
+    ("a", "publish", "yeto.r.final.0.0", False),
+    ("a", "publish", "yeto.r.events.merge", False),
+    ("a", "publish", "$KV.yeto_r_state.session", False),
+    ("a", "publish", "$KV.yeto_r_members.a", False),
+    ("a", "publish", "$JS.API.STREAM.DELETE.YETO_r_PUSH", False),
+    ("a", "publish", "$JS.API.STREAM.PURGE.YETO_r_BCAST", False),
+    ("a", "publish", "$JS.API.STREAM.MSG.DELETE.YETO_r_BCAST", False),
+    ("a", "publish", "$JS.API.STREAM.INFO.YETO_r_CTL", True),
+    ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_CTL.isl-a-0123456789abcdef", True),
+    ("a", "publish", "$JS.API.CONSUMER.MSG.NEXT.YETO_r_CTL.isl-a-0123456789abcdef", True),
+    ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_PUSH.peek.yeto.r.push.b.0", False),
+    ("a", "publish", "$JS.API.DIRECT.GET.YETO_r_PUSH", False),
+    ("a", "publish", "$JS.API.DIRECT.GET.YETO_r_BCAST", True),
+    ("a", "publish", "$JS.API.DIRECT.GET.KV_yeto_r_state.$KV.yeto_r_state.session", True),
+    ("a", "publish", "yeto.r2.push.a.0", False),
+    ("a", "publish", "$JS.API.STREAM.INFO.YETO_r2_CTL", False),
+    ("a", "subscribe", "_INBOX.abc", False),
+    ("a", "subscribe", "yeto.r.ctl.to.b", False),
+    ("syncer", "publish", "yeto.r.bcast.0.0", True),
+    ("syncer", "publish", "yeto.r.ctl.to.a", True),
+    ("syncer", "publish", "$KV.yeto_r_state.session", True),
+    ("syncer", "publish", "$JS.API.STREAM.PURGE.YETO_r_PUSH", True),
+    ("syncer", "publish", "$JS.API.STREAM.MSG.DELETE.YETO_r_PUSH", True),
+    ("syncer", "publish", "$JS.API.STREAM.CREATE.KV_yeto_r_state", True),
+    ("syncer", "publish", "$JS.API.STREAM.DELETE.YETO_r_CTL", False),
+    ("syncer", "publish", "$JS.API.STREAM.UPDATE.YETO_r_PUSH", False),
+    ("syncer", "publish", "yeto.r2.bcast.0.0", False),
+    ("syncer", "publish", "$KV.yeto_r2_state.session", False),
+    ("observer", "publish", "yeto.r.steplog.a", False),
+    ("observer", "publish", "$KV.yeto_r_state.commit", False),
+    ("observer", "publish", "$JS.API.DIRECT.GET.YETO_r_EVENTS", True),
+    ("observer", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_STEPLOG", True),
+    ("observer", "publish", "$JS.API.DIRECT.GET.YETO_r_BCAST", False),
+    ("observer", "publish", "$JS.API.STREAM.MSG.GET.YETO_r_PUSH", False),
+    ("observer", "subscribe", "yeto.r.steplog.a", True),
+    ("observer", "subscribe", "yeto.r.events.merge", True),
+    ("observer", "subscribe", "yeto.r.push.a.0", False),
+    ("admin", "publish", "$JS.API.STREAM.DELETE.YETO_r_CTL", True),
+    ("admin", "publish", "$JS.API.STREAM.DELETE.KV_yeto_r_state", True),
+    ("admin", "publish", "$JS.API.STREAM.DELETE.YETO_r2_CTL", False),
+    ("admin", "publish", "yeto.r.ctl.pull", False),
+    ("admin", "publish", "$KV.yeto_r_state.session", False),
+    ("admin", "publish", "$JS.API.DIRECT.GET.YETO_r_BCAST", False),
+])
+def test_rules(who, kind, subject, allowed):
+    from services.auth import permissions
+
+    role = {"a": "island", "b": "island"}.get(who, who)
+    perms = permissions("r", who, role, "UPUB", init_island="a")
+    assert _may(perms, kind, subject) is allowed
+
+
+def test_every_key_subscribes_only_to_its_own_inbox():
+    from services.auth import permissions
+
+    for who, role in (("a", "island"), ("syncer", "syncer"), ("observer", "observer"), ("admin", "admin")):
+        perms = permissions("r", who, role, "UKEY1", init_island="a")
+        assert _may(perms, "subscribe", "_INBOX_UKEY1.x.y")
+        assert not _may(perms, "subscribe", "_INBOX_UKEY2.x.y") and not _may(perms, "subscribe", "_INBOX.x")
+
+
+def test_served_dir_points_tls_at_the_containers_mount(tmp_path):
+    from services.auth import server_config_text
+
+    out = tmp_path / "auth"
+    assert yeto_auth("--run", "r", "--islands", "a", "--out", str(out), "--tls").returncode == 0
+    text = server_config_text([out], served_dir="/etc/yeto-auth")
+    assert 'cert_file: "/etc/yeto-auth/tls/server.pem"' in text and str(out) not in text
+    assert f'cert_file: "{out.resolve()}/tls/server.pem"' in (out / "server.conf").read_text()
