@@ -680,6 +680,7 @@ async def attack(url: str, run: str, procs: Procs, args, report: dict) -> None:
         sent = 0
         t_start = time.monotonic()
         batch = max(5, args.count // 40)
+        journal = open(procs.work / "sent.jsonl", "ab")   # every hostile message, for post-mortems
         i = 0
         while sent < args.count:
             st = await kv_json(js, run, "syncer") or {}
@@ -700,6 +701,10 @@ async def attack(url: str, run: str, procs: Procs, args, report: dict) -> None:
                 for m in u.msgs:
                     hdrs = dict(m.headers or {})
                     hdrs[S.MSG_ID] = m.msg_id or h.mid()
+                    journal.write(orjson.dumps({"t": time.time(), "cat": cat.name, "subject": m.subject,
+                                                "header": (m.headers or {}).get(codec.CHUNK_HEADER), "bytes": len(m.data),
+                                                "data": m.data[:200].decode("utf-8", "replace") if not m.headers else None})
+                                  + b"\n")
                     try:
                         ack = await js.publish(m.subject, m.data, headers=hdrs)
                         if ack.duplicate:
