@@ -710,7 +710,7 @@ def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str,
                                      connect_timeout_s=10), group=group)
         island.start()
         states = []
-        for _ in range(3000):
+        for _ in range(20000):  # >= 200 s at 10 ms a step (a step count: both ranks must stop together)
             with torch.no_grad():
                 for p in model.parameters():  # the same update on every replica (DP after its all-reduce)
                     p.add_(0.001)
