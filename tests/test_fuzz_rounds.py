@@ -11,7 +11,8 @@ a random delay) and the final cut with its completion. Whatever the sequence:
 - never two rounds in flight on one fragment, never more than `pipeline`;
 - no `Merge` has fewer inputs than the round's quorum, and every input is an accepted, valid push of a member the
   round's pull named;
-- every action is well-formed: pulls, errors and tape records validate against the wire schemas.
+- every action is well-formed: pulls, errors and tape records validate against the wire schemas, and no push the
+  outstanding merge reads is released.
 """
 from __future__ import annotations
 
@@ -181,6 +182,11 @@ class Shell:
             assert math.isclose(sum(m.weight for m in a.members), 1.0, rel_tol=1e-9)
             self.merging = a
             self.owed.append(R.MergeDone(a.step, a.fragment, a.version, 0.01, self.now))
+        elif isinstance(a, R.Release):
+            mg = self.merging
+            if mg is not None and (a.step, a.fragment, a.attempt) == (mg.step, mg.fragment, mg.attempt):
+                assert (a.island, a.gen, a.try_) not in {(m.island, m.gen, m.try_) for m in mg.members}, \
+                    "released a push the outstanding merge still reads"
         elif isinstance(a, R.CommitV0):
             assert not self.versions, "version 0 twice"
             assert tuple(a.fragments) == tuple(range(cfg.fragments))
