@@ -675,6 +675,8 @@ async def attack(url: str, run: str, procs: Procs, args, report: dict) -> None:
             weights = [c.weight or (4 if c.name in ("pull_forged_future", "to_island_real_gen") else 0) for c in CATS]
         plan = [c.name for c in rnd.choices(CATS, weights=weights, k=args.count * 2)]
         plan[0:0] = ["pull_deep_json", "ctl_deep_json"]   # every run carries the codec's regression once
+        skip = set(filter(None, (args.skip or "").split(",")))
+        plan = [c for c in plan if c not in skip]   # the same draws otherwise: for bisecting a failure
         pid = procs.procs["syncer"].pid
         rss = report["rss_kib"] = [_rss_kib(pid) or 0]
         sent = 0
@@ -812,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impersonate", action="store_true",
                    help="also forge pulls for rounds not committed yet and messages naming the islands' real "
                         "generations (syncer impersonation: only server permissions stop it; expect stalls)")
+    p.add_argument("--skip", default="", help="categories (comma separated) left out of the seeded plan, the "
+                   "other messages staying the same: for bisecting a failure")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.add_argument("--workdir", default=None)
     p.add_argument("--run", default=None)
