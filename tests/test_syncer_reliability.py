@@ -72,6 +72,7 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
         took = time.monotonic() - t0
         out = resumed.output()
         assert rc == 0, out[-3000:]
+        print(f"resume of a finished run: exit {rc} after {took:.1f}s (--final-timeout 90)")
         assert took < 30, f"a finished run took {took:.1f}s to resume and exit"
         assert "already finished" in out
         state = orjson.loads(before)
@@ -231,6 +232,7 @@ async def test_init_chunks_that_overtake_their_hello_are_held_not_waited_for(nat
         sent = await isl.send_init(y)
         st = await wait_status(js, run_id, lambda st: st["rounds"].get("init.held_chunk", 0) == sent, timeout=30)
         held_s = time.monotonic() - t0
+        print(f"{sent} INIT chunks of an unseen generation held in {held_s:.2f}s")
         assert held_s < 8, f"holding {sent} chunks of an unseen generation took {held_s:.1f}s"
         assert st["phase"] == "init" and not st["versions"]      # A's complete fragment 0 is not replaced yet
         await isl.hello()                                        # B's hello: its held chunks make version 0
