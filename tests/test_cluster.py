@@ -171,6 +171,14 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
         assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
         commit = await _retry(lambda: kv_json(js, run_id, "commit"), "commit record")
         tape_merges = await _retry(lambda: merges(js, run_id), "tape")
+
+        # The restarted node rejoined from its store: it is a current replica of the stream again.
+        async def rejoined():
+            c = (await _retry(lambda: js.stream_info(S.stream(run_id, victim)), "stream info")).cluster
+            peers = {c.leader: True} | {p.name: bool(p.current) for p in c.replicas or []}
+            return peers.get(cluster.server_name(leader)) and all(peers.values()) and len(peers) == 3
+
+        await wait_until(rejoined, 60, f"{cluster.server_name(leader)} to be a current replica of {victim} again")
     finally:
         for p in procs.values():
             p.stop()
