@@ -38,13 +38,14 @@ GEN = "0123456789abcdef"
 class Secured:
     def __init__(self, base: Path):
         tag = uuid.uuid4().hex[:6]
-        self.runs = {"e2e": f"se_{tag}", "r1": f"s1_{tag}", "r2": f"s2_{tag}"}
+        self.runs = {"e2e": f"se_{tag}", "restart": f"sk_{tag}", "r1": f"s1_{tag}", "r2": f"s2_{tag}"}
         self.dirs = {k: base / k for k in self.runs}
         init_auth(self.runs["e2e"], ["a", "b"], self.dirs["e2e"], init_island="a", tls=True)
+        init_auth(self.runs["restart"], ["a", "b"], self.dirs["restart"], init_island="a")
         init_auth(self.runs["r1"], ["a", "b"], self.dirs["r1"], init_island="a")
         init_auth(self.runs["r2"], ["x"], self.dirs["r2"])
         self.ca = str(self.dirs["e2e"] / "tls" / "ca.pem")
-        conf = write_server_config([self.dirs["e2e"], self.dirs["r1"], self.dirs["r2"]], base / "server.conf")
+        conf = write_server_config([self.dirs[k] for k in self.runs], base / "server.conf")
         self.log = base / "server.log"
         self.broker = Broker(store_dir=base / "store", config=conf, log_file=self.log)
 
@@ -153,6 +154,61 @@ async def test_a_real_run_through_the_secured_broker_finishes_normally(secured, 
     assert tail_rc == 0, tail.stderr.read().decode(errors="replace")[-2000:]
     events = [json.loads(ln) for ln in tail_out.read_text().splitlines() if ln.strip()]
     assert len(events) >= 6
+    assert secured.server_violations()[before:] == []
+
+
+@pytest.mark.timeout(300)
+async def test_a_killed_island_restarts_through_the_secured_broker(secured, tmp_path):
+    """The restart path under the same rules: island b is SIGKILLed mid-run and started
+    again; the new generation removes the old one's consumer, reads the current cut, the run completes,
+    and the server logged no permission violation."""
+    from tests.e2e_procs import merges
+
+    run = secured.runs["restart"]
+    url = secured.broker.url
+    before = len(secured.server_violations())
+    syncer = SyncerProc(url, run, tmp_path / "ckpt", "--islands", "2", "--fragments", str(P), "--sync-every", str(H),
+                        "--total-steps", str(ROUNDS), "--init-island", "a", *SYNCER_TIMEOUTS,
+                        "--nats-creds", secured.creds("restart", "syncer"), "--tls-ca", secured.ca,
+                        log=tmp_path / "syncer.log").start()
+
+    def island(name, tag, **kw):
+        return IslandProc(url, run, name, tmp_path, tag=tag, args=("--step-delay", "0.05"),
+                          env={"YETO_NATS_CREDS": secured.creds("restart", name), "YETO_TLS_CA": secured.ca,
+                               **kw.pop("env", {})}, **kw).start()
+
+    a = island("a", "a")
+    b1 = island("b", "b-first")
+    procs = {"syncer": syncer, "a": a, "b-first": b1}
+    obs = await secured.conn("restart", "observer")
+    try:
+        js = obs.jetstream(timeout=10)
+
+        async def enough():
+            assert b1.poll() is None, tails(procs)
+            return len(await merges(js, run)) >= 3
+
+        await wait_until(enough, 90, "3 merges")
+        b1.kill_group()
+        b2 = island("b", "b-second", env={"YETO_DILOCO_INITIAL_CUT_TIMEOUT": "30"})
+        procs["b-second"] = b2
+        del procs["b-first"]
+        rcs = await wait_exit(procs, 150)
+        assert rcs == {"syncer": 0, "a": 0, "b-second": 0}, tails(procs)
+        commit = await kv_json(js, run, "commit")
+        sync = await secured.conn("restart", "syncer")
+        try:
+            left = [c.name for c in await sync.jetstream(timeout=10).consumers_info(S.stream(run, "CTL"))]
+        finally:
+            await sync.close()
+    finally:
+        for p in (*procs.values(), b1):
+            p.stop()
+        await obs.close()
+    assert commit["committed_step"] == ROUNDS
+    # the killed generation's consumer was removed by the new one (island rules allow that on CTL)
+    (old_gen,) = {r["gen"] for r in b1.steplog_rows()}
+    assert S.island_pull_consumer("b", old_gen) not in left, left
     assert secured.server_violations()[before:] == []
 
 
