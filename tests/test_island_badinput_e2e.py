@@ -36,7 +36,7 @@ def _chunk_header(run: str, **fields) -> dict:
     return {codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", meta)}
 
 
-async def _inject(js, run: str, session: dict, gens: dict[str, str]) -> int:
+async def _inject(js, run: str, session: dict, gens: dict[str, str], committed: dict[int, int]) -> int:
     """Publish the garbage; returns how many messages each island should reject."""
     n = 0
 
@@ -69,6 +69,25 @@ async def _inject(js, run: str, session: dict, gens: dict[str, str]) -> int:
     await pub(S.bcast(run, 0, last.index), b"\2" * last.nbytes,
               _chunk_header(run, fragment=0, version=10**6, chunk=last.index, chunks=len(spans),
                             offset=last.byte_offset, nbytes=last.nbytes, total=total[0], digest="0" * 16))
+    # Issue 16. A chunk 0 of fragment 0 claiming the committed version with another version digest
+    # (well framed, valid chunk digest): the islands exited with ProtocolError; refused now.
+    first = spans[0]
+    await pub(S.bcast(run, 0, 0), b"\3" * first.nbytes,
+              _chunk_header(run, fragment=0, version=committed[0], chunk=0, chunks=len(spans), offset=0,
+                            nbytes=first.nbytes, total=total[0], digest=digest(b"\3" * first.nbytes),
+                            version_digest="3" * 64))
+    # a pull naming both islands whose base_version no round can have (2^53 - 1): it made the
+    # islands drop every real pull of fragment 1 for good
+    pull = codec.make("pull", run=run, fragment=1, step=2, attempt=1, seq=0, base_version=2**53 - 1,
+                      members=[{"island": i, "gen": g} for i, g in sorted(gens.items())])
+    await pub(S.pull(run), codec.encode("pull", pull))
+    # a shutdown, a fatal error and a manifest without a generation, to each island: refused, not obeyed
+    for kind, fields in (("shutdown", {"reason": "forged"}),
+                         ("error", {"code": "layout_mismatch", "message": "forged", "fatal": True}),
+                         ("manifest", {"final_step": 1, "versions": {"0": 0}, "version_digests": {"0": "0" * 64}})):
+        for i in sorted(gens):
+            await pub(S.to_island(run, i), codec.encode(kind, codec.make(kind, run=run, **fields)))
+        n -= len(gens) - 1  # each island receives (and refuses) only its own
     return n
 
 
@@ -96,7 +115,7 @@ async def test_garbage_on_island_subjects_is_rejected_and_training_goes_on(nc, n
         paused = True
         at_inject = await kv_json(js, run_id, "commit")
         t_inject = time.time()
-        sent = await _inject(js, run_id, session, gens)
+        sent = await _inject(js, run_id, session, gens, {int(f): v for f, v in at_inject["versions"].items()})
 
         async def all_refused():
             return all(sum(r["rejected"] for r in isl.steplog_rows()) >= sent for isl in islands.values())
