@@ -307,6 +307,9 @@ class CutReader:
     # ---- one chunk ------------------------------------------------------------------------------
 
     def _head(self, fid: int, index: int, meta: Mapping) -> tuple[int, str]:
+        n = len(self.spans[fid])
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+            raise WireError(f"fragment {fid} has chunks 0..{n - 1}", field="chunk", value=index)
         if meta.get("fragment") != fid or meta.get("chunk") != index:
             raise WireError("chunk header does not match its subject", field="subject",
                             value=(fid, index, meta.get("fragment"), meta.get("chunk")))
@@ -321,10 +324,11 @@ class CutReader:
         return seq is not None and self.refused.get((fid, index)) == seq
 
     def refuse(self, fid: int, index: int, seq: int | None) -> None:
-        """That message on that chunk subject is garbage: drop the reading, remember the message."""
+        """That message on that chunk subject is garbage: drop the reading, remember the message
+        (only on the plan's subjects: what is remembered stays bounded by the chunk plan)."""
         self._reading.pop(fid, None)
         self.counts["refused"] += 1
-        if seq is not None:
+        if seq is not None and 0 <= index < len(self.spans[fid]):
             self.refused[(fid, index)] = seq
 
     def check(self, fid: int, index: int, meta: Mapping, payload: Any, seq: int | None = None) -> None:

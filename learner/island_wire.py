@@ -145,6 +145,9 @@ class IslandWire:
         for n in self.client.bcast.drain():
             try:
                 if self.reader.announce(n.fragment, n.version, n.meta["version_digest"]):
+                    if not 0 <= n.chunk < len(self.reader.spans[n.fragment]):
+                        raise WireError(f"fragment {n.fragment} has {len(self.reader.spans[n.fragment])} chunks",
+                                        field="chunk", value=n.chunk)
                     self._dirty.add(n.fragment)
                     self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
             except WireError as exc:  # garbage someone published on BCAST: counted, training goes on

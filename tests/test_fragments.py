@@ -420,6 +420,20 @@ def test_truncated_oversize_and_overlapping_chunks_are_refused_and_nothing_is_he
     assert r.reading(0) is None and 0 not in r.held
 
 
+def test_a_chunk_index_beyond_the_plan_is_refused_not_an_index_error():
+    # A chunk on subject bcast.0.999 claiming the plan's chunk count reached spans[999]: an IndexError,
+    # which the shell does not catch. The codec's header rule (chunk < chunks) keeps it off the wire
+    # today; the reader does not rely on that.
+    r = CutReader(S)
+    meta, payload = bcast_chunks(0, 1, vec(N0, 1))[0]
+    forged = dict(meta, chunk=999, offset=999 * CB)
+    with pytest.raises(WireError) as e:
+        r.check(0, 999, forged, payload, seq=3)
+    assert e.value.field == "chunk"
+    with pytest.raises(WireError):
+        r.take(0, 999, forged, payload)
+
+
 def test_fixed_reader_reads_only_the_wanted_versions():
     r = CutReader(S, dtype="f32", fixed=True)
     want = vec(N0, 7)
