@@ -78,10 +78,9 @@ def _read_stream(s: str, *, consumers: bool = True) -> list[str]:
     ordered consumers (create, flow control replies)."""
     out = [f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.MSG.GET.{s}", f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>"]
     if consumers:
-        # nats-py creates an unnamed (ordered) consumer with CONSUMER.CREATE.<stream>; newer clients
-        # name it: CONSUMER.CREATE.<stream>.<name>[.<filter>].
-        out += [f"{API}.CONSUMER.CREATE.{s}", f"{API}.CONSUMER.CREATE.{s}.*", f"{API}.CONSUMER.CREATE.{s}.*.>",
-                f"$JS.FC.{s}.>"]
+        # Ordered consumers only: nats-py 2.16 creates them unnamed with CONSUMER.CREATE.<stream>, an
+        # endpoint the server refuses a durable on, so a reader cannot leave consumers behind.
+        out += [f"{API}.CONSUMER.CREATE.{s}", f"$JS.FC.{s}.>"]
     return out
 
 

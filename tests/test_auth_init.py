@@ -239,6 +239,9 @@ def _may(perms: dict, kind: str, subject: str) -> bool:
     ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_PUSH.peek.yeto.r.push.b.0", False),
     ("a", "publish", "$JS.API.DIRECT.GET.YETO_r_PUSH", False),
     ("a", "publish", "$JS.API.DIRECT.GET.YETO_r_BCAST", True),
+    ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_BCAST", True),  # its ordered cut reader
+    ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_BCAST.keep", False),  # no named/durable ones
+    ("a", "publish", "$JS.API.CONSUMER.DURABLE.CREATE.YETO_r_BCAST.keep", False),
     ("a", "publish", "$JS.API.DIRECT.GET.KV_yeto_r_state.$KV.yeto_r_state.session", True),
     ("a", "publish", "yeto.r2.push.a.0", False),
     ("a", "publish", "$JS.API.STREAM.INFO.YETO_r2_CTL", False),
