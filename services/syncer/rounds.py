@@ -263,7 +263,9 @@ class Heartbeat(Event):
 @dataclass(frozen=True)
 class MergeDone(Event):
     """The shell finished the merge, the outer step, the durable checkpoint, the state KV and the
-    broadcast of `version` of `fragment` for round `step`; `sync_s` is how long that took."""
+    broadcast of `version` of `fragment` for round `step`; `sync_s` is how long that took. Adaptive
+    grace subtracts the larger of `sync_s` and the time from the Merge action to this event (the whole
+    sync as the machine saw it: merge, checkpoint, broadcast)."""
     step: int
     fragment: int
     version: int
