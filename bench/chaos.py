@@ -359,7 +359,7 @@ class Chaos:
                "--checkpoint-dir", str(self.work / "syncer"), "--small-limits", "--islands", str(a.islands),
                "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
                "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),
-               "--member-timeout", "20", "--final-timeout", "60", "--status-every", "2"]
+               "--member-timeout", str(a.member_timeout), "--final-timeout", "60", "--status-every", "2"]
         if resume:
             cmd.append("--resume")
         self.syncer = Child(f"syncer-{n}", cmd, self.work / f"syncer-{n}.log", clean_env()).start()
@@ -772,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-min", type=int, default=2, help="fewest rounds between two mid-run kills")
     p.add_argument("--gap-max", type=int, default=5)
     p.add_argument("--init-island", default="a")
+    p.add_argument("--member-timeout", type=float, default=20.0,
+                   help="the syncer's --member-timeout: silence before a killed island counts as gone and rounds go on "
+                        "without it (default %(default)s)")
     p.add_argument("--quorum-timeout", type=float, default=60.0,
                    help="the syncer's --quorum-timeout: the longest a round waits below quorum (default %(default)s)")
     p.add_argument("--quick", action="store_true",

@@ -23,12 +23,17 @@ LAST = re.compile(r"^chaos rounds=(\d+) kills=(\d+) lost=(\d+) double=(\d+) fina
 
 @pytest.mark.timeout(420)
 def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
-    rounds = 20
+    # rounds are cheap (a fraction of a second without a kill); the headroom lets the run go on while a
+    # slow restart under load recovers, so every kill of the schedule still finds its moment
+    rounds = 40
     out_json = tmp_path / "chaos.json"
-    # seed 2 kills the 2-rank island b among others and picks syncer-final as the final-cut kill (the full
+    # seed 3 kills the 2-rank island b mid-push and picks syncer-final as the final-cut kill (the full
     # soak, seed 1, takes an island down during the final cut)
     cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--rounds", str(rounds), "--kills-per-kind", "1",
-           "--first-kill-after", "2", "--gap-min", "1", "--gap-max", "2", "--seed", "2", "--no-baseline", "--quorum-timeout", "30",
+           "--first-kill-after", "2", "--gap-min", "1", "--gap-max", "2", "--seed", "3", "--no-baseline", "--quorum-timeout", "30",
+           # a restarted 2-rank island needs up to ~60 s to be admitted on a loaded 2-core machine; with the
+           # soak's 20 s the run can go on without it and finish before it is back (reported in bench/README)
+           "--member-timeout", "90",
            "--progress-every", "30", "--timeout", "330", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
@@ -37,23 +42,24 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
     assert m, f"no summary line (rc {proc.returncode}):\n{out[-6000:]}"
     n, kills, lost, double, final_equal, goodput = m.groups()
     res = json.loads(out_json.read_text())["chaos"]
+    tail = f"\n--- bench/chaos.py output (tail) ---\n{out[-8000:]}"  # a string, so pytest prints it whole
 
     # every kind of death happened, each at least once, and all but the final-cut one mid-run
     fired = set(res["recovery"])
-    assert fired >= set(ALL_KINDS) - set(END_KINDS), (sorted(fired), out[-6000:])
-    assert fired & set(END_KINDS), (sorted(fired), out[-6000:])
+    assert fired >= set(ALL_KINDS) - set(END_KINDS), f"kinds fired: {sorted(fired)}{tail}"
+    assert fired & set(END_KINDS), f"kinds fired: {sorted(fired)}{tail}"
     assert int(kills) >= len(ALL_KINDS) - 1
     assert goodput == "na"
 
-    assert int(n) == rounds, out[-6000:]
-    assert (int(lost), int(double)) == (0, 0), (res["lost_rounds"], res["double_rounds"], res["double_versions"],
-                                                out[-6000:])
-    assert final_equal == "true", (res["islands_equal"], out[-6000:])
-    assert res["bad_apply"] == [] and res["crashes"] == [] and not res["timed_out"], out[-6000:]
+    assert int(n) == rounds, tail
+    assert (int(lost), int(double)) == (0, 0), (f"lost rounds {res['lost_rounds']}, doubled rounds {res['double_rounds']}, "
+                                                f"doubled versions {res['double_versions']}{tail}")
+    assert final_equal == "true", f"islands equal to the final cut: {res['islands_equal']}{tail}"
+    assert res["bad_apply"] == [] and res["crashes"] == [] and not res["timed_out"], tail
     # no process left: neither when the run ended nor now (every group the harness started)
-    assert res["left"] == {}, res["left"]
+    assert res["left"] == {}, f"left running: {res['left']}{tail}"
     assert {name: group_members(pgid) for name, pgid in res["pgids"].items() if group_members(pgid)} == {}
     # every kill recovered (the final-cut kill: the run ended cleanly after it)
     never = {k: v for k, v in res["recovery"].items() if any(x is None for x in v)}
-    assert never == {}, (never, out[-6000:])
-    assert proc.returncode == 0, out[-6000:]
+    assert never == {}, f"never recovered: {never}{tail}"
+    assert proc.returncode == 0, tail
