@@ -137,7 +137,9 @@ class CutInbox:
 
     A chunk subject holds one message, so an older notice of the same subject is obsolete: keeping
     only the newest bounds the inbox by the number of chunks of the model, however many versions
-    land between two boundaries (a long evaluation, a slow step)."""
+    land between two boundaries (a long evaluation, a slow step). Newest means the last to arrive
+    (the ordered consumer delivers in stream order), not the highest version: a forged chunk
+    claiming version 10^4 must not hide the real chunk that overwrote it (issue 16)."""
 
     def __init__(self) -> None:
         self._d: dict[tuple[int, int], ChunkNotice] = {}
@@ -146,9 +148,7 @@ class CutInbox:
     def put(self, n: ChunkNotice) -> None:
         key = (n.fragment, n.chunk)
         with self._lock:
-            cur = self._d.get(key)
-            if cur is None or n.version >= cur.version:
-                self._d[key] = n
+            self._d[key] = n
 
     def drain(self) -> list[ChunkNotice]:
         with self._lock:

@@ -299,6 +299,20 @@ class CutReader:
         rd = self._reading.get(fid)
         return None if rd is None else (rd.version, rd.next, len(self.spans[fid]))
 
+    def chunk0_changed(self, fid: int, index: int, version: int, vdigest: Any) -> bool:
+        """A notice says a new message landed on chunk `index`. True when it is chunk 0 and it is not
+        the version being read: that reading can no longer complete (its chunk 0 is gone) and
+        must be dropped (the shell aborts the staging), so the next read starts at chunk 0 again.
+        Without this a forged chunk 0 claiming a far version (valid chunk digest) started a
+        reading that waited for its later chunks for ever ("not_yet"), while the real chunk 0
+        that overwrote it was never looked at again."""
+        rd = self._reading.get(fid)
+        if index != 0 or rd is None or (version, vdigest) == (rd.version, rd.digest):
+            return False
+        del self._reading[fid]
+        self.counts["chunk0_changed"] += 1
+        return True
+
     def forget(self, fid: int) -> None:
         """Drop the reading in progress (the shell aborted the ranks' staging): the next read of the
         fragment starts again at chunk 0."""

@@ -144,6 +144,9 @@ class IslandWire:
         Returns the fragments installed."""
         for n in self.client.bcast.drain():
             try:
+                if self.reader.chunk0_changed(n.fragment, n.chunk, n.version, n.meta["version_digest"]):
+                    self._abort_staging(n.fragment, self.reader)
+                    self._dirty.add(n.fragment)
                 if self.reader.announce(n.fragment, n.version, n.meta["version_digest"]):
                     if not 0 <= n.chunk < len(self.reader.spans[n.fragment]):
                         raise WireError(f"fragment {n.fragment} has {len(self.reader.spans[n.fragment])} chunks",

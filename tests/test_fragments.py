@@ -434,6 +434,25 @@ def test_a_chunk_index_beyond_the_plan_is_refused_not_an_index_error():
         r.take(0, 999, forged, payload)
 
 
+def test_a_forged_chunk_0_from_far_ahead_does_not_hold_the_real_version_once_overwritten():
+    # Issue 16 (bench/hostile.py, seed 6): a well-framed chunk 0 claiming v7955 started a reading that
+    # waited for its chunk 1 for ever ("not_yet"); the real v1 that overwrote chunk 0 was never read.
+    r = CutReader(S)
+    forged = bcast_chunks(0, 7955, vec(N0, 9), vdigest="7" * 64)
+    real = bcast_chunks(0, 1, vec(N0, 1))
+    assert r.take(0, 0, *forged[0], seq=1) == "accept"
+    assert r.take(0, 1, *bcast_chunks(0, 0, vec(N0, 0))[1], seq=2) == "wait"  # not_yet
+    # the real v1 lands: its chunk 0's notice drops the forged reading
+    assert r.chunk0_changed(0, 0, 1, real[0][0]["version_digest"]) is True
+    assert r.reading(0) is None and r.next_chunks(0)[0].index == 0
+    assert [r.take(0, m["chunk"], m, p, seq=10 + i) for i, (m, p) in enumerate(real)][-1] == "complete"
+    # notices of the version being read, or of other chunks, change nothing
+    real2 = bcast_chunks(0, 2, vec(N0, 2))
+    assert r.take(0, 0, *real2[0], seq=20) == "accept"
+    assert not r.chunk0_changed(0, 0, 2, real2[0][0]["version_digest"]) and not r.chunk0_changed(0, 1, 3, "x")
+    assert r.reading(0) == (2, 1, len(real2))
+
+
 def test_fixed_reader_reads_only_the_wanted_versions():
     r = CutReader(S, dtype="f32", fixed=True)
     want = vec(N0, 7)

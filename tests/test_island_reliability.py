@@ -226,3 +226,22 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
     assert {(m["step"], m["attempt"]) for m, _ in chunks} == {(2, 1)}
     assert island.book.floor(1) == 0  # v0 applied; no forged base raised the supersession floor
     assert sum(e["rejected"] for e in steplog_lines(island)) >= 4 and island.counters["rejected.invalid"] >= 4
+
+
+async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(env):
+    """Issue 16, found by bench/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
+    version 7955 (valid chunk digest) started a reading that waited for ever for that version's
+    chunk 1; the notice inbox kept the highest version per subject, so the real v1 that then
+    overwrote chunk 0 was never read. Pushes went stale and the run stalled."""
+    island, session, syncer = env(net())
+    await started(env, island, session)
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island)
+    await syncer.bcast(1, 7955, syncer.values(1, 9), only={0}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    await until(lambda: len(island.client.bcast) >= 1, what="forged notice")
+    assert await boundary(island)
+    assert island.reader.reading(1) is not None and island.state.version(1) == 0  # reading the forgery
+    v1 = syncer.values(1, 3)
+    await publish_v(syncer, island, 1, {1: v1})
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
