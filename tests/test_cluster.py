@@ -7,6 +7,7 @@ real `python -m learner.demo` islands, all connected with the whole server list.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -115,6 +116,18 @@ async def _retry(fn, what: str, timeout: float = 60.0):
             await asyncio.sleep(0.2)
 
 
+async def _lead_elsewhere(nc, js, stream: str, away_from: str, to: str) -> None:
+    """Move a stream's leader off node `away_from` (leader stepdown with a preferred placement)."""
+    for _ in range(20):
+        info = await _retry(lambda: js.stream_info(stream), stream)
+        if info.cluster.leader not in (None, away_from):
+            return
+        await _retry(lambda: nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                                        json.dumps({"placement": {"preferred": to}}).encode(), timeout=5), stream)
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{stream} kept its leader on {away_from}")
+
+
 async def _committed(js, run: str) -> int:
     try:
         c = await kv_json(js, run, "commit")
@@ -124,12 +137,16 @@ async def _committed(js, run: str) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("victim", ["PUSH", "BCAST"])
+@pytest.mark.parametrize("victim", ["PUSH", "BCAST", "EVENTS"])
 async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run_id, tmp_path, victim):
-    """A run provisioned R3: the node leading the PUSH (or BCAST) stream is killed -9 mid-run and,
+    """A run provisioned R3: the node leading the PUSH (BCAST, EVENTS) stream is killed -9 mid-run and,
     once rounds commit without it, restarted with its store. The syncer and both islands carry on
     through the other nodes; the run finishes; the tape holds each round and each version exactly
-    once; both islands saved exactly the final cut."""
+    once; both islands saved exactly the final cut.
+
+    EVENTS: the tape's leader alone dies (every other stream and bucket is led elsewhere, moved there
+    first), so commits go on at once while the tape has no leader: a commit's merge record must still
+    reach the tape."""
     url = cluster.url
     nc = await _connect(cluster.urls)
     js = nc.jetstream(timeout=5)
@@ -142,6 +159,14 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
     b = IslandProc(url, run_id, "b", tmp_path, args=args).start()
     procs = {"syncer": syncer, "a": a, "b": b}
     try:
+        if victim == "EVENTS":
+            await wait_until(lambda: _retry(lambda: _committed(js, run_id), "commit record"), 120, "a first round")
+            doomed = (await _retry(lambda: js.stream_info(S.stream(run_id, victim)), "stream info")).cluster.leader
+            other = next(cluster.server_name(i) for i in range(3) if cluster.server_name(i) != doomed)
+            for name in _all_stream_names(run_id):
+                if name != S.stream(run_id, victim):
+                    await _lead_elsewhere(nc, js, name, doomed, other)
+
         async def enough_rounds():
             for name, p in procs.items():
                 if p.proc.poll() is not None:
@@ -153,6 +178,11 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
         for name in _all_stream_names(run_id):
             assert (await _retry(lambda: js.stream_info(name), name)).config.num_replicas == 3, name
         leader = cluster.index_of(info.cluster.leader)
+        if victim == "EVENTS":
+            assert info.cluster.leader == doomed
+            for name in _all_stream_names(run_id):
+                if name != S.stream(run_id, victim):
+                    assert (await _retry(lambda: js.stream_info(name), name)).cluster.leader != doomed, name
         before = await _retry(lambda: _committed(js, run_id), "commit record")
         cluster.kill(leader)
         assert before < ROUNDS - 2, f"the run was about to finish ({before} of {ROUNDS}) before the kill: make it longer"
