@@ -303,7 +303,7 @@ class Reference:
         return self.p[fid].detach().clone()
 
 
-async def wait_provisioned(js, run: str, timeout: float = 20) -> None:
+async def wait_provisioned(js, run: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
