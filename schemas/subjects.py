@@ -175,8 +175,11 @@ def init_msg_id(fragment: int, chunk: int, gen: str) -> str:
     return f"init.{fragment}.{gen}.{chunk}"
 
 
-def bcast_msg_id(fragment: int, version: int, chunk: int) -> str:
-    return f"bcast.{fragment}.{version}.{chunk}"
+def bcast_msg_id(fragment: int, version: int, chunk: int, resend: int | None = None) -> str:
+    # A re-send of a committed version (the syncer's re-broadcast) needs an id of its own: within the
+    # duplicate window JetStream would drop the original id, and the chunk would stay lost.
+    base = f"bcast.{fragment}.{version}.{chunk}"
+    return base if resend is None else f"{base}.r{resend}"
 
 
 def final_msg_id(fragment: int, version: int, chunk: int) -> str:

@@ -11,7 +11,7 @@ from schemas.errors import WireError
 from services.syncer.rounds import (
     CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, InitDrop, InitStore, Merge,
     MergeDone, PublishFinal,
-    PublishPull, PushComplete, RecordFinal, Release, RoundMachine, SendError, SendManifest, Shutdown, SyncerConfig,
+    PublishPull, PushComplete, Rebroadcast, RecordFinal, Release, RoundMachine, SendError, SendManifest, Shutdown, SyncerConfig,
     Tape, Tick, V0Done, WriteMember, WriteSession,
 )
 
@@ -522,6 +522,61 @@ def test_strict_deadline_only_warns_and_all_must_answer():
     assert "strict" in tapes(acts, "error")[0]["reason"] and m.counters["restart"] == 0
     (mg,) = of(m.handle(push(m, "b", 1, now=25.0)), Merge)
     assert mg.attempt == 1 and len(mg.members) == 2
+
+
+# ---- re-broadcast of a lost version ---------------------------------------------------------------
+
+def test_restart_below_quorum_rebroadcasts_the_committed_version_before_the_new_pull_rate_limited():
+    # BCAST may hold a forged or lost chunk of the committed version: islands then stay on an older
+    # one and never answer; nothing else would ever publish that version again.
+    m = nonstrict(quorum=2, fragments=1, sync_every=4, quorum_timeout_s=10.0, member_timeout_s=1e6)
+    r = launch_first(m)                                          # step 1, fragment 0, version 0
+    d1 = r.deadline
+    assert not of(m.handle(Tick(d1 - 0.1)), Rebroadcast)
+    acts = m.handle(Tick(d1))
+    kinds = [type(a) for a in acts if isinstance(a, (Rebroadcast, PublishPull))]
+    assert kinds == [Rebroadcast, PublishPull]                   # islands can read it before answering
+    assert of(acts, Rebroadcast)[0].fragment == 0 and of(acts, Rebroadcast)[0].version == 0
+    assert m.counters["rebroadcast"] == 1
+    acts = m.handle(push(m, "a", 1, attempt=2, base=0, now=d1 + 1))
+    assert dispositions(acts) == ["accepted"] and not of(acts, Rebroadcast)
+    # the next restart comes one quorum timeout later: due again
+    assert r.deadline == d1 + 10.0
+    acts = m.handle(Tick(d1 + 10.0))
+    assert tapes(acts, "restart") and of(acts, Rebroadcast) == [Rebroadcast(0, 0, of(acts, Rebroadcast)[0].reason)]
+    assert m.counters["rebroadcast"] == 2
+
+
+def test_stale_base_push_rebroadcasts_once_per_quorum_timeout_and_never_while_the_merge_is_due():
+    m = machine(fragments=1, sync_every=2, total_steps=6, max_base_lag=0, quorum_timeout_s=100.0)
+    start(m, islands=("a", "b"))
+    m.handle(push(m, "a", 1))
+    merge_done(m, of(m.handle(push(m, "b", 1)), Merge)[0], now=1.0)
+    assert m.versions == {0: 1}
+    acts = m.handle(push(m, "a", 2, base=0, now=2.0))           # a never got version 1
+    assert dispositions(acts) == ["stale_base"]
+    (rb,) = of(acts, Rebroadcast)
+    assert (rb.fragment, rb.version) == (0, 1) and "stale base_version 0" in rb.reason
+    acts = m.handle(push(m, "a", 2, base=0, try_=1, now=50.0))  # within one quorum timeout: not again
+    assert dispositions(acts) == ["stale_base"] and not of(acts, Rebroadcast)
+    assert m.counters["rebroadcast.rate_limited"] == 1
+    acts = m.handle(push(m, "a", 2, base=0, try_=2, now=102.0))
+    assert of(acts, Rebroadcast) == [Rebroadcast(0, 1, rb.reason)]
+    # strict: once every member answered, the round's merge is due and its params change: no re-send
+    m.handle(push(m, "a", 2, try_=3, now=103.0))
+    (mg,) = of(m.handle(push(m, "b", 2, now=104.0)), Merge)
+    acts = m.handle(push(m, "a", 2, base=0, try_=4, now=300.0))
+    assert dispositions(acts) == ["out_of_round"] and not of(acts, Rebroadcast)
+    merge_done(m, mg, now=301.0)
+    acts = m.handle(push(m, "b", 3, base=0, now=302.0))
+    assert of(acts, Rebroadcast)[0].version == 2
+
+
+def test_strict_deadline_below_quorum_rebroadcasts_too():
+    m = machine(strict=True, quorum=1, quorum_timeout_s=10.0)
+    start(m)
+    acts = m.handle(Tick(10.0))
+    assert m.counters["quorum_timeout"] == 1 and of(acts, Rebroadcast)[0].fragment == 0
 
 
 # ---- generations, liveness ------------------------------------------------------------------------

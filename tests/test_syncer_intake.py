@@ -73,3 +73,32 @@ def test_resumed_ledger_starts_at_the_checkpoints_committed_step():
     assert feed(led, [chunk(i, step=4) for i in range(3)], redelivered=True) == [] and led.tries == {}
     (t,) = feed(led, [chunk(i, step=6) for i in range(3)], redelivered=True)
     assert t.key[3] == 6
+
+
+def test_every_incomplete_try_dropped_at_a_commit_is_reported_once():
+    # issue 16: a try whose chunks straddle its round's commit never completed and was never taped
+    led = PushLedger()
+    feed(led, [chunk(i) for i in range(3)])                               # a's try completes
+    feed(led, [chunk(0, island="b"), chunk(2, island="b")], 10)           # b's try: 2 of 3 chunks in
+    feed(led, [chunk(0, island="c", attempt=2, chunks=4)], 20)            # another attempt, 1 of 4
+    led.pop_round(0, 1)
+    dropped = {d.key[0]: d for d in led.pop_dropped()}
+    assert set(dropped) == {"b", "c"}, "the complete try already has its disposition"
+    assert (dropped["b"].chunks_in, dropped["b"].chunks) == (2, 3) and dropped["b"].key == key_of(chunk(0, island="b"))
+    assert dropped["b"].reason.startswith("push_incomplete: 2/3 chunks in when round 1 committed")
+    assert dropped["c"].reason.startswith("push_incomplete: 1/4")
+    assert led.pop_dropped() == []
+    # b's last chunk arrives after the commit (fresh, not redelivered): it opens no second try
+    assert led.closed(chunk(1, island="b")) is not None
+    assert feed(led, [chunk(1, island="b")], 30) == [] and led.tries == {}
+    # a try of a committed round that is swept (an island died mid-push after the commit) too
+    feed(led, [chunk(0, island="d")], 40)
+    for step, frag in ((2, 1), (3, 0)):
+        feed(led, [chunk(i, step=step, fragment=frag) for i in range(3)], 50 + 10 * step)
+        led.pop_round(frag, step)
+    (d,) = led.pop_dropped()
+    assert d.key == key_of(chunk(0, island="d")) and "swept" in d.reason and led.pop_swept() == [40]
+    # tombstones last two commits: then they are pruned (no growth)
+    feed(led, [chunk(i, step=4, fragment=1) for i in range(3)], 90)
+    led.pop_round(1, 4)
+    assert led.closed(chunk(1, island="b")) is None and led._tombstones.keys() <= {key_of(chunk(0, island="d"))}

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from schemas import codec, subjects as S
+from schemas.chunks import digest as chunk_digest
 from tests.scripted import (LR, MU, Heartbeater, Reference, SyncerProc, close_run, start_run, tape, tiny_layout,
                             wait_status, wait_tape)
 
@@ -282,5 +283,66 @@ async def test_syncer_killed_in_finalization_resumes_it_and_exits_0(nats_url, ru
         torch.testing.assert_close(vals, ref.value(0), rtol=1e-6, atol=1e-6)
         state = orjson.loads((ckpt / "checkpoint.json").read_bytes())
         assert state["final_record"]["finished"] and state["final_record"]["acked"] == ["a", "b"]
+    finally:
+        await close_run(isls, syncer, run_id)
+
+
+async def test_forged_bcast_chunk_of_the_committed_version_is_broadcast_again(nats_url, run_id, tmp_path):
+    # BCAST keeps one message per chunk subject: a forged chunk claiming the committed version (another
+    # version digest, garbage bytes with a matching chunk digest, as an attacker would send it) replaces
+    # the real one, and islands never read that version. The stale-base push that follows must make
+    # the syncer publish the committed bytes again (same version, same version digest, a new msg id).
+    ckpt = tmp_path / "ckpt"
+    args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "2", "--strict",
+            "--max-base-lag", "0", "--outer-lr", str(LR), "--outer-momentum", str(MU), "--chunk-bytes", "1024",
+            "--final-timeout", "90", "--status-every", "0.3")
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *args, layout=tiny_layout(4, 128))
+    a, b = isls
+    js = a.js
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(5)
+        await _play(isls, ref, 1, gen)
+        real = await a.wait_version(0, 1, timeout=60)
+        subj = S.bcast(run_id, 0, 0)
+        stream = S.stream(run_id, "BCAST")
+        m = await js.get_msg(stream, subject=subj, direct=True)
+        meta = codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER])
+        assert meta["version"] == 1
+        real_vdigest = meta["version_digest"]
+        garbage = bytes(reversed(m.data))
+        forged = {**meta, "digest": chunk_digest(garbage), "version_digest": "0" * 64}
+        await a.publish_raw(subj, garbage, {codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", forged)})
+        m = await js.get_msg(stream, subject=subj, direct=True)
+        assert codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER])["version_digest"] == "0" * 64
+        _, cut, _ = await a.read_cut(0)
+        assert not torch.equal(cut, real), "the forgery did not replace the real chunk"
+
+        # island a never got version 1: its push for round 2 says base 0 (stale with --max-base-lag 0)
+        pa = await a.expect_pull(2, timeout=60)
+        assert pa["base_version"] == 1
+        await a.push(pa, torch.zeros(a.frag(0)["numel"]), base_version=0)
+        rec = await wait_tape(js, run_id, lambda r: r["fragment"] == 0, kind="rebroadcast", timeout=60)
+        assert rec["version"] == 1 and rec["detail"]["version_digest"] == real_vdigest
+        assert "stale base_version 0" in rec["reason"]
+        m = await js.get_msg(stream, subject=subj, direct=True)
+        back = codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER])
+        assert back["version"] == 1 and back["version_digest"] == real_vdigest
+        assert m.headers[S.MSG_ID] == S.bcast_msg_id(0, 1, 0, rec["detail"]["resend"]) != S.bcast_msg_id(0, 1, 0)
+        v, cut, _ = await a.read_cut(0)
+        assert v == 1 and torch.equal(cut, real)              # the scripted island reads the real version
+        await wait_status(js, run_id, lambda st: st["counters"].get("rebroadcast") == 1, timeout=30)
+        disp = await wait_tape(js, run_id, lambda r: r["island"] == "a" and r["step"] == 2, kind="disposition")
+        assert disp["disposition"] == "stale_base"
+
+        # with the real version back, the round commits and the run finishes
+        deltas = []
+        for isl, try_ in ((a, 1), (b, 0)):
+            pull = pa if isl is a else await b.expect_pull(2, timeout=60)
+            deltas.append(torch.randn(isl.frag(0)["numel"], generator=gen) * 0.1)
+            await isl.push(pull, deltas[-1], c_tokens=100, try_=try_)
+        ref.round(0, deltas, [100, 100])
+        await _finish(isls, syncer, 2)
+        _, vals, _ = await a.read_cut(0, final=True)
+        torch.testing.assert_close(vals, ref.value(0), rtol=1e-6, atol=1e-6)
     finally:
         await close_run(isls, syncer, run_id)

@@ -43,6 +43,18 @@ class PushTry:
         return [self.seqs[i] for i in range(self.chunks)]
 
 
+@dataclass(frozen=True)
+class DroppedTry:
+    """An incomplete try forgotten at a commit: it never reached the machine (no PushComplete, so no
+    disposition), so the shell tapes this as its one record (`out_of_round`, reason `push_incomplete`)."""
+    key: PushKey
+    chunks_in: int
+    chunks: int
+    base_version: int
+    local_step: int
+    reason: str
+
+
 def key_of(meta: dict) -> PushKey:
     return (meta["island"], meta["gen"], meta["fragment"], meta["step"], meta["attempt"], meta["try"])
 
@@ -55,7 +67,9 @@ class PushLedger:
     *redelivered* chunk of a committed round (`committed_step`: rounds commit strictly in step order).
     A fresh late push to a committed round is still taken, so it completes and gets its out_of_round
     disposition; one that never completes is swept at the next commit (`pop_round` returns its
-    sequences in `swept`)."""
+    sequences in `swept`). Every incomplete try forgotten there (its round committed, or swept) is
+    reported once in `dropped`, and its key stays closed for two more commits, so the chunks that
+    straddled the commit open no second try (and no second record)."""
 
     def __init__(self, committed_step: int = 0) -> None:
         self.tries: dict[PushKey, PushTry] = {}
@@ -63,11 +77,16 @@ class PushLedger:
         self.released: set[PushKey] = set()
         self._opened_at: dict[PushKey, int] = {}   # committed_step when the try was opened
         self.swept: list[int] = []                 # sequences of swept tries, for the shell to delete
+        self.dropped: list[DroppedTry] = []        # incomplete tries forgotten, for the shell to tape
+        self._tombstones: dict[PushKey, int] = {}  # dropped incomplete try -> committed_step when dropped
 
     def closed(self, meta: dict, *, redelivered: bool = False) -> str | None:
         """Why a chunk can never count (its try released, or a redelivery of a committed round), else None."""
-        if key_of(meta) in self.released:
+        key = key_of(meta)
+        if key in self.released:
             return "its push try was released (rejected, or discarded by a restart)"
+        if key in self._tombstones:
+            return f"its push try was dropped incomplete when round {meta['step']} committed (taped then)"
         if redelivered and meta["step"] <= self.committed_step:
             return f"redelivered chunk of committed round {meta['step']} (committed step {self.committed_step})"
         return None
@@ -131,13 +150,29 @@ class PushLedger:
         delete (one purge of the fragment's subject). Also sweeps incomplete tries of committed rounds
         that stayed incomplete for a whole commit (`swept`: their sequences, to delete one by one)."""
         seqs = []
-        for key in [k for k in self.tries if k[2] == fragment and k[3] == step]:
-            seqs.extend(self._pop(key))
         prev, self.committed_step = self.committed_step, max(self.committed_step, step)
+        for key in [k for k in self.tries if k[2] == fragment and k[3] == step]:
+            self._drop_if_incomplete(key, f"push_incomplete: {{n}}/{{chunks}} chunks in when round {step} committed")
+            seqs.extend(self._pop(key))
         for key in [k for k, t in self.tries.items() if k[3] <= prev and not t.done and self._opened_at[k] < prev]:
+            self._drop_if_incomplete(key, f"push_incomplete: {{n}}/{{chunks}} chunks in, swept a whole commit after "
+                                          f"round {key[3]} committed")
             self.swept.extend(self._pop(key))
         self.released = {k for k in self.released if k[3] > self.committed_step}
+        self._tombstones = {k: c for k, c in self._tombstones.items() if c >= prev}
         return seqs
+
+    def _drop_if_incomplete(self, key: PushKey, reason: str) -> None:
+        t = self.tries[key]
+        if t.done:   # complete: the machine got it (PushComplete) and taped its disposition
+            return
+        self.dropped.append(DroppedTry(key, len(t.seqs), t.chunks, t.base_version, t.local_step,
+                                       reason.format(n=len(t.seqs), chunks=t.chunks)))
+        self._tombstones[key] = self.committed_step
+
+    def pop_dropped(self) -> list[DroppedTry]:
+        out, self.dropped = self.dropped, []
+        return out
 
     def pop_swept(self) -> list[int]:
         out, self.swept = self.swept, []

@@ -81,6 +81,13 @@ Choices the design leaves open, decided here:
   of (a resumed syncer that lost the members record, a hello lost with a killed syncer) gets a
   non-fatal `SendError` with code `unknown_member` (at most once per member timeout per generation):
   the island must send hello again.
+- **Re-broadcast**: BCAST keeps one message per chunk subject, so a forged chunk, a purge or a broker
+  that lost its last writes can leave a fragment's committed version incomplete there for good: the
+  islands stay on an older version, push stale bases, and no round of that fragment commits again.
+  The machine emits `Rebroadcast(fragment, version)` of the committed version when a round of that
+  fragment passes its deadline below quorum (restart, or strict deadline) or a push of it is
+  `stale_base`; at most once per `quorum_timeout_s` per fragment, and never while that fragment's
+  merge is due or under way (its params are changing and the next broadcast comes anyway).
 - **Release**: the machine tells the shell which push payloads it may delete from the PUSH stream at
   once (rejected pushes, pushes discarded by a restart). It never releases the identity of a push that
   a pending merge still needs; the shell deletes accepted pushes after `MergeDone` itself. Release may
@@ -106,6 +113,7 @@ __all__ = [
     # actions
     "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
     "Tape", "CommitV0", "InitStore", "InitDrop", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
+    "Rebroadcast",
     "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS",
 ]
 
@@ -437,6 +445,17 @@ class RecordFinal(Action):
 
 
 @dataclass(frozen=True)
+class Rebroadcast(Action):
+    """Publish the committed bytes of `version` of `fragment` to BCAST again: the bulk dtype, the same
+    version and version_digest, Nats-Msg-Ids that differ per re-send (the duplicate window would drop
+    the original ids). Tape a `rebroadcast` record once it is out. The fragment's params are not
+    changing while this is pending (no merge of it is due), so carry it out before the next action."""
+    fragment: int
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Shutdown(Action):
     island: str
     gen: str
@@ -605,6 +624,7 @@ class RoundMachine:
         self._min_attempts: dict[int, int] = {}
         self._final: _Final | None = None
         self._hello_asked: dict[tuple[str, str], float] = {}
+        self._rebroadcast_at: dict[int, float] = {}   # fragment -> when its last Rebroadcast went out
         self._restored_finished = False
         self._resend_manifests = False
         self._now = -math.inf
@@ -1080,6 +1100,9 @@ class RoundMachine:
                    detail={"staleness": staleness, "local_step": ev.local_step}, **{"try": ev.try_})
         if disposition != "accepted" and not self._is_pending_merge_input(ev):
             self._emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
+        if disposition == "stale_base":
+            self._rebroadcast(ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale base_version "
+                                                f"{ev.base_version} (current {current})")
 
     def _is_pending_merge_input(self, ev: PushComplete) -> bool:
         # a re-delivered copy of an accepted push has the same identity as the one the merge reads
@@ -1273,6 +1296,7 @@ class RoundMachine:
                 r.deadline = now + cfg.quorum_timeout_s
                 self._tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
                            reason=f"quorum_timeout (strict: attempt stands): {r.answered}/{len(r.slots)} answered")
+                self._rebroadcast(r.fragment, now, f"round {r.step} passed its deadline below quorum (strict)")
             else:
                 self._restart(r, now)
 
@@ -1288,6 +1312,8 @@ class RoundMachine:
         for island, slot in sorted(r.slots.items()):
             if slot.answer is not None:
                 self._emit(Release(island, slot.answer.gen, r.step, r.fragment, old_attempt, slot.answer.try_, "restart"))
+        # Before the new pull: islands that missed the base version can read it before they answer.
+        self._rebroadcast(r.fragment, now, f"round {r.step} restarts below quorum (attempt {old_attempt})")
         r.attempt += 1
         r.seq = 0
         r.slots = {m.island: _Slot(m.gen) for m in live}
@@ -1300,6 +1326,20 @@ class RoundMachine:
         self._tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
                    base_version=r.base_version, expected=r.members(), responded=old_responded, quorum=r.quorum,
                    reason=f"deadline passed below quorum: {len(old_responded)} of {r.quorum} needed answered attempt {old_attempt}")
+
+    def _rebroadcast(self, fragment: int, now: float, reason: str) -> None:
+        if self.phase != "running" or fragment not in self.versions:
+            return
+        if any(r.fragment == fragment and not r.accepting for r in self.rounds.values()):
+            self.counters["rebroadcast.merge_due"] += 1
+            return
+        last = self._rebroadcast_at.get(fragment)
+        if last is not None and now - last < self.config.quorum_timeout_s:
+            self.counters["rebroadcast.rate_limited"] += 1
+            return
+        self._rebroadcast_at[fragment] = now
+        self.counters["rebroadcast"] += 1
+        self._emit(Rebroadcast(fragment, self.versions[fragment], reason))
 
     def _quorum_for(self, expected: int) -> int:
         k = self.config.quorum if self.config.quorum is not None else expected

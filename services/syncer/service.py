@@ -44,7 +44,7 @@ from schemas.conn import ConnectOptions, connect, server_max_payload
 from schemas.dtypes import pack
 from schemas.errors import WireError
 from schemas.layout import chunk_plan, layout_fingerprint
-from schemas.provision import RunLimits, kv as kv_handle, provision_run
+from schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
 from services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState
@@ -534,17 +534,17 @@ class SyncerService:
         }
 
     async def _write_status(self, *, final: bool = False) -> None:
-        await self.state_kv.put("syncer", orjson.dumps(self.status_record(final=final)))
+        await kv_put(self.js, self.run_id, "state", "syncer", orjson.dumps(self.status_record(final=final)), counters=self.counters)
 
     async def _do(self, a) -> None:
         if isinstance(a, R.WriteSession):
             self._set_session(a.session)
             await asyncio.to_thread(self.ckpt.write_session, a.session)
-            await self.state_kv.put("session", codec.encode("session", a.session))
+            await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
             log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                      len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
         elif isinstance(a, R.WriteMember):
-            await self.members_kv.put(a.island, orjson.dumps(a.record))
+            await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
         elif isinstance(a, R.PublishPull):
             p = dict(a.pull)
             msg = codec.make("pull", run=self.run_id, **p)
@@ -590,6 +590,8 @@ class SyncerService:
             msg = codec.make("shutdown", run=self.run_id, reason=a.reason, gen=a.gen)
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("shutdown", msg),
                                 S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters)
+        elif isinstance(a, R.Rebroadcast):
+            await self._rebroadcast(a)
         elif isinstance(a, R.Done):
             self.done = a
         else:  # pragma: no cover - a new action type without a handler is a programming error
@@ -617,7 +619,14 @@ class SyncerService:
     # ---- merge, commit, broadcast ------------------------------------------------------------------
 
     async def _read_push_chunk(self, seq: int, dtype: str, count: int, want_digest: str | None) -> torch.Tensor:
-        m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
+        from nats.js.errors import NotFoundError
+
+        try:
+            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
+        except NotFoundError:
+            # Any replica answers a direct get; one still catching up (a cluster node just restarted)
+            # does not hold the message yet. The stream leader does.
+            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq)
         data = m.data
         if want_digest is not None and chunk_digest(data) != want_digest:
             raise SyncerError(f"PUSH message {seq} changed in the stream (digest mismatch)")
@@ -666,6 +675,7 @@ class SyncerService:
                  ",".join(m.island for m in a.members), merge_s, sync_s)
         # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
         await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=sync_s, now=time.time()))
+        await self._tape_dropped_tries()   # after MergeDone: the next round never waits on these records
 
     async def _commit_v0(self, a: R.CommitV0) -> None:
         for fid in a.fragments:
@@ -752,16 +762,17 @@ class SyncerService:
         attempts = {s: a for s, a in self._attempts_seen.items() if s > done}
         if attempts == self._pulls_written:
             return
-        await self.state_kv.put("pulls", orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}))
+        await kv_put(self.js, self.run_id, "state", "pulls", orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}), counters=self.counters)
         self._pulls_written = attempts
 
     async def _write_commit_record(self, state: CheckpointState) -> None:
         rec = {"committed_step": state.committed_step,
                "versions": {str(k): v for k, v in state.versions.items()},
                "version_digests": {str(k): v for k, v in state.version_digests.items()}}
-        await self.state_kv.put("commit", orjson.dumps(rec))
+        await kv_put(self.js, self.run_id, "state", "commit", orjson.dumps(rec), counters=self.counters)
 
-    async def _broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None) -> int:
+    async def _broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None,
+                         resend: int | None = None) -> int:
         fr = self.frags[fid]
         dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
         kind = "final_chunk" if final_step is not None else "bcast_chunk"
@@ -779,12 +790,50 @@ class SyncerService:
                 meta["final_step"] = final_step
                 subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
             else:
-                subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index)
+                subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
             await pipe.put(subject, buf, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
             sent += len(buf)
         await pipe.flush()
         self.counters["bytes_broadcast"] += sent
         return sent
+
+    async def _tape_dropped_tries(self) -> None:
+        # An incomplete try never reached the machine, so this is its one record on the tape.
+        for d in self.ledger.pop_dropped():
+            island, gen, fid, step, attempt, try_ = d.key
+            self.counters["push.dropped_incomplete"] += 1
+            await self._tape({"kind": "disposition", "t": time.time(), "step": step, "fragment": fid,
+                              "attempt": attempt, "try": try_, "island": island, "gen": gen,
+                              "disposition": "out_of_round", "reason": d.reason, "base_version": d.base_version,
+                              "detail": {"chunks_in": d.chunks_in, "chunks": d.chunks, "local_step": d.local_step}},
+                             kind="disposition")
+
+    async def _rebroadcast(self, a: R.Rebroadcast) -> None:
+        """The committed bytes of a version again (the machine saw a sign that BCAST lost them). Awaited
+        in the loop, not spawned: no merge of this fragment starts (changing its params, broadcasting
+        the next version on the same subjects) before it is out. A failure is counted, never fatal."""
+        t0 = time.time()
+        try:
+            st = await asyncio.to_thread(self.ckpt.read_state)
+            if st.versions.get(a.fragment) != a.version or self.frags[a.fragment].params is None:
+                self.counters["rebroadcast.skipped"] += 1
+                log.warning("re-broadcast of fragment %d version %d skipped: the checkpoint holds version %s",
+                            a.fragment, a.version, st.versions.get(a.fragment))
+                return
+            vdigest = st.version_digests[a.fragment]
+            # Milliseconds: unique per re-send across syncer restarts (re-sends of one fragment are a
+            # quorum timeout apart), so the duplicate window never drops one.
+            resend = time.time_ns() // 1_000_000
+            sent = await self._broadcast(a.fragment, a.version, vdigest, resend=resend)
+        except Exception as exc:
+            self.counters["rebroadcast_error"] += 1
+            log.warning("re-broadcast of fragment %d version %d failed: %r", a.fragment, a.version, exc)
+            return
+        self.counters["rebroadcast"] += 1
+        log.warning("fragment %d version %d broadcast again (%s)", a.fragment, a.version, a.reason)
+        await self._tape({"kind": "rebroadcast", "t": time.time(), "fragment": a.fragment, "version": a.version,
+                          "reason": a.reason, "detail": {"version_digest": vdigest, "resend": resend, "bytes": sent,
+                                                         "seconds": time.time() - t0}}, kind="rebroadcast")
 
     async def _purge_round(self, fid: int, seqs: list[int]) -> None:
         if not seqs:
@@ -848,9 +897,13 @@ class SyncerService:
             self.counters["tape_invalid"] += 1
             log.error("tape record does not validate (%s): %r", exc, rec)
             return
+        # A commit's records (per-version msg ids) must reach the tape, so they ride out a cluster
+        # leader election (seconds); other records keep a short budget: intake never stalls on them.
+        attempts = 40 if msg_id is not None else 3
         try:
             await publish_retry(self.js, S.events(self.run_id, kind), data,
-                                msg_id or S.event_msg_id(kind, self._next_tape_key()), counters=self.counters, attempts=3)
+                                msg_id or S.event_msg_id(kind, self._next_tape_key()), counters=self.counters,
+                                attempts=attempts)
         except Exception as exc:
             self.counters["tape_error"] += 1
             log.warning("tape publish failed: %r", exc)
