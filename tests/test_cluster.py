@@ -100,6 +100,9 @@ async def test_replicas_3_provisions_every_stream_and_bucket_with_3_peers(cluste
 H, P, ROUNDS = 8, 2, 24
 KILL_AFTER = 4  # rounds committed before the leader's node dies
 STEP_DELAY = "0.1"  # 4 inner steps per round: ~0.4 s a round, so the kill lands mid-run
+# Victims whose node dies with no other leader on it (the others are moved off it first), so the run
+# goes on at once while that stream alone has no leader: the tape, the control stream (pulls).
+ALONE = ("EVENTS", "CTL")
 
 
 async def _retry(fn, what: str, timeout: float = 60.0):
@@ -137,16 +140,16 @@ async def _committed(js, run: str) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("victim", ["PUSH", "BCAST", "EVENTS"])
+@pytest.mark.parametrize("victim", ["PUSH", "BCAST", "EVENTS", "CTL"])
 async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run_id, tmp_path, victim):
     """A run provisioned R3: the node leading the PUSH (BCAST, EVENTS) stream is killed -9 mid-run and,
     once rounds commit without it, restarted with its store. The syncer and both islands carry on
     through the other nodes; the run finishes; the tape holds each round and each version exactly
     once; both islands saved exactly the final cut.
 
-    EVENTS: the tape's leader alone dies (every other stream and bucket is led elsewhere, moved there
-    first), so commits go on at once while the tape has no leader: a commit's merge record must still
-    reach the tape."""
+    EVENTS, CTL: that stream's leader alone dies (every other stream and bucket is led elsewhere,
+    moved there first), so the run goes on at once while it has no leader: a commit's merge record
+    must still reach the tape, a pull its islands."""
     url = cluster.url
     nc = await _connect(cluster.urls)
     js = nc.jetstream(timeout=5)
@@ -159,7 +162,7 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
     b = IslandProc(url, run_id, "b", tmp_path, args=args).start()
     procs = {"syncer": syncer, "a": a, "b": b}
     try:
-        if victim == "EVENTS":
+        if victim in ALONE:
             await wait_until(lambda: _retry(lambda: _committed(js, run_id), "commit record"), 120, "a first round")
             doomed = (await _retry(lambda: js.stream_info(S.stream(run_id, victim)), "stream info")).cluster.leader
             other = next(cluster.server_name(i) for i in range(3) if cluster.server_name(i) != doomed)
@@ -178,7 +181,7 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
         for name in _all_stream_names(run_id):
             assert (await _retry(lambda: js.stream_info(name), name)).config.num_replicas == 3, name
         leader = cluster.index_of(info.cluster.leader)
-        if victim == "EVENTS":
+        if victim in ALONE:
             assert info.cluster.leader == doomed
             for name in _all_stream_names(run_id):
                 if name != S.stream(run_id, victim):
