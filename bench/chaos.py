@@ -33,8 +33,8 @@ committed after the restart; for the final kinds, the end of the run).
 
 Checks at the end, from the tape (EVENTS stream), the step logs, the BCAST headers seen, and the
 export of the syncer's checkpoint (`yeto export`):
-  lost    rounds 1..T without a merge record or without a commit record of their version, plus
-          versions short of T/P in the exported cut
+  lost    rounds 1..T without a merge record or without a commit record of their version, or versions
+          short of T/P in the exported cut (the larger of the two counts)
   double  rounds with more than one merge record, versions committed (tape) or broadcast (BCAST
           headers) with more than one version digest
   bad_apply  island processes whose step log shows a version going back, more applies than version
@@ -678,7 +678,8 @@ class Chaos:
             if not merges.get(t) or (f, count[f]) not in commits:
                 lost_rounds.append(t)
         short = sum(max(0, T // P + (1 if f < T % P else 0) - versions.get(f, 0)) for f in range(P))
-        lost = len(lost_rounds) + short
+        # a round missing from the tape is usually also a version short in the cut: count each once
+        lost = max(len(lost_rounds), short)
         # double: a round merged twice, a version with two digests (tape or BCAST)
         double_rounds = [t for t, ms in merges.items() if len(ms) > 1]
         double_versions = sorted({fv for fv, d in commits.items() if len(d) > 1}
