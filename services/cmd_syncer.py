@@ -67,6 +67,9 @@ def add_parser(sub) -> None:
                         "(its final cut stays in FINAL; `yeto export` writes it)")
     g.add_argument("--small-limits", action="store_true", default=_env("YETO_SMALL_LIMITS", "0") == "1",
                    help="provision the run with small stream byte limits (tests, demos)")
+    _flag(g, "--replicas", "YETO_REPLICAS", int, 1,
+          "replicas of every stream and KV bucket of the run (3 on a 3-node NATS cluster); a run provisioned "
+          "with other replicas is refused, never changed")
     _flag(g, "--status-every", "YETO_STATUS_EVERY", float, 5.0,
           "seconds between status lines and updates of the state KV key `syncer` (phase, versions, counters)")
     g.add_argument("--log-level", default=_env("YETO_LOG_LEVEL", "INFO"))
@@ -74,7 +77,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from schemas.provision import RunLimits
+    from schemas.provision import ProvisionError, RunLimits
     from services.syncer.rounds import SyncerConfig
     from services.syncer.service import OuterConfig, ServiceConfig, SyncerError, SyncerService
 
@@ -93,7 +96,11 @@ def run(args) -> int:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     ckpt = Path(args.checkpoint_dir or os.path.join("yeto-data", args.run, "syncer"))
-    limits = RunLimits.small() if args.small_limits else RunLimits()
+    try:
+        limits = RunLimits.small(replicas=args.replicas) if args.small_limits else RunLimits(replicas=args.replicas)
+    except ValueError as exc:  # WireError names the field and the value
+        print(f"yeto syncer: --replicas: {exc}", file=sys.stderr)
+        return 2
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
                         connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"),
                         checkpoint_dir=ckpt, resume=args.resume, limits=limits)
@@ -103,7 +110,7 @@ def run(args) -> int:
     cfg.status_every_s = args.status_every
     try:
         return asyncio.run(SyncerService(cfg).run())
-    except SyncerError as exc:
+    except (SyncerError, ProvisionError) as exc:  # a conflicting run, replicas the server cannot place
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -56,6 +56,9 @@ log = logging.getLogger("yeto.syncer")
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
 DIRECT_GET_TIMEOUT = 30.0
+# Control publishes (pulls, errors, shutdown, manifests) ride out a cluster leader election (seconds;
+# publish_retry's default 8 attempts last about 7 s): a PublishFailed here stops the syncer.
+CTL_PUBLISH_ATTEMPTS = 40
 
 
 class SyncerError(RuntimeError):
@@ -552,14 +555,16 @@ class SyncerService:
             await self._write_pulls_record()
             self._round_started.setdefault(p["step"], time.time())
             await publish_retry(self.js, S.pull(self.run_id), codec.encode("pull", msg),
-                                S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters)
+                                S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,
+                                attempts=CTL_PUBLISH_ATTEMPTS)
         elif isinstance(a, R.SendError):
             fields = {"run": self.run_id, "code": a.code, "message": a.message, "fatal": a.fatal, "gen": a.gen}
             if a.field is not None:
                 fields["field"] = a.field
             msg = codec.make("error", **fields)
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("error", msg),
-                                S.to_island_msg_id(a.island, "error", f"{a.gen}.{self._next_tape_key()}"), counters=self.counters)
+                                S.to_island_msg_id(a.island, "error", f"{a.gen}.{self._next_tape_key()}"), counters=self.counters,
+                                attempts=CTL_PUBLISH_ATTEMPTS)
             log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
         elif isinstance(a, R.InitStore):
             span, values = self._init_pending.pop((a.gen, a.fragment, a.chunk))
@@ -589,7 +594,8 @@ class SyncerService:
         elif isinstance(a, R.Shutdown):
             msg = codec.make("shutdown", run=self.run_id, reason=a.reason, gen=a.gen)
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("shutdown", msg),
-                                S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters)
+                                S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters,
+                                attempts=CTL_PUBLISH_ATTEMPTS)
         elif isinstance(a, R.Rebroadcast):
             await self._rebroadcast(a)
         elif isinstance(a, R.Done):
@@ -879,7 +885,8 @@ class SyncerService:
         msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
                          version_digests={str(k): v for k, v in sorted(self._final_digests.items())}, gen=a.gen)
         await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("manifest", msg),
-                            S.to_island_msg_id(a.island, "manifest", a.gen), counters=self.counters)
+                            S.to_island_msg_id(a.island, "manifest", a.gen), counters=self.counters,
+                            attempts=CTL_PUBLISH_ATTEMPTS)
         log.info("manifest (final step %d) sent to %s/%s", a.final_step, a.island, a.gen)
 
     # ---- tape ---------------------------------------------------------------------------------------
