@@ -68,8 +68,12 @@ class PushLedger:
     A fresh late push to a committed round is still taken, so it completes and gets its out_of_round
     disposition; one that never completes is swept at the next commit (`pop_round` returns its
     sequences in `swept`). Every incomplete try forgotten there (its round committed, or swept) is
-    reported once in `dropped`, and its key stays closed for two more commits, so the chunks that
-    straddled the commit open no second try (and no second record)."""
+    reported once in `dropped`, and its key stays closed (a tombstone) so the chunks that straddled the
+    commit open no second try (and no second record). Rounds may commit several times a second, so a
+    tombstone lasts `TOMBSTONE_COMMITS` commits, and at most `MAX_TOMBSTONES` are kept (oldest go first)."""
+
+    TOMBSTONE_COMMITS = 1000
+    MAX_TOMBSTONES = 10_000
 
     def __init__(self, committed_step: int = 0) -> None:
         self.tries: dict[PushKey, PushTry] = {}
@@ -159,7 +163,10 @@ class PushLedger:
                                           f"round {key[3]} committed")
             self.swept.extend(self._pop(key))
         self.released = {k for k in self.released if k[3] > self.committed_step}
-        self._tombstones = {k: c for k, c in self._tombstones.items() if c >= prev}
+        # A hostile run showed a try's last chunk arriving a second (two commits) after its first.
+        self._tombstones = {k: c for k, c in self._tombstones.items() if c >= prev - self.TOMBSTONE_COMMITS}
+        while len(self._tombstones) > self.MAX_TOMBSTONES:
+            del self._tombstones[next(iter(self._tombstones))]
         return seqs
 
     def _drop_if_incomplete(self, key: PushKey, reason: str) -> None:
