@@ -9,6 +9,7 @@ import pytest
 
 from schemas.errors import WireError
 from services.syncer.rounds import (
+    HOPELESS_RESTART_S,
     CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, InitDrop, InitStore, Merge,
     MergeDone, PublishFinal,
     PublishPull, PushComplete, Rebroadcast, RecordFinal, Release, RoundMachine, SendError, SendManifest, Shutdown, SyncerConfig,
@@ -509,6 +510,55 @@ def test_restart_below_quorum_discards_and_recaptures():
     assert r.attempt == 2 and r.answered == 0 and r.quorum == 2 and r.deadline == 204.0
     acts = m.handle(push(m, "b", 1, attempt=1, now=105.0))     # a late push of the discarded attempt
     assert dispositions(acts) == ["out_of_round"] and "stale attempt" in tapes(acts)[0]["reason"]
+
+
+def test_round_whose_quorum_is_out_of_reach_restarts_early_not_at_the_deadline():
+    # bench/chaos.py: after a broker restart every island answered with a base two versions behind; each
+    # push was refused stale_base and the round sat below quorum for the whole quorum timeout (60 s).
+    m = nonstrict(quorum=1, fragments=1, sync_every=4, max_base_lag=0, total_steps=6, quorum_timeout_s=100.0)
+    r = launch_first(m)
+    acts = merge_done(m, of(m.handle(push(m, "a", 1, now=5.0)) + m.handle(push(m, "b", 1, now=5.0)), Merge)[0], now=6.0)
+    assert [p["step"] for p in pulls(acts)] == [2]
+    r = m.rounds[2]
+    acts = m.handle(push(m, "a", 2, base=0, now=11.0))
+    assert dispositions(acts) == ["stale_base"] and r.hopeless_at is None  # b may still answer
+    acts = m.handle(push(m, "b", 2, base=0, now=12.0))
+    assert dispositions(acts) == ["stale_base"]
+    assert r.hopeless_at == 12.0 and m.next_wakeup() <= 12.0 + HOPELESS_RESTART_S  # nobody left to answer
+    assert not pulls(m.handle(Tick(13.0)))
+    acts = m.handle(Tick(12.0 + HOPELESS_RESTART_S))
+    (p,) = pulls(acts)
+    assert (p["step"], p["attempt"]) == (2, 2) and r.deadline == 12.0 + HOPELESS_RESTART_S + 100.0
+    assert m.counters["restart_early"] == 1 and m.counters["quorum_timeout"] == 0
+    # the new attempt answered from the re-broadcast version commits as usual
+    m.handle(push(m, "a", 2, attempt=2, now=15.0))
+    (mg,) = of(m.handle(push(m, "b", 2, attempt=2, now=15.5)), Merge)
+    assert mg.attempt == 2 and len(mg.members) == 2
+
+
+def test_member_that_leaves_mid_round_does_not_hold_it_until_the_deadline():
+    # bench/chaos.py: the live members had answered, b had left, yet the round waited its 60 s deadline.
+    m = nonstrict(quorum=None, fragments=1, sync_every=4, member_timeout_s=20.0, quorum_timeout_s=100.0)
+    r = launch_first(m)
+    m.handle(push(m, "a", 1, now=5.0))
+    acts = m.handle(Heartbeat("a", GEN["a"], 5, 1.0, 19.0)) + m.handle(Tick(20.0))
+    assert [e["island"] for e in tapes(acts, "leave")] == ["b"]             # silent since 0
+    assert not pulls(acts) and not pulls(m.handle(Tick(20.0 + HOPELESS_RESTART_S - 0.1)))
+    acts = m.handle(Tick(20.0 + HOPELESS_RESTART_S))                       # not at the deadline (104)
+    (p,) = pulls(acts)
+    assert p["attempt"] == 2 and [x["island"] for x in p["members"]] == ["a"]
+    (mg,) = of(m.handle(push(m, "a", 1, attempt=2, now=27.0)), Merge)
+    assert [x.island for x in mg.members] == ["a"]
+
+
+def test_strict_rounds_never_restart_early():
+    m = machine(strict=True, quorum_timeout_s=100.0, max_base_lag=0, fragments=1, sync_every=1, total_steps=4)
+    start(m)
+    merge_done(m, of(m.handle(push(m, "a", 1, now=1.0)) + m.handle(push(m, "b", 1, now=1.0)), Merge)[0], now=2.0)
+    r = m.rounds[2]
+    m.handle(push(m, "a", 2, base=0, now=3.0))
+    m.handle(push(m, "b", 2, base=0, now=3.0))
+    assert not pulls(m.handle(Tick(50.0))) and m.counters["restart_early"] == 0
 
 
 def test_strict_deadline_only_warns_and_all_must_answer():

@@ -64,6 +64,9 @@ Choices the design leaves open, decided here:
   every expected member answered (no quorum, no grace); a passed deadline tapes an error and moves
   the deadline one timeout on (no attempt bump).
 - **Restart with no live member** keeps the attempt and moves the deadline on (nobody to ask).
+- **Hopeless attempts restart early** (not strict): while the answers still possible (slots not answered,
+  not refused as stale/future/invalid, member still live) cannot reach quorum, the attempt restarts
+  `HOPELESS_RESTART_S` after that began (counted `restart_early`), not at its deadline.
 - **Members**: any number of islands may join (N only gates version 0). A member silent for
   `member_timeout_s` or longer leaves; a heartbeat of its current generation brings it back.
   A hello with a generation the island had before is a stale replay and is ignored.
@@ -123,6 +126,10 @@ FIRST_ATTEMPT = 1
 EMA_ALPHA = 0.3
 UNKNOWN_MEMBER = "unknown_member"   # SendError code: the island must send hello again (non-fatal)
 DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid")
+# Refusals of a slot's own push: the island saw its push acknowledged and will not answer this attempt again.
+HOPELESS_DISPOSITIONS = ("future_base", "stale_base", "invalid")
+# Restart this soon once quorum is out of reach (capped by the quorum timeout).
+HOPELESS_RESTART_S = 2.0
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -536,6 +543,7 @@ class _Answer:
 class _Slot:
     gen: str
     answer: _Answer | None = None
+    refused: str | None = None     # its push of this attempt was refused: it will not answer this attempt
 
 
 @dataclass
@@ -554,6 +562,7 @@ class Round:
     complete_at: float | None = None
     merge: Merge | None = None
     merge_at: float | None = None     # when the Merge action went out
+    hopeless_at: float | None = None  # when quorum became out of reach for this attempt
 
     @property
     def accepting(self) -> bool:
@@ -730,7 +739,7 @@ class RoundMachine:
                 cands.append(m.last_heartbeat + cfg.member_timeout_s)
         for r in self.rounds.values():
             if r.accepting:
-                cands.append(r.deadline)
+                cands.append(self._due(r))
                 if not cfg.strict and r.quorum_at is not None:
                     cands.append(r.quorum_at + r.grace_s)
         cap = self._can_launch_now() if self.phase == "running" and not cfg.strict else None
@@ -885,7 +894,7 @@ class RoundMachine:
             r = self.rounds[step]
             slot = r.slots.get(m.island)
             if r.accepting and slot is not None and slot.answer is None and slot.gen != m.gen:
-                slot.gen = m.gen
+                slot.gen, slot.refused = m.gen, None   # the new generation answers afresh
                 r.seq += 1
                 self.counters["pull.rebound"] += 1
                 self._emit(PublishPull(r.pull()))
@@ -1093,6 +1102,10 @@ class RoundMachine:
                 slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens)
                 if r.quorum_at is None and r.answered >= r.quorum:
                     self._reach_quorum(r, now)
+            if disposition in HOPELESS_DISPOSITIONS:
+                # The island's push was acknowledged by JetStream, so it will not send another for this
+                # attempt: its slot cannot count towards quorum any more.
+                slot.refused = disposition
         self.counters[f"disposition.{disposition}"] += 1
         staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
         self._tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
@@ -1284,14 +1297,35 @@ class RoundMachine:
         if self._final is not None and self.phase == "finalizing" and now - self._final.started_at >= cfg.final_timeout_s:
             self._finish(False, now)
 
+    def _due(self, r: Round) -> float:
+        """When an attempt below quorum restarts: its deadline, or soon after it became hopeless."""
+        if r.hopeless_at is None:
+            return r.deadline
+        return min(r.deadline, r.hopeless_at + min(self.config.quorum_timeout_s, HOPELESS_RESTART_S))
+
+    def _hopeful(self, r: Round) -> int:
+        """Slots that may still answer this attempt: not answered, not refused, member still live."""
+        return sum(1 for i, s in r.slots.items()
+                   if s.answer is None and s.refused is None and i in self.members and self.members[i].live)
+
     def _check_round(self, r: Round, now: float) -> None:
         cfg = self.config
         if r.answered == len(r.slots):
             self._complete(r, now)
-        elif not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s:
+            return
+        # Quorum out of reach (pushes refused as stale after a broker restart, a member gone): waiting for
+        # the deadline only wastes a quorum timeout (60 s per such round was measured by bench/chaos.py).
+        # Restart soon instead, leaving a moment for the re-broadcast that the refusals triggered to land
+        # before the new pull (islands apply broadcasts before answering pulls). Re-judged at every event:
+        # a member that comes back makes the attempt hopeful again.
+        if not cfg.strict and r.quorum_at is None and r.answered + self._hopeful(r) < r.quorum:
+            r.hopeless_at = now if r.hopeless_at is None else r.hopeless_at
+        else:
+            r.hopeless_at = None
+        if not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s:
             self._complete(r, now)
-        elif now >= r.deadline and (cfg.strict or r.quorum_at is None):
-            self.counters["quorum_timeout"] += 1
+        elif now >= self._due(r) and (cfg.strict or r.quorum_at is None):
+            self.counters["restart_early" if r.hopeless_at is not None else "quorum_timeout"] += 1
             if cfg.strict:
                 r.deadline = now + cfg.quorum_timeout_s
                 self._tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
@@ -1320,7 +1354,7 @@ class RoundMachine:
         r.quorum = self._quorum_for(len(live))
         r.launched_at = now
         r.deadline = now + cfg.quorum_timeout_s
-        r.quorum_at = r.grace_s = None
+        r.quorum_at = r.grace_s = r.hopeless_at = None
         self.counters["restart"] += 1
         self._emit(PublishPull(r.pull()))
         self._tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,

@@ -674,13 +674,16 @@ class SyncerService:
         await self._commit({fid: a.version}, step=a.step, records=[rec])
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
-        await self._purge_round(fid, seqs)
-        await self._delete_seqs(self.ledger.pop_swept())
         sync_s = time.time() - t0
         log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
                  ",".join(m.island for m in a.members), merge_s, sync_s)
         # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
         await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=sync_s, now=time.time()))
+        # Cleanup after MergeDone, off the commit path: with the PUSH leader dead a purge waits out the
+        # JetStream API timeout (30 s per round was seen in a cluster), and a missed purge is harmless (the
+        # next commit of this fragment purges up to its own last sequence; max_age is the safety net).
+        await self._purge_round(fid, seqs)
+        await self._delete_seqs(self.ledger.pop_swept())
         await self._tape_dropped_tries()   # after MergeDone: the next round never waits on these records
 
     async def _commit_v0(self, a: R.CommitV0) -> None:
