@@ -214,6 +214,11 @@ async def test_a_killed_island_restarts_through_the_secured_broker(secured, tmp_
 
 # ---- helpers for the refusals ---------------------------------------------------------------------
 
+# A JetStream API request the server refuses gets no answer: the client waits this long. The server's
+# violation arrives at once, so a short wait keeps the file fast (each refusal used to cost 2 s).
+REFUSED_TIMEOUT = 0.5
+
+
 async def _violation(errors: list, kind: str, subject: str, timeout: float = 5.0) -> str:
     """Wait for the server's `Permissions Violation for <kind> to "<subject>"` on this connection."""
     # nats-py lower-cases the server's -ERR line
@@ -313,7 +318,7 @@ async def test_island_b_cannot_publish_on_island_a_subjects(provisioned):
             await _pub_refused(b, b_err, subject)
         # a JetStream publish gets no ack either
         with pytest.raises(nats.errors.TimeoutError):
-            await b.jetstream(timeout=2).publish(S.push(run, "a", 0), b"forged", headers={S.MSG_ID: "t-b-push"})
+            await b.jetstream(timeout=REFUSED_TIMEOUT).publish(S.push(run, "a", 0), b"forged", headers={S.MSG_ID: "t-b-push"})
         await asyncio.sleep(0.5)
         await syncer.flush()
         assert sink.got == []
@@ -368,7 +373,7 @@ async def test_island_cannot_delete_or_purge_a_stream_a_message_or_write_kv(prov
     try:
         sjs = syncer.jetstream(timeout=5)
         ack = await sjs.publish(S.bcast(run, 1, 0), b"the cut", headers={S.MSG_ID: "t-cut"})
-        bjs = b.jetstream(timeout=2)
+        bjs = b.jetstream(timeout=REFUSED_TIMEOUT)
         for kind in ("PUSH", "BCAST", "CTL"):
             name = S.stream(run, kind)
             await _api_refused(b_err, bjs.delete_stream(name), f"$JS.API.STREAM.DELETE.{name}")
@@ -399,7 +404,7 @@ async def test_island_cannot_create_a_consumer_named_as_another_islands(provisio
     try:
         cfg = island_consumer_config(run, "a", GEN)
         ctl = S.stream(run, "CTL")
-        await _api_refused(b_err, b.jetstream(timeout=2).add_consumer(ctl, config=cfg),
+        await _api_refused(b_err, b.jetstream(timeout=REFUSED_TIMEOUT).add_consumer(ctl, config=cfg),
                            f"$JS.API.CONSUMER.CREATE.{ctl}.{cfg.name}")
     finally:
         await b.close()
@@ -416,7 +421,7 @@ async def test_island_cannot_read_or_consume_other_islands_pushes(provisioned):
     try:
         ack = await a.jetstream(timeout=5).publish(S.push(run, "a", 1), b"secret", headers={S.MSG_ID: "t-secret"})
         push = S.stream(run, "PUSH")
-        bjs = b.jetstream(timeout=2)
+        bjs = b.jetstream(timeout=REFUSED_TIMEOUT)
         await _api_refused(b_err, bjs.get_msg(push, seq=ack.seq, direct=True), f"$JS.API.DIRECT.GET.{push}")
         await _api_refused(b_err, bjs.get_msg(push, seq=ack.seq), f"$JS.API.STREAM.MSG.GET.{push}")
         cfg = api.ConsumerConfig(name="peek", filter_subject=S.push(run, "a", 1))
@@ -465,7 +470,7 @@ async def test_observer_reads_the_state_kv_and_publishes_nothing(provisioned):
     try:
         state = S.kv_bucket(run, "state")
         await (await syncer.jetstream(timeout=5).key_value(state)).put("probe", b"syncer wrote this")
-        ojs = obs.jetstream(timeout=2)
+        ojs = obs.jetstream(timeout=REFUSED_TIMEOUT)
         kv = await ojs.key_value(state)
         assert (await kv.get("probe")).value == b"syncer wrote this"
         for subject in (S.push(run, "a", 0), S.hello(run, "a"), S.pull(run), S.to_island(run, "a"), S.bcast(run, 0, 0),
@@ -496,7 +501,7 @@ async def test_only_the_syncer_writes_the_state_kv(provisioned):
             err = []
             nc = await s.conn("r1", who, err)
             try:
-                js = nc.jetstream(timeout=2)
+                js = nc.jetstream(timeout=REFUSED_TIMEOUT)
                 # the KV put is a plain publish on $KV.<bucket>.<key>: build it as nats-py does
                 await _api_refused(err, js.publish(f"$KV.{state}.commit", b"forged"), f"$KV.{state}.commit")
                 await _api_refused(err, js.publish(f"$KV.{members}.a", b"forged"), f"$KV.{members}.a")
@@ -516,7 +521,7 @@ async def test_a_client_of_run_r2_cannot_touch_run_r1(provisioned):
         err = []
         nc = await s.conn("r2", who, err)
         try:
-            js = nc.jetstream(timeout=2)
+            js = nc.jetstream(timeout=REFUSED_TIMEOUT)
             for subject in (S.push(r1, "a", 0), S.pull(r1), S.bcast(r1, 0, 0), S.to_island(r1, "a")):
                 await _pub_refused(nc, err, subject)
             ctl1 = S.stream(r1, "CTL")
