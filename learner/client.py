@@ -431,10 +431,11 @@ class IslandClient:
 
         return list(await asyncio.gather(*(one(s) for s in subjects)))
 
-    def send_ack(self, final_step: int, *, timeout: float = 60.0) -> None:
+    def send_ack(self, final_step: int, *, resend: int = 0, timeout: float = 60.0) -> None:
         msg = codec.make("ack", run=self.run, island=self.island, gen=self.gen, final_step=final_step)
         self.call(publish_retry(self.js, S.ack(self.run, self.island), codec.encode("ack", msg),
-                                S.ack_msg_id(self.island, self.gen, final_step), counters=self._counters), timeout)
+                                S.ack_msg_id(self.island, self.gen, final_step, resend), counters=self._counters),
+                  timeout)
 
     # ---- loop side -------------------------------------------------------------------------------
 

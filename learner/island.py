@@ -80,6 +80,9 @@ from .layout_map import IslandLayout, describe
 from .pulls import PullBook, due_round, max_due_step
 from .shard_io import Comm
 
+# After the final ack, re-send it this often until the shutdown comes (see _ack_and_wait_shutdown).
+ACK_RESEND_S = 5.0
+
 log = logging.getLogger("yeto.island")
 
 class LockstepTimeout(TimeoutError):
@@ -574,11 +577,22 @@ class Island(IslandWire):
 
     def _ack_and_wait_shutdown(self, final_step: int) -> None:
         self.client.send_ack(final_step)
-        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        now = time.monotonic()
+        deadline, resend_at, resends = now + self.config.shutdown_timeout_s, now + ACK_RESEND_S, 0
         while self._shutdown is None:
             self._read_control()
             if self._shutdown is not None:
                 break
+            if time.monotonic() >= resend_at:
+                # A syncer killed after our ack but before it recorded it would, once resumed, wait for
+                # this ack until its final timeout: say it again until the shutdown comes (duplicates are
+                # ignored by the syncer).
+                resends += 1
+                try:
+                    self.client.send_ack(final_step, resend=resends)
+                except Exception as exc:  # the broker may be down too: the next re-send tries again
+                    log.warning("island %s: re-sending the final ack failed: %r", self.config.island, exc)
+                resend_at = time.monotonic() + ACK_RESEND_S
             if time.monotonic() > deadline:
                 log.warning("island %s: no shutdown from the syncer within %.0fs after the final ack; stopping anyway",
                             self.config.island, self.config.shutdown_timeout_s)

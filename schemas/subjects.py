@@ -194,8 +194,10 @@ def heartbeat_msg_id(island: str, gen: str, seq: int) -> str:
     return f"hb.{check_island(island)}.{gen}.{seq}"
 
 
-def ack_msg_id(island: str, gen: str, final_step: int) -> str:
-    return f"ack.{check_island(island)}.{gen}.{final_step}"
+def ack_msg_id(island: str, gen: str, final_step: int, resend: int = 0) -> str:
+    # A re-send (the island still waits for its shutdown) needs its own id: the duplicate window would drop it.
+    base = f"ack.{check_island(island)}.{gen}.{final_step}"
+    return f"{base}.{resend}" if resend else base
 
 
 def to_island_msg_id(island: str, kind: str, key: str) -> str:

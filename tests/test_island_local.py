@@ -17,7 +17,7 @@ from torch import nn
 
 from learner.adapters import TorchModuleAdapter, gather_fragment
 from learner.config import IslandConfig
-from learner.island import Island
+from learner.island import ACK_RESEND_S, Island
 from schemas import codec
 from schemas import subjects as S
 from schemas.chunks import Assembler, digest, iter_chunks, push_digest, version_digest
@@ -549,6 +549,18 @@ async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
     assert ack is not None and ack[0] == S.ack(syncer.run, ISLAND)
     assert ack[1]["final_step"] == 6 and ack[1]["gen"] == island.gen
     assert not task.done()  # acknowledged; now waiting for shutdown
+    # No shutdown yet (a syncer killed before it recorded the ack would never send one): the ack comes
+    # again, under its own Nats-Msg-Id so JetStream's duplicate window does not drop it.
+    again = None
+    deadline = time.monotonic() + ACK_RESEND_S + 10
+    while again is None and time.monotonic() < deadline:
+        for m in await ctl.fetch(10, timeout=5):
+            await m.ack()
+            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+            if kind == "ack":
+                again = (m.headers[S.MSG_ID], msg)
+    assert again is not None and again[1] == ack[1]
+    assert again[0] == S.ack_msg_id(ISLAND, island.gen, 6, 1) != S.ack_msg_id(ISLAND, island.gen, 6)
     await syncer.to_island("shutdown", ISLAND, reason="run complete", gen=island.gen)
     assert await asyncio.wait_for(task, 10) is False
     for fid in (0, 1):  # installed without blending, bit for bit, from the f32 final cut
