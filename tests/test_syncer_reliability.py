@@ -140,6 +140,9 @@ async def test_tape_keeps_every_round_exactly_once_across_kills_after_the_commit
         await close_run(isls, syncer, run_id)
 
 
+# Its waits add up to more than 180 s in the worst case (each is bounded on its own); it passed in 12 s
+# alone but once ran past 180 s after other e2e tests in one session, cause not found.
+@pytest.mark.timeout(420)
 async def test_resumed_syncer_without_members_asks_islands_to_say_hello_again(nats_url, run_id, tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "2", "--strict",
