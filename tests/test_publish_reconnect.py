@@ -30,9 +30,12 @@ TIMEOUT = 30.0
 def own_broker(tmp_path):
     broker = Broker(port=free_port(), store_dir=tmp_path / "store", log_file=tmp_path / "server.log")
     broker.start()
+    broker.restarts = []
     try:
         yield broker
     finally:
+        for t in broker.restarts:  # a failed test must not leave a server that a late restart started
+            t.join(15)
         broker.stop()
 
 
@@ -48,6 +51,7 @@ def _restart_later(broker: Broker, delay: float) -> threading.Thread:
 
     t = threading.Thread(target=again, daemon=True)
     t.start()
+    broker.restarts.append(t)
     return t
 
 
@@ -111,6 +115,7 @@ async def test_publish_retry_resends_at_once_after_a_restart(own_broker):
         own_broker.proc.wait()
         restart = threading.Thread(target=lambda: (time.sleep(1.0), own_broker.start()), daemon=True)
         restart.start()
+        own_broker.restarts.append(restart)
         t0 = time.monotonic()
         ack = await publish_retry(js, "one.x", b"payload", "one.x.1", timeout=TIMEOUT, counters=counters)
         elapsed = time.monotonic() - t0
