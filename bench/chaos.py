@@ -199,30 +199,69 @@ class IslandChild(Child):
 
 
 class BrokerChild:
-    """nats-server on a fixed port and store dir; a kill is SIGKILL, a restart reuses both."""
+    """The broker: one nats-server, or with `--cluster N` N of them joined by routes (services.broker.Cluster).
 
-    def __init__(self, work: Path, port: int):
+    One server: a kill is SIGKILL, a restart reuses its port and store. A cluster: a kill takes down one
+    node (the leader of the stream the moment is about, when known: the PUSH stream's for broker-mid-push,
+    BCAST's for broker-mid-broadcast), the restart brings that node back with its store; clients hold
+    the whole URL list and ride over to a live node.
+    """
+
+    def __init__(self, work: Path, port: int, cluster: int = 0):
         self.store, self.port, self.log_path = work / "jetstream", port, work / "nats-server.log"
+        self.cluster_n = cluster
         self.broker = None
+        self.cluster = None
+        self.dead: int | None = None      # the cluster node killed last (restarted by `start`)
+        self.leaders: dict[str, str] = {}  # stream kind -> leader server name, polled by the monitor
         self.pgids: list[int] = []
 
     def start(self) -> None:
-        from services.broker import Broker
+        from services.broker import Broker, Cluster
 
+        if self.cluster_n:
+            if self.cluster is None:
+                self.cluster = Cluster(self.cluster_n, self.port, self.store, log_dir=self.store.parent)
+                self.cluster.start(timeout=60)
+                self.pgids.extend(b.proc.pid for b in self.cluster.nodes)
+            elif self.dead is not None:
+                self.cluster.start_node(self.dead, timeout=60)
+                self.pgids.append(self.cluster.nodes[self.dead].proc.pid)
+                self.dead = None
+            return
         self.broker = Broker(port=self.port, store_dir=self.store, log_file=self.log_path).start(timeout=60)
         self.pgids.append(self.broker.proc.pid)
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return self.cluster.url if self.cluster is not None else f"nats://127.0.0.1:{self.port}"
 
-    def sigkill(self) -> None:
+    def sigkill(self, stream: str | None = None, rng: random.Random | None = None) -> str:
+        """Kill the broker (one node of a cluster); return which server died."""
+        if self.cluster is not None:
+            leader = self.leaders.get(stream or "")
+            alive = self.cluster.alive()
+            i = self.cluster.index_of(leader) if leader else (rng or random).choice(alive)
+            if i not in alive:
+                i = (rng or random).choice(alive)
+            self.dead = i
+            proc = self.cluster.nodes[i].proc
+            name = self.cluster.server_name(i) + (f" (leader of {stream})" if leader else "")
+        else:
+            proc, name = self.broker.proc, "nats-server"
         try:
-            os.killpg(self.broker.proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        return name
+
+    def wait_dead(self, timeout: float) -> None:
+        proc = self.cluster.nodes[self.dead].proc if self.cluster is not None else self.broker.proc
+        proc.wait(timeout)
 
     def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.broker is not None:
             self.broker.stop()
 
@@ -359,7 +398,8 @@ class Chaos:
                "--checkpoint-dir", str(self.work / "syncer"), "--small-limits", "--islands", str(a.islands),
                "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
                "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),
-               "--member-timeout", str(a.member_timeout), "--final-timeout", "60", "--status-every", "2"]
+               "--member-timeout", str(a.member_timeout), "--final-timeout", "60", "--status-every", "2",
+               "--replicas", str(a.replicas)]
         if resume:
             cmd.append("--resume")
         self.syncer = Child(f"syncer-{n}", cmd, self.work / f"syncer-{n}.log", clean_env()).start()
@@ -458,7 +498,8 @@ class Chaos:
         if k.target == "syncer":
             self.syncer.sigkill()
         elif k.target == "broker":
-            self.broker.sigkill()
+            who = self.broker.sigkill("PUSH" if k.kind == "broker-mid-push" else "BCAST", self.rng)
+            what = f"{what}; killed {who}"
         else:
             k.killed_gen = self.watch.gens.get(k.target)
             self.current[k.target].sigkill()
@@ -487,8 +528,10 @@ class Chaos:
 
         a = self.args
         self.work.mkdir(parents=True, exist_ok=True)
-        port = a.port or __import__("services.broker", fromlist=["free_port"]).free_port()
-        self.broker = BrokerChild(self.work, port)
+        from services.broker import free_port, free_port_block
+
+        port = a.port or (free_port_block(a.cluster) if a.cluster else free_port())
+        self.broker = BrokerChild(self.work, port, a.cluster)
         await asyncio.to_thread(self.broker.start)
         started = time.monotonic()
         plan = self.schedule() if self.faults else []
@@ -500,7 +543,7 @@ class Chaos:
                      f"(b has 2 ranks), {a.rounds} rounds, {len(plan)} kills planned, files in {self.work}")
         if plan:
             log(self.t0, "schedule: " + ", ".join(f"{k.kind}->{k.target}@{k.after_step}" for k in plan))
-        nc = await nats.connect(self.broker.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+        nc = await nats.connect(self.broker.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                 name="chaos-monitor", error_cb=self._quiet, disconnected_cb=self._quiet2,
                                 reconnected_cb=self._quiet2)
         from schemas import subjects as S
@@ -508,6 +551,8 @@ class Chaos:
         await nc.subscribe(S.root(self.run) + ".>", cb=self.on_msg, pending_msgs_limit=1_000_000,
                            pending_bytes_limit=1 << 30)
         await nc.flush()
+        if a.cluster:
+            leaders = asyncio.create_task(self._poll_leaders(nc))
         self.start_syncer(resume=False)
         for i in self.islands:
             self.start_island(i)
@@ -562,6 +607,8 @@ class Chaos:
                 for r in tape_recs:
                     f.write(orjson.dumps(r) + b"\n")
         finally:
+            if a.cluster:
+                leaders.cancel()
             for c in self.children:
                 c.clear()
             try:
@@ -571,6 +618,21 @@ class Chaos:
             self.broker.stop()
         self.syncer_rcs.append(self.syncer.reap())
         return self._verdict(tape_recs, wall, left, timed_out)
+
+    async def _poll_leaders(self, nc) -> None:
+        """Keep the PUSH and BCAST streams' leaders known, so a broker kill can take the leader's node."""
+        from schemas import subjects as S
+
+        js = nc.jetstream(timeout=2)
+        while True:
+            for kind in ("PUSH", "BCAST"):
+                try:
+                    info = await js.stream_info(S.stream(self.run, kind))
+                    if info.cluster and info.cluster.leader:
+                        self.broker.leaders[kind] = info.cluster.leader
+                except Exception:  # not provisioned yet, or no leader during an election
+                    pass
+            await asyncio.sleep(1.0)
 
     def _syncer_exit_grace(self) -> float:
         if not hasattr(self, "_exit_seen"):
@@ -595,7 +657,7 @@ class Chaos:
                 self.syncer_rcs.append(self.syncer.proc.wait(10))
                 self.start_syncer(resume=True)
             elif k.target == "broker":
-                self.broker.broker.proc.wait(10)
+                self.broker.wait_dead(10)
                 await asyncio.to_thread(self.broker.start)
             else:
                 self.current[k.target].proc.wait(10)
@@ -784,6 +846,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="give up on a run after this many seconds")
     p.add_argument("--progress-every", type=float, default=10.0)
     p.add_argument("--port", type=int, default=0, help="broker port (default: a free one)")
+    p.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="run the broker as N nats-servers joined by routes (`yeto broker --cluster N`); a broker "
+                        "kill takes down one node, the leader of the stream the moment is about (default: one server)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="the syncer's --replicas (default: 3 with --cluster 3 or more, else 1)")
     p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the full results as JSON here")
     p.add_argument("--rescore", default=None, metavar="WORKDIR",
@@ -802,6 +869,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [k for k in a.kinds if k not in ALL_KINDS]
     if bad:
         p.error(f"--kinds: unknown kind(s) {', '.join(bad)}; known: {', '.join(ALL_KINDS)}")
+    if a.replicas is None:
+        a.replicas = min(3, a.cluster) if a.cluster else 1
+    if a.replicas > max(1, a.cluster):
+        p.error(f"--replicas {a.replicas} needs a cluster of at least that many servers (--cluster {a.cluster})")
     if a.islands < 2:
         p.error(f"--islands must be >= 2 (island b has 2 ranks), got {a.islands}")
     if a.timeout is None:

@@ -11,6 +11,12 @@ cluster node's death): the server that would answer is gone. Waiting such a futu
 timeout, and a pipeline holds dozens of them (one broadcast took 330 s after a broker restart). So every
 wait here also watches the connection: once the client has reconnected after the publish went out, the
 publish is re-sent at once with the same `Nats-Msg-Id` (counted as `publish_retry.reconnected`).
+
+A cluster node's death loses PubAcks without a reconnect (the client sits on a live node; the stream's
+leader was on the dead one, and publishes in the election window get no answer). A pipeline's timeout
+therefore runs from each publish's own send time, not from the moment it is waited for: otherwise every
+lost ack of a pipeline costs a whole timeout one after another (a 4-chunk push took 4 x 7.5 s, a
+broadcast 30 s, after a node's death), where one timeout covers them all.
 """
 from __future__ import annotations
 
@@ -19,10 +25,18 @@ import random
 from collections import Counter
 from typing import Callable
 
+from nats.js.errors import NoStreamResponseError
+
 from .dtypes import as_bytes_view
 from .subjects import MSG_ID
 
 BACKPRESSURE_CODES = {10077: "stream_full", 10167: "too_many_requests"}
+
+
+# A stream without a leader (its node died; the others elect one) answers "no responders" at once. nats-
+# server's RAFT elects within its election timeout (4-9 s; more on a loaded host): such refusals are
+# retried for at least this long, whatever `attempts` says, so a node's death does not fail a publish.
+ELECTION_S = 20.0
 
 
 class _Reconnected(Exception):
@@ -54,6 +68,8 @@ async def _await_ack(js, fut: asyncio.Future, timeout: float, sent_on: int | Non
     nc = getattr(js, "_nc", None)
     try:
         while True:
+            if fut.done():  # an ack already in (a pipeline may wait with no time left)
+                return fut.result()
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise asyncio.TimeoutError
@@ -99,7 +115,6 @@ def _reason(exc: BaseException) -> str | None:
     if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
                         nats.errors.ConnectionClosedError)):
         return "timeout"
-    from nats.js.errors import NoStreamResponseError
 
     if isinstance(exc, NoStreamResponseError):
         return "no_stream_response"
@@ -122,14 +137,19 @@ async def publish_retry(
 ):
     """Publish and wait for the PubAck; retry transient refusals with the same msg id. Returns the PubAck.
 
-    Raises PublishFailed after `attempts`, or at once for a non-transient error.
+    Raises PublishFailed after `attempts` (and, when the stream answered "no responders", not before
+    ELECTION_S), or at once for a non-transient error.
     """
     hdrs = dict(headers or {})
     hdrs[MSG_ID] = msg_id
     last: BaseException | None = None
     delay = backoff_s
     data = bytes(payload) if isinstance(payload, memoryview) else payload
-    for i in range(attempts):
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    i = 0
+    while i < attempts or (isinstance(last, NoStreamResponseError) and loop.time() - t0 < ELECTION_S):
+        i += 1
         try:
             sent_on = _sent_on(js)
             # js.publish (a request), not publish_async: nats-py 2.16 loses a publish_async future's
@@ -150,7 +170,7 @@ async def publish_retry(
                 await _until_connected(js, timeout)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_backoff_s)
-    raise PublishFailed(subject, msg_id, attempts, last)
+    raise PublishFailed(subject, msg_id, i, last)
 
 
 class Pipeline:
@@ -165,7 +185,8 @@ class Pipeline:
                  counters: Counter | None = None):
         self.js, self.max_bytes, self.max_msgs, self.timeout = js, max_bytes, max_msgs, timeout
         self.counters = counters
-        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None]] = []
+        # (future, subject, data, msg id, headers, size, connection it went out on, loop time it went out)
+        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None, float]] = []
         self._bytes = 0
 
     async def put(self, subject: str, payload, msg_id: str, headers: dict | None = None) -> None:
@@ -188,7 +209,8 @@ class Pipeline:
             await self.flush()
             await publish_retry(self.js, subject, data, msg_id, headers, timeout=self.timeout, counters=self.counters)
             return
-        self._inflight.append((fut, subject, data, msg_id, headers or {}, len(data), sent_on))
+        self._inflight.append((fut, subject, data, msg_id, headers or {}, len(data), sent_on,
+                               asyncio.get_running_loop().time()))
         self._bytes += len(data)
 
     def _count(self, exc: BaseException) -> None:
@@ -196,10 +218,12 @@ class Pipeline:
             self.counters[f"publish_retry.{_reason(exc) or 'pipeline'}"] += 1
 
     async def _settle_one(self) -> None:
-        fut, subject, data, msg_id, headers, n, sent_on = self._inflight.pop(0)
+        fut, subject, data, msg_id, headers, n, sent_on, sent_at = self._inflight.pop(0)
         self._bytes -= n
         try:
-            await _await_ack(self.js, fut, self.timeout, sent_on)
+            # the ack's deadline runs from the send: acks lost together time out together
+            left = sent_at + self.timeout - asyncio.get_running_loop().time()
+            await _await_ack(self.js, fut, max(left, 0.0), sent_on)
         except Exception as exc:
             if _reason(exc) is None:
                 raise

@@ -68,7 +68,7 @@ async def _stored_ids(js, stream: str) -> Counter:
             msg = await js.get_msg(stream, seq=seq)
         except nats.js.errors.NotFoundError:
             continue
-        ids[msg.headers.get("Yeto-Test-Id")] += 1
+        ids[(msg.headers or {}).get("Yeto-Test-Id")] += 1
     return ids
 
 
@@ -126,3 +126,91 @@ async def test_publish_retry_resends_at_once_after_a_restart(own_broker):
     finally:
         await nc.close()
 
+
+
+
+async def _leader_and_client(c, tmp_stream: str):
+    """An R3 stream on cluster `c`, its leader's node index, and a client on ONE other node (one URL:
+    it stays there, so only timeouts can tell it an ack is lost)."""
+    admin = await nats.connect(c.urls, connect_timeout=2)
+    try:
+        ajs = admin.jetstream()
+        await ajs.add_stream(api.StreamConfig(name=tmp_stream, subjects=[f"{tmp_stream.lower()}.>"],
+                                              storage=api.StorageType.FILE, num_replicas=3, duplicate_window=120.0))
+        leader = c.index_of((await ajs.stream_info(tmp_stream)).cluster.leader)
+    finally:
+        await admin.close()
+    live = next(i for i in range(3) if i != leader)
+    nc = await nats.connect(c.urls[live], connect_timeout=2, max_reconnect_attempts=-1)
+    return leader, nc
+
+
+async def _elected_after(js, subject: str, t0: float) -> float:
+    """Seconds from t0 until the stream acks a probe publish again (a new leader is serving)."""
+    while True:
+        try:
+            await js.publish(subject, b"probe", timeout=0.5)
+            return time.monotonic() - t0
+        except Exception:
+            await asyncio.sleep(0.1)
+
+
+async def test_pipeline_acks_lost_to_a_hung_leader_cost_one_timeout_not_one_each(tmp_path):
+    """The stream leader's node hangs (SIGSTOP: routes stay open, what is sent to it vanishes) while the
+    client sits on a live node: no reconnect, no error, the PubAcks of a pipeline never come. The lost
+    publishes must be retried after ONE timeout counted from their send, not after a fresh timeout per
+    ack waited in turn: before, 6 lost acks took the election plus 5 more timeouts."""
+    import signal
+
+    from services.broker import Cluster
+
+    T, n = 3.0, 6
+    with Cluster(3, store_dir=tmp_path / "c", log_dir=tmp_path) as c:
+        leader, nc = await _leader_and_client(c, "HUNG")
+        js = nc.jetstream()
+        try:
+            await js.publish("hung.warm", b"x", headers={"Nats-Msg-Id": "warm"})
+            counters: Counter = Counter()
+            pipe = Pipeline(js, timeout=T, counters=counters)
+            c.nodes[leader].proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            for i in range(n):
+                await pipe.put(f"hung.{i}", b"p" * 1024, f"m{i}", {"Yeto-Test-Id": str(i)})
+            probe = asyncio.ensure_future(_elected_after(nc.jetstream(), "hung.probe", t0))
+            await pipe.flush()
+            took = time.monotonic() - t0
+            elected = await probe
+            assert nc.stats["reconnects"] == 0
+            ids = await _stored_ids(js, "HUNG")
+            assert all(ids[str(i)] == 1 for i in range(n)), ids
+            assert counters["publish_retry.timeout"] >= n, dict(counters)  # every ack was lost
+            # the lost acks time out together; once a leader serves, the retries go through at once
+            assert took < elected + 2 * T, (f"{n} lost acks took {took:.1f}s, the new leader served after "
+                                            f"{elected:.1f}s (T = {T}s): they were waited out one after another")
+        finally:
+            await nc.close()
+            c.nodes[leader].proc.send_signal(signal.SIGCONT)
+
+
+async def test_publish_retry_outlasts_a_stream_leader_election(tmp_path):
+    """The leader's node dies (SIGKILL): until the others elect a new leader (seconds), every publish is
+    refused at once with "no responders". publish_retry's few quick attempts used to run out before the
+    election ended (PublishFailed after ~7 s of backoff): such refusals are retried for ELECTION_S."""
+    from schemas.publish import ELECTION_S
+    from services.broker import Cluster
+
+    with Cluster(3, store_dir=tmp_path / "c", log_dir=tmp_path) as c:
+        leader, nc = await _leader_and_client(c, "ELECT")
+        js = nc.jetstream()
+        try:
+            counters: Counter = Counter()
+            c.kill(leader)
+            t0 = time.monotonic()
+            ack = await publish_retry(js, "elect.0", b"payload", "e0", timeout=2.0, attempts=3, counters=counters)
+            took = time.monotonic() - t0
+            assert ack.seq >= 1 and took < ELECTION_S
+            assert counters["publish_retry.no_stream_response"] >= 3, dict(counters)  # more than `attempts`
+            ids = await _stored_ids(js, "ELECT")
+            assert ids == Counter({None: 1}), ids
+        finally:
+            await nc.close()
