@@ -52,6 +52,9 @@ from services.syncer.intake import PushLedger
 from services.syncer.outer import delta_view, outer_step_
 
 log = logging.getLogger("yeto.syncer")
+# Per-chunk ack wait of a broadcast (seconds): after a cluster node's death an ack can be lost without a
+# reconnect; each lost wait stalls the round (30 s, nats-py's default, was seen in bench/chaos.py --cluster).
+BCAST_ACK_S = 10.0
 
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
@@ -787,7 +790,9 @@ class SyncerService:
         kind = "final_chunk" if final_step is not None else "bcast_chunk"
         spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
         total = sum(s.nbytes for s in spans)
-        pipe = Pipeline(self.js, counters=self.counters)
+        # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node
+        # died); a re-send with the same Nats-Msg-Id is deduplicated, so waiting less costs nothing.
+        pipe = Pipeline(self.js, timeout=BCAST_ACK_S, counters=self.counters)
         sent = 0
         for s in spans:
             payload = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
