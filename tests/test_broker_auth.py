@@ -230,3 +230,103 @@ async def test_auth_with_a_cluster_keeps_routes_on_loopback(tmp_path):
             assert varz["tls_required"] and varz["auth_required"]
     finally:
         assert b.stop() == 0
+
+
+# ---- docker-compose.yml: the broker with a mounted auth directory (no Docker engine here) ---------
+
+def compose_interpolate(value, env: dict):
+    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:+replacement}` (docs.docker.com/reference/
+    compose-file/interpolation), applied to every string of a parsed compose file."""
+    import re
+
+    def one(m):
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        v = env.get(name, "")
+        if op == ":-":
+            return v or arg
+        if op == ":+":
+            return arg if v else ""
+        return v
+
+    if isinstance(value, str):
+        return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\+)([^}]*))?\}", one, value)
+    if isinstance(value, list):
+        return [compose_interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: compose_interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def _compose(env: dict) -> dict:
+    import yaml
+
+    return compose_interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), env)
+
+
+def _binds(svc: dict) -> dict[str, Path]:
+    """container path -> host path of a service's bind mounts (relative to the compose file)."""
+    out = {}
+    for v in svc.get("volumes", []):
+        host, target = v.split(":")[:2]
+        if host.startswith(("./", "/")):
+            out[target] = (ROOT / host).resolve() if host.startswith("./") else Path(host)
+    return out
+
+
+def _in_container(binds: dict[str, Path], path: str) -> Path:
+    for target, host in sorted(binds.items(), key=lambda kv: -len(kv[0])):
+        if path == target or path.startswith(target + "/"):
+            return host / path[len(target):].lstrip("/")
+    raise AssertionError(f"{path} is not mounted: {binds}")
+
+
+def test_compose_without_auth_is_the_open_broker_and_no_credentials():
+    c = _compose({})
+    assert c["services"]["nats"]["command"][:2] == ["-c", "/etc/nats/nats.conf"]
+    for name in ("syncer", "exporter", "dashboard"):
+        env = c["services"][name]["environment"]
+        assert env["YETO_NATS_CREDS"] == "" and env["YETO_TLS_CA"] == "", name  # empty: no credentials (conn.py)
+
+
+async def test_compose_with_yeto_broker_auth_serves_the_mounted_dir_with_tls(tmp_path):
+    """YETO_BROKER_AUTH=DIR: the nats service's config, with its mounts laid out as the container sees
+    them (only the /etc/nats prefix moved under tmp), passes nats-server's own test and serves DIR:
+    anonymous refused, the syncer's and the observer's files as the compose services name them get in,
+    verifying the certificate with the mounted CA; the certificate is valid for the service name `nats`."""
+    import shutil
+
+    from services.auth import cert_hosts
+    from services.broker import Broker, check_config
+
+    auth = tmp_path / "yeto-auth"
+    init_auth("demo", ["a", "b"], auth, tls=True, hosts=["nats", "localhost", "127.0.0.1"])
+    c = _compose({"YETO_BROKER_AUTH": str(auth)})
+    nats_svc = c["services"]["nats"]
+    conf_in_container = nats_svc["command"][1]
+    assert conf_in_container == "/etc/nats/secure-nats.conf" and "-js" in nats_svc["command"]
+    binds = _binds(nats_svc)
+    assert binds["/etc/nats/auth"] == auth and binds["/etc/nats/nats.conf"] == ROOT / "services" / "nats.conf"
+    root = tmp_path / "container"
+    for target, host in binds.items():
+        dest = root / target.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if host.is_dir() else shutil.copy)(host, dest)
+    conf = root / conf_in_container.lstrip("/")
+    conf.write_text(conf.read_text().replace('"/etc/nats/', f'"{root}/etc/nats/'))
+    check_config(conf)
+    assert "nats" in cert_hosts((auth / "tls" / "server.pem").read_bytes())
+    with Broker(store_dir=tmp_path / "store", config=conf) as b:
+        assert b.command()[1:3] == ["-c", str(conf)]
+        with pytest.raises(Exception) as anon:
+            await nats.connect(b.url, tls=ssl.create_default_context(cafile=str(auth / "tls" / "ca.pem")), **NO_RETRY)
+        assert "authorization" in repr(anon.value).lower()
+        for name, want in (("syncer", "syncer.creds"), ("exporter", "observer.creds"), ("dashboard", "observer.creds")):
+            svc = c["services"][name]
+            env, sb = svc["environment"], _binds(svc)
+            creds, ca = _in_container(sb, env["YETO_NATS_CREDS"]), _in_container(sb, env["YETO_TLS_CA"])
+            assert creds == auth / want and ca == auth / "tls" / "ca.pem", name
+            nc = await connect(ConnectOptions(url=b.url, creds=str(creds), tls_ca=str(ca)), **NO_RETRY)
+            assert nc.max_payload == 8 * 1024 * 1024
+            await nc.close()
+    # the syncer passes the INIT island through from the host (only that island may publish init)
+    assert "YETO_INIT_ISLAND" in c["services"]["syncer"]["environment"]
