@@ -6,6 +6,7 @@ the templates in deploy/nats/). `yeto broker` runs either in the foreground.
 """
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import shutil
@@ -366,6 +367,7 @@ class AuthServe:
         self.dir = Path(auth_dir)
         self.base_config = base_config
         self._tmp = tempfile.mkdtemp(prefix="yeto-broker-auth-")  # mode 0700
+        atexit.register(self.cleanup)  # also when the start fails half way
         self.config = Path(self._tmp) / "server.conf"
         self.summary = ""
         try:
