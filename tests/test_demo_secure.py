@@ -60,7 +60,8 @@ def test_secure_demo_ran_through_tls_with_no_permission_violation(secure_demo):
     assert "Violation" not in log, [ln for ln in log.splitlines() if "Violation" in ln]
 
 
-def test_secure_refuses_an_outside_broker():
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--secure", "--nats", "nats://127.0.0.1:1"],
+def test_secure_refuses_an_outside_broker(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--secure", "--nats", "nats://127.0.0.1:1",
+                           "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "--secure" in proc.stderr and "--nats" in proc.stderr, proc.stderr
