@@ -21,8 +21,38 @@ def _cmd_broker(args) -> int:
         print(f"yeto broker: --cluster must be 0 (one server) or a number of servers >= 1, got {args.cluster}",
               file=sys.stderr)
         return 2
-    return run_foreground(args.port, store, args.config, host=args.host, cluster=args.cluster,
-                          cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port)
+    refusal = _broker_refusal(args)
+    if refusal:
+        print(f"yeto broker: {refusal}", file=sys.stderr)
+        return 2
+    from services.broker import BrokerError
+
+    try:
+        return run_foreground(args.port, store, args.config, host=args.host, cluster=args.cluster,
+                              cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port,
+                              auth=args.auth)
+    except BrokerError as exc:
+        print(f"yeto broker: {exc}", file=sys.stderr)
+        return 2
+
+
+def _broker_refusal(args) -> str | None:
+    """Issue 17: no open broker beyond loopback unless asked for (--insecure)."""
+    from services.broker import exposure_refusal
+
+    if args.auth and not os.path.isdir(args.auth):
+        return f"--auth: {args.auth!r} is not a directory (make one with `yeto auth init --out DIR`)"
+    return exposure_refusal(args.host, auth=args.auth, insecure=args.insecure)
+
+
+def _add_broker_security_args(b) -> None:
+    b.add_argument("--auth", default=os.environ.get("YETO_BROKER_AUTH") or None, metavar="DIR",
+                   help="serve the identities and permissions of DIR (made by `yeto auth init`), with TLS when "
+                        "DIR/tls/ exists; SIGHUP reloads DIR (new islands, rotated keys) (env YETO_BROKER_AUTH)")
+    b.add_argument("--insecure", action="store_true",
+                   default=os.environ.get("YETO_BROKER_INSECURE", "").lower() in ("1", "true", "yes"),
+                   help="allow listening beyond loopback without --auth: any client that reaches the broker may "
+                        "then publish and read every run (env YETO_BROKER_INSECURE=1)")
 
 
 def _cmd_run_rm(args) -> int:
@@ -62,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster-port", type=int, default=None, help="first route port of --cluster (default: --port + 2000)")
     b.add_argument("--http-port", type=int, default=None,
                    help="(first) monitoring port (default: --port + 4000 with --cluster, else a free port)")
+    _add_broker_security_args(b)
     b.set_defaults(func=_cmd_broker)
 
     r = sub.add_parser("run", help="manage a run's streams and buckets")

@@ -49,5 +49,6 @@ def _cmd_init(args) -> int:
         print("  kept (still valid): " + ", ".join(rep.kept))
     if rep.tls:
         print("  tls: " + ", ".join(f"tls/{f}" for f in rep.tls) + f"  (clients: --tls-ca {rep.out}/tls/ca.pem)")
-    print(f"  serve with: yeto broker --config {rep.out}/server.conf   (a running broker: reload it, SIGHUP to nats-server)")
+    print(f"  serve with: yeto broker --auth {rep.out}   (a running one: SIGHUP to `yeto broker` reloads it; "
+          f"yeto broker --config {rep.out}/server.conf serves the same)")
     return 0

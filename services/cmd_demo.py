@@ -36,6 +36,10 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="replicas of the run's streams and buckets, passed to the syncer; above 1 without --nats the "
                         "demo starts a local JetStream cluster of that many servers (default %(default)s)")
+    p.add_argument("--secure", action="store_true",
+                   help="run it through a secured broker: `yeto auth init --tls` into the work directory, the broker "
+                        "serves it (`yeto broker --auth`), every process connects with its own identity and verifies "
+                        "the server with the run's CA (not with --nats)")
     p.set_defaults(func=run)
 
 
@@ -52,13 +56,14 @@ def _pump(proc: subprocess.Popen, prefix: str, sink: list[str], show) -> threadi
     return t
 
 
-async def _count_merges(url: str, run: str) -> int:
-    import nats
+async def _count_merges(url: str, run: str, ident: dict[str, str] | None = None) -> int:
     import orjson
 
     from schemas import subjects as S
+    from schemas.conn import ConnectOptions, connect
 
-    nc = await nats.connect(servers=[u.strip() for u in url.split(",") if u.strip()])  # --nats may list a cluster
+    ident = ident or {}  # a secured demo reads the tape as its observer
+    nc = await connect(ConnectOptions(url=url, creds=ident.get("YETO_NATS_CREDS"), tls_ca=ident.get("YETO_TLS_CA")))
     try:
         js = nc.jetstream()
         info = await js.stream_info(S.stream(run, "EVENTS"))
@@ -96,6 +101,37 @@ def _overhead(path: Path) -> dict:
             "boundary_overhead": round(boundary / step_time, 4) if step_time > 0 else None}
 
 
+class _Secure:
+    """`yeto demo --secure`: the run's identities (`yeto auth init --tls`, island a the INIT island) in
+    WORK/auth and the broker config serving them (services.broker.AuthServe, what `yeto broker --auth`
+    serves). `env(name)`: the credentials and CA of identity `name` as its process reads them."""
+
+    ISLANDS = ("a", "b")
+
+    def __init__(self, work: Path, run_id: str):
+        from services.auth import init_auth
+        from services.broker import AuthServe
+
+        self.dir = work / "auth"
+        init_auth(run_id, list(self.ISLANDS), self.dir, init_island=self.ISLANDS[0], tls=True)
+        self.served = AuthServe(self.dir)
+
+    def env(self, name: str) -> dict[str, str]:
+        return {"YETO_NATS_CREDS": str(self.dir / f"{name}.creds"), "YETO_TLS_CA": str(self.dir / "tls" / "ca.pem")}
+
+    def start_broker(self, work: Path, replicas: int):
+        from services.broker import Broker, Cluster
+
+        if replicas > 1:
+            return Cluster(replicas, store_dir=work / "jetstream", log_dir=work, config=self.served.config,
+                           route_host="127.0.0.1", connect_opts=self.served.probe_options("")).start()
+        return Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log", config=self.served.config).start()
+
+
+def _no_identity(name: str) -> dict[str, str]:
+    return {}
+
+
 def run(args) -> int:
     from safetensors.torch import load_file
 
@@ -107,13 +143,23 @@ def run(args) -> int:
     run_id = args.run or f"demo-{int(time.time())}"
     broker = None
     url = args.nats
-    if not url and args.replicas > 1:
+    secure, ident = None, _no_identity
+    if args.secure:
+        if url:
+            print("yeto demo: --secure starts its own secured broker; leave out --nats", file=sys.stderr)
+            return 2
+        secure = _Secure(work, run_id)
+        ident = secure.env
+        broker = secure.start_broker(work, args.replicas)
+        url = broker.url.replace("nats://", "tls://")  # the server requires TLS: say so in the URL
+    elif not url and args.replicas > 1:
         broker = Cluster(args.replicas, store_dir=work / "jetstream", log_dir=work).start()
         url = broker.url
     elif not url:
         broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
         url = broker.url
-    print(f"yeto demo: run {run_id}, NATS {url}, files in {work}", flush=True)
+    print(f"yeto demo: run {run_id}, NATS {url}, files in {work}"
+          + (f", identities and CA in {secure.dir}" if secure else ""), flush=True)
     env = dict(os.environ, YETO_NATS=url, YETO_RUN=run_id, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, list[str]] = {}
@@ -125,14 +171,17 @@ def run(args) -> int:
                       "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--replicas", str(args.replicas),
                       "--quorum-timeout", "30",
                       "--member-timeout", "20", "--final-timeout", "60"]
-        procs["syncer"] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        if secure:  # only the INIT island of the auth directory may publish the initial weights
+            syncer_cmd += ["--init-island", secure.ISLANDS[0]]
+        procs["syncer"] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           env=dict(env, **ident("syncer")))
         logs["syncer"] = []
         pumps = [_pump(procs["syncer"], "[syncer]", logs["syncer"],
                        lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l or "session pinned" in l)]
         for name, ranks in (("a", 1), ("b", 2)):
             cmd = [sys.executable, "-m", "learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors")]
-            e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"))
+            e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"), **ident(name))
             procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e)
             logs[name] = []
             pumps.append(_pump(procs[name], f"[island {name}]", logs[name],
@@ -169,7 +218,7 @@ def run(args) -> int:
         ev = subprocess.run([sys.executable, "-m", "learner.demo", "eval", "--weights", str(final_path)],
                             capture_output=True, text=True, env=env, check=True)
         eval_loss = json.loads(ev.stdout.strip().splitlines()[-1])["eval_loss"]
-        rounds = asyncio.run(_count_merges(url, run_id))
+        rounds = asyncio.run(_count_merges(url, run_id, ident("observer")))
         summary = {
             "run": run_id,
             "rounds": rounds,
@@ -181,6 +230,8 @@ def run(args) -> int:
             "seconds": round(time.monotonic() - t0, 1),
             "workdir": str(work),
         }
+        if secure:
+            summary["secure"] = {"tls": True, "identities": sorted(i.name for i in secure.served.ids)}
         print(json.dumps(summary), flush=True)
         return 0 if diff == 0.0 and rounds == args.rounds else 1
     finally:
@@ -193,3 +244,5 @@ def run(args) -> int:
                     p.kill()
         if broker is not None:
             broker.stop()
+        if secure:
+            secure.served.cleanup()
