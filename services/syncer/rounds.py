@@ -581,6 +581,7 @@ class _Slot:
     gen: str
     answer: _Answer | None = None
     refused: str | None = None     # its push of this attempt was refused: it will not answer this attempt
+    quarantined: set[tuple[str, int]] = field(default_factory=set)   # (gen, try) quarantined this attempt
 
 
 @dataclass
@@ -1143,9 +1144,13 @@ class RoundMachine:
             elif current - ev.base_version > self.config.max_base_lag:
                 disposition, reason = "stale_base", (f"base_version {ev.base_version} lags current version "
                                                      f"{current} by more than {self.config.max_base_lag}")
+            elif (ev.gen, ev.try_) in slot.quarantined:
+                # A released try never completes again in the shell; should it, it stays out of the merge.
+                disposition, reason = "quarantined", f"try {ev.try_} was quarantined already this attempt"
             elif (quarantine := self._quarantine_rule(ev)) is not None:
                 disposition, reason = "quarantined", quarantine.pop("reason")
                 self.counters[f"quarantine.{quarantine['rule']}"] += 1
+                slot.quarantined.add((ev.gen, ev.try_))
             else:
                 disposition = "accepted"
                 slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens,
@@ -1202,6 +1207,7 @@ class RoundMachine:
             if a is None or a.norm is None or a.norm <= limit:
                 continue
             slot.answer, slot.refused = None, "quarantined"
+            slot.quarantined.add((a.gen, a.try_))
             removed = True
             self.counters["disposition.quarantined"] += 1
             self.counters["quarantine.outlier"] += 1
