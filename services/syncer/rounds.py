@@ -213,12 +213,16 @@ class SyncerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 bad("--" + name.replace("_", "-"), "must be an integer >= 0", value)
-        for name, low in (("max_push_norm", 0.0), ("outlier_factor", 1.0), ("max_token_factor", 1.0)):
+        # Defence in depth: None = off. A factor of 1 would quarantine half of every round as outliers.
+        for name, low, low_ok, off in (("max_push_norm", 0.0, False, "unset"), ("outlier_factor", 1.0, False, "unset"),
+                                       ("max_token_factor", 1.0, True, "0")):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if value is not None and not (ok and (value > low if name != "max_token_factor" else value >= low)):
-                rel = ">" if name != "max_token_factor" else ">="
-                bad("--" + name.replace("_", "-"), f"must be a number {rel} {low:g} (or unset for off)", value)
+            if value is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and (value > low or (low_ok and value == low))):
+                bad("--" + name.replace("_", "-"), f"must be a number {'>=' if low_ok else '>'} {low:g} ({off} for off)",
+                    value)
         if self.push_dtype not in PUSH_DTYPES:
             bad("--push-dtype", f"must be one of {PUSH_DTYPES}", self.push_dtype)
         if self.bulk_dtype not in BULK_DTYPES:
