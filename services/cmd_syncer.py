@@ -47,6 +47,14 @@ def add_parser(sub) -> None:
                    help="fixed-roster lockstep mode: a round waits for every member, no attempt bumps (env YETO_STRICT=1)")
     g.add_argument("--equal-weights", action="store_true", default=_env("YETO_EQUAL_WEIGHTS", "0") == "1",
                    help="weight every push 1 instead of its token count (env YETO_EQUAL_WEIGHTS=1)")
+    g = p.add_argument_group("defence in depth (a compromised or buggy island)")
+    _flag(g, "--max-push-norm", "YETO_MAX_PUSH_NORM", float, None,
+          "quarantine a push whose L2 norm exceeds this (off when unset; pushes holding NaN/Inf are always quarantined)")
+    _flag(g, "--outlier-factor", "YETO_OUTLIER_FACTOR", float, None,
+          "quarantine a push whose norm exceeds this many times the round's median push norm (> 1; needs 3 or "
+          "more pushes in the round; off when unset)")
+    _flag(g, "--max-token-factor", "YETO_MAX_TOKEN_FACTOR", float, 4.0,
+          "cap each push's claimed c_tokens at this many times the round's median claim (>= 1; 0 = off)")
     g = p.add_argument_group("outer optimizer")
     _flag(g, "--outer-lr", "YETO_OUTER_LR", float, 0.7, "outer learning rate")
     _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum")
@@ -91,6 +99,8 @@ def run(args) -> int:
             strict=args.strict, max_base_lag=args.max_base_lag, equal_weights=args.equal_weights,
             push_dtype=args.push_dtype, bulk_dtype=args.bulk_dtype, chunk_bytes=args.chunk_bytes,
             init_island=args.init_island, member_timeout_s=args.member_timeout, final_timeout_s=args.final_timeout,
+            max_push_norm=args.max_push_norm, outlier_factor=args.outlier_factor,
+            max_token_factor=None if args.max_token_factor == 0 else args.max_token_factor,
         )
     except ValueError as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)

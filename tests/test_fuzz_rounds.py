@@ -12,11 +12,14 @@ a random delay) and the final cut with its completion. Whatever the sequence:
 - no `Merge` has fewer inputs than the round's quorum, and every input is an accepted, valid push of a member the
   round's pull named;
 - every action is well-formed: pulls, errors and tape records validate against the wire schemas, and no push the
-  outstanding merge reads is released.
+  outstanding merge reads is released;
+- no merge input is a push that was quarantined (NaN/Inf, over --max-push-norm, an outlier), and no input's
+  c_tokens exceeds --max-token-factor x the lower median of the merged pushes' positive claims.
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -35,12 +38,14 @@ GENS = ("0000000000000001", "0000000000000002", "0000000000000003")
 
 
 CONFIGS = st.builds(
-    lambda frags, per, total, pipeline, quorum, strict, lag, eq: R.SyncerConfig(
+    lambda frags, per, total, pipeline, quorum, strict, lag, eq, max_norm, outlier, token_factor: R.SyncerConfig(
         run=RUN, islands=2, fragments=frags, sync_every=frags * per, total_steps=total, pipeline=pipeline,
         quorum=quorum, quorum_timeout_s=5.0, grace_ms=500.0, strict=strict, max_base_lag=lag, equal_weights=eq,
-        member_timeout_s=8.0, final_timeout_s=20.0),
+        member_timeout_s=8.0, final_timeout_s=20.0, max_push_norm=max_norm, outlier_factor=outlier,
+        max_token_factor=token_factor),
     st.integers(1, 3), st.integers(1, 2), st.integers(1, 6), st.integers(1, 3), st.one_of(st.none(), st.integers(1, 3)),
-    st.booleans(), st.integers(0, 2), st.booleans())
+    st.booleans(), st.integers(0, 2), st.booleans(), st.sampled_from((None, 5.0, 50.0)),
+    st.sampled_from((None, 1.5, 3.0)), st.sampled_from((None, 1.0, 4.0)))
 
 ISLAND = st.sampled_from(ISLANDS)
 GEN = st.sampled_from(GENS)
@@ -63,6 +68,9 @@ EVENTS = st.one_of(
     st.tuples(st.just("hb"), st.sampled_from(("a", "b")), st.just(GENS[0]), SMALL, st.just(0.05)),
     st.tuples(st.just("answer"),),
     st.tuples(st.just("tick"), st.floats(0.0, 1.0)),
+    # a third member makes rounds the outlier rule judges (it needs three pushes)
+    st.tuples(st.just("hello"), st.just("c"), st.just(GENS[0]), st.just(FP), st.just("auto"), st.just("auto")),
+    st.tuples(st.just("good_push"), st.just("c"), st.integers(0, 10**6)),
 )
 
 
@@ -78,10 +86,13 @@ class Shell:
         self.inflight: dict[int, int] = {}                     # step -> fragment (pull published, not merged)
         self.pulls: dict[tuple[int, int], list[dict]] = {}     # (step, attempt) -> every seq's pull
         self.accepted_ok: set[tuple] = set()                   # valid pushes fed (island, gen, step, attempt, try)
+        self.figures: dict[tuple, tuple] = {}                   # same key -> (norm, non_finite, c_tokens)
+        self.quarantined: set[tuple] = set()                   # same key, taped quarantined
         self.gens: dict[str, str] = {}                          # island -> gen of its last hello
         self.owed: list[R.Event] = []                           # the shell's answers not fed yet
         self.merging: R.Merge | None = None
         self.final_published = False
+        self.wild = False                                       # good pushes get any norm, NaN/Inf included
 
     # -- feeding ---------------------------------------------------------------------------------
     def feed(self, ev: R.Event) -> None:
@@ -117,14 +128,16 @@ class Shell:
             base = base if base is not None else self.versions.get(frag, 0)
             self._push(isl, gen, step, frag, attempt, try_, base, valid, tokens)
         elif kind == "good_push":
-            # the push an honest member would send for the oldest round naming it
-            _, isl, tokens = e
+            # the push an honest member would send for the oldest round naming it (a wild shell: any norm)
+            _, isl, tokens, *more = e
+            try_ = more[0] if more else 0
             for step in sorted(self.inflight):
                 att = self._attempt(step)
                 for p in self.pulls.get((step, att), [])[-1:]:
                     for mem in p["members"]:
                         if mem["island"] == isl:
-                            self._push(isl, mem["gen"], step, p["fragment"], att, 0, p["base_version"], True, tokens)
+                            self._push(isl, mem["gen"], step, p["fragment"], att, try_, p["base_version"], True,
+                                       tokens, honest=not self.wild)
                             return
         elif kind == "tick":
             self.now += e[1]
@@ -140,11 +153,23 @@ class Shell:
         atts = [a for (s, a) in self.pulls if s == step]
         return max(atts) if atts else 1
 
-    def _push(self, isl, gen, step, frag, attempt, try_, base, valid, tokens):
+    def _push(self, isl, gen, step, frag, attempt, try_, base, valid, tokens, honest=False):
+        key = (isl, gen, step, attempt, try_)
+        # The shell's figures are a function of the push's bytes, so of its identity: derived from it here.
+        # Honest pushes of a and b stay sane (norm 1-4: never over --max-push-norm 5, an outlier only
+        # beside a third member); anything else may be NaN/Inf or up to 100.
+        h = zlib.crc32(repr(key).encode())
+        if honest and isl in ("a", "b"):
+            norm, nf = 1.0 + h % 4, 0
+        else:
+            norm, nf = 0.5 + h % 1000 / 10.0, int(h % 11 == 0)
+        norm, tokens = self.figures.setdefault(key, (norm, nf, tokens))[0::2]
+        nf = self.figures[key][1]
         ev = R.PushComplete(isl, gen, frag, step, attempt, try_, base, 10, 5, tokens, valid,
-                            None if valid else "digest_mismatch: fuzz", self.now)
+                            None if valid else "digest_mismatch: fuzz", self.now, norm=math.nan if nf else norm,
+                            non_finite=nf)
         if valid:
-            self.accepted_ok.add((isl, gen, step, attempt, try_))
+            self.accepted_ok.add(key)
         self.feed(ev)
 
     # -- checking every action -------------------------------------------------------------------
@@ -179,7 +204,17 @@ class Shell:
                 assert self.versions[a.fragment] - mi.base_version <= cfg.max_base_lag
                 assert mi.base_version <= self.versions[a.fragment]
                 assert math.isfinite(mi.weight) and mi.weight >= 0
+                key = (mi.island, mi.gen, a.step, a.attempt, mi.try_)
+                assert key not in self.quarantined, f"merged a quarantined push {key}"
+                norm, nf, claimed = self.figures[key]
+                assert nf == 0 and (cfg.max_push_norm is None or norm <= cfg.max_push_norm)
+                assert mi.c_tokens <= claimed
             assert math.isclose(sum(m.weight for m in a.members), 1.0, rel_tol=1e-9)
+            claims = sorted(c for c in (self.figures[(m.island, m.gen, a.step, a.attempt, m.try_)][2]
+                                        for m in a.members) if c > 0)
+            if cfg.max_token_factor is not None and not cfg.equal_weights and claims:
+                cap = cfg.max_token_factor * claims[(len(claims) - 1) // 2]
+                assert all(m.c_tokens <= cap for m in a.members), "a claim above the token cap weighs in full"
             self.merging = a
             self.owed.append(R.MergeDone(a.step, a.fragment, a.version, 0.01, self.now))
         elif isinstance(a, R.Release):
@@ -193,6 +228,9 @@ class Shell:
             self.owed.append(R.V0Done(self.now))
         elif isinstance(a, R.Tape):
             codec.validate("event", {"v": 1, "run": RUN, **a.event})
+            ev = a.event
+            if ev["kind"] == "disposition" and ev["disposition"] == "quarantined":
+                self.quarantined.add((ev["island"], ev["gen"], ev["step"], ev["attempt"], ev["try"]))
         elif isinstance(a, R.SendError):
             fields = {"run": RUN, "code": a.code, "message": a.message, "fatal": a.fatal, "gen": a.gen}
             if a.field is not None:
@@ -286,3 +324,39 @@ def test_a_run_with_noise_still_commits_every_step_once_in_order(cfg, noise, rnd
     per = {f: sum(1 for t in range(1, cfg.total_steps + 1) if cfg.fragment_of(t) == f) for f in range(cfg.fragments)}
     assert shell.versions == per
     assert shell.m.phase in ("finalizing", "done")
+
+
+THREE = st.builds(
+    lambda total, quorum, strict, max_norm, outlier, token_factor: R.SyncerConfig(
+        run=RUN, islands=3, fragments=1, sync_every=1, total_steps=total, quorum=quorum, quorum_timeout_s=5.0,
+        grace_ms=500.0, strict=strict, member_timeout_s=8.0, final_timeout_s=20.0, max_push_norm=max_norm,
+        outlier_factor=outlier, max_token_factor=token_factor),
+    st.integers(1, 4), st.one_of(st.none(), st.integers(1, 3)), st.booleans(), st.sampled_from((None, 20.0, 80.0)),
+    st.sampled_from((1.5, 3.0, 10.0)), st.sampled_from((None, 1.0, 4.0)))
+MEMBER = st.sampled_from(("a", "b", "c"))
+GOOD = st.tuples(st.just("good_push"), MEMBER, st.integers(0, 10**6), st.integers(0, 2))
+THREE_EVENTS = st.one_of(   # weighted towards pushes: the outlier rule needs three in one attempt
+    GOOD, GOOD, GOOD,
+    st.tuples(st.just("hb"), MEMBER, st.just(GENS[0]), SMALL, st.just(0.05)),
+    st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
+    st.tuples(st.just("answer"),),
+)
+
+
+@FUZZ
+@given(THREE, st.lists(THREE_EVENTS, min_size=30, max_size=120))
+def test_three_members_with_wild_pushes_never_merge_a_quarantined_one(cfg, events):
+    """Members a, b and c push any norm (NaN/Inf included), several tries each: the quarantine rules (the
+    outlier one needs three pushes) act on real rounds, and the invariants hold (no quarantined push is
+    merged or read after its release; quorum, weights and the token cap hold)."""
+    shell = Shell(cfg)
+    shell.wild = True
+    _feed_answers(shell)
+    for isl in ("a", "b", "c"):
+        shell.feed(R.Hello(isl, GENS[0], LAYOUT, FP, "auto", "auto", shell.now))
+        shell.gens[isl] = GENS[0]
+    shell.feed(R.InitComplete("a", GENS[0], 0, shell.now))
+    shell.answer()
+    assert shell.m.phase == "running"
+    for e in events:
+        shell.step(e)

@@ -2,9 +2,10 @@
 
 Hellos that do not fit the session get a fatal `error` on ctl.to.I and are not admitted. Malformed or
 inconsistent messages and chunks (bad JSON, schema violations, a subject that names another island,
-wrong sizes, NaN/Inf, unknown fragments, digest mismatches, garbage headers) are each refused with a
-tape record and a counter (state KV key `syncer`), and change nothing: the syncer keeps running, later
-good rounds complete, and the merged values equal a reference that never saw the bad input.
+wrong sizes, NaN/Inf INIT values, unknown fragments, digest mismatches, garbage headers) are each
+refused with a tape record and a counter (state KV key `syncer`), and a push holding NaN/Inf is
+quarantined (issue 17); none changes anything: the syncer keeps running, later good rounds complete,
+and the merged values equal a reference that never saw the bad input.
 """
 from __future__ import annotations
 
@@ -128,28 +129,35 @@ async def test_bad_wire_input_is_refused_counted_taped_and_changes_nothing(nats_
         await a.publish_raw(S.push(run_id, "a", 0), b"\0" * 64, {codec.CHUNK_HEADER: "{oops"})
         await a.publish_raw(S.push(run_id, "a", 0), b"\0" * 64)
 
-        st = await wait_status(js, run_id, lambda st: st["rounds"].get("disposition.invalid", 0) >= 3
+        st = await wait_status(js, run_id, lambda st: st["rounds"].get("disposition.invalid", 0) >= 2
+                               and st["rounds"].get("disposition.quarantined", 0) >= 1
                                and st["counters"].get("rejected.unknown_fragment", 0) >= 1
                                and st["counters"].get("rejected.malformed", 0) >= 3)
         c = st["counters"]
         for code in ("digest_mismatch", "non_finite", "wrong_size", "schema", "subject_mismatch"):
             assert c.get(f"rejected.{code}", 0) >= 1, (code, c)
-        assert c["rejected.digest_mismatch"] == 2 and c["rejected.non_finite"] == 2  # INIT + push each
+        assert c["rejected.digest_mismatch"] == 2  # INIT + push
+        assert c["rejected.non_finite"] == 1       # INIT only: a NaN/Inf push is the round machine's to quarantine
+        assert st["rounds"]["quarantine.non_finite"] == 1
         assert st["phase"] == "running" and st["committed_step"] == 0 and st["versions"] == {"0": 0}
 
-        invalid = sorted((r["try"], r["reason"]) for r in await tape(js, run_id, "disposition") if r["disposition"] == "invalid")
-        assert [t for t, _ in invalid] == [0, 1, 2]
-        assert "must cover bytes" in invalid[0][1] and "finite" in invalid[1][1] and "digest" in invalid[2][1]
+        dispositions = await tape(js, run_id, "disposition")
+        invalid = sorted((r["try"], r["reason"]) for r in dispositions if r["disposition"] == "invalid")
+        assert [t for t, _ in invalid] == [0, 2]
+        assert "must cover bytes" in invalid[0][1] and "digest" in invalid[1][1]
+        (nan,) = [r for r in dispositions if r["disposition"] == "quarantined"]
+        assert nan["try"] == 1 and nan["island"] == "a" and "non-finite" in nan["reason"]
+        assert nan["detail"]["quarantine"] == {"rule": "non_finite", "non_finite": 2, "limit": 0}  # a NaN and an Inf
         errors = await tape(js, run_id, "error")
         codes = sorted(r["detail"]["code"] for r in errors if "detail" in r)
         assert codes == sorted(["digest_mismatch", "non_finite",                 # INIT
                                 "malformed", "schema", "subject_mismatch",      # CTL
                                 "unknown_fragment", "malformed", "malformed",   # PUSH
                                 # chunk rejects inside push tries, taped when they arrive (issue 16)
-                                "wrong_size", "non_finite", "digest_mismatch"])
+                                "wrong_size", "digest_mismatch"])
         chunk_rejects = [r for r in errors if r["detail"].get("where") == "push chunk on " + S.push(run_id, "a", 0)
                          and "try" in r["detail"]]
-        assert sorted(r["detail"]["try"] for r in chunk_rejects) == [0, 1, 2]
+        assert sorted(r["detail"]["try"] for r in chunk_rejects) == [0, 2]
         assert all(r["island"] == "a" and r["gen"] == a.gen and r["detail"]["step"] == 1 for r in chunk_rejects)
         unknown = next(r for r in errors if r["detail"]["code"] == "unknown_fragment")
         assert unknown["island"] == "a" and unknown["detail"]["field"] == "fragment"

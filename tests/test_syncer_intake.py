@@ -114,3 +114,14 @@ def test_every_incomplete_try_dropped_at_a_commit_is_reported_once():
         feed(small, [chunk(0, island=f"i{n}")], 10 * n)
     small.pop_round(0, 1)
     assert len(small.pop_dropped()) == 4 and list(small._tombstones) == [key_of(chunk(0, island=f"i{n}")) for n in (2, 3)]
+
+
+def test_quarantine_figures_sum_over_chunks_and_a_resent_chunk_counts_once():
+    # issue 17: the shell hands each chunk's Σ value² and NaN/Inf count to the ledger as it arrives; the
+    # complete try carries the push's L2 norm and non-finite count to the round machine
+    led = PushLedger()
+    assert led.add(chunk(0), 1, expected_total=36, chunk_ok=True, sumsq=9.0) is None
+    assert led.add(chunk(0), 2, expected_total=36, chunk_ok=True, sumsq=9.0, non_finite=5) is None   # a resend
+    assert led.add(chunk(2), 3, expected_total=36, chunk_ok=True, sumsq=16.0, non_finite=2) is None
+    t = led.add(chunk(1), 4, expected_total=36, chunk_ok=True, sumsq=0.0)
+    assert t is not None and t.norm == 5.0 and t.non_finite == 2 and t.invalid is None

@@ -31,7 +31,8 @@ EVENT = "event"
 
 # Per-step counters that an island reports per step; the aggregator keeps their running totals.
 STEP_COUNTERS = ("pushes", "applies", "bytes_out", "bytes_in", "scatter_bytes", "gather_bytes", "rejected")
-DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid")
+DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid",
+                "quarantined")
 # Tape kinds worth a line in the "recent" list (merges, commits and dispositions have their own tables).
 NOTABLE_KINDS = ("join", "leave", "restart", "error", "final", "session")
 

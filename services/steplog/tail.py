@@ -73,7 +73,7 @@ def fmt_dispositions(c) -> str:
     if not c:
         return DASH
     order = {d: i for i, d in enumerate(("accepted", "duplicate", "unexpected_member", "future_base", "stale_base",
-                                        "out_of_round", "invalid"))}
+                                        "out_of_round", "invalid", "quarantined"))}
     return " ".join(f"{d} {n}" for d, n in sorted(c.items(), key=lambda kv: order.get(kv[0], 99)))
 
 

@@ -12,6 +12,7 @@ the payloads, which stay in JetStream until the merge.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from schemas.chunks import push_digest
@@ -34,6 +35,12 @@ class PushTry:
     push_digest: str | None = None
     invalid: str | None = None  # first reason this try is unusable
     done: bool = False
+    sumsq: float = 0.0          # Σ value² over the chunks in (float64), for the quarantine rules
+    non_finite: int = 0         # NaN/Inf values over the chunks in
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.sumsq)
 
     @property
     def complete(self) -> bool:
@@ -95,13 +102,16 @@ class PushLedger:
             return f"redelivered chunk of committed round {meta['step']} (committed step {self.committed_step})"
         return None
 
-    def add(self, meta: dict, seq: int, *, expected_total: int | None, chunk_ok: bool, chunk_reason: str | None = None) -> PushTry | None:
+    def add(self, meta: dict, seq: int, *, expected_total: int | None, chunk_ok: bool, chunk_reason: str | None = None,
+            sumsq: float = 0.0, non_finite: int = 0) -> PushTry | None:
         """Record one validated chunk header at stream sequence `seq`.
 
         `expected_total` is the byte size a push of this fragment must have in the session dtype (None if
         the fragment is unknown: the try is then invalid). `chunk_ok` is False when the shell found the
-        payload's digest, size or values bad. Returns the try when it just became complete (valid or
-        not), else None.
+        payload's digest or size bad. `sumsq` / `non_finite` are the chunk's Σ value² and count of
+        NaN/Inf values: summed per try (a resent chunk index counts once) into the figures the round
+        machine's quarantine rules judge. Returns the try when it just became complete (valid or not),
+        else None.
         """
         key = key_of(meta)
         if key in self.released:
@@ -130,6 +140,8 @@ class PushLedger:
             t.invalid = t.invalid or (chunk_reason or f"chunk {idx} rejected")
         t.seqs[idx] = seq
         t.digests[idx] = meta["digest"]
+        t.sumsq += sumsq
+        t.non_finite += non_finite
         if "push_digest" in meta:
             t.push_digest = meta["push_digest"]
         if t.complete:

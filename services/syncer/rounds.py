@@ -71,6 +71,26 @@ Choices the design leaves open, decided here:
   `member_timeout_s` or longer leaves; a heartbeat of its current generation brings it back.
   A hello with a generation the island had before is a stale replay and is ignored.
 - **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (outer.weights_for).
+  A claim is bounded before it weighs (`max_token_factor`, default 4): at most that many times the
+  round's *lower median positive claim* among the pushes being merged (the smaller middle value for an
+  even count; claims of 0 take no part, so an island that counts no tokens changes nothing). The syncer
+  cannot check a claim (tokens per step differ per island, and c_steps is claimed too), but it can
+  refuse to let one island's word outweigh the others': with the lower median, one island of a round
+  of two or more never moves the cap by lying, so its weight is at most factor × an honest member's.
+  A clamped claim is counted (`tokens.clamped`) and shown in the merge record (`weights` hold the
+  used values, `detail.token_clamp` {island: {claimed, used, limit}}).
+- **Quarantine** (defence in depth against a compromised or buggy island): the shell reports each
+  complete push's L2 norm and count of non-finite values (summed chunk by chunk as they arrive; no
+  whole-model copy). A push that would be accepted is instead `quarantined` when it holds any NaN/Inf
+  (always), when its norm exceeds `max_push_norm` (off by default), or — judged when the round is
+  about to complete, against the pushes accepted this attempt — when its norm exceeds
+  `outlier_factor` × the round's lower median norm (off by default; it needs at least
+  `OUTLIER_MIN_PUSHES` = 3 accepted pushes, since with two neither is a reference for the other, and
+  a median of 0 judges nothing). A quarantined push is taped (rule, figure, limit), counted
+  (`disposition.quarantined`, `quarantine.<rule>`), released and never merged; its slot counts as
+  refused (like a stale base): the round goes on with the others, and if that leaves it below quorum
+  it restarts as for a missing member (strict mode, having no quorum, waits for another try). An
+  outlier was first taped `accepted`; its `quarantined` record follows and supersedes it.
 - **Finalization** is decided here, carried out by the shell: once every step is committed the
   machine emits one `PublishFinal` (the f32 cut; never a second one), and only after its
   `FinalPublished` a `SendManifest` per target (live members), so a manifest always carries every
@@ -117,7 +137,7 @@ __all__ = [
     "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
     "Tape", "CommitV0", "InitStore", "InitDrop", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
     "Rebroadcast",
-    "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS",
+    "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS", "OUTLIER_MIN_PUSHES",
 ]
 
 PUSH_DTYPES = ("f32", "bf16", "q4")
@@ -125,9 +145,12 @@ BULK_DTYPES = ("f32", "bf16")
 FIRST_ATTEMPT = 1
 EMA_ALPHA = 0.3
 UNKNOWN_MEMBER = "unknown_member"   # SendError code: the island must send hello again (non-fatal)
-DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid")
+DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid",
+                "quarantined")
 # Refusals of a slot's own push: the island saw its push acknowledged and will not answer this attempt again.
-HOPELESS_DISPOSITIONS = ("future_base", "stale_base", "invalid")
+HOPELESS_DISPOSITIONS = ("future_base", "stale_base", "invalid", "quarantined")
+# The outlier rule needs this many accepted pushes in a round: with two, neither is a reference.
+OUTLIER_MIN_PUSHES = 3
 # Restart this soon once quorum is out of reach (capped by the quorum timeout).
 HOPELESS_RESTART_S = 2.0
 
@@ -157,6 +180,9 @@ class SyncerConfig:
     member_timeout_s: float = 30.0
     final_timeout_s: float = 600.0
     launch_lead_steps: int = 1
+    max_push_norm: float | None = None     # quarantine a push whose L2 norm exceeds this; None = off
+    outlier_factor: float | None = None    # quarantine a push above this x the round's median norm; None = off
+    max_token_factor: float | None = 4.0   # cap a c_tokens claim at this x the round's median claim; None = off
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: Any) -> None:
@@ -187,6 +213,16 @@ class SyncerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 bad("--" + name.replace("_", "-"), "must be an integer >= 0", value)
+        # Defence in depth: None = off. A factor of 1 would quarantine half of every round as outliers.
+        for name, low, low_ok, off in (("max_push_norm", 0.0, False, "unset"), ("outlier_factor", 1.0, False, "unset"),
+                                       ("max_token_factor", 1.0, True, "0")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and (value > low or (low_ok and value == low))):
+                bad("--" + name.replace("_", "-"), f"must be a number {'>=' if low_ok else '>'} {low:g} ({off} for off)",
+                    value)
         if self.push_dtype not in PUSH_DTYPES:
             bad("--push-dtype", f"must be one of {PUSH_DTYPES}", self.push_dtype)
         if self.bulk_dtype not in BULK_DTYPES:
@@ -249,8 +285,10 @@ class InitChunk(Event):
 
 @dataclass(frozen=True)
 class PushComplete(Event):
-    """Every chunk of one push try is in; the shell checked chunk digests, push digest, sizes and
-    finiteness and reports the outcome in `valid` / `reason`."""
+    """Every chunk of one push try is in; the shell checked chunk digests, push digest and sizes and
+    reports the outcome in `valid` / `reason`. `norm` (the try's L2 norm, None when not measured) and
+    `non_finite` (how many NaN/Inf values it holds) are the figures the machine's quarantine rules
+    judge: the shell sums them chunk by chunk as the chunks arrive."""
     island: str
     gen: str
     fragment: int
@@ -264,6 +302,8 @@ class PushComplete(Event):
     valid: bool
     reason: str | None
     now: float
+    norm: float | None = None
+    non_finite: int = 0
 
 
 @dataclass(frozen=True)
@@ -356,7 +396,7 @@ class MergeInput:
     gen: str
     weight: float          # normalized merge weight (the members' weights sum to 1)
     try_: int
-    c_tokens: int
+    c_tokens: int          # the claim as used for the weight (after the max_token_factor clamp)
     c_steps: int
     base_version: int
     local_step: int
@@ -537,6 +577,7 @@ class _Answer:
     local_step: int
     c_steps: int
     c_tokens: int
+    norm: float | None = None
 
 
 @dataclass
@@ -544,6 +585,7 @@ class _Slot:
     gen: str
     answer: _Answer | None = None
     refused: str | None = None     # its push of this attempt was refused: it will not answer this attempt
+    quarantined: set[tuple[str, int]] = field(default_factory=set)   # (gen, try) quarantined this attempt
 
 
 @dataclass
@@ -563,6 +605,7 @@ class Round:
     merge: Merge | None = None
     merge_at: float | None = None     # when the Merge action went out
     hopeless_at: float | None = None  # when quorum became out of reach for this attempt
+    norms: dict[str, float] = field(default_factory=dict)  # island -> norm of its push accepted this attempt
 
     @property
     def accepting(self) -> bool:
@@ -597,6 +640,13 @@ class _Final:
     def record(self, *, finished: bool = False) -> dict:
         return {"final_step": self.final_step, "versions": {str(k): v for k, v in sorted(self.versions.items())},
                 "targets": dict(sorted(self.targets.items())), "acked": sorted(self.acked), "finished": finished}
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    """The middle value; for an even count the smaller of the two middle ones, so that one high value
+    (a liar in a round of two) never raises it."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _default_builder() -> Callable[..., dict]:
@@ -1068,6 +1118,7 @@ class RoundMachine:
     # -- pushes ------------------------------------------------------------------------------------
 
     def _on_push(self, ev: PushComplete, now: float) -> None:
+        quarantine = None
         m = self.members.get(ev.island)
         if m is not None and ev.gen == m.gen:
             m.observe_push(int(ev.local_step), now)
@@ -1097,9 +1148,19 @@ class RoundMachine:
             elif current - ev.base_version > self.config.max_base_lag:
                 disposition, reason = "stale_base", (f"base_version {ev.base_version} lags current version "
                                                      f"{current} by more than {self.config.max_base_lag}")
+            elif (ev.gen, ev.try_) in slot.quarantined:
+                # A released try never completes again in the shell; should it, it stays out of the merge.
+                disposition, reason = "quarantined", f"try {ev.try_} was quarantined already this attempt"
+            elif (quarantine := self._quarantine_rule(ev)) is not None:
+                disposition, reason = "quarantined", quarantine.pop("reason")
+                self.counters[f"quarantine.{quarantine['rule']}"] += 1
+                slot.quarantined.add((ev.gen, ev.try_))
             else:
                 disposition = "accepted"
-                slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens)
+                slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens,
+                                      ev.norm)
+                if ev.norm is not None:
+                    r.norms[ev.island] = ev.norm
                 if r.quorum_at is None and r.answered >= r.quorum:
                     self._reach_quorum(r, now)
             if disposition in HOPELESS_DISPOSITIONS:
@@ -1108,14 +1169,64 @@ class RoundMachine:
                 slot.refused = disposition
         self.counters[f"disposition.{disposition}"] += 1
         staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
+        detail = {"staleness": staleness, "local_step": ev.local_step}
+        if quarantine is not None:
+            detail["quarantine"] = quarantine
         self._tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
                    gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
-                   detail={"staleness": staleness, "local_step": ev.local_step}, **{"try": ev.try_})
+                   detail=detail, **{"try": ev.try_})
         if disposition != "accepted" and not self._is_pending_merge_input(ev):
             self._emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
         if disposition == "stale_base":
             self._rebroadcast(ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale base_version "
                                                 f"{ev.base_version} (current {current})")
+
+    def _quarantine_rule(self, ev: PushComplete) -> dict | None:
+        """The rule a push breaks on its own (NaN/Inf, `max_push_norm`), with its figure and limit, or None.
+        The outlier rule needs the round's other pushes: `_screen_outliers` judges it at completion."""
+        if ev.non_finite or (ev.norm is not None and not math.isfinite(ev.norm)):
+            return {"rule": "non_finite", "non_finite": int(ev.non_finite), "limit": 0,
+                    "reason": f"quarantined: {ev.non_finite} non-finite values (NaN/Inf) in the push"}
+        limit = self.config.max_push_norm
+        if limit is not None and ev.norm is not None and ev.norm > limit:
+            return {"rule": "max_push_norm", "norm": float(ev.norm), "limit": float(limit),
+                    "reason": f"quarantined: push norm {ev.norm:.6g} exceeds --max-push-norm {limit:.6g}"}
+        return None
+
+    def _screen_outliers(self, r: Round, now: float) -> bool:
+        """Before a round completes: quarantine every accepted push whose norm exceeds outlier_factor x
+        the lower median of the norms accepted this attempt (outliers included, so removing one never
+        lowers the reference for the rest). Returns True if it removed any (the round does not
+        complete now; it goes on as if those members had not answered)."""
+        factor = self.config.outlier_factor
+        if factor is None or len(r.norms) < OUTLIER_MIN_PUSHES:
+            return False
+        median = _lower_median(list(r.norms.values()))
+        if median <= 0:
+            return False
+        limit = factor * median
+        removed = False
+        for island, slot in sorted(r.slots.items()):
+            a = slot.answer
+            if a is None or a.norm is None or a.norm <= limit:
+                continue
+            slot.answer, slot.refused = None, "quarantined"
+            slot.quarantined.add((a.gen, a.try_))
+            removed = True
+            self.counters["disposition.quarantined"] += 1
+            self.counters["quarantine.outlier"] += 1
+            self._tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
+                       gen=a.gen, disposition="quarantined", base_version=a.base_version,
+                       reason=(f"quarantined: push norm {a.norm:.6g} exceeds --outlier-factor {factor:g} x the round's "
+                               f"median norm {median:.6g} (limit {limit:.6g}); supersedes its accepted record"),
+                       detail={"local_step": a.local_step,
+                               "quarantine": {"rule": "outlier", "norm": float(a.norm), "limit": float(limit),
+                                              "median": float(median), "pushes": len(r.norms)}},
+                       **{"try": a.try_})
+            self._emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
+        if removed and r.answered < r.quorum:
+            r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
+        return removed
 
     def _is_pending_merge_input(self, ev: PushComplete) -> bool:
         # a re-delivered copy of an accepted push has the same identity as the one the merge reads
@@ -1138,12 +1249,19 @@ class RoundMachine:
     def _complete(self, r: Round, now: float) -> None:
         r.complete_at = now
         answers = [(i, s.answer) for i, s in sorted(r.slots.items()) if s.answer is not None]
-        weights = weights_for([a.c_tokens for _, a in answers], self.config.equal_weights)
+        used, clamp = self._clamp_tokens(answers)
+        weights = weights_for(used, self.config.equal_weights)
         inputs = tuple(
-            MergeInput(island=i, gen=a.gen, weight=w, try_=a.try_, c_tokens=a.c_tokens, c_steps=a.c_steps,
+            MergeInput(island=i, gen=a.gen, weight=w, try_=a.try_, c_tokens=u, c_steps=a.c_steps,
                        base_version=a.base_version, local_step=a.local_step)
-            for (i, a), w in zip(answers, weights)
+            for (i, a), u, w in zip(answers, used, weights)
         )
+        detail = {"normalized_weights": {mi.island: mi.weight for mi in inputs}}
+        norms = {i: a.norm for i, a in answers if a.norm is not None}
+        if norms:
+            detail["norms"] = norms   # what an operator sizes --max-push-norm / --outlier-factor from
+        if clamp:
+            detail["token_clamp"] = clamp
         version = self.versions[r.fragment] + 1
         record = {
             "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
@@ -1153,7 +1271,7 @@ class RoundMachine:
             "weights": self._raw_weights(inputs),
             "quorum_s": (r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
             "grace_s": r.grace_s,
-            "detail": {"normalized_weights": {mi.island: mi.weight for mi in inputs}},
+            "detail": detail,
         }
         r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt, version=version,
                         base_version=r.base_version, members=inputs,
@@ -1175,6 +1293,23 @@ class RoundMachine:
         self._last_sync_s = max(0.0, float(ev.sync_s), now - r.merge_at if r.merge_at is not None else 0.0)
         self.counters["merge"] += 1
         # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
+
+    def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int], dict[str, dict]]:
+        """The c_tokens each answer weighs with: its claim, capped at max_token_factor x the lower median
+        of the positive claims (see the module docstring); and {island: {claimed, used, limit}} of the
+        claims that were cut."""
+        claims = [int(a.c_tokens) for _, a in answers]
+        factor = self.config.max_token_factor
+        positive = [c for c in claims if c > 0]
+        if factor is None or self.config.equal_weights or not positive:
+            return claims, {}
+        limit = int(factor * _lower_median(positive))
+        clamp = {}
+        for (island, _), c in zip(answers, claims):
+            if c > limit:
+                clamp[island] = {"claimed": c, "used": limit, "limit": limit}
+                self.counters["tokens.clamped"] += 1
+        return [min(c, limit) for c in claims], clamp
 
     def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:
         # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
@@ -1310,7 +1445,8 @@ class RoundMachine:
 
     def _check_round(self, r: Round, now: float) -> None:
         cfg = self.config
-        if r.answered == len(r.slots):
+        # Outliers are judged when the round would complete; removing one re-judges the round below.
+        if r.answered == len(r.slots) and not self._screen_outliers(r, now):
             self._complete(r, now)
             return
         # Quorum out of reach (pushes refused as stale after a broker restart, a member gone): waiting for
@@ -1322,7 +1458,8 @@ class RoundMachine:
             r.hopeless_at = now if r.hopeless_at is None else r.hopeless_at
         else:
             r.hopeless_at = None
-        if not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s:
+        if not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s \
+                and not self._screen_outliers(r, now):
             self._complete(r, now)
         elif now >= self._due(r) and (cfg.strict or r.quorum_at is None):
             self.counters["restart_early" if r.hopeless_at is not None else "quorum_timeout"] += 1
@@ -1355,6 +1492,7 @@ class RoundMachine:
         r.launched_at = now
         r.deadline = now + cfg.quorum_timeout_s
         r.quorum_at = r.grace_s = r.hopeless_at = None
+        r.norms = {}
         self.counters["restart"] += 1
         self._emit(PublishPull(r.pull()))
         self._tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,

@@ -9,9 +9,10 @@ never stops while a fragment is merged.
 Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge — the
 pushes wait in JetStream and are read back chunk by chunk with direct gets.
 
-Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf, unknown fragment,
-digest mismatch, an island id that does not match its subject) is acked (never redelivered), counted,
-written to the EVENTS tape, and changes no state.
+Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values, unknown
+fragment, digest mismatch, an island id that does not match its subject) is acked (never redelivered),
+counted, written to the EVENTS tape, and changes no state. A push holding NaN/Inf is well-formed but
+poisonous: its chunks' norms and non-finite counts go to the round machine, which quarantines it.
 
 Status for operators: every `status_every_s` (`--status-every`) and at exit the syncer logs one status
 line and writes the `state` KV key `syncer` (see `status_record`): phase, committed step, versions,
@@ -429,6 +430,7 @@ class SyncerService:
             await self._delete_seqs([seq])
             return
         ok, reason, expected_total = True, None, None
+        sumsq, non_finite = 0.0, 0
         fr = self.frags.get(meta["fragment"])
         if self.session is None or fr is None:
             # No round can ever target it: refuse the chunk here (tape + counter) rather than let a
@@ -456,8 +458,12 @@ class SyncerService:
                 if chunk_digest(msg.data) != meta["digest"]:
                     raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
                 values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
-                if not bool(torch.isfinite(values).all()):
-                    raise WireError("push values must be finite (NaN/Inf delta)", field="payload", value=f"chunk {k}", code="non_finite")
+                # The quarantine figures, one chunk at a time (never the whole push in memory); the round
+                # machine decides (NaN/Inf, --max-push-norm, --outlier-factor). Squares of f32 values
+                # summed in float64 cannot overflow, so a non-finite sum means NaN/Inf values.
+                sumsq = float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+                if not math.isfinite(sumsq):
+                    non_finite, sumsq = values.numel() - int(torch.isfinite(values).sum()), 0.0
             except WireError as exc:
                 # The try is invalid (its disposition says so once complete), but a try whose other
                 # chunks never come would never be taped: tape the chunk's rejection now.
@@ -465,13 +471,14 @@ class SyncerService:
                 await self._reject(f"push chunk on {msg.subject}", exc, island=subj_island, gen=meta["gen"],
                                    extra={"step": meta["step"], "attempt": meta["attempt"], "try": meta["try"],
                                           "chunk": meta["chunk"]})
-        t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason)
+        t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason,
+                            sumsq=sumsq, non_finite=non_finite)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
             await self.queue.put(R.PushComplete(
                 island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
                 base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
-                valid=t.invalid is None, reason=t.invalid, now=time.time()))
+                valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
 
     # ---- the machine loop -------------------------------------------------------------------------
 
