@@ -21,7 +21,18 @@ def _cmd_broker(args) -> int:
         print(f"yeto broker: --cluster must be 0 (one server) or a number of servers >= 1, got {args.cluster}",
               file=sys.stderr)
         return 2
-    return run_foreground(args.port, store, args.config, host=args.host, cluster=args.cluster,
+    config = args.config
+    if args.leaf_of or args.leaf_port or args.domain:
+        from services.broker import BrokerError
+        from services.leaf import leaf_hub_config
+
+        try:
+            config = leaf_hub_config(store, leaf_of=args.leaf_of, leaf_port=args.leaf_port, domain=args.domain,
+                                     host=args.host, config=args.config, cluster=args.cluster)
+        except BrokerError as exc:
+            print(f"yeto broker: {exc}", file=sys.stderr)
+            return 2
+    return run_foreground(args.port, store, config, host=args.host, cluster=args.cluster,
                           cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port)
 
 
@@ -62,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster-port", type=int, default=None, help="first route port of --cluster (default: --port + 2000)")
     b.add_argument("--http-port", type=int, default=None,
                    help="(first) monitoring port (default: --port + 4000 with --cluster, else a free port)")
+    # Island datacenters (services/leaf.py): a hub with a leafnode listener, or a leaf that dials out to it.
+    b.add_argument("--leaf-port", type=int, default=int(os.environ.get("YETO_BROKER_LEAF_PORT", "0")) or None,
+                   help="hub: accept leaf nodes of island datacenters on this port, JetStream domain --domain "
+                        "(default hub) (env YETO_BROKER_LEAF_PORT)")
+    b.add_argument("--leaf-of", default=os.environ.get("YETO_BROKER_LEAF_OF") or None,
+                   help="leaf node of an island datacenter: dial out to the hub's leafnode URL(s) HOST:PORT[,...], "
+                        "JetStream domain --domain (env YETO_BROKER_LEAF_OF)")
+    b.add_argument("--domain", default=os.environ.get("YETO_BROKER_DOMAIN") or None,
+                   help="this server's JetStream domain: the datacenter's name on a leaf (required with --leaf-of), "
+                        "default hub with --leaf-port (env YETO_BROKER_DOMAIN)")
     b.set_defaults(func=_cmd_broker)
 
     r = sub.add_parser("run", help="manage a run's streams and buckets")
