@@ -7,6 +7,7 @@ hub, `b` and `c` in the datacenter (YETO_DOMAIN=dc1, connected to the leaf node)
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from tests.scripted import ROOT, SyncerProc
 from tests.tcp_proxy import TcpProxy
 
 DC = "dc1"
-H, P, ROUNDS = 8, 2, 16
+H, P, ROUNDS = 8, 2, 20
 
 
 @dataclass
@@ -123,20 +124,33 @@ async def test_mirror_conflict_is_reported_and_left_alone(topo, run_id):
         await nc.close()
 
 
-@pytest.mark.timeout(240)
-async def test_datacenter_islands_read_the_cut_from_the_local_mirror(topo, run_id, tmp_path):
+CUT_S = 30.0
+
+
+async def _committed(js, run: str) -> int:
+    try:
+        c = await kv_json(js, run, "commit")
+    except nats.js.errors.NotFoundError:
+        return 0
+    return c["committed_step"] if c else 0
+
+
+@pytest.mark.timeout(300)
+async def test_datacenter_reads_the_local_mirror_and_rides_out_a_30s_link_cut(topo, run_id, tmp_path):
     """Islands b and c in dc1 create the run's mirrors of BCAST and FINAL in their domain and read the
     cut from them: while they train, the mirror (not the hub's stream) carries their two ordered
-    consumers, and the hub's BCAST has only island a's. The run finishes with every island on the
-    final cut bitwise and each version committed once."""
+    consumers. Then the WAN link (the proxy between leaf and hub) is cut for 30 s: the hub sees no leaf
+    connection, b and c keep training (their step logs grow), and once the link is back sync resumes.
+    The run finishes with every island on the final cut bitwise and each version committed once."""
     hub_nc = await nats.connect(topo.hub.url)
     leaf_nc = await nats.connect(topo.leaf.url)
     hub_js, dc_js = hub_nc.jetstream(timeout=10), leaf_nc.jetstream(domain=DC, timeout=10)
     ckpt = tmp_path / "syncer"
+    # Members and rounds outlast the cut: b and c stay in the run, rounds wait for their pushes.
     syncer = SyncerProc(topo.hub.url, run_id, ckpt, "--islands", "3", "--fragments", str(P), "--sync-every", str(H),
-                        "--total-steps", str(ROUNDS), "--init-island", "a", *SYNCER_TIMEOUTS,
-                        log=tmp_path / "syncer.log").start()
-    args = ("--step-delay", "0.05")
+                        "--total-steps", str(ROUNDS), "--init-island", "a", "--quorum-timeout", "120",
+                        "--member-timeout", "120", "--final-timeout", "60", log=tmp_path / "syncer.log").start()
+    args = ("--step-delay", "0.1")
     a = _island(topo, run_id, "a", tmp_path, dc=False, args=args).start()
     b = _island(topo, run_id, "b", tmp_path, dc=True, args=args).start()
     c = _island(topo, run_id, "c", tmp_path, dc=True, args=args).start()
@@ -148,9 +162,12 @@ async def test_datacenter_islands_read_the_cut_from_the_local_mirror(topo, run_i
             except nats.js.errors.NotFoundError:
                 return None
 
-        async def both_on_the_mirror():
+        def alive():
             for n, p in procs.items():
                 assert p.proc.poll() is None, f"{n} exited early:\n{tails(procs)}"
+
+        async def both_on_the_mirror():
+            alive()
             return await consumers(dc_js, "BCAST") == 2 and await consumers(dc_js, "FINAL") == 2
 
         await wait_until(both_on_the_mirror, 120, "islands b and c consuming the dc1 mirrors")
@@ -160,6 +177,28 @@ async def test_datacenter_islands_read_the_cut_from_the_local_mirror(topo, run_i
             # On the hub: at most island a's ordered consumer (the mirror's own consumer is internal).
             assert await consumers(hub_js, kind) in (0, 1), kind
 
+        async def rounds(n):
+            alive()
+            return await _committed(hub_js, run_id) >= n
+
+        await wait_until(lambda: rounds(2), 120, "two rounds committed")
+        before = await _committed(hub_js, run_id)
+        assert before < ROUNDS - 4, f"the run was nearly over ({before} of {ROUNDS}) before the cut: make it longer"
+        topo.proxy.cut()
+        t_cut = time.monotonic()
+        await wait_until(lambda: asyncio.to_thread(lambda: L.leaf_link_bytes(topo.hub.http_port)["links"] == 0),
+                         10, "the hub to lose its leaf connection")
+        steps = {i.island: len(i.steplog_rows()) for i in (b, c)}
+        while time.monotonic() - t_cut < CUT_S:
+            alive()
+            await asyncio.sleep(1)
+        # The datacenter trained on, on its own, while it could reach nothing of the hub.
+        for i in (b, c):
+            assert len(i.steplog_rows()) >= steps[i.island] + 20, (i.island, steps, len(i.steplog_rows()))
+        during = await _committed(hub_js, run_id)
+        topo.proxy.restore()
+        await asyncio.to_thread(L.wait_leaf_link, topo.hub.http_port, 1, 30)
+
         rcs = await wait_exit(procs, 180)
         assert rcs == {"syncer": 0, "a": 0, "b": 0, "c": 0}, tails(procs)
         # The mirror holds the whole final cut, as the hub's FINAL does.
@@ -168,6 +207,7 @@ async def test_datacenter_islands_read_the_cut_from_the_local_mirror(topo, run_i
         commit = await kv_json(hub_js, run_id, "commit")
         tape = await merges(hub_js, run_id)
     finally:
+        topo.proxy.restore()
         for p in procs.values():
             p.stop()
         await remove_run(hub_js, run_id)
@@ -178,8 +218,27 @@ async def test_datacenter_islands_read_the_cut_from_the_local_mirror(topo, run_i
                 pass
         await hub_nc.close()
         await leaf_nc.close()
+    assert during <= before + 1, (before, during)  # rounds waited for the datacenter's pushes
     _check_final(ckpt, tmp_path, run_id, (a, b, c), commit, tape)
 
 
 async def _same_last(js, run: str, last_seq: int) -> bool:
     return (await js.stream_info(S.stream(run, "FINAL"))).state.last_seq == last_seq
+
+
+@pytest.mark.timeout(200)
+def test_demo_two_datacenters_crosses_the_wan_once_per_cut(tmp_path):
+    """`yeto demo --datacenters 2`: islands b and c in the leaf datacenter, a 2 MiB model. Every island
+    ends on the final cut, and the hub sent over the leaf link at most 1.25x the cut bytes it
+    broadcast (two islands each pulling from the hub would need >= 2x)."""
+    p = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--datacenters", "2", "--model-mib", "2",
+                        "--rounds", "8", "--workdir", str(tmp_path / "demo"), "--timeout", "150"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=190)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["rounds"] == 8 and s["max_abs_diff_vs_final_cut"] == 0.0 and set(s["final_loss"]) == {"a", "b", "c"}
+    wan = s["wan"]
+    # each round broadcasts one fragment of the 2 MiB model (half of it): the cut is MiBs, not control
+    assert wan["bcast_bytes"] >= 8 * (1 << 20), wan
+    assert wan["ratio"] == pytest.approx(wan["hub_to_dc_bytes"] / wan["bcast_bytes"], abs=1e-3)
+    assert 0.5 <= wan["ratio"] <= 1.25, wan
