@@ -43,7 +43,8 @@ def _cmd_run_rm(args) -> int:
     async def go():
         nc = await connect(ConnectOptions.from_args(args, name="yeto-run-rm"))
         try:
-            removed = await remove_run(nc.jetstream(), args.run)
+            # --domain: a datacenter's JetStream (its leaf node's mirrors of the cut), else the connected one
+            removed = await remove_run(nc.jetstream(domain=args.domain) if args.domain else nc.jetstream(), args.run)
         finally:
             await nc.close()
         return removed
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm = rsub.add_parser("rm", help="remove a run's streams and KV buckets")
     rm.add_argument("run_id", metavar="R", help="run id")
     add_connect_args(rm, run=False)
+    rm.add_argument("--domain", default=None, help="remove what the run has in this JetStream domain instead "
+                    "(an island datacenter's mirrors of the cut; connect to its leaf node)")
     rm.set_defaults(func=_cmd_run_rm)
 
     for name in ("syncer", "export", "demo", "steplog", "exporter", "dashboard", "auth"):

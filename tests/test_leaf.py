@@ -206,6 +206,15 @@ async def test_datacenter_reads_the_local_mirror_and_rides_out_a_30s_link_cut(to
         await wait_until(lambda: _same_last(dc_js, run_id, hub_final.last_seq), 30, "the mirror caught up")
         commit = await kv_json(hub_js, run_id, "commit")
         tape = await merges(hub_js, run_id)
+        # `yeto run rm --domain dc1` through the leaf node removes the datacenter's mirrors.
+        rm = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "run", "rm", run_id, "--nats",
+                                                      topo.leaf.url, "--domain", DC], capture_output=True, text=True,
+                                     cwd=ROOT, timeout=60)
+        assert rm.returncode == 0 and S.stream(run_id, "BCAST") in rm.stdout, rm.stdout + rm.stderr
+        for k in CUT_KINDS:
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await dc_js.stream_info(S.stream(run_id, k))
+        assert (await hub_js.stream_info(S.stream(run_id, "BCAST"))).config.name  # the hub's stays
     finally:
         topo.proxy.restore()
         for p in procs.values():
