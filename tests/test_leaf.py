@@ -81,17 +81,64 @@ def _check_final(ckpt: Path, work: Path, run: str, islands, commit: dict, tape: 
         assert res is not None and res["counters"]["rejected"] == 0, isl.output()[-3000:]
 
 
-def test_yeto_broker_leaf_options_are_checked(tmp_path):
-    """Bad leaf options exit 2 naming the option; no server starts."""
+def test_yeto_broker_leaf_options_are_checked(tmp_path, capsys):
+    """Bad leaf options exit 2 naming the option, before any server starts."""
+    from services.cli import main
+
     for args, word in ((["--leaf-of", "127.0.0.1:7422"], "--domain"),
                        (["--leaf-of", "127.0.0.1:7422", "--domain", "d.c"], "domain"),
                        (["--leaf-of", "127.0.0.1", "--domain", "dc1"], "--leaf-of"),
                        (["--leaf-port", "7422", "--leaf-of", "127.0.0.1:7422", "--domain", "x"], "either a leaf or a hub"),
+                       (["--leaf-port", "7422", "--cluster", "3"], "--cluster"),
                        (["--domain", "dc1"], "--leaf-port")):
-        p = subprocess.run([sys.executable, "-m", "services.cli", "broker", "--port", str(free_port()),
-                            "--store-dir", str(tmp_path / "s"), *args], capture_output=True, text=True, cwd=ROOT,
-                           timeout=60)
-        assert p.returncode == 2 and word in p.stderr, (args, p.returncode, p.stderr)
+        rc = main(["broker", "--port", str(free_port()), "--store-dir", str(tmp_path / "s"), *args])
+        err = capsys.readouterr().err
+        assert rc == 2 and word in err, (args, rc, err)
+
+
+def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
+    """`yeto broker --leaf-port P` (domain hub) and `yeto broker --leaf-of 127.0.0.1:P --domain dc9`:
+    the leaf links to the hub (the hub's /leafz lists it), each answers JetStream in its own domain,
+    and the hub's domain is reachable through the leaf."""
+    hub_port, leaf_port, lp, hub_mon = free_port(), free_port(), free_port(), free_port()
+    cmds = {"hub": ["--port", str(hub_port), "--leaf-port", str(lp), "--http-port", str(hub_mon),
+                    "--store-dir", str(tmp_path / "hub")],
+            "leaf": ["--port", str(leaf_port), "--leaf-of", f"127.0.0.1:{lp}", "--domain", "dc9",
+                     "--store-dir", str(tmp_path / "dc9")]}
+    procs = {}
+    try:
+        for name, args in cmds.items():
+            procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", "broker", *args], cwd=ROOT,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            assert "yeto broker ready" in procs[name].stdout.readline()
+        assert (tmp_path / "hub" / "hub.conf").exists() and (tmp_path / "dc9" / "leaf.conf").exists()
+        L.wait_leaf_link(hub_mon)
+
+        async def domains():
+            nc = await nats.connect(f"nats://127.0.0.1:{leaf_port}")
+            try:
+                return ((await nc.jetstream().account_info()).domain,
+                        (await nc.jetstream(domain="hub", timeout=10).account_info()).domain)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(domains()) == ("dc9", "hub")
+    finally:
+        for p in procs.values():
+            p.terminate()
+            p.wait(30)
+
+
+def test_island_domain_settings_are_checked():
+    from learner.config import IslandConfig
+    from schemas.errors import WireError
+
+    cfg = IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "b", "YETO_DOMAIN": "dc1"})
+    assert (cfg.domain, cfg.hub_domain) == ("dc1", "hub")
+    for env, field in (({"YETO_DOMAIN": "dc.1"}, "domain"), ({"YETO_HUB_DOMAIN": ""}, "hub_domain")):
+        with pytest.raises(WireError) as ei:
+            IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "b", **env})
+        assert ei.value.field == field, ei.value
 
 
 def test_generated_configs_pass_nats_server_t(tmp_path):
