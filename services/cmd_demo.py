@@ -8,6 +8,12 @@ eval_loss (the syncer's exported final cut on held-out data), max_abs_diff_vs_fi
 saved parameters against the exported final cut: must be 0.0), and the boundary overhead from the step
 logs.
 
+`--datacenters 2` runs two sites on this host instead: a hub (broker with JetStream domain `hub`, the
+syncer, island a) and a datacenter `dc1` (a leaf node dialling the hub, islands b and c reading the cut
+from their local mirror); the JSON line then adds `wan`: the bytes the hub sent over the leaf link
+(its `/leafz`) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
+`--model-mib` widens the MLP to a few MiB so those bytes are about the cut, not control traffic.
+
 The islands run `python -m learner.demo` (this package never imports the learner).
 """
 from __future__ import annotations
