@@ -159,6 +159,17 @@ class CutInbox:
         return len(self._d)
 
 
+def cut_contexts(nc, config: IslandConfig):
+    """(hub JetStream, cut JetStream). An island in a datacenter (`domain` set, not the hub's) is
+    connected to its leaf node: the run's streams and buckets are reached through the hub's domain,
+    the cut through its own (the mirror, see schemas.provision.ensure_cut_mirrors)."""
+    if config.domain is None:
+        js = nc.jetstream()
+        return js, js
+    js = nc.jetstream(domain=config.hub_domain)
+    return js, (js if config.domain == config.hub_domain else nc.jetstream(domain=config.domain))
+
+
 class IslandClient:
     def __init__(self, config: IslandConfig, *, gen: str | None = None):
         self.config = config
@@ -179,6 +190,7 @@ class IslandClient:
         self._thread: threading.Thread | None = None
         self.nc = None
         self.js = None
+        self.cut_js = None  # BCAST / FINAL: the datacenter's mirror (YETO_DOMAIN), else self.js
         self._fatal: BaseException | None = None
         self._gave_up = False
         self._closing = False
@@ -265,6 +277,8 @@ class IslandClient:
         `hello`: the hello fields beyond type / v / run / island / gen."""
         to = self.config.session_timeout_s
         self.call(P.check_run(self.js, self.run, timeout_s=to, log=log.warning), None if to is None else to + 10)
+        if self.cut_js is not self.js:  # an island datacenter: the cut is read from its local mirror
+            self.call(P.ensure_cut_mirrors(self.cut_js, self.run, self.config.hub_domain, log=log.warning), 60)
         self._hello = dict(hello)
         msg = codec.make("hello", hello, run=self.run, island=self.island, gen=self.gen)
         ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
@@ -283,7 +297,7 @@ class IslandClient:
         self._spawn(self._ctl_pump(sub), "ctl")
         for kind, stream, cfg in (("bcast_chunk", "BCAST", P.bcast_consumer_config(self.run)),
                                   ("final_chunk", "FINAL", P.final_consumer_config(self.run))):
-            self._subs.append(await self.js.subscribe(
+            self._subs.append(await self.cut_js.subscribe(
                 cfg.filter_subject, stream=S.stream(self.run, stream), ordered_consumer=True, config=cfg,
                 cb=self._cut_callback(kind)))
         self._spawn(self._heartbeat_loop(), "heartbeat")
@@ -422,10 +436,11 @@ class IslandClient:
 
     async def _fetch_last(self, kind: str, subjects: list[str]) -> list:
         stream = S.stream(self.run, kind)
+        js = self.cut_js if kind in P.CUT_KINDS else self.js
 
         async def one(subject: str):
             try:
-                return await self.js.get_msg(stream, subject=subject, direct=True)
+                return await js.get_msg(stream, subject=subject, direct=True)
             except NotFoundError:
                 return None
 
@@ -461,7 +476,7 @@ class IslandClient:
                     log.warning("island %s: waiting for NATS at %s (%r)", self.island, cfg.nats.url, exc)
                     logged = True
                 await asyncio.sleep(0.5)
-        self.js = self.nc.jetstream()
+        self.js, self.cut_js = cut_contexts(self.nc, cfg)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
 

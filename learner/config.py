@@ -28,6 +28,8 @@ value raises WireError naming the attribute and, in the message, the variable it
 | fetch_timeout_s | YETO_FETCH_TIMEOUT | 60 | one fetch batch |
 | progress | YETO_PROGRESS | on | tqdm bars (INIT, initial cut) on the sync rank |
 | anchor_dir | YETO_ANCHOR_DIR | none (memory) | each rank keeps its anchors, staging and q4 residuals in files under `<dir>/<island>-rank<r>/` instead of RAM |
+| domain | YETO_DOMAIN | none | the island's datacenter: the JetStream domain of the leaf node it connects to; the island keeps the run's mirror of the cut there and reads BCAST / FINAL from it |
+| hub_domain | YETO_HUB_DOMAIN | hub | the hub's JetStream domain, where pushes, control and the KV buckets live (used with YETO_DOMAIN) |
 
 Why α = 0.5 by default: α is the weight the island keeps on its own value. α = 0 would throw away
 every inner step taken since the island's push for that round (the broadcast was computed without
@@ -38,6 +40,7 @@ mixing choice; tune it per run.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -46,6 +49,7 @@ from schemas.conn import ConnectOptions
 from schemas.errors import WireError
 from schemas.ids import check_island, check_run
 
+_DOMAIN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a domain becomes a subject token ($JS.<domain>.API)
 MiB = 1 << 20
 MAX_FETCH_BATCH_BYTES = 32 * MiB  # NATS-NOTES trap 4: keep a batch well under the 64 MiB slow-consumer limit
 
@@ -76,6 +80,8 @@ ENV = {
     "fetch_timeout_s": "YETO_FETCH_TIMEOUT",
     "progress": "YETO_PROGRESS",
     "anchor_dir": "YETO_ANCHOR_DIR",
+    "domain": "YETO_DOMAIN",
+    "hub_domain": "YETO_HUB_DOMAIN",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -108,6 +114,9 @@ class IslandConfig:
     connect_timeout_s: float = 60.0
     progress: bool = True
     anchor_dir: str | None = None
+    # Island datacenters (issue 13): the leaf node's JetStream domain holding the cut's mirror, and the hub's.
+    domain: str | None = None
+    hub_domain: str = "hub"
     host: str = field(default_factory=socket.gethostname)
     # The island's parallel layout for hello (informational); None: computed from the group size.
     world: dict | None = None
@@ -146,6 +155,11 @@ class IslandConfig:
             if not isinstance(self.anchor_dir, (str, os.PathLike)) or not os.fspath(self.anchor_dir):
                 self._bad("anchor_dir", "must be a directory path")
             self.anchor_dir = os.fspath(self.anchor_dir)
+
+        for name in ("domain", "hub_domain"):
+            v = getattr(self, name)
+            if (v is not None or name == "hub_domain") and not (isinstance(v, str) and _DOMAIN_RE.match(v)):
+                self._bad(name, "must be a JetStream domain name: 1-64 letters, digits, '_' or '-'")
 
     def _bad(self, name: str, why: str) -> None:
         var = ENV.get(name)

@@ -26,13 +26,23 @@ D_IN, D_HID = 16, 64
 TEACHER_SEED, EVAL_SEED = 1234, 99
 
 
-def build_model(seed: int = 0) -> nn.Module:
+def build_model(seed: int = 0, hidden: int = D_HID) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(D_IN, D_HID), nn.Tanh(),
-        nn.Linear(D_HID, D_HID), nn.Tanh(),
-        nn.Linear(D_HID, 1),
+        nn.Linear(D_IN, hidden), nn.Tanh(),
+        nn.Linear(hidden, hidden), nn.Tanh(),
+        nn.Linear(hidden, 1),
     )
+
+
+def hidden_for_mib(mib: float) -> int:
+    """The hidden width whose model holds about `mib` MiB of f32 parameters (0: the default tiny
+    model). Lets a demo move a few MiB per cut, so its byte counts are about the cut, not control."""
+    if not mib:
+        return D_HID
+    want = mib * (1 << 20) / 4  # parameters: h*h + (D_IN + 3)*h + 1
+    b = D_IN + 3
+    return max(D_HID, int((-b + (b * b + 4 * want) ** 0.5) / 2))
 
 
 _TEACHER: nn.Module | None = None
@@ -94,7 +104,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
         group = dist.group.WORLD
     # Every island starts from its own random weights: version 0 (the INIT island's) overwrites them.
-    model = build_model(seed=model_seed(args.island))
+    model = build_model(seed=model_seed(args.island), hidden=hidden_for_mib(args.model_mib))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     adapter = TorchModuleAdapter(model, group=group)
     cfg = IslandConfig.from_env(run=args.run, island=args.island)
@@ -176,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(argv[1:])
         from safetensors.torch import load_file
 
-        model = build_model()
-        model.load_state_dict(load_file(a.weights))
+        weights = load_file(a.weights)
+        model = build_model(hidden=weights["0.weight"].shape[0])  # the width the run trained
+        model.load_state_dict(weights)
         print(json.dumps({"eval_loss": eval_loss(model)}))
         return 0
     p = argparse.ArgumentParser(prog="python -m learner.demo", description=__doc__,
@@ -191,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-delay", type=float, default=0.01, help="seconds of simulated compute per step")
     p.add_argument("--steps-max", type=int, default=0, help="stop after this many steps even without a final cut (0: no limit)")
     p.add_argument("--out", default=None, help="save the island's parameters here after the final cut")
+    p.add_argument("--model-mib", type=float, default=0.0, help="widen the MLP to about this many MiB of f32 "
+                   "parameters (default 0: the tiny model)")
     args = p.parse_args(argv)
     if args.ranks > 1:
         import torch.multiprocessing as mp

@@ -745,3 +745,89 @@ async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=No
     return await publish_retry(js, subject, value, f"kv.{kind}.{key}.{uuid.uuid4().hex}",
                                counters=counters, attempts=attempts)
 
+
+
+# ---- datacenter mirrors of the cut (issue 13) ----------------------------------------------------
+#
+# An island datacenter runs a NATS leaf node with a JetStream domain of its own (services/leaf.py).
+# There the run keeps a mirror of BCAST and FINAL, under the same stream names, so the datacenter's
+# islands read the cut from it: each chunk crosses the WAN link once (the mirror's one copy), however
+# many islands read it. Pushes, control and the KV buckets stay on the hub (domain `hub_domain`).
+#
+# Who creates a mirror: the island, in its own domain, at start (`ensure_cut_mirrors`, idempotent,
+# conflicts reported as for the syncer's streams). Why there and not by the syncer: the leaf's
+# JetStream is reachable from inside the datacenter even while the WAN link is down, a datacenter
+# joins a run by starting its leaf and islands (the syncer need not list the domains in advance), and
+# the syncer never waits at start for a datacenter whose link is down.
+
+CUT_KINDS = ("BCAST", "FINAL")
+# Fields compared on an existing mirror (the origin's subjects, duplicate window and ages do not apply).
+MIRROR_FIELDS = ("retention", "storage", "num_replicas", "max_msgs_per_subject", "allow_direct")
+
+
+def hub_api_prefix(hub_domain: str) -> str:
+    return f"$JS.{hub_domain}.API"
+
+
+def mirror_configs(run: str, hub_domain: str, *, replicas: int = 1) -> dict[str, api.StreamConfig]:
+    """The wanted config of the datacenter's mirror of each cut stream (by kind), in the datacenter's
+    own domain: same name as the hub's stream, sourced through the hub's API prefix."""
+    _check_run_id(run)
+    out = {}
+    for kind in CUT_KINDS:
+        name = S.stream(run, kind)
+        out[kind] = api.StreamConfig(
+            name=name,
+            description=f"yeto run {run}: mirror of {name} in domain {hub_domain}",
+            mirror=api.StreamSource(name=name, external=api.ExternalStream(api=hub_api_prefix(hub_domain))),
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,  # a leaf restart keeps the cut: islands re-read it locally
+            num_replicas=replicas,
+            discard=api.DiscardPolicy.OLD,
+            # As the origin: one message per chunk subject, the mirror *is* the cut; direct gets.
+            max_msgs_per_subject=1,
+            allow_direct=True,
+            metadata={"yeto_run": run, "yeto_stream": kind, "yeto_mirror_of": hub_domain},
+        )
+    return out
+
+
+def _mirror_source(c: api.StreamConfig) -> tuple:
+    m = c.mirror
+    return (None, None) if m is None else (m.name, m.external.api if m.external else None)
+
+
+async def ensure_cut_mirrors(js, run: str, hub_domain: str, *, replicas: int = 1,
+                             log: Callable[[str], None] | None = None) -> ProvisionReport:
+    """Create the datacenter's mirrors of BCAST and FINAL through `js` (a JetStream context of the
+    datacenter's domain) where missing; check existing ones. A stream of that name that is not the
+    same mirror raises ProvisionConflict and is left unchanged."""
+    log = log or log_.info
+    report = ProvisionReport(run)
+    wanted = mirror_configs(run, hub_domain, replicas=replicas)
+    conflicts, missing = [], []
+    for cfg in wanted.values():
+        info = await _stream_info(js, cfg.name)
+        if info is None:
+            missing.append(cfg)
+            continue
+        what = f"mirror {cfg.name}"
+        if _mirror_source(info.config) != _mirror_source(cfg):
+            conflicts.append((what, cfg.name, "mirror", _mirror_source(info.config), _mirror_source(cfg)))
+        conflicts += [(what, cfg.name, f, _norm(f, getattr(info.config, f)), _norm(f, getattr(cfg, f)))
+                      for f in MIRROR_FIELDS if _norm(f, getattr(info.config, f)) != _norm(f, getattr(cfg, f))]
+        report.existing.append(what)
+    if conflicts:
+        raise ProvisionConflict(run, conflicts)
+    for cfg in missing:
+        try:
+            await js.add_stream(cfg)
+        except APIError as exc:
+            if exc.err_code == ERR_STREAM_NAME_IN_USE:  # another island of the datacenter was first
+                report.existing.append(f"mirror {cfg.name}")
+                continue
+            raise _server_refused(f"mirror {cfg.name}", exc) from exc
+        report.created.append(f"mirror {cfg.name}")
+    if report.created:
+        log(str(report))
+    return report

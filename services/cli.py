@@ -27,8 +27,17 @@ def _cmd_broker(args) -> int:
         return 2
     from services.broker import BrokerError
 
+    config = args.config
     try:
-        return run_foreground(args.port, store, args.config, host=args.host, cluster=args.cluster,
+        if args.leaf_of or args.leaf_port or args.domain:
+            if args.auth:
+                raise BrokerError("--auth with --leaf-port/--leaf-of/--domain is not supported yet: a secured hub "
+                                  "with leaf nodes needs leafnode credentials (see deploy/nats/ for the templates)")
+            from services.leaf import leaf_hub_config
+
+            config = leaf_hub_config(store, leaf_of=args.leaf_of, leaf_port=args.leaf_port, domain=args.domain,
+                                     host=args.host, config=args.config, cluster=args.cluster)
+        return run_foreground(args.port, store, config, host=args.host, cluster=args.cluster,
                               cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port,
                               auth=args.auth)
     except BrokerError as exc:
@@ -62,7 +71,8 @@ def _cmd_run_rm(args) -> int:
     async def go():
         nc = await connect(ConnectOptions.from_args(args, name="yeto-run-rm"))
         try:
-            removed = await remove_run(nc.jetstream(), args.run)
+            # --domain: a datacenter's JetStream (its leaf node's mirrors of the cut), else the connected one
+            removed = await remove_run(nc.jetstream(domain=args.domain) if args.domain else nc.jetstream(), args.run)
         finally:
             await nc.close()
         return removed
@@ -93,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--http-port", type=int, default=None,
                    help="(first) monitoring port (default: --port + 4000 with --cluster, else a free port)")
     _add_broker_security_args(b)
+    # Island datacenters (services/leaf.py): a hub with a leafnode listener, or a leaf that dials out to it.
+    b.add_argument("--leaf-port", type=int, default=int(os.environ.get("YETO_BROKER_LEAF_PORT", "0")) or None,
+                   help="hub: accept leaf nodes of island datacenters on this port, JetStream domain --domain "
+                        "(default hub) (env YETO_BROKER_LEAF_PORT)")
+    b.add_argument("--leaf-of", default=os.environ.get("YETO_BROKER_LEAF_OF") or None,
+                   help="leaf node of an island datacenter: dial out to the hub's leafnode URL(s) HOST:PORT[,...], "
+                        "JetStream domain --domain (env YETO_BROKER_LEAF_OF)")
+    b.add_argument("--domain", default=os.environ.get("YETO_BROKER_DOMAIN") or None,
+                   help="this server's JetStream domain: the datacenter's name on a leaf (required with --leaf-of), "
+                        "default hub with --leaf-port (env YETO_BROKER_DOMAIN)")
     b.set_defaults(func=_cmd_broker)
 
     r = sub.add_parser("run", help="manage a run's streams and buckets")
@@ -100,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm = rsub.add_parser("rm", help="remove a run's streams and KV buckets")
     rm.add_argument("run_id", metavar="R", help="run id")
     add_connect_args(rm, run=False)
+    rm.add_argument("--domain", default=None, help="remove what the run has in this JetStream domain instead "
+                    "(an island datacenter's mirrors of the cut; connect to its leaf node)")
     rm.set_defaults(func=_cmd_run_rm)
 
     for name in ("syncer", "export", "demo", "steplog", "exporter", "dashboard", "auth"):

@@ -98,3 +98,19 @@ def test_demo_step_logs_validate_against_the_schema(demo_run):
         assert sum(r["pushes"] for r in rows) == ROUNDS
         assert sum(r["rejected"] for r in rows) == 0
         assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.timeout(200)
+def test_demo_passes_replicas_to_its_syncer(nats_url, tmp_path):
+    """`yeto demo --replicas 3 --nats URL` hands 3 to its syncer: on the session's one-server broker
+    the syncer's provisioning is refused for replicas > 1 (a syncer given the default 1 would run)."""
+    import subprocess
+    import sys
+
+    from tests.scripted import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--nats", nats_url, "--replicas", "3",
+                        "--rounds", "2", "--workdir", str(tmp_path), "--timeout", "120"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "syncer exited with 2" in p.stderr and "replicas > 1 not supported" in p.stderr, p.stderr[-2000:]
