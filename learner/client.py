@@ -60,6 +60,9 @@ ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
 REHELLO_CODES = frozenset({"unknown_member"})
 CTL_FETCH_BATCH = 64
 OWNER_CHECK_S = 5.0  # how often an idle CTL consumer's owner is looked at (see _ctl_pump)
+# The state KV key the syncer writes as it exits a finished run: the final manifest (no `gen`).
+FINAL_KEY = "final"
+FINAL_POLL_S = 5.0  # how often a running island looks for it (see _heartbeat_loop)
 PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
 DETACH_POLL_S = 0.02  # how soon a detached publish notices a lost connection
 # A detached publish (a push) waits this long for its last acks before finishing in the background:
@@ -298,6 +301,18 @@ class IslandClient:
                 cb=self._cut_callback(kind)))
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
+
+    def final_record(self) -> dict | None:
+        """The run's final record (state KV `final`: the syncer finished the run and exited), decoded
+        as a manifest; None when absent. Raises WireError when it does not decode or names another run."""
+        raw = self.state_key(FINAL_KEY)
+        return None if raw is None else self._decode_final(raw)
+
+    def _decode_final(self, raw: bytes) -> dict:
+        msg = codec.decode("manifest", raw)
+        if msg["run"] != self.run:
+            raise WireError("final record names another run", field="run", value=msg["run"])
+        return msg
 
     def state_key(self, key: str) -> bytes | None:
         """The value of `key` in the run's `state` KV, or None when absent."""
@@ -688,10 +703,32 @@ class IslandClient:
 
     # Heartbeats and the step log.
 
+    async def _poll_final(self) -> None:
+        """The run's final record, handed to the training thread as a ("final", manifest) control
+        message while one is there (the syncer finished the run and exited: nobody sends this
+        process a manifest any more). Never raises."""
+        try:
+            raw = await self._kv_get("state", FINAL_KEY)
+            if raw is None:
+                return
+            msg = self._decode_final(raw)
+        except WireError as exc:
+            self._reject("final record in the state KV", exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - no answer now: look again later
+            log.debug("island %s: reading the final record: %r", self.island, exc)
+            return
+        self._counters["final_record_seen"] += 1
+        self.control.put(("final", msg))
+
     async def _heartbeat_loop(self) -> None:
         seq = 0
         period = self.config.heartbeat_s
+        final_at = time.monotonic() + FINAL_POLL_S
         while not self._closing:
+            if self.connected and time.monotonic() >= final_at:
+                final_at = time.monotonic() + FINAL_POLL_S
+                await self._poll_final()
             if self.connected:
                 msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen,
                                  local_step=self.local_step, step_time_s=self.step_time_s)

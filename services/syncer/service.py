@@ -247,6 +247,10 @@ class SyncerService:
             if final_record is not None and final_record.get("finished"):
                 log.info("run %s already finished at step %d (final cut in FINAL; export it with `yeto export`): "
                          "nothing to do", self.run_id, state.committed_step)
+                # A run finished by a syncer that wrote no final record (or lost it): write it now.
+                self._final_digests = {fid: await asyncio.to_thread(self._bulk_digest, fid, "f32")
+                                       for fid in sorted(self.frags)}
+                await self._write_final_kv(int(final_record.get("final_step", state.committed_step)), state.versions)
             # A crash between the durable commit and the end of its broadcast leaves BCAST without the
             # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
             # JetStream drops what it already holds inside the duplicate window; islands ignore a
@@ -882,6 +886,27 @@ class SyncerService:
             st.final, st.final_record = True, dict(record)
             self.ckpt.commit(st, {})
         await asyncio.to_thread(write)
+        if record.get("finished"):
+            await self._write_final_kv(int(record["final_step"]), {int(k): int(v) for k, v in record["versions"].items()})
+
+    async def _write_final_kv(self, final_step: int, versions: dict) -> None:
+        """The run is finished and this syncer exits: leave the final manifest (no `gen`) in the state
+        KV under `final`, so an island that (re)starts or was away finds the run over, installs the
+        final cut from FINAL (checked against these digests) and stops instead of training on with
+        nobody to sync with. Never raises (the checkpoint is the record; this is for islands)."""
+        if sorted(self._final_digests) != sorted(int(k) for k in versions):
+            self.counters["final_record_error"] += 1
+            log.error("final record not written: digests of fragments %s, versions of %s",
+                      sorted(self._final_digests), sorted(versions))
+            return
+        msg = codec.make("manifest", run=self.run_id, final_step=final_step,
+                         versions={str(k): int(v) for k, v in sorted(versions.items())},
+                         version_digests={str(k): v for k, v in sorted(self._final_digests.items())})
+        try:
+            await kv_put(self.js, self.run_id, "state", "final", codec.encode("manifest", msg), counters=self.counters)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self.counters["final_record_error"] += 1
+            log.error("writing the final record to the state KV failed: %r", exc)
 
     async def _send_manifest(self, a: R.SendManifest) -> None:
         versions = {str(k): int(v) for k, v in a.versions.items()}
