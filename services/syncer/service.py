@@ -26,6 +26,7 @@ even when the round was launched after the last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -59,6 +60,14 @@ DIRECT_GET_TIMEOUT = 30.0
 # Control publishes (pulls, errors, shutdown, manifests) ride out a cluster leader election (seconds;
 # publish_retry's default 8 attempts last about 7 s): a PublishFailed here stops the syncer.
 CTL_PUBLISH_ATTEMPTS = 40
+# Tape records other than a commit's get a short direct budget (intake never waits long on one); one that
+# does not land in it (an EVENTS leader election, a broker restart) waits in an in-order backlog that a
+# background task retries with the long budget, instead of being dropped (issue 16). Bounded: past
+# TAPE_BACKLOG_MAX waiting records a new one is dropped (counter `tape_dropped`).
+TAPE_DIRECT_ATTEMPTS = 3
+TAPE_RETRY_ATTEMPTS = 40
+TAPE_BACKLOG_MAX = 10_000
+TAPE_FLUSH_AT_EXIT_S = 20.0
 
 
 class SyncerError(RuntimeError):
@@ -116,6 +125,8 @@ class SyncerService:
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
         self._init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
+        self._tape_backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
+        self._tape_retrier: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -145,6 +156,7 @@ class SyncerService:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._flush_tape_backlog()
             if self.machine is not None and self.state_kv is not None:
                 try:  # the last status record (counters at exit) for operators and post-mortems
                     await asyncio.wait_for(self._write_status(final=True), 5)
@@ -933,15 +945,60 @@ class SyncerService:
             log.error("tape record does not validate (%s): %r", exc, rec)
             return
         # A commit's records (per-version msg ids) must reach the tape, so they ride out a cluster
-        # leader election (seconds); other records keep a short budget: intake never stalls on them.
-        attempts = 40 if msg_id is not None else 3
+        # leader election (seconds); other records keep a short budget: intake never stalls on them,
+        # and one that misses it goes to the backlog (see TAPE_DIRECT_ATTEMPTS), same Nats-Msg-Id.
+        subject, mid = S.events(self.run_id, kind), msg_id or S.event_msg_id(kind, self._next_tape_key())
+        if msg_id is None and self._tape_backlog:
+            self._defer_tape(subject, data, mid)  # behind the records still waiting: the tape keeps its order
+            return
         try:
-            await publish_retry(self.js, S.events(self.run_id, kind), data,
-                                msg_id or S.event_msg_id(kind, self._next_tape_key()), counters=self.counters,
-                                attempts=attempts)
+            await publish_retry(self.js, subject, data, mid, counters=self.counters,
+                                attempts=TAPE_RETRY_ATTEMPTS if msg_id is not None else TAPE_DIRECT_ATTEMPTS)
         except Exception as exc:
+            if msg_id is None:
+                self._defer_tape(subject, data, mid)
+                return
             self.counters["tape_error"] += 1
             log.warning("tape publish failed: %r", exc)
+
+    def _defer_tape(self, subject: str, data: bytes, mid: str) -> None:
+        if len(self._tape_backlog) >= TAPE_BACKLOG_MAX:
+            self.counters["tape_dropped"] += 1
+            log.warning("tape backlog full (%d records waiting): record dropped", len(self._tape_backlog))
+            return
+        if not self._tape_backlog:
+            log.warning("tape publish failed: records wait in a backlog, retried in order")
+        self._tape_backlog.append((subject, data, mid))
+        self.counters["tape_deferred"] += 1
+        if self._tape_retrier is None or self._tape_retrier.done():
+            self._tape_retrier = asyncio.get_running_loop().create_task(self._drain_tape_backlog())
+
+    async def _drain_tape_backlog(self) -> None:
+        while self._tape_backlog:
+            subject, data, mid = self._tape_backlog[0]
+            try:
+                await publish_retry(self.js, subject, data, mid, counters=self.counters, attempts=TAPE_RETRY_ATTEMPTS)
+                self.counters["tape_retried"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a minute of failures: this record is lost, the next ones may land
+                self.counters["tape_error"] += 1
+                log.warning("tape publish failed for good: %r", exc)
+            self._tape_backlog.popleft()
+        log.info("tape backlog written")
+
+    async def _flush_tape_backlog(self) -> None:
+        """At exit: give the backlog a bounded time to land (the last records, e.g. the final's)."""
+        task = self._tape_retrier
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), TAPE_FLUSH_AT_EXIT_S)
+        except Exception:  # noqa: BLE001 - timed out (or failed): what is left is lost, counted
+            self.counters["tape_dropped"] += len(self._tape_backlog)
+            log.warning("exiting with %d tape records not written", len(self._tape_backlog))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     # ---- KV helpers -------------------------------------------------------------------------------
 
