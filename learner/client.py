@@ -199,6 +199,7 @@ class IslandClient:
         self._consumers: dict[str, str] = {}  # kind ("pull" / "to") -> consumer name, once created
         self._hello_seq: int | None = None
         self._last_seq: dict[str, int] = {}  # kind -> stream sequence of the last message taken
+        self._bad_final: bytes | None = None  # a final record refused already (counted once)
         self._hello: dict | None = None  # the hello's fields, for a re-hello
         self._rehellos = 0
 
@@ -707,13 +708,16 @@ class IslandClient:
         """The run's final record, handed to the training thread as a ("final", manifest) control
         message while one is there (the syncer finished the run and exited: nobody sends this
         process a manifest any more). Never raises."""
+        raw = None
         try:
             raw = await self._kv_get("state", FINAL_KEY)
             if raw is None:
                 return
             msg = self._decode_final(raw)
         except WireError as exc:
-            self._reject("final record in the state KV", exc)
+            if raw != self._bad_final:  # the same bad value, read again every few seconds, counts once
+                self._bad_final = raw
+                self._reject("final record in the state KV", exc)
             return
         except Exception as exc:  # noqa: BLE001 - no answer now: look again later
             log.debug("island %s: reading the final record: %r", self.island, exc)

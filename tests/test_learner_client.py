@@ -187,6 +187,30 @@ async def test_a_consumer_removed_under_the_island_is_made_again_without_losing_
     c.check_health()
 
 
+async def test_the_runs_final_record_reaches_the_island_and_a_bad_one_is_counted_once(js, run_id, nats_url, clients):
+    """The syncer leaves the final manifest in the state KV (`final`) as it exits a finished run; the
+    client looks for it every few seconds and hands it over as a ("final", manifest) control message.
+    A record that does not decode is refused, counted once however often it is read again."""
+    from learner.client import FINAL_POLL_S
+
+    c = await provisioned(clients, run_id, nats_url)
+    assert await asyncio.to_thread(c.final_record) is None
+    kv = await js.key_value(S.kv_bucket(run_id, "state"))
+    await kv.put("final", b"{not a manifest")
+    await until(lambda: c.rejected_total() == 1, what="the bad record refused", timeout=FINAL_POLL_S * 3)
+    await asyncio.sleep(FINAL_POLL_S + 1)  # read again: not counted again
+    assert c.rejected_total() == 1 and len(c.control) == 0
+    with pytest.raises(WireError):
+        await asyncio.to_thread(c.final_record)
+    rec = codec.make("manifest", run=run_id, final_step=8, versions={"0": 4}, version_digests={"0": "ab" * 32})
+    await kv.put("final", codec.encode("manifest", rec))
+    await until(lambda: len(c.control) >= 1, what="the final record", timeout=FINAL_POLL_S * 3)
+    kind, got = c.control.drain()[0]
+    assert (kind, got) == ("final", rec)
+    assert await asyncio.to_thread(c.final_record) == rec
+    c.check_health()
+
+
 async def test_unknown_member_error_makes_the_island_say_hello_again(js, run_id, nats_url, clients):
     """A syncer that resumed without its members answers heartbeats with a non-fatal `unknown_member`
     error: the island sends its hello again (same generation, a fresh Nats-Msg-Id so the duplicate
