@@ -56,50 +56,14 @@ def _finished_after_run(isl: IslandProc, final_step: int) -> None:
     assert "the run had finished" in isl.output(), isl.output()[-3000:]
 
 
-@pytest.mark.timeout(300)
-async def test_islands_started_after_the_run_finished_install_the_final_cut_and_exit_0(nc, nats_url, run_id, tmp_path):
-    js = nc.jetstream()
-    rounds = 4
-    ckpt = tmp_path / "syncer"
-    syncer = SyncerProc(nats_url, run_id, ckpt, "--islands", "1", "--fragments", str(P), "--sync-every", str(H),
-                        "--total-steps", str(rounds), "--init-island", "a", "--quorum-timeout", "60",
-                        "--member-timeout", "20", "--final-timeout", "60", log=tmp_path / "syncer.log").start()
-    a = IslandProc(nats_url, run_id, "a", tmp_path, args=STEP_DELAY).start()
-    procs = {"syncer": syncer, "a": a}
-    late: dict[str, IslandProc] = {}
-    try:
-        assert await wait_exit(procs, 150) == {"syncer": 0, "a": 0}, tails(procs)
-        final = await _final_record(js, run_id)
-        commit = await kv_json(js, run_id, "commit")
-        assert final is not None and final["final_step"] == rounds == commit["committed_step"], final
-        assert final["versions"] == commit["versions"] and "gen" not in final
-        # the known island restarted (a new generation), and an island the run never saw (2 ranks)
-        t0 = time.monotonic()
-        late = {"a-again": IslandProc(nats_url, run_id, "a", tmp_path, tag="a-again", args=STEP_DELAY).start(),
-                "b": IslandProc(nats_url, run_id, "b", tmp_path, ranks=2, args=STEP_DELAY).start()}
-        rcs = await wait_exit(late, LATE_EXIT_S)
-        took = time.monotonic() - t0
-        assert rcs == {"a-again": 0, "b": 0}, tails(late)
-        print(f"late islands exited 0 after {took:.1f}s")
-        assert len(await merges(js, run_id)) == rounds  # nothing more happened to the run
-    finally:
-        for p in (*procs.values(), *late.values()):
-            p.stop()
-        await remove_run(js, run_id)
-    _assert_on_final_cut(ckpt, run_id, tmp_path, [a, *late.values()])
-    for isl in late.values():
-        _finished_after_run(isl, rounds)
-        # it stopped at its first boundary: one training step, no push, no INIT
-        assert [r["step"] for r in isl.steplog_rows()] == [1], isl.steplog_rows()
-        assert isl.result()["counters"].get("init_bytes", 0) == 0 and isl.result()["counters"]["pushes"] == 0
-
-
-@pytest.mark.timeout(300)
-async def test_an_island_away_while_the_run_finished_installs_the_final_cut_when_it_is_back(
+@pytest.mark.timeout(360)
+async def test_islands_away_or_started_after_the_run_finished_install_the_final_cut_and_exit_0(
         nc, nats_url, run_id, tmp_path):
-    """Island b is frozen (SIGSTOP: a hung host, a long network partition) mid-run, the run goes on
-    without it and finishes, the syncer exits; b resumes: it finds the final record while training,
-    installs the final cut and exits 0 (it used to train for ever)."""
+    """One run, three late islands. Island b is frozen (SIGSTOP: a hung host, a long partition) mid-run;
+    the run goes on without it and finishes, the syncer exits. Then b resumes (it finds the final
+    record while training), and two processes start: island a again (a known island, new generation)
+    and c, an island the run never saw, with 2 gloo ranks (they find it at start). Each installs the
+    final cut, stops and exits 0; before, each trained for ever."""
     js = nc.jetstream()
     rounds = 12
     ckpt = tmp_path / "syncer"
@@ -109,6 +73,7 @@ async def test_an_island_away_while_the_run_finished_installs_the_final_cut_when
     a = IslandProc(nats_url, run_id, "a", tmp_path, args=STEP_DELAY).start()
     b = IslandProc(nats_url, run_id, "b", tmp_path, args=STEP_DELAY).start()
     procs = {"syncer": syncer, "a": a}
+    late: dict[str, IslandProc] = {}
     stopped = False
     try:
         async def some_merges():
@@ -119,19 +84,37 @@ async def test_an_island_away_while_the_run_finished_installs_the_final_cut_when
         os.killpg(b.proc.pid, signal.SIGSTOP)
         stopped = True
         assert await wait_exit(procs, 150) == {"syncer": 0, "a": 0}, tails({**procs, "b": b})
-        assert await _final_record(js, run_id) is not None
+        final = await _final_record(js, run_id)
+        commit = await kv_json(js, run_id, "commit")
+        assert final is not None and final["final_step"] == rounds == commit["committed_step"], final
+        assert final["versions"] == commit["versions"] and "gen" not in final
+
+        # b is back: it finds the record while training
         os.killpg(b.proc.pid, signal.SIGCONT)
         stopped = False
         t0 = time.monotonic()
-        rcs = await wait_exit({"b": b}, 60)
-        assert rcs == {"b": 0}, tails({"b": b})
+        assert await wait_exit({"b": b}, 60) == {"b": 0}, tails({"b": b})
         print(f"island b exited 0 {time.monotonic() - t0:.1f}s after it was resumed")
+
+        # a known island restarted (a new generation), and an island the run never saw (2 ranks)
+        t0 = time.monotonic()
+        late = {"a-again": IslandProc(nats_url, run_id, "a", tmp_path, tag="a-again", args=STEP_DELAY).start(),
+                "c": IslandProc(nats_url, run_id, "c", tmp_path, ranks=2, args=STEP_DELAY).start()}
+        rcs = await wait_exit(late, LATE_EXIT_S)
+        assert rcs == {"a-again": 0, "c": 0}, tails(late)
+        print(f"late islands exited 0 after {time.monotonic() - t0:.1f}s")
+        assert len(await merges(js, run_id)) == rounds  # nothing more happened to the run
     finally:
         if stopped:
             os.killpg(b.proc.pid, signal.SIGCONT)
-        for p in (*procs.values(), b):
+        for p in (*procs.values(), b, *late.values()):
             p.stop()
         await remove_run(js, run_id)
-    _assert_on_final_cut(ckpt, run_id, tmp_path, [a, b])
+    _assert_on_final_cut(ckpt, run_id, tmp_path, [a, b, *late.values()])
     _finished_after_run(b, rounds)
     assert sum(r["pushes"] for r in b.steplog_rows()) >= 1  # b took part before it was frozen
+    for isl in late.values():
+        _finished_after_run(isl, rounds)
+        # it stopped at its first boundary: one training step, no push, no INIT
+        assert [r["step"] for r in isl.steplog_rows()] == [1], isl.steplog_rows()
+        assert isl.result()["counters"].get("init_bytes", 0) == 0 and isl.result()["counters"]["pushes"] == 0
