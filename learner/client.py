@@ -2,8 +2,11 @@
 
 The training thread never touches the network directly. The loop thread:
 
-* reads the island's durable CTL consumer `isl-I-<gen>` (pulls, and manifest / error / shutdown sent
-  to this island) into thread-safe inboxes, acking each message once it is in an inbox;
+* reads the island's two durable CTL consumers, `pull-I` (pulls) and `isl-I` (manifest / error /
+  shutdown sent to this island), into thread-safe inboxes, acking each message once it is in an
+  inbox. The names are fixed per island so the server's permissions can confine an island to its own
+  (services/auth.py); a new process replaces them, and a process whose consumer another generation
+  took over stops (`Superseded`) instead of reading that generation's messages;
 * watches BCAST and FINAL with ordered, headers-only consumers: the inboxes hold *notices* (chunk
   headers; the newest per chunk subject), the bytes stay in JetStream until the sync rank fetches
   them at a boundary;
@@ -56,6 +59,10 @@ ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
 # Non-fatal syncer error codes that mean "I have no record of you": the island says hello again.
 REHELLO_CODES = frozenset({"unknown_member"})
 CTL_FETCH_BATCH = 64
+OWNER_CHECK_S = 5.0  # how often an idle CTL consumer's owner is looked at (see _ctl_pump)
+# The state KV key the syncer writes as it exits a finished run: the final manifest (no `gen`).
+FINAL_KEY = "final"
+FINAL_POLL_S = 5.0  # how often a running island looks for it (see _heartbeat_loop)
 PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
 DETACH_POLL_S = 0.02  # how soon a detached publish notices a lost connection
 # A detached publish (a push) waits this long for its last acks before finishing in the background:
@@ -75,6 +82,10 @@ class SyncerRefused(IslandUnhealthy):
         self.code, self.field = msg.get("code"), msg.get("field")
         super().__init__(f"syncer refused this island: {msg.get('code')}: {msg.get('message')}"
                          + (f" (field {msg['field']})" if msg.get("field") else ""))
+
+
+class Superseded(IslandUnhealthy):
+    """A newer process of this island (another generation) took over its CTL consumers."""
 
 
 class NotConnected(RuntimeError):
@@ -197,7 +208,10 @@ class IslandClient:
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
         self._wake: asyncio.Event | None = None
-        self._consumer: str | None = None
+        self._consumers: dict[str, str] = {}  # kind ("pull" / "to") -> consumer name, once created
+        self._hello_seq: int | None = None
+        self._last_seq: dict[str, int] = {}  # kind -> stream sequence of the last message taken
+        self._bad_final: bytes | None = None  # a final record refused already (counted once)
         self._hello: dict | None = None  # the hello's fields, for a re-hello
         self._rehellos = 0
 
@@ -269,10 +283,11 @@ class IslandClient:
     # ---- provisioning and the session (training thread) -----------------------------------------
 
     def provision(self, hello: dict) -> None:
-        """Island-side provisioning (DESIGN §3): wait for the run's streams, publish hello, create this
-        generation's CTL consumer delivering from the hello's own stream timestamp (nothing stored
-        before it can be meant for this generation), remove older generations' consumers, and start
-        the background readers and heartbeats.
+        """Island-side provisioning (DESIGN §3): wait for the run's streams, publish hello, make the
+        island's CTL consumers this generation's, delivering from the hello's stream sequence (from
+        its PubAck: nothing stored before it can be meant for this generation; no read of CTL is
+        needed, so the permissions give an island none), and start the background readers and
+        heartbeats.
 
         `hello`: the hello fields beyond type / v / run / island / gen."""
         to = self.config.session_timeout_s
@@ -286,15 +301,14 @@ class IslandClient:
         self.call(self._after_hello(ack.seq), 60)
 
     async def _after_hello(self, seq: int) -> None:
-        stored = await self.js.get_msg(S.stream(self.run, "CTL"), seq=seq)
-        admitted_at = stored.time.timestamp() - 1e-3  # microsecond truncation, float rounding
-        await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, admitted_at)
-        self._consumer = S.island_pull_consumer(self.island, self.gen)
-        gone = await P.cleanup_island_consumers(self.js, self.run, self.island, keep_gen=self.gen)
-        if gone:
-            log.info("island %s: removed consumers of earlier generations: %s", self.island, ", ".join(gone))
-        sub = await self.js.pull_subscribe_bind(durable=self._consumer, stream=S.stream(self.run, "CTL"))
-        self._spawn(self._ctl_pump(sub), "ctl")
+        self._hello_seq = seq
+        rep = await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, start_seq=seq)
+        log.info("island %s: CTL consumers: %s", self.island, rep)
+        for kind in S.ISLAND_CONSUMER_KINDS:
+            name = S.island_consumer(self.island, kind)
+            self._consumers[kind] = name
+            sub = await self.js.pull_subscribe_bind(durable=name, stream=S.stream(self.run, "CTL"))
+            self._spawn(self._ctl_pump(sub, kind), f"ctl-{kind}")
         for kind, stream, cfg in (("bcast_chunk", "BCAST", P.bcast_consumer_config(self.run)),
                                   ("final_chunk", "FINAL", P.final_consumer_config(self.run))):
             self._subs.append(await self.cut_js.subscribe(
@@ -302,6 +316,18 @@ class IslandClient:
                 cb=self._cut_callback(kind)))
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
+
+    def final_record(self) -> dict | None:
+        """The run's final record (state KV `final`: the syncer finished the run and exited), decoded
+        as a manifest; None when absent. Raises WireError when it does not decode or names another run."""
+        raw = self.state_key(FINAL_KEY)
+        return None if raw is None else self._decode_final(raw)
+
+    def _decode_final(self, raw: bytes) -> dict:
+        msg = codec.decode("manifest", raw)
+        if msg["run"] != self.run:
+            raise WireError("final record names another run", field="run", value=msg["run"])
+        return msg
 
     def state_key(self, key: str) -> bytes | None:
         """The value of `key` in the run's `state` KV, or None when absent."""
@@ -526,25 +552,90 @@ class IslandClient:
 
     # CTL: pulls and messages to this island.
 
-    async def _ctl_pump(self, sub) -> None:
+    async def _ctl_pump(self, sub, kind: str) -> None:
+        """Fetch from consumer `kind` ("pull" or "to"). Its name is the island's, not the process's:
+        a batch is taken only once the consumer is known to be this generation's (an earlier process
+        that lived on would otherwise read, and ack, a newer generation's messages), else handed back
+        at once (nak). A consumer gone (removed by hand, by a racing close) is made again from the
+        message after the last one taken; one taken over by another generation stops this process."""
+        failures = 0
+        check_at = time.monotonic() + OWNER_CHECK_S
         while not self._closing:
+            if (failures >= 3 or time.monotonic() >= check_at) and self.connected:
+                # An idle consumer shows nothing: look who owns it now and then (and after failures).
+                failures, check_at = 0, time.monotonic() + OWNER_CHECK_S
+                await self._check_consumer(kind, recreate=True)
+                if self._fatal is not None:
+                    return
             try:
                 msgs = await sub.fetch(CTL_FETCH_BATCH, timeout=1.0)
+                failures = 0
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # disconnected, consumer briefly unavailable: retry
                 self._counters["ctl_fetch_errors"] += 1
-                log.debug("island %s: CTL fetch: %r", self.island, exc)
+                log.debug("island %s: CTL fetch (%s): %r", self.island, kind, exc)
+                failures += 1
+                await asyncio.sleep(0.5)
+                continue
+            if not msgs:
+                continue
+            if not await self._check_consumer(kind, recreate=False):
+                for m in msgs:
+                    try:
+                        await m.nak()
+                    except Exception:
+                        pass
+                if self._fatal is not None:
+                    return
                 await asyncio.sleep(0.5)
                 continue
             for m in msgs:
                 self._on_ctl(m.subject, m.data)
                 try:
+                    self._last_seq[kind] = max(self._last_seq.get(kind, 0), m.metadata.sequence.stream)
+                except Exception:
+                    pass
+                try:
                     await m.ack()
                 except Exception:  # redelivered later; the pull book keeps one copy
                     pass
+
+    async def _check_consumer(self, kind: str, *, recreate: bool) -> bool:
+        """True when consumer `kind` is this generation's. Another generation's: this process was
+        superseded (fatal). Gone and `recreate`: made again (False: fetch again)."""
+        try:
+            exists, owner = await P.island_consumer_owner(self.js, self.run, self.island, kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # no answer now: hand the batch back, look again later
+            log.debug("island %s: CTL consumer info (%s): %r", self.island, kind, exc)
+            return False
+        if owner == self.gen:
+            return True
+        name = S.island_consumer(self.island, kind)
+        if exists:
+            self._counters["ctl_superseded"] += 1
+            self._fatal = Superseded(f"island {self.island}: generation {owner} (a newer process of this island) "
+                                     f"took over its CTL consumer {name}; this process (generation {self.gen}) "
+                                     f"stops")
+            log.error("%s", self._fatal)
+            return False
+        if recreate:
+            start = self._last_seq.get(kind, (self._hello_seq or 1) - 1) + 1
+            try:
+                await P.ensure_island_consumer(self.js, self.run, self.island, self.gen, kind, start, replace=False)
+                self._counters["ctl_consumer_recreated"] += 1
+                log.warning("island %s: CTL consumer %s was gone: made again from stream sequence %d",
+                            self.island, name, start)
+            except P.ConsumerTaken as exc:
+                self._fatal = Superseded(f"island {self.island}: generation {exc.owner} took over its CTL consumer "
+                                         f"{name}; this process (generation {self.gen}) stops")
+            except Exception as exc:
+                log.debug("island %s: re-creating CTL consumer %s: %r", self.island, name, exc)
+        return False
 
     def _on_ctl(self, subject: str, data: bytes) -> None:
         try:
@@ -628,10 +719,35 @@ class IslandClient:
 
     # Heartbeats and the step log.
 
+    async def _poll_final(self) -> None:
+        """The run's final record, handed to the training thread as a ("final", manifest) control
+        message while one is there (the syncer finished the run and exited: nobody sends this
+        process a manifest any more). Never raises."""
+        raw = None
+        try:
+            raw = await self._kv_get("state", FINAL_KEY)
+            if raw is None:
+                return
+            msg = self._decode_final(raw)
+        except WireError as exc:
+            if raw != self._bad_final:  # the same bad value, read again every few seconds, counts once
+                self._bad_final = raw
+                self._reject("final record in the state KV", exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - no answer now: look again later
+            log.debug("island %s: reading the final record: %r", self.island, exc)
+            return
+        self._counters["final_record_seen"] += 1
+        self.control.put(("final", msg))
+
     async def _heartbeat_loop(self) -> None:
         seq = 0
         period = self.config.heartbeat_s
+        final_at = time.monotonic() + FINAL_POLL_S
         while not self._closing:
+            if self.connected and time.monotonic() >= final_at:
+                final_at = time.monotonic() + FINAL_POLL_S
+                await self._poll_final()
             if self.connected:
                 msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen,
                                  local_step=self.local_step, step_time_s=self.step_time_s)
@@ -700,9 +816,9 @@ class IslandClient:
             except Exception:
                 pass
         self._subs.clear()
-        if self._consumer is not None and self.nc.is_connected:
-            try:  # this generation's consumer is garbage once the process ends
-                await self.js.delete_consumer(S.stream(self.run, "CTL"), self._consumer)
+        if self._consumers and self.nc.is_connected:
+            try:  # this generation's consumers are garbage once the process ends (a newer one's are not)
+                await asyncio.wait_for(P.remove_island_consumers(self.js, self.run, self.island, self.gen), 5.0)
             except Exception:
                 pass
         try:
@@ -726,5 +842,6 @@ __all__ = [
     "IslandUnhealthy",
     "NotConnected",
     "PublishHandle",
+    "Superseded",
     "SyncerRefused",
 ]

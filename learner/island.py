@@ -41,7 +41,7 @@ version digest (until #17 anyone on the bus may publish them); the cut is read a
 messages land.
 
 Decisions beyond DESIGN:
-* The island's CTL consumer delivers from its hello's stream timestamp (see IslandClient.provision).
+* The island's CTL consumers deliver from its hello's stream sequence (see IslandClient.provision).
 * The INIT island skips INIT when the state KV already holds `commit` (v0 exists: it is a restart),
   then waits up to `init_v0_timeout_s` for v0 of every fragment before its first step (its weights
   would be overwritten by v0 anyway); what has not landed by then overwrites at a boundary.
@@ -52,6 +52,12 @@ Decisions beyond DESIGN:
   while the island gathers the next ones (fragment k is on the wire while k+1 is gathered).
 * A fragment is fetched again only after a new notice for it (or a failed fetch): a reader that
   waits for a version still being published does not poll the broker.
+* A run that finished without this process (the syncer wrote its final record, state KV `final`, and
+  exited): found at start (INIT and the initial cut are skipped) or while training (the client
+  looks every few seconds), it is offered like a manifest — checked against FINAL's chunk headers,
+  then the f32 cut is installed, digests verified, at the next boundary — and the island stops:
+  `boundary()` returns False, no ack is sent and no shutdown awaited (nobody is left to send one);
+  the step-log event of that boundary carries `extra.final_after_run`. `run_finished` tells.
 """
 from __future__ import annotations
 
@@ -134,7 +140,9 @@ class Island(IslandWire):
         self.reader: CutReader | None = None
         self.local_step = 0
         self.should_stop = False
-        self.finalized = False  # the final cut is installed and acknowledged
+        self.finalized = False  # the final cut is installed (and acknowledged, unless run_finished)
+        self.run_finished = False  # the run had finished (syncer exited) when this island finalized
+        self._run_finished = False  # rank 0: the run's final record was seen
         self.final_step: int | None = None
         self._counters: Counter[str] = Counter()
         self._dirty: set[int] = set()  # fragments with BCAST notices since their last read
@@ -164,6 +172,8 @@ class Island(IslandWire):
         self.layout = IslandLayout(self.comm.all_gather(describe(self.adapter.shards())))
         dec = self._lead_or_follow(self._start_sync_rank)
         self.gen = dec["gen"]
+        if dec.get("run_finished") is not None:
+            self.run_finished = True  # the first boundary installs the final cut and returns False
         self._bytes_seen = Counter(self.comm.bytes)  # the step log counts per step from here
         self._started = True
         return self
@@ -184,7 +194,9 @@ class Island(IslandWire):
         if dec.get("final") is not None:
             # Every rank holds the final cut now: only then may the syncer hear it is installed.
             self.final_step = dec["final"]
-            if self.sync_rank:
+            if dec.get("after_run"):
+                self.run_finished = True  # the syncer has exited: nobody to acknowledge to
+            elif self.sync_rank:
                 self._ack_and_wait_shutdown(dec["final"])
             self.finalized = True
         if dec["stop"]:
@@ -311,6 +323,14 @@ class Island(IslandWire):
                  cfg.island, c.gen, self.world, session["session_fingerprint"][:12], len(self.frags),
                  session["push_dtype"], session["bulk_dtype"], session["sync_every"], session["init_island"])
         init = session["init_island"] == cfg.island
+        final = self._final_record()
+        if final is not None:
+            # The run is over: no INIT, no cut to wait for; the first boundary installs the final cut.
+            log.warning("island %s: run %s already finished at step %d (the syncer has exited): the final cut "
+                        "is installed at the first boundary, then the island stops", cfg.island, cfg.run,
+                        final["final_step"])
+            self._offer_final(final)
+            return {"gen": c.gen, "installed": [], "stop": False, "run_finished": final["final_step"]}
         if init:
             if c.state_key("commit") is None:
                 self._stream_init()
@@ -397,19 +417,45 @@ class Island(IslandWire):
             ta = time.perf_counter()
             self._install_final(stats)
             stats.apply_s += time.perf_counter() - ta
-            dec = {"final": self._manifest["final_step"], "stop": True}
+            dec = {"final": self._manifest["final_step"], "stop": True, "after_run": self._run_finished}
             versions = {str(k): v for k, v in self._manifest["versions"].items()}
+            if self._run_finished:
+                log.warning("island %s: the run had finished (the syncer has exited): final cut of step %d "
+                            "installed, stopping without an ack", self.config.island, self._manifest["final_step"])
         else:
             dec = {"final": None, "stop": self._shutdown is not None}
             versions = None
             if self._shutdown is not None:
                 log.warning("island %s: shutdown from the syncer: %s", self.config.island, self._shutdown["reason"])
-        self._emit(stats, loss, t0, versions)
+        self._emit(stats, loss, t0, versions, extra={"final_after_run": True, "final_step": dec["final"]}
+                   if dec.get("after_run") and dec["final"] is not None else None)
         return dec
+
+    def _final_record(self) -> dict | None:
+        """The run's final record (see the module doc) if the syncer left one; a bad one is refused."""
+        try:
+            return self.client.final_record()
+        except WireError as exc:
+            self._reject_ctl("final record in the state KV", exc)
+            return None
+
+    def _offer_final(self, msg: dict) -> None:
+        """The run's final record: the run is over. Offered like a manifest (verified against FINAL)."""
+        self._run_finished = True
+        try:
+            self._check_manifest(msg)
+        except WireError as exc:
+            self._reject_ctl(f"final record for final step {msg.get('final_step')}", exc)
+            return
+        cur = self._offered
+        if self._manifest is None and (cur is None or msg["final_step"] > cur[0]["final_step"]):
+            self._offered = (msg, time.monotonic())
 
     def _read_control(self) -> None:
         for kind, msg in self.client.control.drain():
-            if kind == "manifest":
+            if kind == "final":
+                self._offer_final(msg)
+            elif kind == "manifest":
                 try:
                     self._check_manifest(msg)
                 except WireError as exc:
@@ -583,6 +629,11 @@ class Island(IslandWire):
             self._read_control()
             if self._shutdown is not None:
                 break
+            if self._run_finished:
+                # The syncer wrote the run's final record and exited: no shutdown will come.
+                log.warning("island %s: the syncer has exited (final record): not waiting for a shutdown",
+                            self.config.island)
+                return
             if time.monotonic() >= resend_at:
                 # A syncer killed after our ack but before it recorded it would, once resumed, wait for
                 # this ack until its final timeout: say it again until the shutdown comes (duplicates are
@@ -602,7 +653,8 @@ class Island(IslandWire):
 
     # step log
 
-    def _emit(self, stats: _Stats, loss: float | None, t0: float, versions: dict | None) -> None:
+    def _emit(self, stats: _Stats, loss: float | None, t0: float, versions: dict | None,
+              extra: dict | None = None) -> None:
         stats.rejected += self._ctl_rejected
         self._ctl_rejected = 0
         client_rejected = self.client.rejected_total()
@@ -617,7 +669,7 @@ class Island(IslandWire):
             apply_s=stats.apply_s, pushes=stats.pushes, applies=stats.applies, bytes_out=stats.bytes_out,
             bytes_in=stats.bytes_in, scatter_bytes=moved["scatter"], gather_bytes=moved["gather"],
             versions=self.state.versions() if versions is None else versions,
-            pending_pulls=self.book.pending(), rejected=rejected, loss=loss)
+            pending_pulls=self.book.pending(), rejected=rejected, loss=loss, extra=extra)
 
 
 __all__ = ["Island", "LockstepTimeout"]

@@ -22,8 +22,8 @@ Rules, and why:
   it no longer names it (our slot was given to another generation of the island id) the held copy is
   dropped.
 * **Generations across a restart** (the case the original design left open). A restarted learner is a
-  new process with a new generation and a fresh book, and its durable consumer `isl-I-<gen>` delivers
-  pulls from its admission on; the pulls it may see for a round it belonged to before the restart are
+  new process with a new generation and a fresh book, and its durable consumer `pull-I` (made anew for it) delivers
+  pulls from its hello on; the pulls it may see for a round it belonged to before the restart are
   (a) the attempt still naming the old generation (published before the syncer noticed the restart):
   it only raises the round's (attempt, seq) high-water mark and is not queued, so it cannot occupy the
   round's slot; (b) the syncer's re-publication of that attempt with seq + 1 naming the new

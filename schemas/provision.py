@@ -9,7 +9,8 @@ Who does what:
   change what islands see mid-run. Every conflict is found before anything is created, so a
   conflicting start leaves the server exactly as it found it.
 * an **island** calls `check_run` (waits, polling, until every stream and bucket exists; never creates
-  one) and then `ensure_island_consumers` for its own durable consumer on CTL.
+  one) and then `ensure_island_consumers` for its own two durable consumers on CTL (pulls, and
+  messages to it), replacing those of its previous generation.
 * `remove_run` backs `yeto run rm R`.
 
 Consumers are **durable pull consumers**, all of them (the island's cut reader, an ordered consumer, is
@@ -63,9 +64,9 @@ SYNCER_CTL_ACK_WAIT_S = 30.0
 SYNCER_INIT_ACK_WAIT_S = 60.0
 SYNCER_PUSH_ACK_WAIT_S = 30.0
 ISLAND_ACK_WAIT_S = 30.0
-# An island's consumer of a generation nobody fetches from for this long is removed by the server
-# (a restarted island has a new generation, so the old consumer is garbage; `cleanup_island_consumers`
-# removes it sooner). Long enough that an island in a slow step or a network outage keeps its place.
+# An island's consumer nobody fetches from for this long is removed by the server (an island that
+# never comes back). Long enough that an island in a slow step or a network outage keeps its place; a
+# restarted island replaces its consumers at once (ensure_island_consumers).
 ISLAND_INACTIVE_S = DAY
 
 # JetStream error codes used here.
@@ -303,32 +304,37 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True) -> dict
 
 
 def island_consumer_config(
-    run: str, island: str, gen: str, admitted_at: float | None = None,
+    run: str, island: str, gen: str, kind: str, start_seq: int | None = None,
     *, ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
 ) -> api.ConsumerConfig:
-    """Island I's durable pull consumer of generation `gen` on CTL: pulls and messages to I only.
+    """Island I's durable pull consumer `kind` on CTL, owned by generation `gen`: "pull" (named
+    `pull-I`, filter `ctl.pull`) or "to" (named `isl-I`, filter `ctl.to.I`). See subjects.py for why
+    the names are fixed and each has one filter subject.
 
-    Delivers from `admitted_at` (epoch seconds) when given — pulls before the island's admission
-    were never meant for it — else everything the stream still holds.
+    Delivers from stream sequence `start_seq` when given (the island's hello: nothing stored before
+    it can be meant for this generation), else everything the stream still holds. The owning
+    generation is in the metadata (`S.ISLAND_GEN_KEY`).
     """
-    name = S.island_pull_consumer(island, check_gen(gen))
+    name = S.island_consumer(island, kind)
+    check_gen(gen)
     kw: dict[str, Any] = {}
-    if admitted_at is not None:
-        if isinstance(admitted_at, bool) or not isinstance(admitted_at, (int, float)) or not math.isfinite(admitted_at) or admitted_at <= 0:
-            raise WireError("must be a positive epoch time in seconds", field="admitted_at", value=admitted_at, code="bad_limit")
-        kw["deliver_policy"] = api.DeliverPolicy.BY_START_TIME
-        kw["opt_start_time"] = _dt.datetime.fromtimestamp(float(admitted_at), tz=_dt.timezone.utc)
+    if start_seq is not None:
+        if isinstance(start_seq, bool) or not isinstance(start_seq, int) or start_seq <= 0:
+            raise WireError("must be a positive stream sequence", field="start_seq", value=start_seq, code="bad_limit")
+        kw["deliver_policy"] = api.DeliverPolicy.BY_START_SEQUENCE
+        kw["opt_start_seq"] = start_seq
     else:
         kw["deliver_policy"] = api.DeliverPolicy.ALL
     return api.ConsumerConfig(
         name=name,
         durable_name=name,
-        description=f"yeto run {run}: island {island} gen {gen} pulls and messages",
+        description=f"yeto run {run}: island {island} gen {gen} " + ("pulls" if kind == "pull" else "messages to it"),
         ack_policy=api.AckPolicy.EXPLICIT,
-        filter_subjects=S.island_ctl_filters(run, island),
+        filter_subject=S.island_consumer_filter(run, island, kind),
         ack_wait=float(ack_wait_s),
         max_deliver=-1,
         inactive_threshold=float(inactive_s),
+        metadata={S.ISLAND_GEN_KEY: gen},
         **kw,
     )
 
@@ -632,69 +638,110 @@ async def check_run(
         await asyncio.sleep(sleep)
 
 
-async def ensure_island_consumers(
-    js, run: str, island: str, gen: str, admitted_at: float | None = None,
-    *, ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
-) -> ProvisionReport:
-    """Island I's durable pull consumer `isl-I-<gen>` on CTL (ctl.pull + ctl.to.I); idempotent.
+class ConsumerTaken(ProvisionError):
+    """Another generation of the island owns the consumer (this process was superseded)."""
 
-    An existing consumer of that name keeps its position (its start time is not compared); one with
-    other filters raises ProvisionConflict. Bind to it with
-    `js.pull_subscribe_bind(island_pull_consumer(I, gen), stream=stream(run, "CTL"))`.
+    def __init__(self, name: str, owner: str | None):
+        self.name, self.owner = name, owner
+        super().__init__(f"consumer {name} belongs to generation {owner} of this island")
+
+
+def consumer_owner(info: api.ConsumerInfo | None) -> str | None:
+    """The generation that owns an island consumer (its metadata), None when absent or unmarked."""
+    if info is None:
+        return None
+    return (info.config.metadata or {}).get(S.ISLAND_GEN_KEY)
+
+
+async def island_consumer_owner(js, run: str, island: str, kind: str) -> tuple[bool, str | None]:
+    """(exists, owning generation) of island I's consumer `kind`. Raises on no answer."""
+    info = await _consumer_info(js, S.stream(run, "CTL"), S.island_consumer(island, kind))
+    return info is not None, consumer_owner(info)
+
+
+# Tries of one consumer's (delete,) create: another process of the island may be doing the same.
+ISLAND_CONSUMER_TRIES = 5
+
+
+async def ensure_island_consumer(
+    js, run: str, island: str, gen: str, kind: str, start_seq: int | None = None, *, replace: bool = True,
+    ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
+    report: ProvisionReport | None = None,
+) -> ProvisionReport:
+    """Make island I's consumer `kind` one of generation `gen` (see island_consumer_config).
+
+    Kept as it is when `gen` owns it already (its position too). Owned by another generation (an
+    earlier process of the island): deleted and created anew when `replace` (a new process takes
+    over), else ConsumerTaken (this process was superseded and must not take it back). A concurrent
+    creator is retried a few times. Bind to it with
+    `js.pull_subscribe_bind(S.island_consumer(I, kind), stream=stream(run, "CTL"))`.
     """
     _check_run_id(run)
+    cfg = island_consumer_config(run, island, gen, kind, start_seq, ack_wait_s=ack_wait_s, inactive_s=inactive_s)
+    report = report or ProvisionReport(run)
+    ctl = S.stream(run, "CTL")
+    what = f"consumer {ctl}/{cfg.name}"
+    last: Exception | None = None
+    for _ in range(ISLAND_CONSUMER_TRIES):
+        info = await _consumer_info(js, ctl, cfg.name)
+        if info is not None:
+            owner = consumer_owner(info)
+            if owner == gen:
+                conflicts = [(what, ctl, f, e, w) for f, e, w in config_conflicts(info.config, cfg, "consumer")
+                             if f != "deliver_policy"]  # its start is where it was created; it kept its place
+                if conflicts:
+                    raise ProvisionConflict(run, conflicts)
+                report.existing.append(what)
+                return report
+            if not replace:
+                raise ConsumerTaken(cfg.name, owner)
+            try:
+                await js.delete_consumer(ctl, cfg.name)
+            except NotFoundError:
+                pass
+        try:
+            await js.add_consumer(ctl, config=cfg)
+        except APIError as exc:  # created meanwhile by another process: look again
+            last = exc
+            continue
+        report.created.append(what)
+        return report
+    raise _server_refused(what, last) if last is not None else ProvisionError(f"creating {what} failed")
+
+
+async def ensure_island_consumers(
+    js, run: str, island: str, gen: str, start_seq: int | None = None,
+    *, ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
+) -> ProvisionReport:
+    """Both of island I's consumers on CTL (`pull-I` and `isl-I`) for generation `gen`, replacing
+    an earlier generation's (see ensure_island_consumer)."""
+    _check_run_id(run)
     check_island(island)
-    cfg = island_consumer_config(run, island, gen, admitted_at, ack_wait_s=ack_wait_s, inactive_s=inactive_s)
-    report = ProvisionReport(run)
     ctl = S.stream(run, "CTL")
     if await _stream_info(js, ctl) is None:
         raise RunNotProvisioned(run, [f"stream {ctl}"], 0.0)
-    await _ensure_consumers(js, run, [(ctl, cfg)], report)
+    report = ProvisionReport(run)
+    for kind in S.ISLAND_CONSUMER_KINDS:
+        await ensure_island_consumer(js, run, island, gen, kind, start_seq, ack_wait_s=ack_wait_s,
+                                     inactive_s=inactive_s, report=report)
     return report
 
 
-async def _consumer_names(js, stream: str) -> list[str]:
-    names, offset = [], 0
-    while True:
-        page = await js.consumers_info(stream, offset=offset)
-        names += [c.name for c in page]
-        offset += len(page)
-        if not page or len(page) < 256:  # the server's page size
-            return names
-
-
-async def cleanup_island_consumers(js, run: str, island: str, keep_gen: str | None) -> list[str]:
-    """Delete island I's CTL consumers of every generation but `keep_gen` (None: all); return names.
-
-    Only names `isl-I-<16 hex>` match, so island `a` never touches island `a-b`'s consumers.
-    """
-    _check_run_id(run)
-    check_island(island)
-    if keep_gen is not None:
-        check_gen(keep_gen, "keep_gen")
+async def remove_island_consumers(js, run: str, island: str, gen: str) -> list[str]:
+    """Delete island I's consumers that generation `gen` owns (never a later generation's); return
+    their names."""
     ctl = S.stream(run, "CTL")
-    prefix = S.island_pull_consumer(island, "")
-    deleted = []
-    try:
-        names = await _consumer_names(js, ctl)
-    except NotFoundError:
-        return deleted
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        gen = name[len(prefix):]
-        try:
-            check_gen(gen)
-        except WireError:
-            continue
-        if gen == keep_gen:
+    gone = []
+    for kind in S.ISLAND_CONSUMER_KINDS:
+        name = S.island_consumer(island, kind)
+        if consumer_owner(await _consumer_info(js, ctl, name)) != gen:
             continue
         try:
             await js.delete_consumer(ctl, name)
-            deleted.append(name)
-        except NotFoundError:  # removed meanwhile (inactive threshold, a concurrent cleanup)
+            gone.append(name)
+        except NotFoundError:
             pass
-    return deleted
+    return gone
 
 
 async def remove_run(js, run: str) -> list[str]:

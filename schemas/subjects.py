@@ -68,8 +68,37 @@ SYNCER_INIT_CONSUMER = "syncer-init"
 SYNCER_PUSH_CONSUMER = "syncer-push"
 
 
-def island_pull_consumer(island: str, gen: str) -> str:
-    return f"isl-{check_island(island)}-{gen}"
+# An island's two durable consumers on CTL have fixed names, one per island, and one filter subject
+# each: nats-py then creates them on `$JS.API.CONSUMER.CREATE.<CTL>.<name>.<filter>`, and the server
+# refuses a config whose name or filter differs from those tokens. So the subject names both, and the
+# permissions of `yeto auth init` can confine an island to its own two consumers and their filters
+# (services/auth.py). A new generation replaces them (schemas.provision.ensure_island_consumers); the
+# generation that owns one is in its metadata (`ISLAND_GEN_KEY`). The prefixes differ, so no island
+# id can make one island's name equal another's (`isl-x` never equals `pull-y`).
+ISLAND_GEN_KEY = "yeto_gen"
+ISLAND_CONSUMER_KINDS = ("pull", "to")
+
+
+def island_pull_consumer(island: str) -> str:
+    """Island I's consumer of the pulls (`ctl.pull`, the same for every island)."""
+    return f"pull-{check_island(island)}"
+
+
+def island_to_consumer(island: str) -> str:
+    """Island I's consumer of the messages to it (`ctl.to.I`: manifest, error, shutdown)."""
+    return f"isl-{check_island(island)}"
+
+
+def island_consumer(island: str, kind: str) -> str:
+    if kind not in ISLAND_CONSUMER_KINDS:
+        raise ValueError(f"unknown island consumer kind {kind!r}; one of {ISLAND_CONSUMER_KINDS}")
+    return island_pull_consumer(island) if kind == "pull" else island_to_consumer(island)
+
+
+def island_consumer_filter(run: str, island: str, kind: str) -> str:
+    if kind not in ISLAND_CONSUMER_KINDS:
+        raise ValueError(f"unknown island consumer kind {kind!r}; one of {ISLAND_CONSUMER_KINDS}")
+    return pull(run) if kind == "pull" else to_island(run, island)
 
 
 # ---- subjects -------------------------------------------------------------------------------------

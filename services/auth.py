@@ -28,8 +28,16 @@ info / delete / list / next, acks `$JS.ACK.<stream>.>`, flow control of ordered 
 `$JS.FC.<stream>.>`, KV writes `$KV.<bucket>.<key>`; replies come on the key's own inbox prefix
 `_INBOX_<public key>.>` (schemas/conn.py sets it when it connects with a seed).
 
-NATS wildcards match whole tokens only, and a consumer name is one token; so rules can name a stream
-(hence a run) exactly, but not "consumers whose name starts with isl-a-". See `KNOWN_GAPS`.
+NATS wildcards match whole tokens only, and a consumer name is one token: so an island's consumers on
+CTL have fixed names, `pull-I` (filter `ctl.pull`) and `isl-I` (filter `ctl.to.I`), one filter subject
+each, which nats-py puts in the create subject `$JS.API.CONSUMER.CREATE.<CTL>.<name>.<filter>`. The
+server takes the consumer's name from that subject and refuses a config whose filter differs from it
+(checked in tests/test_auth_permissions.py), so the rules name both exactly: island b can neither
+create, read from, ack on, inspect nor delete island a's consumers, nor make one of its own that reads
+a's messages. The unnamed create `$JS.API.CONSUMER.CREATE.<stream>` is never allowed on CTL: the
+server accepts a `name` in its body there, and would create or reshape any consumer by that name.
+An island has no message read on CTL at all (its consumers start at its hello's sequence, taken from
+the PubAck).
 """
 from __future__ import annotations
 
@@ -54,11 +62,7 @@ TLS_DIR = "tls"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
 # What the server cannot tell apart today, said once so the README and the report quote the same text.
-KNOWN_GAPS = (
-    "An island's CTL consumer is named isl-<island>-<gen> with a random gen, and NATS permissions match "
-    "whole tokens only: the rules can confine an island's consumer operations to the run's CTL stream, "
-    "not to its own consumers on it. A per-island consumer name (one token the rules can name) closes this.",
-)
+KNOWN_GAPS: tuple[str, ...] = ()
 
 
 class AuthError(ValueError):
@@ -114,16 +118,23 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
             pub.append(f"{r}.init.*")
         # check_run: every stream and bucket of the run must exist
         pub += [f"{API}.STREAM.INFO.{s}" for s in st.values()]
-        # its CTL consumer (create / bind / fetch / ack / remove older generations); the hello read back by seq
-        pub += [f"{API}.STREAM.MSG.GET.{ctl}", f"{API}.CONSUMER.CREATE.{ctl}.*", f"{API}.CONSUMER.DURABLE.CREATE.{ctl}.*",
-                f"{API}.CONSUMER.INFO.{ctl}.*", f"{API}.CONSUMER.DELETE.{ctl}.*", f"{API}.CONSUMER.LIST.{ctl}",
-                f"{API}.CONSUMER.NAMES.{ctl}", f"{API}.CONSUMER.MSG.NEXT.{ctl}.*", f"$JS.ACK.{ctl}.>"]
+        # its two CTL consumers, by name and (in the create subject) filter: create / replace an
+        # earlier generation's, inspect (who owns it), fetch, ack / nak, delete. Nothing else on CTL.
+        for kind in S.ISLAND_CONSUMER_KINDS:
+            c = S.island_consumer(name, kind)
+            pub += [f"{API}.CONSUMER.CREATE.{ctl}.{c}.{S.island_consumer_filter(run, name, kind)}",
+                    f"{API}.CONSUMER.INFO.{ctl}.{c}", f"{API}.CONSUMER.DELETE.{ctl}.{c}",
+                    f"{API}.CONSUMER.MSG.NEXT.{ctl}.{c}", f"$JS.ACK.{ctl}.{c}.>"]
         # the current cut and the final cut (ordered consumers, chunk reads), the session record
         pub += _read_stream(st["BCAST"]) + _read_stream(st["FINAL"]) + _read_stream(st["kv_state"])
         # Reading another island's push (its data's update) or forging one through a consumer is out.
         deny_pub = list(_NEVER_FOR_CLIENTS) + [f"{API}.CONSUMER.*.{st['PUSH']}.>", f"{API}.CONSUMER.*.{st['PUSH']}",
                                                f"{API}.DIRECT.GET.{st['PUSH']}", f"{API}.DIRECT.GET.{st['PUSH']}.>",
-                                               f"{API}.STREAM.MSG.GET.{st['PUSH']}"]
+                                               f"{API}.STREAM.MSG.GET.{st['PUSH']}",
+                                               # CTL's messages are read through its own consumers only
+                                               f"{API}.CONSUMER.CREATE.{ctl}", f"{API}.CONSUMER.DURABLE.CREATE.{ctl}.>",
+                                               f"{API}.STREAM.MSG.GET.{ctl}", f"{API}.DIRECT.GET.{ctl}",
+                                               f"{API}.DIRECT.GET.{ctl}.>"]
         if name != init_island:
             deny_pub.append(f"{r}.init.>")
     elif role == "syncer":

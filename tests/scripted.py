@@ -81,9 +81,10 @@ class ScriptedIsland:
         self.session: dict | None = None
 
     async def connect_consumer(self) -> None:
+        """The island's two CTL consumers (pulls, messages to it), taken over by this generation."""
         await ensure_island_consumers(self.js, self.run, self.island, self.gen)
-        self.sub = await self.js.pull_subscribe_bind(S.island_pull_consumer(self.island, self.gen),
-                                                     stream=S.stream(self.run, "CTL"))
+        self.sub = [await self.js.pull_subscribe_bind(S.island_consumer(self.island, kind), stream=S.stream(self.run, "CTL"))
+                    for kind in S.ISLAND_CONSUMER_KINDS]
 
     async def new_generation(self) -> None:
         self.gen = new_generation()
@@ -148,11 +149,16 @@ class ScriptedIsland:
     async def messages(self, timeout: float = 1.0) -> list[tuple[str, dict]]:
         """Everything on this island's consumer (pulls and to-island messages), decoded."""
         out = []
-        try:
-            msgs = await self.sub.fetch(50, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return out
-        for m in msgs:
+
+        async def fetch(sub):
+            try:
+                return await sub.fetch(50, timeout=timeout)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return []
+
+        got = await asyncio.gather(*(fetch(sub) for sub in self.sub))
+        # both consumers read one stream: its order is the order the syncer sent them in
+        for m in sorted((m for batch in got for m in batch), key=lambda m: m.metadata.sequence.stream):
             await m.ack()
             out.append(codec.decode_typed(m.data, allowed=("pull", "manifest", "error", "shutdown")))
         return out

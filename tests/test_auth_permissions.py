@@ -198,7 +198,8 @@ async def test_a_killed_island_restarts_through_the_secured_broker(secured, tmp_
         commit = await kv_json(js, run, "commit")
         sync = await secured.conn("restart", "syncer")
         try:
-            left = [c.name for c in await sync.jetstream(timeout=10).consumers_info(S.stream(run, "CTL"))]
+            left = {c.name: (c.config.metadata or {}).get(S.ISLAND_GEN_KEY)
+                    for c in await sync.jetstream(timeout=10).consumers_info(S.stream(run, "CTL"))}
         finally:
             await sync.close()
     finally:
@@ -206,9 +207,12 @@ async def test_a_killed_island_restarts_through_the_secured_broker(secured, tmp_
             p.stop()
         await obs.close()
     assert commit["committed_step"] == ROUNDS
-    # the killed generation's consumer was removed by the new one (island rules allow that on CTL)
+    # the killed generation's consumers were taken over by the new one (the island rules allow that on
+    # its own two names), which removed them when it finished
     (old_gen,) = {r["gen"] for r in b1.steplog_rows()}
-    assert S.island_pull_consumer("b", old_gen) not in left, left
+    (new_gen,) = {r["gen"] for r in b2.steplog_rows()}
+    assert old_gen != new_gen and old_gen not in left.values(), left
+    assert not any(n.endswith("-b") or n.endswith("-a") for n in left), left
     assert secured.server_violations()[before:] == []
 
 
@@ -394,20 +398,111 @@ async def test_island_cannot_delete_or_purge_a_stream_a_message_or_write_kv(prov
         await syncer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN GAP (services/auth.py KNOWN_GAPS): island consumers are named "
-                   "isl-<island>-<random gen> and NATS permissions match whole tokens only")
-async def test_island_cannot_create_a_consumer_named_as_another_islands(provisioned):
+async def test_island_cannot_create_use_or_delete_another_islands_consumers(provisioned):
+    """Issue 17 gap (a): an island's CTL consumers have fixed names (`pull-I`, `isl-I`) with their
+    filter in the create subject, so the rules name them: island b cannot create, fetch from, ack on,
+    inspect or delete island a's; island a can (positive control, same calls)."""
     s = provisioned
     run = s.runs["r1"]
-    b_err = []
+    ctl = S.stream(run, "CTL")
+    a_err, b_err = [], []
+    syncer = await s.conn("r1", "syncer")
+    a = await s.conn("r1", "a", a_err)
     b = await s.conn("r1", "b", b_err)
     try:
-        cfg = island_consumer_config(run, "a", GEN)
-        ctl = S.stream(run, "CTL")
-        await _api_refused(b_err, b.jetstream(timeout=REFUSED_TIMEOUT).add_consumer(ctl, config=cfg),
-                           f"$JS.API.CONSUMER.CREATE.{ctl}.{cfg.name}")
+        ajs, bjs = a.jetstream(timeout=5), b.jetstream(timeout=REFUSED_TIMEOUT)
+        sent = await syncer.jetstream(timeout=5).publish(S.to_island(run, "a"), b"to a", headers={S.MSG_ID: "t-to-a"})
+        for kind in S.ISLAND_CONSUMER_KINDS:
+            cfg = island_consumer_config(run, "a", GEN, kind, start_seq=sent.seq)
+            name, filt = cfg.name, cfg.filter_subject
+            await _api_refused(b_err, bjs.add_consumer(ctl, config=cfg), f"$JS.API.CONSUMER.CREATE.{ctl}.{name}.{filt}")
+            info = await ajs.add_consumer(ctl, config=cfg)  # positive control
+            assert info.name == name and info.config.metadata[S.ISLAND_GEN_KEY] == GEN
+            await _api_refused(b_err, bjs.consumer_info(ctl, name), f"$JS.API.CONSUMER.INFO.{ctl}.{name}")
+            sub = await b.jetstream(timeout=REFUSED_TIMEOUT).pull_subscribe_bind(name, stream=ctl)
+            with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+                await sub.fetch(1, timeout=REFUSED_TIMEOUT)
+            await _violation(b_err, "publish", f"$JS.API.CONSUMER.MSG.NEXT.{ctl}.{name}")
+            await _api_refused(b_err, bjs.delete_consumer(ctl, name), f"$JS.API.CONSUMER.DELETE.{ctl}.{name}")
+            assert (await ajs.consumer_info(ctl, name)).name == name  # still there
+        # a fetches its message; b cannot ack (or nak) it on a's consumer, a can
+        sub = await ajs.pull_subscribe_bind(S.island_to_consumer("a"), stream=ctl)
+        (m,) = await sub.fetch(1, timeout=5)
+        assert m.data == b"to a" and m.reply.startswith(f"$JS.ACK.{ctl}.isl-a.")
+        await _pub_refused(b, b_err, m.reply, b"+ACK")
+        await m.ack()
+        await a.flush()
+        assert a_err == []
+        for kind in S.ISLAND_CONSUMER_KINDS:
+            assert await ajs.delete_consumer(ctl, S.island_consumer("a", kind))
     finally:
-        await b.close()
+        for c in (a, b, syncer):
+            await c.close()
+
+
+async def test_island_b_cannot_read_island_a_control_messages(provisioned):
+    """Issue 17 gap (e): no island reads CTL but through its own consumers (it needs no read back of its
+    hello: its consumers start at the hello's sequence, from the PubAck), and the server holds a
+    consumer to the filter its create subject names. Every way b tries to read a message to island a
+    is refused; a reads it (positive control)."""
+    s = provisioned
+    run = s.runs["r1"]
+    ctl = S.stream(run, "CTL")
+    syncer = await s.conn("r1", "syncer")
+    a_err, b_err = [], []
+    a = await s.conn("r1", "a", a_err)
+    b = await s.conn("r1", "b", b_err)
+    try:
+        secret = codec.encode("shutdown", codec.make("shutdown", run=run, gen=GEN, reason="for a only"))
+        ack = await syncer.jetstream(timeout=5).publish(S.to_island(run, "a"), secret, headers={S.MSG_ID: "t-secret-a"})
+        bjs = b.jetstream(timeout=REFUSED_TIMEOUT)
+        to_a = S.to_island(run, "a")
+        # the stream by sequence or by subject
+        await _api_refused(b_err, bjs.get_msg(ctl, seq=ack.seq), f"$JS.API.STREAM.MSG.GET.{ctl}")
+        await _api_refused(b_err, bjs.get_msg(ctl, seq=ack.seq, direct=True), f"$JS.API.DIRECT.GET.{ctl}")
+        await _api_refused(b_err, bjs.get_msg(ctl, subject=to_a, direct=True), f"$JS.API.DIRECT.GET.{ctl}.{to_a}")
+        await _api_refused(b_err, bjs.get_last_msg(ctl, to_a), f"$JS.API.STREAM.MSG.GET.{ctl}")
+        # a consumer of its own name on a's subject, an unnamed (ordered) one, a legacy durable one
+        mine = island_consumer_config(run, "b", GEN, "to").evolve(filter_subject=to_a)
+        await _api_refused(b_err, bjs.add_consumer(ctl, config=mine), f"$JS.API.CONSUMER.CREATE.{ctl}.isl-b.{to_a}")
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await bjs.subscribe(to_a, stream=ctl, ordered_consumer=True)
+        await _violation(b_err, "publish", f"$JS.API.CONSUMER.CREATE.{ctl}")
+        await _api_refused(b_err, bjs.add_consumer(ctl, config=api.ConsumerConfig(durable_name="isl-b", filter_subject=to_a)),
+                           f"$JS.API.CONSUMER.CREATE.{ctl}.isl-b.{to_a}")
+        # the server's own checks the rules rely on: on b's own create subject, the config's filter
+        # must be the subject's (one filter only), and the consumer gets the subject's name
+        own = f"$JS.API.CONSUMER.CREATE.{ctl}.isl-b.{S.to_island(run, 'b')}"
+
+        async def create(body: dict) -> dict:
+            r = await b.request(own, json.dumps({"stream_name": ctl, "config": {"ack_policy": "explicit", **body}}).encode(),
+                                timeout=5)
+            return json.loads(r.data)
+
+        assert (await create({"name": "isl-b", "filter_subject": to_a}))["error"]["err_code"] == 10131
+        assert (await create({"name": "isl-b", "filter_subjects": [S.to_island(run, "b"), to_a]}))["error"]["err_code"] == 10137
+        made = await create({"name": "isl-a", "filter_subject": S.to_island(run, "b")})
+        assert made["name"] == "isl-b", made
+        sjs = syncer.jetstream(timeout=5)
+        with pytest.raises(NotFoundError):
+            await sjs.consumer_info(ctl, "isl-a")
+        await sjs.delete_consumer(ctl, "isl-b")
+        # a plain subscription to a's subject
+        await b.subscribe(to_a)
+        await b.flush()
+        await _violation(b_err, "subscription", to_a)
+        # positive control: a reads it through its own consumer
+        ajs = a.jetstream(timeout=5)
+        await ajs.add_consumer(ctl, config=island_consumer_config(run, "a", GEN, "to", start_seq=ack.seq))
+        sub = await ajs.pull_subscribe_bind(S.island_to_consumer("a"), stream=ctl)
+        (m,) = await sub.fetch(1, timeout=5)
+        assert m.data == secret
+        await m.ack()
+        await ajs.delete_consumer(ctl, S.island_to_consumer("a"))
+        assert a_err == []
+    finally:
+        for c in (a, b, syncer):
+            await c.close()
 
 
 async def test_island_cannot_read_or_consume_other_islands_pushes(provisioned):
@@ -427,10 +522,11 @@ async def test_island_cannot_read_or_consume_other_islands_pushes(provisioned):
         cfg = api.ConsumerConfig(name="peek", filter_subject=S.push(run, "a", 1))
         await _api_refused(b_err, bjs.add_consumer(push, config=cfg),
                            f"$JS.API.CONSUMER.CREATE.{push}.peek.{S.push(run, 'a', 1)}")
-        # positive control: b creates its own generation's CTL consumer
-        own = island_consumer_config(run, "b", GEN)
+        # positive control: b creates its own CTL consumer
+        own = island_consumer_config(run, "b", GEN, "pull")
         info = await bjs.add_consumer(S.stream(run, "CTL"), config=own)
         assert info.name == own.name
+        await bjs.delete_consumer(S.stream(run, "CTL"), own.name)
     finally:
         await a.close()
         await b.close()

@@ -86,15 +86,17 @@ async def test_hello_and_heartbeats_arrive_valid_with_one_generation(js, run_id,
     assert beats[-1][0]["local_step"] == 5 and beats[-1][0]["step_time_s"] == 0.125
     assert len({mid for _, mid in beats}) == len(beats)  # one Nats-Msg-Id per heartbeat
 
-    # This generation's CTL consumer delivers from the hello on, and goes away with the client.
-    name = S.island_pull_consumer(ISLAND, c.gen)
-    info = await js.consumer_info(S.stream(run_id, "CTL"), name)
-    assert info.config.deliver_policy == api.DeliverPolicy.BY_START_TIME
-    gen = c.gen
+    # The island's CTL consumers are this generation's, deliver from the hello on (its stream
+    # sequence: the hello is the first message of CTL here), and go away with the client.
+    for kind in S.ISLAND_CONSUMER_KINDS:
+        info = await js.consumer_info(S.stream(run_id, "CTL"), S.island_consumer(ISLAND, kind))
+        assert info.config.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE and info.config.opt_start_seq == 1
+        assert info.config.metadata[S.ISLAND_GEN_KEY] == c.gen
     await asyncio.to_thread(c.close)
     assert c.counters["disconnects"] == 0  # its own close is not a lost connection
-    with pytest.raises(NotFoundError):
-        await js.consumer_info(S.stream(run_id, "CTL"), S.island_pull_consumer(ISLAND, gen))
+    for kind in S.ISLAND_CONSUMER_KINDS:
+        with pytest.raises(NotFoundError):
+            await js.consumer_info(S.stream(run_id, "CTL"), S.island_consumer(ISLAND, kind))
 
 
 async def test_control_messages_are_routed_by_kind_subject_and_generation(js, run_id, nats_url, clients):
@@ -131,6 +133,82 @@ async def test_control_messages_are_routed_by_kind_subject_and_generation(js, ru
     with pytest.raises(SyncerRefused, match="layout_mismatch"):
         c.check_health()
     assert c.counters["rejected.no_gen"] == 2
+
+
+async def test_a_newer_generation_takes_the_consumers_and_the_older_process_stops_without_stealing(
+        js, run_id, nats_url, clients):
+    """The island's CTL consumers have fixed names (so the server's permissions can name them): a new
+    process of the island replaces them. An older process still alive must neither read nor ack the
+    new generation's messages: it hands back what it fetched and stops (Superseded), and its close
+    leaves the new generation's consumers in place."""
+    from learner.client import Superseded
+
+    old = await provisioned(clients, run_id, nats_url)
+    new = await provisioned(clients, run_id, nats_url)
+    assert old.gen != new.gen
+    pull = dict(fragment=0, step=1, attempt=1, seq=0, base_version=0, members=[{"island": ISLAND, "gen": new.gen}])
+    for step in (1, 2, 3):
+        await js.publish(S.pull(run_id), codec.encode("pull", codec.make("pull", run=run_id, **dict(pull, step=step))),
+                         headers={S.MSG_ID: f"p{step}"})
+    shutdown = codec.make("shutdown", run=run_id, reason="the end", gen=new.gen)
+    await js.publish(S.to_island(run_id, ISLAND), codec.encode("shutdown", shutdown), headers={S.MSG_ID: "s"})
+    await until(lambda: len(new.pulls) >= 3 and len(new.control) >= 1, what="the new generation's messages")
+    await asyncio.sleep(0.5)  # a copy that should not come has its chance
+    # all of them, once (one the old process fetched and handed back comes after the others)
+    assert sorted(p["step"] for p in new.pulls.drain()) == [1, 2, 3]
+    assert [k for k, _ in new.control.drain()] == ["shutdown"]
+    await until(lambda: old._fatal is not None, what="the old process noticing", timeout=20)
+    with pytest.raises(Superseded, match=new.gen):
+        old.check_health()
+    assert len(old.pulls) == 0 and len(old.control) == 0 and old.counters["ctl_superseded"] >= 1
+    await asyncio.to_thread(old.close)
+    for kind in S.ISLAND_CONSUMER_KINDS:
+        info = await js.consumer_info(S.stream(run_id, "CTL"), S.island_consumer(ISLAND, kind))
+        assert info.config.metadata[S.ISLAND_GEN_KEY] == new.gen
+    new.check_health()
+
+
+async def test_a_consumer_removed_under_the_island_is_made_again_without_losing_or_repeating(
+        js, run_id, nats_url, clients):
+    c = await provisioned(clients, run_id, nats_url)
+    pull = dict(fragment=0, step=1, attempt=1, seq=0, base_version=0, members=[{"island": ISLAND, "gen": c.gen}])
+
+    async def send(step):
+        await js.publish(S.pull(run_id), codec.encode("pull", codec.make("pull", run=run_id, **dict(pull, step=step))),
+                         headers={S.MSG_ID: f"p{step}"})
+
+    await send(1)
+    await until(lambda: len(c.pulls) >= 1, what="pull 1")
+    await js.delete_consumer(S.stream(run_id, "CTL"), S.island_pull_consumer(ISLAND))
+    await send(2)
+    await until(lambda: c.counters["ctl_consumer_recreated"] >= 1 and len(c.pulls) >= 2, what="pull 2", timeout=20)
+    await asyncio.sleep(0.5)
+    assert [p["step"] for p in c.pulls.drain()] == [1, 2]
+    c.check_health()
+
+
+async def test_the_runs_final_record_reaches_the_island_and_a_bad_one_is_counted_once(js, run_id, nats_url, clients):
+    """The syncer leaves the final manifest in the state KV (`final`) as it exits a finished run; the
+    client looks for it every few seconds and hands it over as a ("final", manifest) control message.
+    A record that does not decode is refused, counted once however often it is read again."""
+    from learner.client import FINAL_POLL_S
+
+    c = await provisioned(clients, run_id, nats_url)
+    assert await asyncio.to_thread(c.final_record) is None
+    kv = await js.key_value(S.kv_bucket(run_id, "state"))
+    await kv.put("final", b"{not a manifest")
+    await until(lambda: c.rejected_total() == 1, what="the bad record refused", timeout=FINAL_POLL_S * 3)
+    await asyncio.sleep(FINAL_POLL_S + 1)  # read again: not counted again
+    assert c.rejected_total() == 1 and len(c.control) == 0
+    with pytest.raises(WireError):
+        await asyncio.to_thread(c.final_record)
+    rec = codec.make("manifest", run=run_id, final_step=8, versions={"0": 4}, version_digests={"0": "ab" * 32})
+    await kv.put("final", codec.encode("manifest", rec))
+    await until(lambda: len(c.control) >= 1, what="the final record", timeout=FINAL_POLL_S * 3)
+    kind, got = c.control.drain()[0]
+    assert (kind, got) == ("final", rec)
+    assert await asyncio.to_thread(c.final_record) == rec
+    c.check_health()
 
 
 async def test_unknown_member_error_makes_the_island_say_hello_again(js, run_id, nats_url, clients):
@@ -202,7 +280,8 @@ async def test_step_log_events_validate_file_gets_the_same_lines_and_the_queue_d
     lines = path.read_bytes().splitlines()
     assert len(lines) == 11  # the file is the complete record, drops only concern the network
     assert lines[7:] == [m.data for m in published]  # the same bytes
-    assert c.counters["steplog_sent"] == 4
+    # the message can reach the reader before its PubAck reaches the client: wait for the count
+    await until(lambda: c.counters["steplog_sent"] == 4, what="the fourth event's ack")
 
 
 def test_step_log_queue_is_thread_safe_and_bounded():

@@ -21,8 +21,9 @@ from schemas.provision import (
     RunNotProvisioned,
     bcast_consumer_config,
     check_run,
-    cleanup_island_consumers,
+    ConsumerTaken,
     config_conflicts,
+    ensure_island_consumer,
     ensure_island_consumers,
     final_consumer_config,
     island_consumer_config,
@@ -30,6 +31,7 @@ from schemas.provision import (
     kv_configs,
     provision_run,
     push_max_bytes_for,
+    remove_island_consumers,
     remove_run,
     stream_configs,
     syncer_consumer_configs,
@@ -93,18 +95,24 @@ def test_config_conflicts_ignore_server_normalization_but_catch_real_differences
     assert [f for f, *_ in config_conflicts(one, c, "consumer")] == ["filter"]
 
 
-def test_island_consumer_config_is_per_generation_and_starts_at_admission():
+def test_island_consumer_configs_are_per_island_with_one_filter_and_start_at_the_hello():
     gen = new_generation()
-    cfg = island_consumer_config("R", "a", gen, admitted_at=1_700_000_000.5)
-    assert cfg.durable_name == f"isl-a-{gen}"
-    assert sorted(cfg.filter_subjects) == sorted([S.pull("R"), S.to_island("R", "a")])
-    assert cfg.deliver_policy == api.DeliverPolicy.BY_START_TIME
-    assert cfg.opt_start_time.timestamp() == 1_700_000_000.5
-    assert island_consumer_config("R", "a", gen).deliver_policy == api.DeliverPolicy.ALL
+    pull = island_consumer_config("R", "a", gen, "pull", start_seq=17)
+    to = island_consumer_config("R", "a", gen, "to", start_seq=17)
+    # fixed names, one filter subject each (so both travel in the create subject the rules name)
+    assert (pull.name, pull.durable_name, pull.filter_subject, pull.filter_subjects) == ("pull-a", "pull-a", S.pull("R"), None)
+    assert (to.name, to.durable_name, to.filter_subject, to.filter_subjects) == ("isl-a", "isl-a", S.to_island("R", "a"), None)
+    assert pull.metadata == to.metadata == {S.ISLAND_GEN_KEY: gen}
+    assert to.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE and to.opt_start_seq == 17
+    assert island_consumer_config("R", "a", gen, "to").deliver_policy == api.DeliverPolicy.ALL
     with pytest.raises(WireError):
-        island_consumer_config("R", "a", "not-a-gen")
+        island_consumer_config("R", "a", "not-a-gen", "to")
     with pytest.raises(WireError):
-        island_consumer_config("R", "a.b", gen)
+        island_consumer_config("R", "a.b", gen, "to")
+    with pytest.raises(WireError):
+        island_consumer_config("R", "a", gen, "to", start_seq=0)
+    with pytest.raises(ValueError):
+        island_consumer_config("R", "a", gen, "all")
     assert final_consumer_config("R", 3).filter_subject == "yeto.R.final.3.*"
     assert bcast_consumer_config("R").filter_subject == S.bcast_all("R")
 
@@ -303,54 +311,67 @@ async def test_check_run_times_out_naming_what_is_missing_and_creates_nothing(js
         await js.stream_info(S.stream(run_id, "STEPLOG"))
 
 
-async def test_island_consumer_sees_pulls_and_its_own_messages_only(js, run_id):
+async def test_island_consumers_see_pulls_and_their_own_messages_only(js, run_id):
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
     ga, gb = new_generation(), new_generation()
+    ctl = S.stream(run_id, "CTL")
     rep = await ensure_island_consumers(js, run_id, "a", ga)
-    assert rep.created == [f"consumer {S.stream(run_id, 'CTL')}/isl-a-{ga}"]
+    assert rep.created == [f"consumer {ctl}/pull-a", f"consumer {ctl}/isl-a"]
     await ensure_island_consumers(js, run_id, "b", gb)
     again = await ensure_island_consumers(js, run_id, "a", ga)
-    assert again.created == [] and len(again.existing) == 1
+    assert again.created == [] and len(again.existing) == 2
 
-    ctl = S.stream(run_id, "CTL")
-    info = await js.consumer_info(ctl, S.island_pull_consumer("a", ga))
-    assert sorted(info.config.filter_subjects) == sorted(S.island_ctl_filters(run_id, "a"))
-    assert info.config.ack_policy == "explicit"
+    info = await js.consumer_info(ctl, S.island_to_consumer("a"))
+    assert info.config.filter_subject == S.to_island(run_id, "a") and not info.config.filter_subjects
+    assert info.config.ack_policy == "explicit" and info.config.metadata[S.ISLAND_GEN_KEY] == ga
 
     for subj in (S.heartbeat(run_id, "a"), S.pull(run_id), S.to_island(run_id, "a"), S.to_island(run_id, "b")):
         await js.publish(subj, b"{}")
-    for island, gen in (("a", ga), ("b", gb)):
-        sub = await js.pull_subscribe_bind(S.island_pull_consumer(island, gen), stream=ctl)
-        msgs = await sub.fetch(10, timeout=1)
-        for m in msgs:
-            await m.ack()
-        assert sorted(m.subject for m in msgs) == sorted([S.pull(run_id), S.to_island(run_id, island)])
-        await sub.unsubscribe()
+    for island in ("a", "b"):
+        got = []
+        for kind in S.ISLAND_CONSUMER_KINDS:
+            sub = await js.pull_subscribe_bind(S.island_consumer(island, kind), stream=ctl)
+            msgs = await sub.fetch(10, timeout=1)
+            for m in msgs:
+                await m.ack()
+            got += [(kind, m.subject) for m in msgs]
+            await sub.unsubscribe()
+        assert sorted(got) == sorted([("pull", S.pull(run_id)), ("to", S.to_island(run_id, island))])
 
 
-async def test_island_consumer_starts_at_admission_time(js, run_id):
+async def test_island_consumers_start_at_the_hellos_sequence(js, run_id):
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
     await js.publish(S.pull(run_id), b"before")
-    await asyncio.sleep(0.05)
-    admitted = time.time()
-    await asyncio.sleep(0.05)
+    hello = await js.publish(S.hello(run_id, "a"), b"{}")
     await js.publish(S.pull(run_id), b"after")
     gen = new_generation()
-    await ensure_island_consumers(js, run_id, "a", gen, admitted_at=admitted)
-    sub = await js.pull_subscribe_bind(S.island_pull_consumer("a", gen), stream=S.stream(run_id, "CTL"))
+    await ensure_island_consumers(js, run_id, "a", gen, start_seq=hello.seq)
+    sub = await js.pull_subscribe_bind(S.island_pull_consumer("a"), stream=S.stream(run_id, "CTL"))
     msgs = await sub.fetch(10, timeout=1)
     assert [m.data for m in msgs] == [b"after"]
     await sub.unsubscribe()
 
 
-async def test_cleanup_removes_older_generations_of_that_island_only(js, run_id):
+async def test_a_new_generation_takes_the_consumers_over_and_an_old_one_cannot_take_them_back(js, run_id):
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
-    g1, g2, g3 = (new_generation() for _ in range(3))
-    for island, gen in (("a", g1), ("a", g2), ("a-b", g3)):
-        await ensure_island_consumers(js, run_id, island, gen)
-    assert await cleanup_island_consumers(js, run_id, "a", keep_gen=g2) == [f"isl-a-{g1}"]
-    left = {c.name for c in await js.consumers_info(S.stream(run_id, "CTL"))}
-    assert left == {S.SYNCER_CTL_CONSUMER, f"isl-a-{g2}", f"isl-a-b-{g3}"}
+    ctl = S.stream(run_id, "CTL")
+    g1, g2 = new_generation(), new_generation()
+    await ensure_island_consumers(js, run_id, "a", g1)
+    await ensure_island_consumers(js, run_id, "a-b", g1)  # another island whose name starts alike
+    hello = await js.publish(S.hello(run_id, "a"), b"{}")
+    rep = await ensure_island_consumers(js, run_id, "a", g2, start_seq=hello.seq)
+    assert rep.created == [f"consumer {ctl}/pull-a", f"consumer {ctl}/isl-a"]
+    for name in ("pull-a", "isl-a"):
+        info = await js.consumer_info(ctl, name)
+        assert info.config.metadata[S.ISLAND_GEN_KEY] == g2 and info.config.opt_start_seq == hello.seq
+    with pytest.raises(ConsumerTaken) as taken:
+        await ensure_island_consumer(js, run_id, "a", g1, "to", replace=False)
+    assert taken.value.owner == g2
+    # closing the old process removes nothing of the new one; the new one's close removes its own
+    assert await remove_island_consumers(js, run_id, "a", g1) == []
+    assert await remove_island_consumers(js, run_id, "a", g2) == ["pull-a", "isl-a"]
+    left = {c.name for c in await js.consumers_info(ctl)}
+    assert left == {S.SYNCER_CTL_CONSUMER, "pull-a-b", "isl-a-b"}
 
 
 async def test_kv_helper_returns_the_runs_bucket(js, run_id):

@@ -63,6 +63,12 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
             await _play(isls, ref, t, gen)
         await _finish(isls, syncer, 2)
         before = (ckpt / "checkpoint.json").read_bytes()
+        # the exiting syncer left the final manifest (no gen) in the state KV for islands that come
+        # later (issue 16); one a syncer of a finished run did not leave is written by the resume
+        kv = await isls[0].js.key_value(S.kv_bucket(run_id, "state"))
+        record = codec.decode("manifest", (await kv.get("final")).value)
+        assert record["final_step"] == 2 and record["versions"] == {"0": 2} and "gen" not in record
+        await kv.delete("final")
 
         resumed = SyncerProc(nats_url, run_id, ckpt, *args, log=tmp_path / "resumed.log").start("--resume")
         t0 = time.monotonic()
@@ -84,6 +90,7 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
         assert not [m for k, m in await isls[0].messages(timeout=1.0) if k == "manifest"]
         finals = await tape(isls[0].js, run_id, "final")
         assert any("already finished" in r.get("reason", "") for r in finals)
+        assert codec.decode("manifest", (await kv.get("final")).value) == record
     finally:
         await close_run(isls, syncer, run_id)
 

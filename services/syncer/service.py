@@ -27,6 +27,7 @@ even when the round was launched after the last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -63,6 +64,14 @@ DIRECT_GET_TIMEOUT = 30.0
 # Control publishes (pulls, errors, shutdown, manifests) ride out a cluster leader election (seconds;
 # publish_retry's default 8 attempts last about 7 s): a PublishFailed here stops the syncer.
 CTL_PUBLISH_ATTEMPTS = 40
+# Tape records other than a commit's get a short direct budget (intake never waits long on one); one that
+# does not land in it (an EVENTS leader election, a broker restart) waits in an in-order backlog that a
+# background task retries with the long budget, instead of being dropped (issue 16). Bounded: past
+# TAPE_BACKLOG_MAX waiting records a new one is dropped (counter `tape_dropped`).
+TAPE_DIRECT_ATTEMPTS = 3
+TAPE_RETRY_ATTEMPTS = 40
+TAPE_BACKLOG_MAX = 10_000
+TAPE_FLUSH_AT_EXIT_S = 20.0
 
 
 class SyncerError(RuntimeError):
@@ -120,6 +129,8 @@ class SyncerService:
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
         self._init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
+        self._tape_backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
+        self._tape_retrier: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -149,6 +160,7 @@ class SyncerService:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._flush_tape_backlog()
             if self.machine is not None and self.state_kv is not None:
                 try:  # the last status record (counters at exit) for operators and post-mortems
                     await asyncio.wait_for(self._write_status(final=True), 5)
@@ -251,6 +263,10 @@ class SyncerService:
             if final_record is not None and final_record.get("finished"):
                 log.info("run %s already finished at step %d (final cut in FINAL; export it with `yeto export`): "
                          "nothing to do", self.run_id, state.committed_step)
+                # A run finished by a syncer that wrote no final record (or lost it): write it now.
+                self._final_digests = {fid: await asyncio.to_thread(self._bulk_digest, fid, "f32")
+                                       for fid in sorted(self.frags)}
+                await self._write_final_kv(int(final_record.get("final_step", state.committed_step)), state.versions)
             # A crash between the durable commit and the end of its broadcast leaves BCAST without the
             # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
             # JetStream drops what it already holds inside the duplicate window; islands ignore a
@@ -894,6 +910,27 @@ class SyncerService:
             st.final, st.final_record = True, dict(record)
             self.ckpt.commit(st, {})
         await asyncio.to_thread(write)
+        if record.get("finished"):
+            await self._write_final_kv(int(record["final_step"]), {int(k): int(v) for k, v in record["versions"].items()})
+
+    async def _write_final_kv(self, final_step: int, versions: dict) -> None:
+        """The run is finished and this syncer exits: leave the final manifest (no `gen`) in the state
+        KV under `final`, so an island that (re)starts or was away finds the run over, installs the
+        final cut from FINAL (checked against these digests) and stops instead of training on with
+        nobody to sync with. Never raises (the checkpoint is the record; this is for islands)."""
+        if sorted(self._final_digests) != sorted(int(k) for k in versions):
+            self.counters["final_record_error"] += 1
+            log.error("final record not written: digests of fragments %s, versions of %s",
+                      sorted(self._final_digests), sorted(versions))
+            return
+        msg = codec.make("manifest", run=self.run_id, final_step=final_step,
+                         versions={str(k): int(v) for k, v in sorted(versions.items())},
+                         version_digests={str(k): v for k, v in sorted(self._final_digests.items())})
+        try:
+            await kv_put(self.js, self.run_id, "state", "final", codec.encode("manifest", msg), counters=self.counters)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self.counters["final_record_error"] += 1
+            log.error("writing the final record to the state KV failed: %r", exc)
 
     async def _send_manifest(self, a: R.SendManifest) -> None:
         versions = {str(k): int(v) for k, v in a.versions.items()}
@@ -920,15 +957,60 @@ class SyncerService:
             log.error("tape record does not validate (%s): %r", exc, rec)
             return
         # A commit's records (per-version msg ids) must reach the tape, so they ride out a cluster
-        # leader election (seconds); other records keep a short budget: intake never stalls on them.
-        attempts = 40 if msg_id is not None else 3
+        # leader election (seconds); other records keep a short budget: intake never stalls on them,
+        # and one that misses it goes to the backlog (see TAPE_DIRECT_ATTEMPTS), same Nats-Msg-Id.
+        subject, mid = S.events(self.run_id, kind), msg_id or S.event_msg_id(kind, self._next_tape_key())
+        if msg_id is None and self._tape_backlog:
+            self._defer_tape(subject, data, mid)  # behind the records still waiting: the tape keeps its order
+            return
         try:
-            await publish_retry(self.js, S.events(self.run_id, kind), data,
-                                msg_id or S.event_msg_id(kind, self._next_tape_key()), counters=self.counters,
-                                attempts=attempts)
+            await publish_retry(self.js, subject, data, mid, counters=self.counters,
+                                attempts=TAPE_RETRY_ATTEMPTS if msg_id is not None else TAPE_DIRECT_ATTEMPTS)
         except Exception as exc:
+            if msg_id is None:
+                self._defer_tape(subject, data, mid)
+                return
             self.counters["tape_error"] += 1
             log.warning("tape publish failed: %r", exc)
+
+    def _defer_tape(self, subject: str, data: bytes, mid: str) -> None:
+        if len(self._tape_backlog) >= TAPE_BACKLOG_MAX:
+            self.counters["tape_dropped"] += 1
+            log.warning("tape backlog full (%d records waiting): record dropped", len(self._tape_backlog))
+            return
+        if not self._tape_backlog:
+            log.warning("tape publish failed: records wait in a backlog, retried in order")
+        self._tape_backlog.append((subject, data, mid))
+        self.counters["tape_deferred"] += 1
+        if self._tape_retrier is None or self._tape_retrier.done():
+            self._tape_retrier = asyncio.get_running_loop().create_task(self._drain_tape_backlog())
+
+    async def _drain_tape_backlog(self) -> None:
+        while self._tape_backlog:
+            subject, data, mid = self._tape_backlog[0]
+            try:
+                await publish_retry(self.js, subject, data, mid, counters=self.counters, attempts=TAPE_RETRY_ATTEMPTS)
+                self.counters["tape_retried"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a minute of failures: this record is lost, the next ones may land
+                self.counters["tape_error"] += 1
+                log.warning("tape publish failed for good: %r", exc)
+            self._tape_backlog.popleft()
+        log.info("tape backlog written")
+
+    async def _flush_tape_backlog(self) -> None:
+        """At exit: give the backlog a bounded time to land (the last records, e.g. the final's)."""
+        task = self._tape_retrier
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), TAPE_FLUSH_AT_EXIT_S)
+        except Exception:  # noqa: BLE001 - timed out (or failed): what is left is lost, counted
+            self.counters["tape_dropped"] += len(self._tape_backlog)
+            log.warning("exiting with %d tape records not written", len(self._tape_backlog))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     # ---- KV helpers -------------------------------------------------------------------------------
 
