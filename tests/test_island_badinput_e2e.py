@@ -69,12 +69,15 @@ async def _inject(js, run: str, session: dict, gens: dict[str, str], committed: 
     await pub(S.bcast(run, 0, last.index), b"\2" * last.nbytes,
               _chunk_header(run, fragment=0, version=10**6, chunk=last.index, chunks=len(spans),
                             offset=last.byte_offset, nbytes=last.nbytes, total=total[0], digest="0" * 16))
-    # Issue 16. A chunk 0 of fragment 0 claiming the committed version with another version digest
-    # (well framed, valid chunk digest): the islands exited with ProtocolError; refused now.
-    first = spans[0]
-    await pub(S.bcast(run, 0, 0), b"\3" * first.nbytes,
-              _chunk_header(run, fragment=0, version=committed[0], chunk=0, chunks=len(spans), offset=0,
-                            nbytes=first.nbytes, total=total[0], digest=digest(b"\3" * first.nbytes),
+    # Issue 16. A chunk 0 claiming the committed version with another version digest (well framed,
+    # valid chunk digest): the islands exited with ProtocolError; refused now. On fragment 1, so that
+    # no reading meets it together with the corrupted chunk of fragment 0 above: one reading of
+    # fragment 0 that met both was refused once, and the island counted 9 refusals for 10 (CI flake).
+    spans1 = chunk_plan(session["fragments"][1]["numel"], "f32", session["chunk_bytes"])
+    first = spans1[0]
+    await pub(S.bcast(run, 1, 0), b"\3" * first.nbytes,
+              _chunk_header(run, fragment=1, version=committed[1], chunk=0, chunks=len(spans1), offset=0,
+                            nbytes=first.nbytes, total=total[1], digest=digest(b"\3" * first.nbytes),
                             version_digest="3" * 64))
     # a pull naming both islands whose base_version no round can have (2^53 - 1): it made the
     # islands drop every real pull of fragment 1 for good
