@@ -143,6 +143,25 @@ def tails(procs: dict, lines: int = 25) -> str:
     return "\n".join(f"--- {name} ---\n" + "\n".join(p.output().splitlines()[-lines:]) for name, p in procs.items())
 
 
+def assert_islands_hold_the_final_cut(ckpt: Path, out: Path, run: str, islands) -> None:
+    """Export the syncer's checkpoint to `out`; every island saved exactly that cut (bitwise) and
+    refused nothing."""
+    import torch
+    from safetensors.torch import load_file
+
+    from services.cmd_export import export
+
+    export(ckpt, out, run)
+    final = load_file(str(out))
+    for isl in islands:
+        saved = load_file(str(isl.out))
+        assert sorted(saved) == sorted(final)
+        for n, value in final.items():
+            assert torch.equal(saved[n], value), (isl.island, n)
+        res = isl.result()
+        assert res is not None and res["counters"]["rejected"] == 0, isl.output()[-3000:]
+
+
 async def kv_json(js, run: str, key: str) -> dict | None:
     """A JSON record of the run's `state` KV (session, commit, syncer), or None."""
     kv = await js.key_value(S.kv_bucket(run, "state"))

@@ -16,15 +16,12 @@ import time
 import nats
 import nats.errors
 import pytest
-import torch
 from nats.js.errors import NotFoundError, ServiceUnavailableError
-from safetensors.torch import load_file
 
 from schemas import subjects as S
 from schemas.provision import RunLimits, kv_stream_name, provision_run, remove_run
 from services.broker import Cluster, free_port_block
-from services.cmd_export import export
-from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until
+from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 
 
@@ -234,12 +231,4 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
     assert {int(f): v for f, v in commit["versions"].items()} == {f: ROUNDS // P for f in range(P)}
 
     # Both islands saved exactly the exported final cut, and neither refused anything.
-    export(ckpt, tmp_path / "final.safetensors", run_id)
-    final = load_file(str(tmp_path / "final.safetensors"))
-    for isl in (a, b):
-        saved = load_file(str(isl.out))
-        assert sorted(saved) == sorted(final)
-        for n, value in final.items():
-            assert torch.equal(saved[n], value), (isl.island, n)
-        res = isl.result()
-        assert res is not None and res["counters"]["rejected"] == 0, isl.output()[-3000:]
+    assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, (a, b))

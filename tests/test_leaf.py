@@ -16,15 +16,12 @@ from pathlib import Path
 
 import nats
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from schemas import subjects as S
 from schemas.provision import CUT_KINDS, ProvisionConflict, ensure_cut_mirrors, remove_run
 from services import leaf as L
 from services.broker import Broker, free_port
-from services.cmd_export import export
-from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until
+from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 from tests.tcp_proxy import TcpProxy
 
@@ -70,15 +67,7 @@ def _check_final(ckpt: Path, work: Path, run: str, islands, commit: dict, tape: 
     assert [m["step"] for m in tape] == list(range(1, ROUNDS + 1)), [m["step"] for m in tape]
     for f in range(P):
         assert [m["version"] for m in tape if m["fragment"] == f] == list(range(1, ROUNDS // P + 1))
-    export(ckpt, work / "final.safetensors", run)
-    final = load_file(str(work / "final.safetensors"))
-    for isl in islands:
-        saved = load_file(str(isl.out))
-        assert sorted(saved) == sorted(final)
-        for n, value in final.items():
-            assert torch.equal(saved[n], value), (isl.island, n)
-        res = isl.result()
-        assert res is not None and res["counters"]["rejected"] == 0, isl.output()[-3000:]
+    assert_islands_hold_the_final_cut(ckpt, work / "final.safetensors", run, islands)
 
 
 def test_yeto_broker_leaf_options_are_checked(tmp_path, capsys):
