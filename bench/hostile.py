@@ -57,7 +57,8 @@ import torch  # noqa: E402
 from schemas import codec, subjects as S  # noqa: E402
 from schemas.chunks import digest, push_digest  # noqa: E402
 from schemas.dtypes import pack  # noqa: E402
-from schemas.layout import chunk_plan, layout_fingerprint  # noqa: E402
+from schemas.layout import layout_fingerprint  # noqa: E402
+from schemas.chunks import chunk_plan  # noqa: E402
 
 ISLANDS = ("a", "b")
 ISLAND_ENV = {"YETO_SESSION_TIMEOUT": "90", "YETO_FINAL_TIMEOUT": "90", "YETO_SHUTDOWN_TIMEOUT": "30",

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import torch  # noqa: E402
 
 from schemas.dtypes import pack, unpack  # noqa: E402
-from schemas.layout import chunk_plan  # noqa: E402
+from schemas.chunks import chunk_plan  # noqa: E402
 from services.syncer.outer import delta_view, outer_step_, weights_for  # noqa: E402
 
 MiB = 1 << 20

@@ -38,10 +38,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from schemas.chunks import DigestMismatch, VersionDigest, check_digest, digest
+from schemas.chunks import DigestMismatch, VersionDigest, check_chunk, check_digest
 from schemas.dtypes import packed_nbytes
 from schemas.errors import WireError
-from schemas.layout import ChunkSpan, chunk_plan
+from schemas.chunks import ChunkSpan, chunk_plan
 
 BULK_DTYPES = ("f32", "bf16")
 
@@ -355,23 +355,10 @@ class CutReader:
         except WireError:
             self.refuse(fid, index, seq)
             raise
-        spans = self.spans[fid]
         try:
             if meta.get("dtype") != self.dtype:
                 raise WireError(f"chunks must be in the session's {self.dtype}", field="dtype", value=meta.get("dtype"))
-            if meta.get("total") != self.total[fid]:
-                raise WireError(f"fragment {fid} is {self.total[fid]} bytes in {self.dtype}", field="total",
-                                value=meta.get("total"))
-            if meta.get("chunks") != len(spans):
-                raise WireError(f"fragment {fid} has {len(spans)} chunks", field="chunks", value=meta.get("chunks"))
-            s = spans[index]
-            if (meta.get("offset"), meta.get("nbytes")) != (s.byte_offset, s.nbytes):
-                raise WireError(f"chunk {index} is bytes [{s.byte_offset}, +{s.nbytes})", field="offset",
-                                value=(meta.get("offset"), meta.get("nbytes")))
-            if payload is None or len(payload) != s.nbytes:
-                raise WireError(f"chunk {index} payload must be {s.nbytes} bytes", field="nbytes",
-                                value=None if payload is None else len(payload))
-            check_digest(meta.get("digest"), digest(payload), field="digest")
+            check_chunk(self.spans[fid], meta, payload)
             # The syncer never broadcasts a non-finite weight (its outer step would have to diverge
             # first, and then no island should take it); garbage with a valid digest is refused here.
             if not all_finite(payload, self.dtype):

@@ -23,7 +23,7 @@ from typing import Iterator, Mapping
 import torch
 
 from schemas.dtypes import pack, unpack
-from schemas.layout import ChunkSpan, chunk_plan
+from schemas.chunks import ChunkSpan, chunk_plan
 
 from .anchors import AnchorStore
 from .fragments import blend

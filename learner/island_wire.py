@@ -25,7 +25,7 @@ import nats.errors
 
 from schemas import codec
 from schemas import subjects as S
-from schemas.chunks import digest, push_digest
+from schemas.chunks import chunk_header, push_digest
 from schemas.dtypes import as_bytes_view, packed_nbytes
 from schemas.errors import WireError
 from schemas.publish import PublishFailed
@@ -64,10 +64,6 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "B"):
 class IslandWire:
     """Rank 0's reading and exporting (see the module doc); mixed into `Island`."""
 
-    def _chunk_header(self, fid: int, s, chunks: int, total: int, payload) -> dict:
-        return {"chunk": s.index, "chunks": chunks, "offset": s.byte_offset, "nbytes": s.nbytes, "total": total,
-                "digest": digest(payload)}
-
     def _stream_init(self) -> None:
         """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module
         doc): the main thread gathers (collective), a background thread publishes."""
@@ -83,7 +79,6 @@ class IslandWire:
         def publisher() -> None:
             for fid in fids:
                 spans = self.ops.spans(fid, dtype)
-                total = packed_nbytes(dtype, self.frags[fid]["numel"])
                 ended = [False]
 
                 def items():
@@ -97,7 +92,7 @@ class IslandWire:
                         # island + gen: the syncer builds version 0 from one process's chunks only
                         meta = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen,
                                 "fragment": fid, "dtype": dtype,
-                                **self._chunk_header(fid, s, len(spans), total, payload)}
+                                **chunk_header(spans, s.index, payload)}
                         yield (S.init(run, fid), payload, S.init_msg_id(fid, s.index, gen),
                                {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
                         bar.update(s.nbytes)
@@ -306,7 +301,6 @@ class IslandWire:
         dtype = self.session["push_dtype"]
         run, island, gen = self.config.run, self.config.island, self.gen
         spans = self.ops.spans(fid, dtype)
-        total = packed_nbytes(dtype, st.numel)
         base = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen, "fragment": fid,
                 "step": p.step, "attempt": p.attempt, "try": p.try_, "base_version": st.version,
                 "local_step": self.local_step, "c_steps": st.c_steps, "c_tokens": st.c_tokens, "dtype": dtype}
@@ -317,7 +311,7 @@ class IslandWire:
         def items():
             for s, packed in chunks:
                 payload = as_bytes_view(packed)
-                meta = dict(base, **self._chunk_header(fid, s, len(spans), total, payload))
+                meta = dict(base, **chunk_header(spans, s.index, payload))
                 digests.append(meta["digest"])
                 if s.index == len(spans) - 1:
                     meta["push_digest"] = push_digest(digests)

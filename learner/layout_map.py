@@ -8,7 +8,7 @@ the owners' boxes tile every tensor exactly once) and answers the questions the 
 gather ask:
 
 * `FragmentMap.runs(elem_offset, elem_count, rank)`: for a chunk of a session fragment (a span of the
-  fragment's flat layout, as `schemas.layout.chunk_plan` cuts it), which elements of each of the
+  fragment's flat layout, as `schemas.chunks.chunk_plan` cuts it), which elements of each of the
   rank's boxes the chunk covers. Because a box's elements, read in row-major order, keep the order of
   their global row-major indices, the covered elements are always one contiguous range [lo, hi) of
   the box's own flat (row-major) index: one `Run` per (rank, tensor), whatever dimension the box

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import orjson
@@ -28,9 +27,7 @@ EMBED_MARKERS = ("embed", "wte", "wpe", "lm_head", "output_layer")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _NUM_RE = re.compile(r"(\d+)")
 
-# Wire units come from schemas.dtypes: q4 packs 256 values into a 4-byte f32 scale plus 128 bytes of
-# nibbles, so chunks must hold whole blocks to be unpacked independently.
-from .dtypes import Q4_BLOCK, Q4_BLOCK_BYTES, WIRE_DTYPES, packed_nbytes, wire_align  # noqa: E402
+from .dtypes import WIRE_DTYPES  # noqa: E402
 
 BULK_DTYPES = ("f32", "bf16")
 TENSOR_DTYPES = ("float32", "bfloat16", "float16")
@@ -192,46 +189,3 @@ def build_session(
         "sync_every": sync_every,
         "created": created,
     }
-
-
-# ---- element-aligned chunk plans -----------------------------------------------------------------
-
-def unit(wire_dtype: str) -> tuple[int, int]:
-    """(elements, bytes) of the smallest independently decodable unit of a wire dtype."""
-    return wire_align(wire_dtype)
-
-
-def wire_nbytes(wire_dtype: str, n: int) -> int:
-    return packed_nbytes(wire_dtype, n)
-
-
-@dataclass(frozen=True)
-class ChunkSpan:
-    index: int
-    elem_offset: int
-    elem_count: int
-    byte_offset: int
-    nbytes: int
-
-
-def chunk_plan(n: int, wire_dtype: str, chunk_bytes: int) -> list[ChunkSpan]:
-    """Cut a fragment of `n` elements into chunks of whole units of at most `chunk_bytes` bytes.
-
-    Every member of a session cuts the same fragment the same way, so chunk k of every push covers
-    the same elements and the syncer can merge chunk by chunk.
-    """
-    elems, ubytes = unit(wire_dtype)
-    if chunk_bytes < ubytes:
-        raise WireError(f"must be at least {ubytes} bytes for {wire_dtype}", field="chunk_bytes", value=chunk_bytes)
-    if n <= 0:
-        raise WireError("fragment must hold at least one element", field="numel", value=n)
-    per_chunk = (chunk_bytes // ubytes) * elems
-    spans = []
-    off = 0
-    idx = 0
-    while off < n:
-        cnt = min(per_chunk, n - off)
-        spans.append(ChunkSpan(idx, off, cnt, (off // elems) * ubytes, wire_nbytes(wire_dtype, cnt)))
-        off += cnt
-        idx += 1
-    return spans

@@ -21,10 +21,11 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects as S
-from schemas.chunks import digest, push_digest
+from schemas.chunks import chunk_header, digest, push_digest
 from schemas.dtypes import pack, unpack
 from schemas.ids import new_generation
-from schemas.layout import chunk_plan, layout_fingerprint
+from schemas.layout import layout_fingerprint
+from schemas.chunks import chunk_plan
 from schemas.provision import ensure_island_consumers, remove_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,14 +133,12 @@ class ScriptedIsland:
         sent = 0
         for fid, flat in values.items():
             spans = chunk_plan(flat.numel(), dtype, self.session["chunk_bytes"])
-            total = sum(s.nbytes for s in spans)
             for s in spans:
                 if chunks is not None and s.index not in chunks:
                     continue
                 buf = pack(flat[s.elem_offset: s.elem_offset + s.elem_count], dtype).numpy().tobytes()
                 meta = {"v": 1, "run": self.run, "island": island or self.island, "gen": gen, "fragment": fid,
-                        "dtype": dtype, "chunk": s.index, "chunks": len(spans), "offset": s.byte_offset,
-                        "nbytes": s.nbytes, "total": total, "digest": digest(buf)}
+                        "dtype": dtype, **chunk_header(spans, s.index, buf)}
                 await self.js.publish(S.init(self.run, fid), buf, headers={
                     S.MSG_ID: S.init_msg_id(fid, s.index, gen) + ("" if island is None else f".{island}"),
                     codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
@@ -182,7 +181,6 @@ class ScriptedIsland:
         dtype = self.session["push_dtype"]
         fid = pull["fragment"] if fragment is None else fragment
         spans = chunk_plan(delta.numel(), dtype, self.session["chunk_bytes"])
-        total = sum(s.nbytes for s in spans)
         digests = []
         for s in spans:
             part = delta[s.elem_offset: s.elem_offset + s.elem_count].contiguous()
@@ -190,7 +188,8 @@ class ScriptedIsland:
                 part = part.clone()
                 part[0], part[-1] = float("nan"), float("inf")
             buf = bytearray(pack(part, dtype).numpy().tobytes())
-            d = digest(bytes(buf))
+            framing = chunk_header(spans, s.index, bytes(buf))  # the digest of the bytes before any corruption
+            d = framing["digest"]
             if corrupt == "digest" and s.index == 0:
                 buf[0] ^= 0xFF  # bytes no longer match the digest
             if corrupt == "size" and s.index == 0:
@@ -199,8 +198,7 @@ class ScriptedIsland:
             meta = {"v": 1, "run": self.run, "island": self.island, "gen": gen or self.gen, "fragment": fid,
                     "step": pull["step"], "attempt": pull["attempt"], "try": try_,
                     "base_version": pull["base_version"] if base_version is None else base_version,
-                    "local_step": local_step, "c_steps": 1, "c_tokens": c_tokens, "dtype": dtype, "chunk": s.index,
-                    "chunks": len(spans), "offset": s.byte_offset, "nbytes": s.nbytes, "total": total, "digest": d}
+                    "local_step": local_step, "c_steps": 1, "c_tokens": c_tokens, "dtype": dtype, **framing}
             if s.index == len(spans) - 1:
                 meta["push_digest"] = push_digest(digests)
             await self.js.publish(S.push(self.run, self.island, fid), bytes(buf), headers={

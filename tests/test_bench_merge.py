@@ -60,7 +60,7 @@ def test_merge_pass_is_the_outer_step_of_the_whole_fragment():
     """The bench's chunked merge from wire bytes equals one outer_step_ over the whole tensors."""
     bench = _load()
     from schemas.dtypes import pack, unpack
-    from schemas.layout import chunk_plan
+    from schemas.chunks import chunk_plan
     from services.syncer.outer import outer_step_
 
     gen = torch.Generator().manual_seed(0)

@@ -382,7 +382,7 @@ def test_a_forged_chunk_from_the_future_is_refused_and_holds_nothing_back():
     # check() refuses a chunk on its own, out of order (what a shell does with a suspicious notice)
     with pytest.raises(WireError) as e:
         r.check(0, 3, dict(c2[3][0], nbytes=4), c2[3][1])
-    assert e.value.field == "offset"
+    assert e.value.field == "nbytes"
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from schemas import codec, subjects as S
 from schemas.chunks import digest
-from schemas.layout import chunk_plan
+from schemas.chunks import chunk_plan
 from schemas.provision import remove_run
 from services.cmd_export import export
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until

@@ -20,7 +20,8 @@ from learner.config import IslandConfig
 from learner.island import ACK_RESEND_S, Island
 from schemas import codec
 from schemas import subjects as S
-from schemas.chunks import Assembler, digest, iter_chunks, push_digest, version_digest
+from schemas.chunks import check_chunk, chunk_header, chunk_plan, digest, push_digest, version_digest
+from schemas.dtypes import as_bytes_view
 from schemas.conn import ConnectOptions
 from schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
 from schemas.layout import build_session
@@ -65,16 +66,18 @@ class Syncer:
                       subject, msg_id, corrupt: bool = False, only: set[int] | None = None) -> str:
         packed = pack(flat, dtype)
         vdig = version_digest(packed)
-        unit = wire_align(dtype)[1]
-        for ch in iter_chunks(packed, (self.session["chunk_bytes"] // unit) * unit):
-            if only is not None and ch.index not in only:
+        spans = chunk_plan(flat.numel(), dtype, self.session["chunk_bytes"])
+        mv = as_bytes_view(packed)
+        for sp in spans:
+            if only is not None and sp.index not in only:
                 continue
+            payload = bytes(mv[sp.byte_offset: sp.byte_offset + sp.nbytes])
             meta = {"v": 1, "run": self.run, "fragment": fid, "version": version, "dtype": dtype,
-                    **ch.header(), "version_digest": vdig, **extra}
+                    **chunk_header(spans, sp.index, payload), "version_digest": vdig, **extra}
             if corrupt:
                 meta["digest"] = "0" * 16
-            await self.js.publish(subject(fid, ch.index), bytes(ch.payload),
-                                  headers={S.MSG_ID: msg_id(fid, version, ch.index),
+            await self.js.publish(subject(fid, sp.index), payload,
+                                  headers={S.MSG_ID: msg_id(fid, version, sp.index),
                                            codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
         return vdig
 
@@ -123,16 +126,23 @@ class Syncer:
         return sum((info.state.subjects or {}).values())
 
 
-def assemble_push(chunks: list[tuple[dict, bytes]]) -> tuple[dict, bytes]:
+def assemble(chunks: list[tuple[dict, bytes]], numel: int, chunk_bytes: int = CHUNK_BYTES) -> bytes:
+    """Check a fragment's chunks against the session's chunk plan like the syncer would (every chunk
+    once, each checked by `check_chunk`); return the fragment's bytes in chunk order."""
+    chunks = sorted(chunks, key=lambda c: c[0]["chunk"])
+    spans = chunk_plan(numel, chunks[0][0]["dtype"], chunk_bytes)
+    assert [m["chunk"] for m, _ in chunks] == list(range(len(spans)))
+    for meta, data in chunks:
+        check_chunk(spans, meta, data)
+    return b"".join(bytes(d) for _, d in chunks)
+
+
+def assemble_push(chunks: list[tuple[dict, bytes]], numel: int) -> tuple[dict, bytes]:
     """Check one push try's chunks like the syncer would; return the last header and the payload."""
     chunks = sorted(chunks, key=lambda c: c[0]["chunk"])
-    first = chunks[0][0]
-    asm = Assembler(first["total"], first["chunks"])
-    for meta, data in chunks:
-        asm.add(meta, data)
     last = chunks[-1][0]
     assert last["push_digest"] == push_digest([m["digest"] for m, _ in chunks])
-    return last, bytes(asm.result().numpy())
+    return last, assemble(chunks, numel)
 
 
 @pytest.fixture
@@ -276,7 +286,7 @@ async def test_pull_is_answered_with_local_minus_anchor_and_other_gen_is_ignored
     assert await boundary(island, tokens=7)
 
     chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
-    last, payload = assemble_push(chunks)
+    last, payload = assemble_push(chunks, syncer.numel(1))
     assert {(m["step"], m["attempt"], m["try"], m["base_version"], m["c_steps"], m["c_tokens"], m["local_step"],
              m["gen"], m["dtype"]) for m, _ in chunks} == {(2, 1, 0, 0, 1, 7, 2, island.gen, "f32")}
     d = unpack(payload, "f32", syncer.numel(1))
@@ -472,7 +482,7 @@ async def test_a_refused_push_is_recomputed_and_resent_with_the_next_try(nc, run
         stored = await syncer.pushes(ISLAND, 1, await syncer.push_count(ISLAND, 1))
         done = island.book.record(1, 2).try_
         assert done >= 1 and all(m["try"] <= done for m, _ in stored)
-        assemble_push([(m, d) for m, d in stored if m["try"] == done])
+        assemble_push([(m, d) for m, d in stored if m["try"] == done], syncer.numel(1))
         assert len([m for m, _ in stored if m["try"] == done]) == syncer.bcast_chunks(1)
         assert island.book.pending() == 0 and island.counters["pushes"] == 1
     finally:
@@ -499,7 +509,7 @@ async def test_q4_pushes_carry_error_feedback(env, anchors, tmp_path):
         d = frag_values(island, 1) - anchor
         assert await boundary(island)
         chunks = [c for c in await syncer.pushes(ISLAND, 1, step // 2) if c[0]["step"] == step]
-        return assemble_push(chunks)[1], d
+        return assemble_push(chunks, syncer.numel(1))[1], d
 
     sent1, d1 = await round_trip(2, 0, v0[1])
     want1, r1 = q4_with_feedback(d1, None)
@@ -610,7 +620,7 @@ async def test_init_island_streams_its_weights_then_takes_v0(env):
                 enumerate(session["fragments"])}
     start = asyncio.create_task(asyncio.to_thread(island.start))
     sub = await env.js.pull_subscribe_bind(durable=S.SYNCER_INIT_CONSUMER, stream=S.stream(syncer.run, "INIT"))
-    want = sum(len(list(iter_chunks(p, CHUNK_BYTES))) for p in expected.values())
+    want = sum(len(chunk_plan(f["numel"], "bf16", CHUNK_BYTES)) for f in session["fragments"])
     got: dict[int, list] = {0: [], 1: []}
     while sum(map(len, got.values())) < want:
         for m in await sub.fetch(want, timeout=10):
@@ -620,10 +630,7 @@ async def test_init_island_streams_its_weights_then_takes_v0(env):
             got[meta["fragment"]].append((meta, m.data))
             await m.ack()
     for fid, chunks in got.items():
-        asm = Assembler(chunks[0][0]["total"], chunks[0][0]["chunks"])
-        for meta, data in chunks:
-            asm.add(meta, data)
-        assert torch.equal(asm.result(), expected[fid])
+        assert assemble(chunks, session["fragments"][fid]["numel"]) == expected[fid].numpy().tobytes()
     await asyncio.sleep(0.3)
     assert not start.done()  # the INIT island waits for v0 before its first step
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}

@@ -81,23 +81,6 @@ def test_too_many_fragments_and_bad_layouts_refused():
     assert ei.value.field == "push_dtype" and "f8" in str(ei.value)
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 5000), dtype=st.sampled_from(["f32", "bf16", "q4"]), chunk=st.integers(132, 4096))
-def test_chunk_plan_covers_every_element_once_in_whole_units(n, dtype, chunk):
-    spans = L.chunk_plan(n, dtype, chunk)
-    elems, ubytes = L.unit(dtype)
-    off = 0
-    boff = 0
-    for i, s in enumerate(spans):
-        assert s.index == i and s.elem_offset == off and s.byte_offset == boff
-        assert 0 < s.nbytes <= chunk
-        if i < len(spans) - 1:
-            assert s.elem_count % elems == 0
-        off += s.elem_count
-        boff += s.nbytes
-    assert off == n and boff == L.wire_nbytes(dtype, n)
-
-
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(1, 12), p=st.integers(1, 6))
 def test_every_tensor_in_exactly_one_nonempty_fragment(layers, p):

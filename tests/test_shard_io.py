@@ -28,7 +28,8 @@ from learner.island_ranks import RankOps
 from learner.layout_map import IslandLayout, describe
 from learner.shard_io import Comm
 from schemas.dtypes import pack, q4_with_feedback, unpack
-from schemas.layout import build_session, chunk_plan
+from schemas.layout import build_session
+from schemas.chunks import chunk_plan
 
 SHAPES = {"embed.weight": (30, 20), "layers.0.w": (24, 20), "layers.0.b": (24,), "layers.1.w": (20, 24),
           "layers.1.b": (20,), "final_norm.weight": (20,)}

@@ -16,7 +16,8 @@ import torch
 from schemas import codec, subjects as S
 from schemas.chunks import digest
 from schemas.dtypes import pack
-from schemas.layout import chunk_plan, layout_fingerprint
+from schemas.layout import layout_fingerprint
+from schemas.chunks import chunk_plan
 from tests.scripted import (LR, MU, Reference, ScriptedIsland, close_run, start_run, syncer_status, tape,
                             tiny_layout, wait_status, wait_tape)
 
@@ -144,7 +145,7 @@ async def test_bad_wire_input_is_refused_counted_taped_and_changes_nothing(nats_
         dispositions = await tape(js, run_id, "disposition")
         invalid = sorted((r["try"], r["reason"]) for r in dispositions if r["disposition"] == "invalid")
         assert [t for t, _ in invalid] == [0, 2]
-        assert "must cover bytes" in invalid[0][1] and "digest" in invalid[1][1]
+        assert "chunk 0 is" in invalid[0][1] and "nbytes" in invalid[0][1] and "digest" in invalid[1][1]
         (nan,) = [r for r in dispositions if r["disposition"] == "quarantined"]
         assert nan["try"] == 1 and nan["island"] == "a" and "non-finite" in nan["reason"]
         assert nan["detail"]["quarantine"] == {"rule": "non_finite", "non_finite": 2, "limit": 0}  # a NaN and an Inf

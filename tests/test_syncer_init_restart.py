@@ -12,7 +12,7 @@ import pytest
 
 from schemas import subjects as S
 from schemas.dtypes import pack, unpack
-from schemas.layout import chunk_plan
+from schemas.chunks import chunk_plan
 from tests.scripted import (ScriptedIsland, SyncerProc, close_run, syncer_status, tape, tiny_layout, wait_provisioned,
                             wait_status, wait_tape)
 

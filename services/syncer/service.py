@@ -41,11 +41,12 @@ import orjson
 import torch
 
 from schemas import codec, subjects as S
-from schemas.chunks import VersionDigest, digest as chunk_digest, max_chunk_bytes
+from schemas.chunks import VersionDigest, check_chunk, chunk_header, digest as chunk_digest, max_chunk_bytes, plan_nbytes
 from schemas.conn import ConnectOptions, connect, server_max_payload
 from schemas.dtypes import pack
 from schemas.errors import WireError
-from schemas.layout import chunk_plan, layout_fingerprint
+from schemas.layout import layout_fingerprint
+from schemas.chunks import chunk_plan
 from schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
@@ -399,15 +400,8 @@ class SyncerService:
             if meta["dtype"] != self.session["bulk_dtype"]:
                 raise WireError(f"INIT dtype must be the session's bulk dtype {self.session['bulk_dtype']}", field="dtype", value=meta["dtype"])
             spans = chunk_plan(fr.numel, meta["dtype"], self.session["chunk_bytes"])
-            k = meta["chunk"]
-            if meta["chunks"] != len(spans) or k >= len(spans):
-                raise WireError(f"fragment {fid} takes {len(spans)} chunks", field="chunks", value=meta["chunks"])
-            span = spans[k]
-            if meta["offset"] != span.byte_offset or meta["nbytes"] != span.nbytes or len(msg.data) != span.nbytes:
-                raise WireError(f"chunk {k} must cover bytes [{span.byte_offset}, +{span.nbytes})", field="nbytes",
-                                value={"offset": meta["offset"], "nbytes": meta["nbytes"], "payload": len(msg.data)}, code="wrong_size")
-            if chunk_digest(msg.data) != meta["digest"]:
-                raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
+            span = check_chunk(spans, meta, msg.data)
+            k = span.index
             values = delta_view(msg.data, meta["dtype"], span.elem_count)
             if not bool(torch.isfinite(values).all()):
                 raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
@@ -462,17 +456,8 @@ class SyncerService:
                 if meta["dtype"] != self.session["push_dtype"]:
                     raise WireError(f"push dtype must be the session's {self.session['push_dtype']}", field="dtype", value=meta["dtype"])
                 spans = chunk_plan(fr.numel, meta["dtype"], self.session["chunk_bytes"])
-                expected_total = sum(s.nbytes for s in spans)
-                k = meta["chunk"]
-                if meta["chunks"] != len(spans) or k >= len(spans):
-                    raise WireError(f"fragment {meta['fragment']} takes {len(spans)} chunks", field="chunks", value=meta["chunks"])
-                span = spans[k]
-                if meta["offset"] != span.byte_offset or meta["nbytes"] != span.nbytes or len(msg.data) != span.nbytes:
-                    raise WireError(f"chunk {k} must cover bytes [{span.byte_offset}, +{span.nbytes})", field="nbytes",
-                                    value={"offset": meta["offset"], "nbytes": meta["nbytes"], "payload": len(msg.data)},
-                                    code="wrong_size")
-                if chunk_digest(msg.data) != meta["digest"]:
-                    raise WireError("chunk digest does not match its bytes", field="digest", value=meta["digest"], code="digest_mismatch")
+                expected_total = plan_nbytes(spans)
+                span = check_chunk(spans, meta, msg.data)
                 values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
                 # The quarantine figures, one chunk at a time (never the whole push in memory); the round
                 # machine decides (NaN/Inf, --max-push-norm, --outlier-factor). Squares of f32 values
@@ -812,7 +797,6 @@ class SyncerService:
         dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
         kind = "final_chunk" if final_step is not None else "bcast_chunk"
         spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
-        total = sum(s.nbytes for s in spans)
         # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node
         # died); a re-send with the same Nats-Msg-Id is deduplicated, so waiting less costs nothing.
         pipe = Pipeline(self.js, timeout=BCAST_ACK_S, counters=self.counters)
@@ -821,8 +805,7 @@ class SyncerService:
             payload = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
             buf = payload.numpy().tobytes()
             meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
-                    "chunk": s.index, "chunks": len(spans), "offset": s.byte_offset, "nbytes": s.nbytes, "total": total,
-                    "digest": chunk_digest(buf), "version_digest": vdigest}
+                    **chunk_header(spans, s.index, buf), "version_digest": vdigest}
             if final_step is not None:
                 meta["final_step"] = final_step
                 subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
