@@ -23,19 +23,18 @@ durable survives a restart of its reader (it resumes at its ack floor). `syncer-
 and the merge reads the payloads later by sequence with direct get (PUSH has `allow_direct`), so
 the payload never crosses the wire twice.
 
-The configs are pure functions (`stream_configs`, `kv_configs`, `syncer_consumer_configs`,
-`island_consumer_config`, `bcast_consumer_config`, `config_conflicts`); the async functions are thin
-shells around them.
+The configs are pure functions in `schemas.stream_configs` (`stream_configs`, `kv_configs`,
+`syncer_consumer_configs`, `island_consumer_config`, `bcast_consumer_config`, `mirror_configs`,
+`config_conflicts`); the async functions here and in `schemas.island_consumers` (an island's CTL
+consumers) are thin shells around them. Everything is re-exported here.
 """
+
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import logging
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import nats.errors
 from nats.js import api
@@ -43,452 +42,24 @@ from nats.js.errors import APIError, NotFoundError
 
 from . import subjects as S
 from .errors import WireError
-from .ids import check_gen, check_island
 from .ids import check_run as _check_run_id
+from .island_consumers import (ConsumerTaken, ISLAND_CONSUMER_TRIES, consumer_owner, ensure_island_consumer,
+                               ensure_island_consumers, island_consumer_owner, remove_island_consumers)
+from .provision_base import (ProvisionConflict, ProvisionError, ProvisionReport, RunNotProvisioned,
+                             consumer_info_or_none, server_refused, stream_info_or_none)
+from .stream_configs import (CONSUMER_FIELDS, CUT_KINDS, DAY, ERR_STREAM_NAME_IN_USE, GiB, HOUR,
+                             ISLAND_ACK_WAIT_S, ISLAND_INACTIVE_S, KV_FIELDS, KV_STREAM_PREFIX, KiB,
+                             MIRROR_FIELDS, MiB, RunLimits, STREAM_FIELDS, SYNCER_CTL_ACK_WAIT_S,
+                             SYNCER_INIT_ACK_WAIT_S, SYNCER_PUSH_ACK_WAIT_S, bcast_consumer_config,
+                             config_conflicts, final_consumer_config, hub_api_prefix, island_consumer_config,
+                             kv_configs, kv_stream_name, mirror_configs, mirror_conflicts, mirror_source, push_max_bytes_for,
+                             stream_configs, syncer_consumer_configs)
+
+# The shells below, and the pure configs and island-consumer shells re-exported for callers that
+# import everything provisioning from here.
+__all__ = ['CONSUMER_FIELDS', 'CUT_KINDS', 'ConsumerTaken', 'DAY', 'ERR_STREAM_NAME_IN_USE', 'GiB', 'HOUR', 'ISLAND_ACK_WAIT_S', 'ISLAND_CONSUMER_TRIES', 'ISLAND_INACTIVE_S', 'KV_FIELDS', 'KV_PUT_ATTEMPTS', 'KV_STREAM_PREFIX', 'KiB', 'MIRROR_FIELDS', 'MiB', 'ProvisionConflict', 'ProvisionError', 'ProvisionReport', 'RunLimits', 'RunNotProvisioned', 'STREAM_FIELDS', 'SYNCER_CTL_ACK_WAIT_S', 'SYNCER_INIT_ACK_WAIT_S', 'SYNCER_PUSH_ACK_WAIT_S', 'bcast_consumer_config', 'check_run', 'config_conflicts', 'consumer_info_or_none', 'consumer_owner', 'ensure_cut_mirrors', 'ensure_island_consumer', 'ensure_island_consumers', 'final_consumer_config', 'hub_api_prefix', 'island_consumer_config', 'island_consumer_owner', 'kv', 'kv_configs', 'kv_put', 'kv_stream_name', 'mirror_configs', 'mirror_conflicts', 'mirror_source', 'missing_pieces', 'provision_run', 'push_max_bytes_for', 'remove_island_consumers', 'remove_run', 'server_refused', 'stream_configs', 'stream_info_or_none', 'syncer_consumer_configs']
 
 log_ = logging.getLogger(__name__)
-
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-HOUR = 3600.0
-DAY = 24 * HOUR
-
-# nats-py names a KV bucket's stream KV_<bucket> (nats/js/client.py KV_STREAM_TEMPLATE).
-KV_STREAM_PREFIX = "KV_"
-
-# Ack waits: how long a delivered, unacked message waits before redelivery. The syncer acks CTL and
-# PUSH messages as soon as it has recorded them; an INIT chunk is acked after it is copied into the
-# syncer's parameter buffer, which can take longer for a large chunk on a busy host.
-SYNCER_CTL_ACK_WAIT_S = 30.0
-SYNCER_INIT_ACK_WAIT_S = 60.0
-SYNCER_PUSH_ACK_WAIT_S = 30.0
-ISLAND_ACK_WAIT_S = 30.0
-# An island's consumer nobody fetches from for this long is removed by the server (an island that
-# never comes back). Long enough that an island in a slow step or a network outage keeps its place; a
-# restarted island replaces its consumers at once (ensure_island_consumers).
-ISLAND_INACTIVE_S = DAY
-
-# JetStream error codes used here.
-ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
-
-
-# ---- errors --------------------------------------------------------------------------------------
-
-class ProvisionError(RuntimeError):
-    """Provisioning failed for a reason other than bad input (the server refused, timed out, ...)."""
-
-
-class ProvisionConflict(ProvisionError):
-    """An existing stream / bucket / consumer differs from what this run wants; it was left unchanged.
-
-    `conflicts` lists every (what, field, existing, wanted); `what`, `stream`, `field`, `existing`,
-    `wanted` are those of the first, for callers that only care about one.
-    """
-
-    def __init__(self, run: str, conflicts: list[tuple[str, str, str, Any, Any]]):
-        # each conflict: (what, stream, field, existing, wanted)
-        self.run = run
-        self.conflicts = conflicts
-        self.what, self.stream, self.field, self.existing, self.wanted = conflicts[0]
-        lines = [f"{w}: {f} is {e!r} on the server, this run wants {n!r}" for w, _s, f, e, n in conflicts]
-        super().__init__(
-            f"run {run}: existing JetStream objects conflict with this run's configuration and were NOT "
-            f"changed: " + "; ".join(lines)
-            + f". Start with matching settings, or remove the run with `yeto run rm {run}`."
-        )
-
-
-class RunNotProvisioned(ProvisionError):
-    """`check_run` timed out: the named streams / buckets still do not exist."""
-
-    def __init__(self, run: str, missing: list[str], waited_s: float):
-        self.run = run
-        self.missing = list(missing)
-        self.waited_s = waited_s
-        super().__init__(
-            f"run {run} is not provisioned after {waited_s:.1f}s: missing {', '.join(missing)} "
-            f"(the syncer creates them at start: is `yeto syncer --run {run}` running against this NATS?)"
-        )
-
-
-# ---- limits --------------------------------------------------------------------------------------
-
-def push_max_bytes_for(pipeline: int, members: int, fragment_bytes: int, slack: float = 1.5) -> int:
-    """PUSH `max_bytes` for `pipeline` rounds in flight × `members` pushes × `fragment_bytes` each.
-
-    DESIGN §4: pushes wait in PUSH until their round commits. `slack` covers re-sends (`try`),
-    restarted attempts whose chunks are not yet deleted, and message headers.
-    """
-    for name, v in (("pipeline", pipeline), ("members", members), ("fragment_bytes", fragment_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise WireError("must be a positive integer", field=name, value=v, code="bad_limit")
-    if not (isinstance(slack, (int, float)) and slack >= 1.0):
-        raise WireError("must be a number >= 1", field="slack", value=slack, code="bad_limit")
-    return int(math.ceil(pipeline * members * fragment_bytes * slack))
-
-
-@dataclass(frozen=True)
-class RunLimits:
-    """Sizes and ages of a run's streams. Defaults suit a real run; tests use `RunLimits.small()`.
-
-    `-1` means "no limit" for byte sizes, `0` for ages (JetStream's own conventions).
-    Note: the server *reserves* every stream's `max_bytes` against its `max_file_store` (the shipped
-    config allows 200 GB), so runs that are never removed eat the reservation even while empty.
-    """
-
-    duplicate_window_s: float = 120.0
-    ctl_max_age_s: float = 7 * DAY
-    # DESIGN §4: pipeline × members × fragment bytes; see push_max_bytes_for. A bound is mandatory:
-    # it is the backpressure signal (10077) that keeps islands from filling the broker's disk.
-    push_max_bytes: int = 8 * GiB
-    push_max_age_s: float = DAY  # safety net: the syncer deletes pushes after each commit
-    steplog_max_age_s: float = 7 * DAY
-    steplog_max_bytes: int = 1 * GiB
-    events_max_age_s: float = 90 * DAY
-    events_max_bytes: int = -1
-    storage: str = "file"  # "memory" for tests only: the shipped config caps memory at 1 GB
-    replicas: int = 1  # 3 on a NATS cluster (DESIGN §8)
-    max_msg_size: int = -1  # -1: the server's max_payload governs
-    members_history: int = 1  # heartbeats rewrite members' keys every few seconds: keep the newest only
-    state_history: int = 5  # a few revisions of the session / versions record help a post-mortem
-
-    def __post_init__(self):
-        def bad(name, why):
-            raise WireError(why, field=name, value=getattr(self, name), code="bad_limit")
-
-        for name in ("duplicate_window_s", "ctl_max_age_s", "push_max_age_s", "steplog_max_age_s", "events_max_age_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
-                bad(name, "must be a number of seconds >= 0 (0: no limit)")
-        if self.duplicate_window_s <= 0:
-            bad("duplicate_window_s", "must be > 0: every publish relies on Nats-Msg-Id dedup")
-        for name in ("push_max_bytes", "steplog_max_bytes", "events_max_bytes", "max_msg_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or (v <= 0 and v != -1):
-                bad(name, "must be a positive number of bytes or -1 (no limit)")
-        if self.push_max_bytes == -1:
-            bad("push_max_bytes", "must be bounded: PUSH's max_bytes + discard new is the backpressure signal")
-        # The server refuses a duplicate window longer than a stream's max age.
-        for name in ("ctl_max_age_s", "push_max_age_s", "steplog_max_age_s", "events_max_age_s"):
-            age = getattr(self, name)
-            if 0 < age < self.duplicate_window_s:
-                bad(name, f"must be 0 or >= duplicate_window_s ({self.duplicate_window_s}s)")
-        if self.storage not in ("file", "memory"):
-            bad("storage", "must be 'file' or 'memory'")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or not 1 <= self.replicas <= 5:
-            bad("replicas", "must be an integer in 1..5")
-        for name in ("members_history", "state_history"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                bad(name, "must be an integer in 1..64 (the KV history limit)")
-
-    @classmethod
-    def small(cls, **overrides) -> "RunLimits":
-        """Small byte limits for tests and demos, so a test session's server is not exhausted by
-        reservations (see the class note)."""
-        kw: dict[str, Any] = dict(push_max_bytes=64 * MiB, steplog_max_bytes=8 * MiB, events_max_bytes=8 * MiB)
-        kw.update(overrides)
-        return cls(**kw)
-
-    @property
-    def storage_type(self) -> api.StorageType:
-        return api.StorageType(self.storage)
-
-
-# ---- pure configs --------------------------------------------------------------------------------
-
-def stream_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.StreamConfig]:
-    """The wanted StreamConfig of every stream of `run`, by kind (DESIGN §3 streams table)."""
-    _check_run_id(run)
-    L = limits
-    LIM, WQ = api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
-    OLD, NEW = api.DiscardPolicy.OLD, api.DiscardPolicy.NEW
-
-    def cfg(kind: str, description: str, **kw) -> api.StreamConfig:
-        base = dict(
-            name=S.stream(run, kind),
-            description=f"yeto run {run}: {description}",
-            subjects=S.stream_subjects(run, kind),
-            retention=LIM,
-            storage=L.storage_type,
-            num_replicas=L.replicas,
-            discard=OLD,
-            max_msgs=-1,
-            max_bytes=-1,
-            max_age=0.0,
-            max_msgs_per_subject=-1,
-            max_msg_size=L.max_msg_size,
-            duplicate_window=float(L.duplicate_window_s),
-            allow_direct=False,
-            metadata={"yeto_run": run, "yeto_stream": kind},
-        )
-        base.update(kw)
-        return api.StreamConfig(**base)
-
-    return {
-        "CTL": cfg("CTL", "control (hello, heartbeat, pull, to-island, ack)", max_age=float(L.ctl_max_age_s)),
-        # Limits + max_bytes + discard NEW: a full PUSH refuses publishes (10077) instead of dropping
-        # older pushes that a round still needs; the syncer deletes chunks after each commit.
-        "PUSH": cfg(
-            "PUSH", "push chunks (island -> syncer)",
-            max_bytes=L.push_max_bytes, discard=NEW, allow_direct=True, max_age=float(L.push_max_age_s),
-        ),
-        # Work queue: the syncer's ack removes an INIT chunk once it holds it.
-        "INIT": cfg("INIT", "initial weights from the INIT island", retention=WQ),
-        # One message per chunk subject: the stream *is* the current cut; a reader may see chunks of
-        # versions v and v+1 side by side (DESIGN §3, broadcast assembly).
-        "BCAST": cfg("BCAST", "current cut, one message per chunk", max_msgs_per_subject=1, allow_direct=True),
-        "FINAL": cfg("FINAL", "authoritative f32 final cut", max_msgs_per_subject=1, allow_direct=True),
-        # Limits, never interest retention: interest drops events while no dashboard listens.
-        "STEPLOG": cfg(
-            "STEPLOG", "per-step island events",
-            max_age=float(L.steplog_max_age_s), max_bytes=L.steplog_max_bytes,
-        ),
-        "EVENTS": cfg(
-            "EVENTS", "the syncer's tape", max_age=float(L.events_max_age_s), max_bytes=L.events_max_bytes,
-        ),
-    }
-
-
-def kv_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.KeyValueConfig]:
-    """The wanted KeyValueConfig of each bucket, by kind. No TTL anywhere (NATS-NOTES trap 6: per-key
-    TTL leases misbehave in nats-py 2.16; liveness is judged from heartbeat times in the values)."""
-    _check_run_id(run)
-    hist = {"members": limits.members_history, "state": limits.state_history}
-    what = {"members": "island -> generation, layout, last step, last heartbeat", "state": "session, versions, global step"}
-    return {
-        kind: api.KeyValueConfig(
-            bucket=S.kv_bucket(run, kind),
-            description=f"yeto run {run}: {what[kind]}",
-            history=hist[kind],
-            storage=limits.storage_type,
-            replicas=limits.replicas,
-        )
-        for kind in S.KV_KINDS
-    }
-
-
-def kv_stream_name(bucket: str) -> str:
-    return KV_STREAM_PREFIX + bucket
-
-
-def syncer_consumer_configs(run: str, *, push_headers_only: bool = True) -> dict[str, tuple[str, api.ConsumerConfig]]:
-    """The syncer's durable pull consumers: name -> (stream kind, config). DESIGN §3 consumer table."""
-    _check_run_id(run)
-
-    def durable(name: str, description: str, **kw) -> api.ConsumerConfig:
-        return api.ConsumerConfig(
-            name=name,
-            durable_name=name,
-            description=f"yeto run {run}: {description}",
-            deliver_policy=api.DeliverPolicy.ALL,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            max_deliver=-1,
-            **kw,
-        )
-
-    return {
-        S.SYNCER_CTL_CONSUMER: ("CTL", durable(
-            S.SYNCER_CTL_CONSUMER, "syncer reads hello, heartbeat, ack",
-            filter_subjects=S.syncer_ctl_filters(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
-        )),
-        S.SYNCER_INIT_CONSUMER: ("INIT", durable(
-            S.SYNCER_INIT_CONSUMER, "syncer reads initial weights", ack_wait=SYNCER_INIT_ACK_WAIT_S,
-        )),
-        S.SYNCER_PUSH_CONSUMER: ("PUSH", durable(
-            S.SYNCER_PUSH_CONSUMER, "syncer records push chunks by sequence",
-            filter_subject=S.push_all(run), ack_wait=SYNCER_PUSH_ACK_WAIT_S, headers_only=push_headers_only,
-        )),
-    }
-
-
-def island_consumer_config(
-    run: str, island: str, gen: str, kind: str, start_seq: int | None = None,
-    *, ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
-) -> api.ConsumerConfig:
-    """Island I's durable pull consumer `kind` on CTL, owned by generation `gen`: "pull" (named
-    `pull-I`, filter `ctl.pull`) or "to" (named `isl-I`, filter `ctl.to.I`). See subjects.py for why
-    the names are fixed and each has one filter subject.
-
-    Delivers from stream sequence `start_seq` when given (the island's hello: nothing stored before
-    it can be meant for this generation), else everything the stream still holds. The owning
-    generation is in the metadata (`S.ISLAND_GEN_KEY`).
-    """
-    name = S.island_consumer(island, kind)
-    check_gen(gen)
-    kw: dict[str, Any] = {}
-    if start_seq is not None:
-        if isinstance(start_seq, bool) or not isinstance(start_seq, int) or start_seq <= 0:
-            raise WireError("must be a positive stream sequence", field="start_seq", value=start_seq, code="bad_limit")
-        kw["deliver_policy"] = api.DeliverPolicy.BY_START_SEQUENCE
-        kw["opt_start_seq"] = start_seq
-    else:
-        kw["deliver_policy"] = api.DeliverPolicy.ALL
-    return api.ConsumerConfig(
-        name=name,
-        durable_name=name,
-        description=f"yeto run {run}: island {island} gen {gen} " + ("pulls" if kind == "pull" else "messages to it"),
-        ack_policy=api.AckPolicy.EXPLICIT,
-        filter_subject=S.island_consumer_filter(run, island, kind),
-        ack_wait=float(ack_wait_s),
-        max_deliver=-1,
-        inactive_threshold=float(inactive_s),
-        metadata={S.ISLAND_GEN_KEY: gen},
-        **kw,
-    )
-
-
-def _cut_config(filter_subject: str, headers_only: bool) -> api.ConsumerConfig:
-    return api.ConsumerConfig(
-        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-        ack_policy=api.AckPolicy.NONE,
-        filter_subject=filter_subject,
-        headers_only=headers_only,
-    )
-
-
-def bcast_consumer_config(run: str, fragment: int | None = None, *, headers_only: bool = True) -> api.ConsumerConfig:
-    """The island cut reader's consumer config on BCAST: the newest message of every chunk subject,
-    then new ones. Use it as an ordered consumer:
-
-        cfg = bcast_consumer_config(run)
-        sub = await js.subscribe(cfg.filter_subject, stream=stream(run, "BCAST"), ordered_consumer=True, config=cfg)
-
-    `headers_only` (default): the inbox holds notices (chunk headers, stream sequence), not bytes;
-    rank 0 fetches the payloads by sequence at the boundary (DESIGN §3, island-side buffering).
-    """
-    subj = S.bcast_all(run) if fragment is None else S.bcast_fragment(run, fragment)
-    return _cut_config(subj, headers_only)
-
-
-def final_consumer_config(run: str, fragment: int | None = None, *, headers_only: bool = True) -> api.ConsumerConfig:
-    """As `bcast_consumer_config`, on FINAL (the f32 final cut)."""
-    subj = S.final_all(run) if fragment is None else S.final_fragment(run, fragment)
-    return _cut_config(subj, headers_only)
-
-
-# ---- pure comparison -----------------------------------------------------------------------------
-
-# Stream fields that change behaviour; anything else (description, metadata the server adds, ...) is
-# informational and may differ.
-STREAM_FIELDS = (
-    "subjects", "retention", "storage", "num_replicas", "discard", "max_msgs", "max_bytes", "max_age",
-    "max_msgs_per_subject", "max_msg_size", "duplicate_window", "allow_direct",
-)
-# KV bucket fields, as fields of the bucket's stream (KV name -> stream field).
-KV_FIELDS = {"history": "max_msgs_per_subject", "storage": "storage", "replicas": "num_replicas",
-             "ttl": "max_age", "max_bytes": "max_bytes"}
-# Consumer fields that change what is delivered and how. Tuning fields (ack_wait, max_ack_pending,
-# inactive_threshold) and the start time of an existing consumer (it already has a position) are not
-# compared.
-CONSUMER_FIELDS = ("filter", "ack_policy", "deliver_policy", "headers_only")
-
-
-def _enum(v):
-    return None if v is None else str(getattr(v, "value", v))
-
-
-def _norm(field_: str, v: Any) -> Any:
-    """Normalize a config value the way the server does, so read-back equals what was sent."""
-    if field_ in ("subjects", "filter"):
-        return sorted(v or [])
-    if field_ in ("retention", "storage", "discard", "ack_policy", "deliver_policy"):
-        return _enum(v)
-    if field_ in ("max_msgs", "max_bytes", "max_msg_size", "max_msgs_per_subject"):
-        return -1 if v is None or v <= 0 else int(v)
-    if field_ in ("max_age", "duplicate_window"):
-        return round(float(v or 0.0), 6)  # seconds; the wire carries integer nanoseconds
-    if field_ in ("allow_direct", "headers_only"):
-        return bool(v)
-    if field_ == "num_replicas":
-        return int(v or 1)
-    return v
-
-
-def _consumer_filter(c: api.ConsumerConfig) -> list[str]:
-    # The server may turn a one-element filter_subjects into filter_subject; "" / ">" mean "all".
-    subs = list(c.filter_subjects or [])
-    if c.filter_subject and c.filter_subject != ">":
-        subs.append(c.filter_subject)
-    return subs
-
-
-def config_conflicts(existing: Any, wanted: Any, kind: str = "stream") -> list[tuple[str, Any, Any]]:
-    """[(field, existing, wanted)] for every behaviour-changing field that differs. Pure.
-
-    kind: "stream" (StreamConfig vs StreamConfig), "kv" (the bucket's StreamConfig vs KeyValueConfig),
-    "consumer" (ConsumerConfig vs ConsumerConfig).
-    """
-    out = []
-    if kind == "stream":
-        for f in STREAM_FIELDS:
-            e, w = _norm(f, getattr(existing, f)), _norm(f, getattr(wanted, f))
-            if e != w:
-                out.append((f, e, w))
-    elif kind == "kv":
-        for kvf, sf in KV_FIELDS.items():
-            w_raw = getattr(wanted, kvf)
-            if sf == "storage" and w_raw is None:
-                w_raw = api.StorageType.FILE
-            e, w = _norm(sf, getattr(existing, sf)), _norm(sf, w_raw)
-            if e != w:
-                out.append((kvf, e, w))
-    elif kind == "consumer":
-        for f in CONSUMER_FIELDS:
-            if f == "filter":
-                e, w = _norm(f, _consumer_filter(existing)), _norm(f, _consumer_filter(wanted))
-            else:
-                e, w = _norm(f, getattr(existing, f)), _norm(f, getattr(wanted, f))
-            if e != w:
-                out.append((f, e, w))
-    else:
-        raise ValueError(f"unknown kind {kind!r}")
-    return out
-
-
-# ---- report --------------------------------------------------------------------------------------
-
-@dataclass
-class ProvisionReport:
-    """What a provisioning call found: names like 'stream YETO_R_CTL', 'kv yeto_R_state',
-    'consumer YETO_R_CTL/syncer-ctl'."""
-
-    run: str
-    created: list[str] = field(default_factory=list)
-    existing: list[str] = field(default_factory=list)
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.created)
-
-    def __str__(self) -> str:
-        parts = []
-        if self.created:
-            parts.append("created " + ", ".join(self.created))
-        if self.existing:
-            parts.append("found " + ", ".join(self.existing))
-        return f"run {self.run}: " + ("; ".join(parts) or "nothing")
-
-
-# ---- I/O shells ----------------------------------------------------------------------------------
-
-async def _stream_info(js, name: str) -> api.StreamInfo | None:
-    try:
-        return await js.stream_info(name)
-    except NotFoundError:
-        return None
-
-
-async def _consumer_info(js, stream: str, name: str) -> api.ConsumerInfo | None:
-    try:
-        return await js.consumer_info(stream, name)
-    except NotFoundError:
-        return None
-
-
-def _server_refused(what: str, exc: Exception) -> ProvisionError:
-    return ProvisionError(f"creating {what} failed: {exc}")
 
 
 async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerConfig]], report: ProvisionReport) -> None:
@@ -496,7 +67,7 @@ async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerCo
     conflicts, to_create = [], []
     for stream_name, cfg in wanted:
         what = f"consumer {stream_name}/{cfg.durable_name}"
-        info = await _consumer_info(js, stream_name, cfg.durable_name)
+        info = await consumer_info_or_none(js, stream_name, cfg.durable_name)
         if info is None:
             to_create.append((stream_name, cfg, what))
             continue
@@ -509,7 +80,41 @@ async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerCo
         try:
             await js.add_consumer(stream_name, config=cfg)
         except APIError as exc:
-            raise _server_refused(what, exc) from exc
+            raise server_refused(what, exc) from exc
+        report.created.append(what)
+
+
+async def _check_streams(js, wanted, report: ProvisionReport, label: str, conflicts_of) -> tuple[list, list]:
+    """(missing configs, conflicts) of the wanted streams; the ones found go to the report."""
+    missing, conflicts = [], []
+    for cfg in wanted:
+        info = await stream_info_or_none(js, cfg.name)
+        if info is None:
+            missing.append(cfg)
+            continue
+        conflicts += [(f"{label} {cfg.name}", cfg.name, f, e, w) for f, e, w in conflicts_of(info.config, cfg)]
+        report.existing.append(f"{label} {cfg.name}")
+    return missing, conflicts
+
+
+async def _add_streams(js, run: str, cfgs, report: ProvisionReport, label: str, conflicts_of) -> None:
+    """Create each stream. A concurrent creator with the same config makes add_stream a no-op; one with
+    another config makes it fail with 10058, which is re-read: the same config counts as found,
+    another raises ProvisionConflict."""
+    for cfg in cfgs:
+        what = f"{label} {cfg.name}"
+        try:
+            await js.add_stream(cfg)
+        except APIError as exc:
+            if exc.err_code == ERR_STREAM_NAME_IN_USE:
+                info = await stream_info_or_none(js, cfg.name)
+                if info is not None:
+                    c = conflicts_of(info.config, cfg)
+                    if c:
+                        raise ProvisionConflict(run, [(what, cfg.name, f, e, w) for f, e, w in c]) from exc
+                    report.existing.append(what)
+                    continue
+            raise server_refused(what, exc) from exc
         report.created.append(what)
 
 
@@ -530,19 +135,12 @@ async def provision_run(
     consumers = syncer_consumer_configs(run, push_headers_only=push_headers_only)
 
     # Phase 1: read everything, collect conflicts; nothing is created before all checks pass.
-    conflicts: list = []
-    missing_streams: list[api.StreamConfig] = []
-    for cfg in streams.values():
-        info = await _stream_info(js, cfg.name)
-        if info is None:
-            missing_streams.append(cfg)
-            continue
-        conflicts += [(f"stream {cfg.name}", cfg.name, f, e, w) for f, e, w in config_conflicts(info.config, cfg, "stream")]
-        report.existing.append(f"stream {cfg.name}")
+    missing_streams, conflicts = await _check_streams(js, streams.values(), report, "stream",
+                                                      lambda e, w: config_conflicts(e, w, "stream"))
     missing_kvs: list[api.KeyValueConfig] = []
     for kcfg in kvs.values():
         sname = kv_stream_name(kcfg.bucket)
-        info = await _stream_info(js, sname)
+        info = await stream_info_or_none(js, sname)
         if info is None:
             missing_kvs.append(kcfg)
             continue
@@ -553,34 +151,20 @@ async def provision_run(
     for stream_name, cfg in wanted_consumers:
         if stream_name in missing_names:
             continue
-        info = await _consumer_info(js, stream_name, cfg.durable_name)
+        info = await consumer_info_or_none(js, stream_name, cfg.durable_name)
         if info is not None:
             conflicts += [(f"consumer {stream_name}/{cfg.durable_name}", stream_name, f, e, w)
                           for f, e, w in config_conflicts(info.config, cfg, "consumer")]
     if conflicts:
         raise ProvisionConflict(run, conflicts)
 
-    # Phase 2: create what is missing. A concurrent creator with the same config makes add_stream a
-    # no-op; one with another config makes it fail with 10058, which is re-read as a conflict.
-    for cfg in missing_streams:
-        try:
-            await js.add_stream(cfg)
-        except APIError as exc:
-            if exc.err_code == ERR_STREAM_NAME_IN_USE:
-                info = await _stream_info(js, cfg.name)
-                if info is not None:
-                    c = config_conflicts(info.config, cfg, "stream")
-                    if c:
-                        raise ProvisionConflict(run, [(f"stream {cfg.name}", cfg.name, f, e, w) for f, e, w in c]) from exc
-                    report.existing.append(f"stream {cfg.name}")
-                    continue
-            raise _server_refused(f"stream {cfg.name}", exc) from exc
-        report.created.append(f"stream {cfg.name}")
+    # Phase 2: create what is missing.
+    await _add_streams(js, run, missing_streams, report, "stream", lambda e, w: config_conflicts(e, w, "stream"))
     for kcfg in missing_kvs:
         try:
             await js.create_key_value(kcfg)
         except APIError as exc:
-            raise _server_refused(f"kv {kcfg.bucket}", exc) from exc
+            raise server_refused(f"kv {kcfg.bucket}", exc) from exc
         report.created.append(f"kv {kcfg.bucket}")
     await _ensure_consumers(js, run, wanted_consumers, report)
     log(str(report))
@@ -598,7 +182,7 @@ async def missing_pieces(js, run: str) -> list[str]:
     """Labels of the run's streams and buckets that do not exist (yet)."""
     missing = []
     for label, name in _wanted_names(_check_run_id(run)):
-        if await _stream_info(js, name) is None:
+        if await stream_info_or_none(js, name) is None:
             missing.append(label)
     return missing
 
@@ -636,112 +220,6 @@ async def check_run(
             last_logged = (time.monotonic(), key)
         sleep = poll_s if timeout_s is None else max(0.0, min(poll_s, timeout_s - waited))
         await asyncio.sleep(sleep)
-
-
-class ConsumerTaken(ProvisionError):
-    """Another generation of the island owns the consumer (this process was superseded)."""
-
-    def __init__(self, name: str, owner: str | None):
-        self.name, self.owner = name, owner
-        super().__init__(f"consumer {name} belongs to generation {owner} of this island")
-
-
-def consumer_owner(info: api.ConsumerInfo | None) -> str | None:
-    """The generation that owns an island consumer (its metadata), None when absent or unmarked."""
-    if info is None:
-        return None
-    return (info.config.metadata or {}).get(S.ISLAND_GEN_KEY)
-
-
-async def island_consumer_owner(js, run: str, island: str, kind: str) -> tuple[bool, str | None]:
-    """(exists, owning generation) of island I's consumer `kind`. Raises on no answer."""
-    info = await _consumer_info(js, S.stream(run, "CTL"), S.island_consumer(island, kind))
-    return info is not None, consumer_owner(info)
-
-
-# Tries of one consumer's (delete,) create: another process of the island may be doing the same.
-ISLAND_CONSUMER_TRIES = 5
-
-
-async def ensure_island_consumer(
-    js, run: str, island: str, gen: str, kind: str, start_seq: int | None = None, *, replace: bool = True,
-    ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
-    report: ProvisionReport | None = None,
-) -> ProvisionReport:
-    """Make island I's consumer `kind` one of generation `gen` (see island_consumer_config).
-
-    Kept as it is when `gen` owns it already (its position too). Owned by another generation (an
-    earlier process of the island): deleted and created anew when `replace` (a new process takes
-    over), else ConsumerTaken (this process was superseded and must not take it back). A concurrent
-    creator is retried a few times. Bind to it with
-    `js.pull_subscribe_bind(S.island_consumer(I, kind), stream=stream(run, "CTL"))`.
-    """
-    _check_run_id(run)
-    cfg = island_consumer_config(run, island, gen, kind, start_seq, ack_wait_s=ack_wait_s, inactive_s=inactive_s)
-    report = report or ProvisionReport(run)
-    ctl = S.stream(run, "CTL")
-    what = f"consumer {ctl}/{cfg.name}"
-    last: Exception | None = None
-    for _ in range(ISLAND_CONSUMER_TRIES):
-        info = await _consumer_info(js, ctl, cfg.name)
-        if info is not None:
-            owner = consumer_owner(info)
-            if owner == gen:
-                conflicts = [(what, ctl, f, e, w) for f, e, w in config_conflicts(info.config, cfg, "consumer")
-                             if f != "deliver_policy"]  # its start is where it was created; it kept its place
-                if conflicts:
-                    raise ProvisionConflict(run, conflicts)
-                report.existing.append(what)
-                return report
-            if not replace:
-                raise ConsumerTaken(cfg.name, owner)
-            try:
-                await js.delete_consumer(ctl, cfg.name)
-            except NotFoundError:
-                pass
-        try:
-            await js.add_consumer(ctl, config=cfg)
-        except APIError as exc:  # created meanwhile by another process: look again
-            last = exc
-            continue
-        report.created.append(what)
-        return report
-    raise _server_refused(what, last) if last is not None else ProvisionError(f"creating {what} failed")
-
-
-async def ensure_island_consumers(
-    js, run: str, island: str, gen: str, start_seq: int | None = None,
-    *, ack_wait_s: float = ISLAND_ACK_WAIT_S, inactive_s: float = ISLAND_INACTIVE_S,
-) -> ProvisionReport:
-    """Both of island I's consumers on CTL (`pull-I` and `isl-I`) for generation `gen`, replacing
-    an earlier generation's (see ensure_island_consumer)."""
-    _check_run_id(run)
-    check_island(island)
-    ctl = S.stream(run, "CTL")
-    if await _stream_info(js, ctl) is None:
-        raise RunNotProvisioned(run, [f"stream {ctl}"], 0.0)
-    report = ProvisionReport(run)
-    for kind in S.ISLAND_CONSUMER_KINDS:
-        await ensure_island_consumer(js, run, island, gen, kind, start_seq, ack_wait_s=ack_wait_s,
-                                     inactive_s=inactive_s, report=report)
-    return report
-
-
-async def remove_island_consumers(js, run: str, island: str, gen: str) -> list[str]:
-    """Delete island I's consumers that generation `gen` owns (never a later generation's); return
-    their names."""
-    ctl = S.stream(run, "CTL")
-    gone = []
-    for kind in S.ISLAND_CONSUMER_KINDS:
-        name = S.island_consumer(island, kind)
-        if consumer_owner(await _consumer_info(js, ctl, name)) != gen:
-            continue
-        try:
-            await js.delete_consumer(ctl, name)
-            gone.append(name)
-        except NotFoundError:
-            pass
-    return gone
 
 
 async def remove_run(js, run: str) -> list[str]:
@@ -793,57 +271,6 @@ async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=No
                                counters=counters, attempts=attempts)
 
 
-
-# ---- datacenter mirrors of the cut (issue 13) ----------------------------------------------------
-#
-# An island datacenter runs a NATS leaf node with a JetStream domain of its own (services/leaf.py).
-# There the run keeps a mirror of BCAST and FINAL, under the same stream names, so the datacenter's
-# islands read the cut from it: each chunk crosses the WAN link once (the mirror's one copy), however
-# many islands read it. Pushes, control and the KV buckets stay on the hub (domain `hub_domain`).
-#
-# Who creates a mirror: the island, in its own domain, at start (`ensure_cut_mirrors`, idempotent,
-# conflicts reported as for the syncer's streams). Why there and not by the syncer: the leaf's
-# JetStream is reachable from inside the datacenter even while the WAN link is down, a datacenter
-# joins a run by starting its leaf and islands (the syncer need not list the domains in advance), and
-# the syncer never waits at start for a datacenter whose link is down.
-
-CUT_KINDS = ("BCAST", "FINAL")
-# Fields compared on an existing mirror (the origin's subjects, duplicate window and ages do not apply).
-MIRROR_FIELDS = ("retention", "storage", "num_replicas", "max_msgs_per_subject", "allow_direct")
-
-
-def hub_api_prefix(hub_domain: str) -> str:
-    return f"$JS.{hub_domain}.API"
-
-
-def mirror_configs(run: str, hub_domain: str, *, replicas: int = 1) -> dict[str, api.StreamConfig]:
-    """The wanted config of the datacenter's mirror of each cut stream (by kind), in the datacenter's
-    own domain: same name as the hub's stream, sourced through the hub's API prefix."""
-    _check_run_id(run)
-    out = {}
-    for kind in CUT_KINDS:
-        name = S.stream(run, kind)
-        out[kind] = api.StreamConfig(
-            name=name,
-            description=f"yeto run {run}: mirror of {name} in domain {hub_domain}",
-            mirror=api.StreamSource(name=name, external=api.ExternalStream(api=hub_api_prefix(hub_domain))),
-            retention=api.RetentionPolicy.LIMITS,
-            storage=api.StorageType.FILE,  # a leaf restart keeps the cut: islands re-read it locally
-            num_replicas=replicas,
-            discard=api.DiscardPolicy.OLD,
-            # As the origin: one message per chunk subject, the mirror *is* the cut; direct gets.
-            max_msgs_per_subject=1,
-            allow_direct=True,
-            metadata={"yeto_run": run, "yeto_stream": kind, "yeto_mirror_of": hub_domain},
-        )
-    return out
-
-
-def _mirror_source(c: api.StreamConfig) -> tuple:
-    m = c.mirror
-    return (None, None) if m is None else (m.name, m.external.api if m.external else None)
-
-
 async def ensure_cut_mirrors(js, run: str, hub_domain: str, *, replicas: int = 1,
                              log: Callable[[str], None] | None = None) -> ProvisionReport:
     """Create the datacenter's mirrors of BCAST and FINAL through `js` (a JetStream context of the
@@ -852,29 +279,11 @@ async def ensure_cut_mirrors(js, run: str, hub_domain: str, *, replicas: int = 1
     log = log or log_.info
     report = ProvisionReport(run)
     wanted = mirror_configs(run, hub_domain, replicas=replicas)
-    conflicts, missing = [], []
-    for cfg in wanted.values():
-        info = await _stream_info(js, cfg.name)
-        if info is None:
-            missing.append(cfg)
-            continue
-        what = f"mirror {cfg.name}"
-        if _mirror_source(info.config) != _mirror_source(cfg):
-            conflicts.append((what, cfg.name, "mirror", _mirror_source(info.config), _mirror_source(cfg)))
-        conflicts += [(what, cfg.name, f, _norm(f, getattr(info.config, f)), _norm(f, getattr(cfg, f)))
-                      for f in MIRROR_FIELDS if _norm(f, getattr(info.config, f)) != _norm(f, getattr(cfg, f))]
-        report.existing.append(what)
+    missing, conflicts = await _check_streams(js, wanted.values(), report, "mirror", mirror_conflicts)
     if conflicts:
         raise ProvisionConflict(run, conflicts)
-    for cfg in missing:
-        try:
-            await js.add_stream(cfg)
-        except APIError as exc:
-            if exc.err_code == ERR_STREAM_NAME_IN_USE:  # another island of the datacenter was first
-                report.existing.append(f"mirror {cfg.name}")
-                continue
-            raise _server_refused(f"mirror {cfg.name}", exc) from exc
-        report.created.append(f"mirror {cfg.name}")
+    # Another island of the datacenter may create the same mirror at the same moment.
+    await _add_streams(js, run, missing, report, "mirror", mirror_conflicts)
     if report.created:
         log(str(report))
     return report

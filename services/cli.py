@@ -14,7 +14,7 @@ from schemas.conn import ConnectOptions, add_connect_args
 
 
 def _cmd_broker(args) -> int:
-    from services.broker import run_foreground
+    from services.cmd_broker import run_foreground
 
     store = args.store_dir or os.path.join(os.getcwd(), "yeto-data", "jetstream")
     if args.cluster < 0:
@@ -47,7 +47,7 @@ def _cmd_broker(args) -> int:
 
 def _broker_refusal(args) -> str | None:
     """Issue 17: no open broker beyond loopback unless asked for (--insecure)."""
-    from services.broker import exposure_refusal
+    from services.cmd_broker import exposure_refusal
 
     if args.auth and not os.path.isdir(args.auth):
         return f"--auth: {args.auth!r} is not a directory (make one with `yeto auth init --out DIR`)"

@@ -114,14 +114,14 @@ def _overhead(path: Path) -> dict:
 
 class _Secure:
     """`yeto demo --secure`: the run's identities (`yeto auth init --tls`, island a the INIT island) in
-    WORK/auth and the broker config serving them (services.broker.AuthServe, what `yeto broker --auth`
+    WORK/auth and the broker config serving them (services.cmd_broker.AuthServe, what `yeto broker --auth`
     serves). `env(name)`: the credentials and CA of identity `name` as its process reads them."""
 
     ISLANDS = ("a", "b")
 
     def __init__(self, work: Path, run_id: str):
         from services.auth import init_auth
-        from services.broker import AuthServe
+        from services.cmd_broker import AuthServe
 
         self.dir = work / "auth"
         init_auth(run_id, list(self.ISLANDS), self.dir, init_island=self.ISLANDS[0], tls=True)

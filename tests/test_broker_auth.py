@@ -22,7 +22,8 @@ import pytest
 
 from schemas.conn import ConnectOptions, connect
 from services.auth import init_auth
-from services.broker import exposure_refusal, free_port, free_port_block, is_loopback
+from services.broker import free_port, free_port_block
+from services.cmd_broker import exposure_refusal, is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_RETRY = {"allow_reconnect": False, "max_reconnect_attempts": 0, "connect_timeout": 5}

@@ -1,0 +1,195 @@
+"""`yeto broker`: one nats-server or a loopback cluster (services.broker) in the foreground, and what a
+secured broker needs (issue 17): `--auth DIR` serves DIR's identities (services.auth, `AuthServe`, also
+used by `yeto demo --secure`), with TLS when DIR/tls exists; the rule that refuses a non-loopback
+listener without authorization; the reload of every node's config on SIGHUP.
+"""
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.broker import Broker, BrokerError, Cluster, check_config
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
+    h = host.strip().strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_refusal(host: str, *, auth: str | None, insecure: bool) -> str | None:
+    """Why `yeto broker` must not start (listening beyond loopback with no authorization), or None.
+    Pure: the CLI prints the text and exits 2."""
+    if auth or insecure or is_loopback(host):
+        return None
+    return (f"refusing to listen on {host} without authorization: any client that reaches it could "
+            f"publish and read every run on it (forge pushes and broadcasts, stop islands, remove runs). "
+            f"Serve the identities of `yeto auth init` with --auth DIR (env YETO_BROKER_AUTH), or pass "
+            f"--insecure (env YETO_BROKER_INSECURE=1) to run it open anyway (e.g. on a private network, "
+            f"or with a --config that does its own authorization)")
+
+
+class AuthServe:
+    """The nats-server config `yeto broker --auth DIR` serves: the base config (default the shipped
+    services/nats.conf: max_payload, JetStream limits), DIR's users and permissions, and TLS when
+    DIR/tls/ holds a server certificate. Written to a private temporary file (DIR may be read-only,
+    e.g. a container mount) and written again from DIR by `refresh()` before each reload."""
+
+    def __init__(self, auth_dir: str | os.PathLike, base_config: str | os.PathLike | None = None):
+        self.dir = Path(auth_dir)
+        self.base_config = base_config
+        self._tmp = tempfile.mkdtemp(prefix="yeto-broker-auth-")  # mode 0700
+        atexit.register(self.cleanup)  # also when the start fails half way
+        self.config = Path(self._tmp) / "server.conf"
+        self.summary = ""
+        try:
+            self.refresh()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    @property
+    def tls(self) -> bool:
+        return (self.dir / "tls" / "server.pem").exists()
+
+    @property
+    def ca(self) -> str | None:
+        ca = self.dir / "tls" / "ca.pem"
+        return str(ca) if ca.exists() else None
+
+    def refresh(self) -> str:
+        """Rebuild the config from DIR; raises BrokerError (the file in service stays as it was) when
+        DIR is not an auth directory or nats-server rejects the result. Returns a one-line summary."""
+        from services.auth import AuthError, load_identities, write_server_config
+
+        try:
+            run, ids, _init = load_identities(self.dir)
+            candidate = write_server_config([self.dir], self.config.with_name("candidate.conf"), self.base_config)
+        except (AuthError, OSError, ValueError, KeyError) as exc:
+            raise BrokerError(f"--auth {self.dir}: {exc}") from None
+        check_config(candidate)
+        os.replace(candidate, self.config)
+        self.ids = ids
+        self.summary = (f"auth {self.dir}: run {run}, identities {', '.join(i.name for i in ids)}; "
+                        + (f"TLS (clients: --tls-ca {self.ca})" if self.tls else "no TLS (DIR has no tls/)"))
+        return self.summary
+
+    def probe_options(self, url: str):
+        """Connect options for the broker's own readiness probe: the observer's key (read-only)."""
+        from schemas.conn import ConnectOptions
+
+        names = [i.name for i in self.ids]
+        who = "observer" if "observer" in names else names[0]
+        return ConnectOptions(url=url, creds=str(self.dir / f"{who}.creds"), tls_ca=self.ca, name="yeto-broker-probe")
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def reload_nodes(nodes: list["Broker"], served: "AuthServe | None") -> str:
+    """SIGHUP to `yeto broker`: rebuild the --auth config from DIR (new islands, rotated keys), then
+    SIGHUP every nats-server so it reloads it; connected clients stay. Returns what was done; raises
+    BrokerError (nothing is signalled) when the new config is bad."""
+    what = served.refresh() if served is not None else "config " + str(nodes[0].config)
+    for b in nodes:
+        if b.proc is not None and b.proc.poll() is None:
+            b.proc.send_signal(signal.SIGHUP)
+    return what
+
+
+def run_foreground(port: int, store_dir: str, config: str | None, host: str = "127.0.0.1", *,
+                   cluster: int = 0, cluster_name: str = "yeto", cluster_port: int | None = None,
+                   http_port: int | None = None, auth: str | None = None) -> int:
+    """`yeto broker`: run until SIGINT/SIGTERM, print the URL(s) once usable.
+
+    cluster N >= 1: N servers joined by routes (`Cluster`), ready once JetStream has a meta leader; the
+    line printed carries the N client URLs comma separated (what `--nats` takes). If a node exits on
+    its own the others are stopped and the exit status is that node's.
+
+    auth DIR: serve DIR's identities (`AuthServe`; TLS when DIR/tls/ has a certificate); a cluster's
+    routes then stay on loopback. SIGHUP reloads the config of every server (rebuilt from DIR first).
+    """
+    stop = {"flag": False, "reload": False}
+
+    def _on_signal(signum, frame):
+        stop["flag"] = True
+
+    def _on_hup(signum, frame):
+        stop["reload"] = True
+
+    served = AuthServe(auth, config) if auth else None
+    if served is not None:
+        config = str(served.config)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_hup)
+    secured = f"; {served.summary}" if served is not None else ""
+    if cluster:
+        c = Cluster(cluster, port, store_dir, name=cluster_name, config=config, host=host,
+                    cluster_port=cluster_port if cluster_port is not None else port + 2000,
+                    http_port=http_port if http_port is not None else port + 4000,
+                    **_secured_cluster_kw(served))
+        nodes = c.nodes
+        c.start()
+        print(f"yeto broker ready: {_shown_urls(c.url, served)} (cluster {cluster_name} of {cluster}, JetStream meta leader elected "
+              f"after {c.waited_s:.1f}s; routes {c.cluster_port}..{c.cluster_port + cluster - 1}, monitoring "
+              f"{c.http_port}..{c.http_port + cluster - 1}; stores under {c.store_dir}{secured})", flush=True)
+        stopper = c.stop
+    else:
+        broker = Broker(port=port, store_dir=store_dir, config=config, host=host, http_port=http_port)
+        nodes = [broker]
+        broker.start()
+        print(f"yeto broker ready: {_shown_urls(broker.url, served)} (JetStream store {broker.store_dir}, "
+              f"config {broker.config}{secured})", flush=True)
+        stopper = broker.stop
+    try:
+        while not stop["flag"] and all(b.proc and b.proc.poll() is None for b in nodes):
+            if stop["reload"]:
+                stop["reload"] = False
+                _reload(nodes, served)
+            time.sleep(0.2)
+        if stop["flag"]:
+            rc = 0
+        else:
+            dead = [b for b in nodes if not (b.proc and b.proc.poll() is None)]
+            rc = dead[0].proc.returncode if dead[0].proc else 1
+            print(f"yeto broker: nats-server on {dead[0].url} exited with {rc}", file=sys.stderr, flush=True)
+    finally:
+        stopper()
+        if served is not None:
+            served.cleanup()
+    return rc
+
+
+def _secured_cluster_kw(served: AuthServe | None) -> dict:
+    if served is None:
+        return {}
+    # The readiness probe connects with the observer's key (anonymous is refused); URL set per probe.
+    return {"route_host": "127.0.0.1", "connect_opts": served.probe_options("")}
+
+
+def _shown_urls(urls: str, served: AuthServe | None) -> str:
+    """The URL list printed once ready: tls:// when the server requires TLS (what clients must speak)."""
+    if served is not None and served.tls:
+        return urls.replace("nats://", "tls://")
+    return urls
+
+
+def _reload(nodes: list[Broker], served: AuthServe | None) -> None:
+    try:
+        what = reload_nodes(nodes, served)
+    except BrokerError as exc:
+        print(f"yeto broker: reload refused, still serving the previous config: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"yeto broker: reloaded ({what})", flush=True)
