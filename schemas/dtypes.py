@@ -273,7 +273,7 @@ def _owned_bytes(buf: Any, expected: int, wire_dtype: str, numel: int) -> torch.
 def unpack(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
     """Decode `numel` values from a packed buffer into a new float32 CPU tensor (1-D).
 
-    `buf` is anything `as_bytes_view` accepts (bytes, memoryview, a uint8 tensor from an Assembler).
+    `buf` is anything `as_bytes_view` accepts (bytes, memoryview, NumPy arrays, a CPU uint8 tensor).
     The result never aliases `buf`. A buffer of the wrong length, or a q4 block with a negative or
     non-finite scale or non-zero padding, raises DecodeError.
     """
