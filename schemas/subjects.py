@@ -140,12 +140,26 @@ def push(run: str, island: str, fragment: int) -> str:
     return f"{root(run)}.push.{check_island(island)}.{_i(fragment, 'fragment')}"
 
 
+def run_all(run: str) -> str:
+    """Every subject of the run (a tap on the whole run, or a permission)."""
+    return f"{root(run)}.>"
+
+
+def push_island_all(run: str, island: str) -> str:
+    """Every push subject of island I (its publish permission)."""
+    return f"{root(run)}.push.{check_island(island)}.*"
+
+
 def push_all(run: str) -> str:
     return f"{root(run)}.push.*.*"
 
 
 def init(run: str, fragment: int) -> str:
     return f"{root(run)}.init.{_i(fragment, 'fragment')}"
+
+
+def init_all(run: str) -> str:
+    return f"{root(run)}.init.*"
 
 
 def bcast(run: str, fragment: int, chunk: int) -> str:

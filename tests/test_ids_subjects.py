@@ -95,3 +95,11 @@ def test_jetstream_api_subjects_are_built_here_and_refuse_non_tokens():
             S.consumer_msg_next(bad, "c")
         with pytest.raises(IdError):
             S.js_api(bad)
+
+
+def test_run_level_wildcards():
+    assert S.run_all("r1") == "yeto.r1.>"
+    assert S.push_island_all("r1", "a") == "yeto.r1.push.a.*" and S.init_all("r1") == "yeto.r1.init.*"
+    assert S.stream_subjects("r1", "INIT") == [S.init_all("r1")]
+    with pytest.raises(IdError):
+        S.push_island_all("r1", "a.*")
