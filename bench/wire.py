@@ -45,7 +45,11 @@ from pathlib import Path
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.chunks import ChunkSpan, chunk_plan  # noqa: E402
+from schemas import codec  # noqa: E402
+from schemas import subjects as S  # noqa: E402
+from schemas.chunks import ChunkSpan, VersionDigest, check_chunk, chunk_header, chunk_plan, max_chunk_bytes  # noqa: E402
+from schemas.errors import WireError  # noqa: E402
+from schemas.publish import Pipeline  # noqa: E402
 
 MiB = 1 << 20
 WIRE_DTYPE = "f32"  # the fragment is f32 values, as a broadcast in the default bulk dtype
@@ -224,25 +228,18 @@ def _raw_sender(a, ready, go):
 
 def _bcast_meta(run: str, part: int, spans: list[ChunkSpan], idx: int, payload, version_digest: str) -> dict:
     """The header fields of a broadcast chunk, as the syncer's broadcast builds them."""
-    from schemas import codec
-    from schemas.chunks import chunk_header
-
     return {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": part, "version": VERSION, "dtype": WIRE_DTYPE,
             **chunk_header(spans, idx, payload), "version_digest": version_digest}
 
 
 def _warm_codec() -> None:
     """Compile the header's schema validator before the clock starts (a process in service did long ago)."""
-    from schemas import codec
-
     spans = chunk_plan(1, WIRE_DTYPE, 4)
     codec.decode_header("bcast_chunk", codec.encode_header("bcast_chunk", _bcast_meta("w", 0, spans, 0, b"abcd", "0" * 64)))
 
 
 def _version_digest(cfg: Config, part: int, seed: int) -> str:
     """sha256 of fragment `part` as its publisher sends it (the header's version_digest), computed untimed."""
-    from schemas.chunks import VersionDigest
-
     pool = _payload_pool(cfg.chunk_bytes, seed)
     vd = VersionDigest()
     for span in cfg.plan(part):
@@ -252,11 +249,6 @@ def _version_digest(cfg: Config, part: int, seed: int) -> str:
 
 async def _publish_part(a, ready, go) -> dict:
     import nats
-
-    from schemas import codec
-    from schemas import subjects as S
-    from schemas.chunks import max_chunk_bytes
-    from schemas.publish import Pipeline
 
     cfg = Config(**a["cfg"])
     _patch_read_size(cfg.read_kb)
@@ -310,10 +302,6 @@ class _ChunkTally:
         self.duplicates = 0
 
     def add(self, headers: dict, data: bytes) -> None:
-        from schemas import codec
-        from schemas.chunks import check_chunk
-        from schemas.errors import WireError
-
         meta = codec.decode_header("bcast_chunk", headers.get(codec.CHUNK_HEADER, ""))
         for field, want in (("run", self.run), ("fragment", self.part), ("version", VERSION), ("dtype", WIRE_DTYPE)):
             if meta[field] != want:
@@ -338,8 +326,6 @@ async def _consume_pipelined(nc, a, cfg, tally) -> float:
     is a count of messages still owed by all open requests; a 408/409 status (request expired or
     ended) says in Nats-Pending-Messages how many of its messages will never come."""
     import orjson
-
-    from schemas import subjects as S
 
     per_req = max(1, (cfg.batch_mb * MiB) // cfg.chunk_bytes)
     inbox = nc.new_inbox()
@@ -628,7 +614,6 @@ def _server_hwm_mb(pid: int | None) -> float:
 def run_jetstream(url: str, cfg: Config, seed: int, mode: str = "both", server_pid: int | None = None, stream: str | None = None) -> dict:
     """One JetStream pass. mode: both (publisher and consumer at once), pub (publisher alone, stream
     kept for a following `con` pass), con (consumer alone on an already filled stream)."""
-    from schemas import subjects as S
 
     # The run id names the subjects (schemas.subjects, as in a real run); a `con` pass reads the stream a
     # `pub` pass filled, so it takes the run id back from the stream's name.
