@@ -2,9 +2,12 @@
 
 The syncer's PUSH consumer records each chunk's stream sequence and acks at once; the payload stays
 in JetStream until the merge reads it by sequence (direct get) and deletes it after the commit. This
-ledger turns the stream of chunk headers into "push try complete" facts for the round machine, and
-refuses inconsistent chunks (a total or count that changes, a duplicate index, a push digest that does
-not match) with the reason the tape records.
+ledger turns the stream of chunk headers into "push try complete" facts for the round machine: a try
+completes once, when its last missing chunk arrives (a resent chunk index keeps its first copy), and
+is marked invalid, with the first reason the tape records, when its chunks disagree with the session
+or with each other (a total or count that changes, a chunk the shell refused, a push digest that does
+not match). It also decides which chunks can never count (`PushLedger.closed`) and what a commit
+forgets, sweeps and reports (`pop_round`, `pop_swept`, `pop_dropped`).
 
 `push_digest` (on the last chunk) is sha256 over the push's chunk digests in chunk order
 (`schemas.chunks.push_digest`): it binds the set and order of chunks to one push without re-reading
