@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import re
@@ -58,7 +57,7 @@ from schemas import codec, subjects as S  # noqa: E402
 from schemas.chunks import digest, push_digest  # noqa: E402
 from schemas.dtypes import pack  # noqa: E402
 from schemas.layout import layout_fingerprint  # noqa: E402
-from schemas.chunks import chunk_plan  # noqa: E402
+from schemas.chunks import chunk_header, chunk_plan  # noqa: E402
 
 ISLANDS = ("a", "b")
 ISLAND_ENV = {"YETO_SESSION_TIMEOUT": "90", "YETO_FINAL_TIMEOUT": "90", "YETO_SHUTDOWN_TIMEOUT": "30",
@@ -241,12 +240,12 @@ class Hostile:
         digests, out = [], []
         for s in spans:
             buf = bytearray(pack(vals[s.elem_offset: s.elem_offset + s.elem_count].contiguous(), dtype).numpy().tobytes())
-            d = digest(bytes(buf))
+            # A normal chunk's header, as an island builds it; the categories spoil it below.
             meta = {"v": 1, "run": self.run, "island": island, "gen": gen, "fragment": frag, "step": step,
                     "attempt": attempt, "try": try_, "base_version": base if base is not None else 0,
                     "local_step": rnd.randrange(1, 10**5), "c_steps": 4, "c_tokens": 256, "dtype": dtype,
-                    "chunk": s.index, "chunks": len(spans), "offset": s.byte_offset, "nbytes": s.nbytes,
-                    "total": total if s.index == len(spans) - 1 or total_delta == 0 else total, "digest": d}
+                    **chunk_header(spans, s.index, buf)}
+            meta["total"] = total
             if spoil is not None:
                 buf, meta = spoil(s.index, len(spans), buf, meta)
             digests.append(meta["digest"])
@@ -261,10 +260,10 @@ class Hostile:
 
     def bcast_meta(self, frag: int, chunk: int, version: int, **kw) -> dict:
         spans = chunk_plan(self.frags[frag], self.bulk_dtype, self.cb)
-        s = spans[min(chunk, len(spans) - 1)]
+        # The framing of the nearest real chunk (`chunk` may lie past the plan); the caller sets the digest.
         meta = {"v": 1, "run": self.run, "fragment": frag, "version": version, "dtype": self.bulk_dtype,
-                "chunk": chunk, "chunks": len(spans), "offset": s.byte_offset, "nbytes": s.nbytes,
-                "total": sum(x.nbytes for x in spans), "digest": "0" * 16, "version_digest": "ab" * 32}
+                **chunk_header(spans, min(chunk, len(spans) - 1), b""), "chunk": chunk, "digest": "0" * 16,
+                "version_digest": "ab" * 32}
         meta.update(kw)
         return meta
 
@@ -487,9 +486,9 @@ class Hostile:
     def init_meta(self, island, gen, f, k, buf, span=None) -> dict:
         spans = chunk_plan(self.frags[f], self.bulk_dtype, self.cb)
         s = span or spans[k]
+        # The header an INIT island builds, except `nbytes`, which says what `buf` holds (forged sizes).
         return {"v": 1, "run": self.run, "island": island, "gen": gen, "fragment": f, "dtype": self.bulk_dtype,
-                "chunk": s.index, "chunks": len(spans), "offset": s.byte_offset, "nbytes": len(buf),
-                "total": sum(x.nbytes for x in spans), "digest": digest(buf)}
+                **chunk_header(spans, s.index, buf), "nbytes": len(buf)}
 
     def pull_msg(self, gen: str, step: int | None = None) -> dict:
         step = step if step is not None else self.committed + self.rnd.randrange(1, 5)

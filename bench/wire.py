@@ -3,13 +3,15 @@
 
     python bench/wire.py --size-mb 512 [--chunk-mb 1] [--repeat 3] [--nats URL] [--explore]
 
-A publisher PROCESS and a consumer PROCESS run at the same time. The publisher cuts N MiB into chunk
-messages shaped like the real ones (DESIGN §3: a `Yeto-Chunk` header with compact JSON
-{chunk, chunks, offset, nbytes, total, digest}, a `Nats-Msg-Id` per chunk, raw payload bytes), hashes
-each payload with xxh3_64 and publishes them pipelined with a bound on the BYTES in flight
-(NATS-NOTES traps 5, 9). The consumer is a durable pull consumer that keeps bounded pull requests
-outstanding (≤ 32 MiB each, trap 4), verifies every digest and acks. The baseline moves the same chunk
-buffers between two processes over a blocking loopback socket (sendall / recv_into).
+A publisher PROCESS and a consumer PROCESS run at the same time. The publisher sends an N MiB f32
+fragment the way the syncer broadcasts one (DESIGN §3), through the production code: the chunk plan
+(`schemas.chunks.chunk_plan`), the `bcast_chunk` header (`chunk_header` + `codec.encode_header`, which
+validates it), the subjects and `Nats-Msg-Id`s of `schemas.subjects`, and `schemas.publish.Pipeline`
+(bounded bytes in flight, NATS-NOTES traps 5, 9; refusals retried with the same id). The consumer is a
+durable pull consumer that keeps bounded pull requests outstanding (≤ 32 MiB each, trap 4), decodes
+every header (`codec.decode_header`), checks each chunk against its own plan (`check_chunk`: offset,
+size, xxh3 digest) and acks. The baseline moves the same chunk buffers between two processes over a
+blocking loopback socket (sendall / recv_into).
 
 Timing runs from the first byte sent to the last byte received (CLOCK_MONOTONIC is system-wide, so the
 two processes' clocks compare); each figure is the median of --repeat runs. The last line is
@@ -34,22 +36,31 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import deque
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+# A script, not a package module: the repository root makes `schemas` (and `services.broker`) importable
+# here and in the spawned role processes, which re-run this module.
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schemas import codec  # noqa: E402
+from schemas import subjects as S  # noqa: E402
+from schemas.chunks import ChunkSpan, VersionDigest, check_chunk, chunk_header, chunk_plan, max_chunk_bytes  # noqa: E402
+from schemas.errors import WireError  # noqa: E402
+from schemas.publish import Pipeline  # noqa: E402
+
 MiB = 1 << 20
-# Headers count toward max_payload but nats-py checks only the payload (NATS-NOTES trap 1).
-HEADER_HEADROOM = 16 * 1024
-CHUNK_HEADER = "Yeto-Chunk"
-MSG_ID_HEADER = "Nats-Msg-Id"
+WIRE_DTYPE = "f32"  # the fragment is f32 values, as a broadcast in the default bulk dtype
+VERSION = 1
 POOL_BUFFERS = 4  # distinct payload buffers cycled through, so consecutive digests differ
 ACK_TIMEOUT_S = 30.0
 CHILD_TIMEOUT_S = 600.0
 WARMUP_MB = 128
 
 
-# --------------------------------------------------------------------------- pure logic (no I/O)
+# --------------------------------------------------------------------------- configuration
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,10 @@ class Config:
     def chunk_bytes(self) -> int:
         return int(self.chunk_mb * MiB)
 
+    def plan(self, part: int = 0) -> list[ChunkSpan]:
+        """Fragment `part`'s chunks, cut by the production plan (f32 values: 4 bytes each)."""
+        return chunk_plan(split_numel(self.total_bytes // 4, self.procs)[part], WIRE_DTYPE, self.chunk_bytes)
+
     def label(self) -> str:
         parts = [f"{self.storage}", f"chunk {self.chunk_mb:g} MiB", f"ack {self.ack}", f"pull {self.pull}"]
         if self.procs > 1:
@@ -85,26 +100,11 @@ class Config:
         return ", ".join(parts)
 
 
-def chunk_plan(total: int, chunk: int) -> list[tuple[int, int, int]]:
-    """(index, offset, nbytes) of every chunk of a `total`-byte fragment cut in `chunk`-byte pieces."""
-    if total <= 0 or chunk <= 0:
-        raise ValueError(f"total and chunk must be positive, got total={total} chunk={chunk}")
-    return [(i, off, min(chunk, total - off)) for i, off in enumerate(range(0, total, chunk))]
-
-
-def split_plan(plan: list, parts: int) -> list[list]:
-    """Contiguous, nearly equal slices of a chunk plan: one per publisher process."""
-    n = len(plan)
+def split_numel(n: int, parts: int) -> list[int]:
+    """Nearly equal sizes (in values) of `parts` fragments holding n values: with --procs P each publisher
+    process sends one fragment, as a syncer spread over P connections would."""
     bounds = [round(k * n / parts) for k in range(parts + 1)]
-    return [plan[bounds[k] : bounds[k + 1]] for k in range(parts)]
-
-
-def msg_id(run: str, chunk: int) -> str:
-    return f"bench.{run}.{chunk}"
-
-
-def chunk_meta(index: int, chunks: int, offset: int, nbytes: int, total: int, digest: str) -> dict:
-    return {"chunk": index, "chunks": chunks, "offset": offset, "nbytes": nbytes, "total": total, "digest": digest}
+    return [bounds[k + 1] - bounds[k] for k in range(parts)]
 
 
 def mbps(nbytes: int, seconds: float) -> float:
@@ -209,15 +209,15 @@ def _raw_receiver(a, ready, go):
 def _raw_sender(a, ready, go):
     chunk, total = a["chunk"], a["total"]
     pool = _payload_pool(chunk, a["seed"])
-    plan = chunk_plan(total, chunk)
+    plan = chunk_plan(total // 4, WIRE_DTYPE, chunk)
     with socket.create_connection(("127.0.0.1", a["port"])) as s:
         ready.put("raw-send")
         go.wait()
         cpu0 = _cpu_s()
         m0 = _machine_cpu()
         t_first = time.monotonic()
-        for idx, _off, n in plan:
-            s.sendall(_payload(pool, idx, n))
+        for span in plan:
+            s.sendall(_payload(pool, span.index, span.nbytes))
         s.shutdown(socket.SHUT_WR)
         s.recv(1)  # the receiver closes once it holds every byte
     return {"t_first": t_first, "cpu_s": _cpu_s() - cpu0, "m0": m0}
@@ -226,68 +226,63 @@ def _raw_sender(a, ready, go):
 # --------------------------------------------------------------------------- JetStream roles
 
 
+def _bcast_meta(run: str, part: int, spans: list[ChunkSpan], idx: int, payload, version_digest: str) -> dict:
+    """The header fields of a broadcast chunk, as the syncer's broadcast builds them."""
+    return {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": part, "version": VERSION, "dtype": WIRE_DTYPE,
+            **chunk_header(spans, idx, payload), "version_digest": version_digest}
+
+
+def _warm_codec() -> None:
+    """Compile the header's schema validator before the clock starts (a process in service did long ago)."""
+    spans = chunk_plan(1, WIRE_DTYPE, 4)
+    codec.decode_header("bcast_chunk", codec.encode_header("bcast_chunk", _bcast_meta("w", 0, spans, 0, b"abcd", "0" * 64)))
+
+
+def _version_digest(cfg: Config, part: int, seed: int) -> str:
+    """sha256 of fragment `part` as its publisher sends it (the header's version_digest), computed untimed."""
+    pool = _payload_pool(cfg.chunk_bytes, seed)
+    vd = VersionDigest()
+    for span in cfg.plan(part):
+        vd.update(_payload(pool, span.index, span.nbytes))
+    return vd.hexdigest()
+
+
 async def _publish_part(a, ready, go) -> dict:
     import nats
-    import orjson
-    import xxhash
-    from nats.js.errors import APIError
 
     cfg = Config(**a["cfg"])
     _patch_read_size(cfg.read_kb)
     nc = await nats.connect(a["url"], max_reconnect_attempts=0)
     js = nc.jetstream()
-    limit = max(cfg.inflight_mb * MiB, cfg.chunk_bytes)
-    max_payload = nc.max_payload
-    if cfg.chunk_bytes > max_payload - HEADER_HEADROOM:
-        raise ValueError(f"chunk_mb={cfg.chunk_mb} leaves no header room under max_payload={max_payload}")
+    if cfg.chunk_bytes > max_chunk_bytes(nc.max_payload):
+        raise ValueError(f"chunk_mb={cfg.chunk_mb} leaves no header room under max_payload={nc.max_payload}")
     pool = _payload_pool(cfg.chunk_bytes, a["seed"])
-    nchunks = a["nchunks"]
-    subject = a["subject"]
-    retries = 0
-
-    async def send(idx, off, n):
-        payload = _payload(pool, idx, n)
-        meta = chunk_meta(idx, nchunks, off, n, a["total"], xxhash.xxh3_64_hexdigest(payload))
-        headers = {MSG_ID_HEADER: msg_id(a["run"], idx), CHUNK_HEADER: orjson.dumps(meta).decode()}
-        fut = await js.publish_async(subject, payload, headers=headers)
-        return (fut, idx, off, n)
+    run, part = a["run"], a["part"]
+    spans = cfg.plan(part)
+    counters: Counter = Counter()
+    pipe = Pipeline(js, max_bytes=max(cfg.inflight_mb * MiB, cfg.chunk_bytes), timeout=ACK_TIMEOUT_S,
+                    counters=counters)
+    _warm_codec()
 
     ready.put(a["role"])
     go.wait()  # blocks the loop on purpose: nothing is in flight yet
     cpu0 = _cpu_s()
     m0 = _machine_cpu()
     t_first = time.monotonic()
-    pending: deque = deque()
-    inflight = 0
-
-    async def settle_oldest():
-        nonlocal inflight, retries
-        fut, idx, off, n = pending.popleft()
-        while True:
-            try:
-                # publish_async futures can hang when the server errs (trap 2): always a timeout.
-                await asyncio.wait_for(fut, ACK_TIMEOUT_S)
-                break
-            except APIError as exc:  # 10077 stream full / 10167 too many requests: backpressure
-                if exc.err_code not in (10077, 10167):
-                    raise
-                retries += 1
-                await asyncio.sleep(0.01 * min(retries, 50))
-                fut = (await send(idx, off, n))[0]  # same Nats-Msg-Id: dedup makes the resend safe
-        inflight -= n
-
-    for idx, off, n in a["plan"]:
-        while pending and inflight + n > limit:
-            await settle_oldest()
-        pending.append(await send(idx, off, n))
-        inflight += n
-    while pending:
-        await settle_oldest()
+    for span in spans:
+        # What the syncer's broadcast does per chunk (services/syncer: _broadcast), less the packing.
+        idx = span.index
+        payload = _payload(pool, idx, span.nbytes)
+        meta = _bcast_meta(run, part, spans, idx, payload, a["version_digest"])
+        await pipe.put(S.bcast(run, part, idx), payload, S.bcast_msg_id(part, VERSION, idx),
+                       {codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", meta)})
+    await pipe.flush()
     t_acked = time.monotonic()
     m1 = _machine_cpu()
     cpu = _cpu_s() - cpu0
     await nc.close()
-    return {"t_first": t_first, "t_acked": t_acked, "retries": retries, "cpu_s": cpu, "m0": m0, "m1": m1}
+    return {"t_first": t_first, "t_acked": t_acked, "retries": sum(counters.values()), "cpu_s": cpu, "m0": m0,
+            "m1": m1}
 
 
 def _publisher(a, ready, go):
@@ -295,51 +290,47 @@ def _publisher(a, ready, go):
 
 
 class _ChunkTally:
-    """What a consumer has verified: each planned chunk exactly once, at its planned offset and size,
-    its payload hashing to the digest in its header."""
+    """What a consumer has verified: every chunk of its fragment exactly once, each header a valid
+    `bcast_chunk` of this run, fragment and version, each chunk matching the consumer's own plan
+    (`check_chunk`: index, count, total, offset, size, xxh3 digest). A refusal raises the WireError
+    naming the field."""
 
-    def __init__(self, plan: list[tuple[int, int, int]], total: int):
-        self.plan = {idx: (off, n) for idx, off, n in plan}
-        self.total = total
+    def __init__(self, spans: list[ChunkSpan], run: str, part: int):
+        self.spans, self.run, self.part = spans, run, part
         self.seen: set[int] = set()
         self.bytes = 0
         self.duplicates = 0
 
-    def add(self, headers: dict, data: bytes, orjson, xxhash) -> None:
-        meta = orjson.loads(headers[CHUNK_HEADER])
-        idx = meta["chunk"]
-        if idx not in self.plan:
-            raise ValueError(f"chunk={idx} is not one this consumer expects")
-        if (meta["offset"], meta["nbytes"], meta["total"]) != (*self.plan[idx], self.total):
-            raise ValueError(f"chunk {idx}: header offset/nbytes/total={meta['offset']}/{meta['nbytes']}/{meta['total']}, "
-                             f"planned {self.plan[idx][0]}/{self.plan[idx][1]}/{self.total}")
-        if len(data) != meta["nbytes"]:
-            raise ValueError(f"chunk {idx}: nbytes={meta['nbytes']} but the payload has {len(data)} bytes")
-        digest = xxhash.xxh3_64_hexdigest(data)
-        if digest != meta["digest"]:
-            raise ValueError(f"chunk {idx}: digest={meta['digest']} but the payload hashes to {digest}")
-        if idx in self.seen:  # at-least-once delivery: a redelivery is counted, not an error
+    def add(self, headers: dict, data: bytes) -> None:
+        meta = codec.decode_header("bcast_chunk", headers.get(codec.CHUNK_HEADER, ""))
+        for field, want in (("run", self.run), ("fragment", self.part), ("version", VERSION), ("dtype", WIRE_DTYPE)):
+            if meta[field] != want:
+                raise WireError(f"this consumer reads {field} {want!r}", field=field, value=meta[field])
+        span = check_chunk(self.spans, meta, data)
+        if span.index in self.seen:  # at-least-once delivery: a redelivery is counted, not an error
             self.duplicates += 1
             return
-        self.seen.add(idx)
+        self.seen.add(span.index)
         self.bytes += len(data)
 
     @property
     def done(self) -> bool:
-        return len(self.seen) == len(self.plan)
+        return len(self.seen) == len(self.spans)
 
 
-async def _consume_pipelined(nc, a, cfg, tally, orjson, xxhash) -> float:
+async def _consume_pipelined(nc, a, cfg, tally) -> float:
     """Keep about `pulls_outstanding` pull requests (each ≤ batch_mb) open on the durable consumer, the
     way nats.go's Consume() does: the server streams the next batch while this one is being verified.
 
     Delivered messages carry their stream subject, not the request's reply subject, so the bookkeeping
     is a count of messages still owed by all open requests; a 408/409 status (request expired or
     ended) says in Nats-Pending-Messages how many of its messages will never come."""
+    import orjson
+
     per_req = max(1, (cfg.batch_mb * MiB) // cfg.chunk_bytes)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, pending_bytes_limit=512 * MiB, pending_msgs_limit=1 << 20)
-    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{a['stream']}.{a['durable']}"
+    next_subject = S.consumer_msg_next(a["stream"], a["durable"])
     body = orjson.dumps({"batch": per_req, "expires": int(5e9)})
     owed = 0
     received = 0
@@ -356,7 +347,7 @@ async def _consume_pipelined(nc, a, cfg, tally, orjson, xxhash) -> float:
         try:
             msg = await sub.next_msg(timeout=30)
         except Exception as exc:
-            raise TimeoutError(f"no message for 30 s: verified {len(tally.seen)} of {len(tally.plan)} chunks, {owed} owed") from exc
+            raise TimeoutError(f"no message for 30 s: verified {len(tally.seen)} of {len(tally.spans)} chunks, {owed} owed") from exc
         hdrs = msg.headers or {}
         status = hdrs.get("Status")
         if status:
@@ -364,7 +355,7 @@ async def _consume_pipelined(nc, a, cfg, tally, orjson, xxhash) -> float:
                 owed -= int(hdrs.get("Nats-Pending-Messages", "0") or 0)
                 await top_up()
             continue
-        tally.add(hdrs, msg.data, orjson, xxhash)
+        tally.add(hdrs, msg.data)
         owed -= 1
         received += 1
         if cfg.ack == "explicit":
@@ -382,7 +373,7 @@ async def _consume_pipelined(nc, a, cfg, tally, orjson, xxhash) -> float:
     return t_last
 
 
-async def _consume_fetch(js, a, cfg, tally, orjson, xxhash) -> float:
+async def _consume_fetch(js, a, cfg, tally) -> float:
     """Stock nats-py: psub.fetch(batch) in a loop (one request at a time)."""
     import nats.errors
 
@@ -394,7 +385,7 @@ async def _consume_fetch(js, a, cfg, tally, orjson, xxhash) -> float:
         except nats.errors.TimeoutError:
             continue
         for msg in msgs:
-            tally.add(msg.headers or {}, msg.data, orjson, xxhash)
+            tally.add(msg.headers or {}, msg.data)
             if cfg.ack == "explicit":
                 await msg.ack()
         if cfg.ack == "all" and msgs:
@@ -406,8 +397,6 @@ async def _consume_fetch(js, a, cfg, tally, orjson, xxhash) -> float:
 
 async def _consume_part(a, ready, go) -> dict:
     import nats
-    import orjson
-    import xxhash
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     cfg = Config(**a["cfg"])
@@ -425,16 +414,17 @@ async def _consume_part(a, ready, go) -> dict:
             max_ack_pending=-1 if cfg.ack == "all" else 10_000,
         ),
     )
-    tally = _ChunkTally(a["plan"], a["total"])
+    tally = _ChunkTally(cfg.plan(a["part"]), a["run"], a["part"])
+    _warm_codec()
     ready.put(a["role"])
     go.wait()
     cpu0 = _cpu_s()
     m0 = _machine_cpu()
     t_go = time.monotonic()
     if cfg.pull == "fetch":
-        t_last = await _consume_fetch(js, a, cfg, tally, orjson, xxhash)
+        t_last = await _consume_fetch(js, a, cfg, tally)
     else:
-        t_last = await _consume_pipelined(nc, a, cfg, tally, orjson, xxhash)
+        t_last = await _consume_pipelined(nc, a, cfg, tally)
     m1 = _machine_cpu()
     cpu = _cpu_s() - cpu0
     await nc.flush()
@@ -624,30 +614,32 @@ def _server_hwm_mb(pid: int | None) -> float:
 def run_jetstream(url: str, cfg: Config, seed: int, mode: str = "both", server_pid: int | None = None, stream: str | None = None) -> dict:
     """One JetStream pass. mode: both (publisher and consumer at once), pub (publisher alone, stream
     kept for a following `con` pass), con (consumer alone on an already filled stream)."""
-    run = uuid.uuid4().hex[:10]
-    stream = stream or f"BENCH_{run}"
-    base = f"bench.{stream}"
-    plan = chunk_plan(cfg.total_bytes, cfg.chunk_bytes)
-    parts = split_plan(plan, cfg.procs)
+
+    # The run id names the subjects (schemas.subjects, as in a real run); a `con` pass reads the stream a
+    # `pub` pass filled, so it takes the run id back from the stream's name.
+    run = stream.removeprefix("BENCH_") if stream else uuid.uuid4().hex[:10]
+    stream = f"BENCH_{run}"
+    parts = range(cfg.procs)
     if mode in ("both", "pub"):
-        _create_stream(url, stream, [f"{base}.>"], cfg.storage)
+        _create_stream(url, stream, [S.bcast_all(run)], cfg.storage)
     roles = _Roles()
-    common = {"url": url, "stream": stream, "total": cfg.total_bytes, "nchunks": len(plan), "cfg": asdict(cfg), "seed": seed}
+    common = {"url": url, "stream": stream, "run": run, "cfg": asdict(cfg), "seed": seed}
     n = 0
     cpu0 = _server_cpu_s(server_pid)
     try:
-        for k, part in enumerate(parts):
+        for k in parts:
             if mode in ("both", "con"):
-                filt = f"{base}.p{k}" if cfg.procs > 1 else f"{base}.>"
-                roles.start(_consumer, {**common, "role": f"con{k}", "durable": f"con{k}_{run}", "filter": filt, "plan": part})
+                roles.start(_consumer, {**common, "role": f"con{k}", "durable": f"con{k}_{run}", "part": k,
+                                        "filter": S.bcast_fragment(run, k)})
                 n += 1
         if mode == "both":  # consumers exist before the first publish
             roles.wait_ready(n)
-        for k, part in enumerate(parts):
+        for k in parts:
             if mode in ("both", "pub"):
-                roles.start(_publisher, {**common, "role": f"pub{k}", "run": run, "subject": f"{base}.p{k}", "plan": part})
+                roles.start(_publisher, {**common, "role": f"pub{k}", "part": k,
+                                         "version_digest": _version_digest(cfg, k, seed)})
                 n += 1
-        roles.wait_ready(n - (len(parts) if mode == "both" else 0))
+        roles.wait_ready(n - (cfg.procs if mode == "both" else 0))
         cpu0 = _server_cpu_s(server_pid)
         roles.release()
         r = roles.collect()

@@ -1,7 +1,7 @@
 """Island configuration: `YETO_*` environment variables and/or keyword arguments (DESIGN §5, §7).
 
 `IslandConfig.from_env(**overrides)` reads the environment; keyword arguments win over it. Every bad
-value raises WireError naming the attribute and, in the message, the variable it came from.
+value raises ConfigError naming the attribute and, in the message, the variable it came from.
 
 | attribute | variable | default | meaning |
 |---|---|---|---|
@@ -46,15 +46,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from schemas.conn import ConnectOptions
-from schemas.errors import WireError
+from schemas.dtypes import AUTO_DTYPE, BULK_DTYPES as _BULK, PUSH_DTYPES as _PUSH
+from schemas.errors import ConfigError
 from schemas.ids import check_island, check_run
 
 _DOMAIN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a domain becomes a subject token ($JS.<domain>.API)
 MiB = 1 << 20
 MAX_FETCH_BATCH_BYTES = 32 * MiB  # NATS-NOTES trap 4: keep a batch well under the 64 MiB slow-consumer limit
 
-PUSH_DTYPES = ("auto", "f32", "bf16", "q4")
-BULK_DTYPES = ("auto", "f32", "bf16")
+PUSH_DTYPES = (AUTO_DTYPE, *_PUSH)
+BULK_DTYPES = (AUTO_DTYPE, *_BULK)
 
 # attribute -> environment variable (connection options come from ConnectOptions.from_env)
 ENV = {
@@ -125,7 +126,7 @@ class IslandConfig:
         check_run(self.run)
         check_island(self.island)
         if not isinstance(self.nats, ConnectOptions):
-            raise WireError("must be a schemas.conn.ConnectOptions", field="nats", value=self.nats)
+            raise ConfigError("must be a schemas.conn.ConnectOptions", field="nats", value=self.nats)
         if self.push_dtype not in PUSH_DTYPES:
             self._bad("push_dtype", f"must be one of {PUSH_DTYPES}")
         if self.bulk_dtype not in BULK_DTYPES:
@@ -163,7 +164,7 @@ class IslandConfig:
 
     def _bad(self, name: str, why: str) -> None:
         var = ENV.get(name)
-        raise WireError(why + (f" (env {var})" if var else ""), field=name, value=getattr(self, name))
+        raise ConfigError(why + (f" (env {var})" if var else ""), field=name, value=getattr(self, name))
 
     def _seconds(self, name: str, *, allow_zero: bool) -> None:
         v = getattr(self, name)
@@ -193,7 +194,7 @@ class IslandConfig:
         kw.update(overrides)
         for req in ("run", "island"):
             if req not in kw:
-                raise WireError(f"is required: set {ENV[req]} or pass {req}=", field=req, value=None)
+                raise ConfigError(f"is required: set {ENV[req]} or pass {req}=", field=req, value=None)
         return cls(**kw)
 
 
@@ -218,7 +219,7 @@ def _parse(name: str, var: str, text: str, typ: Any) -> Any:
             return text or None
         return text
     except ValueError:
-        raise WireError(f"cannot parse {var}={text!r} as {t}", field=name, value=text) from None
+        raise ConfigError(f"cannot parse {var}={text!r} as {t}", field=name, value=text) from None
 
 
 __all__ = ["ENV", "IslandConfig", "MAX_FETCH_BATCH_BYTES"]

@@ -11,6 +11,7 @@ import os
 import ssl
 from dataclasses import dataclass
 
+from .errors import ConfigError
 from .ids import check_run
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -71,7 +72,8 @@ def _nkey_seed_public(path: str) -> str | None:
         with open(path, "rb") as f:
             seed = bytearray(f.read(4096).strip())
     except OSError as exc:
-        raise ValueError(f"--nats-creds / YETO_NATS_CREDS: cannot read {path!r}: {exc.strerror}") from None
+        raise ConfigError(f"--nats-creds / YETO_NATS_CREDS: cannot read it: {exc.strerror}", field="nats_creds",
+                          value=path) from None
     if not seed.startswith(b"SU") or b"\n" in seed:
         return None
     import nkeys

@@ -29,23 +29,34 @@ Byte order: every wire format is little-endian. The packers below reinterpret to
 aarch64 — Ascend and CUDA hosts included) is little-endian, so the module refuses to import on a
 big-endian host instead of paying a byte swap on every pack and unpack.
 
+torch is imported by the functions that need it, not by this module: the dtype names and the byte
+arithmetic serve processes that never touch a tensor (the CLI, step-log consumers, bench/wire.py), and
+importing torch costs them seconds.
+
 Returned packed buffers are contiguous 1-D ``torch.uint8`` CPU tensors; ``as_bytes_view(t)`` turns one
 into a ``memoryview`` over the same memory (no copy) for hashing or publishing.
 """
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
-import torch
 
 from .errors import DecodeError, WireError
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host in the fleet
     raise ImportError("schemas.dtypes assumes a little-endian host: wire bytes are raw little-endian memory")
 
+# The one definition of the dtype names (the JSON schemas' enums say the same; tests/test_dtypes.py checks).
 WIRE_DTYPES = ("f32", "bf16", "q4")
+PUSH_DTYPES = WIRE_DTYPES           # a push may be 4-bit: d = local - anchor tolerates the error (with feedback)
+BULK_DTYPES = ("f32", "bf16")       # whole-fragment bytes (INIT, broadcast) are never 4-bit
+AUTO_DTYPE = "auto"                 # an island's setting: take the session's dtype
 Q4_BLOCK = 256
 Q4_BLOCK_BYTES = 4 + Q4_BLOCK // 2  # f32 scale + one nibble per value
 
@@ -53,11 +64,6 @@ _Q4_TINY = 2.0**-100  # below this block scale, levels are chosen on the block s
 _Q4_UPSCALE = 2.0**100
 _Q4_SLAB_CPU = 256  # blocks per slab on CPU (64 Ki values: temporaries stay in cache)
 _Q4_SLAB_DEVICE = 1 << 16  # blocks per slab on an accelerator (16 Mi values per launch group)
-# Nibble -> signed level as a fraction of s. Nibble 8 ("negative zero") is never produced; it decodes to -0.0.
-_Q4_LUT = torch.tensor(
-    [0.0] + [2.0 ** -(7 - lv) for lv in range(1, 8)] + [-0.0] + [-(2.0 ** -(7 - lv)) for lv in range(1, 8)],
-    dtype=torch.float32,
-)
 
 
 def _check_dtype(wire_dtype: Any) -> str:
@@ -121,7 +127,8 @@ def as_bytes_view(buf: Any) -> memoryview:
     Accepts bytes, bytearray, memoryview, NumPy arrays and contiguous CPU torch tensors of any dtype
     (their raw little-endian bytes). Refuses non-contiguous or device memory, which would need a copy.
     """
-    if isinstance(buf, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
+    if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise WireError("tensor must be in CPU memory to be viewed as bytes", field="device", value=str(buf.device))
         if not buf.is_contiguous():
@@ -139,8 +146,21 @@ def as_bytes_view(buf: Any) -> memoryview:
     return mv.cast("B")
 
 
+@functools.cache
+def _q4_lut():
+    """Nibble -> signed level as a fraction of s. Nibble 8 ("negative zero") is never produced; it decodes to -0.0."""
+    import torch
+
+    return torch.tensor(
+        [0.0] + [2.0 ** -(7 - lv) for lv in range(1, 8)] + [-0.0] + [-(2.0 ** -(7 - lv)) for lv in range(1, 8)],
+        dtype=torch.float32,
+    )
+
+
 def _uint8_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a flat uint8 view (empty tensors may carry odd strides)."""
+    import torch
+
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     t = t.reshape(-1)
@@ -148,6 +168,8 @@ def _uint8_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _flat_f32(x: Any) -> torch.Tensor:
+    import torch
+
     if not isinstance(x, torch.Tensor):
         raise WireError("expected a torch.Tensor", field="x", value=type(x).__name__)
     if x.dtype != torch.float32:
@@ -158,6 +180,8 @@ def _flat_f32(x: Any) -> torch.Tensor:
 
 def _q4_encode_blocks(blocks: torch.Tensor, out: torch.Tensor, first_block: int) -> None:
     """Encode an (nb, 256) float32 slab into the (nb, 132) uint8 rows `out`."""
+    import torch
+
     nb = blocks.shape[0]
     mag = blocks.abs()
     scale = mag.amax(dim=1)  # NaN propagates, so one finiteness check covers NaN and inf
@@ -193,6 +217,8 @@ def _q4_encode_blocks(blocks: torch.Tensor, out: torch.Tensor, first_block: int)
 
 
 def _pack_q4(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
     n = x.numel()
     nb = -(-n // Q4_BLOCK)
     out = torch.empty((nb, Q4_BLOCK_BYTES), dtype=torch.uint8, device=x.device)
@@ -219,6 +245,8 @@ def pack(x: torch.Tensor, wire_dtype: str) -> torch.Tensor:
     q4 refuses non-finite values (WireError); f32 and bf16 carry them as they are (bf16: values past
     the bf16 range round to inf, as torch rounds).
     """
+    import torch
+
     wd = _check_dtype(wire_dtype)
     flat = _flat_f32(x)
     if wd == "f32":
@@ -231,6 +259,8 @@ def pack(x: torch.Tensor, wire_dtype: str) -> torch.Tensor:
 
 
 def _owned_bytes(buf: Any, expected: int, wire_dtype: str, numel: int) -> torch.Tensor:
+    import torch
+
     mv = as_bytes_view(buf)
     if len(mv) != expected:
         raise DecodeError(
@@ -243,10 +273,12 @@ def _owned_bytes(buf: Any, expected: int, wire_dtype: str, numel: int) -> torch.
 def unpack(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
     """Decode `numel` values from a packed buffer into a new float32 CPU tensor (1-D).
 
-    `buf` is anything `as_bytes_view` accepts (bytes, memoryview, a uint8 tensor from an Assembler).
+    `buf` is anything `as_bytes_view` accepts (bytes, memoryview, NumPy arrays, a CPU uint8 tensor).
     The result never aliases `buf`. A buffer of the wrong length, or a q4 block with a negative or
     non-finite scale or non-zero padding, raises DecodeError.
     """
+    import torch
+
     wd = _check_dtype(wire_dtype)
     n = _check_count(numel, "numel")
     raw = _owned_bytes(buf, packed_nbytes(wd, n), wd, n)
@@ -276,7 +308,7 @@ def unpack(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
         nib = rows[b : b + _Q4_SLAB_CPU, 4:]
         codes = torch.stack((nib & 0x0F, nib >> 4), dim=2).view(-1, Q4_BLOCK)
         # Multiplying by a signed power of two is exact (for normal results): decoding adds no error.
-        torch.mul(_Q4_LUT[codes.long()], scale[b : b + _Q4_SLAB_CPU].unsqueeze(1), out=out[b : b + _Q4_SLAB_CPU])
+        torch.mul(_q4_lut()[codes.long()], scale[b : b + _Q4_SLAB_CPU].unsqueeze(1), out=out[b : b + _Q4_SLAB_CPU])
     return out.view(-1)[:n]
 
 
@@ -312,6 +344,8 @@ def pack_stream(
     piece is packed with error feedback (`x + residual`) and the residual is overwritten in place with
     the new one, exactly as `q4_with_feedback` on the concatenation would produce.
     """
+    import torch
+
     wd = _check_dtype(wire_dtype)
     if residual is not None:
         if wd != "q4":

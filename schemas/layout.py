@@ -21,15 +21,13 @@ from typing import Iterable, Sequence
 
 import orjson
 
-from .errors import WireError
+from .dtypes import BULK_DTYPES, PUSH_DTYPES
+from .errors import ConfigError, WireError
 
 EMBED_MARKERS = ("embed", "wte", "wpe", "lm_head", "output_layer")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _NUM_RE = re.compile(r"(\d+)")
 
-from .dtypes import WIRE_DTYPES  # noqa: E402
-
-BULK_DTYPES = ("f32", "bf16")
 TENSOR_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -92,7 +90,7 @@ def layout_fingerprint(layout: Iterable[dict]) -> str:
 def assign_fragments(layout: Iterable[dict], fragments: int) -> list[list[dict]]:
     """Split a layout into `fragments` non-empty lists of tensors (each in canonical order)."""
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise WireError("must be a positive integer", field="fragments", value=fragments)
+        raise ConfigError("must be a positive integer", field="fragments", value=fragments)
     canon = [e for e in canonical_layout(layout) if numel(e["shape"]) > 0]
     if len(canon) < fragments:
         raise WireError(
@@ -169,10 +167,10 @@ def build_session(
     protocol_version: int = 1,
 ) -> dict:
     """The session record the syncer writes to the `state` KV (key `session`)."""
-    if push_dtype not in WIRE_DTYPES:
-        raise WireError(f"must be one of {WIRE_DTYPES}", field="push_dtype", value=push_dtype)
+    if push_dtype not in PUSH_DTYPES:
+        raise ConfigError(f"must be one of {PUSH_DTYPES}", field="push_dtype", value=push_dtype)
     if bulk_dtype not in BULK_DTYPES:
-        raise WireError(f"must be one of {BULK_DTYPES}", field="bulk_dtype", value=bulk_dtype)
+        raise ConfigError(f"must be one of {BULK_DTYPES}", field="bulk_dtype", value=bulk_dtype)
     layout = list(layout)
     lfp = layout_fingerprint(layout)
     frags = build_fragments(layout, fragments)

@@ -12,6 +12,10 @@ Layout (run R, island I, fragment F), DESIGN §3:
 
 Subjects and state are per fragment so the syncer can later be sharded by fragment with no protocol
 change (DESIGN §8).
+
+The JetStream API subjects a client publishes to by hand (not through a nats-py method) are built here
+too: `js_api` (`$JS.API`, or `$JS.<domain>.API` for another JetStream domain), `consumer_msg_next`
+(a pull request), `kv_key` (a KV write as a plain JetStream publish).
 """
 from __future__ import annotations
 
@@ -136,12 +140,26 @@ def push(run: str, island: str, fragment: int) -> str:
     return f"{root(run)}.push.{check_island(island)}.{_i(fragment, 'fragment')}"
 
 
+def run_all(run: str) -> str:
+    """Every subject of the run (a tap on the whole run, or a permission)."""
+    return f"{root(run)}.>"
+
+
+def push_island_all(run: str, island: str) -> str:
+    """Every push subject of island I (its publish permission)."""
+    return f"{root(run)}.push.{check_island(island)}.*"
+
+
 def push_all(run: str) -> str:
     return f"{root(run)}.push.*.*"
 
 
 def init(run: str, fragment: int) -> str:
     return f"{root(run)}.init.{_i(fragment, 'fragment')}"
+
+
+def init_all(run: str) -> str:
+    return f"{root(run)}.init.*"
 
 
 def bcast(run: str, fragment: int, chunk: int) -> str:
@@ -178,6 +196,23 @@ def events(run: str, kind: str) -> str:
 
 def events_all(run: str) -> str:
     return f"{root(run)}.events.*"
+
+
+# ---- JetStream API subjects ----------------------------------------------------------------------
+
+def js_api(domain: str | None = None) -> str:
+    """The JetStream API prefix: `$JS.API`, or `$JS.<domain>.API` to reach another domain's JetStream."""
+    return "$JS.API" if domain is None else f"$JS.{check_token(domain, 'domain')}.API"
+
+
+def consumer_msg_next(stream_name: str, consumer: str, domain: str | None = None) -> str:
+    """The subject of a pull request (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`)."""
+    return f"{js_api(domain)}.CONSUMER.MSG.NEXT.{check_token(stream_name, 'stream')}.{check_token(consumer, 'consumer')}"
+
+
+def kv_key(run: str, kind: str, key: str) -> str:
+    """The subject a write of `key` in the run's `kind` bucket is published on (`$KV.<bucket>.<key>`)."""
+    return f"$KV.{kv_bucket(run, kind)}.{key}"
 
 
 def parse(run: str, subject: str) -> tuple[str, ...]:

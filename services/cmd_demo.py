@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from schemas.dtypes import PUSH_DTYPES
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run the CPU demo: embedded broker, syncer, two islands, a tiny model")
@@ -36,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=24, help="global rounds to commit (default %(default)s)")
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=8, help="H, inner steps between two syncs of one fragment")
-    p.add_argument("--push-dtype", default="f32", choices=("f32", "bf16", "q4"))
+    p.add_argument("--push-dtype", default="f32", choices=PUSH_DTYPES)
     p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=170.0, help="give up after this many seconds")
     p.add_argument("--replicas", type=int, default=1,

@@ -1,4 +1,5 @@
-"""bench/wire.py: a smoke run on a tiny size (output contract, stream cleanup) and its chunk plan.
+"""bench/wire.py: a smoke run on a tiny size (output contract, stream cleanup), its use of the production
+chunk plan, and its consumer's checks (the production header and check_chunk).
 
 Not a timed assertion: throughput on 2 shared cores is too noisy to gate on; the 512 MiB figures live in
 bench/README.md.
@@ -64,43 +65,47 @@ def test_wire_bench_smoke_prints_both_rates_and_the_ratio_last(nats_url):
     assert asyncio.run(_bench_streams(nats_url)) == before
 
 
-def test_chunk_plan_covers_the_fragment_once_and_splits_contiguously():
-    wire = _load_wire()
-    plan = wire.chunk_plan(5 * wire.MiB + 3, wire.MiB)
-    assert [n for _, _, n in plan] == [wire.MiB] * 5 + [3]
-    assert [off for _, off, _ in plan] == [i * wire.MiB for i in range(6)]
-    parts = wire.split_plan(plan, 2)
-    assert [c for part in parts for c in part] == plan and [len(p) for p in parts] == [3, 3]
-    with pytest.raises(ValueError, match="chunk=0"):
-        wire.chunk_plan(10, 0)
-    meta = wire.chunk_meta(2, 6, 2 * wire.MiB, wire.MiB, 5 * wire.MiB + 3, "ab")
-    assert list(meta) == ["chunk", "chunks", "offset", "nbytes", "total", "digest"]
-    assert wire.msg_id("r1", 7) == "bench.r1.7"
-
-
-def test_consumer_tally_checks_digest_offset_and_counts_redeliveries():
-    import orjson
-    import xxhash
+def test_the_bench_cuts_fragments_with_the_production_plan():
+    from schemas.chunks import chunk_plan
 
     wire = _load_wire()
-    plan = wire.chunk_plan(10, 4)  # chunks of 4, 4, 2 bytes
-    tally = wire._ChunkTally(plan, 10)
-    payloads = [b"abcd", b"efgh", b"ij"]
+    cfg = wire.Config(size_mb=5, chunk_mb=1)
+    assert cfg.plan() == chunk_plan(5 * wire.MiB // 4, "f32", wire.MiB)
+    assert wire.split_numel(10, 3) == [3, 4, 3] and sum(wire.split_numel(5 * wire.MiB // 4, 2)) == 5 * wire.MiB // 4
+    two = wire.Config(size_mb=5, chunk_mb=1, procs=2)  # one fragment per publisher process
+    assert [sum(s.nbytes for s in two.plan(k)) for k in (0, 1)] == [int(2.5 * wire.MiB)] * 2
 
-    def header(i, data, **over):
-        _, off, n = plan[i]
-        meta = wire.chunk_meta(i, 3, off, n, 10, xxhash.xxh3_64_hexdigest(data)) | over
-        return {wire.CHUNK_HEADER: orjson.dumps(meta).decode()}
 
-    tally.add(header(0, payloads[0]), payloads[0], orjson, xxhash)
-    tally.add(header(0, payloads[0]), payloads[0], orjson, xxhash)
+def test_consumer_tally_checks_each_chunk_as_an_island_would_and_counts_redeliveries():
+    """The consumer decodes the real bcast_chunk header and checks the chunk against its own plan: a bad
+    digest, offset, version or header is refused naming the field; a redelivery is counted once."""
+    from schemas import codec
+    from schemas.chunks import DigestMismatch, chunk_plan
+    from schemas.errors import DecodeError, WireError
+
+    wire = _load_wire()
+    spans = chunk_plan(3, "f32", 4)  # three chunks of one f32 value
+    payloads = [b"abcd", b"efgh", b"ijkl"]
+
+    def header(i, data=None, **over):
+        meta = wire._bcast_meta("r1", 0, spans, i, data if data is not None else payloads[i], "0" * 64) | over
+        return {codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", meta)}
+
+    tally = wire._ChunkTally(spans, "r1", 0)
+    tally.add(header(0), payloads[0])
+    tally.add(header(0), payloads[0])
     assert (tally.duplicates, tally.bytes, tally.done) == (1, 4, False)
-    with pytest.raises(ValueError, match="digest="):
-        tally.add(header(1, payloads[1]), b"efgX", orjson, xxhash)
-    with pytest.raises(ValueError, match="offset/nbytes/total=5/"):
-        tally.add(header(1, payloads[1], offset=5), payloads[1], orjson, xxhash)
-    with pytest.raises(ValueError, match="chunk=9"):
-        tally.add(header(2, payloads[2], chunk=9), payloads[2], orjson, xxhash)
-    tally.add(header(1, payloads[1]), payloads[1], orjson, xxhash)
-    tally.add(header(2, payloads[2]), payloads[2], orjson, xxhash)
-    assert (tally.bytes, tally.done) == (10, True)
+    with pytest.raises(DigestMismatch) as ei:
+        tally.add(header(1), b"efgX")
+    assert ei.value.field == "digest"
+    with pytest.raises(WireError) as ei:
+        tally.add(header(1, offset=8), payloads[1])
+    assert ei.value.field == "offset"
+    with pytest.raises(WireError) as ei:
+        tally.add(header(1, version=2), payloads[1])
+    assert ei.value.field == "version"
+    with pytest.raises(DecodeError):
+        tally.add({codec.CHUNK_HEADER: "{not json"}, payloads[1])
+    tally.add(header(1), payloads[1])
+    tally.add(header(2), payloads[2])
+    assert (tally.bytes, tally.done) == (12, True)

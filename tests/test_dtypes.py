@@ -400,3 +400,30 @@ def test_q4_decision_is_exact_where_the_midpoint_is_not_a_float():
     packed = pack(torch.from_numpy(x.copy()), "q4")
     assert bytes(packed.numpy()) == ref_q4_pack(x.tolist())
     assert unpack(packed, "q4", 2)[1] == float(x[0])
+
+
+def test_dtype_names_are_defined_once_and_the_json_schemas_agree():
+    """schemas.dtypes holds the one list of dtype names; every enum in the JSON schemas says the same."""
+    from schemas import codec
+    from schemas.dtypes import AUTO_DTYPE, BULK_DTYPES, PUSH_DTYPES, WIRE_DTYPES
+
+    assert set(BULK_DTYPES) < set(PUSH_DTYPES) == set(WIRE_DTYPES)
+    hello, session = codec.load_schema("hello"), codec.load_schema("session")
+    assert hello["properties"]["push_dtype"]["enum"] == [AUTO_DTYPE, *PUSH_DTYPES]
+    assert hello["properties"]["bulk_dtype"]["enum"] == [AUTO_DTYPE, *BULK_DTYPES]
+    assert session["properties"]["push_dtype"]["enum"] == list(PUSH_DTYPES)
+    assert codec.load_schema("push_chunk")["properties"]["dtype"]["enum"] == list(PUSH_DTYPES)
+    for kind in ("session", "init_chunk", "bcast_chunk"):
+        assert codec.load_schema(kind)["$defs"]["bulk_wire_dtype"]["enum"] == list(BULK_DTYPES), kind
+
+
+def test_importing_the_dtype_names_does_not_import_torch():
+    """The CLI, the step-log consumers and bench/wire.py read the names and the chunk plan; torch costs them seconds."""
+    import subprocess
+    import sys
+
+    code = ("import sys, schemas.dtypes, schemas.chunks, schemas.layout, schemas.publish, learner.config; "
+            "schemas.chunks.digest(b'x'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

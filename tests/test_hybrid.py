@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from learner import hybrid
-from schemas.errors import WireError
+from learner import hybrid, hybrid_backend, hybrid_calls
+from schemas.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------------
 # Pure
@@ -34,7 +34,7 @@ def test_ranks_per_node_precedence_and_validation():
     assert hybrid.ranks_per_node({}, world_size=16) == 16  # no launcher info: one node
     assert hybrid.ranks_per_node({"WORLD_SIZE": "6"}) == 6
     for bad in ("0", "-2", "two", "1.5"):
-        with pytest.raises(WireError) as err:
+        with pytest.raises(ConfigError) as err:
             hybrid.ranks_per_node({"YETO_RANKS_PER_NODE": bad}, world_size=4)
         assert err.value.field == "ranks_per_node" and err.value.value == bad
         assert "YETO_RANKS_PER_NODE" in str(err.value)
@@ -68,9 +68,9 @@ def test_choose_backend(ranks, requested, device, backend, is_hybrid):
 
 
 def test_device_backend_spec_and_detection_on_cpu():
-    assert hybrid._backend_of_spec("hccl") == "hccl"
-    assert hybrid._backend_of_spec("cpu:gloo,cuda:nccl") == "nccl"
-    assert hybrid._backend_of_spec("gloo") == "gloo"
+    assert hybrid_backend._backend_of_spec("hccl") == "hccl"
+    assert hybrid_backend._backend_of_spec("cpu:gloo,cuda:nccl") == "nccl"
+    assert hybrid_backend._backend_of_spec("gloo") == "gloo"
     if torch.cuda.is_available() or "torch_npu" in sys.modules:
         pytest.skip("detection check is for CPU-only machines")
     assert hybrid.device_backend() == "gloo"
@@ -104,7 +104,7 @@ def test_install_patches_both_namespaces_and_uninstall_restores():
 
 _PLUGIN_PROBE = """
 import hashlib, importlib.util, json, sys, torch.distributed as dist
-from learner import hybrid
+from learner import hybrid, hybrid_backend, hybrid_calls
 path = sys.argv[1]
 loaded = []
 for _ in range(2):  # as ms-swift's import_external_file does it: a hashed module name, imported twice
@@ -278,8 +278,8 @@ def _check_ops(rank: int, hyb, plain, members: list[int], orig_isend) -> None:
           [rs_sum / n, rs_sum / n], stat="reduce_scatter_tensor")
 
     # --- the fallbacks an older gloo needs (all_reduce + slice, all_gather into views), forced here
-    for family in hybrid._NATIVE:
-        hybrid._NATIVE[family] = False
+    for family in hybrid_calls._NATIVE:
+        hybrid_calls._NATIVE[family] = False
     try:
         _same("reduce_scatter (fallback)", reduce_scatter, hyb, plain, total * (gr + 1), stat="reduce_scatter")
         _same("reduce_scatter_tensor (fallback)", reduce_scatter_tensor(dist.ReduceOp.SUM), hyb, plain,
@@ -289,8 +289,8 @@ def _check_ops(rank: int, hyb, plain, members: list[int], orig_isend) -> None:
         _same("all_gather_into_tensor (fallback)", all_gather_into_tensor, hyb, plain, [gathered, gathered],
               stat="all_gather_into_tensor")
     finally:
-        for family in hybrid._NATIVE:
-            hybrid._NATIVE[family] = True
+        for family in hybrid_calls._NATIVE:
+            hybrid_calls._NATIVE[family] = True
 
     # --- point to point (global ranks, as torch takes them)
     def send_recv(g):

@@ -83,3 +83,23 @@ def test_parse_roundtrip():
     assert S.parse("r", S.push("r", "isl", 2)) == ("push", "isl", "2")
     with pytest.raises(ValueError):
         S.parse("r", "yeto.other.push.a.1")
+
+
+def test_jetstream_api_subjects_are_built_here_and_refuse_non_tokens():
+    assert S.js_api() == "$JS.API" and S.js_api("hub") == "$JS.hub.API"
+    assert S.consumer_msg_next("YETO_r1_CTL", "pull-a") == "$JS.API.CONSUMER.MSG.NEXT.YETO_r1_CTL.pull-a"
+    assert S.consumer_msg_next("BENCH_x", "c0", domain="dc1") == "$JS.dc1.API.CONSUMER.MSG.NEXT.BENCH_x.c0"
+    assert S.kv_key("r1", "state", "session") == "$KV.yeto_r1_state.session"
+    for bad in ("a.b", "*", ">", ""):
+        with pytest.raises(IdError):
+            S.consumer_msg_next(bad, "c")
+        with pytest.raises(IdError):
+            S.js_api(bad)
+
+
+def test_run_level_wildcards():
+    assert S.run_all("r1") == "yeto.r1.>"
+    assert S.push_island_all("r1", "a") == "yeto.r1.push.a.*" and S.init_all("r1") == "yeto.r1.init.*"
+    assert S.stream_subjects("r1", "INIT") == [S.init_all("r1")]
+    with pytest.raises(IdError):
+        S.push_island_all("r1", "a.*")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from schemas import layout as L
-from schemas.errors import WireError
+from schemas.errors import ConfigError, WireError
 
 
 def gpt_layout(layers=6, d=8):
@@ -76,9 +76,12 @@ def test_too_many_fragments_and_bad_layouts_refused():
     with pytest.raises(WireError) as ei:
         L.canonical_layout([{"name": "a", "shape": [-1]}])
     assert ei.value.field == "layout.0.shape"
-    with pytest.raises(WireError) as ei:
+    with pytest.raises(ConfigError) as ei:  # the syncer's --push-dtype, not wire input
         L.build_session(gpt_layout(), 2, run="r", push_dtype="f8", bulk_dtype="f32", chunk_bytes=4096, init_island="a", sync_every=2)
     assert ei.value.field == "push_dtype" and "f8" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:  # the syncer's --fragments
+        L.build_fragments(gpt_layout(), 0)
+    assert ei.value.field == "fragments"
 
 
 @settings(max_examples=40, deadline=None)

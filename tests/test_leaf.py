@@ -131,12 +131,12 @@ def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
 
 def test_island_domain_settings_are_checked():
     from learner.config import IslandConfig
-    from schemas.errors import WireError
+    from schemas.errors import ConfigError
 
     cfg = IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "b", "YETO_DOMAIN": "dc1"})
     assert (cfg.domain, cfg.hub_domain) == ("dc1", "hub")
     for env, field in (({"YETO_DOMAIN": "dc.1"}, "domain"), ({"YETO_HUB_DOMAIN": ""}, "hub_domain")):
-        with pytest.raises(WireError) as ei:
+        with pytest.raises(ConfigError) as ei:
             IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "b", **env})
         assert ei.value.field == field, ei.value
 

@@ -15,7 +15,7 @@ from learner.steplog import StepLog
 from schemas import codec
 from schemas import subjects as S
 from schemas.conn import ConnectOptions
-from schemas.errors import IdError, WireError
+from schemas.errors import ConfigError, IdError, WireError
 from schemas.layout import layout_fingerprint
 from schemas.provision import RunLimits, provision_run, remove_run
 
@@ -347,12 +347,12 @@ def test_config_from_env_and_validation(monkeypatch):
                               ("YETO_HEARTBEAT_S", "abc", "heartbeat_s"), ("YETO_LOCKSTEP", "maybe", "lockstep"),
                               ("YETO_FETCH_BATCH_BYTES", str(64 << 20), "fetch_batch_bytes"),
                               ("YETO_MAX_RECONNECTS", "-5", "max_reconnects")):
-        with pytest.raises(WireError) as err:
+        with pytest.raises(ConfigError) as err:
             IslandConfig.from_env(dict(env, **{var: value}))
         assert err.value.field == field and var in str(err.value)
     with pytest.raises(IdError):
         IslandConfig.from_env(dict(env, YETO_ISLAND="a.b"))
-    with pytest.raises(WireError) as err:
+    with pytest.raises(ConfigError) as err:
         IslandConfig.from_env({"YETO_ISLAND": "i"})
     assert err.value.field == "run"
     assert set(ENV.values()) >= {"YETO_RUN", "YETO_ISLAND", "YETO_PUSH_DTYPE", "YETO_BULK_DTYPE", "YETO_DILOCO_ALPHA",

@@ -1,8 +1,17 @@
-"""The syncer's pure push ledger (services/syncer/intake.py): tries complete, and nothing leaks."""
+"""The syncer's pure push ledger (services/syncer/intake.py): every method and rule, without a broker.
+
+A try completes exactly once, valid only when its chunks agree with the session and with each other and
+its push digest binds them; closed (released, tombstoned, redelivered-after-commit) chunks open nothing;
+commits forget their rounds, sweep what stayed incomplete and report each dropped try once.
+"""
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from schemas.chunks import push_digest
-from services.syncer.intake import PushLedger, key_of
+from services.syncer.intake import PushLedger, PushTry, key_of
 
 
 def chunk(i: int, *, island="a", gen="g1", fragment=0, step=1, attempt=1, try_=0, chunks=3) -> dict:
@@ -29,7 +38,7 @@ def feed(ledger: PushLedger, metas, seq0: int = 1, *, redelivered: bool = False)
 def test_a_try_completes_once_and_pop_round_forgets_it():
     led = PushLedger()
     (t,) = feed(led, [chunk(0), chunk(2), chunk(1)])
-    assert t.invalid is None and t.ordered_seqs() == [1, 3, 2]
+    assert t.invalid is None and [t.seqs[i] for i in range(3)] == [1, 3, 2]
     assert feed(led, [chunk(1)], 10) == []                      # a resend of a chunk: the first stays
     assert sorted(led.pop_round(0, 1)) == [1, 2, 3] and led.tries == {}
 
@@ -125,3 +134,155 @@ def test_quarantine_figures_sum_over_chunks_and_a_resent_chunk_counts_once():
     assert led.add(chunk(2), 3, expected_total=36, chunk_ok=True, sumsq=16.0, non_finite=2) is None
     t = led.add(chunk(1), 4, expected_total=36, chunk_ok=True, sumsq=0.0)
     assert t is not None and t.norm == 5.0 and t.non_finite == 2 and t.invalid is None
+
+
+# ---- every rule of add(), closed(), pop_try() and pop_round(), one at a time --------------------------
+
+def add(led: PushLedger, meta: dict, seq: int, **kw):
+    kw.setdefault("expected_total", meta["total"])
+    kw.setdefault("chunk_ok", True)
+    return led.add(meta, seq, **kw)
+
+
+def test_key_of_is_the_try_identity_and_complete_tries_report_their_figures():
+    assert key_of(chunk(0, island="x", gen="g9", fragment=2, step=7, attempt=3, try_=4)) == ("x", "g9", 2, 7, 3, 4)
+    t = PushTry(key=("a",), chunks=2, total=8, dtype="f32", base_version=0, local_step=1, c_steps=1, c_tokens=1,
+                sumsq=25.0)
+    assert not t.complete and t.norm == 5.0
+    t.seqs = {0: 1, 1: 2}
+    assert t.complete
+
+
+def test_a_try_is_returned_once_when_complete_and_keeps_the_headers_of_its_first_chunk():
+    led = PushLedger()
+    first = chunk(0) | {"base_version": 3, "local_step": 17, "c_steps": 8, "c_tokens": 640}
+    assert add(led, first, 1) is None and add(led, chunk(1), 2) is None
+    t = add(led, chunk(2), 3)
+    assert t is not None and t.done and t.invalid is None
+    assert (t.base_version, t.local_step, t.c_steps, t.c_tokens, t.dtype) == (3, 17, 8, 640, "f32")
+    assert t.digests == {0: "d0", 1: "d1", 2: "d2"} and t.push_digest == chunk(2)["push_digest"]
+    # a done try takes nothing more: a resend of any chunk, even one carrying other bytes, changes nothing
+    assert add(led, chunk(0) | {"digest": "other"}, 9) is None and t.seqs == {0: 1, 1: 2, 2: 3}
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("total_vs_session", "push total 36 bytes, the session's fragment takes 24"),
+    ("unknown_fragment", "unknown fragment 0"),
+    ("bad_chunk", "chunk 1 failed its digest"),
+    ("bad_chunk_no_reason", "chunk 1 rejected"),
+    ("dtype_refused_before_planning", "push dtype must be the session's"),
+    ("chunks_changed", "chunks/total changed within one push (4/36 vs 3/36)"),
+    ("total_changed", "chunks/total changed within one push (3/40 vs 3/36)"),
+    ("push_digest_wrong", "push_digest 00 does not match its chunks"),
+    ("push_digest_missing", "push_digest None does not match its chunks"),
+])
+def test_an_invalid_try_still_completes_once_with_the_first_reason(case, expect):
+    """An invalid try is still returned when complete: the machine tapes its disposition (rejected, with
+    the reason) instead of the try sitting in the ledger for ever."""
+    led = PushLedger()
+    metas = [chunk(i) for i in range(3)]
+    kws = [{} for _ in range(3)]
+    if case == "total_vs_session":
+        kws = [{"expected_total": 24}] * 3
+    elif case == "unknown_fragment":
+        kws = [{"expected_total": None}] * 3
+    elif case == "bad_chunk":
+        kws[1] = {"chunk_ok": False, "chunk_reason": "chunk 1 failed its digest"}
+    elif case == "bad_chunk_no_reason":
+        kws[1] = {"chunk_ok": False}
+    elif case == "dtype_refused_before_planning":
+        # the shell refused the first chunk before it could plan (no expected_total): the chunk's own reason
+        # names the fault, not "unknown fragment"
+        kws[0] = {"expected_total": None, "chunk_ok": False, "chunk_reason": "push dtype must be the session's f32"}
+    elif case == "chunks_changed":
+        metas[1] = chunk(1, chunks=4) | {"total": 36}
+    elif case == "total_changed":
+        metas[1] = chunk(1) | {"total": 40}
+    elif case == "push_digest_wrong":
+        metas[2] = chunk(2) | {"push_digest": "00"}
+    elif case == "push_digest_missing":
+        del metas[2]["push_digest"]
+    done = [t for i in range(3) if (t := add(led, metas[i], i + 1, **kws[i])) is not None]
+    assert len(done) == 1 and done[0].invalid is not None and done[0].invalid.startswith(expect), done[0].invalid
+
+
+def test_the_first_reason_wins_and_the_push_digest_is_not_judged_for_an_invalid_try():
+    led = PushLedger()
+    add(led, chunk(0), 1, chunk_ok=False, chunk_reason="chunk 0: NaN")
+    add(led, chunk(1), 2, chunk_ok=False, chunk_reason="chunk 1: short")
+    t = add(led, chunk(2) | {"push_digest": "00"}, 3)
+    assert t.invalid == "chunk 0: NaN"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), data=st.data())
+def test_any_arrival_order_with_resends_completes_once_with_the_first_sequence_per_chunk(n, data):
+    resends = data.draw(st.lists(st.integers(0, n - 1), max_size=3 * n))
+    arrivals = data.draw(st.permutations(list(range(n)) + resends))  # every chunk at least once, any order
+    led = PushLedger()
+    first_seq: dict[int, int] = {}
+    done = []
+    for seq, i in enumerate(arrivals, start=1):
+        first_seq.setdefault(i, seq)
+        t = add(led, chunk(i, chunks=n), seq, sumsq=1.0)
+        if t is not None:
+            done.append((seq, t))
+    assert len(done) == 1
+    seq_done, t = done[0]
+    assert seq_done == max(first_seq.values()), "complete exactly when the last missing chunk arrives"
+    assert t.invalid is None and t.seqs == {i: first_seq[i] for i in range(n)} and t.sumsq == n
+
+
+def test_closed_names_why_a_chunk_can_never_count():
+    led = PushLedger(committed_step=4)
+    assert led.closed(chunk(0, step=5)) is None
+    assert led.closed(chunk(0, step=4)) is None, "a fresh late push still completes (out_of_round on the tape)"
+    assert "redelivered chunk of committed round 4" in led.closed(chunk(0, step=4), redelivered=True)
+    assert led.closed(chunk(0, step=5), redelivered=True) is None
+    add(led, chunk(0, step=5, try_=1), 1)
+    led.pop_try(key_of(chunk(0, step=5, try_=1)))
+    assert "released" in led.closed(chunk(1, step=5, try_=1))
+    assert led.closed(chunk(1, step=5, try_=2)) is None, "another try of the same member is its own"
+    # a released try takes nothing even if the shell adds without asking closed() first
+    assert add(led, chunk(1, step=5, try_=1), 2) is None and led.tries == {}
+    add(led, chunk(0, island="b", step=5), 3)
+    led.pop_round(0, 5)
+    assert "dropped incomplete when round 5 committed" in led.closed(chunk(1, island="b", step=5))
+
+
+def test_pop_try_returns_the_sequences_and_closes_only_what_could_come_back():
+    led = PushLedger(committed_step=2)
+    feed(led, [chunk(i, step=3) for i in range(3)], 10)
+    assert sorted(led.pop_try(key_of(chunk(0, step=3)))) == [10, 11, 12] and led.tries == {}
+    assert key_of(chunk(0, step=3)) in led.released
+    # a late try of a committed round, still open when released: closed too (its chunks may still come)
+    add(led, chunk(0, step=2), 20)
+    assert led.pop_try(key_of(chunk(0, step=2))) == [20] and key_of(chunk(0, step=2)) in led.released
+    # a key the ledger never held, of a committed round: nothing to close, nothing returned
+    assert led.pop_try(key_of(chunk(0, island="z", step=1))) == []
+    assert key_of(chunk(0, island="z", step=1)) not in led.released
+
+
+def test_pop_round_forgets_only_its_round_and_advances_committed_step_monotonically():
+    led = PushLedger()
+    feed(led, [chunk(i, fragment=0, step=1) for i in range(3)], 1)
+    feed(led, [chunk(i, fragment=1, step=2) for i in range(3)], 10)
+    feed(led, [chunk(i, fragment=0, step=1, attempt=2, island="b") for i in range(3)], 20)
+    assert sorted(led.pop_round(0, 1)) == [1, 2, 3, 20, 21, 22], "every attempt and member of the round"
+    assert list(led.tries) == [key_of(chunk(0, fragment=1, step=2))] and led.committed_step == 1
+    assert sorted(led.pop_round(1, 2)) == [10, 11, 12] and led.committed_step == 2
+    assert led.pop_round(0, 1) == [] and led.committed_step == 2, "never goes back"
+    assert led.pop_dropped() == [] and led.pop_swept() == [], "complete tries leave no record"
+
+
+def test_pop_dropped_and_pop_swept_hand_each_item_over_once():
+    led = PushLedger()
+    add(led, chunk(0, island="x"), 7)
+    led.pop_round(0, 1)
+    (d,) = led.pop_dropped()
+    assert (d.key, d.chunks_in, d.chunks, d.base_version, d.local_step) == (key_of(chunk(0, island="x")), 1, 3, 0, 1)
+    assert led.pop_dropped() == []
+    add(led, chunk(0, island="y"), 8)          # a late partial try of the committed round 1
+    for step in (2, 3):
+        led.pop_round(step % 2, step)
+    assert led.pop_swept() == [8] and led.pop_swept() == []

@@ -191,3 +191,47 @@ async def follow(nc, opts: SourceOptions, feed: Feed, stop: asyncio.Event | None
                 await s.unsubscribe()
             except Exception:  # connection already closing: the server drops the ordered consumer anyway
                 pass
+
+
+def add_server_args(parser, *, port: int, port_env: str, host_env: str) -> None:
+    """--port / --host / --log-level of a viewer that serves HTTP (`yeto exporter`, `yeto dashboard`)."""
+    import os
+
+    parser.add_argument("--port", type=int, default=int(os.environ.get(port_env, str(port))),
+                        help=f"HTTP port (env {port_env}; 0 picks a free one)")
+    parser.add_argument("--host", default=os.environ.get(host_env, "127.0.0.1"),
+                        help=f"listen address (env {host_env}; 0.0.0.0 in a container)")
+    parser.add_argument("--log-level", default=os.environ.get("YETO_LOG_LEVEL", "INFO"))
+
+
+def run_server(args, command: str, serve: Callable, announce: Callable[[int], str]) -> int:
+    """The shell of a viewer that serves HTTP until SIGTERM / Ctrl-C: connect, `await serve(nc, opts,
+    started=..., stop=...)`, print `announce(port)` once listening. Returns the process exit code."""
+    import signal
+    import sys
+
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    opts = source_options(args)
+
+    async def go():
+        nc = await connect(args, name=f"yeto-{command}-{args.run}")
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # `docker stop` / Ctrl-C: close the port and the connection
+            loop.add_signal_handler(sig, stop.set)
+        started = loop.create_future()
+        started.add_done_callback(lambda f: print(announce(f.result()), flush=True))
+        try:
+            await serve(nc, opts, started=started, stop=stop)
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"yeto {command}: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -5,7 +5,10 @@ One pair of raw little-endian f32 files per fragment and version (`frag-F-vN.par
 the committed global step and the session fingerprint. A commit writes the new fragment files (fsync),
 then replaces `checkpoint.json` atomically (write, fsync, rename, fsync the directory), then deletes the
 fragment's older files: a crash at any point leaves either the old or the new version complete, never a
-mix, so a restarted syncer never re-issues a version number with different bytes.
+mix, so a restarted syncer never re-issues a version number with different bytes. What a crash leaves
+behind (a `*.tmp` file, the new version's files the manifest never named) is never read, and the
+fragment's next commit deletes it. A file that cannot be used (missing, torn, not the manifest's
+format) raises CheckpointError naming it.
 
 Files, not the Object Store: its client is too slow for GB objects (NATS-NOTES).
 """
@@ -25,7 +28,7 @@ FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint file is missing or unusable; the message names the file."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -129,13 +132,31 @@ class CheckpointDir:
         _fsync_dir(self.path)
 
     def read_session(self) -> dict:
-        return orjson.loads(self.session_path().read_bytes())
+        path = self.session_path()
+        try:
+            session = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"no session in {self.path} (missing {path.name})") from None
+        except orjson.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} is not JSON ({exc})") from None
+        if not isinstance(session, dict):
+            raise CheckpointError(f"{path} holds a {type(session).__name__}, not a session record")
+        return session
 
     def read_state(self) -> CheckpointState:
+        path = self.path / MANIFEST
         try:
-            return CheckpointState.from_json((self.path / MANIFEST).read_bytes())
+            data = path.read_bytes()
         except FileNotFoundError:
             raise CheckpointError(f"no checkpoint in {self.path} (missing {MANIFEST})") from None
+        try:
+            return CheckpointState.from_json(data)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        except KeyError as exc:
+            raise CheckpointError(f"{path} lacks the field {exc.args[0]!r}") from None
+        except (ValueError, TypeError, AttributeError) as exc:  # orjson.JSONDecodeError is a ValueError
+            raise CheckpointError(f"{path} is not a checkpoint manifest ({type(exc).__name__}: {exc})") from None
 
     def commit(
         self,

@@ -2,9 +2,12 @@
 
 The syncer's PUSH consumer records each chunk's stream sequence and acks at once; the payload stays
 in JetStream until the merge reads it by sequence (direct get) and deletes it after the commit. This
-ledger turns the stream of chunk headers into "push try complete" facts for the round machine, and
-refuses inconsistent chunks (a total or count that changes, a duplicate index, a push digest that does
-not match) with the reason the tape records.
+ledger turns the stream of chunk headers into "push try complete" facts for the round machine: a try
+completes once, when its last missing chunk arrives (a resent chunk index keeps its first copy), and
+is marked invalid, with the first reason the tape records, when its chunks disagree with the session
+or with each other (a total or count that changes, a chunk the shell refused, a push digest that does
+not match). It also decides which chunks can never count (`PushLedger.closed`) and what a commit
+forgets, sweeps and reports (`pop_round`, `pop_swept`, `pop_dropped`).
 
 `push_digest` (on the last chunk) is sha256 over the push's chunk digests in chunk order
 (`schemas.chunks.push_digest`): it binds the set and order of chunks to one push without re-reading
@@ -45,9 +48,6 @@ class PushTry:
     @property
     def complete(self) -> bool:
         return len(self.seqs) == self.chunks
-
-    def ordered_seqs(self) -> list[int]:
-        return [self.seqs[i] for i in range(self.chunks)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ class PushLedger:
         """Record one validated chunk header at stream sequence `seq`.
 
         `expected_total` is the byte size a push of this fragment must have in the session dtype (None if
-        the fragment is unknown: the try is then invalid). `chunk_ok` is False when the shell found the
+        the shell could not tell: an unknown fragment, or a chunk it refused before planning, e.g. another
+        dtype, whose own reason then names the try's fault). `chunk_ok` is False when the shell found the
         payload's digest or size bad. `sumsq` / `non_finite` are the chunk's Σ value² and count of
         NaN/Inf values: summed per try (a resent chunk index counts once) into the figures the round
         machine's quarantine rules judge. Returns the try when it just became complete (valid or not),
@@ -124,9 +125,9 @@ class PushLedger:
                 base_version=meta["base_version"], local_step=meta["local_step"],
                 c_steps=meta["c_steps"], c_tokens=meta["c_tokens"],
             )
-            if expected_total is None:
+            if expected_total is None and chunk_ok:
                 t.invalid = f"unknown fragment {meta['fragment']}"
-            elif meta["total"] != expected_total:
+            elif expected_total is not None and meta["total"] != expected_total:
                 t.invalid = f"push total {meta['total']} bytes, the session's fragment takes {expected_total}"
         if t.done:
             return None
@@ -152,14 +153,6 @@ class PushLedger:
                     t.invalid = f"push_digest {t.push_digest} does not match its chunks ({want})"
             return t
         return None
-
-    def seqs_for(self, island: str, gen: str, fragment: int, step: int, attempt: int | None = None) -> list[int]:
-        """Every recorded stream sequence of a round's pushes (all tries), for deletion after the commit."""
-        out = []
-        for (i, g, f, s, a, _t), t in self.tries.items():
-            if i == island and g == gen and f == fragment and s == step and (attempt is None or a == attempt):
-                out.extend(t.seqs.values())
-        return out
 
     def pop_round(self, fragment: int, step: int) -> list[int]:
         """Forget every try of a (fragment, step) round, which is committed; return their sequences to
@@ -190,14 +183,19 @@ class PushLedger:
         self._tombstones[key] = self.committed_step
 
     def pop_dropped(self) -> list[DroppedTry]:
+        """The incomplete tries forgotten since the last call, for the shell to tape (each once)."""
         out, self.dropped = self.dropped, []
         return out
 
     def pop_swept(self) -> list[int]:
+        """Sequences of swept tries since the last call, for the shell to delete one by one."""
         out, self.swept = self.swept, []
         return out
 
     def pop_try(self, key: PushKey) -> list[int]:
+        """Forget one try the machine is done with (merged, rejected, or discarded by a restart); return its
+        sequences to delete. A try of a round not yet committed, or one still open, stays closed (released)
+        so a redelivered or resent chunk of it opens nothing."""
         if key[3] > self.committed_step or key in self.tries:
             self.released.add(key)
         return self._pop(key)
