@@ -548,7 +548,7 @@ class Chaos:
                                 reconnected_cb=self._quiet2)
         from schemas import subjects as S
 
-        await nc.subscribe(S.root(self.run) + ".>", cb=self.on_msg, pending_msgs_limit=1_000_000,
+        await nc.subscribe(S.run_all(self.run), cb=self.on_msg, pending_msgs_limit=1_000_000,
                            pending_bytes_limit=1 << 30)
         await nc.flush()
         if a.cluster:

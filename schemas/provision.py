@@ -266,7 +266,7 @@ async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=No
 
     if kind not in S.KV_KINDS:
         raise WireError(f"must be one of {', '.join(S.KV_KINDS)}", field="kind", value=kind, code="bad_kv")
-    subject = f"$KV.{S.kv_bucket(_check_run_id(run), kind)}.{key}"
+    subject = S.kv_key(_check_run_id(run), kind, key)
     return await publish_retry(js, subject, value, f"kv.{kind}.{key}.{uuid.uuid4().hex}",
                                counters=counters, attempts=attempts)
 

@@ -12,7 +12,7 @@ from typing import Any
 from nats.js import api
 
 from . import subjects as S
-from .errors import WireError
+from .errors import ConfigError, WireError
 from .ids import check_gen
 from .ids import check_run as _check_run_id
 
@@ -51,9 +51,9 @@ def push_max_bytes_for(pipeline: int, members: int, fragment_bytes: int, slack: 
     """
     for name, v in (("pipeline", pipeline), ("members", members), ("fragment_bytes", fragment_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise WireError("must be a positive integer", field=name, value=v, code="bad_limit")
+            raise ConfigError("must be a positive integer", field=name, value=v, code="bad_limit")
     if not (isinstance(slack, (int, float)) and slack >= 1.0):
-        raise WireError("must be a number >= 1", field="slack", value=slack, code="bad_limit")
+        raise ConfigError("must be a number >= 1", field="slack", value=slack, code="bad_limit")
     return int(math.ceil(pipeline * members * fragment_bytes * slack))
 
 
@@ -84,7 +84,7 @@ class RunLimits:
 
     def __post_init__(self):
         def bad(name, why):
-            raise WireError(why, field=name, value=getattr(self, name), code="bad_limit")
+            raise ConfigError(why, field=name, value=getattr(self, name), code="bad_limit")
 
         for name in ("duplicate_window_s", "ctl_max_age_s", "push_max_age_s", "steplog_max_age_s", "events_max_age_s"):
             v = getattr(self, name)
@@ -395,7 +395,7 @@ MIRROR_FIELDS = ("retention", "storage", "num_replicas", "max_msgs_per_subject",
 
 
 def hub_api_prefix(hub_domain: str) -> str:
-    return f"$JS.{hub_domain}.API"
+    return S.js_api(hub_domain)
 
 
 def mirror_configs(run: str, hub_domain: str, *, replicas: int = 1) -> dict[str, api.StreamConfig]:

@@ -54,7 +54,7 @@ from schemas.ids import check_island, check_run
 
 ROLES = ("syncer", "island", "observer", "admin")
 RESERVED = ("syncer", "observer", "admin")  # identity names an island may not take
-API = "$JS.API"
+API = S.js_api()
 IDENTITIES_FILE = "identities.json"
 AUTH_CONF = "auth.conf"
 SERVER_CONF = "server.conf"
@@ -103,7 +103,6 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
     {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}}. Pure."""
     check_run(run)
     st = _streams(run)
-    r = S.root(run)
     pub: list[str]
     # Each key reads only its own replies (schemas/conn.py connects with this inbox prefix); a shared
     # _INBOX.> would let an island read the syncer's direct gets of other islands' pushes.
@@ -112,10 +111,10 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
     if role == "island":
         check_island(name)
         ctl = st["CTL"]
-        pub = [f"{r}.push.{name}.*", S.hello(run, name), S.heartbeat(run, name), S.ack(run, name),
+        pub = [S.push_island_all(run, name), S.hello(run, name), S.heartbeat(run, name), S.ack(run, name),
                S.steplog(run, name)]
         if name == init_island:
-            pub.append(f"{r}.init.*")
+            pub.append(S.init_all(run))
         # check_run: every stream and bucket of the run must exist
         pub += [f"{API}.STREAM.INFO.{s}" for s in st.values()]
         # its two CTL consumers, by name and (in the create subject) filter: create / replace an
@@ -136,14 +135,14 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
                                                f"{API}.STREAM.MSG.GET.{ctl}", f"{API}.DIRECT.GET.{ctl}",
                                                f"{API}.DIRECT.GET.{ctl}.>"]
         if name != init_island:
-            deny_pub.append(f"{r}.init.>")
+            deny_pub.append(S.init_all(run))
     elif role == "syncer":
-        pub = [f"{r}.>", f"$KV.{S.kv_bucket(run, 'members')}.>", f"$KV.{S.kv_bucket(run, 'state')}.>", f"{API}.INFO"]
+        pub = [S.run_all(run), S.kv_key(run, "members", ">"), S.kv_key(run, "state", ">"), f"{API}.INFO"]
         for s in st.values():
             pub += [f"{API}.STREAM.CREATE.{s}", f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.PURGE.{s}",
                     f"{API}.STREAM.MSG.GET.{s}", f"{API}.STREAM.MSG.DELETE.{s}", f"{API}.DIRECT.GET.{s}",
                     f"{API}.DIRECT.GET.{s}.>"] + _all_consumer_ops(s)
-        sub.append(f"{r}.>")
+        sub.append(S.run_all(run))
         # removing or reshaping the run is the admin's
         deny_pub = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>"]
     elif role == "observer":
@@ -152,7 +151,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
             pub += _read_stream(s)
         pub += [f"{API}.CONSUMER.DELETE.{s}.*" for s in (st["STEPLOG"], st["EVENTS"], st["kv_state"])]
         sub += [S.steplog_all(run), S.events_all(run)]
-        deny_pub = list(_NEVER_FOR_CLIENTS) + [f"{r}.>"]
+        deny_pub = list(_NEVER_FOR_CLIENTS) + [S.run_all(run)]
     elif role == "admin":
         pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST"]
         for s in st.values():
@@ -160,7 +159,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
                     f"{API}.STREAM.INFO.{s}", f"{API}.CONSUMER.*.{s}", f"{API}.CONSUMER.*.{s}.>",
                     f"{API}.CONSUMER.DURABLE.CREATE.{s}.*"]
         # provisioning only: no message of the run, no KV write, no read of the weights
-        deny_pub = [f"{r}.>", "$KV.>", f"{API}.STREAM.MSG.>", f"{API}.DIRECT.>", f"{API}.CONSUMER.MSG.>"]
+        deny_pub = [S.run_all(run), "$KV.>", f"{API}.STREAM.MSG.>", f"{API}.DIRECT.>", f"{API}.CONSUMER.MSG.>"]
     else:
         raise AuthError(f"role: must be one of {ROLES}, got {role!r}")
     perms = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from schemas.conn import ConnectOptions, add_connect_args
+from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
 
 
 def _env(name: str, default):
@@ -59,9 +60,9 @@ def add_parser(sub) -> None:
     _flag(g, "--outer-lr", "YETO_OUTER_LR", float, 0.7, "outer learning rate")
     _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum")
     g = p.add_argument_group("wire")
-    g.add_argument("--push-dtype", choices=("f32", "bf16", "q4"), default=_env("YETO_PUSH_DTYPE", "f32"),
+    g.add_argument("--push-dtype", choices=PUSH_DTYPES, default=_env("YETO_PUSH_DTYPE", "f32"),
                    help="dtype of pushes (env YETO_PUSH_DTYPE; default %(default)s)")
-    g.add_argument("--bulk-dtype", choices=("f32", "bf16"), default=_env("YETO_BULK_DTYPE", "f32"),
+    g.add_argument("--bulk-dtype", choices=BULK_DTYPES, default=_env("YETO_BULK_DTYPE", "f32"),
                    help="dtype of INIT and broadcasts (env YETO_BULK_DTYPE; default %(default)s)")
     _flag(g, "--chunk-bytes", "YETO_CHUNK_BYTES", int, 1 << 20, "chunk size in bytes (bounded by the server's max_payload minus header room)")
     g = p.add_argument_group("state")
@@ -108,7 +109,7 @@ def run(args) -> int:
     ckpt = Path(args.checkpoint_dir or os.path.join("yeto-data", args.run, "syncer"))
     try:
         limits = RunLimits.small(replicas=args.replicas) if args.small_limits else RunLimits(replicas=args.replicas)
-    except ValueError as exc:  # WireError names the field and the value
+    except ValueError as exc:  # ConfigError names the field and the value
         print(f"yeto syncer: --replicas: {exc}", file=sys.stderr)
         return 2
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),

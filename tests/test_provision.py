@@ -13,7 +13,7 @@ from nats.js import api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 
 from schemas import subjects as S
-from schemas.errors import WireError
+from schemas.errors import ConfigError, WireError
 from schemas.ids import new_generation
 from schemas.provision import (
     ProvisionConflict,
@@ -65,17 +65,17 @@ def test_run_limits_validate_and_push_sizing():
     assert RunLimits().push_max_bytes == 8 * 1024**3
     assert push_max_bytes_for(2, 4, 1000) == 12000  # pipeline × members × bytes × 1.5
     assert push_max_bytes_for(1, 1, 3, slack=1.0) == 3
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         push_max_bytes_for(0, 4, 1000)
     assert e.value.field == "pipeline"
     # The server refuses a duplicate window longer than max age: caught before it gets there.
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         RunLimits(duplicate_window_s=120, steplog_max_age_s=60)
     assert e.value.field == "steplog_max_age_s" and e.value.value == 60
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         RunLimits(push_max_bytes=-1)
     assert e.value.field == "push_max_bytes"
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         RunLimits(storage="disk")
     assert e.value.field == "storage"
 
@@ -428,7 +428,7 @@ def test_replicas_reach_every_stream_and_bucket_config():
     assert config_conflicts(stream_configs("R", LIMITS)["PUSH"], stream_configs("R", lim)["PUSH"]) == [
         ("num_replicas", 1, 3)]
     for bad in (0, 6, "3", True):
-        with pytest.raises(WireError) as e:
+        with pytest.raises(ConfigError) as e:
             RunLimits(replicas=bad)
         assert e.value.field == "replicas"
 
