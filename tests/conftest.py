@@ -82,3 +82,17 @@ def demo_run(nats_url, tmp_path_factory):
     assert proc.returncode == 0, f"yeto demo exited {proc.returncode}:\n{out[-4000:]}"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"run": run, "summary": summary, "workdir": work, "output": out, "seconds": time.monotonic() - t0}
+
+
+# Under pytest-xdist (`./run test` runs YETO_TEST_WORKERS workers, `--dist loadgroup`) one test file runs
+# on one worker, so its module-scoped brokers, runs and secured servers start once; the files that
+# read the session's one demo run (`demo_run`) share a worker so that the demo runs once.
+_SHARED_GROUPS = {"test_demo.py": "demo_run", "test_steplog_realrun.py": "demo_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(name, name)))
