@@ -680,16 +680,17 @@ class SyncerService:
         merge_s = time.time() - t0
         rec = dict(a.record)
         rec["t"] = time.time()
-        rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # launch to durable commit
+        rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # the tape's sync_s: launch to durable commit
         rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s}
         await self._commit({fid: a.version}, step=a.step, records=[rec])
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
-        sync_s = time.time() - t0
+        merge_to_broadcast_s = time.time() - t0
         log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
-                 ",".join(m.island for m in a.members), merge_s, sync_s)
+                 ",".join(m.island for m in a.members), merge_s, merge_to_broadcast_s)
         # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
-        await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=sync_s, now=time.time()))
+        await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version,
+                                         merge_to_broadcast_s=merge_to_broadcast_s, now=time.time()))
         # Cleanup after MergeDone, off the commit path: with the PUSH leader dead a purge waits out the
         # JetStream API timeout (30 s per round was seen in a cluster), and a missed purge is harmless (the
         # next commit of this fragment purges up to its own last sequence; max_age is the safety net).
