@@ -53,6 +53,7 @@ from services.syncer import rounds as R
 from services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState
 from services.syncer.intake import PushLedger
 from services.syncer.outer import delta_view, outer_step_
+from services.syncer.recording import INPUT_KIND, InputRecorder
 
 log = logging.getLogger("yeto.syncer")
 # Per-chunk ack wait of a broadcast (seconds): after a cluster node's death an ack can be lost without a
@@ -132,6 +133,8 @@ class SyncerService:
         self._init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
         self._tape_backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
         self._tape_retrier: asyncio.Task | None = None
+        self.recorder = InputRecorder(self._tape_prefix)
+        self._pending_inputs: dict | None = None   # an input record the recorder handed back, not yet taped
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -161,6 +164,7 @@ class SyncerService:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tape_inputs(force=True)
             await self._flush_tape_backlog()
             if self.machine is not None and self.state_kv is not None:
                 try:  # the last status record (counters at exit) for operators and post-mortems
@@ -245,13 +249,17 @@ class SyncerService:
             for k, a in ((pulls or {}).get("attempts") or {}).items():
                 if int(k) > state.committed_step:
                     published[int(k)] = max(published.get(int(k), 0), int(a))
+            restore = {"session": session, "versions": {str(k): v for k, v in state.versions.items()},
+                       "committed_step": state.committed_step, "members": members, "now": time.time(),
+                       "min_attempts": {str(s): a + 1 for s, a in published.items()}, "final": final_record}
             try:
                 self.machine = R.RoundMachine.restore(
-                    mc, session, state.versions, state.committed_step, members, now=time.time(),
+                    mc, session, state.versions, state.committed_step, members, now=restore["now"],
                     min_attempts={s: a + 1 for s, a in published.items()}, final=final_record,
                 )
             except ValueError as exc:  # flags that contradict the checkpointed session
                 raise SyncerError(f"--resume: {exc}") from None
+            await self._tape(self.recorder.start(mc, restore, time.time()), kind=INPUT_KIND)
             self._attempts_seen = dict(published)
             # Bring the state KV in line with the checkpoint (the checkpoint is written first).
             await self._write_commit_record(state)
@@ -279,7 +287,7 @@ class SyncerService:
                      state.committed_step, state.versions)
             await self._tape({"kind": "restart", "step": state.committed_step + 1, "fragment": mc.fragment_of(state.committed_step + 1),
                               "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
-            self._apply(self.machine.handle(R.Tick(now=time.time())))
+            self._apply(self._feed(R.Tick(now=time.time())))
         else:
             if self.ckpt.exists():
                 raise SyncerError(
@@ -290,6 +298,7 @@ class SyncerService:
                     f"run {self.run_id} already has a session in its state KV: pass --resume (with its checkpoint "
                     f"directory) or remove the run with `yeto run rm {self.run_id}`")
             self.machine = R.RoundMachine(mc)
+            await self._tape(self.recorder.start(mc, None, time.time()), kind=INPUT_KIND)
 
     # ---- intake -----------------------------------------------------------------------------------
 
@@ -495,9 +504,33 @@ class SyncerService:
                 event = R.Tick(now=time.time())
             if isinstance(event, BaseException):
                 raise event
-            actions = self.machine.handle(event)
+            actions = self._feed(event)
+            await self._tape_inputs()
             await self._apply_async(actions)
             await self._status()
+
+    def _feed(self, event: R.Event) -> list[R.Action]:
+        """Hand one event to the machine, recording it and what it produced for `yeto replay`."""
+        try:
+            actions = self.machine.handle(event)
+        except Exception as exc:
+            self._pending_inputs = self.recorder.add(event, None, time.time(), error=exc) or self.recorder.take(time.time())
+            raise
+        rec = self.recorder.add(event, actions, time.time())
+        if rec is not None:
+            self._pending_inputs = rec
+        return actions
+
+    async def _tape_inputs(self, *, force: bool = False) -> None:
+        """Tape the input batch the recorder filled, or the one it holds once it is due (or at exit)."""
+        rec, self._pending_inputs = self._pending_inputs, None
+        if rec is not None:
+            await self._tape(rec, kind=INPUT_KIND)
+        now = time.time()
+        if force or self.recorder.due(now):
+            rec = self.recorder.take(now)
+            if rec is not None:
+                await self._tape(rec, kind=INPUT_KIND)
 
     def _apply(self, actions) -> None:
         """Queue actions produced outside the loop (at start) for the loop to carry out."""
