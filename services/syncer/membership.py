@@ -78,9 +78,10 @@ class Membership:
                 bulk_dtype=cfg.bulk_dtype, chunk_bytes=cfg.chunk_bytes, init_island=ev.island,
                 sync_every=cfg.sync_every, created=now,
             )
-        except ValueError as exc:  # WireError is a ValueError: a layout the builder cannot use
+        except ValueError as exc:  # WireError (and ConfigError) are ValueErrors: a layout the builder cannot use
             code = getattr(exc, "code", "bad_layout")
-            code = "bad_layout" if code in (None, "invalid") else code
+            # a generic code says nothing to the island; "config": the layout does not fit --fragments
+            code = "bad_layout" if code in (None, "invalid", "config") else code
             self._reject(ev.island, ev.gen, code, f"layout refused: {exc}", now, fatal=True,
                          field=getattr(exc, "field", None) or "layout")
             return False
