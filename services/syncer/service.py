@@ -103,6 +103,7 @@ class SyncerService:
         self._pulls_written: dict[int, int] = {}
         self.recorder = InputRecorder(self._proc)
         self._pending_inputs: dict | None = None   # an input record the recorder handed back, not yet taped
+        self._pending_actions: list[R.Action] = []  # produced at start (resume), carried out by the loop
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -323,10 +324,8 @@ class SyncerService:
         self._pending_actions = list(actions)
 
     async def _apply_async(self, actions) -> None:
-        pending = getattr(self, "_pending_actions", None)
-        if pending:
-            self._pending_actions = []
-            actions = list(pending) + list(actions)
+        if self._pending_actions:
+            actions, self._pending_actions = self._pending_actions + list(actions), []
         for a in actions:
             await self._do(a)
 
