@@ -4,6 +4,8 @@ reported at the first action that differs.
 The run: a real nats-server, a real `yeto syncer` process (paced, not lockstep, so heartbeats and Ticks
 drive it) and scripted islands; two rounds, one of them restarted by a quorum timeout, then
 finalization. Its tape is read back by the real `yeto replay` command, from the broker and from an export.
+Below it, the recorder and the replay on their own (no broker): batching, a lost batch, a recorded
+exception, and the events' JSON form.
 """
 from __future__ import annotations
 
@@ -115,3 +117,76 @@ async def test_a_real_runs_tape_replays_identical_and_an_edited_one_names_the_fi
     assert diff.expected.startswith("Merge:") and diff.got_action["type"] == "Merge"
     assert [m["c_tokens"] for m in diff.got_action["members"]] == [100, 301]
     assert f"at event #{diff.event_index} " in out
+
+
+# ---- the recorder and the replay on their own (no broker): a golden scenario's events, recorded ----------
+
+def _recorded(driver_events, *, max_events=7, drop_batch=None):
+    """Feed `driver_events` to a fresh machine through an InputRecorder (small batches); the tape records."""
+    from services.syncer.recording import InputRecorder
+    from services.syncer.rounds import RoundMachine
+    from tests.test_golden_rounds import config
+
+    cfg = config()
+    m, rec = RoundMachine(cfg), InputRecorder("p1", max_events=max_events)
+    records = [rec.start(cfg, None, 0.0)]
+    for ev in driver_events:
+        try:
+            out, err = m.handle(ev), None
+        except ValueError as exc:   # a shell contract violation: recorded as such
+            out, err = None, exc
+        r = rec.add(ev, out, 0.0, error=err)
+        if r is not None:
+            records.append(r)
+    if (last := rec.take(0.0)) is not None:
+        records.append(last)
+    return [r for r in records if r["detail"]["batch"] != drop_batch]
+
+
+def _events():
+    from services.syncer.events import event_from_json
+    from tests.test_golden_rounds import normal_run
+
+    return [event_from_json(s["event"]) for s in normal_run().steps]
+
+
+def test_recorded_events_replay_identical_across_batches_with_ticks_kept_small():
+    events = _events()
+    records = _recorded(events)
+    assert len(records) == 1 + -(-len(events) // 7)       # the start record, then batches of 7
+    ticks = [e for r in records[1:] for e in r["detail"]["events"] if not isinstance(e, dict)]
+    assert ticks and all(isinstance(t, float) for t in ticks)   # a Tick is its bare time
+    (seg,) = segments(records)
+    res = replay(seg)
+    assert (res.identical, res.gap, res.events) == (True, None, len(events))
+    assert res.actions == sum(len(s) for r in records[1:] for s in r["detail"]["actions"].values())
+
+
+def test_a_lost_batch_stops_the_replay_there_and_says_so():
+    events = _events()
+    res = replay(segments(_recorded(events, drop_batch=2))[0])
+    assert res.identical and res.events == 7 and "batch 2" in res.gap
+
+
+def test_an_exception_of_the_machine_is_recorded_and_replayed():
+    from services.syncer.events import MergeDone
+
+    events = _events()
+    bogus = MergeDone(step=9, fragment=0, version=9, merge_to_broadcast_s=0.1, now=1.0)   # no such merge: raises
+    records = _recorded(events[:6] + [bogus] + events[6:])
+    assert any("raise:ValueError" in sigs for r in records[1:] for sigs in r["detail"]["actions"].values())
+    assert replay(segments(records)[0]).identical
+
+
+def test_event_json_keeps_non_finite_floats_and_refuses_unknown_types_and_fields():
+    from services.syncer.events import PushComplete, event_from_json, event_to_json
+
+    ev = PushComplete("a", "a1" * 8, 0, 1, 1, 0, 0, 5, 5, 100, True, None, 1.5, norm=float("inf"), non_finite=0)
+    js = orjson.loads(orjson.dumps(event_to_json(ev)))
+    assert js["norm"] == "inf" and event_from_json(js) == ev
+    with pytest.raises(ValueError, match="event type 'Nope'"):
+        event_from_json({"type": "Nope"})
+    with pytest.raises(ValueError, match="unknown fields"):
+        event_from_json({**js, "extra": 1})
+    with pytest.raises(ValueError, match="lacks field 'now'"):
+        event_from_json({k: v for k, v in js.items() if k != "now"})

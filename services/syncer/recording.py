@@ -49,8 +49,9 @@ def encode_event(event: Event) -> Any:
 class InputRecorder:
     """Batches fed events and their actions' signatures into `input` tape records (see the module doc)."""
 
-    def __init__(self, proc: str):
+    def __init__(self, proc: str, *, max_events: int = MAX_BATCH_EVENTS, max_bytes: int = MAX_BATCH_BYTES):
         self.proc = proc
+        self.max_events, self.max_bytes = max_events, max_bytes
         self.batch = 0
         self.fed = 0                          # events fed in this segment
         self._events: list[Any] = []
@@ -77,7 +78,7 @@ class InputRecorder:
             self._actions[str(i)] = sigs
         self._bytes += len(orjson.dumps(enc)) + sum(len(s) + 3 for s in sigs)
         self.fed += 1
-        if len(self._events) >= MAX_BATCH_EVENTS or self._bytes >= MAX_BATCH_BYTES:
+        if len(self._events) >= self.max_events or self._bytes >= self.max_bytes:
             return self.take(now)
         return None
 
