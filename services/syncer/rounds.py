@@ -7,7 +7,10 @@ KV read sensibly across restarts). A `now` older than one already seen is treate
 so a late event never moves the machine's clock backwards. Every event, whatever its kind, also runs
 the time-driven checks (liveness, grace windows, deadlines, pacing, final timeout); `Tick(now)` carries
 nothing else. `next_wakeup()` says when the next of those fires, so the shell can sleep until then
-(but should still tick every second or so).
+(but should still tick every second or so). Given the same events the machine emits the same actions:
+no clock, no randomness, and every collection that reaches an action is iterated in sorted (or
+arrival) order. The shell records its inputs so `yeto replay` can check exactly that
+(services/syncer/recording.py, services/syncer/replay.py).
 
 Lifecycle (`phase`, a `state.Phase`):
   pinning -> init -> committing_v0 -> running -> finalizing -> done
