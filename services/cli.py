@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(an island datacenter's mirrors of the cut; connect to its leaf node)")
     rm.set_defaults(func=_cmd_run_rm)
 
-    for name in ("syncer", "export", "demo", "steplog", "exporter", "dashboard", "auth"):
+    for name in ("syncer", "export", "replay", "demo", "steplog", "exporter", "dashboard", "auth"):
         try:
             mod = __import__(f"services.cmd_{name}", fromlist=["add_parser"])
         except ModuleNotFoundError as exc:

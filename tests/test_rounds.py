@@ -82,8 +82,8 @@ def pulls(actions):
     return [a.pull for a in of(actions, PublishPull)]
 
 
-def merge_done(m, merge: Merge, now: float, sync_s: float = 0.5):
-    return m.handle(MergeDone(merge.step, merge.fragment, merge.version, sync_s, now))
+def merge_done(m, merge: Merge, now: float, merge_to_broadcast_s: float = 0.5):
+    return m.handle(MergeDone(merge.step, merge.fragment, merge.version, merge_to_broadcast_s, now))
 
 
 def dispositions(actions):
@@ -461,7 +461,7 @@ def test_adaptive_grace_after_quorum():
     assert t["quorum_s"] == 1.0 and t["grace_s"] == 3.0 and t["quorum"] == 1 and mg.launched_at == 4.0
     # the shell reports merge time only (0.5 s), but the Merge went out at 8 and its MergeDone (after
     # checkpoint and broadcast) came at 9: the whole sync, 1.0 s, shortens the next grace
-    acts = merge_done(m, mg, now=9.0, sync_s=0.5)
+    acts = merge_done(m, mg, now=9.0, merge_to_broadcast_s=0.5)
     # round 2 was due 4 s (H/P steps) after round 1's launch, i.e. at 8: it launches at the commit
     assert [p["step"] for p in pulls(acts)] == [2]
     m.handle(push(m, "b", 2, now=9.5))

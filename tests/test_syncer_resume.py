@@ -4,7 +4,8 @@ It continues with the same versions and bytes (checkpoint files, state KV and BC
 before and after), never re-issues a version number with other bytes (every BCAST notice of the whole
 test is recorded: (fragment, version) -> version digest must be unique, and no chunk subject goes back
 a version), relaunches the round that was in flight with a new attempt, and finishes the run (final
-cut equal to an independent reference, acks, exit 0). Also: the current cut exported mid-run, and the
+cut equal to an independent reference, acks, exit 0), and both syncer processes' recorded inputs replay to
+identical actions (`yeto replay`). Also: the current cut exported mid-run, and the
 refusals of --resume / a fresh start over the wrong checkpoint (exit 2, a message that names the
 problem, nothing changed).
 """
@@ -138,6 +139,14 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
         assert (await js.stream_info(S.stream(run_id, "PUSH"))).state.messages == 0
         final_state = orjson.loads((ckpt / "checkpoint.json").read_bytes())
         assert final_state["final"] and final_state["committed_step"] == 6
+        # Both syncer processes' recorded inputs replay to identical actions, the second from its restore
+        # inputs (the killed one's tape ends where it died).
+        rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert rp.returncode == 0, rp.stdout + rp.stderr
+        segs = [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]
+        assert len(segs) == 2 and "(fresh)" in segs[0] and "(resumed)" in segs[1], rp.stdout
+        assert all(line.endswith(" identical") for line in segs), rp.stdout
     finally:
         await watcher.stop()
         await close_run(isls, syncer, run_id)

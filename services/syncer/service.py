@@ -1,18 +1,15 @@
 """The syncer's I/O shell: NATS JetStream in, the round machine in the middle, checkpoint + NATS out.
 
-Three durable pull consumers feed one event queue (CTL: hello/heartbeat/ack; INIT: initial weights;
-PUSH: push chunk headers + payloads, checked and acked at once, payloads left in the stream); one task
-feeds the queue's events to the pure `RoundMachine` and carries out its actions in order. Long actions
-(a merge, version 0, the final cut) run as tasks that feed their completion back as events, so intake
-never stops while a fragment is merged.
+Three durable pull consumers (services/syncer/receive.py: CTL hello/heartbeat/ack, INIT chunks, PUSH
+chunks checked and acked at once, payloads left in the stream) feed one event queue; one task feeds the
+queue's events to the pure `RoundMachine` and carries out its actions in order (`_do`). Long actions (a
+merge: services/syncer/merge.py; version 0 and the final cut: services/syncer/cut.py) run as tasks that
+feed their completion back as events, so intake never stops while a fragment is merged. Every event fed,
+and a digest of what it produced, is recorded on the tape (services/syncer/recording.py) for
+`yeto replay`; the tape itself is written by services/syncer/tape.py.
 
 Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge — the
 pushes wait in JetStream and are read back chunk by chunk with direct gets.
-
-Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values, unknown
-fragment, digest mismatch, an island id that does not match its subject) is acked (never redelivered),
-counted, written to the EVENTS tape, and changes no state. A push holding NaN/Inf is well-formed but
-poisonous: its chunks' norms and non-finite counts go to the round machine, which quarantines it.
 
 Status for operators: every `status_every_s` (`--status-every`) and at exit the syncer logs one status
 line and writes the `state` KV key `syncer` (see `status_record`): phase, committed step, versions,
@@ -27,10 +24,8 @@ even when the round was launched after the last checkpoint.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections import Counter
@@ -38,41 +33,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-import torch
 
 from schemas import codec, subjects as S
-from schemas.chunks import VersionDigest, check_chunk, chunk_header, digest as chunk_digest, max_chunk_bytes, plan_nbytes
+from schemas.chunks import max_chunk_bytes
 from schemas.conn import ConnectOptions, connect, server_max_payload
-from schemas.dtypes import pack
-from schemas.errors import WireError
-from schemas.layout import layout_fingerprint
-from schemas.chunks import chunk_plan
 from schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
-from schemas.publish import Pipeline, publish_retry
+from schemas.publish import publish_retry
 from services.syncer import rounds as R
-from services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState
+from services.syncer.checkpoint import CheckpointDir, CheckpointError
+from services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
 from services.syncer.intake import PushLedger
-from services.syncer.outer import delta_view, outer_step_
+from services.syncer.merge import Merger
+from services.syncer.receive import Receiver
+from services.syncer.recording import INPUT_KIND, InputRecorder
+from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
-# Per-chunk ack wait of a broadcast (seconds): after a cluster node's death an ack can be lost without a
-# reconnect; each lost wait stalls the round (30 s, nats-py's default, was seen in bench/chaos.py --cluster).
-BCAST_ACK_S = 10.0
 
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
-DIRECT_GET_TIMEOUT = 30.0
-# Control publishes (pulls, errors, shutdown, manifests) ride out a cluster leader election (seconds;
-# publish_retry's default 8 attempts last about 7 s): a PublishFailed here stops the syncer.
-CTL_PUBLISH_ATTEMPTS = 40
-# Tape records other than a commit's get a short direct budget (intake never waits long on one); one that
-# does not land in it (an EVENTS leader election, a broker restart) waits in an in-order backlog that a
-# background task retries with the long budget, instead of being dropped (issue 16). Bounded: past
-# TAPE_BACKLOG_MAX waiting records a new one is dropped (counter `tape_dropped`).
-TAPE_DIRECT_ATTEMPTS = 3
-TAPE_RETRY_ATTEMPTS = 40
-TAPE_BACKLOG_MAX = 10_000
-TAPE_FLUSH_AT_EXIT_S = 20.0
 
 
 class SyncerError(RuntimeError):
@@ -93,15 +72,11 @@ class ServiceConfig:
     checkpoint_dir: Path
     resume: bool = False
     limits: RunLimits = field(default_factory=RunLimits)
-    tick_s: float = 0.2
+    # With no event, a Tick at the machine's next_wakeup() (when a timer fires) and at least this often as
+    # a safety net. Every Tick is recorded on the tape (see recording.py): 0.2 s cost 5 records' worth of
+    # bytes a second on an idle run for nothing, since next_wakeup() already names every timer.
+    tick_s: float = 1.0
     status_every_s: float = 5.0
-
-
-@dataclass
-class _Frag:
-    numel: int
-    params: torch.Tensor | None = None
-    momentum: torch.Tensor | None = None
 
 
 class SyncerService:
@@ -112,8 +87,11 @@ class SyncerService:
         self.machine: R.RoundMachine | None = None
         self.ckpt = CheckpointDir(cfg.checkpoint_dir)
         self.ledger = PushLedger()
-        self.frags: dict[int, _Frag] = {}
-        self.session: dict | None = None
+        # Built once connected: the tape writer, the global model (cut), then intake and merge.
+        self.tape: TapeWriter | None = None
+        self.cut: Cut | None = None
+        self.receiver: Receiver | None = None
+        self.merger: Merger | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done: R.Done | None = None
         self.nc = None
@@ -121,17 +99,14 @@ class SyncerService:
         self.state_kv = None
         self.members_kv = None
         self._tasks: list[asyncio.Task] = []
-        self._tape_seq = 0
-        self._tape_prefix = f"{int(time.time() * 1000):x}"
-        self._final_digests: dict[int, str] = {}
+        self._proc = f"{int(time.time() * 1000):x}"    # this process: tape keys and its input records
         self._attempts_seen: dict[int, int] = {}
-        self._round_started: dict[int, float] = {}
         self._status_t = 0.0
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
-        self._init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
-        self._tape_backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
-        self._tape_retrier: asyncio.Task | None = None
+        self.recorder = InputRecorder(self._proc)
+        self._pending_inputs: dict | None = None   # an input record the recorder handed back, not yet taped
+        self._pending_actions: list[R.Action] = []  # produced at start (resume), carried out by the loop
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -150,18 +125,27 @@ class SyncerService:
             log.info("provisioned run %s: %s", self.run_id, report)
             self.state_kv = await kv_handle(self.js, self.run_id, "state")
             self.members_kv = await kv_handle(self.js, self.run_id, "members")
+            self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc)
+            self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape)
             await self._start_machine()
+            self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
+                                     self._do)
+            self.merger = Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
+                                 lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen)
+            rx = self.receiver
             self._tasks = [
-                asyncio.create_task(self._consume("CTL", S.SYNCER_CTL_CONSUMER, self._on_ctl, FETCH_BATCH)),
-                asyncio.create_task(self._consume("INIT", S.SYNCER_INIT_CONSUMER, self._on_init, FETCH_BATCH)),
-                asyncio.create_task(self._consume("PUSH", S.SYNCER_PUSH_CONSUMER, self._on_push, PUSH_FETCH_BATCH)),
+                asyncio.create_task(rx.consume("CTL", S.SYNCER_CTL_CONSUMER, rx.on_ctl, FETCH_BATCH)),
+                asyncio.create_task(rx.consume("INIT", S.SYNCER_INIT_CONSUMER, rx.on_init, FETCH_BATCH)),
+                asyncio.create_task(rx.consume("PUSH", S.SYNCER_PUSH_CONSUMER, rx.on_push, PUSH_FETCH_BATCH)),
             ]
             await self._main_loop()
         finally:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._flush_tape_backlog()
+            if self.tape is not None:
+                await self._tape_inputs(force=True)
+                await self.tape.flush()
             if self.machine is not None and self.state_kv is not None:
                 try:  # the last status record (counters at exit) for operators and post-mortems
                     await asyncio.wait_for(self._write_status(final=True), 5)
@@ -215,9 +199,9 @@ class SyncerService:
                 raise SyncerError(
                     f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
                     f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
-            self._set_session(session)
+            self.cut.set_session(session)
             self.ledger = PushLedger(committed_step=state.committed_step)
-            for fid, fr in self.frags.items():
+            for fid, fr in self.cut.frags.items():
                 try:
                     fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
                 except (CheckpointError, KeyError) as exc:
@@ -225,8 +209,8 @@ class SyncerService:
             # The checkpoint is the source of truth for bytes: check it against the digests it recorded
             # (and broadcast) before serving it again.
             digests = {}
-            for fid in sorted(self.frags):
-                digests[fid] = await asyncio.to_thread(self._bulk_digest, fid, session["bulk_dtype"])
+            for fid in sorted(self.cut.frags):
+                digests[fid] = await asyncio.to_thread(self.cut.bulk_digest, fid, session["bulk_dtype"])
                 want = state.version_digests.get(fid)
                 if want is not None and digests[fid] != want:
                     raise SyncerError(
@@ -245,41 +229,45 @@ class SyncerService:
             for k, a in ((pulls or {}).get("attempts") or {}).items():
                 if int(k) > state.committed_step:
                     published[int(k)] = max(published.get(int(k), 0), int(a))
+            restore = {"session": session, "versions": {str(k): v for k, v in state.versions.items()},
+                       "committed_step": state.committed_step, "members": members, "now": time.time(),
+                       "min_attempts": {str(s): a + 1 for s, a in published.items()}, "final": final_record}
             try:
                 self.machine = R.RoundMachine.restore(
-                    mc, session, state.versions, state.committed_step, members, now=time.time(),
+                    mc, session, state.versions, state.committed_step, members, now=restore["now"],
                     min_attempts={s: a + 1 for s, a in published.items()}, final=final_record,
                 )
             except ValueError as exc:  # flags that contradict the checkpointed session
                 raise SyncerError(f"--resume: {exc}") from None
-            self._attempts_seen = dict(published)
+            await self.tape.write(self.recorder.start(mc, restore, time.time()), kind=INPUT_KIND)
+            self._attempts_seen.update(published)
             # Bring the state KV in line with the checkpoint (the checkpoint is written first).
-            await self._write_commit_record(state)
+            await self.cut.write_commit_record(state)
             # A crash between the durable commit and its tape records: write the ones the tape lacks.
-            await self._retape(state)
+            await self.tape.retape(state)
             if final_record is not None and not final_record.get("finished"):
                 # Finalization continues: manifests carry the f32 cut's digests (the cut is in FINAL).
-                self._final_digests = {fid: await asyncio.to_thread(self._bulk_digest, fid, "f32")
-                                       for fid in sorted(self.frags)}
+                self.cut.final_digests = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
+                                       for fid in sorted(self.cut.frags)}
             if final_record is not None and final_record.get("finished"):
                 log.info("run %s already finished at step %d (final cut in FINAL; export it with `yeto export`): "
                          "nothing to do", self.run_id, state.committed_step)
                 # A run finished by a syncer that wrote no final record (or lost it): write it now.
-                self._final_digests = {fid: await asyncio.to_thread(self._bulk_digest, fid, "f32")
-                                       for fid in sorted(self.frags)}
-                await self._write_final_kv(int(final_record.get("final_step", state.committed_step)), state.versions)
+                self.cut.final_digests = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
+                                       for fid in sorted(self.cut.frags)}
+                await self.cut.write_final_kv(int(final_record.get("final_step", state.committed_step)), state.versions)
             # A crash between the durable commit and the end of its broadcast leaves BCAST without the
             # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
             # JetStream drops what it already holds inside the duplicate window; islands ignore a
             # version they already hold.
             if not state.final:
-                for fid in sorted(self.frags):
-                    await self._broadcast(fid, state.versions[fid], digests[fid])
+                for fid in sorted(self.cut.frags):
+                    await self.cut.broadcast(fid, state.versions[fid], digests[fid])
             log.info("resumed run %s from %s at step %d, versions %s", self.run_id, self.ckpt.path,
                      state.committed_step, state.versions)
-            await self._tape({"kind": "restart", "step": state.committed_step + 1, "fragment": mc.fragment_of(state.committed_step + 1),
+            await self.tape.write({"kind": "restart", "step": state.committed_step + 1, "fragment": mc.fragment_of(state.committed_step + 1),
                               "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
-            self._apply(self.machine.handle(R.Tick(now=time.time())))
+            self._apply(self._feed(R.Tick(now=time.time())))
         else:
             if self.ckpt.exists():
                 raise SyncerError(
@@ -290,196 +278,7 @@ class SyncerService:
                     f"run {self.run_id} already has a session in its state KV: pass --resume (with its checkpoint "
                     f"directory) or remove the run with `yeto run rm {self.run_id}`")
             self.machine = R.RoundMachine(mc)
-
-    # ---- intake -----------------------------------------------------------------------------------
-
-    async def _consume(self, kind: str, durable: str, handler, batch: int) -> None:
-        import nats.errors
-
-        sub = await self.js.pull_subscribe_bind(durable, stream=S.stream(self.run_id, kind))
-        while True:
-            try:
-                msgs = await sub.fetch(batch, timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # reconnects, 503s: back off and carry on
-                self.counters[f"fetch_error.{kind}"] += 1
-                log.debug("fetch on %s failed: %r", kind, exc)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                try:
-                    await handler(msg)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    # A handler bug must not kill intake; the message is acked so it cannot loop.
-                    self.counters[f"handler_error.{kind}"] += 1
-                    log.exception("handling a %s message failed: %r", kind, exc)
-                try:
-                    await msg.ack()
-                except Exception:
-                    self.counters["ack_error"] += 1
-
-    async def _reject(self, where: str, exc: Exception | str, *, island: str | None = None, gen: str | None = None,
-                      extra: dict | None = None) -> None:
-        code = getattr(exc, "code", "invalid")
-        self.counters[f"rejected.{code}"] += 1
-        self.counters["rejected"] += 1
-        reason = f"{where}: {exc}"
-        log.warning("rejected %s", reason)
-        rec = {"kind": "error", "reason": reason[:2000]}
-        if island is not None:
-            rec["island"] = island
-        if gen is not None:
-            rec["gen"] = gen
-        detail = {"code": code, "where": where}
-        if isinstance(exc, WireError) and exc.field is not None:
-            detail["field"] = exc.field
-        if extra:
-            detail.update(extra)
-        rec["detail"] = detail
-        await self._tape(rec, kind="error")
-
-    async def _on_ctl(self, msg) -> None:
-        tokens = msg.subject.split(".")
-        # yeto.R.ctl.<kind>.<island>
-        subj_island = tokens[4] if len(tokens) == 5 else None
-        try:
-            kind, m = codec.decode_typed(msg.data, allowed=("hello", "heartbeat", "ack"))
-        except WireError as exc:
-            await self._reject(f"ctl message on {msg.subject}", exc, island=subj_island)
-            return
-        if m["run"] != self.run_id or m["island"] != subj_island:
-            await self._reject(f"{kind} on {msg.subject}",
-                               WireError("island/run in the message does not match its subject", field="island",
-                                         value=m["island"], code="subject_mismatch"), island=subj_island)
-            return
-        now = time.time()
-        if kind == "hello":
-            # The machine compares later hellos by their *claimed* fingerprint: make sure the claim is
-            # the layout's own (pinning checks this too), or a hello could bring another layout in.
-            try:
-                own_fp = layout_fingerprint(m["layout"])
-            except WireError as exc:
-                own_fp, why = None, f"layout refused: {exc}"
-            else:
-                why = f"layout_fingerprint {m['layout_fingerprint']} is not its layout's fingerprint {own_fp}"
-            if own_fp != m["layout_fingerprint"]:
-                err = WireError(why, field="layout_fingerprint", value=m["layout_fingerprint"], code="layout_mismatch")
-                await self._reject(f"hello on {msg.subject}", err, island=m["island"], gen=m["gen"])
-                await self._do(R.SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
-                return
-            await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
-                                         layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
-                                         bulk_dtype=m["bulk_dtype"], now=now))
-        elif kind == "heartbeat":
-            await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
-                                             step_time_s=m.get("step_time_s"), now=now))
-        else:
-            await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
-
-    async def _on_init(self, msg) -> None:
-        """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
-        generation's chunks make version 0 is the round machine's decision (InitChunk -> InitStore /
-        InitDrop). The bytes wait in `_init_pending` until it decides — never in a sleep."""
-        meta: dict | None = None
-        try:
-            meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
-            if self.session is None:
-                raise WireError("INIT chunk before the session is pinned", field="fragment", value=meta["fragment"], code="no_session")
-            if meta["run"] != self.run_id:
-                raise WireError(f"INIT chunk of another run on run {self.run_id}'s stream", field="run",
-                                value=meta["run"], code="subject_mismatch")
-            fid = meta["fragment"]
-            fr = self.frags.get(fid)
-            if fr is None:
-                raise WireError("unknown fragment", field="fragment", value=fid, code="unknown_fragment")
-            if meta["dtype"] != self.session["bulk_dtype"]:
-                raise WireError(f"INIT dtype must be the session's bulk dtype {self.session['bulk_dtype']}", field="dtype", value=meta["dtype"])
-            spans = chunk_plan(fr.numel, meta["dtype"], self.session["chunk_bytes"])
-            span = check_chunk(spans, meta, msg.data)
-            k = span.index
-            values = delta_view(msg.data, meta["dtype"], span.elem_count)
-            if not bool(torch.isfinite(values).all()):
-                raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
-        except WireError as exc:
-            await self._reject(f"INIT chunk on {msg.subject}", exc, island=meta and meta["island"], gen=meta and meta["gen"])
-            return
-        key = (meta["gen"], fid, k)
-        if key in self._init_pending:
-            self.counters["init.duplicate_chunk"] += 1
-            return
-        self._init_pending[key] = (span, values)
-        await self.queue.put(R.InitChunk(island=meta["island"], gen=meta["gen"], fragment=fid, chunk=k,
-                                         chunks=len(spans), now=time.time()))
-
-    async def _on_push(self, msg) -> None:
-        seq = msg.metadata.sequence.stream
-        tokens = msg.subject.split(".")
-        subj_island = tokens[3] if len(tokens) == 5 else None
-        try:
-            meta = codec.decode_header("push_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
-        except WireError as exc:
-            await self._reject(f"push chunk on {msg.subject}", exc, island=subj_island)
-            await self._delete_seqs([seq])
-            return
-        if meta["run"] != self.run_id or meta["island"] != subj_island or tokens[4] != str(meta["fragment"]):
-            await self._reject(f"push chunk on {msg.subject}",
-                               WireError("island/fragment in the header does not match the subject", field="island",
-                                         value=meta["island"], code="subject_mismatch"), island=subj_island)
-            await self._delete_seqs([seq])
-            return
-        why_closed = self.ledger.closed(meta, redelivered=msg.metadata.num_delivered > 1)
-        if why_closed is not None:
-            # A redelivery (or a late resend) of a chunk no round can use: drop it, it opens no try.
-            self.counters["push.late_chunk"] += 1
-            log.debug("push chunk on %s dropped: %s", msg.subject, why_closed)
-            await self._delete_seqs([seq])
-            return
-        ok, reason, expected_total = True, None, None
-        sumsq, non_finite = 0.0, 0
-        fr = self.frags.get(meta["fragment"])
-        if self.session is None or fr is None:
-            # No round can ever target it: refuse the chunk here (tape + counter) rather than let a
-            # try that cannot complete sit in the ledger.
-            why = "no session pinned yet" if self.session is None else f"the session has {len(self.frags)} fragments"
-            await self._reject(f"push chunk on {msg.subject}",
-                               WireError(f"unknown fragment ({why})", field="fragment", value=meta["fragment"],
-                                         code="unknown_fragment"), island=subj_island, gen=meta["gen"])
-            await self._delete_seqs([seq])
-            return
-        else:
-            try:
-                if meta["dtype"] != self.session["push_dtype"]:
-                    raise WireError(f"push dtype must be the session's {self.session['push_dtype']}", field="dtype", value=meta["dtype"])
-                spans = chunk_plan(fr.numel, meta["dtype"], self.session["chunk_bytes"])
-                expected_total = plan_nbytes(spans)
-                span = check_chunk(spans, meta, msg.data)
-                values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
-                # The quarantine figures, one chunk at a time (never the whole push in memory); the round
-                # machine decides (NaN/Inf, --max-push-norm, --outlier-factor). Squares of f32 values
-                # summed in float64 cannot overflow, so a non-finite sum means NaN/Inf values.
-                sumsq = float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
-                if not math.isfinite(sumsq):
-                    non_finite, sumsq = values.numel() - int(torch.isfinite(values).sum()), 0.0
-            except WireError as exc:
-                # The try is invalid (its disposition says so once complete), but a try whose other
-                # chunks never come would never be taped: tape the chunk's rejection now.
-                ok, reason = False, str(exc)
-                await self._reject(f"push chunk on {msg.subject}", exc, island=subj_island, gen=meta["gen"],
-                                   extra={"step": meta["step"], "attempt": meta["attempt"], "try": meta["try"],
-                                          "chunk": meta["chunk"]})
-        t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason,
-                            sumsq=sumsq, non_finite=non_finite)
-        if t is not None:
-            island, gen, fid, step, attempt, try_ = t.key
-            await self.queue.put(R.PushComplete(
-                island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
-                base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
-                valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
+            await self.tape.write(self.recorder.start(mc, None, time.time()), kind=INPUT_KIND)
 
     # ---- the machine loop -------------------------------------------------------------------------
 
@@ -495,19 +294,41 @@ class SyncerService:
                 event = R.Tick(now=time.time())
             if isinstance(event, BaseException):
                 raise event
-            actions = self.machine.handle(event)
+            actions = self._feed(event)
+            await self._tape_inputs()
             await self._apply_async(actions)
             await self._status()
+
+    def _feed(self, event: R.Event) -> list[R.Action]:
+        """Hand one event to the machine, recording it and what it produced for `yeto replay`."""
+        try:
+            actions = self.machine.handle(event)
+        except Exception as exc:
+            self._pending_inputs = self.recorder.add(event, None, time.time(), error=exc) or self.recorder.take(time.time())
+            raise
+        rec = self.recorder.add(event, actions, time.time())
+        if rec is not None:
+            self._pending_inputs = rec
+        return actions
+
+    async def _tape_inputs(self, *, force: bool = False) -> None:
+        """Tape the input batch the recorder filled, or the one it holds once it is due (or at exit)."""
+        rec, self._pending_inputs = self._pending_inputs, None
+        if rec is not None:
+            await self.tape.write(rec, kind=INPUT_KIND)
+        now = time.time()
+        if force or self.recorder.due(now):
+            rec = self.recorder.take(now)
+            if rec is not None:
+                await self.tape.write(rec, kind=INPUT_KIND)
 
     def _apply(self, actions) -> None:
         """Queue actions produced outside the loop (at start) for the loop to carry out."""
         self._pending_actions = list(actions)
 
     async def _apply_async(self, actions) -> None:
-        pending = getattr(self, "_pending_actions", None)
-        if pending:
-            self._pending_actions = []
-            actions = list(pending) + list(actions)
+        if self._pending_actions:
+            actions, self._pending_actions = self._pending_actions + list(actions), []
         for a in actions:
             await self._do(a)
 
@@ -535,7 +356,7 @@ class SyncerService:
             "started_at": self._started_at,
             "updated_at": time.time(),
             "exited": final,
-            "phase": m.phase,
+            "phase": m.phase.value,
             "committed_step": m.committed_step,
             "total_steps": self.cfg.machine.total_steps,
             "versions": {str(k): v for k, v in m.versions.items()},
@@ -552,7 +373,7 @@ class SyncerService:
 
     async def _do(self, a) -> None:
         if isinstance(a, R.WriteSession):
-            self._set_session(a.session)
+            self.cut.set_session(a.session)
             await asyncio.to_thread(self.ckpt.write_session, a.session)
             await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
             log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
@@ -564,7 +385,6 @@ class SyncerService:
             msg = codec.make("pull", run=self.run_id, **p)
             self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
             await self._write_pulls_record()
-            self._round_started.setdefault(p["step"], time.time())
             await publish_retry(self.js, S.pull(self.run_id), codec.encode("pull", msg),
                                 S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,
                                 attempts=CTL_PUBLISH_ATTEMPTS)
@@ -574,24 +394,18 @@ class SyncerService:
                 fields["field"] = a.field
             msg = codec.make("error", **fields)
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("error", msg),
-                                S.to_island_msg_id(a.island, "error", f"{a.gen}.{self._next_tape_key()}"), counters=self.counters,
+                                S.to_island_msg_id(a.island, "error", f"{a.gen}.{self.tape.next_key()}"), counters=self.counters,
                                 attempts=CTL_PUBLISH_ATTEMPTS)
             log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
         elif isinstance(a, R.InitStore):
-            span, values = self._init_pending.pop((a.gen, a.fragment, a.chunk))
-            fr = self.frags[a.fragment]
-            if fr.params is None:
-                fr.params = torch.zeros(fr.numel, dtype=torch.float32)
-                fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
-            fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
+            self.receiver.store_init(a)
         elif isinstance(a, R.InitDrop):
-            self._init_pending.pop((a.gen, a.fragment, a.chunk), None)
-            self.counters[f"init.dropped.{a.reason}"] += 1
+            self.receiver.drop_init(a)
         elif isinstance(a, R.Release):
             seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
-            await self._delete_seqs(seqs)
+            await self.merger.delete_seqs(seqs)
         elif isinstance(a, R.Tape):
-            await self._tape(dict(a.event), kind=a.event.get("kind", "event"))
+            await self.tape.write(dict(a.event), kind=a.event.get("kind", "event"))
         elif isinstance(a, R.Merge):
             self._spawn(self._merge(a))
         elif isinstance(a, R.CommitV0):
@@ -599,16 +413,16 @@ class SyncerService:
         elif isinstance(a, R.PublishFinal):
             self._spawn(self._publish_final(a))
         elif isinstance(a, R.SendManifest):
-            await self._send_manifest(a)
+            await self.cut.send_manifest(a)
         elif isinstance(a, R.RecordFinal):
-            await self._record_final(a.record)
+            await self.cut.record_final(a.record)
         elif isinstance(a, R.Shutdown):
             msg = codec.make("shutdown", run=self.run_id, reason=a.reason, gen=a.gen)
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("shutdown", msg),
                                 S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters,
                                 attempts=CTL_PUBLISH_ATTEMPTS)
         elif isinstance(a, R.Rebroadcast):
-            await self._rebroadcast(a)
+            await self.cut.rebroadcast(a)
         elif isinstance(a, R.Done):
             self.done = a
         else:  # pragma: no cover - a new action type without a handler is a programming error
@@ -626,153 +440,20 @@ class SyncerService:
 
         self._tasks.append(asyncio.create_task(wrapped()))
 
-    # ---- session / fragments ------------------------------------------------------------------------
-
-    def _set_session(self, session: dict) -> None:
-        self.session = session
-        for f in session["fragments"]:
-            self.frags.setdefault(f["id"], _Frag(numel=f["numel"]))
-
-    # ---- merge, commit, broadcast ------------------------------------------------------------------
-
-    async def _read_push_chunk(self, seq: int, dtype: str, count: int, want_digest: str | None) -> torch.Tensor:
-        from nats.js.errors import NotFoundError
-
-        try:
-            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
-        except NotFoundError:
-            # Any replica answers a direct get; one still catching up (a cluster node just restarted)
-            # does not hold the message yet. The stream leader does.
-            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq)
-        data = m.data
-        if want_digest is not None and chunk_digest(data) != want_digest:
-            raise SyncerError(f"PUSH message {seq} changed in the stream (digest mismatch)")
-        return delta_view(data, dtype, count)  # read in place: the merge never writes a delta
+    # Long actions run as tasks and feed their completion back as an event (intake never stops).
 
     async def _merge(self, a: R.Merge) -> None:
-        t0 = time.time()
-        fid = a.fragment
-        fr = self.frags[fid]
-        dtype = self.session["push_dtype"]
-        spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
-        tries = []
-        for m in a.members:
-            t = self.ledger.tries.get((m.island, m.gen, fid, a.step, a.attempt, m.try_))
-            if t is None or not t.complete:
-                raise SyncerError(f"merge of step {a.step}: push of {m.island}/{m.gen} try {m.try_} is not in the ledger")
-            tries.append(t)
-        weights = [m.weight for m in a.members]
-        scratch = torch.empty(max(s.elem_count for s in spans), dtype=torch.float32)
-        lr, mu = self.cfg.outer.lr, self.cfg.outer.momentum
-
-        async def fetch(k):
-            s = spans[k]
-            return await asyncio.gather(*[self._read_push_chunk(t.seqs[k], dtype, s.elem_count, t.digests[k]) for t in tries])
-
-        nxt = asyncio.create_task(fetch(0))
-        for k, s in enumerate(spans):
-            deltas = await nxt
-            if k + 1 < len(spans):
-                nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
-            sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
-            await asyncio.to_thread(outer_step_, fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu,
-                                    out=scratch[: s.elem_count])
-        merge_s = time.time() - t0
-        rec = dict(a.record)
-        rec["t"] = time.time()
-        rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # launch to durable commit
-        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s}
-        await self._commit({fid: a.version}, step=a.step, records=[rec])
-        # The round's pushes (every member, every try, every attempt) are no longer needed.
-        seqs = self.ledger.pop_round(fid, a.step)
-        sync_s = time.time() - t0
-        log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
-                 ",".join(m.island for m in a.members), merge_s, sync_s)
-        # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
-        await self.queue.put(R.MergeDone(step=a.step, fragment=fid, version=a.version, sync_s=sync_s, now=time.time()))
-        # Cleanup after MergeDone, off the commit path: with the PUSH leader dead a purge waits out the
-        # JetStream API timeout (30 s per round was seen in a cluster), and a missed purge is harmless (the
-        # next commit of this fragment purges up to its own last sequence; max_age is the safety net).
-        await self._purge_round(fid, seqs)
-        await self._delete_seqs(self.ledger.pop_swept())
-        await self._tape_dropped_tries()   # after MergeDone: the next round never waits on these records
+        done, seqs = await self.merger.merge(a)
+        await self.queue.put(done)
+        await self.merger.cleanup(a.fragment, seqs)
 
     async def _commit_v0(self, a: R.CommitV0) -> None:
-        for fid in a.fragments:
-            fr = self.frags[fid]
-            if fr.params is None:
-                raise SyncerError(f"version 0: fragment {fid} has no INIT data")
-        await self._commit({fid: 0 for fid in a.fragments}, step=0)
-        log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))
+        await self.cut.commit_v0(a, self._attempts_seen)
         await self.queue.put(R.V0Done(now=time.time()))
 
-    def _bulk_digest(self, fid: int, dtype: str) -> str:
-        fr = self.frags[fid]
-        h = VersionDigest()
-        for s in chunk_plan(fr.numel, dtype, self.session["chunk_bytes"]):
-            h.update(pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype))
-        return h.hexdigest()
-
-    async def _commit(self, new_versions: dict[int, int], *, step: int, records: list[dict] = ()) -> None:
-        """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
-        plus one `commit` record per fragment) are written with the checkpoint and taped after the
-        broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape)."""
-        bulk = self.session["bulk_dtype"]
-        digests = {}
-        for fid in new_versions:
-            digests[fid] = await asyncio.to_thread(self._bulk_digest, fid, bulk)
-        prev = self.ckpt.read_state() if self.ckpt.exists() else None
-        versions = dict(prev.versions) if prev else {}
-        vdig = dict(prev.version_digests) if prev else {}
-        versions.update(new_versions)
-        vdig.update(digests)
-        state = CheckpointState(
-            run=self.run_id, session_fingerprint=self.session["session_fingerprint"],
-            layout_fingerprint=self.session["layout_fingerprint"],
-            committed_step=max(step, prev.committed_step if prev else 0), versions=versions, version_digests=vdig,
-            attempts={s: a for s, a in self._attempts_seen.items() if s > step},
-            tape=list(records) + [{"kind": "commit", "t": time.time(), "step": step, "fragment": fid, "version": v,
-                                   "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
-        )
-        frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
-        await asyncio.to_thread(self.ckpt.commit, state, frags)
-        await self._write_commit_record(state)
-        for fid, v in new_versions.items():
-            await self._broadcast(fid, v, digests[fid])
-        for rec in state.tape:
-            await self._tape(dict(rec), kind=rec["kind"], msg_id=self._record_msg_id(rec))
-
-    @staticmethod
-    def _record_msg_id(rec: dict) -> str:
-        # one per committed (fragment, version): a resumed syncer re-taping it is dropped as a duplicate
-        return S.event_msg_id(rec["kind"], f"{rec['fragment']}.{rec['version']}")
-
-    async def _retape(self, state: CheckpointState) -> None:
-        """Tape the last commit's records that the tape lacks (the syncer died between the commit and
-        the tape write). Records of one kind are taped in order, so the last record on a kind's subject
-        tells which are in; Nats-Msg-Id dedup covers a record taped while this runs."""
-        by_kind: dict[str, list[dict]] = {}
-        for rec in state.tape:
-            by_kind.setdefault(rec["kind"], []).append(rec)
-        for kind, recs in by_kind.items():
-            ids = [self._record_msg_id(r) for r in recs]
-            last = None
-            for attempt in range(5):
-                try:
-                    m = await self.js.get_msg(S.stream(self.run_id, "EVENTS"), subject=S.events(self.run_id, kind))
-                    last = (m.headers or {}).get(S.MSG_ID)
-                    break
-                except Exception as exc:
-                    import nats.js.errors
-                    if isinstance(exc, nats.js.errors.NotFoundError):
-                        break
-                    await asyncio.sleep(0.5 * (attempt + 1))
-            start = ids.index(last) + 1 if last in ids else 0
-            for rec, mid in list(zip(recs, ids))[start:]:
-                self.counters["tape.replayed"] += 1
-                log.info("taping %s record of fragment %s version %s again: the syncer stopped before it was taped",
-                         kind, rec.get("fragment"), rec.get("version"))
-                await self._tape(dict(rec), kind=kind, msg_id=mid)
+    async def _publish_final(self, a: R.PublishFinal) -> None:
+        await self.cut.publish_final(a)
+        await self.queue.put(R.FinalPublished(now=time.time()))
 
     async def _write_pulls_record(self) -> None:
         """Before a pull is published: remember its attempt durably (state KV `pulls`), so a restarted
@@ -784,216 +465,6 @@ class SyncerService:
             return
         await kv_put(self.js, self.run_id, "state", "pulls", orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}), counters=self.counters)
         self._pulls_written = attempts
-
-    async def _write_commit_record(self, state: CheckpointState) -> None:
-        rec = {"committed_step": state.committed_step,
-               "versions": {str(k): v for k, v in state.versions.items()},
-               "version_digests": {str(k): v for k, v in state.version_digests.items()}}
-        await kv_put(self.js, self.run_id, "state", "commit", orjson.dumps(rec), counters=self.counters)
-
-    async def _broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None,
-                         resend: int | None = None) -> int:
-        fr = self.frags[fid]
-        dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
-        kind = "final_chunk" if final_step is not None else "bcast_chunk"
-        spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
-        # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node
-        # died); a re-send with the same Nats-Msg-Id is deduplicated, so waiting less costs nothing.
-        pipe = Pipeline(self.js, timeout=BCAST_ACK_S, counters=self.counters)
-        sent = 0
-        for s in spans:
-            payload = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
-            buf = payload.numpy().tobytes()
-            meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
-                    **chunk_header(spans, s.index, buf), "version_digest": vdigest}
-            if final_step is not None:
-                meta["final_step"] = final_step
-                subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
-            else:
-                subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
-            await pipe.put(subject, buf, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
-            sent += len(buf)
-        await pipe.flush()
-        self.counters["bytes_broadcast"] += sent
-        return sent
-
-    async def _tape_dropped_tries(self) -> None:
-        # An incomplete try never reached the machine, so this is its one record on the tape.
-        for d in self.ledger.pop_dropped():
-            island, gen, fid, step, attempt, try_ = d.key
-            self.counters["push.dropped_incomplete"] += 1
-            await self._tape({"kind": "disposition", "t": time.time(), "step": step, "fragment": fid,
-                              "attempt": attempt, "try": try_, "island": island, "gen": gen,
-                              "disposition": "out_of_round", "reason": d.reason, "base_version": d.base_version,
-                              "detail": {"chunks_in": d.chunks_in, "chunks": d.chunks, "local_step": d.local_step}},
-                             kind="disposition")
-
-    async def _rebroadcast(self, a: R.Rebroadcast) -> None:
-        """The committed bytes of a version again (the machine saw a sign that BCAST lost them). Awaited
-        in the loop, not spawned: no merge of this fragment starts (changing its params, broadcasting
-        the next version on the same subjects) before it is out. A failure is counted, never fatal."""
-        t0 = time.time()
-        try:
-            st = await asyncio.to_thread(self.ckpt.read_state)
-            if st.versions.get(a.fragment) != a.version or self.frags[a.fragment].params is None:
-                self.counters["rebroadcast.skipped"] += 1
-                log.warning("re-broadcast of fragment %d version %d skipped: the checkpoint holds version %s",
-                            a.fragment, a.version, st.versions.get(a.fragment))
-                return
-            vdigest = st.version_digests[a.fragment]
-            # Milliseconds: unique per re-send across syncer restarts (re-sends of one fragment are a
-            # quorum timeout apart), so the duplicate window never drops one.
-            resend = time.time_ns() // 1_000_000
-            sent = await self._broadcast(a.fragment, a.version, vdigest, resend=resend)
-        except Exception as exc:
-            self.counters["rebroadcast_error"] += 1
-            log.warning("re-broadcast of fragment %d version %d failed: %r", a.fragment, a.version, exc)
-            return
-        self.counters["rebroadcast"] += 1
-        log.warning("fragment %d version %d broadcast again (%s)", a.fragment, a.version, a.reason)
-        await self._tape({"kind": "rebroadcast", "t": time.time(), "fragment": a.fragment, "version": a.version,
-                          "reason": a.reason, "detail": {"version_digest": vdigest, "resend": resend, "bytes": sent,
-                                                         "seconds": time.time() - t0}}, kind="rebroadcast")
-
-    async def _purge_round(self, fid: int, seqs: list[int]) -> None:
-        if not seqs:
-            return
-        # One purge per fragment subject up to the round's last sequence: no later round of this fragment
-        # can have pushed yet (its pull is launched only after this commit).
-        try:
-            await self.js.purge_stream(S.stream(self.run_id, "PUSH"), subject=f"{S.root(self.run_id)}.push.*.{fid}",
-                                       seq=max(seqs) + 1)
-        except Exception as exc:
-            self.counters["purge_error"] += 1
-            log.warning("purging PUSH after the commit failed (max_age will expire them): %r", exc)
-
-    async def _delete_seqs(self, seqs) -> None:
-        for seq in seqs:
-            try:
-                await self.js.delete_msg(S.stream(self.run_id, "PUSH"), seq)
-            except Exception:
-                self.counters["delete_error"] += 1
-
-    async def _publish_final(self, a: R.PublishFinal) -> None:
-        """The f32 final cut (the machine emits PublishFinal once); its digests hash the f32 bytes and
-        are checked against the manifest. The checkpoint is marked final (with the machine's
-        finalization record) before FinalPublished lets the manifests go out."""
-        digests = {}
-        for fid in sorted(self.frags):
-            digests[fid] = await asyncio.to_thread(self._bulk_digest, fid, "f32")
-            await self._broadcast(fid, int(a.versions[fid]), digests[fid], final_step=a.final_step)
-        self._final_digests = digests
-        await self._record_final(a.record)
-        log.info("final cut published (step %d)", a.final_step)
-        await self.queue.put(R.FinalPublished(now=time.time()))
-
-    async def _record_final(self, record: dict) -> None:
-        def write():
-            st = self.ckpt.read_state()
-            st.final, st.final_record = True, dict(record)
-            self.ckpt.commit(st, {})
-        await asyncio.to_thread(write)
-        if record.get("finished"):
-            await self._write_final_kv(int(record["final_step"]), {int(k): int(v) for k, v in record["versions"].items()})
-
-    async def _write_final_kv(self, final_step: int, versions: dict) -> None:
-        """The run is finished and this syncer exits: leave the final manifest (no `gen`) in the state
-        KV under `final`, so an island that (re)starts or was away finds the run over, installs the
-        final cut from FINAL (checked against these digests) and stops instead of training on with
-        nobody to sync with. Never raises (the checkpoint is the record; this is for islands)."""
-        if sorted(self._final_digests) != sorted(int(k) for k in versions):
-            self.counters["final_record_error"] += 1
-            log.error("final record not written: digests of fragments %s, versions of %s",
-                      sorted(self._final_digests), sorted(versions))
-            return
-        msg = codec.make("manifest", run=self.run_id, final_step=final_step,
-                         versions={str(k): int(v) for k, v in sorted(versions.items())},
-                         version_digests={str(k): v for k, v in sorted(self._final_digests.items())})
-        try:
-            await kv_put(self.js, self.run_id, "state", "final", codec.encode("manifest", msg), counters=self.counters)
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            self.counters["final_record_error"] += 1
-            log.error("writing the final record to the state KV failed: %r", exc)
-
-    async def _send_manifest(self, a: R.SendManifest) -> None:
-        versions = {str(k): int(v) for k, v in a.versions.items()}
-        msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
-                         version_digests={str(k): v for k, v in sorted(self._final_digests.items())}, gen=a.gen)
-        await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("manifest", msg),
-                            S.to_island_msg_id(a.island, "manifest", a.gen), counters=self.counters,
-                            attempts=CTL_PUBLISH_ATTEMPTS)
-        log.info("manifest (final step %d) sent to %s/%s", a.final_step, a.island, a.gen)
-
-    # ---- tape ---------------------------------------------------------------------------------------
-
-    def _next_tape_key(self) -> str:
-        self._tape_seq += 1
-        return f"{self._tape_prefix}.{self._tape_seq}"
-
-    async def _tape(self, event: dict, *, kind: str, msg_id: str | None = None) -> None:
-        rec = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "t": time.time()}
-        rec.update(event)
-        try:
-            data = codec.encode("event", rec)
-        except WireError as exc:
-            self.counters["tape_invalid"] += 1
-            log.error("tape record does not validate (%s): %r", exc, rec)
-            return
-        # A commit's records (per-version msg ids) must reach the tape, so they ride out a cluster
-        # leader election (seconds); other records keep a short budget: intake never stalls on them,
-        # and one that misses it goes to the backlog (see TAPE_DIRECT_ATTEMPTS), same Nats-Msg-Id.
-        subject, mid = S.events(self.run_id, kind), msg_id or S.event_msg_id(kind, self._next_tape_key())
-        if msg_id is None and self._tape_backlog:
-            self._defer_tape(subject, data, mid)  # behind the records still waiting: the tape keeps its order
-            return
-        try:
-            await publish_retry(self.js, subject, data, mid, counters=self.counters,
-                                attempts=TAPE_RETRY_ATTEMPTS if msg_id is not None else TAPE_DIRECT_ATTEMPTS)
-        except Exception as exc:
-            if msg_id is None:
-                self._defer_tape(subject, data, mid)
-                return
-            self.counters["tape_error"] += 1
-            log.warning("tape publish failed: %r", exc)
-
-    def _defer_tape(self, subject: str, data: bytes, mid: str) -> None:
-        if len(self._tape_backlog) >= TAPE_BACKLOG_MAX:
-            self.counters["tape_dropped"] += 1
-            log.warning("tape backlog full (%d records waiting): record dropped", len(self._tape_backlog))
-            return
-        if not self._tape_backlog:
-            log.warning("tape publish failed: records wait in a backlog, retried in order")
-        self._tape_backlog.append((subject, data, mid))
-        self.counters["tape_deferred"] += 1
-        if self._tape_retrier is None or self._tape_retrier.done():
-            self._tape_retrier = asyncio.get_running_loop().create_task(self._drain_tape_backlog())
-
-    async def _drain_tape_backlog(self) -> None:
-        while self._tape_backlog:
-            subject, data, mid = self._tape_backlog[0]
-            try:
-                await publish_retry(self.js, subject, data, mid, counters=self.counters, attempts=TAPE_RETRY_ATTEMPTS)
-                self.counters["tape_retried"] += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a minute of failures: this record is lost, the next ones may land
-                self.counters["tape_error"] += 1
-                log.warning("tape publish failed for good: %r", exc)
-            self._tape_backlog.popleft()
-        log.info("tape backlog written")
-
-    async def _flush_tape_backlog(self) -> None:
-        """At exit: give the backlog a bounded time to land (the last records, e.g. the final's)."""
-        task = self._tape_retrier
-        if task is None or task.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(task), TAPE_FLUSH_AT_EXIT_S)
-        except Exception:  # noqa: BLE001 - timed out (or failed): what is left is lost, counted
-            self.counters["tape_dropped"] += len(self._tape_backlog)
-            log.warning("exiting with %d tape records not written", len(self._tape_backlog))
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
     # ---- KV helpers -------------------------------------------------------------------------------
 

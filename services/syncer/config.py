@@ -1,0 +1,111 @@
+"""The round machine's configuration (`SyncerConfig`, checked at construction: a bad flag is a one-line
+error at start-up) and the constants its rules use."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.codec import load_schema
+
+_CHUNK_BYTES_RANGE = tuple(load_schema("session")["properties"]["chunk_bytes"][k] for k in ("minimum", "maximum"))
+
+PUSH_DTYPES = ("f32", "bf16", "q4")
+BULK_DTYPES = ("f32", "bf16")
+FIRST_ATTEMPT = 1
+EMA_ALPHA = 0.3
+UNKNOWN_MEMBER = "unknown_member"   # SendError code: the island must send hello again (non-fatal)
+DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid",
+                "quarantined")
+# Refusals of a slot's own push: the island saw its push acknowledged and will not answer this attempt again.
+HOPELESS_DISPOSITIONS = ("future_base", "stale_base", "invalid", "quarantined")
+# The outlier rule needs this many accepted pushes in a round: with two, neither is a reference.
+OUTLIER_MIN_PUSHES = 3
+# Restart this soon once quorum is out of reach (capped by the quorum timeout).
+HOPELESS_RESTART_S = 2.0
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    run: str
+    islands: int                      # N: live members needed before version 0
+    fragments: int                    # P
+    sync_every: int                   # H: inner steps between two syncs of one fragment, multiple of P
+    total_steps: int                  # global rounds to commit before finalization
+    pipeline: int = 1                 # rounds in flight at most (never two on one fragment)
+    quorum: int | None = None         # K; None = every expected member
+    quorum_timeout_s: float = 900.0   # a round below quorum this long after launch restarts
+    grace_ms: float = 10_000.0        # cap of the adaptive grace window
+    grace_gamma: float = 1.0          # γ
+    grace_tau: int | None = None      # τ, inner steps a push may lag; None = H/P
+    strict: bool = False              # lockstep test mode
+    max_base_lag: int = 1             # a push whose base is older than current - lag is stale
+    equal_weights: bool = False
+    push_dtype: str = "f32"
+    bulk_dtype: str = "f32"
+    chunk_bytes: int = 1 << 20
+    init_island: str | None = None    # None = the first admitted hello's island
+    member_timeout_s: float = 30.0
+    final_timeout_s: float = 600.0
+    launch_lead_steps: int = 1
+    max_push_norm: float | None = None     # quarantine a push whose L2 norm exceeds this; None = off
+    outlier_factor: float | None = None    # quarantine a push above this x the round's median norm; None = off
+    max_token_factor: float | None = 4.0   # cap a c_tokens claim at this x the round's median claim; None = off
+
+    def __post_init__(self) -> None:
+        def bad(flag: str, why: str, value: Any) -> None:
+            raise ValueError(f"{flag} {why}, got {value!r}")
+
+        for name in ("islands", "fragments", "sync_every", "total_steps", "pipeline", "chunk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad("--" + name.replace("_", "-"), "must be an integer >= 1", value)
+        # The session record's schema bounds the chunk size: checked here so a bad flag is a one-line
+        # error at start-up, not a schema error when the first hello arrives.
+        lo, hi = _CHUNK_BYTES_RANGE
+        if not lo <= self.chunk_bytes <= hi:
+            bad("--chunk-bytes", f"must be between {lo} and {hi} (the session schema's bounds)", self.chunk_bytes)
+        if self.sync_every % self.fragments:
+            bad("--sync-every", f"(H) must be a multiple of --fragments (P = {self.fragments})", self.sync_every)
+        if self.quorum is not None and (not isinstance(self.quorum, int) or self.quorum < 1):
+            bad("--quorum", "must be an integer >= 1 (or unset for all)", self.quorum)
+        for name in ("quorum_timeout_s", "member_timeout_s", "final_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                bad("--" + name.replace("_", "-"), "must be a number > 0", value)
+        for name in ("grace_ms", "grace_gamma"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                bad("--" + name.replace("_", "-"), "must be a number >= 0", value)
+        for name in ("grace_tau", "max_base_lag", "launch_lead_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                bad("--" + name.replace("_", "-"), "must be an integer >= 0", value)
+        # Defence in depth: None = off. A factor of 1 would quarantine half of every round as outliers.
+        for name, low, low_ok, off in (("max_push_norm", 0.0, False, "unset"), ("outlier_factor", 1.0, False, "unset"),
+                                       ("max_token_factor", 1.0, True, "0")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and (value > low or (low_ok and value == low))):
+                bad("--" + name.replace("_", "-"), f"must be a number {'>=' if low_ok else '>'} {low:g} ({off} for off)",
+                    value)
+        if self.push_dtype not in PUSH_DTYPES:
+            bad("--push-dtype", f"must be one of {PUSH_DTYPES}", self.push_dtype)
+        if self.bulk_dtype not in BULK_DTYPES:
+            bad("--bulk-dtype", f"must be one of {BULK_DTYPES}", self.bulk_dtype)
+
+    @property
+    def steps_per_round(self) -> int:
+        """H/P: inner steps between two consecutive rounds (of different fragments)."""
+        return self.sync_every // self.fragments
+
+    @property
+    def tau(self) -> int:
+        return self.steps_per_round if self.grace_tau is None else self.grace_tau
+
+    def fragment_of(self, step: int) -> int:
+        """Round t (1-based) targets fragment (t-1) mod P."""
+        return (step - 1) % self.fragments
+

@@ -1,0 +1,88 @@
+"""Finalization: the final cut, manifests, acks, the end of the run (a part of `RoundMachine`).
+
+A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
+
+- **Finalization** is decided here, carried out by the shell: once every step is committed the
+  machine emits one `PublishFinal` (the f32 cut; never a second one), and only after its
+  `FinalPublished` a `SendManifest` per target (live members), so a manifest always carries every
+  fragment's digest. A known island heard from during finalization with a generation that is not the
+  target (a new generation, or a heartbeat of a member that was not live when finalization began)
+  becomes the target and gets the manifest as soon as the cut is out — even if an earlier generation
+  acked — so no process trains on after the syncer exits. Hellos of unknown islands get a fatal
+  `run_finishing` error. `RecordFinal` keeps targets and acks durable so a resumed syncer continues
+  finalization (or, when the run finished, exits at once).
+"""
+from __future__ import annotations
+
+from services.syncer.actions import Done, PublishFinal, RecordFinal, SendManifest, Shutdown
+from services.syncer.events import FinalAck, FinalPublished
+from services.syncer.state import Member, Phase, _Final
+
+
+class Finalization:
+    def _start_final(self, now: float) -> None:
+        targets = {m.island: m.gen for m in self._live()}
+        f = self._final = _Final(final_step=self.committed_step, started_at=now, targets=targets,
+                                 versions=dict(self.versions))
+        self.phase = Phase.FINALIZING
+        self._emit(PublishFinal(f.final_step, dict(f.versions), f.record()))
+        self._tape("final", now, step=self.committed_step, reason="final cut publishing",
+                   detail={"versions": {str(k): v for k, v in self.versions.items()},
+                           "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
+
+    def _on_final_published(self, ev: FinalPublished, now: float) -> None:
+        f = self._final
+        if f is None or f.cut_out:
+            raise ValueError("FinalPublished without an outstanding PublishFinal")
+        f.cut_out = True
+        self._emit(RecordFinal(f.record()))
+        self._tape("final", now, step=f.final_step, reason="final cut published",
+                   detail={"targets": [{"island": i, "gen": g} for i, g in sorted(f.targets.items())]})
+        for island, gen in sorted(f.targets.items()):
+            if island not in f.acked:
+                self._emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
+        if not f.targets or f.acked >= set(f.targets):
+            self._finish(True, now)
+
+    def _final_target(self, m: Member, now: float) -> None:
+        """A known island heard from during finalization with a generation that is not the target:
+        it must install the final cut and ack (once the cut is out, it gets the manifest now)."""
+        f = self._final
+        if m.island in f.acked:
+            return
+        f.targets[m.island] = m.gen
+        self.counters["final.target_added"] += 1
+        self._tape("final", now, step=f.final_step, island=m.island, gen=m.gen,
+                   reason="manifest target: a known island came back during finalization")
+        if f.cut_out:
+            self._emit(RecordFinal(f.record()))
+            self._emit(SendManifest(m.island, m.gen, f.final_step, dict(f.versions)))
+
+    def _on_final_ack(self, ev: FinalAck, now: float) -> None:
+        f = self._final
+        if f is None or not f.cut_out or f.targets.get(ev.island) != ev.gen or ev.final_step != f.final_step:
+            self.counters["rejected.final_ack"] += 1
+            self._tape("error", now, island=ev.island, gen=ev.gen,
+                       reason=f"final ack for step {ev.final_step} ignored: not a target of the final cut")
+            return
+        if ev.island in f.acked:
+            self.counters["ignored.final_ack_duplicate"] += 1
+            return
+        f.acked.add(ev.island)
+        self.counters["final.ack"] += 1
+        if f.acked == set(f.targets):
+            self._finish(True, now)
+        else:
+            self._emit(RecordFinal(f.record()))
+
+    def _finish(self, ok: bool, now: float) -> None:
+        f = self._final
+        for island in sorted(f.acked):
+            self._emit(Shutdown(island, f.targets[island], "final"))
+        missing = tuple(sorted(set(f.targets) - f.acked))
+        if f.cut_out:
+            self._emit(RecordFinal(f.record(finished=True)))
+        self._tape("final", now, step=f.final_step,
+                   reason="all targets acked" if ok else f"final timeout: no ack from {', '.join(missing)}")
+        self._emit(Done(ok, missing))
+        self.phase = Phase.DONE

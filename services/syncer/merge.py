@@ -1,0 +1,139 @@
+"""The merge of a completed round: the accepted pushes read back from the PUSH stream chunk by chunk
+(direct gets, in member order), the weighted mean and the f32 Nesterov outer step (services/syncer/outer),
+the durable commit and broadcast (services/syncer/cut), then the round's pushes deleted from PUSH.
+Memory: O(members x chunk) bytes beside the fragment's params and momentum.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from schemas import subjects as S
+from schemas.chunks import chunk_plan, digest as chunk_digest
+from services.syncer import rounds as R
+from services.syncer.cut import Cut
+from services.syncer.intake import PushLedger
+from services.syncer.outer import delta_view, outer_step_
+from services.syncer.tape import TapeWriter
+
+log = logging.getLogger("yeto.syncer")
+
+
+class MergeError(RuntimeError):
+    pass
+
+
+async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
+    """Delete push chunks from PUSH by stream sequence; a failure is counted (max_age is the safety net)."""
+    for seq in seqs:
+        try:
+            await js.delete_msg(S.stream(run_id, "PUSH"), seq)
+        except Exception:
+            counters["delete_error"] += 1
+
+
+class Merger:
+    def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter, *,
+                 lr: float, momentum: float, attempts: dict[int, int]):
+        self.js, self.run_id, self.counters = js, run_id, counters
+        self.cut, self.ledger, self.tape = cut, ledger, tape
+        self.lr, self.momentum = lr, momentum
+        self.attempts = attempts          # step -> highest attempt published (the shell keeps it current)
+
+    async def _read_push_chunk(self, seq: int, dtype: str, count: int, want_digest: str | None) -> torch.Tensor:
+        from nats.js.errors import NotFoundError
+
+        try:
+            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
+        except NotFoundError:
+            # Any replica answers a direct get; one still catching up (a cluster node just restarted)
+            # does not hold the message yet. The stream leader does.
+            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq)
+        data = m.data
+        if want_digest is not None and chunk_digest(data) != want_digest:
+            raise MergeError(f"PUSH message {seq} changed in the stream (digest mismatch)")
+        return delta_view(data, dtype, count)  # read in place: the merge never writes a delta
+
+    async def merge(self, a: R.Merge) -> tuple[R.MergeDone, list[int]]:
+        """Merge, outer step, durable commit, broadcast: the MergeDone to feed back, and the PUSH
+        sequences of the round for `cleanup` (after MergeDone, off the commit path)."""
+        t0 = time.time()
+        fid = a.fragment
+        fr = self.cut.frags[fid]
+        dtype = self.cut.session["push_dtype"]
+        spans = chunk_plan(fr.numel, dtype, self.cut.session["chunk_bytes"])
+        tries = []
+        for m in a.members:
+            t = self.ledger.tries.get((m.island, m.gen, fid, a.step, a.attempt, m.try_))
+            if t is None or not t.complete:
+                raise MergeError(f"merge of step {a.step}: push of {m.island}/{m.gen} try {m.try_} is not in the ledger")
+            tries.append(t)
+        weights = [m.weight for m in a.members]
+        scratch = torch.empty(max(s.elem_count for s in spans), dtype=torch.float32)
+        lr, mu = self.lr, self.momentum
+
+        async def fetch(k):
+            s = spans[k]
+            return await asyncio.gather(*[self._read_push_chunk(t.seqs[k], dtype, s.elem_count, t.digests[k]) for t in tries])
+
+        nxt = asyncio.create_task(fetch(0))
+        for k, s in enumerate(spans):
+            deltas = await nxt
+            if k + 1 < len(spans):
+                nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
+            sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
+            await asyncio.to_thread(outer_step_, fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu,
+                                    out=scratch[: s.elem_count])
+        merge_s = time.time() - t0
+        rec = dict(a.record)
+        rec["t"] = time.time()
+        rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # the tape's sync_s: launch to durable commit
+        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s}
+        await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec])
+        # The round's pushes (every member, every try, every attempt) are no longer needed.
+        seqs = self.ledger.pop_round(fid, a.step)
+        merge_to_broadcast_s = time.time() - t0
+        log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
+                 ",".join(m.island for m in a.members), merge_s, merge_to_broadcast_s)
+        # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
+        return R.MergeDone(step=a.step, fragment=fid, version=a.version, merge_to_broadcast_s=merge_to_broadcast_s,
+                           now=time.time()), seqs
+
+    async def cleanup(self, fid: int, seqs: list[int]) -> None:
+        """Delete the round's pushes and tape the tries that never completed."""
+        # Cleanup after MergeDone, off the commit path: with the PUSH leader dead a purge waits out the
+        # JetStream API timeout (30 s per round was seen in a cluster), and a missed purge is harmless (the
+        # next commit of this fragment purges up to its own last sequence; max_age is the safety net).
+        await self.purge_round(fid, seqs)
+        await self.delete_seqs(self.ledger.pop_swept())
+        await self.tape_dropped_tries()   # after MergeDone: the next round never waits on these records
+
+    async def tape_dropped_tries(self) -> None:
+        # An incomplete try never reached the machine, so this is its one record on the tape.
+        for d in self.ledger.pop_dropped():
+            island, gen, fid, step, attempt, try_ = d.key
+            self.counters["push.dropped_incomplete"] += 1
+            await self.tape.write({"kind": "disposition", "t": time.time(), "step": step, "fragment": fid,
+                              "attempt": attempt, "try": try_, "island": island, "gen": gen,
+                              "disposition": "out_of_round", "reason": d.reason, "base_version": d.base_version,
+                              "detail": {"chunks_in": d.chunks_in, "chunks": d.chunks, "local_step": d.local_step}},
+                             kind="disposition")
+
+    async def purge_round(self, fid: int, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        # One purge per fragment subject up to the round's last sequence: no later round of this fragment
+        # can have pushed yet (its pull is launched only after this commit).
+        try:
+            await self.js.purge_stream(S.stream(self.run_id, "PUSH"), subject=f"{S.root(self.run_id)}.push.*.{fid}",
+                                       seq=max(seqs) + 1)
+        except Exception as exc:
+            self.counters["purge_error"] += 1
+            log.warning("purging PUSH after the commit failed (max_age will expire them): %r", exc)
+
+    async def delete_seqs(self, seqs) -> None:
+        await delete_push_seqs(self.js, self.run_id, self.counters, seqs)

@@ -1,0 +1,237 @@
+"""Push dispositions, quarantine, quorum, merge weights and the Merge action (a part of `RoundMachine`).
+
+A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
+
+- **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (outer.weights_for).
+  A claim is bounded before it weighs (`max_token_factor`, default 4): at most that many times the
+  round's *lower median positive claim* among the pushes being merged (the smaller middle value for an
+  even count; claims of 0 take no part, so an island that counts no tokens changes nothing). The syncer
+  cannot check a claim (tokens per step differ per island, and c_steps is claimed too), but it can
+  refuse to let one island's word outweigh the others': with the lower median, one island of a round
+  of two or more never moves the cap by lying, so its weight is at most factor × an honest member's.
+  A clamped claim is counted (`tokens.clamped`) and shown in the merge record (`weights` hold the
+  used values, `detail.token_clamp` {island: {claimed, used, limit}}).
+- **Quarantine** (defence in depth against a compromised or buggy island): the shell reports each
+  complete push's L2 norm and count of non-finite values (summed chunk by chunk as they arrive; no
+  whole-model copy). A push that would be accepted is instead `quarantined` when it holds any NaN/Inf
+  (always), when its norm exceeds `max_push_norm` (off by default), or — judged when the round is
+  about to complete, against the pushes accepted this attempt — when its norm exceeds
+  `outlier_factor` × the round's lower median norm (off by default; it needs at least
+  `OUTLIER_MIN_PUSHES` = 3 accepted pushes, since with two neither is a reference for the other, and
+  a median of 0 judges nothing). A quarantined push is taped (rule, figure, limit), counted
+  (`disposition.quarantined`, `quarantine.<rule>`), released and never merged; its slot counts as
+  refused (like a stale base): the round goes on with the others, and if that leaves it below quorum
+  it restarts as for a missing member (strict mode, having no quorum, waits for another try). An
+  outlier was first taped `accepted`; its `quarantined` record follows and supersedes it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from services.syncer.actions import Merge, MergeInput, Release
+from services.syncer.config import HOPELESS_DISPOSITIONS, OUTLIER_MIN_PUSHES
+from services.syncer.events import MergeDone, PushComplete
+from services.syncer.outer import weights_for
+from services.syncer.state import Round, _Answer, lower_median
+
+
+class Pushes:
+    def _on_push(self, ev: PushComplete, now: float) -> None:
+        quarantine = None
+        m = self.members.get(ev.island)
+        if m is not None and ev.gen == m.gen:
+            m.observe_push(int(ev.local_step), now)
+        r = self.rounds.get(ev.step)
+        current = self.versions.get(ev.fragment)
+        disposition, reason = None, None
+        if r is None:
+            disposition, reason = "out_of_round", f"no round in flight for step {ev.step}"
+        elif r.fragment != ev.fragment:
+            disposition, reason = "out_of_round", f"step {ev.step} targets fragment {r.fragment}, not {ev.fragment}"
+        elif r.attempt != ev.attempt:
+            disposition, reason = "out_of_round", f"stale attempt {ev.attempt} (current {r.attempt})"
+        elif not r.accepting:
+            disposition, reason = "out_of_round", "round already complete"
+        else:
+            slot = r.slots.get(ev.island)
+            if slot is None:
+                disposition, reason = "unexpected_member", "island not expected in this round"
+            elif slot.gen != ev.gen:
+                disposition, reason = "unexpected_member", f"generation {ev.gen} does not hold this slot ({slot.gen} does)"
+            elif slot.answer is not None:
+                disposition, reason = "duplicate", f"first valid push wins (try {slot.answer.try_} accepted)"
+            elif not ev.valid:
+                disposition, reason = "invalid", ev.reason or "invalid push"
+            elif ev.base_version > current:
+                disposition, reason = "future_base", f"base_version {ev.base_version} > current version {current}"
+            elif current - ev.base_version > self.config.max_base_lag:
+                disposition, reason = "stale_base", (f"base_version {ev.base_version} lags current version "
+                                                     f"{current} by more than {self.config.max_base_lag}")
+            elif (ev.gen, ev.try_) in slot.quarantined:
+                # A released try never completes again in the shell; should it, it stays out of the merge.
+                disposition, reason = "quarantined", f"try {ev.try_} was quarantined already this attempt"
+            elif (quarantine := self._quarantine_rule(ev)) is not None:
+                disposition, reason = "quarantined", quarantine.pop("reason")
+                self.counters[f"quarantine.{quarantine['rule']}"] += 1
+                slot.quarantined.add((ev.gen, ev.try_))
+            else:
+                disposition = "accepted"
+                slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens,
+                                      ev.norm)
+                if ev.norm is not None:
+                    r.norms[ev.island] = ev.norm
+                if r.quorum_at is None and r.answered >= r.quorum:
+                    self._reach_quorum(r, now)
+            if disposition in HOPELESS_DISPOSITIONS:
+                # The island's push was acknowledged by JetStream, so it will not send another for this
+                # attempt: its slot cannot count towards quorum any more.
+                slot.refused = disposition
+        self.counters[f"disposition.{disposition}"] += 1
+        staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
+        detail = {"staleness": staleness, "local_step": ev.local_step}
+        if quarantine is not None:
+            detail["quarantine"] = quarantine
+        self._tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
+                   gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
+                   detail=detail, **{"try": ev.try_})
+        if disposition != "accepted" and not self._is_pending_merge_input(ev):
+            self._emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
+        if disposition == "stale_base":
+            self._rebroadcast(ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale base_version "
+                                                f"{ev.base_version} (current {current})")
+
+    def _quarantine_rule(self, ev: PushComplete) -> dict | None:
+        """The rule a push breaks on its own (NaN/Inf, `max_push_norm`), with its figure and limit, or None.
+        The outlier rule needs the round's other pushes: `_screen_outliers` judges it at completion."""
+        if ev.non_finite or (ev.norm is not None and not math.isfinite(ev.norm)):
+            return {"rule": "non_finite", "non_finite": int(ev.non_finite), "limit": 0,
+                    "reason": f"quarantined: {ev.non_finite} non-finite values (NaN/Inf) in the push"}
+        limit = self.config.max_push_norm
+        if limit is not None and ev.norm is not None and ev.norm > limit:
+            return {"rule": "max_push_norm", "norm": float(ev.norm), "limit": float(limit),
+                    "reason": f"quarantined: push norm {ev.norm:.6g} exceeds --max-push-norm {limit:.6g}"}
+        return None
+
+    def _screen_outliers(self, r: Round, now: float) -> bool:
+        """Before a round completes: quarantine every accepted push whose norm exceeds outlier_factor x
+        the lower median of the norms accepted this attempt (outliers included, so removing one never
+        lowers the reference for the rest). Returns True if it removed any (the round does not
+        complete now; it goes on as if those members had not answered)."""
+        factor = self.config.outlier_factor
+        if factor is None or len(r.norms) < OUTLIER_MIN_PUSHES:
+            return False
+        median = lower_median(list(r.norms.values()))
+        if median <= 0:
+            return False
+        limit = factor * median
+        removed = False
+        for island, slot in sorted(r.slots.items()):
+            a = slot.answer
+            if a is None or a.norm is None or a.norm <= limit:
+                continue
+            slot.answer, slot.refused = None, "quarantined"
+            slot.quarantined.add((a.gen, a.try_))
+            removed = True
+            self.counters["disposition.quarantined"] += 1
+            self.counters["quarantine.outlier"] += 1
+            self._tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
+                       gen=a.gen, disposition="quarantined", base_version=a.base_version,
+                       reason=(f"quarantined: push norm {a.norm:.6g} exceeds --outlier-factor {factor:g} x the round's "
+                               f"median norm {median:.6g} (limit {limit:.6g}); supersedes its accepted record"),
+                       detail={"local_step": a.local_step,
+                               "quarantine": {"rule": "outlier", "norm": float(a.norm), "limit": float(limit),
+                                              "median": float(median), "pushes": len(r.norms)}},
+                       **{"try": a.try_})
+            self._emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
+        if removed and r.answered < r.quorum:
+            r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
+        return removed
+
+    def _is_pending_merge_input(self, ev: PushComplete) -> bool:
+        # a re-delivered copy of an accepted push has the same identity as the one the merge reads
+        r = self.rounds.get(ev.step)
+        if r is None or r.fragment != ev.fragment or r.attempt != ev.attempt:
+            return False
+        slot = r.slots.get(ev.island)
+        return slot is not None and slot.answer is not None and (slot.answer.gen, slot.answer.try_) == (ev.gen, ev.try_)
+
+    def _reach_quorum(self, r: Round, now: float) -> None:
+        cfg = self.config
+        r.quorum_at = now
+        times = [self.members[i].ema_step_s for i in r.slots if i in self.members and self.members[i].ema_step_s]
+        step_time = max(times) if times else 0.0
+        raw = cfg.grace_gamma * (cfg.tau * step_time - (now - r.launched_at) - self._last_sync_cost_s)
+        r.grace_s = min(max(raw, 0.0), cfg.grace_ms / 1000.0)
+
+    # -- merges ------------------------------------------------------------------------------------
+
+    def _complete(self, r: Round, now: float) -> None:
+        r.complete_at = now
+        answers = [(i, s.answer) for i, s in sorted(r.slots.items()) if s.answer is not None]
+        used, clamp = self._clamp_tokens(answers)
+        weights = weights_for(used, self.config.equal_weights)
+        inputs = tuple(
+            MergeInput(island=i, gen=a.gen, weight=w, try_=a.try_, c_tokens=u, c_steps=a.c_steps,
+                       base_version=a.base_version, local_step=a.local_step)
+            for (i, a), u, w in zip(answers, used, weights)
+        )
+        detail = {"normalized_weights": {mi.island: mi.weight for mi in inputs}}
+        norms = {i: a.norm for i, a in answers if a.norm is not None}
+        if norms:
+            detail["norms"] = norms   # what an operator sizes --max-push-norm / --outlier-factor from
+        if clamp:
+            detail["token_clamp"] = clamp
+        version = self.versions[r.fragment] + 1
+        record = {
+            "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
+            "base_version": r.base_version, "version": version, "expected": r.members(),
+            "responded": r.responded(), "quorum": r.quorum,
+            "staleness": {mi.island: r.base_version - mi.base_version for mi in inputs},
+            "weights": self._raw_weights(inputs),
+            "quorum_s": (r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
+            "grace_s": r.grace_s,
+            "detail": detail,
+        }
+        r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt, version=version,
+                        base_version=r.base_version, members=inputs,
+                        record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at)
+
+    def _on_merge_done(self, ev: MergeDone, now: float) -> None:
+        r = self.rounds.get(ev.step)
+        if self._merging is None or ev.step != self._merging or r is None:
+            raise ValueError(f"MergeDone for step {ev.step} but the outstanding merge is step {self._merging}")
+        if ev.fragment != r.fragment or ev.version != r.merge.version:
+            raise ValueError(f"MergeDone(step {ev.step}, fragment {ev.fragment}, version {ev.version}) does not match "
+                             f"Merge(fragment {r.fragment}, version {r.merge.version})")
+        del self.rounds[ev.step]
+        self._merging = None
+        self.versions[r.fragment] = ev.version
+        self.committed_step = ev.step
+        # Adaptive grace subtracts the last *whole* sync (merge + checkpoint + broadcast): the time from
+        # the Merge action to its MergeDone covers all of it, whatever part of it the shell measured.
+        self._last_sync_cost_s = max(0.0, float(ev.merge_to_broadcast_s), now - r.merge_at if r.merge_at is not None else 0.0)
+        self.counters["merge"] += 1
+        # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
+
+    def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int], dict[str, dict]]:
+        """The c_tokens each answer weighs with: its claim, capped at max_token_factor x the lower median
+        of the positive claims (see the module docstring); and {island: {claimed, used, limit}} of the
+        claims that were cut."""
+        claims = [int(a.c_tokens) for _, a in answers]
+        factor = self.config.max_token_factor
+        positive = [c for c in claims if c > 0]
+        if factor is None or self.config.equal_weights or not positive:
+            return claims, {}
+        limit = int(factor * lower_median(positive))
+        clamp = {}
+        for (island, _), c in zip(answers, claims):
+            if c > limit:
+                clamp[island] = {"claimed": c, "used": limit, "limit": limit}
+                self.counters["tokens.clamped"] += 1
+        return [min(c, limit) for c in claims], clamp
+
+    def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:
+        # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
+        equal = self.config.equal_weights or all(mi.c_tokens == 0 for mi in inputs)
+        return {mi.island: (1.0 if equal else mi.c_tokens) for mi in inputs}

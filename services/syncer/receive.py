@@ -1,0 +1,240 @@
+"""The syncer's intake: three durable pull consumers (CTL: hello, heartbeat, ack; INIT: initial weights;
+PUSH: push chunks) turned into round-machine events on the shell's queue.
+
+Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values, unknown
+fragment, digest mismatch, an island id that does not match its subject) is acked (never redelivered),
+counted, written to the EVENTS tape, and changes no state. Push chunks are checked and acked at once,
+their payloads left in the stream (the ledger records where); a push holding NaN/Inf is well-formed but
+poisonous: its chunks' norms and non-finite counts go to the round machine, which quarantines it. INIT
+chunk bytes wait in `init_pending` until the machine answers InitStore or InitDrop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from typing import Awaitable, Callable
+
+import torch
+
+from schemas import codec, subjects as S
+from schemas.chunks import check_chunk, chunk_plan, plan_nbytes
+from schemas.errors import WireError
+from schemas.layout import layout_fingerprint
+from services.syncer import rounds as R
+from services.syncer.cut import Cut
+from services.syncer.intake import PushLedger
+from services.syncer.merge import delete_push_seqs
+from services.syncer.outer import delta_view
+from services.syncer.tape import TapeWriter
+
+log = logging.getLogger("yeto.syncer")
+
+
+class Receiver:
+    def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter,
+                 queue: asyncio.Queue, send_error: Callable[[R.SendError], Awaitable[None]]):
+        self.js, self.run_id, self.counters = js, run_id, counters
+        self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
+        self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
+
+    async def consume(self, kind: str, durable: str, handler, batch: int) -> None:
+        import nats.errors
+
+        sub = await self.js.pull_subscribe_bind(durable, stream=S.stream(self.run_id, kind))
+        while True:
+            try:
+                msgs = await sub.fetch(batch, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnects, 503s: back off and carry on
+                self.counters[f"fetch_error.{kind}"] += 1
+                log.debug("fetch on %s failed: %r", kind, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await handler(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # A handler bug must not kill intake; the message is acked so it cannot loop.
+                    self.counters[f"handler_error.{kind}"] += 1
+                    log.exception("handling a %s message failed: %r", kind, exc)
+                try:
+                    await msg.ack()
+                except Exception:
+                    self.counters["ack_error"] += 1
+
+    async def reject(self, where: str, exc: Exception | str, *, island: str | None = None, gen: str | None = None,
+                      extra: dict | None = None) -> None:
+        code = getattr(exc, "code", "invalid")
+        self.counters[f"rejected.{code}"] += 1
+        self.counters["rejected"] += 1
+        reason = f"{where}: {exc}"
+        log.warning("rejected %s", reason)
+        rec = {"kind": "error", "reason": reason[:2000]}
+        if island is not None:
+            rec["island"] = island
+        if gen is not None:
+            rec["gen"] = gen
+        detail = {"code": code, "where": where}
+        if isinstance(exc, WireError) and exc.field is not None:
+            detail["field"] = exc.field
+        if extra:
+            detail.update(extra)
+        rec["detail"] = detail
+        await self.tape.write(rec, kind="error")
+
+    async def on_ctl(self, msg) -> None:
+        tokens = S.parse(self.run_id, msg.subject)   # ctl.<kind>.<island> (the consumer's filters)
+        subj_island = tokens[2] if len(tokens) == 3 else None
+        try:
+            kind, m = codec.decode_typed(msg.data, allowed=("hello", "heartbeat", "ack"))
+        except WireError as exc:
+            await self.reject(f"ctl message on {msg.subject}", exc, island=subj_island)
+            return
+        if m["run"] != self.run_id or m["island"] != subj_island:
+            await self.reject(f"{kind} on {msg.subject}",
+                               WireError("island/run in the message does not match its subject", field="island",
+                                         value=m["island"], code="subject_mismatch"), island=subj_island)
+            return
+        now = time.time()
+        if kind == "hello":
+            # The machine compares later hellos by their *claimed* fingerprint: make sure the claim is
+            # the layout's own (pinning checks this too), or a hello could bring another layout in.
+            try:
+                own_fp = layout_fingerprint(m["layout"])
+            except WireError as exc:
+                own_fp, why = None, f"layout refused: {exc}"
+            else:
+                why = f"layout_fingerprint {m['layout_fingerprint']} is not its layout's fingerprint {own_fp}"
+            if own_fp != m["layout_fingerprint"]:
+                err = WireError(why, field="layout_fingerprint", value=m["layout_fingerprint"], code="layout_mismatch")
+                await self.reject(f"hello on {msg.subject}", err, island=m["island"], gen=m["gen"])
+                await self.send_error(R.SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
+                return
+            await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
+                                         layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
+                                         bulk_dtype=m["bulk_dtype"], now=now))
+        elif kind == "heartbeat":
+            await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
+                                             step_time_s=m.get("step_time_s"), now=now))
+        else:
+            await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
+
+    async def on_init(self, msg) -> None:
+        """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
+        generation's chunks make version 0 is the round machine's decision (InitChunk -> InitStore /
+        InitDrop). The bytes wait in `_init_pending` until it decides — never in a sleep."""
+        meta: dict | None = None
+        try:
+            meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            if self.cut.session is None:
+                raise WireError("INIT chunk before the session is pinned", field="fragment", value=meta["fragment"], code="no_session")
+            if meta["run"] != self.run_id:
+                raise WireError(f"INIT chunk of another run on run {self.run_id}'s stream", field="run",
+                                value=meta["run"], code="subject_mismatch")
+            fid = meta["fragment"]
+            fr = self.cut.frags.get(fid)
+            if fr is None:
+                raise WireError("unknown fragment", field="fragment", value=fid, code="unknown_fragment")
+            if meta["dtype"] != self.cut.session["bulk_dtype"]:
+                raise WireError(f"INIT dtype must be the session's bulk dtype {self.cut.session['bulk_dtype']}", field="dtype", value=meta["dtype"])
+            spans = chunk_plan(fr.numel, meta["dtype"], self.cut.session["chunk_bytes"])
+            span = check_chunk(spans, meta, msg.data)
+            k = span.index
+            values = delta_view(msg.data, meta["dtype"], span.elem_count)
+            if not bool(torch.isfinite(values).all()):
+                raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
+        except WireError as exc:
+            await self.reject(f"INIT chunk on {msg.subject}", exc, island=meta and meta["island"], gen=meta and meta["gen"])
+            return
+        key = (meta["gen"], fid, k)
+        if key in self.init_pending:
+            self.counters["init.duplicate_chunk"] += 1
+            return
+        self.init_pending[key] = (span, values)
+        await self.queue.put(R.InitChunk(island=meta["island"], gen=meta["gen"], fragment=fid, chunk=k,
+                                         chunks=len(spans), now=time.time()))
+
+    async def on_push(self, msg) -> None:
+        seq = msg.metadata.sequence.stream
+        tokens = S.parse(self.run_id, msg.subject)   # push.<island>.<fragment>
+        subj_island = tokens[1] if len(tokens) == 3 else None
+        try:
+            meta = codec.decode_header("push_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+        except WireError as exc:
+            await self.reject(f"push chunk on {msg.subject}", exc, island=subj_island)
+            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            return
+        if meta["run"] != self.run_id or meta["island"] != subj_island or tokens[-1] != str(meta["fragment"]):
+            await self.reject(f"push chunk on {msg.subject}",
+                               WireError("island/fragment in the header does not match the subject", field="island",
+                                         value=meta["island"], code="subject_mismatch"), island=subj_island)
+            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            return
+        why_closed = self.ledger.closed(meta, redelivered=msg.metadata.num_delivered > 1)
+        if why_closed is not None:
+            # A redelivery (or a late resend) of a chunk no round can use: drop it, it opens no try.
+            self.counters["push.late_chunk"] += 1
+            log.debug("push chunk on %s dropped: %s", msg.subject, why_closed)
+            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            return
+        ok, reason, expected_total = True, None, None
+        sumsq, non_finite = 0.0, 0
+        fr = self.cut.frags.get(meta["fragment"])
+        if self.cut.session is None or fr is None:
+            # No round can ever target it: refuse the chunk here (tape + counter) rather than let a
+            # try that cannot complete sit in the ledger.
+            why = "no session pinned yet" if self.cut.session is None else f"the session has {len(self.cut.frags)} fragments"
+            await self.reject(f"push chunk on {msg.subject}",
+                               WireError(f"unknown fragment ({why})", field="fragment", value=meta["fragment"],
+                                         code="unknown_fragment"), island=subj_island, gen=meta["gen"])
+            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            return
+        else:
+            try:
+                if meta["dtype"] != self.cut.session["push_dtype"]:
+                    raise WireError(f"push dtype must be the session's {self.cut.session['push_dtype']}", field="dtype", value=meta["dtype"])
+                spans = chunk_plan(fr.numel, meta["dtype"], self.cut.session["chunk_bytes"])
+                expected_total = plan_nbytes(spans)
+                span = check_chunk(spans, meta, msg.data)
+                values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
+                # The quarantine figures, one chunk at a time (never the whole push in memory); the round
+                # machine decides (NaN/Inf, --max-push-norm, --outlier-factor). Squares of f32 values
+                # summed in float64 cannot overflow, so a non-finite sum means NaN/Inf values.
+                sumsq = float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+                if not math.isfinite(sumsq):
+                    non_finite, sumsq = values.numel() - int(torch.isfinite(values).sum()), 0.0
+            except WireError as exc:
+                # The try is invalid (its disposition says so once complete), but a try whose other
+                # chunks never come would never be taped: tape the chunk's rejection now.
+                ok, reason = False, str(exc)
+                await self.reject(f"push chunk on {msg.subject}", exc, island=subj_island, gen=meta["gen"],
+                                   extra={"step": meta["step"], "attempt": meta["attempt"], "try": meta["try"],
+                                          "chunk": meta["chunk"]})
+        t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason,
+                            sumsq=sumsq, non_finite=non_finite)
+        if t is not None:
+            island, gen, fid, step, attempt, try_ = t.key
+            await self.queue.put(R.PushComplete(
+                island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
+                base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
+                valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
+
+    def store_init(self, a: R.InitStore) -> None:
+        span, values = self.init_pending.pop((a.gen, a.fragment, a.chunk))
+        fr = self.cut.frags[a.fragment]
+        if fr.params is None:
+            fr.params = torch.zeros(fr.numel, dtype=torch.float32)
+            fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
+        fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
+
+    def drop_init(self, a: R.InitDrop) -> None:
+        self.init_pending.pop((a.gen, a.fragment, a.chunk), None)
+        self.counters[f"init.dropped.{a.reason}"] += 1

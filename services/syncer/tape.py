@@ -1,0 +1,137 @@
+"""The syncer's tape writer: records on the run's EVENTS stream (`yeto.R.events.<kind>`), in order.
+
+A commit's records (per-version Nats-Msg-Ids) must reach the tape, so they ride out a cluster leader
+election (seconds); every other record gets a short direct budget (intake never stalls on one), and one
+that misses it waits in an in-order backlog that a background task retries with the long budget instead
+of being dropped (issue 16). Bounded: past TAPE_BACKLOG_MAX waiting records a new one is dropped
+(counter `tape_dropped`). `retape` writes the last commit's records that a syncer killed between its
+commit and its tape write left out.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections import Counter
+
+from schemas import codec, subjects as S
+from schemas.errors import WireError
+from schemas.publish import publish_retry
+from services.syncer.checkpoint import CheckpointState
+
+log = logging.getLogger("yeto.syncer")
+
+TAPE_DIRECT_ATTEMPTS = 3
+TAPE_RETRY_ATTEMPTS = 40
+TAPE_BACKLOG_MAX = 10_000
+TAPE_FLUSH_AT_EXIT_S = 20.0
+
+
+class TapeWriter:
+    def __init__(self, js, run_id: str, counters: Counter, prefix: str):
+        self.js, self.run_id, self.counters, self.prefix = js, run_id, counters, prefix
+        self._seq = 0
+        self._backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
+        self._retrier: asyncio.Task | None = None
+
+    def next_key(self) -> str:
+        self._seq += 1
+        return f"{self.prefix}.{self._seq}"
+
+    async def write(self, event: dict, *, kind: str, msg_id: str | None = None) -> None:
+        rec = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "t": time.time()}
+        rec.update(event)
+        try:
+            data = codec.encode("event", rec)
+        except WireError as exc:
+            self.counters["tape_invalid"] += 1
+            log.error("tape record does not validate (%s): %r", exc, rec)
+            return
+        # A commit's records (per-version msg ids) must reach the tape, so they ride out a cluster
+        # leader election (seconds); other records keep a short budget: intake never stalls on them,
+        # and one that misses it goes to the backlog (see TAPE_DIRECT_ATTEMPTS), same Nats-Msg-Id.
+        subject, mid = S.events(self.run_id, kind), msg_id or S.event_msg_id(kind, self.next_key())
+        if msg_id is None and self._backlog:
+            self._defer(subject, data, mid)  # behind the records still waiting: the tape keeps its order
+            return
+        try:
+            await publish_retry(self.js, subject, data, mid, counters=self.counters,
+                                attempts=TAPE_RETRY_ATTEMPTS if msg_id is not None else TAPE_DIRECT_ATTEMPTS)
+        except Exception as exc:
+            if msg_id is None:
+                self._defer(subject, data, mid)
+                return
+            self.counters["tape_error"] += 1
+            log.warning("tape publish failed: %r", exc)
+
+    def _defer(self, subject: str, data: bytes, mid: str) -> None:
+        if len(self._backlog) >= TAPE_BACKLOG_MAX:
+            self.counters["tape_dropped"] += 1
+            log.warning("tape backlog full (%d records waiting): record dropped", len(self._backlog))
+            return
+        if not self._backlog:
+            log.warning("tape publish failed: records wait in a backlog, retried in order")
+        self._backlog.append((subject, data, mid))
+        self.counters["tape_deferred"] += 1
+        if self._retrier is None or self._retrier.done():
+            self._retrier = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._backlog:
+            subject, data, mid = self._backlog[0]
+            try:
+                await publish_retry(self.js, subject, data, mid, counters=self.counters, attempts=TAPE_RETRY_ATTEMPTS)
+                self.counters["tape_retried"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a minute of failures: this record is lost, the next ones may land
+                self.counters["tape_error"] += 1
+                log.warning("tape publish failed for good: %r", exc)
+            self._backlog.popleft()
+        log.info("tape backlog written")
+
+    async def flush(self) -> None:
+        """At exit: give the backlog a bounded time to land (the last records, e.g. the final's)."""
+        task = self._retrier
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), TAPE_FLUSH_AT_EXIT_S)
+        except Exception:  # noqa: BLE001 - timed out (or failed): what is left is lost, counted
+            self.counters["tape_dropped"] += len(self._backlog)
+            log.warning("exiting with %d tape records not written", len(self._backlog))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    @staticmethod
+    def record_msg_id(rec: dict) -> str:
+        # one per committed (fragment, version): a resumed syncer re-taping it is dropped as a duplicate
+        return S.event_msg_id(rec["kind"], f"{rec['fragment']}.{rec['version']}")
+
+    async def retape(self, state: CheckpointState) -> None:
+        """Tape the last commit's records that the tape lacks (the syncer died between the commit and
+        the tape write). Records of one kind are taped in order, so the last record on a kind's subject
+        tells which are in; Nats-Msg-Id dedup covers a record taped while this runs."""
+        by_kind: dict[str, list[dict]] = {}
+        for rec in state.tape:
+            by_kind.setdefault(rec["kind"], []).append(rec)
+        for kind, recs in by_kind.items():
+            ids = [self.record_msg_id(r) for r in recs]
+            last = None
+            for attempt in range(5):
+                try:
+                    m = await self.js.get_msg(S.stream(self.run_id, "EVENTS"), subject=S.events(self.run_id, kind))
+                    last = (m.headers or {}).get(S.MSG_ID)
+                    break
+                except Exception as exc:
+                    import nats.js.errors
+                    if isinstance(exc, nats.js.errors.NotFoundError):
+                        break
+                    await asyncio.sleep(0.5 * (attempt + 1))
+            start = ids.index(last) + 1 if last in ids else 0
+            for rec, mid in list(zip(recs, ids))[start:]:
+                self.counters["tape.replayed"] += 1
+                log.info("taping %s record of fragment %s version %s again: the syncer stopped before it was taped",
+                         kind, rec.get("fragment"), rec.get("version"))
+                await self.write(dict(rec), kind=kind, msg_id=mid)
