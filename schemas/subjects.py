@@ -154,6 +154,11 @@ def push_all(run: str) -> str:
     return f"{root(run)}.push.*.*"
 
 
+def push_fragment_all(run: str, fragment: int) -> str:
+    """Every island's push subject of one fragment (the syncer's purge after a commit)."""
+    return f"{root(run)}.push.*.{_i(fragment, 'fragment')}"
+
+
 def init(run: str, fragment: int) -> str:
     return f"{root(run)}.init.{_i(fragment, 'fragment')}"
 

@@ -96,7 +96,7 @@ def test_config_refuses_h_not_a_multiple_of_p_naming_the_flag():
     with pytest.raises(ValueError, match="--sync-every"):
         cfg(fragments=3, sync_every=4)
     for bad_chunk in (100, 1023, (64 << 20) + 1):
-        with pytest.raises(ValueError, match=f"--chunk-bytes must be between 1024 and 67108864.*got {bad_chunk}"):
+        with pytest.raises(ValueError, match=f"--chunk-bytes must be between 1024 and 67108864.*value {bad_chunk}"):
             cfg(chunk_bytes=bad_chunk)
     cfg(chunk_bytes=1024)
     with pytest.raises(ValueError, match="--push-dtype"):

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.codec import load_schema
+from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: F401  (re-exported: the syncer's names)
+from schemas.errors import ConfigError
 
 _CHUNK_BYTES_RANGE = tuple(load_schema("session")["properties"]["chunk_bytes"][k] for k in ("minimum", "maximum"))
 
-PUSH_DTYPES = ("f32", "bf16", "q4")
-BULK_DTYPES = ("f32", "bf16")
 FIRST_ATTEMPT = 1
 EMA_ALPHA = 0.3
 UNKNOWN_MEMBER = "unknown_member"   # SendError code: the island must send hello again (non-fatal)
@@ -54,7 +54,7 @@ class SyncerConfig:
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: Any) -> None:
-            raise ValueError(f"{flag} {why}, got {value!r}")
+            raise ConfigError(f"{flag} {why}", field=flag, value=value)
 
         for name in ("islands", "fragments", "sync_every", "total_steps", "pipeline", "chunk_bytes"):
             value = getattr(self, name)

@@ -129,7 +129,7 @@ class Merger:
         # One purge per fragment subject up to the round's last sequence: no later round of this fragment
         # can have pushed yet (its pull is launched only after this commit).
         try:
-            await self.js.purge_stream(S.stream(self.run_id, "PUSH"), subject=f"{S.root(self.run_id)}.push.*.{fid}",
+            await self.js.purge_stream(S.stream(self.run_id, "PUSH"), subject=S.push_fragment_all(self.run_id, fid),
                                        seq=max(seqs) + 1)
         except Exception as exc:
             self.counters["purge_error"] += 1

@@ -66,6 +66,8 @@ import math
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
+from schemas.errors import ConfigError
+
 from services.syncer.actions import (
     Action, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull, Rebroadcast,
     RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember, WriteSession,
@@ -158,11 +160,13 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         cfg = config
         frags = session.get("fragments")
         if not isinstance(frags, Sequence) or len(frags) != cfg.fragments:
-            raise ValueError(f"--fragments {cfg.fragments} does not match the session's "
-                             f"{len(frags) if isinstance(frags, Sequence) else frags!r} fragments")
+            raise ConfigError(f"--fragments {cfg.fragments} does not match the session's "
+                              f"{len(frags) if isinstance(frags, Sequence) else frags!r} fragments",
+                              field="--fragments", value=cfg.fragments)
         for key, flag in (("push_dtype", "--push-dtype"), ("bulk_dtype", "--bulk-dtype"), ("sync_every", "--sync-every")):
             if key in session and session[key] != getattr(cfg, key):
-                raise ValueError(f"{flag} {getattr(cfg, key)!r} does not match the session's {key} {session[key]!r}")
+                raise ConfigError(f"{flag} {getattr(cfg, key)!r} does not match the session's {key} {session[key]!r}",
+                                  field=flag, value=getattr(cfg, key))
         vers = {int(k): int(v) for k, v in versions.items()}
         if sorted(vers) != list(range(cfg.fragments)) or any(v < 0 for v in vers.values()):
             raise ValueError(f"versions must give a version >= 0 for every fragment 0..{cfg.fragments - 1}, got {dict(versions)!r}")
