@@ -229,9 +229,9 @@ class Island(IslandWire):
             c.update(self.client.counters)
             c["steplog_dropped"] = self.client.steplog.dropped
         if self.book is not None:
-            c.update({f"pull.{k}": v for k, v in self.book.counts.items()})
+            c.update({f"pull.{k}": v for k, v in self.book.counters.items()})
         if self.reader is not None:
-            c.update({f"bcast.{k}": v for k, v in self.reader.counts.items()})
+            c.update({f"bcast.{k}": v for k, v in self.reader.counters.items()})
         return c
 
     def anchor(self, fid: int) -> dict:
