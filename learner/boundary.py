@@ -50,10 +50,9 @@ from typing import Generator, Iterable, Mapping
 
 from schemas.errors import WireError
 
-from .boundary_ops import (Ack, BeginFinal, Begin, BroadcastsRead, CheckHealth, Commit, Control, End, Fail, FinalRead,
-                           FinalShared, Log, ManifestChecked, Progress, Pulls, Push, PushHanded, Pushes, ReadBroadcasts,
-                           ReadControl, ReadFinal, Reap, StepDone, StepLog, StreamInit, TakePulls, Tick, VerifyManifest,
-                           VersionComplete, Wait)
+from .boundary_ops import (Ack, Begin, BeginFinal, CheckHealth, Commit, End, Fail, FinalShared, Log, Progress, Push,
+                           ReadBroadcasts, ReadControl, ReadFinal, Reap, StepDone, StepLog, StreamInit, TakePulls,
+                           VerifyManifest, VersionComplete, Wait)
 from .fragments import ProtocolError, SyncState
 from .pulls import PendingPull, PullBook, due_round, max_due_step
 
@@ -232,7 +231,7 @@ class Boundary:
                                           f"boundary"))
                 break
             if not ev.applied:
-                yield Wait("the initial cut", t0 + timeout)
+                yield Wait("the initial cut", t0 + timeout, ("bcast",))
         return installed
 
     # ---- a boundary -----------------------------------------------------------------------------
@@ -448,7 +447,7 @@ class Boundary:
                 yield from self._take_pulls()
                 yield from self._answer_pulls()  # a restarted attempt of a round is answered while blocked
                 if not applied:
-                    yield Wait(what, deadline)
+                    yield Wait(what, deadline, ("control", "bcast", "pulls", "pushes"))
             return True
         finally:
             self.phase = Phase.BOUNDARY
@@ -479,7 +478,7 @@ class Boundary:
                                            f"{self.rules.final_timeout_s:.0f}s: fragments "
                                            f"{sorted(set(want) - got)} missing")
                     if not ev.progressed:
-                        yield Wait("the final cut", deadline)
+                        yield Wait("the final cut", deadline, ("final",))
         finally:
             self._final = False
         self._emit(Log("warning", f"island {self.rules.island}: final cut of step {m['final_step']} installed "
@@ -508,7 +507,7 @@ class Boundary:
                 self._emit(Log("warning", f"island {r.island}: no shutdown from the syncer within "
                                           f"{r.shutdown_timeout_s:.0f}s after the final ack; stopping anyway"))
                 break
-            yield Wait("the shutdown", min(deadline, resend_at))
+            yield Wait("the shutdown", min(deadline, resend_at), ("control",))
         if self.shutdown is not None:
             self._emit(Log("warning", f"island {r.island}: shutdown: {self.shutdown['reason']}"))
         self.phase = Phase.STOPPED

@@ -223,6 +223,7 @@ class Wait:
 
     what: str
     deadline: float
+    on: tuple = ()  # what input ends it early: "control", "pulls", "bcast", "final", "pushes"
     answer: ClassVar[type] = Tick
 
 

@@ -27,7 +27,7 @@ from schemas import subjects as S
 from schemas.errors import DecodeError, WireError
 from schemas.publish import publish_retry
 
-from .errors import IslandUnhealthy, Superseded, SyncerRefused
+from .errors import Superseded, SyncerRefused
 from .inbox import ChunkNotice, CutInbox, Inbox
 
 log = logging.getLogger("yeto.island")

@@ -145,7 +145,7 @@ async def test_forged_manifests_do_not_stop_or_crash_the_island(env):
     assert island.counters["rejected.invalid"] >= 1 and not island.finalized
     await asyncio.sleep(1.1)  # past final_timeout_s: the unbacked manifest is dropped
     assert await boundary(island) is True
-    assert island.counters["rejected.manifest_unbacked"] == 1 and island._offered is None
+    assert island.counters["rejected.manifest_unbacked"] == 1 and island.machine.offered is None
     rejected = sum(e["rejected"] for e in steplog_lines(island))
     assert rejected >= 2
     # the real one: final cut first, then the manifest
