@@ -105,7 +105,7 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
         chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
         tries = {m["try"] for m, _ in chunks}
         assert len(tries) == 1 and {(m["gen"], m["step"]) for m, _ in chunks} == {(gen, 2)}
-        assemble_push(chunks)  # complete, digests valid
+        assemble_push(chunks, syncer.numel(1))  # complete, digests valid
         assert island.book.pending() == 0 and island.counters["pushes"] == 1
         assert max(after) < 1.5, after  # a reconnect's re-sends happen in the background too
         print(f"boundary at the broker stop {at_stop:.3f}s; during the outage max {max(during):.3f}s; "
