@@ -245,8 +245,7 @@ class Boundary:
         self._last_t = ev.now
         self._emit(Progress(self.local_step, self.step_time_s))
         self.state.note_step(ev.tokens)
-        self._emit(CheckHealth())
-        yield from self._read_control()
+        yield from self._read_control()  # health first
         if self._live():
             yield from self._read_broadcasts()
             yield from self._take_pulls()
