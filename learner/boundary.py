@@ -13,7 +13,9 @@ ManifestChecked, FinalRead, Tick). A list that ends with `End` closes what the s
 carries out ReadBroadcasts or ReadFinal it feeds `VersionComplete` for each version whose digest
 matched and gets back the `Commit` to run on every rank before it reads on. Every answer carries
 `now` (the shell's monotonic clock): deadlines, step times and the manifest's patience are
-computed from it, so a test drives time by hand.
+computed from it, so a test drives time by hand. Inside, what an event starts runs as a generator
+that yields its requests, so the rules below read top to bottom in the order they apply; `phase`
+names where it stands.
 
 The rules, in the order a boundary applies them:
 * count the step (every fragment's steps and tokens since its anchor), step time (EMA of `now`s);
@@ -50,9 +52,9 @@ from typing import Generator, Iterable, Mapping
 
 from schemas.errors import WireError
 
-from .boundary_ops import (Ack, Begin, BeginFinal, CheckHealth, Commit, End, Fail, FinalShared, Log, Progress, Push,
-                           ReadBroadcasts, ReadControl, ReadFinal, Reap, StepDone, StepLog, StreamInit, TakePulls,
-                           VerifyManifest, VersionComplete, Wait)
+from .boundary_ops import (Ack, Begin, BeginFinal, BroadcastsRead, CheckHealth, Commit, End, Fail, FinalRead,
+                           FinalShared, Log, Progress, Push, ReadBroadcasts, ReadControl, ReadFinal, Reap, StepDone,
+                           StepLog, StreamInit, TakePulls, VerifyManifest, VersionComplete, Wait)
 from .fragments import ProtocolError, SyncState
 from .pulls import PendingPull, PullBook, due_round, max_due_step
 
@@ -139,6 +141,8 @@ class Boundary:
     def feed(self, event) -> list:
         """One event in, the operations it leads to out (see the module doc)."""
         if isinstance(event, VersionComplete):
+            if self._awaiting not in (BroadcastsRead, FinalRead):
+                raise ProtocolError("a version completed outside a reading", field="event", value=event)
             return [self._complete(event)]
         self._out = []
         if isinstance(event, (Begin, StepDone, FinalShared)):

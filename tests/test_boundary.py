@@ -539,3 +539,10 @@ def test_an_answer_out_of_turn_is_a_protocol_error():
         m.feed(O.Pulls([]))
     with pytest.raises(ProtocolError, match="StepDone fed while awaiting Control"):
         m.feed(O.StepDone(1, None, 2.0))
+
+
+def test_a_version_completing_outside_a_reading_is_a_protocol_error():
+    w = started()
+    with pytest.raises(ProtocolError, match="outside a reading"):
+        w.m.feed(O.VersionComplete(0, 1, digest(0, 1)))
+    assert w.m.state.version(0) == 0
