@@ -277,8 +277,8 @@ class Boundary:
         self._emit(StepLog(step=self.local_step, versions=versions, pending_pulls=self.book.pending(),
                            pushes=b["pushes"], applies=b["applies"], bytes_out=b["bytes_out"],
                            rejected=b["rejected"], loss=ev.loss, extra=extra))
-        for key in ("pushes", "applies", "bytes_out"):
-            self.counters[key] += b[key]
+        for key in ("pushes", "applies", "bytes_out", "rejected"):
+            self.counters[key] += b[key]  # the key is there from the first event on, 0 or not
         self._b = Counter()  # rejections between boundaries (start, the ack wait) go into the next event
         if dec["stop"] and dec["final"] is None:
             self.phase = Phase.STOPPED
@@ -342,7 +342,6 @@ class Boundary:
 
     def _reject(self, what: str, exc: Exception) -> None:
         self._b["rejected"] += 1
-        self.counters["rejected"] += 1
         self.counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
         self._emit(Log("warning", f"island {self.rules.island}: rejected {what}: {exc}"))
 

@@ -343,7 +343,7 @@ class Island:
         if final is None and (cfg.lockstep or rules.init_island or cfg.initial_cut_timeout > 0):
             self._bar = progress_bar(len(self.frags), f"cut {cfg.island}", cfg.progress, unit="frag")
         dec = self._drive(O.Begin(time.monotonic(), final, final_error, committed))
-        self.wire.stats = type(self.wire.stats)()  # the first step-log event counts from the first step
+        self.wire.take_stats()  # counted; the first step-log event counts from the first step
         return dec
 
     def _check_session(self, session: dict, fp: str) -> None:
@@ -446,7 +446,7 @@ class Island:
             self._bar.update(1)
 
     def _emit(self, op: "O.StepLog") -> None:
-        stats = self.wire.stats
+        stats = self.wire.take_stats()
         client_rejected = self.client.rejected_total()
         rejected = op.rejected + stats.rejected + client_rejected - self._rejected_seen
         self._rejected_seen = client_rejected
@@ -457,7 +457,6 @@ class Island:
             apply_s=stats.apply_s, pushes=op.pushes, applies=op.applies, bytes_out=op.bytes_out,
             bytes_in=stats.bytes_in, scatter_bytes=moved["scatter"], gather_bytes=moved["gather"],
             versions=op.versions, pending_pulls=op.pending_pulls, rejected=rejected, loss=op.loss, extra=op.extra)
-        self.wire.stats = type(stats)()
 
 
 __all__ = ["ACK_RESEND_S", "Island", "LockstepTimeout"]

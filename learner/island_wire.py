@@ -98,13 +98,17 @@ class IslandWire:
 
     def _reject(self, what: str, exc: Exception) -> None:
         self.stats.rejected += 1
-        self.counters["rejected"] += 1
         self.counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
         log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
 
     def _bytes_in(self, n: int) -> None:
         self.stats.bytes_in += n
-        self.counters["bytes_in"] += n
+
+    def take_stats(self) -> WireStats:
+        """What the wire did since the last call (counted into `counters`), for a step-log event."""
+        stats, self.stats = self.stats, WireStats()
+        self.counters.update({"bytes_in": stats.bytes_in, "rejected": stats.rejected})
+        return stats
 
     def stream_init(self) -> None:
         """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module

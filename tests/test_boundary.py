@@ -526,6 +526,10 @@ def test_every_boundary_emits_one_step_log_event_with_what_it_did():
     assert [e.step for e in logs] == [1, 2, 3]
     assert (logs[0].applies, logs[2].pushes, logs[2].bytes_out, logs[2].loss) == (2, 1, 100, 0.25)
     assert logs[2].pending_pulls == 0 and logs[2].versions == {"0": 0, "1": 0}
+    # The totals carry every step-log counter from the first event on, 0 or not (islands print them).
+    assert {k: w.m.counters[k] for k in ("pushes", "applies", "bytes_out", "rejected")} == \
+        {"pushes": 1, "applies": 2, "bytes_out": 100, "rejected": 0}
+    assert "rejected" in w.m.counters
 
 
 def test_an_answer_out_of_turn_is_a_protocol_error():
