@@ -92,8 +92,8 @@ class IslandWire:
         """Something a waiting boundary would read now: "control", "pulls", "bcast", "final" (in the
         client's inboxes), "pushes" (a push's outcome)."""
         c = self.client
-        sizes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
-        return any(len(sizes[k]) for k in kinds if k in sizes) or \
+        inboxes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
+        return any(len(inboxes[k]) for k in kinds if k in inboxes) or \
             ("pushes" in kinds and any(h.done() for _, h in self._pushing.values()))
 
     def _reject(self, what: str, exc: Exception) -> None:
