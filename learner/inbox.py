@@ -28,7 +28,7 @@ class ChunkNotice:
 
 @dataclass(slots=True)
 class PublishHandle:
-    """A detached publish (see IslandClient.publish_stream): every item was handed over; `future`
+    """A detached publish (see publisher.StreamPublisher.publish): every item was handed over; `future`
     resolves once JetStream acked them all (None) or the stream failed (its exception)."""
 
     future: concurrent.futures.Future
