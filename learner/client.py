@@ -2,24 +2,17 @@
 
 The training thread never touches the network directly. The loop thread:
 
-* reads the island's two durable CTL consumers, `pull-I` (pulls) and `isl-I` (manifest / error /
-  shutdown sent to this island), into thread-safe inboxes, acking each message once it is in an
-  inbox. The names are fixed per island so the server's permissions can confine an island to its own
-  (services/auth.py); a new process replaces them, and a process whose consumer another generation
-  took over stops (`Superseded`) instead of reading that generation's messages;
-* watches BCAST and FINAL with ordered, headers-only consumers: the inboxes hold *notices* (chunk
-  headers; the newest per chunk subject), the bytes stay in JetStream until the sync rank fetches
-  them at a boundary;
-* publishes a heartbeat every `heartbeat_s` and drains the step-log queue.
+* reads the island's CTL consumers into thread-safe inboxes and turns BCAST / FINAL chunk headers
+  into notices (the bytes stay in JetStream until the sync rank fetches them at a boundary):
+  `ctl_reader.CtlReader`, which also rejects (counts in `counters["rejected"]`) bad input;
+* publishes a heartbeat every `heartbeat_s`, looks for the run's final record every
+  `FINAL_POLL_S`, and drains the step-log queue.
 
-The training thread drains the inboxes at step boundaries and runs the calls it must wait for
-(fetching chunks, publishing a push and waiting for its acks) on the loop with
-`asyncio.run_coroutine_threadsafe(...)`, always with a timeout (`call`).
-
-Bad input (malformed JSON, a schema violation, a header that does not match its subject, a manifest /
-error / shutdown that does not name a generation) is counted in `counters["rejected"]`, logged and
-acked: redelivering it would not make it valid. A non-fatal error `unknown_member` (the syncer has no
-record of this generation, e.g. it resumed without its members) makes the client say hello again.
+The training thread drains the inboxes (`learner.inbox`) at step boundaries and runs the calls it
+must wait for (fetching chunks, publishing a push and waiting for its acks) on the loop with
+`asyncio.run_coroutine_threadsafe(...)`, always with a timeout (`call`). Whatever a waiting
+boundary may wait for — an inbox put, a push's acks, a reconnect, a fatal error — raises
+`arrivals` (learner.waiting), so it wakes at once.
 
 Generation: one random `gen` per IslandClient (per process start); reconnects keep it, and it rides
 on every message. Health: nats-py reconnects on its own; `check_health` raises only once it gave up
@@ -31,11 +24,11 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections import Counter
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Awaitable, Iterable
 
 import nats
@@ -46,128 +39,23 @@ from schemas import codec
 from schemas import provision as P
 from schemas import subjects as S
 from schemas.conn import connect
-from schemas.errors import DecodeError, WireError
+from schemas.errors import WireError
 from schemas.ids import new_generation
-from schemas.publish import Pipeline, publish_retry
+from schemas.publish import publish_retry
 
 from .config import IslandConfig
+from .ctl_reader import CtlReader
+from .errors import IslandUnhealthy, NotConnected
+from .inbox import CutInbox, Inbox, PublishHandle
+from .publisher import StreamPublisher
 from .steplog import StepLog
+from .waiting import Arrivals, wait_until
 
 log = logging.getLogger("yeto.island")
 
-ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
-# Non-fatal syncer error codes that mean "I have no record of you": the island says hello again.
-REHELLO_CODES = frozenset({"unknown_member"})
-CTL_FETCH_BATCH = 64
-OWNER_CHECK_S = 5.0  # how often an idle CTL consumer's owner is looked at (see _ctl_pump)
 # The state KV key the syncer writes as it exits a finished run: the final manifest (no `gen`).
 FINAL_KEY = "final"
 FINAL_POLL_S = 5.0  # how often a running island looks for it (see _heartbeat_loop)
-PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
-DETACH_POLL_S = 0.02  # how soon a detached publish notices a lost connection
-# A detached publish (a push) waits this long for its last acks before finishing in the background:
-# on a healthy broker they are in within milliseconds, so the step log still shows the push at the
-# boundary that made it; a full PUSH stream or a dying broker no longer holds the boundary.
-ACK_WAIT_S = 1.0
-
-
-class IslandUnhealthy(RuntimeError):
-    """The island cannot go on: the connection is gone for good, or the syncer refused it."""
-
-
-class SyncerRefused(IslandUnhealthy):
-    """The syncer sent a fatal error (e.g. layout or dtype mismatch at hello)."""
-
-    def __init__(self, msg: dict):
-        self.code, self.field = msg.get("code"), msg.get("field")
-        super().__init__(f"syncer refused this island: {msg.get('code')}: {msg.get('message')}"
-                         + (f" (field {msg['field']})" if msg.get("field") else ""))
-
-
-class Superseded(IslandUnhealthy):
-    """A newer process of this island (another generation) took over its CTL consumers."""
-
-
-class NotConnected(RuntimeError):
-    """The connection is down right now (nats-py is reconnecting)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkNotice:
-    """A BCAST / FINAL chunk's header as seen by the cut watcher (the bytes stay in JetStream)."""
-
-    kind: str  # "bcast_chunk" or "final_chunk"
-    subject: str
-    fragment: int
-    chunk: int
-    version: int
-    nbytes: int
-    meta: dict
-
-
-@dataclass(slots=True)
-class PublishHandle:
-    """A detached publish (see IslandClient.publish_stream): every item was handed over; `future`
-    resolves once JetStream acked them all (None) or the stream failed (its exception)."""
-
-    future: concurrent.futures.Future
-    nbytes: int
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def result(self) -> int:
-        """The payload bytes sent; raises the stream's error (or CancelledError). Only once done()."""
-        self.future.result(0)
-        return self.nbytes
-
-
-class Inbox:
-    """A thread-safe FIFO the loop fills and the training thread drains at step boundaries."""
-
-    def __init__(self) -> None:
-        self._q: collections.deque = collections.deque()
-
-    def put(self, item: Any) -> None:
-        self._q.append(item)  # deque append/popleft are atomic
-
-    def drain(self) -> list:
-        out = []
-        while True:
-            try:
-                out.append(self._q.popleft())
-            except IndexError:
-                return out
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-
-class CutInbox:
-    """The newest notice per chunk subject (fragment, chunk), for BCAST / FINAL.
-
-    A chunk subject holds one message, so an older notice of the same subject is obsolete: keeping
-    only the newest bounds the inbox by the number of chunks of the model, however many versions
-    land between two boundaries (a long evaluation, a slow step). Newest means the last to arrive
-    (the ordered consumer delivers in stream order), not the highest version: a forged chunk
-    claiming version 10^4 must not hide the real chunk that overwrote it (issue 16)."""
-
-    def __init__(self) -> None:
-        self._d: dict[tuple[int, int], ChunkNotice] = {}
-        self._lock = threading.Lock()
-
-    def put(self, n: ChunkNotice) -> None:
-        key = (n.fragment, n.chunk)
-        with self._lock:
-            self._d[key] = n
-
-    def drain(self) -> list[ChunkNotice]:
-        with self._lock:
-            d, self._d = self._d, {}
-        return list(d.values())
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 def cut_contexts(nc, config: IslandConfig):
@@ -186,10 +74,11 @@ class IslandClient:
         self.config = config
         self.run, self.island = config.run, config.island
         self.gen = gen or new_generation()
-        self.pulls = Inbox()  # decoded pull dicts
-        self.control = Inbox()  # (kind, msg): manifest / error / shutdown for this island (and gen)
-        self.bcast = CutInbox()
-        self.final = CutInbox()
+        self.arrivals = Arrivals()  # raised by the loop thread when input lands (see the module doc)
+        self.pulls = Inbox(self.arrivals)  # decoded pull dicts
+        self.control = Inbox(self.arrivals)  # (kind, msg): manifest / error / shutdown / final for this island
+        self.bcast = CutInbox(self.arrivals)
+        self.final = CutInbox(self.arrivals)
         self.steplog = StepLog(self.run, self.island, self.gen, maxlen=config.steplog_queue, path=config.step_log)
         # Written by the loop thread only; read by the training thread as a copy (dict copy is atomic).
         self._counters: Counter[str] = Counter()
@@ -208,12 +97,8 @@ class IslandClient:
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
         self._wake: asyncio.Event | None = None
-        self._consumers: dict[str, str] = {}  # kind ("pull" / "to") -> consumer name, once created
-        self._hello_seq: int | None = None
-        self._last_seq: dict[str, int] = {}  # kind -> stream sequence of the last message taken
+        self.ctl: CtlReader | None = None  # once the hello is out
         self._bad_final: bytes | None = None  # a final record refused already (counted once)
-        self._hello: dict | None = None  # the hello's fields, for a re-hello
-        self._rehellos = 0
 
     # ---- lifecycle (training thread) ------------------------------------------------------------
 
@@ -257,6 +142,8 @@ class IslandClient:
         merely down (reconnecting) is healthy: training goes on."""
         if self._fatal is not None:
             raise self._fatal
+        if self.ctl is not None and self.ctl.fatal is not None:
+            raise self.ctl.fatal
         if self._gave_up:
             raise IslandUnhealthy(f"NATS connection to {self.config.nats.url} lost: gave up after "
                                   f"{self.config.max_reconnects} failed reconnects (YETO_MAX_RECONNECTS)")
@@ -265,6 +152,8 @@ class IslandClient:
         """Flush the step log (briefly), stop the background tasks, remove this generation's CTL
         consumer and close the connection. Idempotent."""
         self._closing = True
+        if self.ctl is not None:
+            self.ctl.closing = True
         loop = self.loop
         if loop is not None and loop.is_running():
             try:
@@ -294,26 +183,17 @@ class IslandClient:
         self.call(P.check_run(self.js, self.run, timeout_s=to, log=log.warning), None if to is None else to + 10)
         if self.cut_js is not self.js:  # an island datacenter: the cut is read from its local mirror
             self.call(P.ensure_cut_mirrors(self.cut_js, self.run, self.config.hub_domain, log=log.warning), 60)
-        self._hello = dict(hello)
         msg = codec.make("hello", hello, run=self.run, island=self.island, gen=self.gen)
         ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
                                       S.hello_msg_id(self.island, self.gen), counters=self._counters), 60)
+        self.ctl = CtlReader(js=self.js, run=self.run, island=self.island, gen=self.gen, hello=hello,
+                             counters=self._counters, pulls=self.pulls, control=self.control, bcast=self.bcast,
+                             final=self.final, reject=self._reject, spawn=self._spawn,
+                             connected=lambda: self.connected, on_fatal=self.arrivals.notify)
         self.call(self._after_hello(ack.seq), 60)
 
     async def _after_hello(self, seq: int) -> None:
-        self._hello_seq = seq
-        rep = await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, start_seq=seq)
-        log.info("island %s: CTL consumers: %s", self.island, rep)
-        for kind in S.ISLAND_CONSUMER_KINDS:
-            name = S.island_consumer(self.island, kind)
-            self._consumers[kind] = name
-            sub = await self.js.pull_subscribe_bind(durable=name, stream=S.stream(self.run, "CTL"))
-            self._spawn(self._ctl_pump(sub, kind), f"ctl-{kind}")
-        for kind, stream, cfg in (("bcast_chunk", "BCAST", P.bcast_consumer_config(self.run)),
-                                  ("final_chunk", "FINAL", P.final_consumer_config(self.run))):
-            self._subs.append(await self.cut_js.subscribe(
-                cfg.filter_subject, stream=S.stream(self.run, stream), ordered_consumer=True, config=cfg,
-                cb=self._cut_callback(kind)))
+        self._subs += await self.ctl.start(seq, self.cut_js)
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
 
@@ -345,77 +225,46 @@ class IslandClient:
         """Wait for the syncer's session record (state KV key `session`), with a log line while
         waiting; raise on a fatal error from the syncer or after `session_timeout_s`."""
         t0 = time.monotonic()
-        last_log = None
+        last_log: list[float] = []
+        found: list[bytes] = []
         to = self.config.session_timeout_s
-        while True:
+
+        def present() -> bool:
             self.check_health()
-            raw = None
             try:
                 raw = self.state_key("session")
             except (TimeoutError, NotConnected, nats.errors.Error) as exc:
                 log.debug("island %s: reading the session record: %r", self.island, exc)
+                raw = None
             if raw is not None:
-                session = codec.decode("session", raw)
-                if session["run"] != self.run:
-                    raise WireError("session record names another run", field="run", value=session["run"])
-                if last_log is not None:
-                    log.warning("island %s: session record of run %s found after %.1fs", self.island, self.run,
-                                time.monotonic() - t0)
-                return session
-            waited = time.monotonic() - t0
-            if to is not None and waited >= to:
-                raise TimeoutError(f"island {self.island}: no session record for run {self.run} after {waited:.0f}s "
-                                   f"(is the syncer running and has it admitted this island?)")
-            if last_log is None or time.monotonic() - last_log >= log_every_s:
+                found.append(raw)
+                return True
+            if not last_log or time.monotonic() - last_log[-1] >= log_every_s:
                 log.warning("island %s (gen %s): waiting for the syncer's session record of run %s "
                             "(KV %s key 'session'; waited %.0fs)", self.island, self.gen, self.run,
-                            S.kv_bucket(self.run, "state"), waited)
-                last_log = time.monotonic()
-            time.sleep(poll_s)
+                            S.kv_bucket(self.run, "state"), time.monotonic() - t0)
+                last_log.append(time.monotonic())
+            return False
+
+        # A KV value raises no arrival: this wait polls every `poll_s`.
+        if not wait_until(present, math.inf if to is None else t0 + to, poll=poll_s):
+            raise TimeoutError(f"island {self.island}: no session record for run {self.run} after "
+                               f"{time.monotonic() - t0:.0f}s (is the syncer running and has it admitted this island?)")
+        session = codec.decode("session", found[0])
+        if session["run"] != self.run:
+            raise WireError("session record names another run", field="run", value=session["run"])
+        if last_log:
+            log.warning("island %s: session record of run %s found after %.1fs", self.island, self.run,
+                        time.monotonic() - t0)
+        return session
 
     # ---- calls the training thread waits for -----------------------------------------------------
 
     def publish_stream(self, items: Iterable[tuple[str, Any, str, dict]], *, timeout: float,
                        detach: bool = False) -> "int | PublishHandle":
-        """Publish (subject, payload, msg id, headers) items as they are produced, with bounded bytes
-        in flight, and wait until JetStream acked every one. Returns the payload bytes sent. Raises
-        NotConnected, TimeoutError or PublishFailed; then the caller treats the whole stream as not
-        sent (resends reuse the msg ids, so JetStream drops what did land).
-
-        `detach=True` (pushes; the README promises the boundary never blocks): the items are still
-        produced here (the export is collective), but a wait for pipeline room gives up at once when
-        the connection drops (NotConnected: the try failed, nothing more is produced); once every
-        item is handed over, the acks are awaited only while connected and at most ACK_WAIT_S: a
-        PublishHandle is returned, done or not, and the pipeline goes on in the background (same
-        msg ids, re-sent after a reconnect) until `timeout`."""
-        deadline = time.monotonic() + timeout
-        # An ack future can hang when the server answers with an error (NATS-NOTES trap 2): the
-        # pipeline's own wait is a fraction of the budget, so such a publish is redone with
-        # publish_retry (same msg id, backoff on 10077 / 10167) before the whole stream times out.
-        pipe = Pipeline(self.js, max_bytes=PUSH_PIPELINE_BYTES, timeout=max(0.5, min(10.0, timeout / 4)),
-                        counters=self._counters)
-        sent = 0
-
-        def left() -> float:
-            rem = deadline - time.monotonic()
-            if rem <= 0:
-                raise TimeoutError(f"publishing did not finish within {timeout:.1f}s")
-            return rem
-
-        for subject, payload, msg_id, headers in items:
-            if not self.connected:
-                raise NotConnected("NATS connection is down")
-            if detach:
-                self._wait_connected(self._submit(pipe.put(subject, payload, msg_id, headers)), left(), cancel=True)
-            else:
-                self.call(pipe.put(subject, payload, msg_id, headers), left())
-            sent += len(payload)
-        if not detach:
-            self.call(pipe.flush(), left())
-            return sent
-        handle = PublishHandle(self._submit(self._flush_within(pipe, left())), sent)
-        self._wait_connected(handle.future, min(ACK_WAIT_S, deadline - time.monotonic()), cancel=False)
-        return handle
+        """See `StreamPublisher.publish`."""
+        return StreamPublisher(self.js, submit=self._submit, connected=lambda: self.connected, arrivals=self.arrivals,
+                               counters=self._counters).publish(items, timeout=timeout, detach=detach)
 
     def _submit(self, coro: Awaitable) -> "concurrent.futures.Future":
         if self.loop is None or not self.loop.is_running():
@@ -423,38 +272,6 @@ class IslandClient:
                 coro.close()
             raise NotConnected("the NATS client is not running")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def _wait_connected(self, fut: "concurrent.futures.Future", timeout: float, *, cancel: bool) -> None:
-        """Wait for `fut` (its result or error is left in it) while connected and within `timeout`.
-        cancel=True: a wait cut short cancels `fut` and raises (NotConnected / TimeoutError);
-        cancel=False: `fut` goes on in the background and this returns."""
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                fut.result(DETACH_POLL_S)
-                return
-            except FutureTimeout:
-                pass
-            except BaseException:  # noqa: BLE001 - the caller reads the outcome from fut
-                if cancel:
-                    raise
-                return
-            if self.connected and time.monotonic() < end:
-                continue
-            if not cancel:
-                return
-            fut.cancel()
-            if not self.connected:
-                raise NotConnected("NATS connection lost while publishing")
-            raise TimeoutError(f"publishing did not finish within {timeout:.1f}s")
-
-    @staticmethod
-    async def _flush_within(pipe: Pipeline, timeout: float) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                await pipe.flush()
-        except TimeoutError:
-            raise TimeoutError(f"acks did not all arrive within {timeout:.1f}s") from None
 
     def fetch_last(self, kind: str, subjects: list[str], *, timeout: float | None = None) -> list:
         """The newest message on each subject of stream `kind` (direct get), None where there is none."""
@@ -515,18 +332,21 @@ class IslandClient:
         self.steplog.on_put = wake
 
     async def _on_disconnected(self) -> None:
+        self.arrivals.notify()
         if self._closing:  # our own close(): not a network event, not counted
             return
         self._counters["disconnects"] += 1
         log.warning("island %s: NATS connection lost; reconnecting (training goes on)", self.island)
 
     async def _on_reconnected(self) -> None:
+        self.arrivals.notify()
         self._counters["reconnects"] += 1
         log.warning("island %s: NATS reconnected", self.island)
 
     async def _on_closed(self) -> None:
         if not self._closing:
             self._gave_up = True
+            self.arrivals.notify()
 
     async def _on_error(self, exc: Exception) -> None:
         self._counters["nats_errors"] += 1
@@ -539,6 +359,7 @@ class IslandClient:
             if not t.cancelled() and t.exception() is not None and not self._closing:
                 log.error("island %s: background task %s crashed: %r", self.island, name, t.exception())
                 self._fatal = IslandUnhealthy(f"background task {name} crashed: {t.exception()!r}")
+                self.arrivals.notify()
 
         task.add_done_callback(done)
         self._tasks.append(task)
@@ -549,173 +370,6 @@ class IslandClient:
         text = f"{what}: {exc}"
         self.rejections.append(text)
         log.warning("island %s: rejected %s", self.island, text)
-
-    # CTL: pulls and messages to this island.
-
-    async def _ctl_pump(self, sub, kind: str) -> None:
-        """Fetch from consumer `kind` ("pull" or "to"). Its name is the island's, not the process's:
-        a batch is taken only once the consumer is known to be this generation's (an earlier process
-        that lived on would otherwise read, and ack, a newer generation's messages), else handed back
-        at once (nak). A consumer gone (removed by hand, by a racing close) is made again from the
-        message after the last one taken; one taken over by another generation stops this process."""
-        failures = 0
-        check_at = time.monotonic() + OWNER_CHECK_S
-        while not self._closing:
-            if (failures >= 3 or time.monotonic() >= check_at) and self.connected:
-                # An idle consumer shows nothing: look who owns it now and then (and after failures).
-                failures, check_at = 0, time.monotonic() + OWNER_CHECK_S
-                await self._check_consumer(kind, recreate=True)
-                if self._fatal is not None:
-                    return
-            try:
-                msgs = await sub.fetch(CTL_FETCH_BATCH, timeout=1.0)
-                failures = 0
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # disconnected, consumer briefly unavailable: retry
-                self._counters["ctl_fetch_errors"] += 1
-                log.debug("island %s: CTL fetch (%s): %r", self.island, kind, exc)
-                failures += 1
-                await asyncio.sleep(0.5)
-                continue
-            if not msgs:
-                continue
-            if not await self._check_consumer(kind, recreate=False):
-                for m in msgs:
-                    try:
-                        await m.nak()
-                    except Exception:
-                        pass
-                if self._fatal is not None:
-                    return
-                await asyncio.sleep(0.5)
-                continue
-            for m in msgs:
-                self._on_ctl(m.subject, m.data)
-                try:
-                    self._last_seq[kind] = max(self._last_seq.get(kind, 0), m.metadata.sequence.stream)
-                except Exception:
-                    pass
-                try:
-                    await m.ack()
-                except Exception:  # redelivered later; the pull book keeps one copy
-                    pass
-
-    async def _check_consumer(self, kind: str, *, recreate: bool) -> bool:
-        """True when consumer `kind` is this generation's. Another generation's: this process was
-        superseded (fatal). Gone and `recreate`: made again (False: fetch again)."""
-        try:
-            exists, owner = await P.island_consumer_owner(self.js, self.run, self.island, kind)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # no answer now: hand the batch back, look again later
-            log.debug("island %s: CTL consumer info (%s): %r", self.island, kind, exc)
-            return False
-        if owner == self.gen:
-            return True
-        name = S.island_consumer(self.island, kind)
-        if exists:
-            self._counters["ctl_superseded"] += 1
-            self._fatal = Superseded(f"island {self.island}: generation {owner} (a newer process of this island) "
-                                     f"took over its CTL consumer {name}; this process (generation {self.gen}) "
-                                     f"stops")
-            log.error("%s", self._fatal)
-            return False
-        if recreate:
-            start = self._last_seq.get(kind, (self._hello_seq or 1) - 1) + 1
-            try:
-                await P.ensure_island_consumer(self.js, self.run, self.island, self.gen, kind, start, replace=False)
-                self._counters["ctl_consumer_recreated"] += 1
-                log.warning("island %s: CTL consumer %s was gone: made again from stream sequence %d",
-                            self.island, name, start)
-            except P.ConsumerTaken as exc:
-                self._fatal = Superseded(f"island {self.island}: generation {exc.owner} took over its CTL consumer "
-                                         f"{name}; this process (generation {self.gen}) stops")
-            except Exception as exc:
-                log.debug("island %s: re-creating CTL consumer %s: %r", self.island, name, exc)
-        return False
-
-    def _on_ctl(self, subject: str, data: bytes) -> None:
-        try:
-            kind, msg = codec.decode_typed(data, ISLAND_CTL_KINDS)
-            if msg["run"] != self.run:
-                raise WireError("message names another run", field="run", value=msg["run"])
-            want = S.pull(self.run) if kind == "pull" else S.to_island(self.run, self.island)
-            if subject != want:
-                raise WireError(f"a {kind} message must arrive on {want}", field="subject", value=subject)
-        except WireError as exc:
-            self._reject(f"CTL message on {subject}", exc)
-            return
-        if kind == "pull":
-            self._counters["pulls_received"] += 1
-            self.pulls.put(msg)
-            return
-        if msg.get("gen") is None:
-            # The syncer names the generation in every message to an island; one without it could
-            # stop (shutdown, a fatal error) or finalize every generation of the island at once.
-            self._reject(f"{kind} message on {subject}", WireError(
-                f"a {kind} to an island must name its generation", field="gen", value=None, code="no_gen"))
-            return
-        if msg["gen"] != self.gen:
-            self._counters["ctl_other_gen"] += 1
-            return
-        if kind == "error":
-            log.error("island %s: syncer error %s (fatal=%s): %s", self.island, msg["code"], msg["fatal"], msg["message"])
-            if msg["fatal"]:
-                self._fatal = SyncerRefused(msg)
-            elif msg["code"] in REHELLO_CODES:
-                self._spawn(self._hello_again(msg["code"]), "rehello")
-        self.control.put((kind, msg))
-
-    async def _hello_again(self, code: str) -> None:
-        """The syncer has no record of this generation (it resumed without its members, or the hello
-        was lost with it): say hello again, same generation, so it admits this process. The CTL
-        consumer already delivers everything since the first hello. Never raises (a failure is
-        logged; the syncer asks again at its next chance)."""
-        if self._hello is None:
-            return
-        self._rehellos += 1
-        try:
-            msg = codec.make("hello", self._hello, run=self.run, island=self.island, gen=self.gen)
-            # A fresh Nats-Msg-Id per re-hello: the duplicate window would drop the first hello's.
-            await publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
-                                f"{S.hello_msg_id(self.island, self.gen)}.again.{self._rehellos}",
-                                counters=self._counters)
-            self._counters["rehello"] += 1
-            log.warning("island %s: the syncer does not know generation %s (%s): hello sent again", self.island,
-                        self.gen, code)
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            self._counters["rehello_failed"] += 1
-            log.warning("island %s: hello again failed: %r", self.island, exc)
-
-    # BCAST / FINAL notices.
-
-    def _cut_callback(self, kind: str):
-        inbox = self.bcast if kind == "bcast_chunk" else self.final
-        prefix = "bcast" if kind == "bcast_chunk" else "final"
-
-        async def cb(msg) -> None:
-            try:
-                hdr = (msg.headers or {}).get(codec.CHUNK_HEADER)
-                if hdr is None:
-                    raise DecodeError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
-                meta = codec.decode_header(kind, hdr)
-                toks = S.parse(self.run, msg.subject)
-                if meta["run"] != self.run:
-                    raise WireError("chunk names another run", field="run", value=meta["run"])
-                if toks != (prefix, str(meta["fragment"]), str(meta["chunk"])):
-                    raise WireError("chunk header does not match its subject", field="subject", value=msg.subject)
-                size = int((msg.headers or {}).get("Nats-Msg-Size", meta["nbytes"]))
-                if size != meta["nbytes"]:
-                    raise WireError(f"message holds {size} bytes", field="nbytes", value=meta["nbytes"])
-            except (WireError, ValueError) as exc:
-                self._reject(f"{kind} notice on {msg.subject}", exc)
-                return
-            inbox.put(ChunkNotice(kind, msg.subject, meta["fragment"], meta["chunk"], meta["version"], meta["nbytes"], meta))
-
-        return cb
 
     # Heartbeats and the step log.
 
@@ -816,7 +470,7 @@ class IslandClient:
             except Exception:
                 pass
         self._subs.clear()
-        if self._consumers and self.nc.is_connected:
+        if self.ctl is not None and self.ctl.consumers and self.nc.is_connected:
             try:  # this generation's consumers are garbage once the process ends (a newer one's are not)
                 await asyncio.wait_for(P.remove_island_consumers(self.js, self.run, self.island, self.gen), 5.0)
             except Exception:
@@ -834,14 +488,4 @@ class IslandClient:
             await asyncio.wait(rest, timeout=2.0)
 
 
-__all__ = [
-    "ChunkNotice",
-    "CutInbox",
-    "Inbox",
-    "IslandClient",
-    "IslandUnhealthy",
-    "NotConnected",
-    "PublishHandle",
-    "Superseded",
-    "SyncerRefused",
-]
+__all__ = ["IslandClient", "cut_contexts"]

@@ -230,7 +230,7 @@ class CutReader:
         # (nor counted) again; any new message on the subject is.
         self.refused: dict[tuple[int, int], int] = {}
         self._reading: dict[int, _Reading] = {}
-        self.counts: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
 
     def _fid(self, fid: Any) -> int:
         if isinstance(fid, bool) or not isinstance(fid, int) or fid not in self.spans:
@@ -310,7 +310,7 @@ class CutReader:
         if index != 0 or rd is None or (version, vdigest) == (rd.version, rd.digest):
             return False
         del self._reading[fid]
-        self.counts["chunk0_changed"] += 1
+        self.counters["chunk0_changed"] += 1
         return True
 
     def forget(self, fid: int) -> None:
@@ -341,7 +341,7 @@ class CutReader:
         """That message on that chunk subject is garbage: drop the reading, remember the message
         (only on the plan's subjects: what is remembered stays bounded by the chunk plan)."""
         self._reading.pop(fid, None)
-        self.counts["refused"] += 1
+        self.counters["refused"] += 1
         if seq is not None and 0 <= index < len(self.spans[fid]):
             self.refused[(fid, index)] = seq
 
@@ -375,10 +375,10 @@ class CutReader:
         `seq`: that message then means "wait")."""
         fid = self._fid(fid)
         if meta is None:
-            self.counts["missing"] += 1
+            self.counters["missing"] += 1
             return "wait"
         if self.known_bad(fid, index, seq):
-            self.counts["refused_again"] += 1
+            self.counters["refused_again"] += 1
             return "wait"
         self.check(fid, index, meta, payload, seq)
         v, vd = self._head(fid, index, meta)
@@ -388,12 +388,12 @@ class CutReader:
                 self.refuse(fid, index, seq)
                 raise VersionConflict(f"fragment {fid} version {v} was installed with digest {h[1]}",
                                       field="version_digest", value=vd)
-            self.counts["old"] += 1
+            self.counters["old"] += 1
             return "wait"
         if self.fixed:
             w = self.wanted.get(fid)
             if w is None or v != w[0]:
-                self.counts["ignored"] += 1
+                self.counters["ignored"] += 1
                 return "wait"
             if vd != w[1]:
                 self.refuse(fid, index, seq)
@@ -402,7 +402,7 @@ class CutReader:
         rd = self._reading.get(fid)
         if rd is not None:
             if v < rd.version:  # the version being read has not reached this chunk yet
-                self.counts["not_yet"] += 1
+                self.counters["not_yet"] += 1
                 return "wait"
             if v == rd.version and vd != rd.digest:
                 # Which of the two is garbage is unknown: drop both readings; the next one starts
@@ -412,7 +412,7 @@ class CutReader:
                                       f"first)", field="version_digest", value=vd)
             if v > rd.version or index != rd.next:  # overwritten by a newer version mid-read
                 del self._reading[fid]
-                self.counts["dropped_partial"] += 1
+                self.counters["dropped_partial"] += 1
                 rd = None
         if rd is None:
             if index != 0:
@@ -429,10 +429,10 @@ class CutReader:
             # Some chunk's bytes are not the version's (a forged chunk with a valid chunk digest). Not
             # knowing which, none is remembered: the fragment is read again only when a new message
             # lands on one of its subjects, which is what can make it whole.
-            self.counts["refused"] += 1
+            self.counters["refused"] += 1
             raise
         self.held[fid] = (v, vd)
-        self.counts["completed"] += 1
+        self.counters["completed"] += 1
         return "complete"
 
 

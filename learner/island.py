@@ -1,8 +1,5 @@
-"""The island's sync core: start-up (layout, hello, session, INIT, initial cut) and the step boundary
-(DESIGN §3.2, §5, §6). Pure decisions live in `pulls.PullBook`, `fragments.SyncState` /
-`CutReader` and `layout_map`; the network lives in `client.IslandClient`; the sync rank's reading
-of cuts and its exports in `island_wire` (mixed in); the ranks' share of the work in
-`island_ranks.RankOps` over `shard_io`; this module sequences them.
+"""The island's sync core (DESIGN §3.2, §5, §6): `Island`, what a training loop calls — start-up
+(layout, hello, session, INIT, initial cut) and the step boundary — on every rank of the island.
 
 Use (every rank of the island group calls every method; `group` None: a single process):
 
@@ -10,6 +7,18 @@ Use (every rank of the island group calls every method; `group` None: a single p
     while island.boundary(tokens=n_tokens, loss=loss):   # after every optimizer step, on every rank
         ... one training step ...
     island.close()
+
+Structure. What happens at a boundary, and in which order, is decided by a pure machine,
+`boundary.Boundary` (its module doc has the rules: apply broadcasts before answering pulls, the
+newest attempt of a round, one push per attempt, initial cut, lockstep, final cut), with the pure
+`pulls.PullBook` and `fragments.SyncState` inside it. `Island` is the shell on the sync rank: it
+feeds the machine events (a step done, what the inboxes hold, a version read whole, the time) and
+carries out the operations it returns with the parts that do I/O — `island_wire.IslandWire` (reading
+BCAST / FINAL into the ranks' staging with `fragments.CutReader`, exporting INIT and pushes),
+`client.IslandClient` (the NATS thread and its inboxes) and `island_ranks.RankOps` (each rank's
+share of a collective step, over `shard_io`). A `Wait` the machine asks for is one call of
+`waiting.wait_until` on the client's arrivals (a message, a push's acks, a reconnect) with a short
+poll as fallback. The layout of the island's pieces is `layout_map`.
 
 Ranks. Rank 0 of `group` (the sync rank) does all NATS I/O and all deciding; the others follow.
 Every step that needs the other ranks is announced with a small dict (broadcast_object_list) and
@@ -23,22 +32,19 @@ Every rank: its own pieces' staging (the version arriving), anchor (raw Θ of th
 pieces) and q4 residual (owner pieces), in `anchors.AnchorStore` (memory, or files under
 `YETO_ANCHOR_DIR` / `Island(..., anchor_dir=...)`: page cache instead of process memory).
 
-Boundary order (rank 0): health → control messages (a manifest finalizes now) → count the step →
-read broadcasts: chunks fetched in order by direct get in bounded batches and scattered to the
-ranks' staging as they arrive; when a version's last chunk passes and its whole digest matches,
-every rank commits (the first version of a fragment overwrites, later ones blend
-θ = α·θ_local + (1−α)·Θ; the staged Θ becomes the anchor) — a version overwritten mid-read is
-dropped and read again, never half-applied → take the pulls that arrived → (lockstep: block for the
-due round) → answer ready pulls (the owners' d = local − anchor gathered to rank 0 chunk by chunk,
-packed in the session push dtype and streamed while produced; `sent` once every chunk is acked,
-`failed` otherwise: a later boundary retries with try + 1. Acks not in within `ACK_WAIT_S`, or
-when the connection drops, are awaited in the background: the pull stays in flight, the boundary
-returns, and the boundary after the outcome reports it; one push per fragment at a time) →
-step-log event (with the bytes rank 0
-moved to and from the other ranks: scatter_bytes, gather_bytes). Bad input is counted (`rejected`)
-and training goes on: that includes chunks that claim a version held or being read with another
-version digest (until #17 anyone on the bus may publish them); the cut is read again when new
-messages land.
+Reading and pushing (the wire's side of an operation): broadcast chunks are fetched in order by
+direct get in bounded batches and scattered to the ranks' staging as they arrive; when a version's
+last chunk passes and its whole digest matches, every rank commits (the first version of a fragment
+overwrites, later ones blend θ = α·θ_local + (1−α)·Θ; the staged Θ becomes the anchor) — a version
+overwritten mid-read is dropped and read again, never half-applied. A push: the owners'
+d = local − anchor gathered to rank 0 chunk by chunk, packed in the session push dtype and streamed
+while produced; `sent` once every chunk is acked, `failed` otherwise (a later boundary retries with
+try + 1). Acks not in within `ACK_WAIT_S`, or when the connection drops, are awaited in the
+background: the pull stays in flight, the boundary returns, and the boundary after the outcome
+reports it. The step-log event carries the bytes rank 0 moved to and from the other ranks
+(scatter_bytes, gather_bytes). Bad input is counted (`rejected`) and training goes on: that includes
+chunks that claim a version held or being read with another version digest (until #17 anyone on
+the bus may publish them); the cut is read again when new messages land.
 
 Decisions beyond DESIGN:
 * The island's CTL consumers deliver from its hello's stream sequence (see IslandClient.provision).
@@ -65,34 +71,32 @@ import logging
 import os
 import time
 from collections import Counter
-from concurrent.futures import CancelledError
 from typing import Callable
 
 import torch.distributed as dist
 
-from schemas import codec
-from schemas import subjects as S
 from schemas.errors import WireError
 from schemas.layout import layout_fingerprint
 
+from . import boundary_ops as O
 from .adapters import ModelAdapter
 from .anchors import AnchorStore
-from .client import IslandClient, IslandUnhealthy
+from .boundary import Boundary, LockstepTimeout, Rules
+from .client import IslandClient
 from .config import IslandConfig
+from .errors import IslandUnhealthy
 from .fragments import CutReader, SyncState
 from .island_ranks import RankOps
-from .island_wire import POLL_S, TRANSIENT, IslandWire, _progress, _Stats
+from .island_wire import IslandWire, progress_bar
 from .layout_map import IslandLayout, describe
-from .pulls import PullBook, due_round, max_due_step
+from .pulls import PullBook
 from .shard_io import Comm
+from .waiting import POLL_S, wait_until
 
-# After the final ack, re-send it this often until the shutdown comes (see _ack_and_wait_shutdown).
+# After the final ack, re-send it this often until the shutdown comes (see boundary.Rules).
 ACK_RESEND_S = 5.0
 
 log = logging.getLogger("yeto.island")
-
-class LockstepTimeout(TimeoutError):
-    pass
 
 
 def _world_of(layout: IslandLayout, world: int) -> dict:
@@ -116,7 +120,7 @@ def rank_anchor_dir(base: str | os.PathLike | None, island: str, rank: int) -> s
     return d
 
 
-class Island(IslandWire):
+class Island:
     def __init__(self, adapter: ModelAdapter, config: IslandConfig, *, group: "dist.ProcessGroup | None" = None,
                  anchor_dir: str | os.PathLike | None = None):
         self.adapter = adapter
@@ -135,29 +139,18 @@ class Island(IslandWire):
         self.ops: RankOps | None = None
         self.session: dict | None = None
         self.frags: dict[int, dict] = {}
-        self.state: SyncState | None = None
-        self.book: PullBook | None = None
-        self.reader: CutReader | None = None
+        self.machine: Boundary | None = None  # sync rank: what to do, and when
+        self.wire: IslandWire | None = None  # sync rank: reading cuts, exporting
+        self._rank_state: SyncState | None = None  # the other ranks' view of the versions installed
         self.local_step = 0
         self.should_stop = False
         self.finalized = False  # the final cut is installed (and acknowledged, unless run_finished)
         self.run_finished = False  # the run had finished (syncer exited) when this island finalized
-        self._run_finished = False  # rank 0: the run's final record was seen
         self.final_step: int | None = None
-        self._counters: Counter[str] = Counter()
-        self._dirty: set[int] = set()  # fragments with BCAST notices since their last read
-        self._noticed: dict[int, dict[int, int]] = {}  # fragment -> {chunk: version} those notices claim
-        self._staged: dict[int, int] = {}  # fragment -> version the ranks are staging (rank 0's view)
-        self._pushing: dict[int, tuple] = {}  # fragment -> (PendingPull, PublishHandle) awaiting acks
-        self._seen_rounds: dict[tuple[int, int], int] = {}  # lockstep: (fragment, step) -> base_version
-        self._manifest: dict | None = None  # verified (backed by the final cut): finalize now
-        self._offered: tuple[dict, float] | None = None  # a manifest not verified yet, and since when
-        self._ctl_rejected = 0
-        self._shutdown: dict | None = None
         self._rejected_seen = 0
         self._bytes_seen: Counter[str] = Counter()
-        self._last_t: float | None = None
-        self._step_ema: float | None = None
+        self._t0 = 0.0  # when the boundary being carried out began (perf_counter)
+        self._bar = None  # the progress bar of the cut being installed (initial, final)
         self._started = False
         self._closed = False
 
@@ -190,14 +183,14 @@ class Island(IslandWire):
         if self.should_stop:
             return False
         self.local_step += 1
-        dec = self._lead_or_follow(lambda: self._boundary_sync_rank(tokens, loss))
+        dec = self._lead_or_follow(lambda: self._drive(O.StepDone(tokens, loss, time.monotonic())))
         if dec.get("final") is not None:
             # Every rank holds the final cut now: only then may the syncer hear it is installed.
             self.final_step = dec["final"]
             if dec.get("after_run"):
                 self.run_finished = True  # the syncer has exited: nobody to acknowledge to
             elif self.sync_rank:
-                self._ack_and_wait_shutdown(dec["final"])
+                self._drive(O.FinalShared(time.monotonic()))
             self.finalized = True
         if dec["stop"]:
             self.should_stop = True
@@ -218,20 +211,37 @@ class Island(IslandWire):
         self.close()
 
     @property
+    def state(self) -> SyncState | None:
+        """The versions this island holds (and the steps and tokens since)."""
+        return self.machine.state if self.machine is not None else self._rank_state
+
+    @property
+    def book(self) -> PullBook | None:
+        """Sync rank: the pulls this island owes."""
+        return None if self.machine is None else self.machine.book
+
+    @property
+    def reader(self) -> CutReader | None:
+        """Sync rank: the BCAST reader."""
+        return None if self.wire is None else self.wire.reader
+
+    @property
     def counters(self) -> Counter:
         """Totals since start: pushes, applies, bytes (incl. scatter_bytes / gather_bytes moved by rank
         0 to and from the other ranks), rejected, retries, pull-book and reader dispositions
         (prefixed pull. / bcast.), step-log drops."""
-        c = Counter(self._counters)
+        c: Counter[str] = Counter()
         c["scatter_bytes"] = self.comm.bytes["scatter"]
         c["gather_bytes"] = self.comm.bytes["gather"]
+        if self.machine is not None:
+            c.update(self.machine.counters)
+            c.update({f"pull.{k}": v for k, v in self.machine.book.counters.items()})
+        if self.wire is not None:
+            c.update(self.wire.counters)
+            c.update({f"bcast.{k}": v for k, v in self.wire.reader.counters.items()})
         if self.client is not None:
             c.update(self.client.counters)
             c["steplog_dropped"] = self.client.steplog.dropped
-        if self.book is not None:
-            c.update({f"pull.{k}": v for k, v in self.book.counts.items()})
-        if self.reader is not None:
-            c.update({f"bcast.{k}": v for k, v in self.reader.counts.items()})
         return c
 
     def anchor(self, fid: int) -> dict:
@@ -287,7 +297,7 @@ class Island(IslandWire):
                 for _ in out:
                     pass
             elif kind == "commit" and op["mode"] != "final":
-                self.state.installed(op["fid"], op["version"], op["digest"])
+                self._rank_state.installed(op["fid"], op["version"], op["digest"])
 
     def _lead(self, op: dict, payloads=None):
         """Announce one collective step and run rank 0's part of it."""
@@ -300,7 +310,8 @@ class Island(IslandWire):
         self.session = session
         self.frags = {f["id"]: f for f in session["fragments"]}
         self.ops = RankOps(self.adapter, self.comm, self.layout, session, self.store, op["alpha"])
-        self.state = SyncState(session, self.config.island, op["gen"], op["alpha"])
+        if not self.sync_rank:
+            self._rank_state = SyncState(session, self.config.island, op["gen"], op["alpha"])
 
     # ---- start ------------------------------------------------------------------------------------
 
@@ -317,34 +328,23 @@ class Island(IslandWire):
         op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha}
         self.comm.share(op)
         self._setup(op)
-        self.book = PullBook(cfg.island, c.gen, fragments=len(self.frags))
-        self.reader = CutReader(session)
+        rules = Rules.of(session, cfg, c.gen, ack_resend_s=ACK_RESEND_S)
+        self.machine = Boundary(session, rules)
+        self.wire = IslandWire(client=c, config=cfg, session=session, gen=c.gen, ops=self.ops, lead=self._lead)
         log.info("island %s (gen %s, %d ranks): session %s… with %d fragments, push %s, bulk %s, H=%d, INIT island %s",
                  cfg.island, c.gen, self.world, session["session_fingerprint"][:12], len(self.frags),
                  session["push_dtype"], session["bulk_dtype"], session["sync_every"], session["init_island"])
-        init = session["init_island"] == cfg.island
-        final = self._final_record()
-        if final is not None:
-            # The run is over: no INIT, no cut to wait for; the first boundary installs the final cut.
-            log.warning("island %s: run %s already finished at step %d (the syncer has exited): the final cut "
-                        "is installed at the first boundary, then the island stops", cfg.island, cfg.run,
-                        final["final_step"])
-            self._offer_final(final)
-            return {"gen": c.gen, "installed": [], "stop": False, "run_finished": final["final_step"]}
-        if init:
-            if c.state_key("commit") is None:
-                self._stream_init()
-            else:
-                log.warning("island %s: the run already has committed versions: INIT skipped", cfg.island)
-        if cfg.lockstep:
-            installed = self._install_cut(cfg.lockstep_timeout_s, strict=True)
-        elif init:
-            installed = self._install_cut(cfg.init_v0_timeout_s, strict=False)
-        elif cfg.initial_cut_timeout > 0:
-            installed = self._install_cut(cfg.initial_cut_timeout, strict=False)
-        else:
-            installed = []
-        return {"gen": c.gen, "installed": sorted(installed), "stop": False}
+        final = final_error = None
+        try:
+            final = c.final_record()
+        except WireError as exc:
+            final_error = exc
+        committed = rules.init_island and final is None and c.state_key("commit") is not None
+        if final is None and (cfg.lockstep or rules.init_island or cfg.initial_cut_timeout > 0):
+            self._bar = progress_bar(len(self.frags), f"cut {cfg.island}", cfg.progress, unit="frag")
+        dec = self._drive(O.Begin(time.monotonic(), final, final_error, committed))
+        self.wire.take_stats()  # counted; the first step-log event counts from the first step
+        return dec
 
     def _check_session(self, session: dict, fp: str) -> None:
         cfg = self.config
@@ -358,318 +358,105 @@ class Island(IslandWire):
                 raise IslandUnhealthy(f"island {cfg.island}: configured {name}={want} but the session uses "
                                       f"{session[name]} (set it to auto or match the syncer)")
 
-    def _install_cut(self, timeout: float, *, strict: bool) -> list[int]:
-        """Before the first step: install each fragment's first version as it lands (overwrite),
-        until every fragment has one or `timeout` passes (strict: then raise)."""
-        t0 = time.monotonic()
-        missing = lambda: [f for f in self.frags if self.state.version(f) is None]  # noqa: E731
-        bar = _progress(len(self.frags), f"cut {self.config.island}", self.config.progress, unit="frag")
-        installed: list[int] = []
-        stats = _Stats()
+    # ---- carrying out the machine's operations (sync rank) ---------------------------------------
+
+    def _drive(self, event) -> dict:
+        """Feed `event` and carry out what follows until the machine says End; its decision."""
+        self._t0 = time.perf_counter()
+        ops = self.machine.feed(event)
         try:
-            while missing():
-                self.client.check_health()
-                applied = self._drain_broadcasts(stats)
-                installed += applied
-                bar.update(len(applied))
-                if not missing():
-                    break
-                if time.monotonic() - t0 >= timeout:
-                    what = f"fragments {missing()} have no version after {timeout:.0f}s"
-                    if strict:
-                        raise LockstepTimeout(f"island {self.config.island}: {what}")
-                    log.warning("island %s: %s; they will be installed at a step boundary", self.config.island, what)
-                    break
-                if not applied:
-                    time.sleep(POLL_S)
+            while True:
+                answer = None
+                for op in ops:
+                    if isinstance(op, O.End):
+                        return op.decision
+                    if isinstance(op, O.Fail):
+                        raise op.error
+                    answer = self._carry_out(op)
+                if answer is None:
+                    raise RuntimeError(f"the boundary machine stopped without End: {ops!r}")
+                ops = self.machine.feed(answer)
         finally:
-            bar.close()
-        self._counters["applies"] += stats.applies
-        self._counters["bytes_in"] += stats.bytes_in
-        self._counters["rejected"] += stats.rejected
-        return installed
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
 
-    # ---- boundary ---------------------------------------------------------------------------------
-
-    def _boundary_sync_rank(self, tokens: int, loss: float | None) -> dict:
-        t0 = time.perf_counter()
-        c = self.client
-        c.check_health()
-        now = time.monotonic()
-        if self._last_t is not None:
-            dt = now - self._last_t
-            self._step_ema = dt if self._step_ema is None else 0.9 * self._step_ema + 0.1 * dt
-        self._last_t = now
-        c.local_step, c.step_time_s = self.local_step, self._step_ema
-        self.state.note_step(tokens)
-        stats = _Stats()
-        self._read_control()
-        if self._manifest is None and self._shutdown is None:
-            ta = time.perf_counter()
-            self._drain_broadcasts(stats)
-            stats.apply_s += time.perf_counter() - ta
-            self._take_pulls(stats)
-            if self.config.lockstep:
-                self._lockstep(stats)
-            if self._manifest is None and self._shutdown is None:
-                self._answer_pulls(stats)
-        if self._manifest is not None:
-            ta = time.perf_counter()
-            self._install_final(stats)
-            stats.apply_s += time.perf_counter() - ta
-            dec = {"final": self._manifest["final_step"], "stop": True, "after_run": self._run_finished}
-            versions = {str(k): v for k, v in self._manifest["versions"].items()}
-            if self._run_finished:
-                log.warning("island %s: the run had finished (the syncer has exited): final cut of step %d "
-                            "installed, stopping without an ack", self.config.island, self._manifest["final_step"])
-        else:
-            dec = {"final": None, "stop": self._shutdown is not None}
-            versions = None
-            if self._shutdown is not None:
-                log.warning("island %s: shutdown from the syncer: %s", self.config.island, self._shutdown["reason"])
-        self._emit(stats, loss, t0, versions, extra={"final_after_run": True, "final_step": dec["final"]}
-                   if dec.get("after_run") and dec["final"] is not None else None)
-        return dec
-
-    def _final_record(self) -> dict | None:
-        """The run's final record (see the module doc) if the syncer left one; a bad one is refused."""
-        try:
-            return self.client.final_record()
-        except WireError as exc:
-            self._reject_ctl("final record in the state KV", exc)
-            return None
-
-    def _offer_final(self, msg: dict) -> None:
-        """The run's final record: the run is over. Offered like a manifest (verified against FINAL)."""
-        self._run_finished = True
-        try:
-            self._check_manifest(msg)
-        except WireError as exc:
-            self._reject_ctl(f"final record for final step {msg.get('final_step')}", exc)
-            return
-        cur = self._offered
-        if self._manifest is None and (cur is None or msg["final_step"] > cur[0]["final_step"]):
-            self._offered = (msg, time.monotonic())
-
-    def _read_control(self) -> None:
-        for kind, msg in self.client.control.drain():
-            if kind == "final":
-                self._offer_final(msg)
-            elif kind == "manifest":
+    def _carry_out(self, op):
+        """One operation; a request's answer (an event), else None."""
+        c, w = self.client, self.wire
+        now = time.monotonic
+        match op:
+            case O.Progress():
+                c.local_step, c.step_time_s = op.local_step, op.step_time_s
+            case O.CheckHealth():
+                c.check_health()
+            case O.Log():
+                getattr(log, op.level)("%s", op.text)
+            case O.StreamInit():
+                w.stream_init()
+            case O.ReadControl():
+                if op.health:
+                    c.check_health()
+                return O.Control(c.control.drain(), now())
+            case O.VerifyManifest():
+                return O.ManifestChecked(w.final_heads(op.fragments))
+            case O.ReadBroadcasts():
+                t = time.perf_counter()
+                applied = w.read_broadcasts(self._commit)
+                w.stats.apply_s += time.perf_counter() - t
+                return O.BroadcastsRead(applied, now())
+            case O.TakePulls():
+                return O.Pulls(c.pulls.drain())
+            case O.Reap():
+                return O.Pushes(w.reap(), c.connected)
+            case O.Push():
+                t = time.perf_counter()
+                error = w.push(op)
+                w.stats.export_s += time.perf_counter() - t
+                return O.PushHanded(error)
+            case O.BeginFinal():
+                w.begin_final(op.final_step, op.want)
+                self._bar = progress_bar(len(op.want), f"final {self.config.island}", self.config.progress, unit="frag")
+            case O.ReadFinal():
+                t = time.perf_counter()
+                completed, progressed = w.read_final(self._commit)
+                w.stats.apply_s += time.perf_counter() - t
+                return O.FinalRead(completed, progressed, now())
+            case O.Wait():
+                wait_until(lambda: w.has_input(op.on), min(op.deadline, now() + POLL_S), arrivals=c.arrivals)
+                return O.Tick(now())
+            case O.Ack():
                 try:
-                    self._check_manifest(msg)
-                except WireError as exc:
-                    self._reject_ctl(f"manifest for final step {msg.get('final_step')}", exc)
-                    continue
-                cur = self._offered
-                if cur is None or msg["final_step"] > cur[0]["final_step"]:
-                    self._offered = (msg, time.monotonic())
-            elif kind == "shutdown":
-                self._shutdown = msg
-            elif kind == "error":  # fatal ones already made check_health raise
-                self._counters["syncer_errors"] += 1
-        if self._manifest is None and self._offered is not None:
-            self._verify_manifest()
-
-    def _check_manifest(self, msg: dict) -> None:
-        unknown = sorted(int(k) for k in msg["versions"] if int(k) not in self.frags)
-        if unknown:
-            raise WireError("manifest names fragments the session does not have", field="versions", value=unknown)
-
-    def _verify_manifest(self) -> None:
-        """Finalize only once the manifest is backed by the final cut: the syncer publishes FINAL
-        before any manifest, so chunk 0 of every fragment it names already carries its version, digest
-        and final step. Until then (a lagging replica, a fetch that failed) the island trains on and
-        looks again at the next boundary; a manifest still unbacked after `final_timeout_s` (forged:
-        until #17 anyone may publish one) is dropped and counted, instead of stopping the island to
-        wait for a cut that never comes."""
-        msg, since = self._offered
-        want = sorted((int(k), v) for k, v in msg["versions"].items())
-        backed = False
-        if self.client.connected:
-            try:
-                got = self.client.fetch_last("FINAL", [S.final(self.config.run, fid, 0) for fid, _ in want])
-            except TRANSIENT as exc:
-                log.warning("island %s: checking the final cut of a manifest: %r", self.config.island, exc)
-                got = None
-            if got is not None:
-                backed = True
-                for (fid, v), m in zip(want, got):
-                    try:
-                        meta = None if m is None else codec.decode_header(
-                            "final_chunk", (m.headers or {}).get(codec.CHUNK_HEADER, b""))
-                    except WireError:
-                        meta = None
-                    if meta is None or (meta["version"], meta["version_digest"], meta["final_step"]) != \
-                            (v, msg["version_digests"][str(fid)], msg["final_step"]):
-                        backed = False
-                        break
-        if backed:
-            self._manifest, self._offered = msg, None
-            log.warning("island %s: manifest for final step %d: finalizing", self.config.island, msg["final_step"])
-        elif time.monotonic() - since > self.config.final_timeout_s:
-            self._offered = None
-            self._reject_ctl(f"manifest for final step {msg['final_step']}", WireError(
-                f"no final cut on FINAL matches it after {self.config.final_timeout_s:.0f}s", field="versions",
-                value=msg["versions"], code="manifest_unbacked"))
-
-    def _reject_ctl(self, what: str, exc: Exception) -> None:
-        """A control message refused outside a boundary's stats: counted into the next step-log event."""
-        self._ctl_rejected += 1
-        self._counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
-        log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
-
-    def _reject(self, stats: _Stats, what: str, exc: Exception) -> None:
-        stats.rejected += 1
-        self._counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
-        log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
-
-    # pulls
-
-    def _take_pulls(self, stats: _Stats) -> None:
-        for p in self.client.pulls.drain():
-            try:
-                self.book.offer(p)
-            except WireError as exc:
-                self._reject(stats, f"pull {p.get('fragment')}/{p.get('step')}", exc)
-                continue
-            if self.config.lockstep:
-                key = (p["fragment"], p["step"])
-                self._seen_rounds[key] = max(self._seen_rounds.get(key, -1), p["base_version"])
-
-    def _answer_pulls(self, stats: _Stats) -> None:
-        self._reap_pushes(stats)
-        if not self.client.connected:
-            return  # pulls stay pending (no try is spent): answered at a later boundary
-        max_step = max_due_step(self.local_step, self.session["sync_every"], len(self.frags)) if self.config.lockstep else None
-        # One push per fragment at a time: a push still awaiting its acks (see _push) keeps its
-        # fragment's next pull waiting, so q4's working residual and the try numbers stay one per push.
-        ready = lambda fid: self.state.ready(fid) and fid not in self._pushing  # noqa: E731
-        for p in self.book.take_ready(ready, max_step=max_step):
-            t0 = time.perf_counter()
-            try:
-                handle = self._push(p)
-            except TRANSIENT as exc:
-                self._push_failed(p, exc)
-                continue
-            finally:
-                stats.export_s += time.perf_counter() - t0
-            self._pushing[p.fragment] = (p, handle)
-            self._reap_pushes(stats)
-
-    def _reap_pushes(self, stats: _Stats) -> None:
-        """Report the pushes whose acks all arrived (sent) or that failed (the pull is pending
-        again, its next push is try + 1); the others stay in flight without blocking the boundary."""
-        for fid in [f for f, (_, h) in self._pushing.items() if h.done()]:
-            p, h = self._pushing.pop(fid)
-            try:
-                nbytes = h.result()
-            except (*TRANSIENT, CancelledError) as exc:
-                self._settle_push(p, False)
-                self._push_failed(p, exc)
-                continue
-            self._settle_push(p, True)
-            self.book.sent(p.fragment, p.step, p.attempt, p.try_)
-            stats.pushes += 1
-            stats.bytes_out += nbytes
-
-    def _push_failed(self, p, exc: BaseException) -> None:
-        self.book.failed(p.fragment, p.step, p.attempt, p.try_)
-        self._counters["push_failed"] += 1
-        log.warning("island %s: push of fragment %d round %d (attempt %d, try %d) failed: %r; retried "
-                    "at a later boundary", self.config.island, p.fragment, p.step, p.attempt, p.try_, exc)
-
-    # lockstep
-
-    def _lockstep(self, stats: _Stats) -> list[int]:
-        """At the boundary of local step t·H/P: block until round t's pull is held, answer it, and
-        block until a version of its fragment newer than the pull's base is applied."""
-        H, P = self.session["sync_every"], len(self.frags)
-        due = due_round(self.local_step, H, P)
-        if due is None:
-            return []
-        fid = (due - 1) % P
-        applied: list[int] = []
-        if not self._block(lambda: (fid, due) in self._seen_rounds, f"the pull of round {due}", stats, applied):
-            return applied
-        self._answer_pulls(stats)
-        base = self._seen_rounds[(fid, due)]
-        held = lambda: -1 if self.state.version(fid) is None else self.state.version(fid)  # noqa: E731
-        self._block(lambda: held() > base, f"the broadcast of round {due} (fragment {fid} newer than v{base})", stats, applied)
-        for key in [k for k in self._seen_rounds if k[1] <= due]:
-            del self._seen_rounds[key]
-        return applied
-
-    def _block(self, done: Callable[[], bool], what: str, stats: _Stats, applied: list[int]) -> bool:
-        """Poll until `done()`; False when a manifest or shutdown arrived instead (finalize now)."""
-        deadline = time.monotonic() + self.config.lockstep_timeout_s
-        while not done():
-            self.client.check_health()
-            self._read_control()
-            if self._manifest is not None or self._shutdown is not None:
-                return False
-            if time.monotonic() > deadline:
-                raise LockstepTimeout(f"island {self.config.island} (lockstep, local step {self.local_step}): "
-                                      f"{what} did not come within {self.config.lockstep_timeout_s:.0f}s")
-            ta = time.perf_counter()
-            got = self._drain_broadcasts(stats)
-            stats.apply_s += time.perf_counter() - ta
-            applied += got
-            self._take_pulls(stats)
-            self._answer_pulls(stats)  # a restarted attempt of a round is answered while blocked
-            if not got:
-                time.sleep(POLL_S)
-        return True
-
-    def _ack_and_wait_shutdown(self, final_step: int) -> None:
-        self.client.send_ack(final_step)
-        now = time.monotonic()
-        deadline, resend_at, resends = now + self.config.shutdown_timeout_s, now + ACK_RESEND_S, 0
-        while self._shutdown is None:
-            self._read_control()
-            if self._shutdown is not None:
-                break
-            if self._run_finished:
-                # The syncer wrote the run's final record and exited: no shutdown will come.
-                log.warning("island %s: the syncer has exited (final record): not waiting for a shutdown",
-                            self.config.island)
-                return
-            if time.monotonic() >= resend_at:
-                # A syncer killed after our ack but before it recorded it would, once resumed, wait for
-                # this ack until its final timeout: say it again until the shutdown comes (duplicates are
-                # ignored by the syncer).
-                resends += 1
-                try:
-                    self.client.send_ack(final_step, resend=resends)
-                except Exception as exc:  # the broker may be down too: the next re-send tries again
+                    c.send_ack(op.final_step, resend=op.resend)
+                except Exception as exc:
+                    if not op.resend:
+                        raise
                     log.warning("island %s: re-sending the final ack failed: %r", self.config.island, exc)
-                resend_at = time.monotonic() + ACK_RESEND_S
-            if time.monotonic() > deadline:
-                log.warning("island %s: no shutdown from the syncer within %.0fs after the final ack; stopping anyway",
-                            self.config.island, self.config.shutdown_timeout_s)
-                return
-            time.sleep(0.02)
-        log.warning("island %s: shutdown: %s", self.config.island, self._shutdown["reason"])
+            case O.StepLog():
+                self._emit(op)
+            case _:
+                raise RuntimeError(f"unknown boundary operation {op!r}")
+        return None
 
-    # step log
+    def _commit(self, fid: int, version: int, digest: str) -> None:
+        """A version read whole: the machine says how, every rank installs it."""
+        (op,) = self.machine.feed(O.VersionComplete(fid, version, digest))
+        self.wire.commit(op)
+        if self._bar is not None:
+            self._bar.update(1)
 
-    def _emit(self, stats: _Stats, loss: float | None, t0: float, versions: dict | None,
-              extra: dict | None = None) -> None:
-        stats.rejected += self._ctl_rejected
-        self._ctl_rejected = 0
+    def _emit(self, op: "O.StepLog") -> None:
+        stats = self.wire.take_stats()
         client_rejected = self.client.rejected_total()
-        rejected = stats.rejected + client_rejected - self._rejected_seen
+        rejected = op.rejected + stats.rejected + client_rejected - self._rejected_seen
         self._rejected_seen = client_rejected
-        for key in ("pushes", "applies", "bytes_out", "bytes_in", "rejected"):
-            self._counters[key] += getattr(stats, key)
         moved = {k: self.comm.bytes[k] - self._bytes_seen[k] for k in ("scatter", "gather")}
         self._bytes_seen = Counter(self.comm.bytes)
         self.client.steplog.emit(
-            step=self.local_step, boundary_s=time.perf_counter() - t0, export_s=stats.export_s,
-            apply_s=stats.apply_s, pushes=stats.pushes, applies=stats.applies, bytes_out=stats.bytes_out,
+            step=op.step, boundary_s=time.perf_counter() - self._t0, export_s=stats.export_s,
+            apply_s=stats.apply_s, pushes=op.pushes, applies=op.applies, bytes_out=op.bytes_out,
             bytes_in=stats.bytes_in, scatter_bytes=moved["scatter"], gather_bytes=moved["gather"],
-            versions=self.state.versions() if versions is None else versions,
-            pending_pulls=self.book.pending(), rejected=rejected, loss=loss, extra=extra)
+            versions=op.versions, pending_pulls=op.pending_pulls, rejected=rejected, loss=op.loss, extra=op.extra)
 
 
-__all__ = ["Island", "LockstepTimeout"]
+__all__ = ["ACK_RESEND_S", "Island", "LockstepTimeout"]

@@ -1,17 +1,21 @@
-"""The sync rank's side of the wire for `learner.island.Island` (DESIGN §3, §5, §6): reading cuts
-(BCAST and FINAL) in chunk order into the ranks' staging, and exporting (INIT, pushes) chunk by chunk.
-A mixin: `Island` holds the state these methods use (client, reader, ops, session, counters) and
-sequences them; every collective step goes through `Island._lead` (announce, then run rank 0's part).
+"""The sync rank's side of the wire (DESIGN §3, §5, §6): reading cuts (BCAST and FINAL) in chunk
+order into the ranks' staging, and exporting (INIT, pushes) chunk by chunk. `IslandWire` holds its
+own state (the BCAST reader, which fragments have news, what the ranks are staging, the pushes in
+flight) and is held by `learner.island.Island`, which carries out the boundary machine's operations
+with it; every collective step goes through the `lead` it is given (announce, then run rank 0's part).
 
 Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get
 in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and scattered to the
-ranks' staging as they pass; the version commits on every rank once its last chunk passed and the
-whole version digest matched. A version overwritten mid-read is dropped and read again from chunk 0.
-When chunk 0 holds nothing new although notices claim a newer version further on, those chunks are
-fetched on their own and checked (`_probe`), so garbage on the stream is refused when it lands.
+ranks' staging as they pass; when a version's last chunk passed and the whole version digest
+matched, `commit(fid, version, digest)` (the shell: the machine decides how, every rank installs)
+runs before the next fragment is read. A version overwritten mid-read is dropped and read again
+from chunk 0. When chunk 0 holds nothing new although notices claim a newer version further on,
+those chunks are fetched on their own and checked (`_probe`), so garbage on the stream is refused
+when it lands. Refused chunks are counted (`counters`, and `stats.rejected` for the step log).
 
 Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there
-and published as they fill; INIT publishes on a background thread from a short queue.
+and published as they fill; INIT publishes on a background thread from a short queue; a push's acks
+are awaited in the background (`reap` reports the outcome at a later boundary).
 """
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
+from typing import Callable
 
 import nats.errors
 
@@ -30,48 +37,87 @@ from schemas.dtypes import as_bytes_view, packed_nbytes
 from schemas.errors import WireError
 from schemas.publish import PublishFailed
 
-from .client import NotConnected
-from .fragments import CutReader, ProtocolError
+from .boundary_ops import Commit, Push
+from .errors import NotConnected
+from .fragments import CutReader
+from .inbox import PublishHandle
+from .island_ranks import RankOps
+from .pulls import PendingPull
 
 log = logging.getLogger("yeto.island")
 
 # Errors that mean "this push / fetch did not get through now": retried at a later boundary.
 TRANSIENT = (NotConnected, TimeoutError, PublishFailed, nats.errors.Error, ConnectionError, OSError)
-POLL_S = 0.005  # sleep between polls while blocked (lockstep, cut, finalization)
 INIT_QUEUE_CHUNKS = 4  # packed INIT chunks waiting for the publisher thread on rank 0
 MAX_RESTARTS = 3  # re-reads of one fragment per boundary when newer versions keep overwriting it
 
 
 @dataclass
-class _Stats:
-    """What one boundary did (the step-log event's counters)."""
+class WireStats:
+    """What the wire did since the last step-log event (the shell adds the times it measured)."""
 
     export_s: float = 0.0
     apply_s: float = 0.0
-    pushes: int = 0
-    applies: int = 0
-    bytes_out: int = 0
     bytes_in: int = 0
     rejected: int = 0
 
 
-def _progress(total: int, desc: str, enabled: bool, unit: str = "B"):
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
 class IslandWire:
-    """Rank 0's reading and exporting (see the module doc); mixed into `Island`."""
+    """Rank 0's reading and exporting (see the module doc)."""
 
-    def _stream_init(self) -> None:
+    def __init__(self, *, client, config, session: dict, gen: str, ops: RankOps, lead: Callable):
+        self.client, self.config, self.session, self.gen, self.ops = client, config, session, gen, ops
+        self._lead = lead
+        self.frags = {f["id"]: f for f in session["fragments"]}
+        self.reader = CutReader(session)  # BCAST
+        self.counters: Counter[str] = Counter()
+        self.stats = WireStats()
+        self._dirty: set[int] = set()  # fragments with BCAST notices since their last read
+        self._noticed: dict[int, dict[int, int]] = {}  # fragment -> {chunk: version} those notices claim
+        self._staged: dict[int, int] = {}  # fragment -> version the ranks are staging
+        self._pushing: dict[int, tuple[PendingPull, PublishHandle]] = {}  # fragment -> push awaiting acks
+        # The final cut being read (FINAL): its reader, the manifest's final step, what to read, what was read.
+        self._final: CutReader | None = None
+        self._final_step: int | None = None
+        self._final_dirty: set[int] = set()
+        self._final_got: set[int] = set()
+
+    def has_input(self, kinds) -> bool:
+        """Something a waiting boundary would read now: "control", "pulls", "bcast", "final" (in the
+        client's inboxes), "pushes" (a push's outcome)."""
+        c = self.client
+        inboxes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
+        return any(len(inboxes[k]) for k in kinds if k in inboxes) or \
+            ("pushes" in kinds and any(h.done() for _, h in self._pushing.values()))
+
+    def _reject(self, what: str, exc: Exception) -> None:
+        self.stats.rejected += 1
+        self.counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
+        log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
+
+    def _bytes_in(self, n: int) -> None:
+        self.stats.bytes_in += n
+
+    def take_stats(self) -> WireStats:
+        """What the wire did since the last call (counted into `counters`), for a step-log event."""
+        stats, self.stats = self.stats, WireStats()
+        self.counters.update({"bytes_in": stats.bytes_in, "rejected": stats.rejected})
+        return stats
+
+    def stream_init(self) -> None:
         """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module
         doc): the main thread gathers (collective), a background thread publishes."""
         dtype = self.session["bulk_dtype"]
         run, gen, island = self.config.run, self.gen, self.config.island
         fids = sorted(self.frags)
         total_bytes = sum(packed_nbytes(dtype, self.frags[f]["numel"]) for f in fids)
-        bar = _progress(total_bytes, f"INIT {self.config.island}", self.config.progress)
+        bar = progress_bar(total_bytes, f"INIT {self.config.island}", self.config.progress)
         q: queue.Queue = queue.Queue(maxsize=INIT_QUEUE_CHUNKS)
         err: list[BaseException] = []
         sent = [0]
@@ -127,16 +173,16 @@ class IslandWire:
             bar.close()
         if err:
             raise err[0]
-        self._counters["init_bytes"] += sent[0]
+        self.counters["init_bytes"] += sent[0]
         log.info("island %s: INIT sent %d bytes in %d fragments in %.1fs", self.config.island, sent[0], len(fids),
                  time.monotonic() - t0)
 
 
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
-    def _drain_broadcasts(self, stats: _Stats) -> list[int]:
-        """Read the fragments with new BCAST notices and install every version that completes.
-        Returns the fragments installed."""
+    def read_broadcasts(self, commit: Callable[[int, int, str], None]) -> list[int]:
+        """Read the fragments with new BCAST notices; `commit` every version that completes.
+        Returns the fragments committed."""
         for n in self.client.bcast.drain():
             try:
                 if self.reader.chunk0_changed(n.fragment, n.chunk, n.version, n.meta["version_digest"]):
@@ -149,29 +195,26 @@ class IslandWire:
                     self._dirty.add(n.fragment)
                     self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
             except WireError as exc:  # garbage someone published on BCAST: counted, training goes on
-                self._reject(stats, f"bcast notice {n.subject}", exc)
+                self._reject(f"bcast notice {n.subject}", exc)
         applied: list[int] = []
         if not self.client.connected:
             return applied  # a request now would only wait out its timeout: fetch after the reconnect
         for fid in sorted(self._dirty):
-            res = self._read_fragment(self.reader, "BCAST", fid, stats)
+            res = self._read_fragment(self.reader, "BCAST", fid)
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
-            if res == "wait" and self.reader.reading(fid) is None and not self._probe(fid, stats):
+            if res == "wait" and self.reader.reading(fid) is None and not self._probe(fid):
                 break
             self._noticed.pop(fid, None)
             if res != "restart":
                 self._dirty.discard(fid)
             if res == "complete":
                 version, vdigest = self.reader.held[fid]
-                mode = self.state.installed(fid, version, vdigest)
-                self._commit(fid, version, vdigest, mode)
-                self.book.committed(fid, version)
-                stats.applies += 1
+                commit(fid, version, vdigest)
                 applied.append(fid)
         return applied
 
-    def _probe(self, fid: int, stats: _Stats) -> bool:
+    def _probe(self, fid: int) -> bool:
         """Chunk 0 holds nothing new, yet notices claimed a newer version at later chunks: fetch
         those and check them on their own, so a corrupted or forged chunk is refused (and counted)
         now rather than whenever a reading reaches it. Real chunks of a version being published out
@@ -188,7 +231,7 @@ class IslandWire:
         for k, m in zip(cand, msgs):
             if m is None:
                 continue
-            stats.bytes_in += len(m.data or b"")
+            self._bytes_in(len(m.data or b""))
             if self.reader.known_bad(fid, k, m.seq):
                 continue
             try:
@@ -196,11 +239,11 @@ class IslandWire:
                 if meta["version"] > held:
                     self.reader.check(fid, k, meta, m.data or b"", m.seq)
             except WireError as exc:
-                self._reject(stats, f"bcast_chunk {fid}/{k}", exc)
+                self._reject(f"bcast_chunk {fid}/{k}", exc)
                 self._abort_staging(fid, self.reader)
         return True
 
-    def _read_fragment(self, reader: CutReader, kind: str, fid: int, stats: _Stats) -> str:
+    def _read_fragment(self, reader: CutReader, kind: str, fid: int) -> str:
         """Fetch the fragment's next chunks in order (bounded batches) and stage them on the ranks.
         Returns "complete" (staged whole, digest verified: commit it), "wait", "restart" (newer
         versions kept overwriting it), "failed" (a bad chunk: that version is dropped) or
@@ -227,12 +270,12 @@ class IslandWire:
             version = None
             for s, m in zip(batch, msgs):
                 data = None if m is None else (m.data or b"")
-                stats.bytes_in += 0 if data is None else len(data)
+                self._bytes_in(0 if data is None else len(data))
                 try:
                     meta = None if m is None else self._chunk_meta(header, m, reader, fid, s.index)
                     verdict = reader.take(fid, s.index, meta, data, None if m is None else m.seq)
                 except WireError as exc:
-                    self._reject(stats, f"{header} {fid}/{s.index}", exc)
+                    self._reject(f"{header} {fid}/{s.index}", exc)
                     self._abort_staging(fid, reader)
                     return "failed"
                 if verdict in ("accept", "complete"):
@@ -285,25 +328,52 @@ class IslandWire:
         if self._staged.pop(fid, None) is not None:
             self._lead({"op": "abort", "fid": fid})
 
-    def _commit(self, fid: int, version: int, vdigest: str, mode: str) -> None:
-        self._lead({"op": "commit", "fid": fid, "version": version, "digest": vdigest, "mode": mode})
-        self._staged.pop(fid, None)
+    def commit(self, op: Commit) -> None:
+        """Every rank installs the version staged (the machine chose the mode)."""
+        self._lead({"op": "commit", "fid": op.fragment, "version": op.version, "digest": op.digest, "mode": op.mode})
+        self._staged.pop(op.fragment, None)
+
+    # ---- pushes ---------------------------------------------------------------------------------
+
+    def push(self, op: Push) -> str | None:
+        """Start a push; None once it is handed over (its acks are reaped later), else why it failed."""
+        try:
+            handle = self._push(op)
+        except TRANSIENT as exc:
+            return repr(exc)
+        self._pushing[op.pull.fragment] = (op.pull, handle)
+        return None
+
+    def reap(self) -> list:
+        """[(pull, bytes, error or None)] of the pushes whose acks all arrived or that failed."""
+        out = []
+        for fid in [f for f, (_, h) in self._pushing.items() if h.done()]:
+            p, h = self._pushing.pop(fid)
+            try:
+                nbytes = h.result()
+            except (*TRANSIENT, CancelledError) as exc:
+                self._settle_push(p, False)
+                out.append((p, 0, repr(exc)))
+                continue
+            self._settle_push(p, True)
+            out.append((p, nbytes, None))
+        return out
 
 
-    def _push(self, p):
+    def _push(self, op: Push) -> PublishHandle:
         """Stream d = local − anchor in the session push dtype, gathered from the owners chunk by
         chunk. Returns the PublishHandle of the chunks' acks once every chunk is handed over (done
         unless the connection dropped meanwhile: then the acks are awaited in the background and
-        `_settle_push` reports the outcome at a later boundary). Raises (TRANSIENT) when the push
-        could not even be handed over; q4 then drops its working residual at once."""
+        `reap` reports the outcome at a later boundary). Raises (TRANSIENT) when the push could not
+        even be handed over; q4 then drops its working residual at once."""
+        p = op.pull
         fid = p.fragment
-        st = self.state.states[fid]
         dtype = self.session["push_dtype"]
         run, island, gen = self.config.run, self.config.island, self.gen
         spans = self.ops.spans(fid, dtype)
         base = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen, "fragment": fid,
-                "step": p.step, "attempt": p.attempt, "try": p.try_, "base_version": st.version,
-                "local_step": self.local_step, "c_steps": st.c_steps, "c_tokens": st.c_tokens, "dtype": dtype}
+                "step": p.step, "attempt": p.attempt, "try": p.try_, "base_version": op.base_version,
+                "local_step": op.local_step, "c_steps": op.c_steps, "c_tokens": op.c_tokens, "dtype": dtype}
         subject = S.push(run, island, fid)
         digests: list[str] = []
         chunks = self._lead({"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"})
@@ -327,7 +397,7 @@ class IslandWire:
                 self._lead({"op": "residual", "fid": fid, "keep": False})
             raise
 
-    def _settle_push(self, p, ok: bool) -> None:
+    def _settle_push(self, p: PendingPull, ok: bool) -> None:
         """A push's acks are all in (ok) or it failed: q4 keeps its working residual only if ok."""
         if self.session["push_dtype"] == "q4":
             self._lead({"op": "residual", "fid": p.fragment, "keep": ok})
@@ -335,62 +405,62 @@ class IslandWire:
 
     # ---- the final cut -----------------------------------------------------------------------------
 
-    def _install_final(self, stats: _Stats) -> list[int]:
-        """Install the manifest's exact f32 versions from FINAL (any arrival order), without blending."""
-        m = self._manifest
-        want = {int(k): (v, m["version_digests"][k]) for k, v in m["versions"].items()}
-        unknown = sorted(set(want) - set(self.frags))
-        if unknown:
-            raise ProtocolError("manifest names fragments the session does not have", field="versions", value=unknown)
-        missing = sorted(set(self.frags) - set(want))
-        if missing:
-            log.warning("island %s: the manifest leaves fragments %s out: they keep their values",
-                        self.config.island, missing)
+    def final_heads(self, fids: list[int]) -> list | None:
+        """Chunk 0's header on FINAL of each fragment (None where absent or undecodable); None when
+        FINAL could not be read now (disconnected, a failed fetch)."""
+        if not self.client.connected:
+            return None
+        try:
+            got = self.client.fetch_last("FINAL", [S.final(self.config.run, fid, 0) for fid in fids])
+        except TRANSIENT as exc:
+            log.warning("island %s: checking the final cut of a manifest: %r", self.config.island, exc)
+            return None
+        heads = []
+        for m in got:
+            try:
+                heads.append(None if m is None else codec.decode_header(
+                    "final_chunk", (m.headers or {}).get(codec.CHUNK_HEADER, b"")))
+            except WireError:
+                heads.append(None)
+        return heads
+
+    def begin_final(self, final_step: int, want: dict) -> None:
+        """Read exactly `want` {fragment: (version, digest)} (f32) from FINAL from now on."""
         for fid in list(self._staged):  # a broadcast half-read is moot now
             self._abort_staging(fid, self.reader)
-        reader = CutReader(self.session, dtype="f32", fixed=True)
+        self._final = CutReader(self.session, dtype="f32", fixed=True)
         for fid, (v, d) in want.items():
-            reader.want(fid, v, d)
-        dirty = set(want)  # look once at every wanted fragment, then on notices
-        got: list[int] = []
-        deadline = time.monotonic() + self.config.final_timeout_s
-        bar = _progress(len(want), f"final {self.config.island}", self.config.progress, unit="frag")
-        try:
-            while len(got) < len(want):
-                self.client.check_health()
-                for n in self.client.final.drain():
-                    if n.fragment in want and n.fragment not in got and n.meta["final_step"] == m["final_step"] \
-                            and n.version == want[n.fragment][0]:
-                        dirty.add(n.fragment)
-                    else:
-                        self._counters["final_chunk.ignored"] += 1
-                progressed = False
-                for fid in reader.pending() if self.client.connected else ():
-                    if fid not in dirty:
-                        continue
-                    res = self._read_fragment(reader, "FINAL", fid, stats)
-                    if res == "transient":
-                        break
-                    progressed = True
-                    if res != "restart":
-                        dirty.discard(fid)
-                    if res == "complete":
-                        version, vdigest = reader.held[fid]
-                        self._commit(fid, version, vdigest, "final")
-                        got.append(fid)
-                        stats.applies += 1
-                        bar.update(1)
-                if len(got) < len(want):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"island {self.config.island}: final cut incomplete after "
-                                           f"{self.config.final_timeout_s:.0f}s: fragments "
-                                           f"{sorted(set(want) - set(got))} missing")
-                    if not progressed:
-                        time.sleep(POLL_S)
-        finally:
-            bar.close()
-        log.warning("island %s: final cut of step %d installed (%d fragments)", self.config.island, m["final_step"], len(got))
-        return got
+            self._final.want(fid, v, d)
+        self._final_step = final_step
+        self._final_dirty = set(want)  # look once at every wanted fragment, then on notices
+        self._final_got = set()
+
+    def read_final(self, commit: Callable[[int, int, str], None]) -> tuple[list[int], bool]:
+        """Read the final cut's fragments with news; `commit` each that completes. Returns (the
+        fragments committed, whether anything was read)."""
+        reader, want = self._final, self._final.wanted
+        for n in self.client.final.drain():
+            if n.fragment in want and n.fragment not in self._final_got and n.meta["final_step"] == self._final_step \
+                    and n.version == want[n.fragment][0]:
+                self._final_dirty.add(n.fragment)
+            else:
+                self.counters["final_chunk.ignored"] += 1
+        completed, progressed = [], False
+        for fid in reader.pending() if self.client.connected else ():
+            if fid not in self._final_dirty:
+                continue
+            res = self._read_fragment(reader, "FINAL", fid)
+            if res == "transient":
+                break
+            progressed = True
+            if res != "restart":
+                self._final_dirty.discard(fid)
+            if res == "complete":
+                version, vdigest = reader.held[fid]
+                commit(fid, version, vdigest)
+                self._final_got.add(fid)
+                completed.append(fid)
+        return completed, progressed
 
 
-__all__ = ["INIT_QUEUE_CHUNKS", "IslandWire", "MAX_RESTARTS", "POLL_S", "TRANSIENT"]
+__all__ = ["INIT_QUEUE_CHUNKS", "IslandWire", "MAX_RESTARTS", "TRANSIENT", "WireStats", "progress_bar"]

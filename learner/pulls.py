@@ -164,7 +164,7 @@ class PullBook:
         self._rounds: dict[tuple[int, int], _Round] = {}
         self._floor: dict[int, int] = {}  # fragment -> newest version known to exist
         # Disposition counters (offer drops by reason, supersessions) for logs and the step log.
-        self.counts: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class PullBook:
 
     def offer(self, pull: Mapping) -> bool:
         """Take one pull from the wire. True when it became (or replaced) a pull this island must
-        answer; False when it was dropped (reason counted in `counts`) or is a copy already held."""
+        answer; False when it was dropped (reason counted in `counters`) or is a copy already held."""
         fragment = _int_field(pull, "fragment", 0)
         step = _int_field(pull, "step", 1)
         attempt = _int_field(pull, "attempt", 1)
@@ -199,13 +199,13 @@ class PullBook:
         mine = self._names(members)
 
         if base < self._floor.get(fragment, -1):
-            self.counts["committed"] += 1
+            self.counters["committed"] += 1
             return False
 
         key = (fragment, step)
         r = self._rounds.get(key)
         if r is not None and (attempt, seq) <= (r.attempt, r.seq):
-            self.counts["duplicate" if (attempt, seq) == (r.attempt, r.seq) else "stale"] += 1
+            self.counters["duplicate" if (attempt, seq) == (r.attempt, r.seq) else "stale"] += 1
             return False
         if r is not None and attempt > r.attempt + MAX_ATTEMPT_JUMP:
             raise WireError(f"round {step} is at attempt {r.attempt}: a jump of more than {MAX_ATTEMPT_JUMP}",
@@ -215,22 +215,22 @@ class PullBook:
             # A re-publication of the attempt held (a slot was rebound).
             r.seq = seq
             if mine and r.mine:
-                self.counts["republished"] += 1
+                self.counters["republished"] += 1
                 return False
             if mine:
                 r.mine, r.state, r.try_ = True, WAITING, 0
                 return True
             if r.mine:
-                self.counts["slot_lost"] += 1
+                self.counters["slot_lost"] += 1
             r.mine, r.state = False, None
-            self.counts["not_member"] += 1
+            self.counters["not_member"] += 1
             return False
 
         if r is not None and r.mine and r.state != DONE:
-            self.counts["superseded_attempt"] += 1
+            self.counters["superseded_attempt"] += 1
         self._rounds[key] = _Round(fragment, step, attempt, seq, base, mine, WAITING if mine else None)
         if not mine:
-            self.counts["not_member"] += 1
+            self.counters["not_member"] += 1
         self._trim()
         return mine
 
@@ -244,7 +244,7 @@ class PullBook:
             return
         for k in sorted(others, key=lambda k: (k[1], k[0]))[MAX_ROUNDS:]:
             del self._rounds[k]
-            self.counts["forgotten"] += 1
+            self.counters["forgotten"] += 1
 
     # ---- supersession ---------------------------------------------------------------------------
 
@@ -255,15 +255,15 @@ class PullBook:
         for key in [k for k, r in self._rounds.items() if k[0] == fragment and r.base_version < version]:
             r = self._rounds.pop(key)
             if r.mine and r.state != DONE:
-                self.counts["superseded_commit"] += 1
+                self.counters["superseded_commit"] += 1
 
     def committed(self, fragment: int, version: int) -> int:
         """The island holds version `version` of `fragment` (it applied a broadcast): every round of
         the fragment launched on an older version has committed, so its pull is dropped. Returns the
         number of unanswered pulls dropped."""
-        before = self.counts["superseded_commit"]
+        before = self.counters["superseded_commit"]
         self._raise_floor(fragment, version)
-        return self.counts["superseded_commit"] - before
+        return self.counters["superseded_commit"] - before
 
     # ---- the boundary ---------------------------------------------------------------------------
 
@@ -299,7 +299,7 @@ class PullBook:
         """Every chunk of this try was acknowledged by JetStream: the round is answered."""
         r = self._inflight(fragment, step, attempt, try_)
         if r is None:
-            self.counts["late_report"] += 1
+            self.counters["late_report"] += 1
             return False
         r.state = DONE
         return True
@@ -308,11 +308,11 @@ class PullBook:
         """This try could not be delivered: the pull is pending again and its next push is try + 1."""
         r = self._inflight(fragment, step, attempt, try_)
         if r is None:
-            self.counts["late_report"] += 1
+            self.counters["late_report"] += 1
             return False
         r.state = WAITING
         r.try_ += 1
-        self.counts["failed"] += 1
+        self.counters["failed"] += 1
         return True
 
     # ---- queries --------------------------------------------------------------------------------

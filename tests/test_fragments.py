@@ -251,7 +251,7 @@ def test_a_version_overwritten_mid_read_is_dropped_and_the_newer_one_read_from_c
     k = len(c4) // 2
     assert read(r, 0, c4[:k]) == ["accept"] * k
     assert r.take(0, k, *c5[k]) == "restart"
-    assert r.reading(0) is None and r.counts["dropped_partial"] == 1
+    assert r.reading(0) is None and r.counters["dropped_partial"] == 1
     assert r.next_chunks(0)[0].index == 0
     assert read(r, 0, c5)[-1] == "complete" and r.held[0][0] == 5
 
@@ -291,9 +291,9 @@ def test_one_version_with_two_digests_is_refused_not_fatal_and_the_real_one_stil
     assert e.value.field == "version_digest" and not isinstance(e.value, ProtocolError)
     with pytest.raises(VersionConflict):
         r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0], seq=10)
-    assert r.held[0] == (3, digest_of(real3)) and r.counts["refused"] == 1
+    assert r.held[0] == (3, digest_of(real3)) and r.counters["refused"] == 1
     assert r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0], seq=10) == "wait"  # that message: not again
-    assert r.counts["refused"] == 1 and r.counts["refused_again"] == 1
+    assert r.counters["refused"] == 1 and r.counters["refused_again"] == 1
     # ... and while the version is still being read: the reading is dropped, nothing is held
     real4 = vec(N0, 3)
     c4 = bcast_chunks(0, 4, real4)
@@ -360,7 +360,7 @@ def test_hold_seeds_a_version_and_a_missing_message_means_wait():
     g = vec(N0, 1)
     r.hold(0, 2, digest_of(g))
     assert read(r, 0, bcast_chunks(0, 2, g)[:1] + bcast_chunks(0, 1, vec(N0, 0))[:1]) == ["wait", "wait"]
-    assert r.take(0, 0, None, None) == "wait" and r.counts["missing"] == 1
+    assert r.take(0, 0, None, None) == "wait" and r.counters["missing"] == 1
     assert read(r, 0, bcast_chunks(0, 3, vec(N0, 3)))[-1] == "complete"
 
 
@@ -397,7 +397,7 @@ def test_a_self_consistent_version_with_nan_or_inf_is_never_installed(dtype, bad
     with pytest.raises(WireError) as e:
         read(r, 0, chunks)
     assert e.value.code == "non_finite" and e.value.field == "payload"
-    assert 0 not in r.held and r.reading(0) is None and r.counts["refused"] == 1
+    assert 0 not in r.held and r.reading(0) is None and r.counters["refused"] == 1
     g[len(g) // 2] = 1.0
     assert read(r, 0, bcast_chunks(0, 2, g, dtype=dtype))[-1] == "complete"
 
@@ -458,7 +458,7 @@ def test_fixed_reader_reads_only_the_wanted_versions():
     want = vec(N0, 7)
     r.want(0, 4, digest_of(want))
     assert not r.announce(0, 5, digest_of(vec(N0, 8)))  # notices change nothing
-    assert r.take(0, 0, *bcast_chunks(0, 5, vec(N0, 8))[0]) == "wait" and r.counts["ignored"] == 1
+    assert r.take(0, 0, *bcast_chunks(0, 5, vec(N0, 8))[0]) == "wait" and r.counters["ignored"] == 1
     with pytest.raises(VersionConflict):  # the wanted version with another digest than the manifest's
         r.take(0, 0, *bcast_chunks(0, 4, vec(N0, 9))[0])
     assert read(r, 0, bcast_chunks(0, 4, want))[-1] == "complete" and r.held[0][0] == 4

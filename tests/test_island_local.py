@@ -544,7 +544,7 @@ async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
     # Fragment 0's final cut has not landed: the manifest is not backed by FINAL yet (the real syncer
     # publishes the cut first; until #17 a manifest may be forged), so the island trains on.
     assert await boundary(island) is True
-    assert island._manifest is None and island._offered is not None and not island.finalized
+    assert island.machine.manifest is None and island.machine.offered is not None and not island.finalized
     await syncer.final(0, 2, final[0], final_step=6)
     task = asyncio.create_task(boundary(island))
 

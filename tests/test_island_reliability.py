@@ -105,7 +105,7 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
         chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
         tries = {m["try"] for m, _ in chunks}
         assert len(tries) == 1 and {(m["gen"], m["step"]) for m, _ in chunks} == {(gen, 2)}
-        assemble_push(chunks)  # complete, digests valid
+        assemble_push(chunks, syncer.numel(1))  # complete, digests valid
         assert island.book.pending() == 0 and island.counters["pushes"] == 1
         assert max(after) < 1.5, after  # a reconnect's re-sends happen in the background too
         print(f"boundary at the broker stop {at_stop:.3f}s; during the outage max {max(during):.3f}s; "
@@ -145,7 +145,7 @@ async def test_forged_manifests_do_not_stop_or_crash_the_island(env):
     assert island.counters["rejected.invalid"] >= 1 and not island.finalized
     await asyncio.sleep(1.1)  # past final_timeout_s: the unbacked manifest is dropped
     assert await boundary(island) is True
-    assert island.counters["rejected.manifest_unbacked"] == 1 and island._offered is None
+    assert island.counters["rejected.manifest_unbacked"] == 1 and island.machine.offered is None
     rejected = sum(e["rejected"] for e in steplog_lines(island))
     assert rejected >= 2
     # the real one: final cut first, then the manifest

@@ -9,7 +9,8 @@ import pytest
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from learner.client import IslandClient, IslandUnhealthy, SyncerRefused
+from learner.client import IslandClient
+from learner.errors import IslandUnhealthy, SyncerRefused
 from learner.config import ENV, IslandConfig
 from learner.steplog import StepLog
 from schemas import codec
@@ -141,7 +142,7 @@ async def test_a_newer_generation_takes_the_consumers_and_the_older_process_stop
     process of the island replaces them. An older process still alive must neither read nor ack the
     new generation's messages: it hands back what it fetched and stops (Superseded), and its close
     leaves the new generation's consumers in place."""
-    from learner.client import Superseded
+    from learner.errors import Superseded
 
     old = await provisioned(clients, run_id, nats_url)
     new = await provisioned(clients, run_id, nats_url)
@@ -157,7 +158,7 @@ async def test_a_newer_generation_takes_the_consumers_and_the_older_process_stop
     # all of them, once (one the old process fetched and handed back comes after the others)
     assert sorted(p["step"] for p in new.pulls.drain()) == [1, 2, 3]
     assert [k for k, _ in new.control.drain()] == ["shutdown"]
-    await until(lambda: old._fatal is not None, what="the old process noticing", timeout=20)
+    await until(lambda: old.ctl.fatal is not None, what="the old process noticing", timeout=20)
     with pytest.raises(Superseded, match=new.gen):
         old.check_health()
     assert len(old.pulls) == 0 and len(old.control) == 0 and old.counters["ctl_superseded"] >= 1
@@ -361,7 +362,7 @@ def test_config_from_env_and_validation(monkeypatch):
 
 
 def test_cut_inbox_keeps_the_newest_notice_per_chunk_subject():
-    from learner.client import ChunkNotice, CutInbox
+    from learner.inbox import ChunkNotice, CutInbox
 
     def notice(fid: int, chunk: int, version: int) -> ChunkNotice:
         return ChunkNotice("bcast_chunk", f"yeto.r.bcast.{fid}.{chunk}", fid, chunk, version, 8, {})

@@ -35,7 +35,7 @@ def test_answers_only_pulls_naming_this_island_and_generation():
     assert book.offer(pull(step=3, fragment=2, members=[{"island": ISL, "gen": OLD_GEN}, OTHER])) is False
     assert book.offer(pull(step=4, fragment=3, members=[{"island": "isl-a2", "gen": GEN}])) is False
     assert keys(book.take_ready(ALWAYS)) == [(0, 1, 1, 0)]
-    assert book.counts["not_member"] == 3
+    assert book.counters["not_member"] == 3
 
 
 def test_restart_old_generation_pull_never_shadows_the_new_generations_pull():
@@ -64,7 +64,7 @@ def test_old_process_drops_its_slot_when_it_is_rebound_to_a_new_generation():
     assert book.offer(pull(seq=1, members=[{"island": ISL, "gen": NEW_GEN}])) is False
     assert book.pending() == 0
     assert book.take_ready(ALWAYS) == []
-    assert book.counts["slot_lost"] == 1
+    assert book.counters["slot_lost"] == 1
 
 
 def test_republication_that_newly_names_us_is_queued():
@@ -83,7 +83,7 @@ def test_newest_attempt_wins_and_older_attempts_are_dropped():
     assert book.offer(pull(attempt=3)) is True  # restart: replaces attempt 2
     taken = book.take_ready(ALWAYS)
     assert keys(taken) == [(0, 1, 3, 0)]
-    assert book.counts["stale"] == 1 and book.counts["superseded_attempt"] == 1
+    assert book.counters["stale"] == 1 and book.counters["superseded_attempt"] == 1
 
 
 def test_newer_attempt_replaces_an_inflight_push_and_late_reports_are_ignored():
@@ -116,7 +116,7 @@ def test_republished_same_attempt_is_kept_once():
     assert len(book.take_ready(ALWAYS)) == 1
     assert book.offer(pull(seq=2)) is False  # while in flight
     assert book.take_ready(ALWAYS) == []
-    assert book.counts["duplicate"] == 1 and book.counts["republished"] == 2
+    assert book.counters["duplicate"] == 1 and book.counters["republished"] == 2
 
 
 def test_answered_attempt_is_not_answered_again_when_republished():
@@ -201,7 +201,7 @@ def test_commit_supersedes_rounds_launched_on_older_versions():
     # Redeliveries of the committed rounds' pulls are dropped on arrival.
     assert book.offer(pull(fragment=0, step=1, base=4)) is False
     assert book.offer(pull(fragment=1, step=2, base=4, attempt=2)) is False
-    assert book.counts["committed"] == 2
+    assert book.counters["committed"] == 2
     assert book.floor(0) == 5
 
 
@@ -214,7 +214,7 @@ def test_a_pull_claiming_a_later_base_does_not_drop_other_rounds_on_its_own_word
     assert book.offer(pull(fragment=0, step=4 * 10**6 + 1, base=10**6, members=(OTHER,))) is False
     assert keys(book.take_ready(ALWAYS)) == [(0, 5, 1, 0)]
     assert book.offer(pull(fragment=0, step=5, attempt=2, base=1)) is True  # its restart still counts
-    assert book.counts["superseded_commit"] == 0 and book.floor(0) is None
+    assert book.counters["superseded_commit"] == 0 and book.floor(0) is None
     assert book.committed(0, 2) == 1  # the round committed: the book learns it from the broadcast
     assert book.pending() == 0
 
@@ -256,7 +256,7 @@ def test_a_flood_of_pulls_not_naming_this_island_does_not_grow_the_book():
     book.offer(pull(fragment=0, step=1))
     for step in range(2, 5000):
         book.offer(pull(fragment=0, step=step, members=(OTHER,)))
-    assert len(book._rounds) <= 1 + 2 * 1024 and book.counts["forgotten"] > 0
+    assert len(book._rounds) <= 1 + 2 * 1024 and book.counters["forgotten"] > 0
     assert keys(book.take_ready(ALWAYS)) == [(0, 1, 1, 0)]  # the island's own round survives
 
 
