@@ -216,7 +216,7 @@ class CtlReader:
             msg = codec.make("hello", self._hello, run=self.run, island=self.island, gen=self.gen)
             # A fresh Nats-Msg-Id per re-hello: the duplicate window would drop the first hello's.
             await publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
-                                f"{S.hello_msg_id(self.island, self.gen)}.again.{self._rehellos}",
+                                S.hello_again_msg_id(self.island, self.gen, self._rehellos),
                                 counters=self.counters)
             self.counters["rehello"] += 1
             log.warning("island %s: the syncer does not know generation %s (%s): hello sent again", self.island,

@@ -39,11 +39,9 @@ import numpy as np
 import torch
 
 from schemas.chunks import DigestMismatch, VersionDigest, check_chunk, check_digest
-from schemas.dtypes import packed_nbytes
-from schemas.errors import WireError
+from schemas.dtypes import BULK_DTYPES, packed_nbytes
+from schemas.errors import ConfigError, WireError
 from schemas.chunks import ChunkSpan, chunk_plan
-
-BULK_DTYPES = ("f32", "bf16")
 
 
 class ProtocolError(WireError):
@@ -120,7 +118,7 @@ class SyncState:
 
     def __init__(self, session: Mapping, island: str, gen: str, alpha: float):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise WireError("alpha must be a number in [0, 1]", field="alpha", value=alpha)
+            raise ConfigError("alpha must be a number in [0, 1]", field="alpha", value=alpha)
         self.island = island
         self.gen = gen
         self.alpha = float(alpha)

@@ -259,6 +259,12 @@ def hello_msg_id(island: str, gen: str) -> str:
     return f"hello.{check_island(island)}.{gen}"
 
 
+def hello_again_msg_id(island: str, gen: str, n: int) -> str:
+    """The n-th hello a generation sends again (the syncer lost its record of the island): a new id,
+    or JetStream's duplicate window would drop it as the first hello's copy."""
+    return f"{hello_msg_id(island, gen)}.again.{_i(n, 'n')}"
+
+
 def heartbeat_msg_id(island: str, gen: str, seq: int) -> str:
     return f"hb.{check_island(island)}.{gen}.{seq}"
 
