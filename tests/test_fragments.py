@@ -17,7 +17,7 @@ import xxhash
 from learner.anchors import AnchorStore
 from learner.fragments import CutReader, ProtocolError, SyncState, VersionConflict, blend
 from schemas.chunks import DigestMismatch
-from schemas.errors import WireError
+from schemas.errors import ConfigError, WireError
 from schemas.layout import build_session
 
 LAYOUT = [
@@ -92,7 +92,7 @@ def test_versions_are_monotonic_and_a_digest_conflict_is_fatal():
 
 
 def test_alpha_out_of_range_is_refused():
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         SyncState(S, "isl-a", "00000000000000a1", 1.5)
     assert e.value.field == "alpha"
 
