@@ -1,6 +1,10 @@
 """The outer optimizer against torch.optim.SGD(nesterov=True) as the independent reference."""
 from __future__ import annotations
 
+import threading
+import time
+import warnings
+
 import pytest
 import torch
 
@@ -125,3 +129,79 @@ def test_refuses_bad_input() -> None:
         outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 1.0)
     with pytest.raises(ValueError):
         outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 0.9, out=torch.empty(3))
+
+
+def _run_chunks(p, m, deltas, w, bounds, lr=0.7, mu=0.9):
+    scratch = torch.empty(max(b - a for a, b in bounds))
+    for a, b in bounds:
+        outer_step_(p[a:b], m[a:b], [d[a:b] for d in deltas], w, lr, mu, out=scratch[: b - a])
+
+
+@pytest.mark.timeout(300)
+def test_compiled_kernel_gives_the_eager_bits(monkeypatch) -> None:
+    """The fused (torch.compile'd) kernel and the eager kernel compute the same bits, so a syncer that
+    switches to the fused kernel mid-run, or a restarted one that has not compiled it yet, merges a
+    round into the same bytes. Chunks as the shell passes them: slices at odd offsets of varying
+    length, f32 deltas read in place from wire bytes (read-only) and bf16 ones."""
+    from services.syncer import outer
+
+    gen = torch.Generator().manual_seed(11)
+    big = outer.COMPILE_MIN_NUMEL
+    bounds = [(0, big), (big, 2 * big + 1001), (2 * big + 1001, 3 * big + 7)]  # all compile-sized
+    n = bounds[-1][1]
+    for dtype in (torch.float32, torch.bfloat16):
+        p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+        raw = [(torch.randn(n, generator=gen) * 0.01).to(dtype) for _ in range(3)]
+        wire = [bytes(r.view(torch.uint8).numpy()) for r in raw]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffers; the step never writes a delta
+            deltas = [torch.frombuffer(b, dtype=dtype) for b in wire]
+        w = [1000.0, 1010.0, 1020.0]
+        eager = {}
+        for mode in ("0", "sync"):
+            monkeypatch.setenv("YETO_OUTER_COMPILE", mode)
+            p, m = p0.clone(), m0.clone()
+            for _ in range(3):  # momentum carries over: three rounds
+                _run_chunks(p, m, deltas, w, bounds)
+            eager[mode] = (p, m)
+        key = (str(dtype),) * 3
+        if outer._COMPILED._ready.get(key) is None:
+            pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager kernel runs")
+        (pe, me), (pc, mc) = eager["0"], eager["sync"]
+        assert torch.equal(pe, pc) and torch.equal(me, mc), dtype
+        assert (pe - p0).abs().max() > 1e-3  # the rounds moved the params: the comparison is not vacuous
+
+
+def test_background_compile_uses_eager_until_ready_and_small_chunks_never_compile(monkeypatch) -> None:
+    from services.syncer import outer
+
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "auto")
+    kernels = outer._CompiledKernels()
+    small = torch.zeros(outer.COMPILE_MIN_NUMEL - 1)
+    assert kernels.get(small, [small]) is None and not kernels._pending and not kernels._ready
+    big = torch.zeros(outer.COMPILE_MIN_NUMEL)
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow_compile(key):
+        started.set()
+        release.wait(10)
+        with kernels._lock:
+            kernels._ready[key] = "kernel"
+            kernels._pending.discard(key)
+
+    monkeypatch.setattr(kernels, "compile", slow_compile)
+    assert kernels.get(big, [big, big]) is None  # compiling in the background: eager meanwhile
+    assert started.wait(10)
+    assert kernels.get(big, [big, big]) is None and kernels._pending == {("torch.float32",) * 2}
+    release.set()
+    for _ in range(100):
+        if kernels.get(big, [big, big]) == "kernel":
+            break
+        time.sleep(0.05)
+    assert kernels.get(big, [big, big]) == "kernel"
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "0")
+    assert kernels.get(big, [big, big]) is None
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "fast")
+    with pytest.raises(ValueError, match="YETO_OUTER_COMPILE"):
+        kernels.get(big, [big])
