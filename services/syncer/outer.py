@@ -19,8 +19,8 @@ operation is elementwise, so chunking never changes a single bit of the result.
 **One pass over memory.** The eager ops read and write a chunk ~2M+6 times (M members); on a 1 MiB
 chunk that traffic stays in L3 but each op is a separate OpenMP region, and on a loaded machine every
 region waits for its slowest thread. On CPU `torch.compile` turns the step into one loop that reads
-each delta, params and momentum once and writes params and momentum once (bench/merge.py: ratio to a
-plain in-place add ~1.0 vs ~0.5 eager). Compiling takes seconds (once per process and member count /
+each delta, params and momentum once and writes params and momentum once (figures of both kernels
+in bench/README.md, bench/merge.py). Compiling takes seconds (once per process and member count /
 delta dtype, less with inductor's on-disk cache), so it happens on a background thread while the
 eager kernel, which gives the same bits, does the work; a chunk under `COMPILE_MIN_NUMEL` elements
 (the tests' tiny models) never starts a compile. `YETO_OUTER_COMPILE`: `auto` (default: compile on
@@ -218,7 +218,10 @@ COMPILE_MIN_NUMEL = 1 << 16   # 256 KiB of f32: smaller chunks gain little and w
 class _CompiledKernels:
     """torch.compile'd `_fused_step_` per (member count, delta dtypes), compiled on a background
     thread (or at once with YETO_OUTER_COMPILE=sync); None until ready, or for good where compiling
-    failed (no C++ compiler, an unsupported torch): the caller then runs the eager kernel."""
+    failed (no C++ compiler, an unsupported torch): the caller then runs the eager kernel.
+
+    The compile's tracing is Python and holds the GIL much of the time: while it runs (once per
+    process; 1-7 s on an idle 2-core VM, ~35 s under load 11) the syncer's loop runs slower."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -256,6 +259,10 @@ class _CompiledKernels:
 
         t0 = time.perf_counter()
         try:
+            import torch._inductor.config as inductor_config
+
+            # one kernel: no pool of compile worker processes (memory, and orphans if the syncer is killed)
+            inductor_config.compile_threads = 1
             fn = torch.compile(_fused_step_, dynamic=True)
             n = COMPILE_MIN_NUMEL + 3   # odd sizes and offsets: a general kernel, no specialisation
             base = torch.zeros(2 * n + 8)
