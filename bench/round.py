@@ -27,7 +27,9 @@ Stages, from what the product already records (no change to the syncer or island
 
 Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
-processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
+processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`. The
+syncer runs with YETO_OUTER_COMPILE=sync (`--outer-compile`): its first merge compiles the fused
+outer-step kernel, inside the warm-up round.
 
 The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
@@ -336,7 +338,8 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(env, YETO_OUTER_COMPILE=args.outer_compile),
+                start_new_session=True)
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
                 log = open(work / f"island-{name}.log", "ab")
@@ -412,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the syncer's --chunk-bytes (default 1 MiB)")
     p.add_argument("--fetch-batch-mib", type=float, default=0, help="islands' YETO_FETCH_BATCH_BYTES in MiB "
                    "(default: the island's)")
+    p.add_argument("--outer-compile", choices=("sync", "auto", "0"), default="sync",
+                   help="the syncer's YETO_OUTER_COMPILE (default sync: the fused merge kernel is compiled during "
+                   "the first merge, so warm-up pays it; auto compiles in the background like a real run, "
+                   "and the compile's Python shares the GIL with the syncer's loop while it runs)")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
@@ -433,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 rss.add("nats-server", broker.proc.pid)
             print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
-                  f"{args.warmup} warm-up + {args.rounds} timed rounds; load average {os.getloadavg()[0]:.2f}, "
+                  f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}; load average {os.getloadavg()[0]:.2f}, "
                   f"{os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)
