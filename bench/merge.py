@@ -2,16 +2,16 @@
 """Merge benchmark: the syncer's outer step over one fragment vs a plain in-place torch add.
 
     python bench/merge.py [--size-mb 256] [--members 4] [--push-dtype f32|bf16] [--chunk-kb 1024] [--repeat 3]
-                          [--kernel fused|eager]
+                          [--kernel default|fused]
 
 The merge pass is the syncer's code path (services/syncer/service.py `_merge`): for every chunk of
 the fragment's chunk plan (`schemas.layout.chunk_plan`, push dtype), decode each member's push chunk
 from its wire bytes (`services.syncer.outer.delta_view`, as after a direct get: f32/bf16 read in
 place, q4 decoded) and apply `services.syncer.outer.outer_step_` to that slice of params and
 momentum, with one scratch buffer. `--decode unpack` times the older path that copied every chunk
-(`schemas.dtypes.unpack`). `--kernel fused` (default) compiles the one-pass kernel before timing
-(YETO_OUTER_COMPILE=sync; the syncer compiles it in the background), `--kernel eager` times the eager
-kernel (YETO_OUTER_COMPILE=0, what runs where torch.compile is unavailable); both give the same bits.
+(`schemas.dtypes.unpack`). `--kernel default` times the syncer's default kernel (eager, the SGD form,
+YETO_OUTER_COMPILE=0); `--kernel fused` the one-pass loop torch.compile'd before timing
+(YETO_OUTER_COMPILE=sync; see services/syncer/outer.py).
 The push payloads are held as `bytes`, one buffer per member over the whole fragment, so every
 chunk comes from memory, not from a cache-sized pool.
 
@@ -50,7 +50,7 @@ from services.syncer.outer import delta_view, outer_step_, weights_for  # noqa: 
 MiB = 1 << 20
 PUSH_BYTES = {"f32": 4, "bf16": 2}
 DECODERS = {"view": delta_view, "unpack": unpack}
-KERNELS = {"fused": "sync", "eager": "0"}  # -> YETO_OUTER_COMPILE
+KERNELS = {"default": "0", "fused": "sync"}  # -> YETO_OUTER_COMPILE
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -64,7 +64,7 @@ class Config:
     chunk_kb: int = 1024
     repeat: int = 5
     decode: str = "view"  # view: delta_view (the syncer's path); unpack: a copy per chunk
-    kernel: str = "fused"  # fused: the compiled one-pass kernel; eager: the eager kernel
+    kernel: str = "default"  # default: the syncer's eager SGD-form kernel; fused: the compiled one-pass loop
     lr: float = 0.7
     mu: float = 0.9
     seed: int = 0
@@ -127,16 +127,17 @@ def plain_pass(params: torch.Tensor, deltas: list[torch.Tensor]) -> None:
 
 
 def kernel_used(cfg: Config, spans) -> str:
-    """Which kernel the timed passes ran: fused only where it compiled and the chunks are large enough."""
+    """Which kernel the timed passes ran: fused (compiled) only where it compiled and the chunks are large enough."""
+    if cfg.kernel == "default":
+        return "default (eager, SGD form)"
     from services.syncer import outer
 
     key = (str(torch.float32 if cfg.push_dtype == "f32" else torch.bfloat16),) * cfg.members
-    if cfg.kernel == "fused" and outer._COMPILED._ready.get(key) is not None:
-        if min(s.elem_count for s in spans) >= outer.COMPILE_MIN_NUMEL:
-            return "fused"
-        return "eager (chunks under COMPILE_MIN_NUMEL)" if max(s.elem_count for s in spans) < outer.COMPILE_MIN_NUMEL \
-            else "fused (the last, short chunk eager)"
-    return "eager"
+    if max(s.elem_count for s in spans) < outer.COMPILE_MIN_NUMEL:
+        return "fused, eager twin (chunks under COMPILE_MIN_NUMEL)"
+    if outer._COMPILED._ready.get(key) is None:
+        return "fused, eager twin (torch.compile unavailable)"
+    return "fused (compiled)"
 
 
 def peak_rss_mib() -> float:
@@ -176,7 +177,7 @@ def run(cfg: Config, out=print) -> float:
     first = time.perf_counter() - t0
     plain_pass(plain_params, plain_deltas)
     ran = kernel_used(cfg, spans)
-    out(f"kernel {ran} (asked {cfg.kernel}; first pass with compile {first:.2f} s)")
+    out(f"kernel {ran} (first, untimed pass {first:.2f} s)")
     t_merge, t_plain = [], []
     for _ in range(cfg.repeat):
         t0 = time.perf_counter()
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", choices=sorted(DECODERS), default=d.decode,
                     help="view: the syncer's zero-copy decode (default); unpack: a copy per chunk")
     ap.add_argument("--kernel", choices=sorted(KERNELS), default=d.kernel,
-                    help="fused: the compiled one-pass kernel (default); eager: the eager kernel")
+                    help="default: the syncer's default eager kernel; fused: the compiled one-pass loop")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:

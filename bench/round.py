@@ -27,9 +27,8 @@ Stages, from what the product already records (no change to the syncer or island
 
 Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
-processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`. The
-syncer runs with YETO_OUTER_COMPILE=sync (`--outer-compile`): its first merge compiles the fused
-outer-step kernel, inside the warm-up round.
+processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
+`--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
 
 The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
@@ -415,10 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the syncer's --chunk-bytes (default 1 MiB)")
     p.add_argument("--fetch-batch-mib", type=float, default=0, help="islands' YETO_FETCH_BATCH_BYTES in MiB "
                    "(default: the island's)")
-    p.add_argument("--outer-compile", choices=("sync", "auto", "0"), default="sync",
-                   help="the syncer's YETO_OUTER_COMPILE (default sync: the fused merge kernel is compiled during "
-                   "the first merge, so warm-up pays it; auto compiles in the background like a real run, "
-                   "and the compile's Python shares the GIL with the syncer's loop while it runs)")
+    p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
+                   help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
+                   "loop, compiled during the first merge, i.e. in the warm-up round)")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")

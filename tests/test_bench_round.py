@@ -41,9 +41,7 @@ def _load():
 
 @pytest.mark.timeout(120)
 def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_agree():
-    # --outer-compile 0: the eager merge kernel (same bits as the fused one) spares the smoke a compile
-    proc = subprocess.run([sys.executable, str(ROUND), "--size-mib", "2", "--rounds", "2", "--allreduce-repeat", "2",
-                           "--outer-compile", "0"],
+    proc = subprocess.run([sys.executable, str(ROUND), "--size-mib", "2", "--rounds", "2", "--allreduce-repeat", "2"],
                           capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout

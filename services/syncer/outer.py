@@ -9,23 +9,21 @@ rounding:
     buf = μ·buf + Δ
     Θ   = Θ - lr·(Δ + μ·buf)
 
-Every product and every sum is rounded to f32 on its own (never a fused multiply-add, which torch's
-eager `add_(x, alpha=a)` uses on CPU and a C++ or Triton compiler may choose for `a·x + y`): that is
-what makes the two kernels below agree bit for bit. SGD differs from it by at most a rounding per op.
-
 The shell calls `outer_step_` per chunk with slices of the fragment's params and momentum; every
 operation is elementwise, so chunking never changes a single bit of the result.
 
-**One pass over memory.** The eager ops read and write a chunk ~2M+6 times (M members); on a 1 MiB
-chunk that traffic stays in L3 but each op is a separate OpenMP region, and on a loaded machine every
-region waits for its slowest thread. On CPU `torch.compile` turns the step into one loop that reads
-each delta, params and momentum once and writes params and momentum once (figures of both kernels
-in bench/README.md, bench/merge.py). Compiling takes seconds (once per process and member count /
-delta dtype, less with inductor's on-disk cache), so it happens on a background thread while the
-eager kernel, which gives the same bits, does the work; a chunk under `COMPILE_MIN_NUMEL` elements
-(the tests' tiny models) never starts a compile. `YETO_OUTER_COMPILE`: `auto` (default: compile on
-CPU in the background), `sync` (compile before the first use: benchmarks), `0` (eager only). Other
-devices run eager: a Triton kernel may fuse a·x + y and would not match the eager bits.
+**Kernels** (`YETO_OUTER_COMPILE`, read per call; one process must keep one setting, and a resumed
+syncer must get the same one, or a re-merged round may differ in the last bit):
+- `0` (default): eager torch ops, the SGD form op for op (`add_(x, alpha=a)`: a fused multiply-add on
+  CPU), ~M+4 passes over a chunk, in cache for 1 MiB chunks.
+- `sync`: the step as one loop, `torch.compile`d on CPU before its first use (seconds, once per
+  process and member count / delta dtype): it reads every delta, params and momentum once and writes
+  params and momentum once. Every product and sum is rounded on its own (no fused multiply-add, which
+  a C++ or Triton compiler may or may not choose), so that where it is not compiled (no C++ compiler,
+  tensors not on CPU, a chunk under COMPILE_MIN_NUMEL elements) an eager twin computes the same bits.
+  It differs from `0` by at most a rounding per op.
+Measured on the 2-core VM (bench/README.md, bench/merge.py) the compiled loop was no faster than the
+default (both ~0.45 of a plain in-place add, within noise of each other), so it stays opt-in.
 
 `delta_view` decodes a push chunk's wire bytes for the merge without a copy (f32 and bf16 are read in
 place; outer_step_ upcasts bf16 exactly): copying every chunk into fresh memory cost more than the
@@ -128,9 +126,7 @@ def outer_step_(
     `params.numel()` elements that the eager path reuses across calls (its contents afterwards are
     unspecified).
 
-    One pass over memory where it can (see `services.syncer.fused`): a compiled kernel reads every
-    delta, params and momentum once and writes params and momentum once; until it is compiled, or
-    where it cannot be, the eager path computes the same values bit for bit.
+    Which kernel runs: YETO_OUTER_COMPILE (module doc).
     """
     if params.dtype != torch.float32 or momentum.dtype != torch.float32:
         raise TypeError(f"params and momentum must be float32, got {params.dtype} and {momentum.dtype}")
@@ -154,8 +150,11 @@ def outer_step_(
     n = params.numel()
     if out is not None and (out.dtype != torch.float32 or out.numel() < n):
         raise ValueError(f"scratch must be float32 with >= {n} elements, got {out.dtype} with {out.numel()}")
-    # Δ = -Σ (wᵢ/Σw)·dᵢ: the coefficients are exact in double and rounded once to f32, here, so both
-    # paths multiply by the same f32 values.
+    if _COMPILED.mode() == "0":
+        _sgd_step_(params, momentum, deltas, weights, total, lr, mu, out)
+        return
+    # Δ = -Σ (wᵢ/Σw)·dᵢ: the coefficients are exact in double and rounded once to f32, here, so the
+    # compiled kernel and its eager twin multiply by the same f32 values.
     coefs = torch.tensor([-float(w) / total for w in weights], dtype=torch.float32, device=params.device)
     mu_lr = torch.tensor([mu, -lr], dtype=torch.float32, device=params.device)
     kernel = _COMPILED.get(params, deltas)
@@ -165,7 +164,32 @@ def outer_step_(
         _eager_step_(params, momentum, coefs, mu_lr, deltas, out)
 
 
-# --------------------------------------------------------------------------- the two kernels
+# --------------------------------------------------------------------------- the kernels
+
+
+def _sgd_step_(params, momentum, deltas, weights, total, lr, mu, out) -> None:
+    """The default kernel: torch.optim.SGD's single-tensor Nesterov path op for op."""
+    n = params.numel()
+    if out is None:
+        scratch = torch.empty_like(params)
+    else:
+        # the shell passes scratch[:n] already shaped like a 1-D chunk: skip three view ops per chunk
+        scratch = out if out.shape == params.shape else out.reshape(-1)[:n].view(params.shape)
+    # Δ = -Σ (wᵢ/Σw)·dᵢ, accumulated in member order; the coefficients are exact in double and
+    # rounded once to f32 by the kernel.
+    first = deltas[0]
+    coef = -float(weights[0]) / total
+    if first.dtype == torch.float32:
+        torch.mul(first, coef, out=scratch)
+    else:
+        # mul with a low-precision input would round the product to that dtype; upcast first.
+        scratch.copy_(first)
+        scratch.mul_(coef)
+    for d, w in zip(deltas[1:], weights[1:]):
+        scratch.add_(d, alpha=-float(w) / total)
+    momentum.mul_(mu).add_(scratch)
+    scratch.add_(momentum, alpha=mu)
+    params.add_(scratch, alpha=-lr)
 
 
 def _fused_step_(params, momentum, coefs, mu_lr, *deltas) -> None:
@@ -183,8 +207,8 @@ _scratch = threading.local()  # per thread: asyncio.to_thread may run two merges
 
 
 def _eager_step_(params, momentum, coefs, mu_lr, deltas, out) -> None:
-    """_fused_step_ with in-place ops and two scratch buffers instead of temporaries: the same
-    roundings in the same order, so the same bits."""
+    """_fused_step_'s eager twin: in-place ops and two scratch buffers instead of temporaries, the
+    same roundings in the same order, so the same bits."""
     n = params.numel()
     buf = getattr(_scratch, "t", None)
     if buf is None or buf.numel() < (n if out is not None else 2 * n) or buf.device != params.device:
@@ -212,49 +236,37 @@ def _eager_step_(params, momentum, coefs, mu_lr, deltas, out) -> None:
     params.add_(t)                            # Θ - lr·(Δ + μ·buf)
 
 
-COMPILE_MIN_NUMEL = 1 << 16   # 256 KiB of f32: smaller chunks gain little and would start a compile
+COMPILE_MIN_NUMEL = 1 << 16   # 256 KiB of f32: smaller chunks gain nothing from a compiled loop
 
 
 class _CompiledKernels:
-    """torch.compile'd `_fused_step_` per (member count, delta dtypes), compiled on a background
-    thread (or at once with YETO_OUTER_COMPILE=sync); None until ready, or for good where compiling
-    failed (no C++ compiler, an unsupported torch): the caller then runs the eager kernel.
-
-    The compile's tracing is Python and holds the GIL much of the time: while it runs (once per
-    process; 1-7 s on an idle 2-core VM, ~35 s under load 11) the syncer's loop runs slower."""
+    """torch.compile'd `_fused_step_` per (member count, delta dtypes), compiled on first use; None
+    for chunks it does not serve (under COMPILE_MIN_NUMEL, not on CPU) or for good where compiling
+    failed (no C++ compiler, an unsupported torch): the caller then runs the eager twin."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._ready: dict[tuple, Callable | None] = {}
-        self._pending: set[tuple] = set()
 
     @staticmethod
     def mode() -> str:
-        m = os.environ.get("YETO_OUTER_COMPILE", "auto").strip().lower() or "auto"
-        if m not in ("auto", "sync", "0"):
-            raise ValueError(f"YETO_OUTER_COMPILE must be auto, sync or 0, got {m!r}")
+        m = os.environ.get("YETO_OUTER_COMPILE", "0").strip().lower() or "0"
+        if m not in ("sync", "0"):
+            raise ValueError(f"YETO_OUTER_COMPILE must be 0 or sync, got {m!r}")
         return m
 
     def get(self, params: torch.Tensor, deltas: Sequence[torch.Tensor]) -> Callable | None:
         if params.device.type != "cpu" or params.numel() < COMPILE_MIN_NUMEL:
             return None
-        mode = self.mode()
-        if mode == "0":
-            return None
         key = tuple(str(d.dtype) for d in deltas)
-        with self._lock:
-            if key in self._ready:
-                return self._ready[key]
-            start = key not in self._pending
-            self._pending.add(key)
-        if mode == "sync":
-            return self.compile(key) if start else None
-        if start:
-            threading.Thread(target=self.compile, args=(key,), name="yeto-outer-compile", daemon=True).start()
-        return None
+        with self._lock:  # one compile per key, even with merges on two threads
+            if key not in self._ready:
+                self._ready[key] = self.compile(key)
+            return self._ready[key]
 
-    def compile(self, key: tuple) -> Callable | None:
-        """Compile and run once on dummy chunks (where the work happens), then publish the kernel."""
+    @staticmethod
+    def compile(key: tuple) -> Callable | None:
+        """Compile and run once on dummy chunks (where the work happens)."""
         import time
 
         t0 = time.perf_counter()
@@ -268,16 +280,12 @@ class _CompiledKernels:
             base = torch.zeros(2 * n + 8)
             dts = [torch.zeros(n + 1, dtype=getattr(torch, k.split(".")[-1]))[1:] for k in key]
             fn(base[1:n + 1], base[n + 5:2 * n + 5], torch.zeros(len(key)), torch.zeros(2), *dts)
-        except Exception as exc:  # no compiler, unsupported platform: eager does the same work
-            fn = None
-            log.warning("outer step: torch.compile unavailable (%s: %s); the eager kernel is used",
+        except Exception as exc:  # no compiler, unsupported platform: the eager twin gives the same bits
+            log.warning("outer step: torch.compile unavailable (%s: %s); its eager twin is used",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        else:
-            log.info("outer step: fused kernel for %d members (%s) compiled in %.1fs", len(key), ",".join(key),
-                     time.perf_counter() - t0)
-        with self._lock:
-            self._ready[key] = fn
-            self._pending.discard(key)
+            return None
+        log.info("outer step: fused kernel for %d members (%s) compiled in %.1fs", len(key), ",".join(key),
+                 time.perf_counter() - t0)
         return fn
 
 
