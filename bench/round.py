@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         numel = frag // (4 if args.bulk_dtype == "f32" else 2)
         ar = allreduce(args.islands, numel, args.allreduce_repeat, work)
         print(f"gloo all_reduce of {numel * 4 / MiB:.1f} MiB f32 between {args.islands} processes: median "
-              f"{ar['median']:.3f} s (runs {'/'.join(f'{x:.3f}' for x in ar['runs'])})", flush=True)
+              f"{ar['median']:.4f} s (runs {'/'.join(f'{x:.4f}' for x in ar['runs'])})", flush=True)
         peaks = dict(rss.peak, **{"all_reduce rank": ar["hwm"]})
         print("peak RSS " + ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in peaks.items())
               + f"; round run wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f}", flush=True)
