@@ -2,13 +2,16 @@
 """Merge benchmark: the syncer's outer step over one fragment vs a plain in-place torch add.
 
     python bench/merge.py [--size-mb 256] [--members 4] [--push-dtype f32|bf16] [--chunk-kb 1024] [--repeat 3]
+                          [--kernel default|fused]
 
 The merge pass is the syncer's code path (services/syncer/service.py `_merge`): for every chunk of
 the fragment's chunk plan (`schemas.layout.chunk_plan`, push dtype), decode each member's push chunk
 from its wire bytes (`services.syncer.outer.delta_view`, as after a direct get: f32/bf16 read in
 place, q4 decoded) and apply `services.syncer.outer.outer_step_` to that slice of params and
 momentum, with one scratch buffer. `--decode unpack` times the older path that copied every chunk
-(`schemas.dtypes.unpack`).
+(`schemas.dtypes.unpack`). `--kernel default` times the syncer's default kernel (eager, the SGD form,
+YETO_OUTER_COMPILE=0); `--kernel fused` the one-pass loop torch.compile'd before timing
+(YETO_OUTER_COMPILE=sync; see services/syncer/outer.py).
 The push payloads are held as `bytes`, one buffer per member over the whole fragment, so every
 chunk comes from memory, not from a cache-sized pool.
 
@@ -19,7 +22,8 @@ Bytes are counted honestly, per pass:
   merge: reads M deltas (push dtype bytes) + params + momentum (f32), writes params + momentum (f32)
   plain: each of the M adds reads params + delta and writes params (3 x 4 bytes per value)
 Each figure is the median of --repeat runs (merge and plain alternate). MB here means MiB. The last
-line is `merge ratio_vs_inplace=<x>` (merge MB/s over plain MB/s; the goal is >= 0.5).
+line is `merge ratio_vs_inplace=<x>` (merge MB/s over plain MB/s; must reach 0.7 on a quiet machine,
+goal 0.9).
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from services.syncer.outer import delta_view, outer_step_, weights_for  # noqa: 
 MiB = 1 << 20
 PUSH_BYTES = {"f32": 4, "bf16": 2}
 DECODERS = {"view": delta_view, "unpack": unpack}
+KERNELS = {"default": "0", "fused": "sync"}  # -> YETO_OUTER_COMPILE
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -59,6 +64,7 @@ class Config:
     chunk_kb: int = 1024
     repeat: int = 5
     decode: str = "view"  # view: delta_view (the syncer's path); unpack: a copy per chunk
+    kernel: str = "default"  # default: the syncer's eager SGD-form kernel; fused: the compiled one-pass loop
     lr: float = 0.7
     mu: float = 0.9
     seed: int = 0
@@ -72,6 +78,8 @@ class Config:
             raise ValueError(f"--push-dtype must be one of {sorted(PUSH_BYTES)}, got {self.push_dtype!r}")
         if self.decode not in DECODERS:
             raise ValueError(f"--decode must be one of {sorted(DECODERS)}, got {self.decode!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--kernel must be one of {sorted(KERNELS)}, got {self.kernel!r}")
         if self.chunk_kb < 1 or self.repeat < 1:
             raise ValueError("--chunk-kb and --repeat must be >= 1")
 
@@ -118,6 +126,20 @@ def plain_pass(params: torch.Tensor, deltas: list[torch.Tensor]) -> None:
         params.add_(d)
 
 
+def kernel_used(cfg: Config, spans) -> str:
+    """Which kernel the timed passes ran: fused (compiled) only where it compiled and the chunks are large enough."""
+    if cfg.kernel == "default":
+        return "default (eager, SGD form)"
+    from services.syncer import outer
+
+    key = (str(torch.float32 if cfg.push_dtype == "f32" else torch.bfloat16),) * cfg.members
+    if max(s.elem_count for s in spans) < outer.COMPILE_MIN_NUMEL:
+        return "fused, eager twin (chunks under COMPILE_MIN_NUMEL)"
+    if outer._COMPILED._ready.get(key) is None:
+        return "fused, eager twin (torch.compile unavailable)"
+    return "fused (compiled)"
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -146,10 +168,16 @@ def run(cfg: Config, out=print) -> float:
         plain_deltas = [unpack(p, dtype, n) for p in payloads]
     rss_setup = peak_rss_mib()
 
-    # one untimed pass of each: first-touch page faults and allocator warm-up are not the steady state
+    # one untimed pass of each: first-touch page faults and allocator warm-up (and with --kernel fused
+    # the compile) are not the steady state
     decode = DECODERS[cfg.decode]
+    os.environ["YETO_OUTER_COMPILE"] = KERNELS[cfg.kernel]
+    t0 = time.perf_counter()
     merge_pass(params, momentum, payloads, spans, dtype, weights, cfg.lr, cfg.mu, scratch, decode)
+    first = time.perf_counter() - t0
     plain_pass(plain_params, plain_deltas)
+    ran = kernel_used(cfg, spans)
+    out(f"kernel {ran} (first, untimed pass {first:.2f} s)")
     t_merge, t_plain = [], []
     for _ in range(cfg.repeat):
         t0 = time.perf_counter()
@@ -184,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=d.repeat, help="timed runs of each, the median is reported")
     ap.add_argument("--decode", choices=sorted(DECODERS), default=d.decode,
                     help="view: the syncer's zero-copy decode (default); unpack: a copy per chunk")
+    ap.add_argument("--kernel", choices=sorted(KERNELS), default=d.kernel,
+                    help="default: the syncer's default eager kernel; fused: the compiled one-pass loop")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         cfg = Config(size_mb=args.size_mb, members=args.members, push_dtype=args.push_dtype, chunk_kb=args.chunk_kb,
-                     repeat=args.repeat, decode=args.decode)
+                     repeat=args.repeat, decode=args.decode, kernel=args.kernel)
     except ValueError as exc:
         print(f"bench/merge.py: {exc}", file=sys.stderr)
         return 2

@@ -33,10 +33,11 @@ def _load():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dtype,decode", [("f32", "view"), ("bf16", "view"), ("f32", "unpack")])
-def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decode):
+@pytest.mark.parametrize("dtype,decode,kernel", [("f32", "view", "default"), ("bf16", "view", "default"),
+                                                 ("f32", "unpack", "default"), ("bf16", "view", "fused")])
+def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decode, kernel):
     proc = subprocess.run([sys.executable, str(MERGE), "--size-mb", "4", "--members", "3", "--chunk-kb", "64",
-                           "--repeat", "1", "--push-dtype", dtype, "--decode", decode],
+                           "--repeat", "1", "--push-dtype", dtype, "--decode", decode, "--kernel", kernel],
                           capture_output=True, text=True, timeout=55, cwd=ROOT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
@@ -47,6 +48,8 @@ def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decod
     merge, plain, rss = MERGE_LINE.search(out), PLAIN_LINE.search(out), RSS_LINE.search(out)
     assert merge and plain and rss, out
     assert merge["decode"] == decode and plain["m"] == "3" and int(rss["rss"]) > 0
+    # 64 KiB chunks are under COMPILE_MIN_NUMEL: the fused kernel's eager twin runs, and says so
+    assert re.search(r"^kernel " + ("default" if kernel == "default" else r"fused, eager twin \(chunks under"), out, re.M), out
     # honest bytes for 4 MiB of f32 params and 3 members: merge reads 3 deltas (push dtype) + params +
     # momentum and writes params + momentum; the plain pass reads 2 and writes 1 f32 per value per add
     per_delta = 4 if dtype == "f32" else 2

@@ -1,6 +1,8 @@
 """The outer optimizer against torch.optim.SGD(nesterov=True) as the independent reference."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -20,8 +22,12 @@ def _random_bounds(n: int, gen: torch.Generator) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
+@pytest.mark.parametrize("kernel", ["0", "sync"])
 @pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (1.0, 0.0), (0.35, 0.5)])
-def test_matches_sgd_nesterov_chunkwise_over_many_rounds(lr: float, mu: float) -> None:
+def test_matches_sgd_nesterov_chunkwise_over_many_rounds(lr: float, mu: float, kernel: str, monkeypatch) -> None:
+    # sync on chunks this small runs the fused kernel's eager twin (same bits as the compiled loop,
+    # see test_compiled_kernel_gives_its_eager_twins_bits)
+    monkeypatch.setenv("YETO_OUTER_COMPILE", kernel)
     gen = torch.Generator().manual_seed(1234)
     n, members, rounds = 1031, 3, 50
     theta0 = torch.randn(n, generator=gen)
@@ -125,3 +131,55 @@ def test_refuses_bad_input() -> None:
         outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 1.0)
     with pytest.raises(ValueError):
         outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 0.9, out=torch.empty(3))
+
+
+def _run_chunks(p, m, deltas, w, bounds, lr=0.7, mu=0.9):
+    scratch = torch.empty(max(b - a for a, b in bounds))
+    for a, b in bounds:
+        outer_step_(p[a:b], m[a:b], [d[a:b] for d in deltas], w, lr, mu, out=scratch[: b - a])
+
+
+@pytest.mark.timeout(300)
+def test_compiled_kernel_gives_its_eager_twins_bits(monkeypatch) -> None:
+    """YETO_OUTER_COMPILE=sync: the torch.compile'd loop and the eager twin that runs wherever it is not
+    compiled compute the same bits, so which one ran never changes a merged version. Chunks as the
+    shell passes them: slices at odd offsets of varying length, f32 deltas read in place from wire
+    bytes (read-only) and bf16 ones; three rounds, so momentum carries over. Both agree with the
+    default kernel to f32 rounding."""
+    from services.syncer import outer
+
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "sync")
+    gen = torch.Generator().manual_seed(11)
+    big = outer.COMPILE_MIN_NUMEL
+    bounds = [(0, big), (big, 2 * big + 1001), (2 * big + 1001, 3 * big + 7)]  # all compile-sized
+    n = bounds[-1][1]
+    for dtype in (torch.float32, torch.bfloat16):
+        p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+        raw = [(torch.randn(n, generator=gen) * 0.01).to(dtype) for _ in range(3)]
+        wire = [bytes(r.view(torch.uint8).numpy()) for r in raw]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffers; the step never writes a delta
+            deltas = [torch.frombuffer(b, dtype=dtype) for b in wire]
+        w = [1000.0, 1010.0, 1020.0]
+        got = {}
+        for label, min_numel, mode in (("compiled", big, "sync"), ("twin", n + 1, "sync"), ("default", big, "0")):
+            monkeypatch.setattr(outer, "COMPILE_MIN_NUMEL", min_numel)  # n + 1: no chunk is compile-sized
+            monkeypatch.setenv("YETO_OUTER_COMPILE", mode)
+            p, m = p0.clone(), m0.clone()
+            for _ in range(3):
+                _run_chunks(p, m, deltas, w, bounds)
+            got[label] = (p, m)
+        if outer._COMPILED._ready.get((str(dtype),) * 3) is None:
+            pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager twin runs")
+        (pc, mc), (pt, mt), (pd, md) = got["compiled"], got["twin"], got["default"]
+        assert torch.equal(pc, pt) and torch.equal(mc, mt), dtype
+        torch.testing.assert_close(pc, pd, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mc, md, rtol=1e-5, atol=1e-8)
+        assert (pc - p0).abs().max() > 1e-3  # the rounds moved the params: the comparisons are not vacuous
+
+
+def test_kernel_setting_is_checked(monkeypatch) -> None:
+    p, m = torch.zeros(4), torch.zeros(4)
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "fast")
+    with pytest.raises(ValueError, match="YETO_OUTER_COMPILE must be 0 or sync, got 'fast'"):
+        outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 0.9)

@@ -1,0 +1,479 @@
+#!/usr/bin/env python
+"""Round benchmark: one streaming-DiLoCo round of ours vs the peers' gloo all_reduce of the same tensor.
+
+    python bench/round.py [--size-mib 256] [--islands 2] [--rounds 5] [--push-dtype f32] [--bulk-dtype f32]
+
+A fresh run on the embedded nats-server (or `--nats`): the real `yeto syncer` (`--strict`: the round
+waits for every island; one fragment; H = 1, so every island step is a round) and N real islands
+(`python -m learner.demo --model-mib S`, lockstep: each blocks at its boundary until it holds the
+round's pull, pushes, and has installed the new version). Their model is one fragment of about S MiB
+of f32 parameters. The islands train one demo step between rounds; that is not part of a round.
+
+A round t is timed from its **start**, the later of the pull's publication and the moment the last
+island reached the boundary that answers it (with H = 1 the syncer publishes pull t+1 as soon as
+version t is committed, while islands still install version t and train a step: counting that as
+part of round t+1 would count it twice), to the moment **every island has installed** version t.
+Stages, from what the product already records (no change to the syncer or islands):
+
+  push       start -> the first island's push complete at the syncer (its `disposition` tape record)
+  members    first push complete -> last push complete (waiting for members)
+  merge      last push complete -> the `merge` tape record's `t` (merge_s of it: the merge loop alone)
+  checkpoint merge done -> the first broadcast chunk seen on BCAST (version digest, checkpoint files,
+             state KV commit record; the digest alone = the `commit` record's `t` - the merge's `t`)
+  broadcast  first broadcast chunk -> the `merge` record on the tape (taped after every broadcast
+             chunk is acknowledged by JetStream)
+  apply      broadcast out -> the last island's step-log event of that boundary (islands read and
+             apply chunks while the broadcast runs; this is the tail after it)
+
+Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
+island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
+processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
+`--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
+
+The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
+fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
+two never share the CPU. Peak RSS (VmHWM, sampled) of every process is printed. Islands save their
+final parameters; `final_equal` says they hold bitwise the same bytes (the final cut).
+The last line is `round ratio_vs_allreduce=<x>`: median round / median all_reduce (the headline is
+f32 push and bulk, 2 islands).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
+
+
+# --------------------------------------------------------------------------- pure logic (no I/O)
+
+
+@dataclass
+class RoundObs:
+    """What was seen of one round (wall-clock seconds; None where not seen)."""
+    step: int
+    pull: float | None = None                                    # pull received by the observer
+    ready: dict[str, float] = field(default_factory=dict)        # island -> its boundary started
+    accepted: dict[str, float] = field(default_factory=dict)     # island -> push complete at the syncer
+    merge_t: float | None = None                                 # merge record's t (merge loop done)
+    merge_s: float | None = None
+    commit_t: float | None = None                                # commit record's t (version digest done)
+    bcast0: float | None = None                                  # first chunk of the new version seen
+    taped: float | None = None                                   # merge record seen (broadcast acked)
+    installed: dict[str, float] = field(default_factory=dict)    # island -> its boundary ended, version held
+    export_s: dict[str, float] = field(default_factory=dict)
+    apply_s: dict[str, float] = field(default_factory=dict)
+
+
+def breakdown(o: RoundObs, islands: list[str]) -> dict:
+    """Stage durations of one round (see the module doc); they add up to `round` exactly.
+    Raises ValueError naming what was not observed."""
+    missing = [n for n in ("pull", "merge_t", "merge_s", "commit_t", "bcast0", "taped") if getattr(o, n) is None]
+    for what in ("ready", "accepted", "installed"):
+        lack = sorted(set(islands) - set(getattr(o, what)))
+        if lack:
+            missing.append(f"{what}[{','.join(lack)}]")
+    if missing:
+        raise ValueError(f"round {o.step}: not observed: {', '.join(missing)}")
+    start = max(o.pull, max(o.ready[i] for i in islands))
+    first, last = min(o.accepted[i] for i in islands), max(o.accepted[i] for i in islands)
+    done = max(o.installed[i] for i in islands)
+    marks = [start, first, last, o.merge_t, o.bcast0, o.taped, done]
+    out = {name: b - a for name, a, b in zip(STAGES, marks, marks[1:])}
+    out["round"] = done - start
+    out["from_pull"] = done - o.pull
+    out["merge_loop"] = o.merge_s
+    out["digest"] = o.commit_t - o.merge_t
+    out["export"] = max(o.export_s.get(i, 0.0) for i in islands)
+    out["island_apply"] = max(o.apply_s.get(i, 0.0) for i in islands)
+    return out
+
+
+def medians(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def parse_steplog(lines, island: str, rounds: dict[int, RoundObs]) -> None:
+    """Fill each round's ready/installed/export/apply from an island's step-log lines (H = 1: round t
+    is answered at local step t, whose event is emitted once version t is installed)."""
+    for line in lines:
+        if not line.strip():
+            continue
+        ev = json.loads(line)
+        o = rounds.get(ev["step"])
+        if o is None or int(ev["versions"].get("0", -1)) < o.step:
+            continue
+        o.ready[island] = ev["t"] - ev["boundary_s"]
+        o.installed[island] = ev["t"]
+        o.export_s[island] = ev["export_s"]
+        o.apply_s[island] = ev["apply_s"]
+
+
+def note_event(rec: dict, seen_at: float, rounds: dict[int, RoundObs]) -> None:
+    """Fill a round from one tape record (as published by the syncer) seen at `seen_at`."""
+    o = rounds.get(rec.get("step"))
+    if o is None:
+        return
+    kind = rec.get("kind")
+    if kind == "disposition" and rec.get("disposition") == "accepted":
+        o.accepted.setdefault(rec["island"], rec["t"])
+    elif kind == "merge":
+        o.merge_t, o.merge_s, o.taped = rec["t"], rec["detail"]["merge_s"], seen_at
+    elif kind == "commit" and rec.get("fragment") == 0:
+        o.commit_t = rec["t"]
+
+
+# --------------------------------------------------------------------------- observer (core NATS)
+
+
+class Observer:
+    """Records when pulls, chunk 0 of each broadcast version and tape records go by. Chunk 0 alone
+    (one chunk per version, not the whole broadcast) keeps the observer off the server's budget."""
+
+    def __init__(self, url: str, run: str, rounds: dict[int, RoundObs]):
+        self.url, self.run, self.rounds = url, run, rounds
+        self.bcast_bytes = None
+        self.errors: list[str] = []
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._t = threading.Thread(target=self._main, daemon=True)
+
+    def __enter__(self):
+        self._t.start()
+        if not self._ready.wait(30):
+            raise SystemExit("round bench: the observer could not connect")
+        return self
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._t.join(30)
+
+    def _main(self):
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._run())
+
+    async def _run(self):
+        import nats
+        import orjson
+
+        from schemas import codec
+        from schemas import subjects as S
+
+        self._stop = asyncio.Event()
+        by_version: dict[int, float] = {}
+        nc = await nats.connect(self.url)
+
+        async def on_pull(msg):
+            now = time.time()
+            try:
+                p = orjson.loads(msg.data)
+                o = self.rounds.get(p["step"])
+                if o is not None and o.pull is None:
+                    o.pull = now
+            except Exception as exc:  # noqa: BLE001 - a bench observer reports, never dies
+                self.errors.append(f"pull: {exc!r}")
+
+        async def on_bcast(msg):
+            now = time.time()
+            try:
+                meta = codec.decode_header("bcast_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, b""))
+                self.bcast_bytes = meta["total"]
+                by_version.setdefault(meta["version"], now)
+                o = self.rounds.get(meta["version"])  # one fragment: version t is round t's
+                if o is not None and o.bcast0 is None:
+                    o.bcast0 = by_version[meta["version"]]
+            except Exception as exc:  # noqa: BLE001
+                self.errors.append(f"bcast: {exc!r}")
+
+        async def on_event(msg):
+            now = time.time()
+            try:
+                note_event(orjson.loads(msg.data), now, self.rounds)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.append(f"event: {exc!r}")
+
+        await nc.subscribe(S.pull(self.run), cb=on_pull)
+        await nc.subscribe(S.bcast(self.run, 0, 0), cb=on_bcast)
+        await nc.subscribe(S.events_all(self.run), cb=on_event)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.drain()
+
+
+# --------------------------------------------------------------------------- peak RSS
+
+
+def vm_hwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class RssWatch:
+    """Peak RSS of named processes: their VmHWM, read every 0.5 s while they live."""
+
+    def __init__(self):
+        self.pids: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def add(self, name: str, pid: int):
+        self.pids[name] = pid
+
+    def _poll(self):
+        for name, pid in list(self.pids.items()):
+            v = vm_hwm(pid)
+            if v:
+                self.peak[name] = max(self.peak.get(name, 0), v)
+
+    def _run(self):
+        while not self._stop.wait(0.5):
+            self._poll()
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._poll()
+        self._stop.set()
+        self._t.join()
+
+
+# --------------------------------------------------------------------------- the peer: gloo all_reduce
+
+
+def _allreduce_rank(rank: int, world: int, port: int, numel: int, repeat: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x = torch.full((numel,), float(rank + 1))
+        times = []
+        for i in range(repeat + 1):  # the first one warms gloo's buffers up
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+            x.fill_(float(rank + 1))
+        want = world * (world + 1) / 2
+        dist.all_reduce(x)
+        ok = bool((x == want).all())
+        with open(f"{out}/ar{rank}.json", "w") as f:
+            json.dump({"times": times[1:], "ok": ok, "hwm": vm_hwm(os.getpid())}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def allreduce(world: int, numel: int, repeat: int, work: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    d = work / "allreduce"
+    d.mkdir()
+    mp.start_processes(_allreduce_rank, args=(world, free_port(), numel, repeat, str(d)), nprocs=world,
+                       join=True, start_method="spawn")
+    res = [json.loads((d / f"ar{r}.json").read_text()) for r in range(world)]
+    if not all(r["ok"] for r in res):
+        raise SystemExit("round bench: gloo all_reduce gave a wrong sum")
+    # a collective ends when its slowest rank does
+    per_run = [max(r["times"][i] for r in res) for i in range(repeat)]
+    return {"median": statistics.median(per_run), "runs": per_run, "hwm": max(r["hwm"] or 0 for r in res)}
+
+
+# --------------------------------------------------------------------------- the round run
+
+
+def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, RoundObs], list[str], dict]:
+    run = f"bench_round_{uuid.uuid4().hex[:8]}"
+    names = [f"i{k}" for k in range(args.islands)]
+    total = args.warmup + args.rounds
+    rounds = {t: RoundObs(step=t) for t in range(1, total + 1)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env.update(PYTHONUNBUFFERED="1", YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    procs: dict[str, subprocess.Popen] = {}
+    logs = []
+    info: dict = {"run": run}
+    with Observer(url, run, rounds) as obs:
+        try:
+            log = open(work / "syncer.log", "ab")
+            logs.append(log)
+            procs["syncer"] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run,
+                 "--islands", str(args.islands), "--fragments", "1", "--sync-every", "1", "--total-steps", str(total),
+                 "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
+                 "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
+                 "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(env, YETO_OUTER_COMPILE=args.outer_compile),
+                start_new_session=True)
+            rss.add("syncer", procs["syncer"].pid)
+            for name in names:
+                log = open(work / f"island-{name}.log", "ab")
+                logs.append(log)
+                e = dict(env, YETO_NATS=url, YETO_LOCKSTEP="1", YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"),
+                         YETO_LOCKSTEP_TIMEOUT="900", YETO_PUSH_TIMEOUT="900", YETO_SESSION_TIMEOUT="300")
+                if args.fetch_batch_mib:
+                    e["YETO_FETCH_BATCH_BYTES"] = str(int(args.fetch_batch_mib * MiB))
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "learner.demo", "--run", run, "--island", name, "--model-mib",
+                     str(args.size_mib), "--step-delay", "0", "--out", str(work / f"final-{name}.safetensors")],
+                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e, start_new_session=True)
+                rss.add(f"island {name}", procs[name].pid)
+            deadline = time.monotonic() + args.timeout
+            for name, p in procs.items():
+                try:
+                    rc = p.wait(max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise SystemExit(f"round bench: {name} still running after {args.timeout}s (logs in {work})")
+                if rc != 0:
+                    tail = (work / (f"island-{name}.log" if name != "syncer" else "syncer.log")).read_text(errors="replace")
+                    raise SystemExit(f"round bench: {name} exited with {rc}; its log ends:\n{tail[-3000:]}")
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for f in logs:
+                f.close()
+    info["observer_errors"] = obs.errors
+    info["fragment_bytes"] = obs.bcast_bytes
+    for name in names:
+        with open(work / f"steplog-{name}.jsonl") as f:
+            parse_steplog(f, name, rounds)
+    return rounds, names, info
+
+
+def final_equal(work: Path, names: list[str]) -> tuple[bool, dict[str, int]]:
+    from safetensors.torch import load_file
+
+    states = [load_file(str(work / f"final-{n}.safetensors")) for n in names]
+    same = all(s.keys() == states[0].keys() and all(bool((s[k] == states[0][k]).all()) and s[k].dtype == states[0][k].dtype
+                                                     for k in s) for s in states[1:])
+    return same, {n: len(s) for n, s in zip(names, states)}
+
+
+def last_versions(work: Path, names: list[str]) -> dict[str, int]:
+    out = {}
+    for n in names:
+        last = None
+        with open(work / f"steplog-{n}.jsonl") as f:
+            for line in f:
+                if line.strip():
+                    last = json.loads(line)
+        out[n] = int(last["versions"].get("0", -1)) if last else -1
+    return out
+
+
+def fmt_stage_row(label: str, b: dict) -> str:
+    return (f"{label}: round {b['round']:.3f} s = " + " + ".join(f"{s} {b[s]:.3f}" for s in STAGES)
+            + f" (from pull {b['from_pull']:.3f}; merge loop {b['merge_loop']:.3f}, digest {b['digest']:.3f}, "
+              f"island export {b['export']:.3f}, island apply {b['island_apply']:.3f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=float, default=256, help="fragment size in MiB of f32 parameters (default 256)")
+    p.add_argument("--islands", type=int, choices=(2, 3, 4), default=2)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them (default 1)")
+    p.add_argument("--push-dtype", choices=("f32", "bf16", "q4"), default="f32")
+    p.add_argument("--bulk-dtype", choices=("f32", "bf16"), default="f32")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the syncer's --chunk-bytes (default 1 MiB)")
+    p.add_argument("--fetch-batch-mib", type=float, default=0, help="islands' YETO_FETCH_BATCH_BYTES in MiB "
+                   "(default: the island's)")
+    p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
+                   help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
+                   "loop, compiled during the first merge, i.e. in the warm-up round)")
+    p.add_argument("--allreduce-repeat", type=int, default=5)
+    p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, step logs, checkpoint)")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or args.size_mib <= 0:
+        p.error("--rounds must be >= 1, --warmup >= 0 and --size-mib > 0")
+
+    work = Path(tempfile.mkdtemp(prefix="yeto-round-"))
+    broker = None
+    url = args.nats
+    try:
+        with RssWatch() as rss:
+            if url is None:
+                from services.broker import Broker
+
+                broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
+                url = broker.url
+                rss.add("nats-server", broker.proc.pid)
+            print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
+                  f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
+                  f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}; load average {os.getloadavg()[0]:.2f}, "
+                  f"{os.cpu_count()} CPUs", flush=True)
+            t0 = time.monotonic()
+            rounds, names, info = run_rounds(args, url, work, rss)
+            wall = time.monotonic() - t0
+        if info["observer_errors"]:
+            print("observer errors: " + "; ".join(info["observer_errors"][:5]), flush=True)
+        rows = []
+        for t in range(args.warmup + 1, args.warmup + args.rounds + 1):
+            b = breakdown(rounds[t], names)
+            rows.append(b)
+            print(fmt_stage_row(f"round {t}", b), flush=True)
+        med = medians(rows)
+        print(fmt_stage_row("median", med), flush=True)
+        versions = last_versions(work, names)
+        same, _ = final_equal(work, names)
+        print("islands final versions: " + " ".join(f"{n}={v}" for n, v in versions.items())
+              + f" (rounds {args.warmup + args.rounds}); final_equal={'true' if same else 'false'}", flush=True)
+        frag = info["fragment_bytes"] or 0
+        numel = frag // (4 if args.bulk_dtype == "f32" else 2)
+        ar = allreduce(args.islands, numel, args.allreduce_repeat, work)
+        print(f"gloo all_reduce of {numel * 4 / MiB:.1f} MiB f32 between {args.islands} processes: median "
+              f"{ar['median']:.4f} s (runs {'/'.join(f'{x:.4f}' for x in ar['runs'])})", flush=True)
+        peaks = dict(rss.peak, **{"all_reduce rank": ar["hwm"]})
+        print("peak RSS " + ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in peaks.items())
+              + f"; round run wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"round ratio_vs_allreduce={med['round'] / ar['median']:.2f}", flush=True)
+    finally:
+        if broker is not None:
+            broker.stop()
+        if args.keep:
+            print(f"(work directory kept: {work})", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

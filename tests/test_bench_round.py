@@ -1,0 +1,124 @@
+"""bench/round.py: a smoke run on a 2 MiB fragment (output contract, the islands agree at the end), and
+its stage arithmetic on hand-made timestamps.
+
+Not a timed assertion: round times on 2 shared cores are too noisy to gate on; the 256 MiB figures live
+in bench/README.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUND = ROOT / "bench" / "round.py"
+LAST_LINE = re.compile(r"^round ratio_vs_allreduce=(?P<x>[-+0-9.eE]+|nan|inf)$")
+STAGE = r"(?P<{0}>[0-9.]+)"
+ROW = re.compile(r"^(?P<label>round \d+|median): round (?P<round>[0-9.]+) s = "
+                 + r" \+ ".join(f"{s} " + STAGE.format(s) for s in ("push", "members", "merge", "checkpoint", "broadcast", "apply"))
+                 + r" \(from pull (?P<from_pull>[0-9.]+);", re.M)
+VERSIONS = re.compile(r"^islands final versions: (?P<v>(?:i\d+=-?\d+ ?)+) \(rounds (?P<rounds>\d+)\); "
+                      r"final_equal=(?P<eq>true|false)$", re.M)
+ALLREDUCE = re.compile(r"^gloo all_reduce of (?P<mib>[0-9.]+) MiB f32 between (?P<n>\d) processes: median "
+                       r"(?P<s>[0-9.]+) s", re.M)
+RSS = re.compile(r"^peak RSS nats-server (\d+) MiB, syncer (\d+) MiB, island i0 (\d+) MiB, island i1 (\d+) MiB, "
+                 r"all_reduce rank (\d+) MiB", re.M)
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_round", ROUND)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_round"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(120)
+def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_agree():
+    proc = subprocess.run([sys.executable, str(ROUND), "--size-mib", "2", "--rounds", "2", "--allreduce-repeat", "2"],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    out = proc.stdout
+    last = LAST_LINE.match(out.strip().splitlines()[-1])
+    assert last, f"last line is not `round ratio_vs_allreduce=<x>`:\n{out}"
+    ratio = float(last["x"])
+    assert math.isfinite(ratio) and ratio > 0
+
+    rows = {m["label"]: m for m in ROW.finditer(out)}
+    assert set(rows) == {"round 2", "round 3", "median"}, out  # 1 warm-up round, then the 2 timed ones
+    for label, m in rows.items():
+        stages = [float(m[s]) for s in ("push", "members", "merge", "checkpoint", "broadcast", "apply")]
+        # every stage was observed and ordered in time, and they add up to the round (3 decimals each)
+        assert all(s >= 0 for s in stages), (label, out)
+        assert sum(stages) == pytest.approx(float(m["round"]), abs=0.004), (label, out)
+        assert float(m["from_pull"]) >= float(m["round"]) - 0.001
+        assert float(m["round"]) > 0
+
+    v = VERSIONS.search(out)
+    assert v, out
+    versions = dict(kv.split("=") for kv in v["v"].split())
+    # both islands ended on the last version (3 rounds on one fragment: version 3) and hold the same bytes
+    assert versions == {"i0": "3", "i1": "3"} and v["rounds"] == "3" and v["eq"] == "true", out
+
+    ar = ALLREDUCE.search(out)
+    assert ar and ar["n"] == "2" and float(ar["s"]) > 0, out
+    # the peer moved the fragment's f32 size (the demo MLP: about 2 MiB)
+    assert 1.5 < float(ar["mib"]) < 2.5, out
+    rss = RSS.search(out)
+    assert rss and all(int(x) > 0 for x in rss.groups()), out
+    # the ratio is the quotient of the two printed medians (round to 3 decimals, all_reduce to 4)
+    r, a = float(rows["median"]["round"]), float(ar["s"])
+    assert (r - 0.0005) / (a + 0.00005) - 0.01 <= ratio <= (r + 0.0005) / max(a - 0.00005, 1e-9) + 0.01, out
+
+
+def _obs(bench, step=4, **kw):
+    o = bench.RoundObs(step=step, pull=100.0, ready={"a": 100.5, "b": 100.2}, accepted={"a": 101.0, "b": 101.5},
+                       merge_t=102.0, merge_s=0.4, commit_t=102.2, bcast0=102.6, taped=103.0,
+                       installed={"a": 103.4, "b": 103.9}, export_s={"a": 0.3, "b": 0.2}, apply_s={"a": 1.0, "b": 1.1})
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+def test_breakdown_stages_follow_the_timestamps_and_start_at_the_later_of_pull_and_ready():
+    bench = _load()
+    b = bench.breakdown(_obs(bench), ["a", "b"])
+    # the last island reached its boundary (100.5) after the pull (100.0): the round starts there
+    assert b["push"] == pytest.approx(0.5) and b["members"] == pytest.approx(0.5) and b["merge"] == pytest.approx(0.5)
+    assert b["checkpoint"] == pytest.approx(0.6) and b["broadcast"] == pytest.approx(0.4)
+    assert b["apply"] == pytest.approx(0.9) and b["round"] == pytest.approx(3.4) and b["from_pull"] == pytest.approx(3.9)
+    assert b["digest"] == pytest.approx(0.2) and b["merge_loop"] == 0.4 and b["export"] == 0.3
+    # islands already waiting when the pull went out: the round starts at the pull
+    b = bench.breakdown(_obs(bench, ready={"a": 99.0, "b": 98.0}), ["a", "b"])
+    assert b["round"] == pytest.approx(3.9) == b["from_pull"]
+
+
+def test_breakdown_names_what_was_not_observed():
+    bench = _load()
+    with pytest.raises(ValueError, match=r"round 4: not observed: bcast0, accepted\[b\]"):
+        bench.breakdown(_obs(bench, bcast0=None, accepted={"a": 101.0}), ["a", "b"])
+
+
+def test_steplog_and_tape_records_fill_the_round():
+    bench = _load()
+    rounds = {1: bench.RoundObs(step=1), 2: bench.RoundObs(step=2)}
+    lines = [json.dumps({"step": 1, "t": 10.0, "boundary_s": 2.0, "export_s": 0.5, "apply_s": 1.0, "versions": {"0": 1}}),
+             # a step whose boundary did not hold the round's version (not a lockstep boundary): ignored
+             json.dumps({"step": 2, "t": 11.0, "boundary_s": 0.1, "export_s": 0.0, "apply_s": 0.0, "versions": {"0": 1}}),
+             ""]
+    bench.parse_steplog(lines, "a", rounds)
+    assert rounds[1].ready == {"a": 8.0} and rounds[1].installed == {"a": 10.0} and rounds[1].export_s == {"a": 0.5}
+    assert rounds[2].ready == {} and rounds[2].installed == {}
+    bench.note_event({"kind": "disposition", "disposition": "accepted", "step": 1, "island": "a", "t": 8.5}, 8.6, rounds)
+    bench.note_event({"kind": "disposition", "disposition": "duplicate", "step": 1, "island": "b", "t": 8.7}, 8.8, rounds)
+    bench.note_event({"kind": "merge", "step": 1, "t": 9.0, "detail": {"merge_s": 0.25}}, 9.6, rounds)
+    bench.note_event({"kind": "commit", "step": 1, "fragment": 0, "t": 9.1}, 9.7, rounds)
+    bench.note_event({"kind": "merge", "step": 7, "t": 9.0, "detail": {"merge_s": 0.25}}, 9.6, rounds)  # no such round
+    o = rounds[1]
+    assert o.accepted == {"a": 8.5} and (o.merge_t, o.merge_s, o.taped, o.commit_t) == (9.0, 0.25, 9.6, 9.1)
