@@ -4,8 +4,8 @@
     python bench/merge.py [--size-mb 256] [--members 4] [--push-dtype f32|bf16] [--chunk-kb 1024] [--repeat 3]
                           [--kernel default|fused]
 
-The merge pass is the syncer's code path (services/syncer/service.py `_merge`): for every chunk of
-the fragment's chunk plan (`schemas.layout.chunk_plan`, push dtype), decode each member's push chunk
+The merge pass is the syncer's code path (services/syncer/merge.py `Merger.merge`): for every chunk of
+the fragment's chunk plan (`schemas.chunks.chunk_plan`, push dtype), decode each member's push chunk
 from its wire bytes (`services.syncer.outer.delta_view`, as after a direct get: f32/bf16 read in
 place, q4 decoded) and apply `services.syncer.outer.outer_step_` to that slice of params and
 momentum, with one scratch buffer. `--decode unpack` times the older path that copied every chunk

@@ -28,6 +28,10 @@ async def test_killed_island_restarts_with_the_current_cut_and_the_run_completes
         nats_url, run_id, ckpt,
         "--islands", "2", "--fragments", str(P), "--sync-every", str(H), "--total-steps", str(ROUNDS),
         "--init-island", "a", *SYNCER_TIMEOUTS,
+        # b's rounds wait for its restart: with SYNCER_TIMEOUTS' 20 s a restart slower than that (a
+        # loaded machine; two ranks importing torch) let island a finish the run alone, and b came back
+        # only to install the final cut, never joining (seen twice).
+        "--member-timeout", "120",
         log=tmp_path / "syncer.log").start()
     args = ("--step-delay", STEP_DELAY)
     a = IslandProc(nats_url, run_id, "a", tmp_path, args=args).start()
