@@ -215,6 +215,16 @@ def consumer_msg_next(stream_name: str, consumer: str, domain: str | None = None
     return f"{js_api(domain)}.CONSUMER.MSG.NEXT.{check_token(stream_name, 'stream')}.{check_token(consumer, 'consumer')}"
 
 
+def js_ack(stream_name: str, consumer: str = "*") -> str:
+    """Every ack subject of a consumer's deliveries (`$JS.ACK.<stream>.<consumer>.>`; a permission)."""
+    return f"$JS.ACK.{check_token(stream_name, 'stream')}.{consumer if consumer == '*' else check_token(consumer, 'consumer')}.>"
+
+
+def js_flow_control(stream_name: str) -> str:
+    """The flow-control and heartbeat replies of an ordered consumer on a stream (a permission)."""
+    return f"$JS.FC.{check_token(stream_name, 'stream')}.>"
+
+
 def kv_key(run: str, kind: str, key: str) -> str:
     """The subject a write of `key` in the run's `kind` bucket is published on (`$KV.<bucket>.<key>`)."""
     return f"$KV.{kv_bucket(run, kind)}.{key}"

@@ -84,13 +84,13 @@ def _read_stream(s: str, *, consumers: bool = True) -> list[str]:
     if consumers:
         # Ordered consumers only: nats-py 2.16 creates them unnamed with CONSUMER.CREATE.<stream>, an
         # endpoint the server refuses a durable on, so a reader cannot leave consumers behind.
-        out += [f"{API}.CONSUMER.CREATE.{s}", f"$JS.FC.{s}.>"]
+        out += [f"{API}.CONSUMER.CREATE.{s}", S.js_flow_control(s)]
     return out
 
 
 def _all_consumer_ops(s: str) -> list[str]:
     return [f"{API}.CONSUMER.*.{s}", f"{API}.CONSUMER.*.{s}.>", f"{API}.CONSUMER.DURABLE.CREATE.{s}.*",
-            f"{API}.CONSUMER.MSG.NEXT.{s}.*", f"$JS.ACK.{s}.>", f"$JS.FC.{s}.>"]
+            f"{API}.CONSUMER.MSG.NEXT.{s}.*", S.js_ack(s), S.js_flow_control(s)]
 
 
 # Denied to every identity but the admin / syncer as noted, whatever the allow lists grow into later.
@@ -123,7 +123,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
             c = S.island_consumer(name, kind)
             pub += [f"{API}.CONSUMER.CREATE.{ctl}.{c}.{S.island_consumer_filter(run, name, kind)}",
                     f"{API}.CONSUMER.INFO.{ctl}.{c}", f"{API}.CONSUMER.DELETE.{ctl}.{c}",
-                    f"{API}.CONSUMER.MSG.NEXT.{ctl}.{c}", f"$JS.ACK.{ctl}.{c}.>"]
+                    f"{API}.CONSUMER.MSG.NEXT.{ctl}.{c}", S.js_ack(ctl, c)]
         # the current cut and the final cut (ordered consumers, chunk reads), the session record
         pub += _read_stream(st["BCAST"]) + _read_stream(st["FINAL"]) + _read_stream(st["kv_state"])
         # Reading another island's push (its data's update) or forging one through a consumer is out.

@@ -90,7 +90,16 @@ def test_jetstream_api_subjects_are_built_here_and_refuse_non_tokens():
     assert S.consumer_msg_next("YETO_r1_CTL", "pull-a") == "$JS.API.CONSUMER.MSG.NEXT.YETO_r1_CTL.pull-a"
     assert S.consumer_msg_next("BENCH_x", "c0", domain="dc1") == "$JS.dc1.API.CONSUMER.MSG.NEXT.BENCH_x.c0"
     assert S.kv_key("r1", "state", "session") == "$KV.yeto_r1_state.session"
+    assert S.js_ack("YETO_r1_CTL") == "$JS.ACK.YETO_r1_CTL.*.>"
+    assert S.js_ack("YETO_r1_CTL", "isl-a") == "$JS.ACK.YETO_r1_CTL.isl-a.>"
+    assert S.js_flow_control("YETO_r1_BCAST") == "$JS.FC.YETO_r1_BCAST.>"
+    assert S.push_fragment_all("r1", 3) == "yeto.r1.push.*.3"
+    assert S.hello_again_msg_id("a", "00000000000000a1", 2) == S.hello_msg_id("a", "00000000000000a1") + ".again.2"
     for bad in ("a.b", "*", ">", ""):
+        with pytest.raises(IdError):
+            S.js_ack(bad)
+        with pytest.raises(IdError):
+            S.js_flow_control(bad)
         with pytest.raises(IdError):
             S.consumer_msg_next(bad, "c")
         with pytest.raises(IdError):
