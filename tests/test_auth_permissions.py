@@ -314,7 +314,7 @@ async def test_island_b_cannot_publish_on_island_a_subjects(provisioned):
         for subject in own[1:]:
             await a.publish(subject, b"from a")
         await a.flush()
-        await wait_until(lambda: _has(sink.got, own), 10, "island a's messages at the syncer")
+        await wait_until(lambda: _has(sink.got, own), 30, "island a's messages at the syncer")
         assert a_err == []
         # negative: island b on every one of them is refused by the server, and nothing arrives
         sink.got.clear()
