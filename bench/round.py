@@ -97,6 +97,10 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
     first, last = min(o.accepted[i] for i in islands), max(o.accepted[i] for i in islands)
     done = max(o.installed[i] for i in islands)
     marks = [start, first, last, o.merge_t, o.bcast0, o.taped, done]
+    # One island may push before the last one reaches its boundary (the round's start): a stage whose
+    # end came before the previous mark counts 0, so every stage is >= 0 and they still add up.
+    for k in range(1, len(marks)):
+        marks[k] = max(marks[k], marks[k - 1])
     out = {name: b - a for name, a, b in zip(STAGES, marks, marks[1:])}
     out["round"] = done - start
     out["from_pull"] = done - o.pull
