@@ -59,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: E402  (no torch import)
+
 MiB = 1 << 20
 STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
 
@@ -413,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--islands", type=int, choices=(2, 3, 4), default=2)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them (default 1)")
-    p.add_argument("--push-dtype", choices=("f32", "bf16", "q4"), default="f32")
-    p.add_argument("--bulk-dtype", choices=("f32", "bf16"), default="f32")
+    p.add_argument("--push-dtype", choices=PUSH_DTYPES, default="f32")
+    p.add_argument("--bulk-dtype", choices=BULK_DTYPES, default="f32")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the syncer's --chunk-bytes (default 1 MiB)")
     p.add_argument("--fetch-batch-mib", type=float, default=0, help="islands' YETO_FETCH_BATCH_BYTES in MiB "
                    "(default: the island's)")
