@@ -104,7 +104,9 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
     for k in range(1, len(marks)):
         marks[k] = max(marks[k], marks[k - 1])
     out = {name: b - a for name, a, b in zip(STAGES, marks, marks[1:])}
-    out["round"] = done - start
+    # The round ends at the last mark: an island may report its install before the observer sees
+    # the broadcast's tape record, and the stages must add up.
+    out["round"] = marks[-1] - start
     out["from_pull"] = done - o.pull
     out["merge_loop"] = o.merge_s
     out["digest"] = o.commit_t - o.merge_t

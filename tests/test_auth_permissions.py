@@ -311,10 +311,19 @@ async def test_island_b_cannot_publish_on_island_a_subjects(provisioned):
         # positive control: island a can, and the syncer's subscriber receives it; the push lands in PUSH
         ack = await a.jetstream(timeout=5).publish(S.push(run, "a", 0), b"a's push", headers={S.MSG_ID: "t-a-push"})
         assert ack.stream == S.stream(run, "PUSH")
-        for subject in own[1:]:
-            await a.publish(subject, b"from a")
-        await a.flush()
-        await wait_until(lambda: _has(sink.got, own), 30, "island a's messages at the syncer")
+        # Core messages: what does not arrive is sent again (in two full-suite runs on a loaded machine
+        # one of them never reached the subscriber within 30 s; alone the file always passed). The
+        # point here is that a *may* publish there; the refusals below are what is tested.
+        deadline = asyncio.get_running_loop().time() + 60
+        while not await _has(sink.got, own):
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"island a's messages never reached the syncer: got {sorted(set(sink.got))}, a's errors {a_err}")
+            for subject in own[1:]:
+                if subject not in sink.got:
+                    await a.publish(subject, b"from a")
+            await a.flush()
+            await syncer.flush()
+            await asyncio.sleep(0.5)
         assert a_err == []
         # negative: island b on every one of them is refused by the server, and nothing arrives
         sink.got.clear()

@@ -103,6 +103,9 @@ def test_breakdown_stages_follow_the_timestamps_and_start_at_the_later_of_pull_a
     assert b["push"] == 0 and b["members"] == pytest.approx(0.3)
     assert min(b[k] for k in bench.STAGES) >= 0
     assert sum(b[k] for k in bench.STAGES) == pytest.approx(b["round"]) == pytest.approx(2.7)
+    # the islands report the install (102.9) before the observer saw the broadcast taped (103.0)
+    b = bench.breakdown(_obs(bench, installed={"a": 102.8, "b": 102.9}), ["a", "b"])
+    assert b["apply"] == 0 and sum(b[k] for k in bench.STAGES) == pytest.approx(b["round"]) == pytest.approx(2.5)
 
 
 def test_breakdown_names_what_was_not_observed():
