@@ -25,6 +25,11 @@ Stages, from what the product already records (no change to the syncer or island
   apply      broadcast out -> the last island's step-log event of that boundary (islands read and
              apply chunks while the broadcast runs; this is the tail after it)
 
+Next to each row, the syncer's own timings from the `merge` record's detail (EXACT): fetch (merge loop
+waiting for push bytes), outer (the outer step), pack+hash (the new version packed in the bulk dtype and
+hashed for the version digest, inside the merge loop), digest (what was left of it after the loop),
+checkpoint files (written + fsync), commit kv (state KV record), broadcast (every chunk acknowledged).
+
 Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
@@ -63,6 +68,11 @@ from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: E402  (no torch imp
 
 MiB = 1 << 20
 STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
+# The syncer's own stage timings, from the `merge` tape record's detail (seconds, measured in the syncer):
+# (detail key, printed name). fetch + outer + the hop overheads make the merge loop; pack (and hash) of
+# the new version runs inside the merge loop; digest is what remained of it after the loop.
+EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("digest_s", "digest"),
+         ("checkpoint_s", "checkpoint files"), ("commit_kv_s", "commit kv"), ("broadcast_s", "broadcast"))
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -77,6 +87,7 @@ class RoundObs:
     accepted: dict[str, float] = field(default_factory=dict)     # island -> push complete at the syncer
     merge_t: float | None = None                                 # merge record's t (merge loop done)
     merge_s: float | None = None
+    exact: dict = field(default_factory=dict)                    # the merge record's stage timings (EXACT)
     commit_t: float | None = None                                # commit record's t (version digest done)
     bcast0: float | None = None                                  # first chunk of the new version seen
     taped: float | None = None                                   # merge record seen (broadcast acked)
@@ -93,6 +104,7 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
         lack = sorted(set(islands) - set(getattr(o, what)))
         if lack:
             missing.append(f"{what}[{','.join(lack)}]")
+    missing += [f"detail.{k}" for k, _ in EXACT if o.merge_s is not None and k not in o.exact]
     if missing:
         raise ValueError(f"round {o.step}: not observed: {', '.join(missing)}")
     start = max(o.pull, max(o.ready[i] for i in islands))
@@ -112,6 +124,7 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
     out["digest"] = o.commit_t - o.merge_t
     out["export"] = max(o.export_s.get(i, 0.0) for i in islands)
     out["island_apply"] = max(o.apply_s.get(i, 0.0) for i in islands)
+    out.update((k, float(o.exact[k])) for k, _ in EXACT)
     return out
 
 
@@ -145,6 +158,7 @@ def note_event(rec: dict, seen_at: float, rounds: dict[int, RoundObs]) -> None:
         o.accepted.setdefault(rec["island"], rec["t"])
     elif kind == "merge":
         o.merge_t, o.merge_s, o.taped = rec["t"], rec["detail"]["merge_s"], seen_at
+        o.exact = {k: rec["detail"][k] for k, _ in EXACT if k in rec["detail"]}
     elif kind == "commit" and rec.get("fragment") == 0:
         o.commit_t = rec["t"]
 
@@ -408,7 +422,8 @@ def last_versions(work: Path, names: list[str]) -> dict[str, int]:
 def fmt_stage_row(label: str, b: dict) -> str:
     return (f"{label}: round {b['round']:.3f} s = " + " + ".join(f"{s} {b[s]:.3f}" for s in STAGES)
             + f" (from pull {b['from_pull']:.3f}; merge loop {b['merge_loop']:.3f}, digest {b['digest']:.3f}, "
-              f"island export {b['export']:.3f}, island apply {b['island_apply']:.3f})")
+              f"island export {b['export']:.3f}, island apply {b['island_apply']:.3f})\n"
+            + f"{label} syncer stages: " + ", ".join(f"{name} {b[k]:.3f}" for k, name in EXACT))
 
 
 def main(argv: list[str] | None = None) -> int:

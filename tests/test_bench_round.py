@@ -27,6 +27,7 @@ VERSIONS = re.compile(r"^islands final versions: (?P<v>(?:i\d+=-?\d+ ?)+) \(roun
                       r"final_equal=(?P<eq>true|false)$", re.M)
 ALLREDUCE = re.compile(r"^gloo all_reduce of (?P<mib>[0-9.]+) MiB f32 between (?P<n>\d) processes: median "
                        r"(?P<s>[0-9.]+) s", re.M)
+EXACT_ROW = re.compile(r"^(?P<label>round \d+|median) syncer stages: (?P<figs>.*)$", re.M)
 RSS = re.compile(r"^peak RSS nats-server (\d+) MiB, syncer (\d+) MiB, island i0 (\d+) MiB, island i1 (\d+) MiB, "
                  r"all_reduce rank (\d+) MiB", re.M)
 
@@ -60,6 +61,19 @@ def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_a
         assert float(m["from_pull"]) >= float(m["round"]) - 0.001
         assert float(m["round"]) > 0
 
+    # the syncer's exact stage timings (the merge record's detail), each >= 0, and the merge loop's parts
+    # (waiting for pushes, outer step) within the loop's wall time
+    exact = {m["label"]: dict(kv.rsplit(" ", 1) for kv in m["figs"].split(", ")) for m in EXACT_ROW.finditer(out)}
+    assert set(exact) == set(rows), out
+    names = {"fetch", "outer", "pack+hash", "digest", "checkpoint files", "commit kv", "broadcast"}
+    for label, figs in exact.items():
+        assert set(figs) == names, (label, out)
+        assert all(float(x) >= 0 for x in figs.values()), (label, out)
+        # a real run wrote and fsynced checkpoint files and broadcast every chunk: neither takes no time
+        assert float(figs["checkpoint files"]) > 0 and float(figs["broadcast"]) > 0, (label, out)
+        loop = float(re.search(rf"^{label}: .*merge loop (?P<x>[0-9.]+)", out, re.M)["x"])
+        assert float(figs["fetch"]) + float(figs["outer"]) <= loop + 0.002, (label, out)
+
     v = VERSIONS.search(out)
     assert v, out
     versions = dict(kv.split("=") for kv in v["v"].split())
@@ -80,7 +94,8 @@ def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_a
 def _obs(bench, step=4, **kw):
     o = bench.RoundObs(step=step, pull=100.0, ready={"a": 100.5, "b": 100.2}, accepted={"a": 101.0, "b": 101.5},
                        merge_t=102.0, merge_s=0.4, commit_t=102.2, bcast0=102.6, taped=103.0,
-                       installed={"a": 103.4, "b": 103.9}, export_s={"a": 0.3, "b": 0.2}, apply_s={"a": 1.0, "b": 1.1})
+                       installed={"a": 103.4, "b": 103.9}, export_s={"a": 0.3, "b": 0.2}, apply_s={"a": 1.0, "b": 1.1},
+                       exact={k: 0.01 * i for i, (k, _) in enumerate(bench.EXACT)})
     for k, v in kw.items():
         setattr(o, k, v)
     return o
@@ -94,6 +109,7 @@ def test_breakdown_stages_follow_the_timestamps_and_start_at_the_later_of_pull_a
     assert b["checkpoint"] == pytest.approx(0.6) and b["broadcast"] == pytest.approx(0.4)
     assert b["apply"] == pytest.approx(0.9) and b["round"] == pytest.approx(3.4) and b["from_pull"] == pytest.approx(3.9)
     assert b["digest"] == pytest.approx(0.2) and b["merge_loop"] == 0.4 and b["export"] == 0.3
+    assert b["fetch_s"] == 0 and b["broadcast_s"] == pytest.approx(0.06)  # the syncer's figures, as recorded
     # islands already waiting when the pull went out: the round starts at the pull
     b = bench.breakdown(_obs(bench, ready={"a": 99.0, "b": 98.0}), ["a", "b"])
     assert b["round"] == pytest.approx(3.9) == b["from_pull"]
@@ -112,6 +128,10 @@ def test_breakdown_names_what_was_not_observed():
     bench = _load()
     with pytest.raises(ValueError, match=r"round 4: not observed: bcast0, accepted\[b\]"):
         bench.breakdown(_obs(bench, bcast0=None, accepted={"a": 101.0}), ["a", "b"])
+    # a merge record without the syncer's stage timings (a syncer from before they were recorded)
+    with pytest.raises(ValueError, match=r"round 4: not observed: detail.fetch_s, detail.outer_s"):
+        bench.breakdown(_obs(bench, exact={"pack_s": 0.1, "digest_s": 0.0, "checkpoint_s": 0.1, "commit_kv_s": 0.0,
+                                           "broadcast_s": 0.1}), ["a", "b"])
 
 
 def test_steplog_and_tape_records_fill_the_round():
@@ -126,8 +146,10 @@ def test_steplog_and_tape_records_fill_the_round():
     assert rounds[2].ready == {} and rounds[2].installed == {}
     bench.note_event({"kind": "disposition", "disposition": "accepted", "step": 1, "island": "a", "t": 8.5}, 8.6, rounds)
     bench.note_event({"kind": "disposition", "disposition": "duplicate", "step": 1, "island": "b", "t": 8.7}, 8.8, rounds)
-    bench.note_event({"kind": "merge", "step": 1, "t": 9.0, "detail": {"merge_s": 0.25}}, 9.6, rounds)
+    bench.note_event({"kind": "merge", "step": 1, "t": 9.0, "detail": {"merge_s": 0.25, "fetch_s": 0.1, "outer_s": 0.05,
+                                                                       "norms": {"a": 1.0}}}, 9.6, rounds)
     bench.note_event({"kind": "commit", "step": 1, "fragment": 0, "t": 9.1}, 9.7, rounds)
     bench.note_event({"kind": "merge", "step": 7, "t": 9.0, "detail": {"merge_s": 0.25}}, 9.6, rounds)  # no such round
     o = rounds[1]
     assert o.accepted == {"a": 8.5} and (o.merge_t, o.merge_s, o.taped, o.commit_t) == (9.0, 0.25, 9.6, 9.1)
+    assert o.exact == {"fetch_s": 0.1, "outer_s": 0.05}  # only the stage timings of the detail

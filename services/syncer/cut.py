@@ -15,7 +15,7 @@ import torch
 
 from schemas import codec, subjects as S
 from schemas.chunks import VersionDigest, chunk_header, chunk_plan
-from schemas.dtypes import pack
+from schemas.dtypes import pack, packed_nbytes
 from schemas.provision import kv_put
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
@@ -42,6 +42,53 @@ class Frag:
     momentum: torch.Tensor | None = None
 
 
+class BulkBytes:
+    """A fragment's params packed once in the bulk dtype: the version digest hashes exactly these bytes
+    and the broadcast sends them (the same bytes, no second pack). f32 bytes are views of the params
+    (no copy; the params must not change until the broadcast is out, which the commit order ensures);
+    bf16 is packed into one buffer of the fragment's bf16 size, held until the broadcast is out.
+    `add` takes element ranges in order (any partition: sha256 streams over the concatenation), so the
+    merge can pack and hash each chunk right after its outer step."""
+
+    _ELEM_BYTES = {"f32": 4, "bf16": 2}
+
+    def __init__(self, params: torch.Tensor, dtype: str):
+        if dtype not in self._ELEM_BYTES:
+            raise CutError(f"bulk dtype {dtype!r} cannot be packed here (f32 or bf16)")
+        self.params, self.dtype, self.esize = params, dtype, self._ELEM_BYTES[dtype]
+        self.buf = None if dtype == "f32" else torch.empty(packed_nbytes(dtype, params.numel()), dtype=torch.uint8)
+        self._h = VersionDigest()
+        self.done = 0            # elements packed and hashed so far
+        self.seconds = 0.0       # time spent packing and hashing
+
+    def add(self, elem_offset: int, elem_count: int) -> None:
+        if elem_offset != self.done:
+            raise CutError(f"bulk bytes packed out of order: elements from {elem_offset}, expected {self.done}")
+        t0 = time.perf_counter()
+        b = self._bytes(elem_offset, elem_count)
+        if self.buf is not None:
+            # the same rounding as schemas.dtypes.pack (torch's f32 -> bf16 cast), written in place
+            b.view(torch.bfloat16).copy_(self.params[elem_offset: elem_offset + elem_count])
+        self._h.update(b)
+        self.done += elem_count
+        self.seconds += time.perf_counter() - t0
+
+    def _bytes(self, elem_offset: int, elem_count: int) -> torch.Tensor:
+        if self.buf is None:
+            return pack(self.params[elem_offset: elem_offset + elem_count], "f32")
+        return self.buf[elem_offset * self.esize: (elem_offset + elem_count) * self.esize]
+
+    def chunk(self, elem_offset: int, elem_count: int) -> torch.Tensor:
+        if elem_offset + elem_count > self.done:
+            raise CutError(f"bulk bytes of elements {elem_offset}..{elem_offset + elem_count} not packed yet")
+        return self._bytes(elem_offset, elem_count)
+
+    def hexdigest(self) -> str:
+        if self.done != self.params.numel():
+            raise CutError(f"version digest of a partly packed fragment ({self.done} of {self.params.numel()} elements)")
+        return self._h.hexdigest()
+
+
 class Cut:
     def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, tape: TapeWriter):
         self.js, self.run_id, self.counters, self.ckpt, self.tape = js, run_id, counters, ckpt, tape
@@ -61,6 +108,14 @@ class Cut:
             h.update(pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype))
         return h.hexdigest()
 
+    def bulk_bytes(self, fid: int) -> BulkBytes:
+        """The fragment's current params packed once in the session's bulk dtype (see BulkBytes)."""
+        fr = self.frags[fid]
+        bb = BulkBytes(fr.params, self.session["bulk_dtype"])
+        for s in chunk_plan(fr.numel, bb.dtype, self.session["chunk_bytes"]):
+            bb.add(s.elem_offset, s.elem_count)
+        return bb
+
     async def commit_v0(self, a: R.CommitV0, attempts: dict[int, int]) -> None:
         for fid in a.fragments:
             fr = self.frags[fid]
@@ -70,14 +125,21 @@ class Cut:
         log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))
 
     async def commit(self, new_versions: dict[int, int], *, step: int, attempts: dict[int, int],
-                     records: list[dict] = ()) -> None:
+                     records: list[dict] = (), packed: dict[int, BulkBytes] | None = None) -> dict[str, float]:
         """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
         plus one `commit` record per fragment) are written with the checkpoint and taped after the
-        broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape)."""
-        bulk = self.session["bulk_dtype"]
-        digests = {}
+        broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape). `packed`: fragments
+        whose bulk bytes the caller already packed and hashed (the merge does, chunk by chunk); the
+        others are packed here. Returns the stage timings (seconds), which are also added to the
+        `detail` of the `merge` records as taped (the checkpoint's copy has none: they are not known yet
+        when it is written)."""
+        t0 = time.perf_counter()
+        packed = dict(packed or {})
         for fid in new_versions:
-            digests[fid] = await asyncio.to_thread(self.bulk_digest, fid, bulk)
+            if fid not in packed:
+                packed[fid] = await asyncio.to_thread(self.bulk_bytes, fid)
+        digests = {fid: packed[fid].hexdigest() for fid in new_versions}
+        t_digest = time.perf_counter()
         prev = self.ckpt.read_state() if self.ckpt.exists() else None
         versions = dict(prev.versions) if prev else {}
         vdig = dict(prev.version_digests) if prev else {}
@@ -93,11 +155,20 @@ class Cut:
         )
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
         await asyncio.to_thread(self.ckpt.commit, state, frags)
+        t_ckpt = time.perf_counter()
         await self.write_commit_record(state)
+        t_kv = time.perf_counter()
         for fid, v in new_versions.items():
-            await self.broadcast(fid, v, digests[fid])
+            await self.broadcast(fid, v, digests[fid], packed=packed[fid])
+        t_bcast = time.perf_counter()
+        timings = {"digest_s": t_digest - t0, "pack_s": sum(packed[fid].seconds for fid in new_versions),
+                   "checkpoint_s": t_ckpt - t_digest, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv}
         for rec in state.tape:
-            await self.tape.write(dict(rec), kind=rec["kind"], msg_id=TapeWriter.record_msg_id(rec))
+            rec = dict(rec)
+            if rec["kind"] == "merge":
+                rec["detail"] = {**rec.get("detail", {}), **timings}
+            await self.tape.write(rec, kind=rec["kind"], msg_id=TapeWriter.record_msg_id(rec))
+        return timings
 
     async def write_commit_record(self, state: CheckpointState) -> None:
         rec = {"committed_step": state.committed_step,
@@ -106,7 +177,9 @@ class Cut:
         await kv_put(self.js, self.run_id, "state", "commit", orjson.dumps(rec), counters=self.counters)
 
     async def broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None,
-                         resend: int | None = None) -> int:
+                         resend: int | None = None, packed: BulkBytes | None = None) -> int:
+        """Every chunk of the fragment (`packed`: the bytes the version digest hashed; else packed here).
+        Pipeline.put makes the one copy nats-py needs (bytes); nothing here copies."""
         fr = self.frags[fid]
         dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
         kind = "final_chunk" if final_step is not None else "bcast_chunk"
@@ -115,9 +188,13 @@ class Cut:
         # died); a re-send with the same Nats-Msg-Id is deduplicated, so waiting less costs nothing.
         pipe = Pipeline(self.js, timeout=BCAST_ACK_S, counters=self.counters)
         sent = 0
+        if packed is not None and packed.dtype != dtype:
+            raise CutError(f"broadcast in {dtype} of bytes packed in {packed.dtype}")
         for s in spans:
-            payload = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
-            buf = payload.numpy().tobytes()
+            if packed is not None:
+                buf = packed.chunk(s.elem_offset, s.elem_count)
+            else:
+                buf = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
             meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
                     **chunk_header(spans, s.index, buf), "version_digest": vdigest}
             if final_step is not None:
@@ -126,7 +203,7 @@ class Cut:
             else:
                 subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
             await pipe.put(subject, buf, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
-            sent += len(buf)
+            sent += buf.numel()
         await pipe.flush()
         self.counters["bytes_broadcast"] += sent
         return sent

@@ -15,7 +15,7 @@ import torch
 from schemas import subjects as S
 from schemas.chunks import chunk_plan, digest as chunk_digest
 from services.syncer import rounds as R
-from services.syncer.cut import Cut
+from services.syncer.cut import BulkBytes, Cut
 from services.syncer.intake import PushLedger
 from services.syncer.outer import delta_view, outer_step_
 from services.syncer.tape import TapeWriter
@@ -80,20 +80,36 @@ class Merger:
             s = spans[k]
             return await asyncio.gather(*[self._read_push_chunk(t.seqs[k], dtype, s.elem_count, t.digests[k]) for t in tries])
 
+        # The new params of a chunk are final after its outer step: pack and hash them there, in the same
+        # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
+        bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
+
+        def step(deltas, s):
+            t = time.perf_counter()
+            sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
+            outer_step_(fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu, out=scratch[: s.elem_count])
+            outer = time.perf_counter() - t
+            bulk.add(s.elem_offset, s.elem_count)
+            return outer
+
+        fetch_s = outer_s = 0.0
         nxt = asyncio.create_task(fetch(0))
         for k, s in enumerate(spans):
+            t = time.perf_counter()
             deltas = await nxt
+            fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
             if k + 1 < len(spans):
                 nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
-            sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
-            await asyncio.to_thread(outer_step_, fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu,
-                                    out=scratch[: s.elem_count])
+            outer_s += await asyncio.to_thread(step, deltas, s)
         merge_s = time.time() - t0
         rec = dict(a.record)
         rec["t"] = time.time()
         rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # the tape's sync_s: launch to durable commit
-        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s}
-        await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec])
+        # merge_s: the whole merge loop; of it fetch_s waited for pushes, outer_s ran the outer step,
+        # pack_s (added by the commit with its own stages) packed and hashed the new version.
+        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s}
+        await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
+                              packed={fid: bulk})
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
         merge_to_broadcast_s = time.time() - t0
