@@ -13,7 +13,7 @@ A round t is timed from its **start**, the later of the pull's publication and t
 island reached the boundary that answers it (with H = 1 the syncer publishes pull t+1 as soon as
 version t is committed, while islands still install version t and train a step: counting that as
 part of round t+1 would count it twice), to the moment **every island has installed** version t.
-Stages, from what the product already records (no change to the syncer or islands):
+Stages, from what the product already records (the bench itself changes nothing in the syncer or islands):
 
   push       start -> the first island's push complete at the syncer (its `disposition` tape record)
   members    first push complete -> last push complete (waiting for members)
