@@ -19,7 +19,8 @@ Where it lives: config.py (SyncerConfig, constants), events.py (inputs) and acti
 with their JSON form; state.py (phase, members, rounds); this module (the machine: restore, handle,
 the time-driven checks, pacing, launches, restarts, re-broadcasts) and its parts membership.py
 (hellos, session, generations, heartbeats), init_rules.py (INIT, version 0), pushes.py (dispositions,
-quarantine, merges) and finalize.py (final cut, manifests, acks). The rules of each part are in its
+quarantine, merges), finalize.py (final cut, manifests, acks) and sharding.py (what a machine that is one
+of several syncer shards adds: followers mirroring the coordinator's records, per-shard final cuts). The rules of each part are in its
 module docstring.
 
 Choices the design leaves open, decided here (the parts' modules decide the rest):
