@@ -226,20 +226,15 @@ async def wan_figures(hub: Broker, run: str) -> dict:
     from nats.js.errors import KeyNotFoundError
 
     nc = await nats.connect(hub.url)
-    bcast = 0
     try:
         kv = await nc.jetstream().key_value(S.kv_bucket(run, "state"))
         try:
-            keys = ["syncer"]
-            await kv.get("syncer")
-        except KeyNotFoundError:   # a sharded syncer: one record per shard, syncer.0, syncer.1, ...
-            keys = [f"syncer.{k}" for k in range(64)]
-        for key in keys:
-            try:
-                status = orjson.loads((await kv.get(key)).value)
-            except KeyNotFoundError:
-                break
-            bcast += int(status["counters"].get("bytes_broadcast", 0))
+            records = [orjson.loads((await kv.get("syncer")).value)]
+        except KeyNotFoundError:   # a sharded syncer: one record per shard, syncer.0 says how many
+            first = orjson.loads((await kv.get("syncer.0")).value)
+            records = [first] + [orjson.loads((await kv.get(f"syncer.{k}")).value)
+                                 for k in range(1, int(first.get("shards", 1)))]
+        bcast = sum(int(r["counters"].get("bytes_broadcast", 0)) for r in records)
     finally:
         await nc.close()
     out = leaf_link_bytes(hub.http_port, hub.host)["out_bytes"]
