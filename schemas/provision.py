@@ -118,21 +118,47 @@ async def _add_streams(js, run: str, cfgs, report: ProvisionReport, label: str, 
         report.created.append(what)
 
 
+async def _add_kv(js, run: str, kcfg: api.KeyValueConfig, report: ProvisionReport) -> None:
+    """Create a KV bucket; as `_add_streams`, a concurrent creator (another syncer shard) is tolerated:
+    the bucket it made counts as found when its configuration matches, else ProvisionConflict."""
+    what, sname = f"kv {kcfg.bucket}", kv_stream_name(kcfg.bucket)
+    try:
+        await js.create_key_value(kcfg)
+    except APIError as exc:
+        if exc.err_code == ERR_STREAM_NAME_IN_USE:
+            info = await stream_info_or_none(js, sname)
+            if info is not None:
+                c = config_conflicts(info.config, kcfg, "kv")
+                if c:
+                    raise ProvisionConflict(run, [(what, sname, f, e, w) for f, e, w in c]) from exc
+                report.existing.append(what)
+                return
+        raise server_refused(what, exc) from exc
+    report.created.append(what)
+
+
 async def provision_run(
     js, run: str, limits: RunLimits = RunLimits(), *, push_headers_only: bool = True,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, shard: int = 0, shards: int = 1, fragments: int | None = None,
 ) -> ProvisionReport:
     """The syncer-side call: create what is missing, check what exists (DESIGN §3 Provisioning).
 
     Raises ProvisionConflict (nothing created, nothing changed) if any existing stream, bucket or
     syncer consumer differs from the wanted configuration on a field that matters.
+
+    Syncer shards (`shard` K of `shards` N, `fragments` P): every shard provisions the run's streams
+    and buckets (the same configs: shards may start in any order, on any host, at the same moment)
+    and its own consumers (`syncer_consumer_configs`). Two shards creating the same stream or bucket
+    at once both succeed: an identical create is a no-op on the server, and a create that loses the
+    race to another config is re-read and compared like an existing one.
     """
     _check_run_id(run)
     log = log or log_.info
     report = ProvisionReport(run)
     streams = stream_configs(run, limits)
     kvs = kv_configs(run, limits)
-    consumers = syncer_consumer_configs(run, push_headers_only=push_headers_only)
+    consumers = syncer_consumer_configs(run, push_headers_only=push_headers_only, shard=shard, shards=shards,
+                                        fragments=fragments)
 
     # Phase 1: read everything, collect conflicts; nothing is created before all checks pass.
     missing_streams, conflicts = await _check_streams(js, streams.values(), report, "stream",
@@ -161,11 +187,7 @@ async def provision_run(
     # Phase 2: create what is missing.
     await _add_streams(js, run, missing_streams, report, "stream", lambda e, w: config_conflicts(e, w, "stream"))
     for kcfg in missing_kvs:
-        try:
-            await js.create_key_value(kcfg)
-        except APIError as exc:
-            raise server_refused(f"kv {kcfg.bucket}", exc) from exc
-        report.created.append(f"kv {kcfg.bucket}")
+        await _add_kv(js, run, kcfg, report)
     await _ensure_consumers(js, run, wanted_consumers, report)
     log(str(report))
     return report
