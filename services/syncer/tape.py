@@ -29,8 +29,11 @@ TAPE_FLUSH_AT_EXIT_S = 20.0
 
 
 class TapeWriter:
-    def __init__(self, js, run_id: str, counters: Counter, prefix: str):
+    def __init__(self, js, run_id: str, counters: Counter, prefix: str, *, shard: int | None = None):
         self.js, self.run_id, self.counters, self.prefix = js, run_id, counters, prefix
+        # A syncer shard (sharded runs only) names itself in every record's detail but the inputs'
+        # (their detail is the recorder's; the segment's config names the shard).
+        self.shard = shard
         self._seq = 0
         self._backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
         self._retrier: asyncio.Task | None = None
@@ -42,6 +45,8 @@ class TapeWriter:
     async def write(self, event: dict, *, kind: str, msg_id: str | None = None) -> None:
         rec = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "t": time.time()}
         rec.update(event)
+        if self.shard is not None and kind != "input" and isinstance(rec.get("detail", {}), dict):
+            rec["detail"] = {**rec.get("detail", {}), "shard": self.shard}
         try:
             data = codec.encode("event", rec)
         except WireError as exc:
