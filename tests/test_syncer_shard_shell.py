@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import orjson
@@ -20,7 +22,7 @@ import torch
 
 from schemas import subjects as S
 from schemas.provision import RunLimits, kv_put, provision_run
-from tests.scripted import (LR, MU, Reference, ScriptedIsland, SyncerProc, close_run, snapshot_dir, tape, tiny_layout,
+from tests.scripted import (LR, MU, ROOT, Reference, ScriptedIsland, SyncerProc, close_run, snapshot_dir, tape, tiny_layout,
                             wait_provisioned, wait_tape)
 
 pytestmark = pytest.mark.timeout(90)
@@ -195,6 +197,17 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         commits = [(r["fragment"], r["version"], r["detail"]["shard"]) for r in await tape(js, run_id, "commit")]
         assert sorted(commits) == sorted({(f, v, f) for f in (0, 1) for v in (0, 1, 2)})
         assert "shard 1/2" in run.shards[1].output() and "session adopted" in run.shards[1].output()
+
+        # --resume after the end: the follower re-writes its lost final.1 and exits 0; the coordinator
+        # re-writes the run's lost `final` manifest, the other shard's digests read from final.1
+        state = await js.key_value(S.kv_bucket(run_id, "state"))
+        await state.delete("final.1")
+        await state.delete("final")
+        for k in (1, 0):
+            run.shards[k].start("--resume")
+            assert await _wait_proc(run.shards[k], 30) == 0, run.shards[k].output()[-3000:]
+        kv2 = await _kv(js, run_id)
+        assert kv2["final.1"] == kv["final.1"] and kv2["final"]["version_digests"] == manifest["version_digests"]
     finally:
         await run.close()
 
@@ -266,5 +279,12 @@ async def test_a_killed_follower_is_reported_missing_resumes_alone_and_the_run_f
         assert commits == sorted((f, v) for f in (0, 1) for v in (0, 1, 2))
         missing = [r for r in await tape(js, run_id, "error") if r["reason"].startswith("shard 1 missing")]
         assert len(missing) == 1
+        # every shard process's recorded inputs (SessionSeen, MemberSeen, ShardFinal included) replay to
+        # identical actions: shard 0, shard 1 fresh, shard 1 resumed
+        rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert rp.returncode == 0, rp.stdout + rp.stderr
+        segs = [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]
+        assert len(segs) == 3 and all(line.endswith(" identical") for line in segs), rp.stdout
     finally:
         await run.close()
