@@ -35,10 +35,17 @@ RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--total-
 
 
 async def _kv(js, run: str) -> dict[str, object]:
+    """Every key of the state KV (listed from the bucket's stream: nats-py's kv.keys() can miss entries
+    right after connecting)."""
     kv = await js.key_value(S.kv_bucket(run, "state"))
+    info = await js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
     out = {}
-    for key in await kv.keys():
-        e = await kv.get(key)
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(kv._pre):]
+        try:
+            e = await kv.get(key)
+        except Exception:   # deleted
+            continue
         if e and e.value:
             out[key] = orjson.loads(e.value) if key != "session" else e.value
     return out
@@ -56,6 +63,17 @@ async def _kv_value(js, run: str, key: str, timeout: float = 20.0):
             pass
         await asyncio.sleep(0.1)
     raise TimeoutError(f"state KV {key} never written")
+
+
+async def wait_status_key(js, run: str, key: str, pred, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    st = None
+    while time.monotonic() < deadline:
+        st = await _kv_value(js, run, key)
+        if pred(st):
+            return st
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"state KV {key} never matched; last: {st}")
 
 
 async def _wait_proc(proc: SyncerProc, timeout: float) -> int:
@@ -262,8 +280,7 @@ async def test_a_killed_follower_is_reported_missing_resumes_alone_and_the_run_f
         await _play(run, ref, 3, gen)
         rec = await wait_tape(js, run_id, lambda r: r["reason"].startswith("shard 1 missing"), timeout=40, kind="error")
         assert rec["detail"]["code"] == "shard_missing" and rec["detail"]["fragments"] == [1]
-        st0 = await _kv_value(js, run_id, "syncer.0")
-        assert st0["shards_missing"] == [1]
+        await wait_status_key(js, run_id, "syncer.0", lambda st: st["shards_missing"] == [1])
         assert snapshot_dir(run.ckpt[1]) == ck_before
         run.shards[1].start("--resume")
         # the round in flight is launched again with a new attempt, from the checkpointed version

@@ -196,7 +196,11 @@ class SyncerService:
         if not self.done.ok:
             log.error("finalization timed out; no ack from: %s", ", ".join(self.done.missing))
             return 3
-        log.info("run %s finished: %d rounds committed", self.run_id, self.machine.committed_step)
+        if self.cfg.machine.sharded:
+            log.info("run %s: %s done (its rounds committed up to step %d, its final cut published)", self.run_id,
+                     self.label, self.machine.committed_step)
+        else:
+            log.info("run %s finished: %d rounds committed", self.run_id, self.machine.committed_step)
         return 0
 
     async def _on_error(self, exc):
