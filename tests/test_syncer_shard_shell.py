@@ -305,3 +305,38 @@ async def test_a_killed_follower_is_reported_missing_resumes_alone_and_the_run_f
         assert len(segs) == 3 and all(line.endswith(" identical") for line in segs), rp.stdout
     finally:
         await run.close()
+
+
+async def test_a_killed_coordinator_resumes_while_the_follower_keeps_committing(nats_url, run_id, tmp_path):
+    run = ShardedRun(nats_url, run_id, tmp_path)
+    try:
+        init = await run.start(seed=2)
+        a = run.isls[0]
+        js = a.js
+        ref = Reference(init)
+        gen = torch.Generator().manual_seed(5)
+        await _play(run, ref, 1, gen)
+        for isl in run.isls:                      # the coordinator's round 3 is in flight
+            await isl.expect_pull(3, attempt=1)
+        run.shards[0].kill()
+        # the follower runs its rounds with the membership it last read
+        await _play(run, ref, 2, gen)
+        await _play(run, ref, 4, gen)
+        st1 = await _kv_value(js, run_id, "syncer.1")
+        assert st1["committed_step"] == 4 and st1["versions"] == {"1": 2}
+        final1 = await _kv_value(js, run_id, "final.1")       # its final cut is out; it is done
+        assert final1["versions"] == {"1": 2}
+        assert await _wait_proc(run.shards[1], 20) == 0
+        run.shards[0].start("--resume")
+        await _play(run, ref, 3, gen, attempt=2)
+        manifest = await _finish(run)
+        assert manifest["versions"] == {"0": 2, "1": 2}
+        assert manifest["version_digests"]["1"] == final1["version_digests"]["1"]
+        for fid in (0, 1):
+            _, vals, meta = await a.read_cut(fid, final=True)
+            assert meta["version_digest"] == manifest["version_digests"][str(fid)]
+            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+        commits = sorted((r["fragment"], r["version"]) for r in await tape(js, run_id, "commit"))
+        assert commits == sorted((f, v) for f in (0, 1) for v in (0, 1, 2))
+    finally:
+        await run.close()
