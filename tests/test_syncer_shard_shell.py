@@ -214,7 +214,10 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         # every commit on the tape was made by the shard that owns its fragment, once
         commits = [(r["fragment"], r["version"], r["detail"]["shard"]) for r in await tape(js, run_id, "commit")]
         assert sorted(commits) == sorted({(f, v, f) for f in (0, 1) for v in (0, 1, 2)})
-        assert "shard 1/2" in run.shards[1].output() and "session adopted" in run.shards[1].output()
+        out1 = run.shards[1].output()
+        assert "session adopted" in out1
+        lines = [line for line in out1.splitlines() if " yeto.syncer " in line]
+        assert lines and all("yeto.syncer [shard 1/2] " in line for line in lines), lines[:3]
 
         # --resume after the end: the follower re-writes its lost final.1 and exits 0; the coordinator
         # re-writes the run's lost `final` manifest, the other shard's digests read from final.1

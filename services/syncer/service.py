@@ -438,9 +438,10 @@ class SyncerService:
         m = self.machine
         live = sorted(i for i, mem in m.members.items() if getattr(mem, "live", True))
         missing = sorted(self.watch.missing) if self.watch is not None else []
-        log.info("%sphase %s | committed step %d/%d | versions %s | members %s | rejected %d | restarts %d%s",
-                 f"{self.label} | " if self.label else "", m.phase, m.committed_step, self.cfg.machine.total_steps,
-                 dict(m.versions), ",".join(live), self.counters["rejected"], m.counters.get("restart", 0),
+        # (`yeto syncer` puts the shard's label in every log line's prefix)
+        log.info("phase %s | committed step %d/%d | versions %s | members %s | rejected %d | restarts %d%s",
+                 m.phase, m.committed_step, self.cfg.machine.total_steps, dict(m.versions), ",".join(live),
+                 self.counters["rejected"], m.counters.get("restart", 0),
                  f" | shards missing {missing}" if missing else "")
         try:
             await self._write_status()
