@@ -25,7 +25,7 @@ from schemas.provision import RunLimits, kv_put, provision_run
 from tests.scripted import (LR, MU, ROOT, Reference, ScriptedIsland, SyncerProc, close_run, snapshot_dir, tape, tiny_layout,
                             wait_provisioned, wait_tape)
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)  # process starts take seconds each on a loaded machine
 
 LAYOUT = tiny_layout(4, 32)  # P=2: fragment 0 = embed, fragment 1 = layers
 STEPS = 4
@@ -149,7 +149,7 @@ async def _finish(run: ShardedRun) -> dict:
         manifests[isl.island] = m
         await isl.ack(m["final_step"])
     for p in run.shards:
-        assert await _wait_proc(p, 30) == 0, p.output()[-3000:]
+        assert await _wait_proc(p, 60) == 0, p.output()[-3000:]
     return manifests["a"]
 
 
@@ -226,7 +226,7 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         await state.delete("final")
         for k in (1, 0):
             run.shards[k].start("--resume")
-            assert await _wait_proc(run.shards[k], 30) == 0, run.shards[k].output()[-3000:]
+            assert await _wait_proc(run.shards[k], 60) == 0, run.shards[k].output()[-3000:]
         kv2 = await _kv(js, run_id)
         assert kv2["final.1"] == kv["final.1"] and kv2["final"]["version_digests"] == manifest["version_digests"]
     finally:
@@ -242,7 +242,7 @@ async def test_a_fresh_follower_refuses_when_its_shard_already_committed(nats_ur
         await kv_put(js, run_id, "state", "commit.0", orjson.dumps({"committed_step": 3, "versions": {"0": 2}}))
         await kv_put(js, run_id, "state", "commit.1", orjson.dumps({"committed_step": 2, "versions": {"1": 1}}))
         follower = SyncerProc(nats_url, run_id, tmp_path / "s1", *RUN_ARGS, "--shard", "1").start()
-        rc = await _wait_proc(follower, 30)
+        rc = await _wait_proc(follower, 60)
         out = follower.output()
         assert rc == 2, out[-2000:]
         assert "shard 1/2 already committed" in out and "commit.1" in out and "--resume" in out
@@ -329,7 +329,7 @@ async def test_a_killed_coordinator_resumes_while_the_follower_keeps_committing(
         assert st1["committed_step"] == 4 and st1["versions"] == {"1": 2}
         final1 = await _kv_value(js, run_id, "final.1")       # its final cut is out; it is done
         assert final1["versions"] == {"1": 2}
-        assert await _wait_proc(run.shards[1], 20) == 0
+        assert await _wait_proc(run.shards[1], 60) == 0
         run.shards[0].start("--resume")
         await _play(run, ref, 3, gen, attempt=2)
         manifest = await _finish(run)
