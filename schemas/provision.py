@@ -137,6 +137,28 @@ async def _add_kv(js, run: str, kcfg: api.KeyValueConfig, report: ProvisionRepor
     report.created.append(what)
 
 
+async def _shard_count_conflicts(js, run: str, shards: int, fragments: int | None) -> list:
+    """A run's syncer shards must agree on --shards: a shard started with another count would consume
+    (and run rounds of) fragments another shard owns. The PUSH consumers tell what the run was started
+    with: the unsharded `syncer-push`, or shard 0's `syncer-push-s0`, whose filters name shard 0's
+    fragments and so the count."""
+    stream = S.stream(run, "PUSH")
+    plain, first = S.SYNCER_PUSH_CONSUMER, f"{S.SYNCER_PUSH_CONSUMER}-s0"
+    out = []
+    if shards > 1 and await consumer_info_or_none(js, stream, plain) is not None:
+        out.append((f"consumer {stream}/{plain}", stream, "shards", 1, shards))
+    if shards == 1 and await consumer_info_or_none(js, stream, first) is not None:
+        out.append((f"consumer {stream}/{first}", stream, "shards", "> 1", shards))
+    if shards > 1:
+        info = await consumer_info_or_none(js, stream, first)
+        if info is not None:
+            _, want = syncer_consumer_configs(run, shard=0, shards=shards, fragments=fragments)[first]
+            if any(f == "filter" for f, _, _ in config_conflicts(info.config, want, "consumer")):
+                out.append((f"consumer {stream}/{first}", stream, "shards",
+                            f"another count (shard 0 reads {sorted(info.config.filter_subjects or [])})", shards))
+    return out
+
+
 async def provision_run(
     js, run: str, limits: RunLimits = RunLimits(), *, push_headers_only: bool = True,
     log: Callable[[str], None] | None = None, shard: int = 0, shards: int = 1, fragments: int | None = None,
@@ -181,6 +203,8 @@ async def provision_run(
         if info is not None:
             conflicts += [(f"consumer {stream_name}/{cfg.durable_name}", stream_name, f, e, w)
                           for f, e, w in config_conflicts(info.config, cfg, "consumer")]
+    if S.stream(run, "PUSH") not in missing_names:
+        conflicts += await _shard_count_conflicts(js, run, shards, fragments)
     if conflicts:
         raise ProvisionConflict(run, conflicts)
 

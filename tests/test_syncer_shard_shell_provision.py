@@ -134,3 +134,24 @@ async def test_two_shards_racing_to_create_a_bucket_with_other_settings_get_a_co
         await remove_run(a.jetstream(), run_id)
         await a.close()
         await b.close()
+
+
+@pytest.mark.parametrize("first, then", [(1, 2), (2, 1), (2, 3)])
+async def test_a_shard_started_with_another_shard_count_is_refused_and_changes_nothing(nc, run_id, first, then):
+    """One run, one --shards: a process started with another count would consume fragments another
+    shard owns. Shard 0 (or the unsharded syncer) provisioned first; a process with another count is
+    told which flag conflicts, and no consumer of it was created."""
+    js = nc.jetstream()
+    try:
+        await provision_run(js, run_id, LIMITS, shard=0, shards=first, fragments=6, **QUIET)
+        before = await _consumer_names(js, run_id)
+        with pytest.raises(ProvisionConflict) as exc:
+            await provision_run(js, run_id, LIMITS, shard=then - 1, shards=then, fragments=6, **QUIET)
+        assert exc.value.field == "shards" and exc.value.wanted == then, exc.value
+        assert "shards" in str(exc.value)
+        assert await _consumer_names(js, run_id) == before
+        # the same count is fine (another shard of the run)
+        if first > 1:
+            await provision_run(js, run_id, LIMITS, shard=1, shards=first, fragments=6, **QUIET)
+    finally:
+        await remove_run(js, run_id)
