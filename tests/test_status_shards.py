@@ -102,6 +102,17 @@ def test_board_rows_missing_stale_exited_and_the_coordinators_word():
     # deleted: missing again
     b.put("syncer.1", None)
     assert b.missing(now) == [1, 2]
+    # the coordinator's list counts only while the coordinator itself reports
+    b.put("commit.2", None)
+    r = rec(2)
+    r["updated_at"] = now
+    b.put("syncer.2", orjson.dumps(r))
+    assert b.missing(now) == [1, 2] and "coordinator" in b.rows(now)[2].reason
+    r = rec(0, missing=[2])
+    r["updated_at"] = now - STALE_S - 5
+    b.put("syncer.0", orjson.dumps(r))
+    rows = b.rows(now)
+    assert b.missing(now) == [0, 1] and rows[2].state == "ok" and rows[0].reason.startswith("no status for")
 
 
 def test_board_refuses_records_of_the_wrong_shape_and_keeps_the_last_good_one():

@@ -219,7 +219,10 @@ class ShardBoard:
             return []
         sharded = self.sharded
         coord = self.status.get(0 if sharded else None)
-        judged = set(coord.shards_missing) if coord is not None and not coord.exited else set()
+        # the coordinator's word counts while it is itself reporting: a stale list would keep a shard
+        # that came back "missing" for as long as the coordinator is down
+        fresh = coord is not None and not coord.exited and now - coord.updated_at <= self.stale_s
+        judged = set(coord.shards_missing) if fresh else set()
         out = []
         for k in range(n):
             key = k if sharded else None
