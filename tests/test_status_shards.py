@@ -95,10 +95,14 @@ def test_board_rows_missing_stale_exited_and_the_coordinators_word():
     r["updated_at"] = now - STALE_S + 0.5
     b.put("syncer.1", orjson.dumps(r))
     assert b.rows(now)[1].state == "ok"
-    r = rec(1, exited=True)
+    r = rec(1, exited=True, phase="done")
     r["updated_at"] = now - 3600
     b.put("syncer.1", orjson.dumps(r))
     assert b.rows(now)[1].state == "exited" and b.missing(now) == [2]
+    # ... but one that exited before its final cut is missing (its fragments' rounds wait for it)
+    r = rec(1, exited=True, phase="running")
+    b.put("syncer.1", orjson.dumps(r))
+    assert b.rows(now)[1].state == "missing" and b.rows(now)[1].reason == "exited in phase running"
     # deleted: missing again
     b.put("syncer.1", None)
     assert b.missing(now) == [1, 2]
@@ -113,6 +117,21 @@ def test_board_rows_missing_stale_exited_and_the_coordinators_word():
     b.put("syncer.0", orjson.dumps(r))
     rows = b.rows(now)
     assert b.missing(now) == [0, 1] and rows[2].state == "ok" and rows[0].reason.startswith("no status for")
+
+
+def test_a_record_seen_arriving_ages_on_the_viewers_clock_not_the_writers():
+    b = ShardBoard()
+    now = 5000.0
+    skewed = orjson.loads(status(1, 2))
+    skewed["updated_at"] = now - 3600  # the shard host's clock is an hour behind
+    b.put("syncer.1", orjson.dumps(skewed), seen_at=now - 2)  # but it arrived 2 s ago
+    assert b.rows(now)[1].state == "ok" and b.rows(now)[1].age_s == 2
+    ahead = orjson.loads(status(1, 2))
+    ahead["updated_at"] = now + 3600  # an hour ahead, and nothing new arrived for 20 s
+    b.put("syncer.1", orjson.dumps(ahead), seen_at=now - 20)
+    assert b.rows(now)[1].state == "missing" and b.rows(now)[1].reason == "no status for 20 s"
+    b.put("syncer.1", orjson.dumps(ahead))  # read at start: only the writer's clock to go by
+    assert b.rows(now)[1].state == "ok"
 
 
 def test_board_refuses_records_of_the_wrong_shape_and_keeps_the_last_good_one():
@@ -180,6 +199,11 @@ async def test_tail_shows_each_shard_and_the_missing_one(nc, run):
         row1 = next(line for line in render_text(agg).splitlines() if line.startswith("│    1 │"))
         assert "ok" in row1 and "10" in row1 and "1:3 3:2" in row1 and "4.0 GiB" in row1, row1
         assert "missing" not in render_text(agg).split("syncer shards")[0]
+        # a live update is fresh when it arrives, whatever the writer's clock says
+        await put(nc, run, "syncer.1", status(1, 2, versions={1: 3, 3: 2}, step=10, flight=(), rss=4 << 30, age=3600))
+        await until(lambda: agg.shards.status[1].updated_at < time.time() - 3000, what="the skewed record seen")
+        row1 = next(line for line in render_text(agg).splitlines() if line.startswith("│    1 │"))
+        assert "ok" in row1 and "MISSING" not in row1, row1
         # ... and goes silent: 20 s later it is missing again (judged at render time)
         text = render_text(agg, now=time.time() + 20)
         row1 = next(line for line in text.splitlines() if line.startswith("│    1 │"))

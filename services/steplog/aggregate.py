@@ -215,12 +215,13 @@ class Aggregator:
             self._event(msg)
         return rec
 
-    def feed_state(self, key: str, value: bytes | bytearray | None, *, seed: bool = True) -> bool:
+    def feed_state(self, key: str, value: bytes | bytearray | None, *, seed: bool = True,
+                   seen_at: float | None = None) -> bool:
         """Take one `state` KV entry (None: deleted). Shard status and commit records go to the shard
         board (a malformed one is counted there, never raised); a commit record also raises the
         syncer's versions unless `seed` is False (a replay from the start keeps the lag of its time).
-        True if the key was a shard record."""
-        if not self.shards.put(key, value):
+        `seen_at`: see shards.ShardBoard.put. True if the key was a shard record."""
+        if not self.shards.put(key, value, seen_at=seen_at):
             return False
         if seed and key.split(".")[0] == "commit":
             shard = None if "." not in key else int(key.split(".")[1])

@@ -69,9 +69,11 @@ class Feed:
         self.state_received = 0
         self.seed_state = True  # commit records raise the syncer's versions (not while replaying from the start)
 
-    def on_state(self, key: str, value: bytes | None) -> bool:
+    def on_state(self, key: str, value: bytes | None, *, live: bool = False) -> bool:
+        """`live`: the entry is an update that arrived now (not a value read at start), so its age
+        starts now on this host's clock (see shards.py)."""
         self.state_received += 1
-        return self.agg.feed_state(key, value, seed=self.seed_state)
+        return self.agg.feed_state(key, value, seed=self.seed_state, seen_at=time.time() if live else None)
 
     def on_message(self, subject: str, data: bytes) -> Record | None:
         self.received += 1
@@ -144,7 +146,7 @@ async def watch_state(js, run: str, feed: Feed, *, initial_wait_s: float = STATE
         op = (msg.headers or {}).get("KV-Operation")
         key = msg.subject[len(prefix):] if msg.subject.startswith(prefix) else msg.subject
         try:
-            feed.on_state(key, None if op in ("DEL", "PURGE") else msg.data)
+            feed.on_state(key, None if op in ("DEL", "PURGE") else msg.data, live=initial.is_set())
         finally:
             try:
                 if msg.metadata.num_pending == 0:

@@ -10,7 +10,12 @@ judges missing (`shards_missing`). Each shard's durable commit record is `commit
 one is counted in `malformed`, the previous one kept); `rows(now)` gives one row per expected shard,
 0..N-1 with N the largest `shards` any record names, so a shard whose record never came still has a
 row. A shard is **missing** when its record is absent, when it has not been updated for `STALE_S`
-seconds without saying it exited, or when the coordinator lists it in `shards_missing`.
+seconds, when it exited before its final cut (phase other than `done`), or when the coordinator lists
+it in `shards_missing`; a shard that exited done is `exited`.
+
+A record's age: for one the viewer saw arrive (a live KV update, `seen_at` on the viewer's clock),
+the time since it arrived, so a shard host whose clock is off cannot look missing or fresh; for one
+read at the viewer's start, the time since its `updated_at` (the writer's clock; nothing better).
 """
 from __future__ import annotations
 
@@ -89,6 +94,10 @@ class Status:
     fragments: list[int] | None = None
     shards_missing: list[int] = field(default_factory=list)
     live: list[str] = field(default_factory=list)
+    seen_at: float | None = None  # when this viewer saw it arrive live (its own clock)
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - (self.seen_at if self.seen_at is not None else self.updated_at))
 
 
 def parse_status(key: str, shard: int | None, rec: Any) -> Status:
@@ -157,7 +166,7 @@ class ShardRow:
     versions: dict[int, int] = field(default_factory=dict)
     rounds_in_flight: list[int] = field(default_factory=list)  # steps
     rss_bytes: int | None = None
-    age_s: float | None = None  # seconds since the status record's updated_at
+    age_s: float | None = None  # the status record's age (see the module doc)
     fragments: list[int] | None = None
 
     def to_json(self) -> dict:
@@ -179,8 +188,9 @@ class ShardBoard:
         self.last_malformed: str | None = None
         self.changes = 0  # records taken (viewers refresh when it moves)
 
-    def put(self, key: str, value: bytes | bytearray | None) -> bool:
-        """Take one state KV entry (None or b"": the key was deleted). True if it was a shard record."""
+    def put(self, key: str, value: bytes | bytearray | None, *, seen_at: float | None = None) -> bool:
+        """Take one state KV entry (None or b"": the key was deleted). `seen_at`: the viewer's time when
+        the entry arrived as a live update (None for a value read at start). True if it was a shard record."""
         parsed = _key(key)
         if parsed is None:
             return False
@@ -192,7 +202,11 @@ class ShardBoard:
             return True
         try:
             rec = orjson.loads(value)
-            table[shard] = parse_status(key, shard, rec) if base == "syncer" else parse_commit(key, rec)
+            if base == "syncer":
+                table[shard] = parse_status(key, shard, rec)
+                table[shard].seen_at = seen_at
+            else:
+                table[shard] = parse_commit(key, rec)
         except (orjson.JSONDecodeError, RecordError) as exc:
             self.malformed += 1
             text = f"{key}: {exc}" if isinstance(exc, orjson.JSONDecodeError) else str(exc)
@@ -221,7 +235,7 @@ class ShardBoard:
         coord = self.status.get(0 if sharded else None)
         # the coordinator's word counts while it is itself reporting: a stale list would keep a shard
         # that came back "missing" for as long as the coordinator is down
-        fresh = coord is not None and not coord.exited and now - coord.updated_at <= self.stale_s
+        fresh = coord is not None and not coord.exited and coord.age(now) <= self.stale_s
         judged = set(coord.shards_missing) if fresh else set()
         out = []
         for k in range(n):
@@ -232,7 +246,7 @@ class ShardBoard:
                 row.phase, row.committed_step, row.versions = st.phase, st.committed_step, dict(st.versions)
                 row.rounds_in_flight = sorted(r["step"] for r in st.rounds_in_flight)
                 row.rss_bytes, row.fragments = st.rss_bytes, st.fragments
-                row.age_s = max(0.0, now - st.updated_at)
+                row.age_s = st.age(now)
             if cm is not None:  # both only grow; whichever was written last is the newer, per field
                 row.committed_step = max(row.committed_step or 0, cm.committed_step)
                 for f, v in cm.versions.items():
@@ -240,6 +254,8 @@ class ShardBoard:
             name = f"syncer.{k}" if sharded else "syncer"
             if st is None:
                 row.state, row.reason = MISSING, f"no status record ({name})"
+            elif st.exited and st.phase != "done":
+                row.state, row.reason = MISSING, f"exited in phase {st.phase}"
             elif st.exited:
                 row.state, row.reason = EXITED, "exited"
             elif row.age_s > self.stale_s:
