@@ -196,6 +196,7 @@ async def test_tail_shows_each_shard_and_the_missing_one(nc, run):
         # shard 1 starts reporting: the live watch brings it in
         await put(nc, run, "syncer.1", status(1, 2, versions={1: 3, 3: 2}, step=10, flight=(), rss=4 << 30))
         await until(lambda: 1 in agg.shards.status, what="syncer.1 seen")
+        assert agg.syncer_versions[1] == 3 and agg.committed_step == 10  # a status record's versions are committed
         row1 = next(line for line in render_text(agg).splitlines() if line.startswith("│    1 │"))
         assert "ok" in row1 and "10" in row1 and "1:3 3:2" in row1 and "4.0 GiB" in row1, row1
         assert "missing" not in render_text(agg).split("syncer shards")[0]

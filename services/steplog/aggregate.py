@@ -218,14 +218,15 @@ class Aggregator:
     def feed_state(self, key: str, value: bytes | bytearray | None, *, seed: bool = True,
                    seen_at: float | None = None) -> bool:
         """Take one `state` KV entry (None: deleted). Shard status and commit records go to the shard
-        board (a malformed one is counted there, never raised); a commit record also raises the
-        syncer's versions unless `seed` is False (a replay from the start keeps the lag of its time).
+        board (a malformed one is counted there, never raised); a commit or status record also raises
+        the syncer's versions unless `seed` is False (a replay from the start keeps the lag of its time).
         `seen_at`: see shards.ShardBoard.put. True if the key was a shard record."""
         if not self.shards.put(key, value, seen_at=seen_at):
             return False
-        if seed and key.split(".")[0] == "commit":
-            shard = None if "." not in key else int(key.split(".")[1])
-            rec = self.shards.commits.get(shard)
+        if seed:  # both name committed versions only (a status record: its shard's, at its last write)
+            base, _, k = key.partition(".")
+            table = self.shards.commits if base == "commit" else self.shards.status
+            rec = table.get(int(k) if k else None)
             if rec is not None:
                 self.seed_versions(rec.versions, rec.committed_step)
         return True
