@@ -14,6 +14,11 @@ from their local mirror); the JSON line then adds `wan`: the bytes the hub sent 
 (its `/leafz`) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
 `--model-mib` widens the MLP to a few MiB so those bytes are about the cut, not control traffic.
 
+`--syncer-shards N` runs the syncer as N shard processes (`yeto syncer --shard K --shards N`, checkpoint
+directories WORK/syncer-s<K>; README "Syncer shards"); the demo waits for every one of them, and the
+final cut it checks the islands against is exported from all their directories together. N may not
+exceed `--fragments` (a shard would own no fragment).
+
 The islands run `python -m learner.demo` (this package never imports the learner).
 """
 from __future__ import annotations
@@ -51,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--datacenters", type=int, choices=(1, 2), default=1,
                    help="2: a hub (broker, syncer, island a) and a second datacenter, a leaf node with islands b and c "
                         "that read the cut from their local mirror; the summary adds the WAN bytes (default %(default)s)")
+    p.add_argument("--syncer-shards", type=int, default=1,
+                   help="run the syncer as this many shard processes (yeto syncer --shard K --shards N), at most "
+                        "--fragments (default %(default)s)")
     p.add_argument("--model-mib", type=float, default=0.0,
                    help="give the islands a model of about this many MiB (default 0: the tiny MLP)")
     p.set_defaults(func=run)
@@ -145,12 +153,31 @@ def _no_identity(name: str) -> dict[str, str]:
     return {}
 
 
+def check_shards(shards: object, fragments: int) -> str | None:
+    """Why `--syncer-shards` cannot run with `--fragments` (None when it can)."""
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        return f"--syncer-shards must be an integer >= 1, got {shards!r}"
+    if shards > fragments:
+        return (f"--syncer-shards {shards} exceeds --fragments {fragments}: every shard needs a fragment of its own; "
+                f"pass --fragments {shards} or more")
+    return None
+
+
+def syncer_names(shards: int) -> list[str]:
+    """The demo's names of its syncer processes (and of their checkpoint directories under WORK)."""
+    return ["syncer"] if shards == 1 else [f"syncer-s{k}" for k in range(shards)]
+
+
 def run(args) -> int:
     from safetensors.torch import load_file
 
     from services.broker import Broker, Cluster
     from services.cmd_export import export
 
+    why = check_shards(args.syncer_shards, args.fragments)
+    if why:
+        print(f"yeto demo: {why}", file=sys.stderr)
+        return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="yeto-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     run_id = args.run or f"demo-{int(time.time())}"
@@ -194,20 +221,29 @@ def run(args) -> int:
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, list[str]] = {}
     t0 = time.monotonic()
+    shards = args.syncer_shards
+    syncers = syncer_names(shards)
     try:
-        syncer_cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run_id,
-                      "--islands", str(len(islands)), "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
-                      "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
-                      "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--replicas", str(args.replicas),
-                      "--quorum-timeout", "30",
-                      "--member-timeout", "20", "--final-timeout", "60"]
-        if secure:  # only the INIT island of the auth directory may publish the initial weights
-            syncer_cmd += ["--init-island", secure.ISLANDS[0]]
-        procs["syncer"] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        pumps = []
+        for k, name in enumerate(syncers):
+            # every shard the same run flags, its own --shard and checkpoint directory (README "Syncer shards")
+            syncer_cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run_id,
+                          "--islands", str(len(islands)), "--fragments", str(args.fragments),
+                          "--sync-every", str(args.sync_every),
+                          "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
+                          "--checkpoint-dir", str(work / name), "--small-limits", "--replicas", str(args.replicas),
+                          "--quorum-timeout", "30",
+                          "--member-timeout", "20", "--final-timeout", "60"]
+            if shards > 1:
+                syncer_cmd += ["--shard", str(k), "--shards", str(shards)]
+            if secure:  # only the INIT island of the auth directory may publish the initial weights
+                syncer_cmd += ["--init-island", secure.ISLANDS[0]]
+            procs[name] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            env=dict(env, **ident("syncer")))
-        logs["syncer"] = []
-        pumps = [_pump(procs["syncer"], "[syncer]", logs["syncer"],
-                       lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l or "session pinned" in l)]
+            logs[name] = []
+            pumps.append(_pump(procs[name], f"[{name}]", logs[name],
+                               lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l
+                               or "session pinned" in l or "missing" in l))
         for name, ranks, island_url, domain in islands:
             cmd = [sys.executable, "-m", "learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors"), "--model-mib", str(args.model_mib)]
@@ -238,7 +274,7 @@ def run(args) -> int:
             print(f"yeto demo: no RESULT line from island(s) {', '.join(missing)}", file=sys.stderr)
             return 1
         final_path = work / "final-cut.safetensors"
-        export(work / "syncer", final_path, run_id)
+        export([work / name for name in syncers], final_path, run_id)  # every shard's directory: one cut
         final = load_file(str(final_path))
         diff = 0.0
         for name in names:
@@ -263,6 +299,8 @@ def run(args) -> int:
             "seconds": round(time.monotonic() - t0, 1),
             "workdir": str(work),
         }
+        if shards > 1:
+            summary["syncer_shards"] = shards
         if secure:
             summary["secure"] = {"tls": True, "identities": sorted(i.name for i in secure.served.ids)}
         if leaf_node is not None:

@@ -15,16 +15,22 @@ Version lag: the syncer's current version of a fragment is the highest version s
 commit record, in the `state` KV commit record (`seed_versions`), or held by any island (an island
 only ever holds committed versions, so its version is a lower bound on the syncer's — this keeps the
 lag non-negative when a viewer starts mid-run and has seen no merge yet).
+
+Syncer shards: the `state` KV status records (`syncer`, `syncer.<K>`) and commit records (`commit`,
+`commit.<K>`) go to `feed_state(key, value)`, folded by `shards.ShardBoard` (per-shard phase, rounds
+in flight, last commit, memory, missing shards); `shard_rows(now)` is what the viewers show.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from schemas import codec, subjects as S
 from schemas.errors import WireError
 from schemas.ids import check_run
+
+from .shards import ShardBoard, ShardRow
 
 STEPLOG = "steplog"
 EVENT = "event"
@@ -156,6 +162,7 @@ class Aggregator:
         self.filtered = 0  # valid events of islands outside --island
         self.recent: collections.deque[dict] = collections.deque(maxlen=max_recent)
         self.last_t = 0.0
+        self.shards = ShardBoard()
 
     # ---- intake -----------------------------------------------------------------------------------
 
@@ -207,6 +214,25 @@ class Aggregator:
             self.kinds[msg["kind"]] += 1
             self._event(msg)
         return rec
+
+    def feed_state(self, key: str, value: bytes | bytearray | None, *, seed: bool = True,
+                   seen_at: float | None = None) -> bool:
+        """Take one `state` KV entry (None: deleted). Shard status and commit records go to the shard
+        board (a malformed one is counted there, never raised); a commit or status record also raises
+        the syncer's versions unless `seed` is False (a replay from the start keeps the lag of its time).
+        `seen_at`: see shards.ShardBoard.put. True if the key was a shard record."""
+        if not self.shards.put(key, value, seen_at=seen_at):
+            return False
+        if seed:  # both name committed versions only (a status record: its shard's, at its last write)
+            base, _, k = key.partition(".")
+            table = self.shards.commits if base == "commit" else self.shards.status
+            rec = table.get(int(k) if k else None)
+            if rec is not None:
+                self.seed_versions(rec.versions, rec.committed_step)
+        return True
+
+    def shard_rows(self, now: float) -> list[ShardRow]:
+        return self.shards.rows(now)
 
     def seed_versions(self, versions: Mapping[str | int, int], committed_step: int | None = None) -> None:
         """Start from the syncer's durable commit record (state KV key `commit`)."""
@@ -347,6 +373,7 @@ class Aggregator:
             "syncer_versions": {str(f): v for f, v in sorted(self.syncer_versions.items())},
             "committed_step": self.committed_step, "final_step": self.final_step,
             "malformed": self.malformed, "last_malformed": self.last_malformed, "filtered": self.filtered,
+            "shards": self.shards.shards(), "state_malformed": self.shards.malformed,
         }
 
 
@@ -364,8 +391,11 @@ class ChartModel:
     ROUND_FIELDS = ("t", "step", "attempt", "quorum_s", "sync_s")
     TIMEOUT_FIELDS = ("t", "step", "count")
 
-    def __init__(self, agg: Aggregator, *, max_points: int = 600):
+    def __init__(self, agg: Aggregator, *, max_points: int = 600, clock: Callable[[], float] | None = None):
         self.agg = agg
+        # the shard rows' staleness is judged against the viewer's clock (a shard that went silent
+        # sends nothing that would say so); injected so the model stays testable
+        self.clock = clock
         self.max_points = max_points
         self.islands: dict[str, collections.deque] = {}
         self.rounds: collections.deque = collections.deque(maxlen=max_points)
@@ -412,7 +442,8 @@ class ChartModel:
                 "mean_export_s": st.export_sum_s / st.events if st.events else 0.0,
                 "mean_apply_s": st.apply_sum_s / st.events if st.events else 0.0,
             }
-        return {"summary": a.summary(), "island_state": islands, "seq": self.seq}
+        shards = [r.to_json() for r in a.shard_rows(self.clock())] if self.clock is not None else []
+        return {"summary": a.summary(), "island_state": islands, "shards": shards, "seq": self.seq}
 
     def snapshot(self) -> dict:
         return {

@@ -58,13 +58,22 @@ def source_options(args) -> SourceOptions:
 
 
 class Feed:
-    """Aggregator + listeners; `on_message(subject, data)` is the one entry point of the shell."""
+    """Aggregator + listeners; `on_message(subject, data)` is the one entry point of the shell for the
+    streams, `on_state(key, value)` for the state KV (shard status and commit records)."""
 
     def __init__(self, agg: Aggregator):
         self.agg = agg
         self.listeners: list[Listener] = []
         self.listener_errors = 0
         self.received = 0
+        self.state_received = 0
+        self.seed_state = True  # commit records raise the syncer's versions (not while replaying from the start)
+
+    def on_state(self, key: str, value: bytes | None, *, live: bool = False) -> bool:
+        """`live`: the entry is an update that arrived now (not a value read at start), so its age
+        starts now on this host's clock (see shards.py)."""
+        self.state_received += 1
+        return self.agg.feed_state(key, value, seed=self.seed_state, seen_at=time.time() if live else None)
 
     def on_message(self, subject: str, data: bytes) -> Record | None:
         self.received += 1
@@ -116,6 +125,48 @@ async def wait_for_streams(js, run: str, *, poll_s: float = 1.0, timeout_s: floa
         await asyncio.sleep(poll_s)
 
 
+STATE_INITIAL_WAIT_S = 5.0
+
+
+async def watch_state(js, run: str, feed: Feed, *, initial_wait_s: float = STATE_INITIAL_WAIT_S):
+    """Follow the run's `state` KV (every key's newest value, then each write) into `feed.on_state`:
+    the shards' status records (`syncer`, `syncer.<K>`) and commit records (`commit`, `commit.<K>`).
+
+    One ordered consumer on the bucket's stream (what `nats kv watch` does; an observer identity may
+    create it), callback-driven like the stream subscriptions. Returns the subscription once the
+    values that were there at start are in (or after `initial_wait_s`), so the first screen already
+    shows every shard. Deleted or purged keys arrive as None."""
+    from nats.js import api
+
+    bucket = S.kv_bucket(run, "state")
+    prefix = f"$KV.{bucket}."
+    initial = asyncio.Event()
+
+    async def cb(msg):
+        op = (msg.headers or {}).get("KV-Operation")
+        key = msg.subject[len(prefix):] if msg.subject.startswith(prefix) else msg.subject
+        try:
+            feed.on_state(key, None if op in ("DEL", "PURGE") else msg.data, live=initial.is_set())
+        finally:
+            try:
+                if msg.metadata.num_pending == 0:
+                    initial.set()
+            except Exception:  # no JetStream metadata: nothing to count on
+                initial.set()
+
+    # An empty bucket sends nothing to wait for. (Stream info, not consumer info: an observer identity
+    # may read the stream's info but not its consumers'.)
+    if (await js.stream_info(f"KV_{bucket}")).state.messages == 0:
+        initial.set()
+    sub = await js.subscribe(prefix + ">", stream=f"KV_{bucket}", cb=cb, ordered_consumer=True,
+                             deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+    try:
+        await asyncio.wait_for(initial.wait(), initial_wait_s)
+    except asyncio.TimeoutError:  # the viewer works without the first batch; it fills in
+        log.debug("state KV of run %s: initial values not all in after %.0f s", run, initial_wait_s)
+    return sub
+
+
 async def seed_versions(js, run: str, agg: Aggregator) -> bool:
     """Read the syncer's commit record (state KV key `commit`) so lag is right before the first merge."""
     import orjson
@@ -149,9 +200,15 @@ async def subscribe(nc, opts: SourceOptions, feed: Feed, *, say: Callable[[str],
         return [await nc.subscribe(subject, cb=cb) for subject, _ in subjects]
     js = nc.jetstream()
     await wait_for_streams(js, opts.run, say=say, timeout_s=wait_timeout_s)
-    if not opts.from_start:
-        await seed_versions(js, opts.run, feed.agg)
     subs = []
+    # the shards' status and commit records; with --from-start the replayed merges set the versions
+    feed.seed_state = not opts.from_start
+    try:
+        subs.append(await watch_state(js, opts.run, feed))
+    except Exception as exc:  # no state bucket yet, or no right to read it: the step log still shows
+        log.warning("run %s: not following the state KV (syncer shard status): %r", opts.run, exc)
+        if not opts.from_start:
+            await seed_versions(js, opts.run, feed.agg)
     for subject, kind in subjects:
         subs.append(await js.subscribe(subject, stream=S.stream(opts.run, kind), cb=cb, ordered_consumer=True,
                                        **_deliver_kwargs(opts)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
+import time
 from importlib import resources
 
 import orjson
@@ -24,6 +25,7 @@ from .httpd import HttpServer, Response, Stream, sse
 
 log = logging.getLogger(__name__)
 
+SHARD_REFRESH_S = 2.0  # the shard table's refresh when nothing else arrives
 CLIENT_QUEUE = 64  # deltas a viewer may fall behind before it is dropped
 KEEPALIVE_S = 15.0
 
@@ -46,19 +48,21 @@ class Dashboard:
         self.run = run
         self.agg = Aggregator(run, island=island)
         self.feed = Feed(self.agg)
-        self.chart = ChartModel(self.agg, max_points=max_points)
+        self.chart = ChartModel(self.agg, max_points=max_points, clock=time.time)
         self.feed.listeners.append(lambda rec, _s, _d: self.chart.add(rec))
         self.flush_s = flush_s
         self.clients: set[_Viewer] = set()
         self.dropped_clients = 0
-        self._seen = 0  # feed.received at the last flush
+        self._seen = (0, 0)  # (feed.received, feed.state_received) at the last flush
         self._page = page(run)
 
-    def flush(self) -> int:
-        """Send what arrived since the last flush to every viewer; returns the number of viewers reached."""
-        if self.feed.received == self._seen:
+    def flush(self, *, force: bool = False) -> int:
+        """Send what arrived since the last flush to every viewer (with `force`, the current numbers even
+        when nothing did); returns the number of viewers reached."""
+        seen = (self.feed.received, self.feed.state_received)
+        if seen == self._seen and not force:
             return 0
-        self._seen = self.feed.received
+        self._seen = seen
         delta = self.chart.take_delta(force=True)
         data = sse("delta", orjson.dumps(delta).decode())
         reached = 0
@@ -73,9 +77,15 @@ class Dashboard:
         return reached
 
     async def run_flusher(self) -> None:
+        last_forced = time.monotonic()
         while True:
             await asyncio.sleep(self.flush_s)
-            self.flush()
+            # A shard that goes silent sends nothing: refresh the shard rows (their age, and missing
+            # past 15 s) every few seconds even when no message arrived.
+            force = bool(self.agg.shards.shards()) and time.monotonic() - last_forced >= SHARD_REFRESH_S
+            if force:
+                last_forced = time.monotonic()
+            self.flush(force=force)
 
     def snapshot(self) -> dict:
         return self.chart.snapshot()

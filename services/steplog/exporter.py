@@ -7,15 +7,17 @@ Two parts:
   the `Aggregator` at scrape time, so the exposition and the terminal table can never disagree.
 * `serve_exporter` — the shell: subscribe, feed, answer GET /metrics.
 
-Every metric is named `yeto_*` and labelled `run` (and `island`, `fragment`, `disposition`, `kind`
-where they apply). Counters count what this exporter has seen since it started (with --from-start:
+Every metric is named `yeto_*` and labelled `run` (and `island`, `fragment`, `disposition`, `kind`,
+`shard` where they apply). The `yeto_syncer_shard_*` gauges come from the syncer processes' status
+and commit records in the run's `state` KV, one `shard` label value per shard ("0" unsharded). Counters count what this exporter has seen since it started (with --from-start:
 since the streams' retention window began); Prometheus' rate() handles the reset at a restart.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -45,9 +47,10 @@ ISLAND_COUNTERS = {
 
 
 class _StateCollector(Collector):
-    def __init__(self, agg: Aggregator, feed: Feed | None):
+    def __init__(self, agg: Aggregator, feed: Feed | None, clock: Callable[[], float] = time.time):
         self.agg = agg
         self.feed = feed
+        self.clock = clock
 
     def collect(self) -> Iterable:
         a, run = self.agg, self.agg.run
@@ -125,14 +128,57 @@ class _StateCollector(Collector):
         for (stream, reason), n in sorted(a.malformed_by.items()):
             mal.add_metric([run, stream, reason], n)
         yield mal
+        yield from self._shards(run, gauge, counter)
         if self.feed is not None:
             yield one(counter("yeto_exporter_messages", "Messages this exporter received (valid or not)."), self.feed.received)
+
+
+    def _shards(self, run: str, gauge, counter) -> Iterable:
+        """Per syncer process (label `shard`; "0" for an unsharded syncer), from the state KV status and
+        commit records. Staleness is judged at scrape time against this host's clock."""
+        a = self.agg
+        rows = a.shard_rows(self.clock())
+        lab = ("run", "shard")
+        shards = gauge("yeto_syncer_shards", "Syncer processes (shards) of the run, from their status records.")
+        shards.add_metric([run], len(rows))
+        yield shards
+        up = gauge("yeto_syncer_shard_up", "1 while the shard's status record is fresh and it has not exited.", lab)
+        missing = gauge("yeto_syncer_shard_missing", "1 when the shard's status record is absent, older than 15 s "
+                        "(and it did not exit), or the coordinator counts it missing.", lab)
+        exited = gauge("yeto_syncer_shard_exited", "1 when the shard's last status record says it exited.", lab)
+        phase = gauge("yeto_syncer_shard_phase", "The shard's phase (value 1 on the phase it reports).", lab + ("phase",))
+        step = gauge("yeto_syncer_shard_committed_step", "The newest step the shard committed (its own rounds).", lab)
+        flight = gauge("yeto_syncer_shard_rounds_in_flight", "Rounds the shard has in flight.", lab)
+        rss = gauge("yeto_syncer_shard_rss_bytes", "The shard process's peak resident memory.", lab)
+        age = gauge("yeto_syncer_shard_status_age_seconds", "Seconds since the shard's status record was written.", lab)
+        ver = gauge("yeto_syncer_shard_version", "The shard's committed version per fragment it owns.", lab + ("fragment",))
+        for r in rows:
+            lv = [run, str(r.shard)]
+            up.add_metric(lv, 1 if r.state == "ok" else 0)
+            missing.add_metric(lv, 1 if r.state == "missing" else 0)
+            exited.add_metric(lv, 1 if r.state == "exited" else 0)
+            if r.phase is not None:
+                phase.add_metric(lv + [r.phase], 1)
+                flight.add_metric(lv, len(r.rounds_in_flight))
+            if r.committed_step is not None:
+                step.add_metric(lv, r.committed_step)
+            if r.rss_bytes is not None:
+                rss.add_metric(lv, r.rss_bytes)
+            if r.age_s is not None:
+                age.add_metric(lv, r.age_s)
+            for f, v in sorted(r.versions.items()):
+                ver.add_metric(lv + [str(f)], v)
+        yield from (up, missing, exited, phase, step, flight, rss, age, ver)
+        bad = counter("yeto_syncer_state_malformed", "State KV shard records this exporter skipped (not JSON or wrong shape).")
+        bad.add_metric([run], a.shards.malformed)
+        yield bad
 
 
 class RunMetrics:
     """Prometheus metrics of one run (see the module doc). `observe(rec)` after each accepted record."""
 
-    def __init__(self, agg: Aggregator, feed: Feed | None = None, registry: CollectorRegistry | None = None):
+    def __init__(self, agg: Aggregator, feed: Feed | None = None, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.time):
         self.agg = agg
         self.registry = registry or CollectorRegistry(auto_describe=False)
         labels = ["run", "island"]
@@ -142,7 +188,7 @@ class RunMetrics:
         self.apply = h("yeto_island_apply_seconds", "Time applying broadcasts (fetch + blend + scatter), per step.", labels, BOUNDARY_BUCKETS)
         self.round_latency = h("yeto_round_latency_seconds", "Round launch to commit (merge records' sync_s).", ["run"], ROUND_BUCKETS)
         self.quorum_time = h("yeto_round_quorum_seconds", "Round launch to quorum (merge records' quorum_s).", ["run"], ROUND_BUCKETS)
-        self.registry.register(_StateCollector(agg, feed))
+        self.registry.register(_StateCollector(agg, feed, clock))
 
     def observe(self, rec: Record | None) -> None:
         if rec is None:
@@ -165,11 +211,11 @@ class RunMetrics:
 class Exporter:
     """Aggregator + Feed + RunMetrics, and the HTTP routes that expose them (no network here)."""
 
-    def __init__(self, run: str, *, island: str | None = None):
+    def __init__(self, run: str, *, island: str | None = None, clock: Callable[[], float] = time.time):
         self.run = run
         self.agg = Aggregator(run, island=island)
         self.feed = Feed(self.agg)
-        self.metrics = RunMetrics(self.agg, self.feed)
+        self.metrics = RunMetrics(self.agg, self.feed, clock=clock)
         self.feed.listeners.append(lambda rec, _s, _d: self.metrics.observe(rec))
 
     def routes(self) -> dict:

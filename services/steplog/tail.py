@@ -149,7 +149,30 @@ def round_table(agg: Aggregator, limit: int = 12) -> Table:
     return t
 
 
-def header(agg: Aggregator) -> Text:
+def shard_table(agg: Aggregator, now: float) -> Table | None:
+    """Per syncer process (shard): whether it reports, what it does, its last commit and its memory.
+    None before any status or commit record was read (the run's state KV is empty or unreadable)."""
+    rows = agg.shard_rows(now)
+    if not rows:
+        return None
+    n = rows[0].shards
+    t = Table(title="syncer" + (f" shards ({n})" if n > 1 else ""), title_justify="left", pad_edge=False)
+    _columns(t, [("shard", "right", False), ("state", "left", True), ("phase", "left", False),
+                 ("committed", "right", False), ("in flight", "left", True), ("versions", "left", True),
+                 ("rss", "right", False), ("age", "right", False)])
+    for r in rows:
+        style = {"ok": "green", "exited": "cyan"}.get(r.state, "bold red")
+        state = r.state.upper() if r.state == "missing" else r.state
+        if r.reason and r.state == "missing":
+            state += f" ({r.reason})"
+        t.add_row(str(r.shard), Text(state, style=style), r.phase or DASH,
+                  DASH if r.committed_step is None else str(r.committed_step),
+                  " ".join(map(str, r.rounds_in_flight)) or DASH, fmt_versions(r.versions),
+                  human_bytes(r.rss_bytes), secs(r.age_s))
+    return t
+
+
+def header(agg: Aggregator, now: float | None = None) -> Text:
     s = agg.summary()
     text = Text()
     text.append(f"run {agg.run}", style="bold")
@@ -163,6 +186,12 @@ def header(agg: Aggregator) -> Text:
     text.append(f"  malformed {s['malformed']}", style="red" if s["malformed"] else "")
     if agg.last_malformed:
         text.append(f" (last: {agg.last_malformed})", style="red")
+    missing = agg.shards.missing(time.time() if now is None else now)
+    if missing:
+        text.append(f"\nsyncer shard{'s' if len(missing) > 1 else ''} missing: {', '.join(map(str, missing))}",
+                    style="bold red")
+    if agg.shards.malformed:
+        text.append(f"  malformed state records {agg.shards.malformed} (last: {agg.shards.last_malformed})", style="red")
     if agg.island_filter:
         text.append(f"\nisland filter {agg.island_filter} ({agg.filtered} other events skipped)")
     return text
@@ -184,7 +213,10 @@ def recent_table(agg: Aggregator, limit: int = 5) -> Table | None:
 def render(agg: Aggregator, now: float | None = None, *, rounds: int = 12, recent: int = 5) -> Group:
     """The whole screen (pure: `now` only feeds the "age" column)."""
     now = time.time() if now is None else now
-    parts = [header(agg), island_table(agg, now), traffic_table(agg), round_table(agg, rounds)]
+    parts = [header(agg, now), island_table(agg, now), traffic_table(agg), round_table(agg, rounds)]
+    st = shard_table(agg, now)
+    if st is not None:
+        parts.insert(1, st)
     rt = recent_table(agg, recent)
     if rt is not None:
         parts.append(rt)
