@@ -153,7 +153,6 @@ class PeakWatch:
 
 
 async def _tape_of(js, run: str, kind: str) -> list[dict]:
-    import nats
     import orjson
 
     from schemas import subjects as S
@@ -161,11 +160,10 @@ async def _tape_of(js, run: str, kind: str) -> list[dict]:
     sub = await js.pull_subscribe(S.events(run, kind), stream=S.stream(run, "EVENTS"))
     out = []
     try:
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                break
+        # fetch() waits out its timeout unless the batch fills: ask for exactly what is pending
+        want = (await sub.consumer_info()).num_pending
+        while len(out) < want:
+            msgs = await sub.fetch(min(256, want - len(out)), timeout=10)
             out.extend(orjson.loads(m.data) for m in msgs)
     finally:
         await sub.unsubscribe()

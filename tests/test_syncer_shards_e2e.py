@@ -16,7 +16,6 @@ fragments. Nothing here goes through `yeto demo`: the test starts every process 
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 import uuid
@@ -24,7 +23,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -129,17 +127,21 @@ def assert_island_holds(isl: IslandProc, cut: Cut) -> dict[str, torch.Tensor]:
 
 async def tape_of(js, run: str, kind: str) -> list[dict]:
     """The EVENTS tape's records of one kind, in order, through an ephemeral consumer filtered to
-    the kind's subject (the whole tape holds every recorded input: thousands of records)."""
+    the kind's subject (the whole tape holds every recorded input: thousands of records); [] before the
+    run's streams exist."""
     import orjson
+    from nats.js.errors import NotFoundError
 
-    sub = await js.pull_subscribe(S.events(run, kind), stream=S.stream(run, "EVENTS"))
+    try:
+        sub = await js.pull_subscribe(S.events(run, kind), stream=S.stream(run, "EVENTS"))
+    except NotFoundError:
+        return []
     out = []
     try:
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                break
+        # fetch() waits out its timeout unless the batch fills: ask for exactly what is pending
+        want = (await sub.consumer_info()).num_pending
+        while len(out) < want:
+            msgs = await sub.fetch(min(256, want - len(out)), timeout=10)
             out.extend(orjson.loads(m.data) for m in msgs)
     finally:
         await sub.unsubscribe()
@@ -240,7 +242,7 @@ async def _kill_and_resume(url: str, js, work: Path, victim: int, n: int = 2) ->
             mine = [m for m in merges if SH.shard_of(m["fragment"], n) == victim]
             return len(merges) >= KILL_AFTER_MERGES and len(mine) >= 1
 
-        await wait_until(mid_run, 120, f"{KILL_AFTER_MERGES} merges, one of shard {victim}", poll=0.2)
+        await wait_until(mid_run, 120, f"{KILL_AFTER_MERGES} merges, one of shard {victim}", poll=0.5)
         syncers[vname].kill()
         killed_at = time.time()
         assert syncers[vname].proc.returncode == -9
@@ -253,12 +255,13 @@ async def _kill_and_resume(url: str, js, work: Path, victim: int, n: int = 2) ->
             return len(got) >= OTHERS_COMMITS and time.time() - killed_at >= OUTAGE_MIN_S
 
         await wait_until(others_committed, 60, f"{OTHERS_COMMITS} commits of shards {others} with shard {victim} down",
-                         poll=0.2)
+                         poll=0.5)
         restarted_at = time.time()
         syncers[vname].start("--resume")
         await finish(procs, 150)
         commits = await tape_of(js, run, "commit")
         merges = await tape_of(js, run, "merge")
+        restarts = await tape_of(js, run, "restart")
         manifest = await kv_json(js, run, "final")
     finally:
         stop_all(procs)
@@ -274,6 +277,9 @@ async def _kill_and_resume(url: str, js, work: Path, victim: int, n: int = 2) ->
         assert sorted(got) == list(range(per_frag + 1)), (f, got)
     steps = Counter(m["step"] for m in merges)
     assert sorted(steps) == list(range(1, KILL_ROUNDS + 1)) and set(steps.values()) == {1}, steps
+    # The victim came back from its checkpoint (its restart record names its next own round).
+    resumed = [r for r in restarts if "resumed" in r.get("reason", "") and r["t"] > restarted_at]
+    assert [SH.shard_of(r["fragment"], n) for r in resumed] == [victim], restarts
     # The other shards kept committing while the victim was down (their own commit records' times).
     during = [(c["fragment"], c["version"]) for c in commits if killed_at < c["t"] < restarted_at]
     assert len(during) >= OTHERS_COMMITS and all(SH.shard_of(f, n) in others for f, _ in during), during
