@@ -83,6 +83,20 @@ def shard_ratio(shard_growths: dict[str, int], single_growth: int) -> float:
     return max(shard_growths.values()) / single_growth
 
 
+def phase_peaks(series: list[tuple[float, int]], marks: list[tuple[str, float]]) -> dict[str, int]:
+    """The highest sample of each phase; phase i spans [marks[i], marks[i+1]), the last one to the
+    end. Samples before the first mark count for none; a phase without a sample is 0."""
+    out = {name: 0 for name, _ in marks}
+    for t, v in series:
+        phase = None
+        for name, start in marks:
+            if t >= start:
+                phase = name
+        if phase is not None:
+            out[phase] = max(out[phase], v)
+    return out
+
+
 def merge_figures(merges: list[dict]) -> dict:
     """Medians over the rounds' merge records: the merge loop and the commit path (seconds)."""
     if not merges:
@@ -118,11 +132,13 @@ def vm_rss(pid: int) -> int | None:
 class PeakWatch:
     """Peak RSS (VmHWM) of named processes, read every 0.1 s while they live: the kernel's high-water
     mark is exact, only what happens in a process's last 0.1 s may be missed (the status record's
-    `rss_bytes`, written at exit, covers that where the syncer writes it)."""
+    `rss_bytes`, written at exit, covers that where the syncer writes it). VmRSS is kept as a time
+    series too, to tell in which phase of the run the peak came (`phase_peaks`)."""
 
     def __init__(self):
         self.pids: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.series: dict[str, list[tuple[float, int]]] = {}
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -134,10 +150,18 @@ class PeakWatch:
             v = vm_hwm(pid)
             if v:
                 self.peak[name] = max(self.peak.get(name, 0), v)
+            r = vm_rss(pid)
+            if r:
+                self.series.setdefault(name, []).append((time.time(), r))
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             self.poll()
+
+    def phase_peaks(self, name: str, marks: list[tuple[str, float]]) -> dict[str, int]:
+        """The highest VmRSS sampled in each phase: phase i runs from marks[i] to marks[i+1] (the
+        last to the end of the series)."""
+        return phase_peaks(self.series.get(name, []), marks)
 
     def __enter__(self):
         self._t.start()
@@ -243,6 +267,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
         check_alive()
         baseline = {name: vm_rss(p.pid) or 0 for name, p in procs.items()}
 
+        marks = [("INIT + v0", time.time())]
         t0 = time.monotonic()
         gen = torch.Generator().manual_seed(0)
         frags = {f["id"]: f["numel"] for f in isls[0].session["fragments"]}
@@ -255,8 +280,12 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
         t_rounds = time.monotonic()
         for t in range(1, args.rounds + 1):
             pulls = await asyncio.gather(*(isl.expect_pull(t, timeout=args.timeout) for isl in isls))
+            if t == 1:  # a pull goes out only once version 0 is committed
+                marks.append(("rounds", time.time()))
             await asyncio.gather(*(isl.push(pull, delta[: frags[pull["fragment"]]], c_tokens=100, local_step=t)
                                    for isl, pull in zip(isls, pulls)))
+        # the last round's commit and the final cut: what is left is taped by the syncers as `final`
+        marks.append(("last round + final cut", time.time()))
         mans = await asyncio.gather(*(isl.expect(lambda k, m: k == "manifest", timeout=args.timeout) for isl in isls))
         t_rounds = time.monotonic() - t_rounds
         for isl, (_, man) in zip(isls, mans):
@@ -279,12 +308,14 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
             f.close()
         for isl in isls:
             await isl.nc.close()
-    peaks = {}
+    peaks, by_phase = {}, {}
     for k, name in enumerate(names):
+        by_phase[name] = {ph: growth(v, baseline[name]) for ph, v in
+                          watch.phase_peaks(f"{name} ({n} shard{'s' if n > 1 else ''})", marks).items()}
         peaks[name] = max(watch.peak.get(f"{name} ({n} shard{'s' if n > 1 else ''})", 0),
                           int(status.get(k, {}).get("rss_bytes") or 0))
     return {"n": n, "names": names, "baseline": baseline, "peak": peaks,
-            "growth": {name: growth(peaks[name], baseline[name]) for name in names},
+            "growth": {name: growth(peaks[name], baseline[name]) for name in names}, "by_phase": by_phase,
             "merge": merge_figures(merges), "init_s": t_init, "rounds_s": t_rounds,
             "fragment_mib": max(frags.values()) * 4 / MiB}
 
@@ -294,7 +325,10 @@ def fmt_config(r: dict, rounds: int) -> str:
     mem = ", ".join(f"{name} peak {r['peak'][name] / MiB:.0f} MiB (baseline {r['baseline'][name] / MiB:.0f}, "
                     f"growth {r['growth'][name] / MiB:.0f})" for name in r["names"])
     m = r["merge"]
+    phases = "; ".join(f"{name} " + ", ".join(f"{ph} {v / MiB:.0f}" for ph, v in r["by_phase"][name].items())
+                       for name in r["names"])
     return (f"[{label}] {mem}\n"
+            f"[{label}] RSS growth by phase (MiB, VmRSS sampled every 0.1 s): {phases}\n"
             f"[{label}] merge per round: median merge loop {m['merge_loop']:.3f} s, median commit path "
             f"{m['commit_path']:.3f} s ({m['rounds']} merge records); rounds wall {r['rounds_s']:.1f} s = "
             f"{r['rounds_s'] / rounds:.2f} s per round; INIT {r['init_s']:.1f} s")

@@ -66,6 +66,15 @@ def test_syncer_memory_smoke_prints_every_process_and_the_ratio_last():
     if one >= 20:  # rounding to whole MiB leaves the quotient comparable
         assert ratio == pytest.approx(int(g["shard"]) / one, abs=0.06), out
 
+    # where each process's growth came: one line per configuration naming every process and phase
+    phases = dict(re.findall(r"^\[(1 shard|4 shards)\] RSS growth by phase \(MiB, VmRSS sampled every 0.1 s\): (.*)$", out, re.M))
+    assert set(phases) == {"1 shard", "4 shards"}, out
+    for label, rest in phases.items():
+        procs = [part.split(" INIT + v0 ")[0] for part in rest.split("; ")]
+        assert procs == [n for n, *_ in names[label]], (label, out)
+        for part in rest.split("; "):
+            assert re.fullmatch(r"(syncer|shard \d) INIT \+ v0 \d+, rounds \d+, last round \+ final cut \d+", part), (part, out)
+
     # merge figures of both configurations: every round merged once (4 rounds), times > 0
     merges = {m["label"]: m for m in MERGE.finditer(out)}
     assert set(merges) == {"1 shard", "4 shards"}, out
@@ -94,7 +103,7 @@ def test_layout_splits_into_four_equal_fragments():
         assert sum(f["numel"] for f in frags) * 4 == pytest.approx(size * bench.MiB, rel=0.01)
 
 
-def test_ratio_and_merge_figures():
+def test_ratio_phases_and_merge_figures():
     bench = _load()
     assert bench.shard_ratio({"shard 0": 250, "shard 1": 300}, 1000) == 0.3
     with pytest.raises(ValueError, match="single syncer's RSS growth is 0"):
@@ -102,6 +111,10 @@ def test_ratio_and_merge_figures():
     with pytest.raises(ValueError, match="no shard growth"):
         bench.shard_ratio({}, 1000)
     assert bench.growth(100, 150) == 0 and bench.growth(300, 100) == 200
+    # each sample counts for the phase it falls in; before the first mark for none
+    series = [(0.5, 999), (1.0, 10), (1.5, 30), (2.0, 20), (3.5, 5)]
+    assert bench.phase_peaks(series, [("a", 1.0), ("b", 2.0), ("c", 3.0)]) == {"a": 30, "b": 20, "c": 5}
+    assert bench.phase_peaks([], [("a", 1.0)]) == {"a": 0}
     recs = [{"detail": {"merge_s": s, "checkpoint_s": 0.1, "commit_kv_s": 0.01, "broadcast_s": 0.2}} for s in (0.5, 0.3, 0.9)]
     figs = bench.merge_figures(recs)
     assert figs["merge_loop"] == 0.5 and figs["commit_path"] == pytest.approx(0.81) and figs["rounds"] == 3
