@@ -118,21 +118,69 @@ async def _add_streams(js, run: str, cfgs, report: ProvisionReport, label: str, 
         report.created.append(what)
 
 
+async def _add_kv(js, run: str, kcfg: api.KeyValueConfig, report: ProvisionReport) -> None:
+    """Create a KV bucket; as `_add_streams`, a concurrent creator (another syncer shard) is tolerated:
+    the bucket it made counts as found when its configuration matches, else ProvisionConflict."""
+    what, sname = f"kv {kcfg.bucket}", kv_stream_name(kcfg.bucket)
+    try:
+        await js.create_key_value(kcfg)
+    except APIError as exc:
+        if exc.err_code == ERR_STREAM_NAME_IN_USE:
+            info = await stream_info_or_none(js, sname)
+            if info is not None:
+                c = config_conflicts(info.config, kcfg, "kv")
+                if c:
+                    raise ProvisionConflict(run, [(what, sname, f, e, w) for f, e, w in c]) from exc
+                report.existing.append(what)
+                return
+        raise server_refused(what, exc) from exc
+    report.created.append(what)
+
+
+async def _shard_count_conflicts(js, run: str, shards: int, fragments: int | None) -> list:
+    """A run's syncer shards must agree on --shards: a shard started with another count would consume
+    (and run rounds of) fragments another shard owns. The PUSH consumers tell what the run was started
+    with: the unsharded `syncer-push`, or shard 0's `syncer-push-s0`, whose filters name shard 0's
+    fragments and so the count."""
+    stream = S.stream(run, "PUSH")
+    plain, first = S.SYNCER_PUSH_CONSUMER, f"{S.SYNCER_PUSH_CONSUMER}-s0"
+    out = []
+    if shards > 1 and await consumer_info_or_none(js, stream, plain) is not None:
+        out.append((f"consumer {stream}/{plain}", stream, "shards", 1, shards))
+    if shards == 1 and await consumer_info_or_none(js, stream, first) is not None:
+        out.append((f"consumer {stream}/{first}", stream, "shards", "> 1", shards))
+    if shards > 1:
+        info = await consumer_info_or_none(js, stream, first)
+        if info is not None:
+            _, want = syncer_consumer_configs(run, shard=0, shards=shards, fragments=fragments)[first]
+            if any(f == "filter" for f, _, _ in config_conflicts(info.config, want, "consumer")):
+                out.append((f"consumer {stream}/{first}", stream, "shards",
+                            f"another count (shard 0 reads {sorted(info.config.filter_subjects or [])})", shards))
+    return out
+
+
 async def provision_run(
     js, run: str, limits: RunLimits = RunLimits(), *, push_headers_only: bool = True,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, shard: int = 0, shards: int = 1, fragments: int | None = None,
 ) -> ProvisionReport:
     """The syncer-side call: create what is missing, check what exists (DESIGN §3 Provisioning).
 
     Raises ProvisionConflict (nothing created, nothing changed) if any existing stream, bucket or
     syncer consumer differs from the wanted configuration on a field that matters.
+
+    Syncer shards (`shard` K of `shards` N, `fragments` P): every shard provisions the run's streams
+    and buckets (the same configs: shards may start in any order, on any host, at the same moment)
+    and its own consumers (`syncer_consumer_configs`). Two shards creating the same stream or bucket
+    at once both succeed: an identical create is a no-op on the server, and a create that loses the
+    race to another config is re-read and compared like an existing one.
     """
     _check_run_id(run)
     log = log or log_.info
     report = ProvisionReport(run)
     streams = stream_configs(run, limits)
     kvs = kv_configs(run, limits)
-    consumers = syncer_consumer_configs(run, push_headers_only=push_headers_only)
+    consumers = syncer_consumer_configs(run, push_headers_only=push_headers_only, shard=shard, shards=shards,
+                                        fragments=fragments)
 
     # Phase 1: read everything, collect conflicts; nothing is created before all checks pass.
     missing_streams, conflicts = await _check_streams(js, streams.values(), report, "stream",
@@ -155,17 +203,15 @@ async def provision_run(
         if info is not None:
             conflicts += [(f"consumer {stream_name}/{cfg.durable_name}", stream_name, f, e, w)
                           for f, e, w in config_conflicts(info.config, cfg, "consumer")]
+    if S.stream(run, "PUSH") not in missing_names:
+        conflicts += await _shard_count_conflicts(js, run, shards, fragments)
     if conflicts:
         raise ProvisionConflict(run, conflicts)
 
     # Phase 2: create what is missing.
     await _add_streams(js, run, missing_streams, report, "stream", lambda e, w: config_conflicts(e, w, "stream"))
     for kcfg in missing_kvs:
-        try:
-            await js.create_key_value(kcfg)
-        except APIError as exc:
-            raise server_refused(f"kv {kcfg.bucket}", exc) from exc
-        report.created.append(f"kv {kcfg.bucket}")
+        await _add_kv(js, run, kcfg, report)
     await _ensure_consumers(js, run, wanted_consumers, report)
     log(str(report))
     return report

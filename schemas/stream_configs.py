@@ -11,7 +11,7 @@ from typing import Any
 
 from nats.js import api
 
-from . import subjects as S
+from . import shards as SH, subjects as S
 from .errors import ConfigError, WireError
 from .ids import check_gen
 from .ids import check_run as _check_run_id
@@ -202,9 +202,21 @@ def kv_stream_name(bucket: str) -> str:
     return KV_STREAM_PREFIX + bucket
 
 
-def syncer_consumer_configs(run: str, *, push_headers_only: bool = True) -> dict[str, tuple[str, api.ConsumerConfig]]:
-    """The syncer's durable pull consumers: name -> (stream kind, config). DESIGN §3 consumer table."""
+def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: int = 0, shards: int = 1,
+                            fragments: int | None = None) -> dict[str, tuple[str, api.ConsumerConfig]]:
+    """The syncer's durable pull consumers: name -> (stream kind, config). DESIGN §3 consumer table.
+
+    Syncer shards (schemas/shards.py; `fragments` P is then required): shard K's INIT and PUSH
+    consumers are named `syncer-init-s<K>` / `syncer-push-s<K>` and filter on its own fragments'
+    subjects only (`filter_subjects`, one per fragment: its INIT chunks and every island's pushes of
+    it), so a shard never receives, acks or holds bytes of another shard's fragments, and the INIT work
+    queue's filters never overlap. Only the coordinator (shard 0) reads CTL (hello, heartbeat, ack).
+    With one shard every name and filter is the unsharded one."""
     _check_run_id(run)
+    SH.check(shard, shards, fragments)
+    if shards > 1 and fragments is None:
+        raise ConfigError("syncer shards need the fragment count to filter their consumers", field="fragments",
+                          value=fragments)
 
     def durable(name: str, description: str, **kw) -> api.ConsumerConfig:
         return api.ConsumerConfig(
@@ -217,19 +229,36 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True) -> dict
             **kw,
         )
 
-    return {
-        S.SYNCER_CTL_CONSUMER: ("CTL", durable(
-            S.SYNCER_CTL_CONSUMER, "syncer reads hello, heartbeat, ack",
-            filter_subjects=S.syncer_ctl_filters(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
-        )),
-        S.SYNCER_INIT_CONSUMER: ("INIT", durable(
-            S.SYNCER_INIT_CONSUMER, "syncer reads initial weights", ack_wait=SYNCER_INIT_ACK_WAIT_S,
-        )),
-        S.SYNCER_PUSH_CONSUMER: ("PUSH", durable(
-            S.SYNCER_PUSH_CONSUMER, "syncer records push chunks by sequence",
-            filter_subject=S.push_all(run), ack_wait=SYNCER_PUSH_ACK_WAIT_S, headers_only=push_headers_only,
-        )),
-    }
+    ctl = ("CTL", durable(
+        S.SYNCER_CTL_CONSUMER, "syncer reads hello, heartbeat, ack",
+        filter_subjects=S.syncer_ctl_filters(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
+    ))
+    if shards == 1:
+        return {
+            S.SYNCER_CTL_CONSUMER: ctl,
+            S.SYNCER_INIT_CONSUMER: ("INIT", durable(
+                S.SYNCER_INIT_CONSUMER, "syncer reads initial weights", ack_wait=SYNCER_INIT_ACK_WAIT_S,
+            )),
+            S.SYNCER_PUSH_CONSUMER: ("PUSH", durable(
+                S.SYNCER_PUSH_CONSUMER, "syncer records push chunks by sequence",
+                filter_subject=S.push_all(run), ack_wait=SYNCER_PUSH_ACK_WAIT_S, headers_only=push_headers_only,
+            )),
+        }
+    own = SH.own_fragments(fragments, shard, shards)
+    label = SH.label(shard, shards)
+    init_name = SH.consumer(S.SYNCER_INIT_CONSUMER, shard, shards)
+    push_name = SH.consumer(S.SYNCER_PUSH_CONSUMER, shard, shards)
+    out = {S.SYNCER_CTL_CONSUMER: ctl} if shard == SH.COORDINATOR else {}
+    out[init_name] = ("INIT", durable(
+        init_name, f"syncer {label} reads initial weights of fragments {list(own)}",
+        filter_subjects=[S.init(run, f) for f in own], ack_wait=SYNCER_INIT_ACK_WAIT_S,
+    ))
+    out[push_name] = ("PUSH", durable(
+        push_name, f"syncer {label} records push chunks of fragments {list(own)} by sequence",
+        filter_subjects=[S.push_fragment_all(run, f) for f in own], ack_wait=SYNCER_PUSH_ACK_WAIT_S,
+        headers_only=push_headers_only,
+    ))
+    return out
 
 
 def island_consumer_config(

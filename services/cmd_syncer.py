@@ -35,6 +35,12 @@ def add_parser(sub) -> None:
     _flag(g, "--sync-every", "YETO_SYNC_EVERY", int, 8, "H: inner steps between two syncs of one fragment (a multiple of P); round t is due at local step t*H/P")
     _flag(g, "--total-steps", "YETO_TOTAL_STEPS", int, 10, "global rounds to commit before finalization")
     _flag(g, "--init-island", "YETO_INIT_ISLAND", str, None, "island whose weights initialize the run (default: the first admitted)")
+    g = p.add_argument_group("shards (one run's model spread over several syncer processes by fragment)")
+    _flag(g, "--shard", "YETO_SHARD", int, 0,
+          "this process's shard K: it owns fragments f with f mod N == K (their rounds, params, momentum, "
+          "checkpoint); shard 0 also owns admission, liveness, the members KV, manifests and shutdown")
+    _flag(g, "--shards", "YETO_SHARDS", int, 1, "syncer shards N of the run (1..--fragments); every shard needs the same "
+          "run flags")
     g = p.add_argument_group("rounds")
     _flag(g, "--pipeline", "YETO_PIPELINE", int, 1, "rounds in flight at most (never two on one fragment)")
     _flag(g, "--quorum", "YETO_QUORUM", int, None, "pushes needed to merge a round (default: every expected member)")
@@ -67,7 +73,8 @@ def add_parser(sub) -> None:
     _flag(g, "--chunk-bytes", "YETO_CHUNK_BYTES", int, 1 << 20, "chunk size in bytes (bounded by the server's max_payload minus header room)")
     g = p.add_argument_group("state")
     g.add_argument("--checkpoint-dir", default=_env("YETO_CHECKPOINT_DIR", None),
-                   help="directory of the params+momentum checkpoint (env YETO_CHECKPOINT_DIR; default ./yeto-data/<run>/syncer)")
+                   help="directory of the params+momentum checkpoint, one per shard (env YETO_CHECKPOINT_DIR; default "
+                        "./yeto-data/<run>/syncer, ./yeto-data/<run>/syncer-s<K> with --shards > 1)")
     g.add_argument("--resume", action="store_true", default=_env("YETO_RESUME", "0") == "1",
                    help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1). "
                         "A run killed mid-round continues with the round in flight (a new attempt); one killed during "
@@ -86,12 +93,17 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from schemas import shards as SH
     from schemas.provision import ProvisionError, RunLimits
     from services.syncer.rounds import SyncerConfig
     from services.syncer.service import OuterConfig, ServiceConfig, SyncerError, SyncerService
 
+    # Every log line of a shard names it (several shards' logs often end up side by side).
+    label = SH.label(args.shard, args.shards) if isinstance(args.shard, int) and isinstance(args.shards, int) \
+        and args.shards >= 1 else ""
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+                        format="%(asctime)s %(name)s " + (f"[{label}] " if label else "") + "%(levelname)s %(message)s",
+                        stream=sys.stderr)
     try:
         mc = SyncerConfig(
             run=args.run, islands=args.islands, fragments=args.fragments, sync_every=args.sync_every,
@@ -102,18 +114,21 @@ def run(args) -> int:
             init_island=args.init_island, member_timeout_s=args.member_timeout, final_timeout_s=args.final_timeout,
             max_push_norm=args.max_push_norm, outlier_factor=args.outlier_factor,
             max_token_factor=None if args.max_token_factor == 0 else args.max_token_factor,
+            shard=args.shard, shards=args.shards,
         )
     except ValueError as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
-    ckpt = Path(args.checkpoint_dir or os.path.join("yeto-data", args.run, "syncer"))
+    ckpt = Path(args.checkpoint_dir or os.path.join("yeto-data", args.run,
+                                                    "syncer" if mc.shards == 1 else f"syncer-s{mc.shard}"))
     try:
         limits = RunLimits.small(replicas=args.replicas) if args.small_limits else RunLimits(replicas=args.replicas)
     except ValueError as exc:  # ConfigError names the field and the value
         print(f"yeto syncer: --replicas: {exc}", file=sys.stderr)
         return 2
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
-                        connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"),
+                        connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"
+                                                         + (f"-s{mc.shard}" if mc.sharded else "")),
                         checkpoint_dir=ckpt, resume=args.resume, limits=limits)
     if not (args.status_every > 0):
         print(f"yeto syncer: --status-every must be a number > 0, got {args.status_every!r}", file=sys.stderr)

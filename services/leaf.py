@@ -216,19 +216,26 @@ async def wan_figures(hub: Broker, run: str) -> dict:
     """What crossed the WAN: `hub_to_dc_bytes`, every byte the hub sent over its leaf connections
     (/leafz out_bytes: the mirrors' copies of the cut, control, acks, KV reads), against
     `bcast_bytes`, the payload bytes of every broadcast and final chunk the syncer published
-    (its `bytes_broadcast` counter in the state KV's `syncer` record). A design where each island
+    (its `bytes_broadcast` counter in the state KV's `syncer` record, summed over `syncer.<K>` when sharded). A design where each island
     of the datacenter pulled the cut across the link would show a ratio of at least the island count."""
     import nats
     import orjson
 
     from schemas import subjects as S
 
+    from nats.js.errors import KeyNotFoundError
+
     nc = await nats.connect(hub.url)
     try:
         kv = await nc.jetstream().key_value(S.kv_bucket(run, "state"))
-        status = orjson.loads((await kv.get("syncer")).value)
+        try:
+            records = [orjson.loads((await kv.get("syncer")).value)]
+        except KeyNotFoundError:   # a sharded syncer: one record per shard, syncer.0 says how many
+            first = orjson.loads((await kv.get("syncer.0")).value)
+            records = [first] + [orjson.loads((await kv.get(f"syncer.{k}")).value)
+                                 for k in range(1, int(first.get("shards", 1)))]
+        bcast = sum(int(r["counters"].get("bytes_broadcast", 0)) for r in records)
     finally:
         await nc.close()
-    bcast = int(status["counters"].get("bytes_broadcast", 0))
     out = leaf_link_bytes(hub.http_port, hub.host)["out_bytes"]
     return {"bcast_bytes": bcast, "hub_to_dc_bytes": out, "ratio": round(out / bcast, 4) if bcast else None}

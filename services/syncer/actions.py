@@ -134,6 +134,23 @@ class PublishFinal(Action):
 
 
 @dataclass(frozen=True)
+class PublishShardFinal(Action):
+    """Sharded: publish this shard's fragments' f32 final cut (`versions`: its own fragments), mark its
+    checkpoint final ({"shard_final": true, final_step, versions}), record the f32 version digests in
+    the state KV (`final.<K>`, for the coordinator's manifest), then feed back FinalPublished. Emitted
+    once, when every round of the shard's fragments up to --total-steps is committed."""
+    final_step: int
+    versions: dict
+
+
+@dataclass(frozen=True)
+class AdoptSession(Action):
+    """Sharded, not the coordinator: take the session the coordinator pinned (the shell sets it in the
+    cut and writes the checkpoint's session file; the state KV already holds it)."""
+    session: dict
+
+
+@dataclass(frozen=True)
 class SendManifest(Action):
     """Send the manifest (final step, version per fragment, the f32 cut's digests) to one island
     generation. Emitted only once the final cut is out (after FinalPublished), so the shell always
@@ -179,7 +196,7 @@ class Done(Action):
 
 ACTION_TYPES: dict[str, type[Action]] = {cls.__name__: cls for cls in (
     WriteSession, WriteMember, PublishPull, SendError, Merge, Release, Tape, CommitV0, InitStore, InitDrop,
-    PublishFinal, SendManifest, RecordFinal, Rebroadcast, Shutdown, Done)}
+    PublishFinal, SendManifest, RecordFinal, Rebroadcast, Shutdown, Done, PublishShardFinal, AdoptSession)}
 
 
 def _jsonable(value: Any) -> Any:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import shards as SH
 from schemas.codec import load_schema
 from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: F401  (re-exported: the syncer's names)
 from schemas.errors import ConfigError
@@ -51,6 +52,8 @@ class SyncerConfig:
     max_push_norm: float | None = None     # quarantine a push whose L2 norm exceeds this; None = off
     outlier_factor: float | None = None    # quarantine a push above this x the round's median norm; None = off
     max_token_factor: float | None = 4.0   # cap a c_tokens claim at this x the round's median claim; None = off
+    shard: int = 0                    # this process's shard K (schemas/shards.py): it owns fragments f mod N == K
+    shards: int = 1                   # N; 1 = one syncer owns everything (and every name is the unsharded one)
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: Any) -> None:
@@ -91,6 +94,7 @@ class SyncerConfig:
             if not (number and (value > low or (low_ok and value == low))):
                 bad("--" + name.replace("_", "-"), f"must be a number {'>=' if low_ok else '>'} {low:g} ({off} for off)",
                     value)
+        SH.check(self.shard, self.shards, self.fragments)
         if self.push_dtype not in PUSH_DTYPES:
             bad("--push-dtype", f"must be one of {PUSH_DTYPES}", self.push_dtype)
         if self.bulk_dtype not in BULK_DTYPES:
@@ -108,4 +112,31 @@ class SyncerConfig:
     def fragment_of(self, step: int) -> int:
         """Round t (1-based) targets fragment (t-1) mod P."""
         return (step - 1) % self.fragments
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards > 1
+
+    @property
+    def coordinator(self) -> bool:
+        """Shard 0 owns what is global (admission, liveness, members KV, manifests): schemas/shards.py."""
+        return self.shard == SH.COORDINATOR
+
+    @property
+    def own_fragments(self) -> tuple[int, ...]:
+        return SH.own_fragments(self.fragments, self.shard, self.shards)
+
+    def owns(self, fragment: int) -> bool:
+        return SH.owns(fragment, self.shard, self.shards)
+
+    def owns_step(self, step: int) -> bool:
+        return SH.owns_step(step, self.fragments, self.shard, self.shards)
+
+    def next_own_step(self, after: int) -> int:
+        """The first step > `after` whose round this shard runs (rounds cycle through the fragments,
+        so one comes within P steps)."""
+        t = after + 1
+        while not self.owns_step(t):
+            t += 1
+        return t
 

@@ -1,6 +1,13 @@
 """The global model as the syncer holds it: every fragment's f32 params and momentum, their durable
 commits (checkpoint directory, then the state KV `commit` record, then the broadcast: durable before
 broadcast), re-broadcasts, and the f32 final cut with its manifests and the state KV `final` record.
+
+Syncer shards (schemas/shards.py): a shard's Cut holds its own fragments only (`set_session` keeps
+those), so params and momentum take memory per shard; its commit record is `commit.<K>`; its final cut
+is published by `publish_shard_final` (the checkpoint marked {"shard_final": true, ...}, the f32
+digests in the state KV `final.<K>`). The coordinator's `final_digests` hold every fragment's f32
+digest once the other shards' `final.<K>` records are in (the shell fills them), for the manifests
+and the run's `final` key.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from dataclasses import dataclass
 import orjson
 import torch
 
-from schemas import codec, subjects as S
+from schemas import codec, shards as SH, subjects as S
 from schemas.chunks import VersionDigest, chunk_header, chunk_plan
 from schemas.dtypes import pack, packed_nbytes
 from schemas.provision import kv_put
@@ -90,16 +97,22 @@ class BulkBytes:
 
 
 class Cut:
-    def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, tape: TapeWriter):
+    def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, tape: TapeWriter, *,
+                 shard: int = 0, shards: int = 1):
         self.js, self.run_id, self.counters, self.ckpt, self.tape = js, run_id, counters, ckpt, tape
+        self.shard, self.shards = shard, shards
         self.session: dict | None = None
-        self.frags: dict[int, Frag] = {}
+        self.frags: dict[int, Frag] = {}          # this shard's fragments (every fragment with one shard)
         self.final_digests: dict[int, str] = {}   # fragment -> f32 version digest of the final cut
+
+    def owns(self, fid: int) -> bool:
+        return SH.owns(fid, self.shard, self.shards)
 
     def set_session(self, session: dict) -> None:
         self.session = session
         for f in session["fragments"]:
-            self.frags.setdefault(f["id"], Frag(numel=f["numel"]))
+            if self.owns(f["id"]):   # another shard's fragment never takes memory here
+                self.frags.setdefault(f["id"], Frag(numel=f["numel"]))
 
     def bulk_digest(self, fid: int, dtype: str) -> str:
         fr = self.frags[fid]
@@ -174,7 +187,8 @@ class Cut:
         rec = {"committed_step": state.committed_step,
                "versions": {str(k): v for k, v in state.versions.items()},
                "version_digests": {str(k): v for k, v in state.version_digests.items()}}
-        await kv_put(self.js, self.run_id, "state", "commit", orjson.dumps(rec), counters=self.counters)
+        await kv_put(self.js, self.run_id, "state", SH.state_key("commit", self.shard, self.shards), orjson.dumps(rec),
+                     counters=self.counters)
 
     async def broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None,
                          resend: int | None = None, packed: BulkBytes | None = None) -> int:
@@ -246,6 +260,41 @@ class Cut:
         self.final_digests = digests
         await self.record_final(a.record)
         log.info("final cut published (step %d)", a.final_step)
+
+    async def publish_shard_final(self, a: R.PublishShardFinal) -> dict[int, str]:
+        """Sharded: this shard's fragments' f32 final cut to FINAL, then the checkpoint marked final
+        with {"shard_final": true, final_step, versions} (a restarted shard then only re-writes
+        `final.<K>`), then `final.<K>` in the state KV (what the coordinator waits for). A crash before
+        the checkpoint is marked publishes the same bytes again (same Nats-Msg-Ids). Returns the
+        digests (fragment -> f32 version digest)."""
+        versions = {int(k): int(v) for k, v in a.versions.items()}
+        if sorted(versions) != sorted(self.frags):
+            raise CutError(f"final cut of fragments {sorted(versions)}, this shard holds {sorted(self.frags)}")
+        digests = {}
+        for fid in sorted(self.frags):
+            digests[fid] = await asyncio.to_thread(self.bulk_digest, fid, "f32")
+            await self.broadcast(fid, versions[fid], digests[fid], final_step=a.final_step)
+        self.final_digests.update(digests)
+
+        def mark():
+            st = self.ckpt.read_state()
+            st.final = True
+            st.final_record = {"shard_final": True, "final_step": int(a.final_step),
+                               "versions": {str(k): v for k, v in sorted(versions.items())}}
+            self.ckpt.commit(st, {})
+        await asyncio.to_thread(mark)
+        await self.write_shard_final_kv(int(a.final_step), versions, digests)
+        log.info("final cut of fragments %s published (step %d)", sorted(versions), a.final_step)
+        return digests
+
+    def shard_final_record(self, final_step: int, versions: dict[int, int], digests: dict[int, str]) -> dict:
+        return {"shard": self.shard, "final_step": int(final_step),
+                "versions": {str(k): int(v) for k, v in sorted(versions.items())},
+                "version_digests": {str(k): digests[k] for k in sorted(versions)}}
+
+    async def write_shard_final_kv(self, final_step: int, versions: dict[int, int], digests: dict[int, str]) -> None:
+        await kv_put(self.js, self.run_id, "state", SH.final_key(self.shard),
+                     orjson.dumps(self.shard_final_record(final_step, versions, digests)), counters=self.counters)
 
     async def record_final(self, record: dict) -> None:
         def write():

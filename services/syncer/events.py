@@ -121,8 +121,36 @@ class FinalPublished(Event):
     now: float
 
 
+@dataclass(frozen=True)
+class SessionSeen(Event):
+    """Sharded, not the coordinator: the session record the coordinator pinned, as read from the
+    state KV (`session`)."""
+    session: Mapping[str, Any]
+    now: float
+
+
+@dataclass(frozen=True)
+class MemberSeen(Event):
+    """Sharded, not the coordinator: a members-KV record the coordinator wrote (admission, a new
+    generation, liveness, the pacing estimates), read because it changed."""
+    island: str
+    record: Mapping[str, Any]
+    now: float
+
+
+@dataclass(frozen=True)
+class ShardFinal(Event):
+    """Sharded, the coordinator: shard `shard` published its fragments' f32 final cut (state KV
+    `final.<K>`): `versions` {fragment: version}."""
+    shard: int
+    final_step: int
+    versions: Mapping[Any, int]
+    now: float
+
+
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in (
-    Hello, InitComplete, InitChunk, PushComplete, Heartbeat, MergeDone, V0Done, Tick, FinalAck, FinalPublished)}
+    Hello, InitComplete, InitChunk, PushComplete, Heartbeat, MergeDone, V0Done, Tick, FinalAck, FinalPublished,
+    SessionSeen, MemberSeen, ShardFinal)}
 
 
 def _float_out(value: Any) -> Any:
@@ -138,6 +166,10 @@ def event_to_json(event: Event) -> dict:
         value = getattr(event, f.name)
         if f.name == "layout":
             value = [dict(t) for t in value]
+        elif f.name in ("session", "record"):
+            value = dict(value)
+        elif f.name == "versions":
+            value = {str(k): v for k, v in value.items()}
         out[f.name] = _float_out(value)
     return out
 

@@ -31,6 +31,9 @@ class Finalization:
                            "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
 
     def _on_final_published(self, ev: FinalPublished, now: float) -> None:
+        if self.config.sharded:
+            self._shard_final_published(now)   # services/syncer/sharding.py
+            return
         f = self._final
         if f is None or f.cut_out:
             raise ValueError("FinalPublished without an outstanding PublishFinal")
@@ -59,6 +62,9 @@ class Finalization:
             self._emit(SendManifest(m.island, m.gen, f.final_step, dict(f.versions)))
 
     def _on_final_ack(self, ev: FinalAck, now: float) -> None:
+        if not self.config.coordinator:
+            self.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes acks (sharding.py)
+            return
         f = self._final
         if f is None or not f.cut_out or f.targets.get(ev.island) != ev.gen or ev.final_step != f.final_step:
             self.counters["rejected.final_ack"] += 1

@@ -36,8 +36,8 @@ class InitRules:
                          f"INIT data is taken only from the INIT island {self.init_island!r}",
                          now, fatal=False, field="island")
             return
-        m = self.members[ev.island]
-        if ev.gen in m.retired_gens:
+        m = self.members.get(ev.island)   # None only on a follower shard that has not read its record yet
+        if m is not None and ev.gen in m.retired_gens:
             self.counters["ignored.init_stale_gen"] += 1
             self._tape("error", now, island=ev.island, gen=ev.gen, fragment=ev.fragment,
                        reason="INIT of fragment from a stale generation ignored")
@@ -45,12 +45,12 @@ class InitRules:
         if self.phase != Phase.INIT:
             self.counters["ignored.init_late"] += 1
             return
-        if ev.gen != m.gen:
+        if m is None or ev.gen != m.gen:
             # Its hello is not in yet (another consumer): keep it until that generation is admitted.
             self._held_init.setdefault(ev.gen, {})[ev.fragment] = ev
             self.counters["init.held"] += 1
             return
-        if not 0 <= ev.fragment < self.config.fragments:
+        if not 0 <= ev.fragment < self.config.fragments or not self.config.owns(ev.fragment):
             self._reject(ev.island, ev.gen, "bad_fragment",
                          f"fragment {ev.fragment} outside 0..{self.config.fragments - 1}", now,
                          fatal=False, field="fragment")
@@ -98,8 +98,8 @@ class InitRules:
             self._refuse_init_chunk(ev, "not_init_island",
                                     f"INIT data is taken only from the INIT island {self.init_island!r}", now, "island")
             return
-        m = self.members[ev.island]
-        if ev.gen in m.retired_gens:
+        m = self.members.get(ev.island)   # None only on a follower shard that has not read its record yet
+        if m is not None and ev.gen in m.retired_gens:
             self._refuse_init_chunk(ev, "stale_gen", f"INIT chunk of a retired generation of {ev.island} (a restarted "
                                     f"process resends everything)", now, "gen")
             return
@@ -107,12 +107,16 @@ class InitRules:
             self._refuse_init_chunk(ev, "unknown_fragment", f"fragment {ev.fragment} outside "
                                     f"0..{self.config.fragments - 1}", now, "fragment")
             return
+        if not self.config.owns(ev.fragment):
+            self._refuse_init_chunk(ev, "unknown_fragment", f"fragment {ev.fragment} belongs to another shard "
+                                    f"(this is shard {self.config.shard} of {self.config.shards})", now, "fragment")
+            return
         if self.phase != Phase.INIT:
             # Version 0 is decided (or committed): INIT bytes can no longer change it.
             self.counters["init.late_chunk"] += 1
             self._emit(InitDrop(ev.gen, ev.fragment, ev.chunk, "late"))
             return
-        if ev.gen != m.gen:
+        if m is None or ev.gen != m.gen:
             held = self._held_chunks.get(ev.gen)
             if held is None and len(self._held_chunks) >= self.MAX_HELD_GENS:
                 self._refuse_init_chunk(ev, "unknown_gen", f"INIT chunk of generation {ev.gen}, whose hello the syncer "
@@ -149,9 +153,10 @@ class InitRules:
     def _on_v0_done(self, ev: V0Done, now: float) -> None:
         if self.phase != Phase.COMMITTING_V0:
             raise ValueError(f"V0Done in phase {self.phase!r}: no CommitV0 outstanding")
-        self.versions = {f: 0 for f in range(self.config.fragments)}
+        self.versions = {f: 0 for f in self.config.own_fragments}
         self.phase = Phase.RUNNING
         self._last_launch_at = now
+        self._last_launch_step = 0
         for m in self.members.values():
             m.ref_step, m.ref_local = 0, m.est_local(now)
         self._tape("session", now, reason="version 0 committed", detail={"versions": {str(k): v for k, v in self.versions.items()}})

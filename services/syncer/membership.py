@@ -29,6 +29,9 @@ from services.syncer.state import Member, Phase, default_builder
 class Membership:
     def _on_hello(self, ev: Hello, now: float) -> None:
         cfg = self.config
+        if not self.config.coordinator:
+            self.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes these (sharding.py)
+            return
         m = self.members.get(ev.island)
         if m is not None and ev.gen in m.retired_gens:
             self.counters["ignored.hello_stale_gen"] += 1
@@ -67,7 +70,7 @@ class Membership:
         if m is None:
             self._admit(ev, now)
         else:
-            self._new_generation(m, ev, now)
+            self._new_generation(m, ev.gen, now)
 
     def _pin(self, ev: Hello, now: float) -> bool:
         cfg = self.config
@@ -117,17 +120,20 @@ class Membership:
         self._tape("join", now, island=ev.island, gen=ev.gen, reason="admitted")
         self._replay_held_init(m, now)
 
-    def _new_generation(self, m: Member, ev: Hello, now: float) -> None:
+    def _new_generation(self, m: Member, gen: str, now: float, *, mirrored: bool = False) -> None:
+        """A new process of a member (`mirrored`: a follower shard read it from the members KV; the
+        coordinator wrote and taped it already)."""
         old = m.gen
         m.retired_gens.add(old)
-        m.gen, m.live = ev.gen, True
+        m.gen, m.live = gen, True
         m.admitted_at = m.last_heartbeat = m.reported_at = now
         m.reported_step, m._hb_step, m._hb_at = 0, None, None   # local steps restart with the process
         if self.phase in (Phase.RUNNING, Phase.FINALIZING):
             m.ref_step, m.ref_local = self._next_step - 1, 0.0
         self.counters["join.new_gen"] += 1
-        self._write_member(m)
-        self._tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
+        if not mirrored:
+            self._write_member(m)
+            self._tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
         if m.island == self.init_island and self.phase == Phase.INIT:
             # The new process sends every fragment again; what the old one sent must not be mixed in.
             dropped = sorted(self._initialized)
@@ -156,6 +162,9 @@ class Membership:
             self._final_target(m, now)
 
     def _on_heartbeat(self, ev: Heartbeat, now: float) -> None:
+        if not self.config.coordinator:
+            self.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes these (sharding.py)
+            return
         m = self.members.get(ev.island)
         if m is None or (ev.gen != m.gen and ev.gen not in m.retired_gens):
             # The syncer has no record of this generation (e.g. a resumed syncer whose members KV

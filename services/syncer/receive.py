@@ -40,11 +40,19 @@ class Receiver:
         self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
 
-    async def consume(self, kind: str, durable: str, handler, batch: int) -> None:
+    async def consume(self, kind: str, durable: str, handler, batch: int, *,
+                      ready: Callable[[], bool] | None = None) -> None:
+        """Fetch and handle `kind` messages forever. `ready` (a follower shard's INIT and PUSH): fetch
+        nothing until it says so (the session is adopted): an INIT chunk refused for want of a session
+        would be gone from the work queue for good, and an island may send it as soon as it reads the
+        session the coordinator pinned, before this shard's next look at the state KV."""
         import nats.errors
 
         sub = await self.js.pull_subscribe_bind(durable, stream=S.stream(self.run_id, kind))
         while True:
+            if ready is not None and not ready():
+                await asyncio.sleep(0.05)
+                continue
             try:
                 msgs = await sub.fetch(batch, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -191,7 +199,9 @@ class Receiver:
         if self.cut.session is None or fr is None:
             # No round can ever target it: refuse the chunk here (tape + counter) rather than let a
             # try that cannot complete sit in the ledger.
-            why = "no session pinned yet" if self.cut.session is None else f"the session has {len(self.cut.frags)} fragments"
+            why = ("no session pinned yet" if self.cut.session is None
+                   else f"the session has {len(self.cut.session['fragments'])} fragments" if self.cut.owns(meta["fragment"])
+                   else f"fragment of another syncer shard than shard {self.cut.shard}/{self.cut.shards}")
             await self.reject(f"push chunk on {msg.subject}",
                                WireError(f"unknown fragment ({why})", field="fragment", value=meta["fragment"],
                                          code="unknown_fragment"), island=subj_island, gen=meta["gen"])

@@ -19,7 +19,8 @@ Where it lives: config.py (SyncerConfig, constants), events.py (inputs) and acti
 with their JSON form; state.py (phase, members, rounds); this module (the machine: restore, handle,
 the time-driven checks, pacing, launches, restarts, re-broadcasts) and its parts membership.py
 (hellos, session, generations, heartbeats), init_rules.py (INIT, version 0), pushes.py (dispositions,
-quarantine, merges) and finalize.py (final cut, manifests, acks). The rules of each part are in its
+quarantine, merges), finalize.py (final cut, manifests, acks) and sharding.py (what a machine that is one
+of several syncer shards adds: followers mirroring the coordinator's records, per-shard final cuts). The rules of each part are in its
 module docstring.
 
 Choices the design leaves open, decided here (the parts' modules decide the rest):
@@ -69,35 +70,38 @@ from typing import Any, Callable, Mapping, Sequence
 from schemas.errors import ConfigError
 
 from services.syncer.actions import (
-    Action, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull, Rebroadcast,
-    RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember, WriteSession,
+    Action, AdoptSession, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull,
+    PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember,
+    WriteSession,
 )
 from services.syncer.config import (
     BULK_DTYPES, DISPOSITIONS, FIRST_ATTEMPT, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES, PUSH_DTYPES, SyncerConfig,
 )
 from services.syncer.events import (
-    Event, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MergeDone, PushComplete, Tick, V0Done,
+    Event, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MemberSeen, MergeDone, PushComplete,
+    SessionSeen, ShardFinal, Tick, V0Done,
 )
 from services.syncer.finalize import Finalization
 from services.syncer.init_rules import InitRules
 from services.syncer.membership import Membership
 from services.syncer.pushes import Pushes
+from services.syncer.sharding import Sharding
 from services.syncer.state import Member, Phase, Round, _Final, _Slot
 
 __all__ = [
     "SyncerConfig", "RoundMachine", "Member", "Round", "Phase",
     # events
     "Event", "Hello", "InitComplete", "PushComplete", "Heartbeat", "MergeDone", "V0Done", "Tick", "FinalAck",
-    "FinalPublished", "InitChunk",
+    "FinalPublished", "InitChunk", "SessionSeen", "MemberSeen", "ShardFinal",
     # actions
     "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
     "Tape", "CommitV0", "InitStore", "InitDrop", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
-    "Rebroadcast",
+    "Rebroadcast", "PublishShardFinal", "AdoptSession",
     "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS", "OUTLIER_MIN_PUSHES", "HOPELESS_RESTART_S",
 ]
 
 
-class RoundMachine(Membership, InitRules, Pushes, Finalization):
+class RoundMachine(Membership, InitRules, Pushes, Finalization, Sharding):
     """See the module docstring. Feed events with `handle`, carry out the returned actions in order."""
 
     def __init__(self, config: SyncerConfig, *, session_builder: Callable[..., dict] | None = None):
@@ -115,11 +119,12 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         self._init_chunks: dict[int, tuple[str, int, set[int]]] = {}  # fragment -> (gen, chunks, indexes stored)
         self._held_chunks: dict[str, dict[tuple[int, int], InitChunk]] = {}  # unseen gen -> (fragment, chunk) -> event
         self.versions: dict[int, int] = {}
-        self.committed_step = 0
-        self._next_step = 1
+        self.committed_step = 0            # sharded: the highest of this shard's own steps committed
+        self._next_step = config.next_own_step(0)   # the next round this shard launches (1 unsharded)
         self.rounds: dict[int, Round] = {}          # in flight (launched, not yet committed), by step
         self._merging: int | None = None
         self._last_launch_at: float | None = None
+        self._last_launch_step = 0     # pacing: a shard's rounds are N apart (sharding.py)
         self._last_sync_cost_s = 0.0   # the last whole sync (Merge to MergeDone): adaptive grace subtracts it
         self._min_attempts: dict[int, int] = {}
         self._final: _Final | None = None
@@ -127,6 +132,11 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         self._rebroadcast_at: dict[int, float] = {}   # fragment -> when its last Rebroadcast went out
         self._restored_finished = False
         self._resend_manifests = False
+        # sharded (services/syncer/sharding.py)
+        self._unpinned_members: dict[str, dict] = {}    # follower: members records read before the session
+        self._own_final_started = False                 # PublishShardFinal emitted
+        self._own_final_out = False                     # ... and its FinalPublished seen
+        self._shard_finals: dict[int, dict[int, int]] = {}   # coordinator: shard -> its final versions
         self._now = -math.inf
         self._out: list[Action] = []
 
@@ -168,20 +178,23 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
                 raise ConfigError(f"{flag} {getattr(cfg, key)!r} does not match the session's {key} {session[key]!r}",
                                   field=flag, value=getattr(cfg, key))
         vers = {int(k): int(v) for k, v in versions.items()}
-        if sorted(vers) != list(range(cfg.fragments)) or any(v < 0 for v in vers.values()):
-            raise ValueError(f"versions must give a version >= 0 for every fragment 0..{cfg.fragments - 1}, got {dict(versions)!r}")
+        own = list(cfg.own_fragments)
+        if sorted(vers) != own or any(v < 0 for v in vers.values()):
+            which = f"0..{cfg.fragments - 1}" if not cfg.sharded else f"{own} (shard {cfg.shard} of {cfg.shards})"
+            raise ValueError(f"versions must give a version >= 0 for every fragment {which}, got {dict(versions)!r}")
         if not (0 <= committed_step <= cfg.total_steps):
             raise ValueError(f"committed step {committed_step} outside 0..--total-steps {cfg.total_steps}")
         m = cls(cfg, session_builder=session_builder)
         m.session = dict(session)
         m.init_island = session.get("init_island")
         m._layout_fp = session["layout_fingerprint"]
-        m._initialized = set(range(cfg.fragments))
+        m._initialized = set(own)
         m.versions = vers
         m.committed_step = committed_step
-        m._next_step = committed_step + 1
+        m._next_step = cfg.next_own_step(committed_step)
         m._now = now
         m._last_launch_at = now
+        m._last_launch_step = committed_step
         m._min_attempts = {int(k): int(v) for k, v in (min_attempts or {}).items()}
         for island, rec in sorted(members.items()):
             fp = rec.get("layout_fingerprint", m._layout_fp)
@@ -195,13 +208,25 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
                 ref_step=committed_step, ref_local=float(last),
             )
         m.phase = Phase.RUNNING
-        if final is not None:
+        if final is not None and cfg.sharded and final.get("shard_final"):
+            # This shard's final cut is out: a follower has nothing left to do; the coordinator waits
+            # for the other shards' (their ShardFinal) before it sends the manifests.
+            m._own_final_started = m._own_final_out = True
+            if cfg.coordinator:
+                m._shard_finals[cfg.shard] = dict(vers)
+            else:
+                m._restored_finished = True
+        elif final is not None:
+            if cfg.sharded:
+                m._own_final_started = m._own_final_out = True
             if final.get("finished"):
                 m._restored_finished = True
             else:
                 targets = {str(i): str(g) for i, g in (final.get("targets") or {}).items()}
+                # sharded: the record holds every shard's fragments, the checkpoint only this shard's
+                all_vers = {int(k): int(v) for k, v in (final.get("versions") or {}).items()} if cfg.sharded else vers
                 m._final = _Final(final_step=int(final.get("final_step", committed_step)), started_at=now,
-                                  targets=targets, versions=dict(vers), cut_out=True,
+                                  targets=targets, versions=dict(all_vers), cut_out=True,
                                   acked={str(i) for i in final.get("acked") or () if str(i) in targets})
                 m.phase = Phase.FINALIZING
                 m._resend_manifests = True
@@ -228,7 +253,7 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         if self.phase == Phase.DONE:
             return None
         for m in self.members.values():
-            if m.live:
+            if m.live and cfg.coordinator:      # a follower shard never judges liveness (sharding.py)
                 cands.append(m.last_heartbeat + cfg.member_timeout_s)
         for r in self.rounds.values():
             if r.accepting:
@@ -256,7 +281,7 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         self._emit(Tape({"kind": kind, "t": now, **{k: v for k, v in fields.items() if v is not None}}))
 
     def _write_member(self, m: Member) -> None:
-        self._emit(WriteMember(m.island, m.record()))
+        self._emit(WriteMember(m.island, m.record(pacing=self.config.sharded)))
 
     def _reject(self, island: str, gen: str, code: str, message: str, now: float, *,
                 fatal: bool, field: str | None = None) -> None:
@@ -291,25 +316,30 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
             if f.acked >= set(f.targets):
                 self._finish(True, now)
                 return
-        for m in self._live():
+        for m in (self._live() if cfg.coordinator else ()):
             if now - m.last_heartbeat >= cfg.member_timeout_s:
                 m.live = False
                 self.counters["leave"] += 1
                 self._write_member(m)
                 self._tape("leave", now, island=m.island, gen=m.gen,
                            reason=f"no heartbeat for {now - m.last_heartbeat:.1f}s")
-        if self.phase == Phase.INIT and len(self._initialized) == cfg.fragments and len(self._live()) >= cfg.islands:
+        if self.phase == Phase.INIT and len(self._initialized) == len(cfg.own_fragments) \
+                and len(self._live()) >= cfg.islands:
             self.phase = Phase.COMMITTING_V0
             for g in sorted(self._held_chunks):   # INIT is over: unseen generations' chunks never count
                 self._drop_held_chunks(g, "version 0 decided")
-            self._emit(CommitV0(tuple(range(cfg.fragments))))
+            self._emit(CommitV0(tuple(cfg.own_fragments)))
         for step in sorted(self.rounds):
             r = self.rounds[step]
             if r.accepting:
                 self._check_round(r, now)
         self._emit_merge(now)
-        if self.phase == Phase.RUNNING and self.committed_step >= cfg.total_steps:
+        if not cfg.sharded and self.phase == Phase.RUNNING and self.committed_step >= cfg.total_steps:
             self._start_final(now)          # after the last MergeDone, or at once after restore
+        if cfg.sharded and self.phase == Phase.RUNNING and not self._own_final_started and self._own_rounds_done():
+            self._start_shard_final(now)
+        if cfg.sharded and cfg.coordinator and self.phase == Phase.RUNNING and len(self._shard_finals) == cfg.shards:
+            self._start_manifests(now)
         if self.phase == Phase.RUNNING:
             self._launch(now)
         if self._final is not None and self.phase == Phase.FINALIZING and now - self._final.started_at >= cfg.final_timeout_s:
@@ -425,7 +455,8 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         cfg = self.config
         spr = cfg.steps_per_round
         emas = [m.ema_step_s for m in live if m.ema_step_s]
-        by_time = self._last_launch_at + spr * max(emas) if emas else math.inf
+        # A shard's consecutive rounds are (t - its last launched step) rounds apart (1 unsharded).
+        by_time = self._last_launch_at + (t - self._last_launch_step) * spr * max(emas) if emas else math.inf
         by_progress = -math.inf
         for m in live:
             due = m.ref_local + (t - m.ref_step) * spr - cfg.launch_lead_steps
@@ -449,8 +480,9 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
                       launched_at=now, deadline=now + cfg.quorum_timeout_s, quorum=self._quorum_for(len(live)),
                       slots={m.island: _Slot(m.gen) for m in live})
             self.rounds[t] = r
-            self._next_step += 1
+            self._next_step = cfg.next_own_step(t)
             self._last_launch_at = now
+            self._last_launch_step = t
             self.counters["launch"] += 1
             self._emit(PublishPull(r.pull()))
 
@@ -466,6 +498,9 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization):
         Tick: "_on_tick",
         FinalAck: "_on_final_ack",
         FinalPublished: "_on_final_published",
+        SessionSeen: "_on_session_seen",
+        MemberSeen: "_on_member_seen",
+        ShardFinal: "_on_shard_final",
     }
 
     def _on_tick(self, ev: Tick, now: float) -> None:

@@ -20,6 +20,15 @@ retries, bytes broadcast, ...) and of the round machine (`rounds`: disposition.<
 State KV key `pulls` ({"attempts": {step: highest attempt published}}) is written *before* a pull is
 published, so a restarted syncer relaunches an in-flight round with a higher attempt (a new pull id)
 even when the round was launched after the last checkpoint.
+
+Syncer shards (`--shard K --shards N`, schemas/shards.py): this process owns the fragments f mod N == K.
+It consumes only their INIT and PUSH subjects (consumers `syncer-init-s<K>`, `syncer-push-s<K>`; CTL only
+in the coordinator, shard 0), holds only their params and momentum, keeps its own checkpoint directory
+and its own state KV keys (`syncer.<K>`, `commit.<K>`, `pulls.<K>`). A follower (K > 0) reads the
+session and the members the coordinator wrote, and the coordinator reads each other shard's
+`final.<K>` and status record (services/syncer/shard_watch.py). Its status record adds shard, shards,
+fragments (its own), rss_bytes (peak RSS) and, on the coordinator, shards_missing. With one shard every
+name, key and record is the unsharded one.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,7 +44,7 @@ from pathlib import Path
 
 import orjson
 
-from schemas import codec, subjects as S
+from schemas import codec, shards as SH, subjects as S
 from schemas.chunks import max_chunk_bytes
 from schemas.conn import ConnectOptions, connect, server_max_payload
 from schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
@@ -46,6 +56,7 @@ from services.syncer.intake import PushLedger
 from services.syncer.merge import Merger
 from services.syncer.receive import Receiver
 from services.syncer.recording import INPUT_KIND, InputRecorder
+from services.syncer.shard_watch import ShardRecordError, ShardWatch, parse_shard_final
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -56,6 +67,11 @@ PUSH_FETCH_BATCH = 8
 
 class SyncerError(RuntimeError):
     pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (bytes): what its fragments' params and momentum cost."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
 
 
 @dataclass
@@ -99,7 +115,12 @@ class SyncerService:
         self.state_kv = None
         self.members_kv = None
         self._tasks: list[asyncio.Task] = []
-        self._proc = f"{int(time.time() * 1000):x}"    # this process: tape keys and its input records
+        mc = cfg.machine
+        self.shard, self.shards = mc.shard, mc.shards
+        self.label = SH.label(mc.shard, mc.shards)
+        # this process: tape keys and its input records (per shard: two shards may start in one millisecond)
+        self._proc = f"{int(time.time() * 1000):x}" + (f"s{mc.shard}" if mc.sharded else "")
+        self.watch: ShardWatch | None = None
         self._attempts_seen: dict[int, int] = {}
         self._status_t = 0.0
         self._started_at = time.time()
@@ -111,7 +132,8 @@ class SyncerService:
     # ---- lifecycle --------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        self.nc = await connect(self.cfg.connect, name=f"yeto-syncer-{self.run_id}", max_reconnect_attempts=-1,
+        name = f"yeto-syncer-{self.run_id}" + (f"-s{self.shard}" if self.cfg.machine.sharded else "")
+        self.nc = await connect(self.cfg.connect, name=name, max_reconnect_attempts=-1,
                                 error_cb=self._on_error, disconnected_cb=self._on_disconnect,
                                 reconnected_cb=self._on_reconnect)
         self.js = self.nc.jetstream(timeout=30)
@@ -121,23 +143,34 @@ class SyncerService:
                 log.warning("--chunk-bytes %d exceeds what the server's max_payload %d allows with headers; using %d",
                             self.cfg.machine.chunk_bytes, server_max_payload(self.nc), bound)
                 self.cfg.machine = dataclasses.replace(self.cfg.machine, chunk_bytes=bound)
-            report = await provision_run(self.js, self.run_id, self.cfg.limits, push_headers_only=False)
+            mc = self.cfg.machine
+            report = await provision_run(self.js, self.run_id, self.cfg.limits, push_headers_only=False,
+                                         shard=mc.shard, shards=mc.shards, fragments=mc.fragments)
             log.info("provisioned run %s: %s", self.run_id, report)
             self.state_kv = await kv_handle(self.js, self.run_id, "state")
             self.members_kv = await kv_handle(self.js, self.run_id, "members")
-            self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc)
-            self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape)
+            self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc,
+                                   shard=mc.shard if mc.sharded else None)
+            self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape, shard=mc.shard, shards=mc.shards)
             await self._start_machine()
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
                                      self._do)
             self.merger = Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
                                  lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen)
             rx = self.receiver
+            # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
+            # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
+            ready = None if mc.coordinator else (lambda: self.cut.session is not None)
             self._tasks = [
-                asyncio.create_task(rx.consume("CTL", S.SYNCER_CTL_CONSUMER, rx.on_ctl, FETCH_BATCH)),
-                asyncio.create_task(rx.consume("INIT", S.SYNCER_INIT_CONSUMER, rx.on_init, FETCH_BATCH)),
-                asyncio.create_task(rx.consume("PUSH", S.SYNCER_PUSH_CONSUMER, rx.on_push, PUSH_FETCH_BATCH)),
+                asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
+                                               rx.on_init, FETCH_BATCH, ready=ready)),
+                asyncio.create_task(rx.consume("PUSH", SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
+                                               rx.on_push, PUSH_FETCH_BATCH, ready=ready)),
             ]
+            if mc.coordinator:
+                self._tasks.insert(0, asyncio.create_task(rx.consume("CTL", S.SYNCER_CTL_CONSUMER, rx.on_ctl, FETCH_BATCH)))
+            if self.watch is not None:
+                self._tasks.append(asyncio.create_task(self.watch.run()))
             await self._main_loop()
         finally:
             for t in self._tasks:
@@ -163,7 +196,11 @@ class SyncerService:
         if not self.done.ok:
             log.error("finalization timed out; no ack from: %s", ", ".join(self.done.missing))
             return 3
-        log.info("run %s finished: %d rounds committed", self.run_id, self.machine.committed_step)
+        if self.cfg.machine.sharded:
+            log.info("run %s: %s done (its rounds committed up to step %d, its final cut published)", self.run_id,
+                     self.label, self.machine.committed_step)
+        else:
+            log.info("run %s finished: %d rounds committed", self.run_id, self.machine.committed_step)
         return 0
 
     async def _on_error(self, exc):
@@ -177,9 +214,18 @@ class SyncerService:
     async def _on_reconnect(self):
         log.info("reconnected to NATS")
 
+    def _key(self, name: str) -> str:
+        """This shard's state KV key `name` (`syncer`, `commit`, `pulls`): `<name>.<K>` when sharded."""
+        return SH.state_key(name, self.shard, self.shards)
+
     async def _start_machine(self) -> None:
         mc = self.cfg.machine
         kv_session = await self._kv_get(self.state_kv, "session")
+        if mc.sharded:
+            self.watch = ShardWatch(js=self.js, run_id=self.run_id, config=mc, state_kv=self.state_kv,
+                                    members_kv=self.members_kv, queue=self.queue, cut=self.cut, tape=self.tape,
+                                    counters=self.counters, machine=lambda: self.machine,
+                                    status_every_s=self.cfg.status_every_s)
         if self.cfg.resume:
             if not self.ckpt.exists():
                 raise SyncerError(f"--resume: no checkpoint in {self.ckpt.path} (missing checkpoint.json)")
@@ -194,7 +240,13 @@ class SyncerService:
                     f"({kv_session.get('session_fingerprint', '?')[:12]}…)")
             if len(session["fragments"]) != mc.fragments:
                 raise SyncerError(f"--resume: checkpoint has {len(session['fragments'])} fragments, --fragments is {mc.fragments}")
-            commit = await self._kv_get(self.state_kv, "commit")
+            own = list(mc.own_fragments)
+            if mc.sharded and sorted(state.versions) != own:
+                # Another shard's directory, or one written with another --shards.
+                raise SyncerError(
+                    f"--resume: checkpoint {self.ckpt.path} holds fragments {sorted(state.versions)}, {self.label} "
+                    f"owns {own}: wrong --checkpoint-dir, --shard or --shards?")
+            commit = await self._kv_get(self.state_kv, self._key("commit"))
             if commit is not None and int(commit.get("committed_step", 0)) > state.committed_step:
                 raise SyncerError(
                     f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
@@ -216,7 +268,7 @@ class SyncerService:
                     raise SyncerError(
                         f"--resume: checkpoint {self.ckpt.path} fragment {fid} version {state.versions[fid]} has "
                         f"version digest {digests[fid][:12]}…, the checkpoint recorded {want[:12]}…: corrupt checkpoint")
-            members = await self._read_members()
+            members, member_revs = await self._read_members()
             final_record = state.final_record
             if state.final and final_record is None:
                 # Marked final by a syncer that kept no finalization record (before records existed):
@@ -225,7 +277,7 @@ class SyncerService:
             # Attempts already published: those recorded at the last commit, and (state KV `pulls`,
             # written before each pull) those launched after it.
             published = dict(state.attempts)
-            pulls = await self._kv_get(self.state_kv, "pulls")
+            pulls = await self._kv_get(self.state_kv, self._key("pulls"))
             for k, a in ((pulls or {}).get("attempts") or {}).items():
                 if int(k) > state.committed_step:
                     published[int(k)] = max(published.get(int(k), 0), int(a))
@@ -239,13 +291,17 @@ class SyncerService:
                 )
             except ValueError as exc:  # flags that contradict the checkpointed session
                 raise SyncerError(f"--resume: {exc}") from None
+            if self.watch is not None:
+                self.watch.seed_members(member_revs)
             await self.tape.write(self.recorder.start(mc, restore, time.time()), kind=INPUT_KIND)
             self._attempts_seen.update(published)
             # Bring the state KV in line with the checkpoint (the checkpoint is written first).
             await self.cut.write_commit_record(state)
             # A crash between the durable commit and its tape records: write the ones the tape lacks.
             await self.tape.retape(state)
-            if final_record is not None and not final_record.get("finished"):
+            if mc.sharded:
+                await self._resume_shard_final(state, final_record)
+            elif final_record is not None and not final_record.get("finished"):
                 # Finalization continues: manifests carry the f32 cut's digests (the cut is in FINAL).
                 self.cut.final_digests = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
                                        for fid in sorted(self.cut.frags)}
@@ -253,9 +309,12 @@ class SyncerService:
                 log.info("run %s already finished at step %d (final cut in FINAL; export it with `yeto export`): "
                          "nothing to do", self.run_id, state.committed_step)
                 # A run finished by a syncer that wrote no final record (or lost it): write it now.
-                self.cut.final_digests = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
-                                       for fid in sorted(self.cut.frags)}
-                await self.cut.write_final_kv(int(final_record.get("final_step", state.committed_step)), state.versions)
+                if not mc.sharded:
+                    self.cut.final_digests = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
+                                              for fid in sorted(self.cut.frags)}
+                versions = state.versions if not mc.sharded else \
+                    {int(k): int(v) for k, v in (final_record.get("versions") or {}).items()}
+                await self.cut.write_final_kv(int(final_record.get("final_step", state.committed_step)), versions)
             # A crash between the durable commit and the end of its broadcast leaves BCAST without the
             # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
             # JetStream drops what it already holds inside the duplicate window; islands ignore a
@@ -265,20 +324,59 @@ class SyncerService:
                     await self.cut.broadcast(fid, state.versions[fid], digests[fid])
             log.info("resumed run %s from %s at step %d, versions %s", self.run_id, self.ckpt.path,
                      state.committed_step, state.versions)
-            await self.tape.write({"kind": "restart", "step": state.committed_step + 1, "fragment": mc.fragment_of(state.committed_step + 1),
-                              "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
+            nxt = mc.next_own_step(state.committed_step)
+            await self.tape.write({"kind": "restart", "step": nxt, "fragment": mc.fragment_of(nxt),
+                                   "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
             self._apply(self._feed(R.Tick(now=time.time())))
         else:
             if self.ckpt.exists():
                 raise SyncerError(
                     f"checkpoint directory {self.ckpt.path} already holds a checkpoint: pass --resume to continue "
                     f"it, or choose another --checkpoint-dir")
-            if kv_session is not None:
+            if mc.coordinator and kv_session is not None:
                 raise SyncerError(
                     f"run {self.run_id} already has a session in its state KV: pass --resume (with its checkpoint "
                     f"directory) or remove the run with `yeto run rm {self.run_id}`")
+            if not mc.coordinator:
+                # A follower adopts the session the coordinator pinned (a fresh follower may start
+                # after it); but a commit of its own fragments means an earlier process of this shard
+                # committed versions a fresh start would issue again with other bytes.
+                commit = await self._kv_get(self.state_kv, self._key("commit"))
+                if commit is not None:
+                    raise SyncerError(
+                        f"run {self.run_id}: {self.label} already committed (state KV {self._key('commit')}: step "
+                        f"{commit.get('committed_step')}, versions {commit.get('versions')}): pass --resume with its "
+                        f"checkpoint directory, or remove the run with `yeto run rm {self.run_id}`")
             self.machine = R.RoundMachine(mc)
             await self.tape.write(self.recorder.start(mc, None, time.time()), kind=INPUT_KIND)
+
+    async def _resume_shard_final(self, state, final_record: dict | None) -> None:
+        """Sharded --resume after this shard's final cut (or, on the coordinator, the manifest): the own
+        fragments' f32 digests again (the cut is in FINAL: same bytes as the checkpoint's), `final.<K>`
+        written again if the crash came before it, and on the coordinator every other shard's digests
+        from their `final.<K>` records (needed for manifests and the run's `final` key)."""
+        mc = self.cfg.machine
+        if final_record is None:
+            return
+        own = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32") for fid in sorted(self.cut.frags)}
+        self.cut.final_digests.update(own)
+        key = SH.final_key(self.shard)
+        if await self._kv_get(self.state_kv, key) is None:
+            step = int(final_record.get("final_step", state.committed_step))
+            log.info("writing %s again: this shard stopped after its final cut, before recording it", key)
+            await self.cut.write_shard_final_kv(step, dict(state.versions), own)
+        if mc.coordinator and not final_record.get("shard_final"):
+            # The manifest was recorded, so every shard's final record was in: read them back.
+            for k in range(1, self.shards):
+                e = await self._kv_entry(self.state_kv, SH.final_key(k))
+                if e is None:
+                    raise SyncerError(f"--resume: the manifest is recorded but the state KV lacks {SH.final_key(k)} "
+                                      f"(shard {k}'s final cut digests): was the run's state KV removed?")
+                try:
+                    _, _, digs = parse_shard_final(k, e.value, fragments=mc.fragments, shards=self.shards)
+                except ShardRecordError as exc:
+                    raise SyncerError(f"--resume: state KV {SH.final_key(k)}: {exc}") from None
+                self.cut.final_digests.update(digs)
 
     # ---- the machine loop -------------------------------------------------------------------------
 
@@ -339,9 +437,12 @@ class SyncerService:
         self._status_t = now
         m = self.machine
         live = sorted(i for i, mem in m.members.items() if getattr(mem, "live", True))
-        log.info("phase %s | committed step %d/%d | versions %s | members %s | rejected %d | restarts %d",
+        missing = sorted(self.watch.missing) if self.watch is not None else []
+        # (`yeto syncer` puts the shard's label in every log line's prefix)
+        log.info("phase %s | committed step %d/%d | versions %s | members %s | rejected %d | restarts %d%s",
                  m.phase, m.committed_step, self.cfg.machine.total_steps, dict(m.versions), ",".join(live),
-                 self.counters["rejected"], m.counters.get("restart", 0))
+                 self.counters["rejected"], m.counters.get("restart", 0),
+                 f" | shards missing {missing}" if missing else "")
         try:
             await self._write_status()
         except Exception as exc:  # status is for operators: never let it stop the syncer
@@ -349,7 +450,7 @@ class SyncerService:
             log.warning("writing the status record failed: %r", exc)
 
     def status_record(self, *, final: bool = False) -> dict:
-        """The `state` KV key `syncer`: where the syncer stands and every counter (JSON)."""
+        """The `state` KV key `syncer` (`syncer.<K>` when sharded): where the syncer stands and every counter (JSON)."""
         m = self.machine
         return {
             "pid": os.getpid(),
@@ -366,10 +467,18 @@ class SyncerService:
                                  for _, r in sorted(m.rounds.items())],
             "counters": dict(sorted(self.counters.items())),
             "rounds": dict(sorted(m.counters.items())),
+            # per shard (schemas/shards.py); with one shard: shard 0 of 1, every fragment
+            "shard": self.shard,
+            "shards": self.shards,
+            "fragments": list(self.cfg.machine.own_fragments),
+            "rss_bytes": peak_rss_bytes(),
+            **({"shards_missing": sorted(self.watch.missing)} if self.watch is not None and self.cfg.machine.coordinator
+               else {}),
         }
 
     async def _write_status(self, *, final: bool = False) -> None:
-        await kv_put(self.js, self.run_id, "state", "syncer", orjson.dumps(self.status_record(final=final)), counters=self.counters)
+        await kv_put(self.js, self.run_id, "state", self._key("syncer"), orjson.dumps(self.status_record(final=final)),
+                     counters=self.counters)
 
     async def _do(self, a) -> None:
         if isinstance(a, R.WriteSession):
@@ -378,6 +487,14 @@ class SyncerService:
             await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
             log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                      len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
+        elif isinstance(a, R.AdoptSession):
+            # A follower takes the session the coordinator pinned (the state KV already holds it).
+            self.cut.set_session(a.session)
+            await asyncio.to_thread(self.ckpt.write_session, a.session)
+            log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
+                     len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
+        elif isinstance(a, R.PublishShardFinal):
+            self._spawn(self._publish_shard_final(a))
         elif isinstance(a, R.WriteMember):
             await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
         elif isinstance(a, R.PublishPull):
@@ -451,6 +568,10 @@ class SyncerService:
         await self.cut.commit_v0(a, self._attempts_seen)
         await self.queue.put(R.V0Done(now=time.time()))
 
+    async def _publish_shard_final(self, a: R.PublishShardFinal) -> None:
+        await self.cut.publish_shard_final(a)
+        await self.queue.put(R.FinalPublished(now=time.time()))
+
     async def _publish_final(self, a: R.PublishFinal) -> None:
         await self.cut.publish_final(a)
         await self.queue.put(R.FinalPublished(now=time.time()))
@@ -463,25 +584,29 @@ class SyncerService:
         attempts = {s: a for s, a in self._attempts_seen.items() if s > done}
         if attempts == self._pulls_written:
             return
-        await kv_put(self.js, self.run_id, "state", "pulls", orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}), counters=self.counters)
+        await kv_put(self.js, self.run_id, "state", self._key("pulls"), orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}), counters=self.counters)
         self._pulls_written = attempts
 
     # ---- KV helpers -------------------------------------------------------------------------------
 
     @staticmethod
-    async def _kv_get(kv, key: str):
+    async def _kv_entry(kv, key: str):
+        """The KV entry of `key`, None when absent or deleted (an empty value is a delete marker)."""
         from nats.js.errors import KeyNotFoundError
 
         try:
             e = await kv.get(key)
         except KeyNotFoundError:
             return None
-        if e is None or not e.value:
-            return None
-        return orjson.loads(e.value)
+        return e if e is not None and e.value else None
 
-    async def _read_members(self) -> dict[str, dict]:
-        """Every record of the members KV. Read from the bucket's stream (its subjects, then a get per
+    @classmethod
+    async def _kv_get(cls, kv, key: str):
+        e = await cls._kv_entry(kv, key)
+        return None if e is None else orjson.loads(e.value)
+
+    async def _read_members(self) -> tuple[dict[str, dict], dict[str, int]]:
+        """Every record of the members KV, and each one's revision. Read from the bucket's stream (its subjects, then a get per
         key) rather than nats-py's `kv.keys()`: that watcher can report no keys while the first
         entries are still in flight (NoKeysError right after connecting), and a resumed syncer that
         takes it for "no members" ignores every island. An error is retried, then stops the syncer;
@@ -493,7 +618,7 @@ class SyncerService:
         for attempt in range(10):
             try:
                 info = await self.js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
-                out = {}
+                out, revs = {}, {}
                 for subject in sorted(info.state.subjects or {}):
                     key = subject[len(kv._pre):]
                     try:
@@ -502,9 +627,10 @@ class SyncerService:
                         continue
                     if e is not None and e.value:
                         out[key] = orjson.loads(e.value)
+                        revs[key] = e.revision
                 if info.state.messages and not info.state.subjects:
                     raise SyncerError(f"members bucket holds {info.state.messages} messages but listed no keys")
-                return out
+                return out, revs
             except Exception as exc:  # noqa: BLE001 - a broker that just came up, a timeout: retry
                 last_exc = exc
                 self.counters["members_read_retry"] += 1

@@ -68,8 +68,9 @@ class Member:
         if local_step > self.reported_step:
             self.reported_step, self.reported_at = local_step, now
 
-    def record(self) -> dict:
-        return {
+    def record(self, *, pacing: bool = False) -> dict:
+        """The members KV record; `pacing` (sharded runs) adds the estimates the other shards pace by."""
+        rec = {
             "gen": self.gen,
             "layout_fingerprint": self.layout_fingerprint,
             "last_step": self.reported_step,
@@ -77,6 +78,10 @@ class Member:
             "admitted_at": self.admitted_at,
             "live": self.live,
         }
+        if pacing:
+            rec.update(reported_at=self.reported_at, ema_step_s=self.ema_step_s, ref_step=self.ref_step,
+                       ref_local=self.ref_local)
+        return rec
 
 
 @dataclass

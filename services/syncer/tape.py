@@ -29,8 +29,11 @@ TAPE_FLUSH_AT_EXIT_S = 20.0
 
 
 class TapeWriter:
-    def __init__(self, js, run_id: str, counters: Counter, prefix: str):
+    def __init__(self, js, run_id: str, counters: Counter, prefix: str, *, shard: int | None = None):
         self.js, self.run_id, self.counters, self.prefix = js, run_id, counters, prefix
+        # A syncer shard (sharded runs only) names itself in every record's detail but the inputs'
+        # (their detail is the recorder's; the segment's config names the shard).
+        self.shard = shard
         self._seq = 0
         self._backlog: collections.deque[tuple[str, bytes, str]] = collections.deque()
         self._retrier: asyncio.Task | None = None
@@ -42,6 +45,8 @@ class TapeWriter:
     async def write(self, event: dict, *, kind: str, msg_id: str | None = None) -> None:
         rec = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "t": time.time()}
         rec.update(event)
+        if self.shard is not None and kind != "input" and isinstance(rec.get("detail", {}), dict):
+            rec["detail"] = {**rec.get("detail", {}), "shard": self.shard}
         try:
             data = codec.encode("event", rec)
         except WireError as exc:
@@ -104,20 +109,77 @@ class TapeWriter:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
+    async def _shard_taped(self, kind: str, recs: list[dict]) -> set[str] | None:
+        import nats.js.errors
+
+        try:
+            last = await self.js.get_msg(S.stream(self.run_id, "EVENTS"), subject=S.events(self.run_id, kind))
+        except nats.js.errors.NotFoundError:
+            return set()
+        except Exception as exc:  # noqa: BLE001 - fall back to the last-record rule (dedup still covers)
+            log.warning("reading the tape's %s records failed: %r", kind, exc)
+            return None
+        since = min(float(r.get("t", time.time())) for r in recs) - 300.0
+        try:
+            return await self._taped_since(kind, since, last.seq)
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("reading the tape's %s records failed: %r", kind, exc)
+            return None
+
     @staticmethod
     def record_msg_id(rec: dict) -> str:
         # one per committed (fragment, version): a resumed syncer re-taping it is dropped as a duplicate
         return S.event_msg_id(rec["kind"], f"{rec['fragment']}.{rec['version']}")
 
+    async def _taped_since(self, kind: str, since: float, last_seq: int) -> set[str] | None:
+        """Sharded: the Nats-Msg-Ids of the `kind` records taped from `since` (unix seconds) up to
+        stream sequence `last_seq` (headers only); None when they cannot be read in time."""
+        import datetime
+
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        seen: set[str] = set()
+        done = asyncio.Event()
+
+        async def on_msg(msg) -> None:
+            seen.add((msg.headers or {}).get(S.MSG_ID))
+            if msg.metadata.sequence.stream >= last_seq:
+                done.set()
+
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, headers_only=True,
+                             opt_start_time=datetime.datetime.fromtimestamp(since, datetime.timezone.utc))
+        sub = await self.js.subscribe(S.events(self.run_id, kind), stream=S.stream(self.run_id, "EVENTS"),
+                                      ordered_consumer=True, config=cfg, cb=on_msg)
+        try:
+            await asyncio.wait_for(done.wait(), 10)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            await sub.unsubscribe()
+        return seen
+
     async def retape(self, state: CheckpointState) -> None:
         """Tape the last commit's records that the tape lacks (the syncer died between the commit and
         the tape write). Records of one kind are taped in order, so the last record on a kind's subject
-        tells which are in; Nats-Msg-Id dedup covers a record taped while this runs."""
+        tells which are in; Nats-Msg-Id dedup covers a record taped while this runs. A syncer shard
+        shares the kind's subject with the other shards (the last record may be another's): it reads
+        which records were taped since its commit (a few minutes of slack for clocks) instead, so a
+        resume after the duplicate window never tapes a commit twice."""
         by_kind: dict[str, list[dict]] = {}
         for rec in state.tape:
             by_kind.setdefault(rec["kind"], []).append(rec)
         for kind, recs in by_kind.items():
             ids = [self.record_msg_id(r) for r in recs]
+            if self.shard is not None:
+                seen = await self._shard_taped(kind, recs)
+                if seen is not None:
+                    for rec, mid in zip(recs, ids):
+                        if mid not in seen:
+                            self.counters["tape.replayed"] += 1
+                            log.info("taping %s record of fragment %s version %s again: the syncer stopped before "
+                                     "it was taped", kind, rec.get("fragment"), rec.get("version"))
+                            await self.write(dict(rec), kind=kind, msg_id=mid)
+                    continue
             last = None
             for attempt in range(5):
                 try:

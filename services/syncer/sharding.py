@@ -1,0 +1,228 @@
+"""Shards: the rules a sharded machine adds (a part of `RoundMachine`; schemas/shards.py says who owns what).
+
+A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py). With one shard
+(`config.shards == 1`) none of this runs and the machine behaves exactly as it always did.
+
+- **Every shard** runs the rounds of its own fragments (round t belongs to shard ((t-1) mod P) mod N),
+  with every rule of an unsharded machine: quorum, attempts, grace, dispositions, strict mode, commit
+  order (among its own rounds), durable before broadcast. Its `versions` and `committed_step` are its
+  own fragments' and its own rounds' (the highest own step committed).
+- **Pacing**: a shard launches round t no sooner than (t - its last launched step) x H/P x the slowest
+  member's step time after its last launch, or when the members' progress says t is due (the same
+  rule as unsharded, where that difference is always 1). The estimates come from the coordinator:
+  it writes them into the members KV records (`ema_step_s`, `reported_at`, `ref_step`, `ref_local`).
+- **The coordinator** (shard 0) alone takes hellos, heartbeats and acks, pins the session, admits,
+  judges liveness and writes the members KV; the others follow what it wrote: `SessionSeen` (the
+  session record) and `MemberSeen` (a members record that changed: admission, a new generation —
+  whose unanswered slots are rebound and re-pulled, as on the coordinator — liveness, progress). A
+  follower never judges liveness: while the coordinator is down it keeps the membership it last read.
+  A follower's member is admitted without a `join` tape record (the coordinator wrote it). A record
+  that is not a well-formed member record is counted (`rejected.member_record`), taped, and ignored.
+- **Finalization**: once every own round up to --total-steps is committed a shard emits one
+  `PublishShardFinal` (its fragments' f32 cut); after its `FinalPublished` a follower is done
+  (`Done(True, ())`). The coordinator keeps admitting (other shards still run rounds) and collects
+  `ShardFinal` from every other shard; when all N are in it freezes the live members as targets,
+  records the finalization (RecordFinal: versions of every fragment) and sends the manifests; acks,
+  the final timeout and Shutdown are as unsharded. `ShardFinal` of an unknown shard, a second one of a
+  shard, or one naming fragments the shard does not own is counted and taped, and changes nothing.
+- **Events a shard does not own** (a hello, heartbeat or ack fed to a follower; SessionSeen /
+  MemberSeen fed to the coordinator) are counted (`ignored.not_owner`) and change nothing.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from services.syncer.actions import AdoptSession, Done, PublishShardFinal, RecordFinal, SendManifest
+from services.syncer.events import MemberSeen, SessionSeen, ShardFinal
+from services.syncer.state import Member, Phase, _Final
+
+
+class MemberRecordError(ValueError):
+    pass
+
+
+def _member_fields(record: Mapping[str, Any]) -> dict:
+    """The fields of a members-KV record a follower uses, checked (the KV is written by the coordinator,
+    but whatever reaches the machine from the wire is checked)."""
+    if not isinstance(record, Mapping):
+        raise MemberRecordError(f"record is {type(record).__name__}, not an object")
+    gen = record.get("gen")
+    if not isinstance(gen, str) or not gen:
+        raise MemberRecordError(f"gen {gen!r} is not a generation")
+    out: dict[str, Any] = {"gen": gen, "live": record.get("live", True),
+                           "layout_fingerprint": record.get("layout_fingerprint")}
+    if not isinstance(out["live"], bool):
+        raise MemberRecordError(f"live {out['live']!r} is not a boolean")
+    for key, kind in (("last_step", int), ("ref_step", int), ("last_heartbeat", float), ("reported_at", float),
+                      ("admitted_at", float), ("ref_local", float), ("ema_step_s", float)):
+        value = record.get(key)
+        if value is None:
+            out[key] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                or (kind is int and value != int(value)):
+            raise MemberRecordError(f"{key} {value!r} is not a {'count' if kind is int else 'number'} >= 0")
+        out[key] = kind(value)
+    return out
+
+
+class Sharding:
+    # -- followers: the coordinator's records -------------------------------------------------------
+
+    def _on_session_seen(self, ev: SessionSeen, now: float) -> None:
+        if self.config.coordinator:
+            self.counters["ignored.not_owner"] += 1
+            return
+        if self.session is not None:
+            if ev.session.get("session_fingerprint") != self.session.get("session_fingerprint"):
+                self.counters["rejected.session_changed"] += 1
+                self._tape("error", now, reason="the state KV's session differs from the one this shard pinned; ignored",
+                           detail={"code": "session_changed", "seen": ev.session.get("session_fingerprint")})
+            return
+        frags = ev.session.get("fragments")
+        if not isinstance(frags, list) or len(frags) != self.config.fragments:
+            self.counters["rejected.session_record"] += 1
+            self._tape("error", now, reason=f"session record with {len(frags) if isinstance(frags, list) else frags!r} "
+                                            f"fragments, --fragments is {self.config.fragments}: ignored",
+                       detail={"code": "bad_layout", "field": "fragments"})
+            return
+        self.session = dict(ev.session)
+        self.init_island = self.session.get("init_island")
+        self._layout_fp = self.session.get("layout_fingerprint")
+        self.phase = Phase.INIT
+        self._emit(AdoptSession(dict(self.session)))
+        # Members read before the session (the records are polled apart) were not admitted: do it now.
+        for island in sorted(self._unpinned_members):
+            self._on_member_seen(MemberSeen(island, self._unpinned_members[island], now), now)
+        self._unpinned_members.clear()
+
+    def _on_member_seen(self, ev: MemberSeen, now: float) -> None:
+        if self.config.coordinator:
+            self.counters["ignored.not_owner"] += 1
+            return
+        try:
+            rec = _member_fields(ev.record)
+        except MemberRecordError as exc:
+            self.counters["rejected.member_record"] += 1
+            self._tape("error", now, island=ev.island, reason=f"members record of {ev.island!r} ignored: {exc}",
+                       detail={"code": "invalid", "field": "members"})
+            return
+        if self.session is None:
+            self._unpinned_members[ev.island] = dict(ev.record)
+            return
+        if rec["layout_fingerprint"] not in (None, self._layout_fp):
+            self.counters["rejected.member_record"] += 1
+            self._tape("error", now, island=ev.island, reason=f"members record of {ev.island!r} has another layout; ignored",
+                       detail={"code": "layout_mismatch", "field": "layout_fingerprint"})
+            return
+        m = self.members.get(ev.island)
+        if m is not None and rec["gen"] in m.retired_gens:
+            self.counters["ignored.member_stale_gen"] += 1
+            return
+        if m is None:
+            m = Member(island=ev.island, gen=rec["gen"], layout_fingerprint=self._layout_fp,
+                       admitted_at=rec["admitted_at"] if rec["admitted_at"] is not None else now,
+                       last_heartbeat=now, reported_at=now)
+            if self.phase in (Phase.RUNNING, Phase.FINALIZING):
+                m.ref_step, m.ref_local = self._next_step - 1, 0.0
+            self.members[ev.island] = m
+            self.counters["join.mirrored"] += 1
+            self._mirror_progress(m, rec, now)
+            self._replay_held_init(m, now)
+        elif rec["gen"] != m.gen:
+            self._new_generation(m, rec["gen"], now, mirrored=True)
+            self._mirror_progress(m, rec, now)
+        else:
+            self._mirror_progress(m, rec, now)
+
+    def _mirror_progress(self, m: Member, rec: dict, now: float) -> None:
+        if m.live != rec["live"]:
+            self.counters["leave.mirrored" if m.live else "join.resumed_mirrored"] += 1
+        m.live = rec["live"]
+        m.last_heartbeat = now        # unused by a follower (it never judges liveness)
+        if rec["last_step"] is not None:
+            m.reported_step = rec["last_step"]
+            m.reported_at = rec["reported_at"] if rec["reported_at"] is not None else (rec["last_heartbeat"] or now)
+        if rec["ema_step_s"]:
+            m.ema_step_s = rec["ema_step_s"]
+        if rec["ref_step"] is not None and rec["ref_local"] is not None:
+            m.ref_step, m.ref_local = rec["ref_step"], rec["ref_local"]
+
+    # -- finalization across shards -----------------------------------------------------------------
+
+    def _own_rounds_done(self) -> bool:
+        return self._next_step > self.config.total_steps and not self.rounds
+
+    def _start_shard_final(self, now: float) -> None:
+        cfg = self.config
+        self._own_final_started = True
+        if not cfg.coordinator:
+            self.phase = Phase.FINALIZING     # nothing left to launch; a follower only publishes its cut
+        self._emit(PublishShardFinal(cfg.total_steps, dict(self.versions)))
+        self._tape("final", now, step=cfg.total_steps, reason=f"shard {cfg.shard}/{cfg.shards}: final cut publishing",
+                   detail={"versions": {str(k): v for k, v in sorted(self.versions.items())}, "shard": cfg.shard})
+
+    def _shard_final_published(self, now: float) -> None:
+        cfg = self.config
+        if not self._own_final_started or self._own_final_out:
+            raise ValueError("FinalPublished without an outstanding PublishShardFinal")
+        self._own_final_out = True
+        self._tape("final", now, step=cfg.total_steps, reason=f"shard {cfg.shard}/{cfg.shards}: final cut published",
+                   detail={"shard": cfg.shard})
+        if cfg.coordinator:
+            self._shard_finals[cfg.shard] = dict(self.versions)
+        else:
+            self._emit(Done(True, ()))
+            self.phase = Phase.DONE
+
+    def _on_shard_final(self, ev: ShardFinal, now: float) -> None:
+        cfg = self.config
+        if not cfg.coordinator:
+            self.counters["ignored.not_owner"] += 1
+            return
+        versions, why = None, None
+        if not isinstance(ev.shard, int) or not 0 < ev.shard < cfg.shards:
+            why = f"shard {ev.shard!r} is not one of 1..{cfg.shards - 1}"
+        elif ev.shard in self._shard_finals:
+            self.counters["ignored.shard_final_duplicate"] += 1
+            return
+        elif ev.final_step != cfg.total_steps:
+            why = f"final_step {ev.final_step!r}, --total-steps is {cfg.total_steps}"
+        else:
+            try:
+                versions = {int(k): int(v) for k, v in ev.versions.items()}
+            except (TypeError, ValueError, AttributeError):
+                why = f"versions {ev.versions!r} are not fragment -> version"
+            else:
+                want = [f for f in range(cfg.fragments) if f % cfg.shards == ev.shard]
+                if sorted(versions) != want or any(v < 0 for v in versions.values()):
+                    why = f"versions of fragments {sorted(versions)}, shard {ev.shard} owns {want}"
+        if why is not None:
+            self.counters["rejected.shard_final"] += 1
+            self._tape("error", now, reason=f"final record of shard {ev.shard!r} ignored: {why}",
+                       detail={"code": "invalid", "field": "final"})
+            return
+        self._shard_finals[ev.shard] = versions
+        self.counters["final.shard"] += 1
+        self._tape("final", now, step=cfg.total_steps, reason=f"shard {ev.shard}/{cfg.shards}: final cut in",
+                   detail={"shard": ev.shard, "versions": {str(k): v for k, v in sorted(versions.items())},
+                           "shards_in": sorted(self._shard_finals)})
+
+    def _start_manifests(self, now: float) -> None:
+        """Every shard's final cut is out: freeze the live members as targets and send the manifests."""
+        versions: dict[int, int] = {}
+        for v in self._shard_finals.values():
+            versions.update(v)
+        targets = {m.island: m.gen for m in self._live()}
+        f = self._final = _Final(final_step=self.config.total_steps, started_at=now, targets=targets,
+                                 versions=dict(sorted(versions.items())), cut_out=True)
+        self.phase = Phase.FINALIZING
+        self._emit(RecordFinal(f.record()))
+        self._tape("final", now, step=f.final_step, reason="final cut published by every shard",
+                   detail={"versions": {str(k): v for k, v in f.versions.items()},
+                           "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
+        for island, gen in sorted(targets.items()):
+            self._emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
+        if not targets:
+            self._finish(True, now)
