@@ -11,7 +11,8 @@ fragments. Nothing here goes through `yeto demo`: the test starts every process 
   shard could not commit while one is down, since the islands wait for every round in order) and
   restarted with `--resume`: the run finishes, both islands saved exactly the final cut, the EVENTS
   tape commits every (fragment, version) exactly once with consecutive versions per fragment and one
-  merge per round, and the other shard taped commits between the kill and the restart.
+  merge per round, the islands' step logs never show a fragment's version going back, the victim
+  taped its resume, and the other shard taped commits between the kill and the restart.
 - The same with shard 0, the coordinator (sessions, members, liveness, manifests).
 """
 from __future__ import annotations
@@ -292,6 +293,12 @@ async def _kill_and_resume(url: str, js, work: Path, victim: int, n: int = 2) ->
     assert manifest is not None and {int(f): d for f, d in manifest["version_digests"].items()} == cut.digests
     for isl in islands.values():
         assert_island_holds(isl, cut)
+        # and no island installed a fragment's versions out of order (its step log, step by step)
+        rows = isl.steplog_rows()
+        assert len(rows) >= KILL_ROUNDS * 2, (isl.tag, len(rows))
+        for f in range(P):
+            seen = [int(r["versions"].get(str(f), -1)) for r in rows]
+            assert seen == sorted(seen), (isl.tag, f, seen)
 
 
 @pytest.mark.timeout(240)
