@@ -339,6 +339,9 @@ class Island:
             final = c.final_record()
         except WireError as exc:
             final_error = exc
+        # Only an unsharded syncer's `commit` key counts: with syncer shards (commit.<K>) one shard may have
+        # committed version 0 while another still needs INIT, and islands do not know how many shards
+        # there are, so a restarted INIT island sends INIT again (shards past version 0 drop it as late).
         committed = rules.init_island and final is None and c.state_key("commit") is not None
         if final is None and (cfg.lockstep or rules.init_island or cfg.initial_cut_timeout > 0):
             self._bar = progress_bar(len(self.frags), f"cut {cfg.island}", cfg.progress, unit="frag")

@@ -19,7 +19,7 @@ import torch
 from services.syncer.replay import replay, segments
 from tests.scripted import ROOT, Heartbeater, close_run, start_run, tape, tiny_layout, wait_tape
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(240)  # several `yeto replay` processes; 90 s ran out on a loaded machine
 
 LAYOUT = tiny_layout(2, 16)
 

@@ -31,7 +31,10 @@ LAYOUT = tiny_layout(4, 32)  # P=2: fragment 0 = embed, fragment 1 = layers
 STEPS = 4
 RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--total-steps", str(STEPS), "--strict",
             "--outer-lr", str(LR), "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--status-every", "0.5",
-            "--shards", "2")
+            "--shards", "2",
+            # scripted islands send no heartbeats: on a loaded machine the run outlasted the default 30 s
+            # member timeout and the coordinator marked both islands gone (no round could launch)
+            "--member-timeout", "600")
 
 
 async def _kv(js, run: str) -> dict[str, object]:
