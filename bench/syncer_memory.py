@@ -299,6 +299,15 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
         merges = await _tape_of(isls[0].js, run, "merge")
         status = await _status_records(isls[0].js, run, n)
         await remove_run(isls[0].js, run)
+    except BaseException:
+        # whatever went wrong (a pull that never came, a syncer that did not exit): what each syncer
+        # logged last says why
+        for k, name in enumerate(names):
+            path = work / f"syncer-s{k}.log"
+            if path.exists():
+                tail = "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+                print(f"--- {name} ({n} shards), log tail ---\n{tail}", file=sys.stderr, flush=True)
+        raise
     finally:
         for p in procs.values():
             if p.poll() is None:
