@@ -63,8 +63,9 @@ def test_syncer_memory_smoke_prints_every_process_and_the_ratio_last():
     assert g, out
     one = int(names["1 shard"][0][3])
     assert int(g["one"]) == one and int(g["shard"]) == max(int(r[3]) for r in names["4 shards"]), out
-    if one >= 20:  # rounding to whole MiB leaves the quotient comparable
-        assert ratio == pytest.approx(int(g["shard"]) / one, abs=0.06), out
+    if one >= 2:  # both printed rounded to whole MiB: the ratio lies within what the rounding allows
+        shard = int(g["shard"])
+        assert max(0.0, shard - 0.5) / (one + 0.5) - 0.001 <= ratio <= (shard + 0.5) / (one - 0.5) + 0.001, out
 
     # where each process's growth came: one line per configuration naming every process and phase
     phases = dict(re.findall(r"^\[(1 shard|4 shards)\] RSS growth by phase \(MiB, VmRSS sampled every 0.1 s\): (.*)$", out, re.M))
