@@ -39,3 +39,4 @@ def test_a_bad_record_is_refused_naming_what_is_wrong(value, why):
     with pytest.raises(ShardRecordError, match=None) as exc:
         parse_shard_final(1, value, fragments=4, shards=2)
     assert why in str(exc.value)
+

@@ -6,7 +6,10 @@ fragment, digest mismatch, an island id that does not match its subject) is acke
 counted, written to the EVENTS tape, and changes no state. Push chunks are checked and acked at once,
 their payloads left in the stream (the ledger records where); a push holding NaN/Inf is well-formed but
 poisonous: its chunks' norms and non-finite counts go to the round machine, which quarantines it. INIT
-chunk bytes wait in `init_pending` until the machine answers InitStore or InitDrop.
+chunk bytes wait in `init_pending` until the machine answers InitStore or InitDrop; intake pauses while
+more than `INIT_PENDING_BYTES` of them wait (the machine loop is slower than a fetch: unbounded, one
+syncer held 3.3x the model during INIT in bench/syncer_memory.py), for at most `INIT_ROOM_WAIT_S` per
+chunk, so chunks held for a hello that has not arrived yet can never stall intake for good.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 
+INIT_PENDING_BYTES = 64 << 20   # INIT chunk bytes waiting for the machine's InitStore/InitDrop before intake pauses
+INIT_ROOM_WAIT_S = 5.0          # the longest one chunk waits for room (well under the INIT consumer's 60 s ack wait)
+
 
 class Receiver:
     def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter,
@@ -39,6 +45,7 @@ class Receiver:
         self.js, self.run_id, self.counters = js, run_id, counters
         self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
+        self.init_pending_bytes = 0
 
     async def consume(self, kind: str, durable: str, handler, batch: int, *,
                       ready: Callable[[], bool] | None = None) -> None:
@@ -138,7 +145,7 @@ class Receiver:
     async def on_init(self, msg) -> None:
         """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
         generation's chunks make version 0 is the round machine's decision (InitChunk -> InitStore /
-        InitDrop). The bytes wait in `_init_pending` until it decides — never in a sleep."""
+        InitDrop). The bytes wait in `init_pending` until it decides (intake pauses while too many wait)."""
         meta: dict | None = None
         try:
             meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
@@ -166,9 +173,24 @@ class Receiver:
         if key in self.init_pending:
             self.counters["init.duplicate_chunk"] += 1
             return
+        await self._init_room()
         self.init_pending[key] = (span, values)
+        self.init_pending_bytes += values.numel() * values.element_size()
         await self.queue.put(R.InitChunk(island=meta["island"], gen=meta["gen"], fragment=fid, chunk=k,
                                          chunks=len(spans), now=time.time()))
+
+    async def _init_room(self) -> None:
+        """Wait while the machine has more INIT bytes to answer than INIT_PENDING_BYTES (see the module
+        docstring); never longer than INIT_ROOM_WAIT_S."""
+        if self.init_pending_bytes < INIT_PENDING_BYTES:
+            return
+        self.counters["init.intake_paused"] += 1
+        deadline = time.monotonic() + INIT_ROOM_WAIT_S
+        while self.init_pending_bytes >= INIT_PENDING_BYTES:
+            if time.monotonic() >= deadline:
+                self.counters["init.intake_pause_timeout"] += 1
+                return
+            await asyncio.sleep(0.01)
 
     async def on_push(self, msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -239,6 +261,7 @@ class Receiver:
 
     def store_init(self, a: R.InitStore) -> None:
         span, values = self.init_pending.pop((a.gen, a.fragment, a.chunk))
+        self.init_pending_bytes -= values.numel() * values.element_size()
         fr = self.cut.frags[a.fragment]
         if fr.params is None:
             fr.params = torch.zeros(fr.numel, dtype=torch.float32)
@@ -246,5 +269,7 @@ class Receiver:
         fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
 
     def drop_init(self, a: R.InitDrop) -> None:
-        self.init_pending.pop((a.gen, a.fragment, a.chunk), None)
+        dropped = self.init_pending.pop((a.gen, a.fragment, a.chunk), None)
+        if dropped is not None:
+            self.init_pending_bytes -= dropped[1].numel() * dropped[1].element_size()
         self.counters[f"init.dropped.{a.reason}"] += 1
