@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     _flag(g, "--shards", "YETO_SHARDS", int, 1, "syncer shards N of the run (1..--fragments); every shard needs the same "
           "run flags")
     g = p.add_argument_group("rounds")
-    _flag(g, "--pipeline", "YETO_PIPELINE", int, 1, "rounds in flight at most (never two on one fragment)")
+    _flag(g, "--pipeline", "YETO_PIPELINE", int, 1, "rounds in flight at most, per shard (never two on one fragment)")
     _flag(g, "--quorum", "YETO_QUORUM", int, None, "pushes needed to merge a round (default: every expected member)")
     _flag(g, "--quorum-timeout", "YETO_QUORUM_TIMEOUT", float, 900.0, "seconds a round may stay below quorum before it restarts with attempt+1")
     _flag(g, "--grace-ms", "YETO_GRACE_MS", float, 10000.0, "cap of the adaptive grace window after quorum (ms)")
