@@ -322,7 +322,10 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
 
         async def grown():
             s = await stats()
-            return s if s["islands"] == {"a": 7, "b": 7} and s["rounds"] == 3 and s["drawn"]["boundary"] == 14 else None
+            # the round and the steps may come in separate deltas, each drawn 50 ms later: wait for the draw
+            # of both (a loaded run read the new round's data before its chart was drawn again)
+            return s if (s["islands"] == {"a": 7, "b": 7} and s["rounds"] == 3 and s["drawn"]["boundary"] == 14
+                         and s["drawn"]["rounds"] == 6) else None
 
         s = await _until(grown, what="live update")
         assert s["updates"] > before and s["snapshots"] == 1 and s["errors"] == 0  # deltas, not a reload
