@@ -63,6 +63,7 @@ log = logging.getLogger("yeto.syncer")
 
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
+EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
 
 
 class SyncerError(RuntimeError):
@@ -173,12 +174,14 @@ class SyncerService:
                 self._tasks.append(asyncio.create_task(self.watch.run()))
             await self._main_loop()
         finally:
+            # Every step of the way out is bounded: a syncer whose run is over must exit (once, in a loaded
+            # CI run, a sharded coordinator sent its manifests, got its acks and never exited).
             for t in self._tasks:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers")
             if self.tape is not None:
-                await self._tape_inputs(force=True)
-                await self.tape.flush()
+                await self._bounded(self._tape_inputs(force=True), "taping the last inputs")
+                await self._bounded(self.tape.flush(), "flushing the tape")
             if self.machine is not None and self.state_kv is not None:
                 try:  # the last status record (counters at exit) for operators and post-mortems
                     await asyncio.wait_for(self._write_status(final=True), 5)
@@ -190,7 +193,7 @@ class SyncerService:
                 await asyncio.wait_for(self.nc.flush(), 5)
             except Exception:
                 pass
-            await self.nc.close()
+            await self._bounded(self.nc.close(), "closing the NATS connection")
         if self.done is None:
             return 1
         if not self.done.ok:
@@ -202,6 +205,16 @@ class SyncerService:
         else:
             log.info("run %s finished: %d rounds committed", self.run_id, self.machine.committed_step)
         return 0
+
+    @staticmethod
+    async def _bounded(aw, what: str, timeout_s: float = EXIT_STEP_S) -> None:
+        """One step of the exit path, given at most `timeout_s` (then logged and left behind)."""
+        try:
+            await asyncio.wait_for(aw, timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s took over %.0f s at exit: left behind", what, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the exit goes on; the reason is logged
+            log.warning("%s failed at exit: %r", what, exc)
 
     async def _on_error(self, exc):
         self.counters["nats_error"] += 1
