@@ -176,24 +176,6 @@ class PeakWatch:
 # --------------------------------------------------------------------------- one configuration
 
 
-async def _tape_of(js, run: str, kind: str) -> list[dict]:
-    import orjson
-
-    from schemas import subjects as S
-
-    sub = await js.pull_subscribe(S.events(run, kind), stream=S.stream(run, "EVENTS"))
-    out = []
-    try:
-        # fetch() waits out its timeout unless the batch fills: ask for exactly what is pending
-        want = (await sub.consumer_info()).num_pending
-        while len(out) < want:
-            msgs = await sub.fetch(min(256, want - len(out)), timeout=10)
-            out.extend(orjson.loads(m.data) for m in msgs)
-    finally:
-        await sub.unsubscribe()
-    return out
-
-
 async def _status_records(js, run: str, n: int) -> dict[int, dict]:
     import orjson
     from nats.js.errors import KeyNotFoundError
@@ -219,7 +201,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
     import torch
 
     from schemas.provision import remove_run
-    from tests.scripted import ScriptedIsland, wait_provisioned
+    from tests.scripted import ScriptedIsland, tape_of, wait_provisioned
 
     run = f"bench_shmem{n}_{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True)
@@ -296,7 +278,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
             if rc != 0:
                 check_alive()
         watch.poll()
-        merges = await _tape_of(isls[0].js, run, "merge")
+        merges = await tape_of(isls[0].js, run, "merge")
         status = await _status_records(isls[0].js, run, n)
         await remove_run(isls[0].js, run)
     except BaseException:

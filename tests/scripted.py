@@ -376,6 +376,29 @@ async def wait_tape(js, run: str, pred, timeout: float = 20.0, kind: str | None 
     raise TimeoutError(f"no tape record of kind {kind} matching in {timeout}s")
 
 
+async def tape_of(js, run: str, kind: str) -> list[dict]:
+    """The EVENTS tape's records of one kind, in order, through an ephemeral consumer filtered to
+    the kind's subject (the whole tape holds every recorded input: thousands of records); [] before the
+    run's streams exist."""
+    import orjson
+    from nats.js.errors import NotFoundError
+
+    try:
+        sub = await js.pull_subscribe(S.events(run, kind), stream=S.stream(run, "EVENTS"))
+    except NotFoundError:
+        return []
+    out = []
+    try:
+        # fetch() waits out its timeout unless the batch fills: ask for exactly what is pending
+        want = (await sub.consumer_info()).num_pending
+        while len(out) < want:
+            msgs = await sub.fetch(min(256, want - len(out)), timeout=10)
+            out.extend(orjson.loads(m.data) for m in msgs)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
 async def syncer_status(js, run: str) -> dict | None:
     """The syncer's status record (state KV key `syncer`: phase, versions, counters), or None."""
     kv = await js.key_value(S.kv_bucket(run, "state"))

@@ -29,11 +29,10 @@ import torch
 from safetensors.torch import load_file
 
 from schemas import shards as SH
-from schemas import subjects as S
 from schemas.provision import remove_run
 from services.syncer.checkpoint import CheckpointDir
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, tails, wait_exit, wait_until
-from tests.scripted import SyncerProc
+from tests.scripted import SyncerProc, tape_of
 
 P = 4
 ISLANDS = ("a", "b")
@@ -124,29 +123,6 @@ def assert_island_holds(isl: IslandProc, cut: Cut) -> dict[str, torch.Tensor]:
     res = isl.result()
     assert res is not None and res["counters"]["rejected"] == 0, isl.output()[-3000:]
     return saved
-
-
-async def tape_of(js, run: str, kind: str) -> list[dict]:
-    """The EVENTS tape's records of one kind, in order, through an ephemeral consumer filtered to
-    the kind's subject (the whole tape holds every recorded input: thousands of records); [] before the
-    run's streams exist."""
-    import orjson
-    from nats.js.errors import NotFoundError
-
-    try:
-        sub = await js.pull_subscribe(S.events(run, kind), stream=S.stream(run, "EVENTS"))
-    except NotFoundError:
-        return []
-    out = []
-    try:
-        # fetch() waits out its timeout unless the batch fills: ask for exactly what is pending
-        want = (await sub.consumer_info()).num_pending
-        while len(out) < want:
-            msgs = await sub.fetch(min(256, want - len(out)), timeout=10)
-            out.extend(orjson.loads(m.data) for m in msgs)
-    finally:
-        await sub.unsubscribe()
-    return out
 
 
 async def finish(procs: dict, timeout: float) -> None:
