@@ -125,6 +125,23 @@ def test_every_incomplete_try_dropped_at_a_commit_is_reported_once():
     assert len(small.pop_dropped()) == 4 and list(small._tombstones) == [key_of(chunk(0, island=f"i{n}")) for n in (2, 3)]
 
 
+def test_a_chunk_whose_try_was_dropped_after_its_closed_check_opens_no_second_try():
+    # The shell asks `closed`, then awaits (a bad chunk's rejection is taped) before `add`; a commit in
+    # between dropped the try. A second try opened there was swept and taped again (bench/hostile.py).
+    led = PushLedger()
+    feed(led, [chunk(0), chunk(1)])
+    last = chunk(2)
+    assert led.closed(last) is None                             # asked before the await
+    led.pop_round(0, 1)                                         # the commit, during the await
+    (d,) = led.pop_dropped()
+    assert d.key == key_of(last) and d.chunks_in == 2
+    assert led.add(last, 9, expected_total=last["total"], chunk_ok=False, chunk_reason="overlap") is None
+    assert led.tries == {}
+    for step in (2, 3):                                         # nothing left to sweep and tape
+        led.pop_round(step % 2, step)
+    assert led.pop_dropped() == [] and led.pop_swept() == []
+
+
 def test_quarantine_figures_sum_over_chunks_and_a_resent_chunk_counts_once():
     # issue 17: the shell hands each chunk's Σ value² and NaN/Inf count to the ledger as it arrives; the
     # complete try carries the push's L2 norm and non-finite count to the round machine
