@@ -328,7 +328,10 @@ async def test_a_killed_coordinator_resumes_while_the_follower_keeps_committing(
         # the follower runs its rounds with the membership it last read
         await _play(run, ref, 2, gen)
         await _play(run, ref, 4, gen)
-        st1 = await _kv_value(js, run_id, "syncer.1")
+        # The status record is written every --status-every (0.5 s): the broadcast seen above may be newer.
+        deadline = time.monotonic() + 20
+        while (st1 := await _kv_value(js, run_id, "syncer.1"))["committed_step"] < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         assert st1["committed_step"] == 4 and st1["versions"] == {"1": 2}
         final1 = await _kv_value(js, run_id, "final.1")       # its final cut is out; it is done
         assert final1["versions"] == {"1": 2}
