@@ -210,7 +210,11 @@ class Cut:
             else:
                 buf = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
             meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
-                    **chunk_header(spans, s.index, buf), "version_digest": vdigest}
+                    **chunk_header(spans, s.index, buf)}
+            # BCAST: the version digest seals the version on its last chunk only, so the other chunks can
+            # go out before the whole version is merged and durable (cut-through); FINAL: on every chunk.
+            if final_step is not None or s.index == len(spans) - 1:
+                meta["version_digest"] = vdigest
             if final_step is not None:
                 meta["final_step"] = final_step
                 subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
