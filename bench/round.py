@@ -39,6 +39,7 @@ Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in thi
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
 `--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
+`--ckpt-writer thread` / `--ckpt-writeback 1` set how the syncer streams the checkpoint files.
 
 The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
@@ -368,7 +369,9 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(env, YETO_OUTER_COMPILE=args.outer_compile),
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CKPT_WRITER=args.ckpt_writer,
+                         YETO_CKPT_WRITEBACK=args.ckpt_writeback),
                 start_new_session=True)
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
@@ -451,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
                    help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
                    "loop, compiled during the first merge, i.e. in the warm-up round)")
+    p.add_argument("--ckpt-writer", choices=("inline", "thread"), default="inline",
+                   help="the syncer's YETO_CKPT_WRITER: write the checkpoint files in the merge loop (inline, the "
+                   "default) or on a writer thread beside it")
+    p.add_argument("--ckpt-writeback", choices=("0", "1"), default="0",
+                   help="the syncer's YETO_CKPT_WRITEBACK: 1 starts each chunk's writeback as it is written")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
@@ -472,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
                 rss.add("nats-server", broker.proc.pid)
             print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
-                  f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}; load average {os.getloadavg()[0]:.2f}, "
+                  f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
+                  f"YETO_CKPT_WRITER={args.ckpt_writer}, YETO_CKPT_WRITEBACK={args.ckpt_writeback}; load average {os.getloadavg()[0]:.2f}, "
                   f"{os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)

@@ -38,15 +38,16 @@ def _spans(numel: int, chunk: int):
     return [(o, min(chunk, numel - o)) for o in range(0, numel, chunk)]
 
 
-@pytest.mark.parametrize("thread", [False, True])
+@pytest.mark.parametrize("thread,writeback", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("chunk", [65_536, 1, NUMEL])
-def test_streamed_files_are_byte_identical_to_a_whole_write(tmp_path, thread, chunk):
+def test_streamed_files_are_byte_identical_to_a_whole_write(tmp_path, thread, writeback, chunk):
     numel = NUMEL if chunk != 1 else 513   # chunks of one element on a small fragment
     params, momentum = _tensors(1, numel)
     whole, streamed = CheckpointDir(tmp_path / "whole"), CheckpointDir(tmp_path / "streamed")
     whole.commit(_state({0: 3}, 3), {0: (params, momentum)})
 
-    vf = VersionFiles(streamed, 0, 3, params, momentum, thread=thread)
+    vf = VersionFiles(streamed, 0, 3, params, momentum, thread=thread, writeback=writeback)
+    assert vf.writeback == (writeback and sys.platform.startswith("linux"))
     for o, c in _spans(numel, chunk):
         vf.add(o, c)
     assert not streamed.files(0, 3)[0].exists()           # nothing under the final name before the commit

@@ -28,6 +28,8 @@ log = logging.getLogger("yeto.syncer")
 # Where the merge writes the new version's checkpoint files: "inline" (in the outer step's thread hop,
 # right after it) or "thread" (a writer thread of its own beside the merge). See bench/README.md.
 CKPT_WRITER = os.environ.get("YETO_CKPT_WRITER", "inline")
+# "1": start each written chunk's writeback at once (sync_file_range), so the commit's fsync waits less.
+CKPT_WRITEBACK = os.environ.get("YETO_CKPT_WRITEBACK", "0") == "1"
 
 
 class MergeError(RuntimeError):
@@ -94,7 +96,7 @@ class Merger:
             raise MergeError(f"YETO_CKPT_WRITER={CKPT_WRITER!r}: expected inline or thread")
         # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
         files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
-                                        thread=CKPT_WRITER == "thread")
+                                        thread=CKPT_WRITER == "thread", writeback=CKPT_WRITEBACK)
 
         def step(deltas, s):
             t = time.perf_counter()
