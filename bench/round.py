@@ -454,9 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
                    help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
                    "loop, compiled during the first merge, i.e. in the warm-up round)")
-    p.add_argument("--ckpt-writer", choices=("inline", "thread"), default="inline",
+    p.add_argument("--ckpt-writer", choices=("inline", "thread", "whole"), default="inline",
                    help="the syncer's YETO_CKPT_WRITER: write the checkpoint files in the merge loop (inline, the "
-                   "default) or on a writer thread beside it")
+                   "default), on a writer thread beside it, or whole at the commit (as before streaming)")
     p.add_argument("--ckpt-writeback", choices=("0", "1"), default="0",
                    help="the syncer's YETO_CKPT_WRITEBACK: 1 starts each chunk's writeback as it is written")
     p.add_argument("--allreduce-repeat", type=int, default=5)
@@ -481,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
-                  f"YETO_CKPT_WRITER={args.ckpt_writer}, YETO_CKPT_WRITEBACK={args.ckpt_writeback}; load average {os.getloadavg()[0]:.2f}, "
-                  f"{os.cpu_count()} CPUs", flush=True)
+                  f"YETO_CKPT_WRITER={args.ckpt_writer}, YETO_CKPT_WRITEBACK={args.ckpt_writeback}; "
+                  f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)
             wall = time.monotonic() - t0

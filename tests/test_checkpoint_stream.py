@@ -1,10 +1,12 @@
 """The merge's streamed checkpoint files (services/syncer/checkpoint.VersionFiles) on real files.
 
-(a) A version streamed chunk by chunk (inline or on a writer thread) and committed is byte-identical
-to the same params and momentum written whole. (b) A real process killed with SIGKILL while streaming
-a version (half the chunks, every chunk but before the fsync, after the fsync and renames but before
-the manifest) leaves the previous version readable and the directory resumable; re-issuing the same
-version over the leftovers gives the right bytes, and the fragment's next commit deletes them.
+(a) A version streamed chunk by chunk (inline or on a writer thread, with or without the per-chunk
+writeback start) and committed is byte-identical to the same params and momentum written whole.
+(b) A real process killed with SIGKILL while streaming a version (half the chunks, every chunk but
+before the fsync, after the fsync and renames but before the manifest) leaves the previous version
+readable and the directory resumable; re-issuing the same version over the leftovers gives the right
+bytes, and the fragment's next commit deletes them. (c) The real syncer streams each merged version
+(YETO_CKPT_WRITER inline / thread; `whole` is the old path) and its checkpoint holds the broadcast bytes.
 """
 from __future__ import annotations
 
@@ -192,3 +194,59 @@ def test_the_next_commit_of_the_fragment_deletes_a_leftover_of_another_version(t
     ck.commit(_state({0: 3, 1: 2}, 3), {0: (p, m)}, {0: vf})
     assert sorted(q.name for q in tmp_path.iterdir()) == [
         "checkpoint.json", "frag-0-v3.momentum", "frag-0-v3.params", "frag-1-v2.momentum", "frag-1-v2.params"]
+
+
+@pytest.mark.parametrize("writer", ["inline", "thread", "whole"])
+async def test_the_syncer_streams_the_merged_version_into_its_checkpoint(nats_url, run_id, tmp_path, monkeypatch,
+                                                                          writer):
+    """The real syncer (YETO_CKPT_WRITER as given): after each merged round the checkpoint's params
+    file holds bitwise the broadcast f32 version, the merge record's ckpt_write_s says the files were
+    streamed (0 for `whole`, the old path), and no .tmp file or older version is left."""
+    import asyncio
+
+    import orjson
+
+    from tests.scripted import Reference, SyncerProc, tape
+    from tests.test_syncer_e2e import LR, MU, _close, _setup
+
+    monkeypatch.setenv("YETO_CKPT_WRITER", writer)
+    syncer, isls, init = await _setup(nats_url, run_id, ["a", "b"], tmp_path, "--islands", "2", "--fragments", "2",
+                                      "--sync-every", "2", "--total-steps", "6", "--strict", "--outer-lr", str(LR),
+                                      "--outer-momentum", str(MU), "--chunk-bytes", "1024")
+    assert isinstance(syncer, SyncerProc)
+    try:
+        ref = Reference(init)
+        gen = torch.Generator().manual_seed(1)
+        ck = CheckpointDir(tmp_path / "ckpt")
+        for t in (1, 2):
+            fid = (t - 1) % 2
+            deltas, tokens = [], []
+            for i, isl in enumerate(isls):
+                _, pull = await isl.wait_for(lambda k, m: k == "pull" and m["step"] == t)
+                d = torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1
+                await isl.push(pull, d, c_tokens=100 * (i + 1))
+                deltas.append(d)
+                tokens.append(100 * (i + 1))
+            ref.round(fid, deltas, tokens)
+            vals = await isls[0].wait_version(fid, 1)
+            torch.testing.assert_close(vals, ref.p[fid].detach(), rtol=1e-6, atol=1e-6)
+            st = ck.read_state()   # committed before the broadcast
+            assert st.versions[fid] == 1
+            p, m = ck.load_fragment(fid, 1, vals.numel())
+            assert torch.equal(p, vals)                       # the streamed file is the broadcast version
+            assert torch.isfinite(m).all() and m.abs().sum() > 0
+        for _ in range(100):
+            merges = await tape(isls[0].js, run_id, "merge")
+            if len(merges) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert [r["step"] for r in merges[:2]] == [1, 2]
+        for r in merges[:2]:
+            d = r["detail"]
+            assert d["checkpoint_s"] > 0 and d["ckpt_wait_s"] >= 0
+            assert (d["ckpt_write_s"] > 0) == (writer != "whole"), d
+        names = sorted(q.name for q in ck.path.iterdir() if q.name.startswith("frag-"))
+        assert names == ["frag-0-v1.momentum", "frag-0-v1.params", "frag-1-v1.momentum", "frag-1-v1.params"]
+        assert orjson.loads((ck.path / "checkpoint.json").read_bytes())["versions"] == {"0": 1, "1": 1}
+    finally:
+        await _close(isls, syncer, run_id)

@@ -146,9 +146,9 @@ class Cut:
         whose bulk bytes the caller already packed and hashed (the merge does, chunk by chunk); the
         others are packed here. `streamed`: fragments whose new version's checkpoint files the merge
         already wrote chunk by chunk (VersionFiles): the checkpoint stage only fsyncs and renames them
-        (the others are written whole here: version 0, a commit without a merge). Returns the stage timings (seconds), which are also added to the
-        `detail` of the `merge` records as taped (the checkpoint's copy has none: they are not known yet
-        when it is written)."""
+        (the others are written whole here: version 0, a commit without a merge). Returns the stage
+        timings (seconds), which are also added to the `detail` of the `merge` records as taped (the
+        checkpoint's copy has none: they are not known yet when it is written)."""
         t0 = time.perf_counter()
         packed = dict(packed or {})
         for fid in new_versions:

@@ -26,7 +26,8 @@ from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 # Where the merge writes the new version's checkpoint files: "inline" (in the outer step's thread hop,
-# right after it) or "thread" (a writer thread of its own beside the merge). See bench/README.md.
+# right after it), "thread" (a writer thread of its own beside the merge) or "whole" (not streamed: the
+# commit writes them whole, as before; for measuring). See bench/README.md.
 CKPT_WRITER = os.environ.get("YETO_CKPT_WRITER", "inline")
 # "1": start each written chunk's writeback at once (sync_file_range), so the commit's fsync waits less.
 CKPT_WRITEBACK = os.environ.get("YETO_CKPT_WRITEBACK", "0") == "1"
@@ -92,11 +93,13 @@ class Merger:
         # The new params of a chunk are final after its outer step: pack and hash them there, in the same
         # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
         bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
-        if CKPT_WRITER not in ("inline", "thread"):
-            raise MergeError(f"YETO_CKPT_WRITER={CKPT_WRITER!r}: expected inline or thread")
+        if CKPT_WRITER not in ("inline", "thread", "whole"):
+            raise MergeError(f"YETO_CKPT_WRITER={CKPT_WRITER!r}: expected inline, thread or whole")
         # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
-        files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
-                                        thread=CKPT_WRITER == "thread", writeback=CKPT_WRITEBACK)
+        files = None
+        if CKPT_WRITER != "whole":
+            files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
+                                            thread=CKPT_WRITER == "thread", writeback=CKPT_WRITEBACK)
 
         def step(deltas, s):
             t = time.perf_counter()
@@ -104,7 +107,8 @@ class Merger:
             outer_step_(fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu, out=scratch[: s.elem_count])
             outer = time.perf_counter() - t
             bulk.add(s.elem_offset, s.elem_count)
-            files.add(s.elem_offset, s.elem_count)
+            if files is not None:
+                files.add(s.elem_offset, s.elem_count)
             return outer
 
         fetch_s = outer_s = 0.0
@@ -118,7 +122,8 @@ class Merger:
                     nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
                 outer_s += await asyncio.to_thread(step, deltas, s)
         except BaseException:
-            await asyncio.to_thread(files.abort)   # never named by a manifest; deleted now, not left behind
+            if files is not None:   # never named by a manifest; deleted now, not left behind
+                await asyncio.to_thread(files.abort)
             raise
         merge_s = time.time() - t0
         rec = dict(a.record)
@@ -130,11 +135,12 @@ class Merger:
         rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s}
         try:
             await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
-                                  packed={fid: bulk}, streamed={fid: files})
+                                  packed={fid: bulk}, streamed={fid: files} if files is not None else None)
         except BaseException:
             # Before its renames the files are .tmp leftovers, after them files no manifest names (the
             # fragment's next commit deletes those): closing here leaves the crash semantics unchanged.
-            await asyncio.to_thread(files.abort)
+            if files is not None:
+                await asyncio.to_thread(files.abort)
             raise
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
