@@ -26,7 +26,7 @@ from schemas.dtypes import pack, packed_nbytes
 from schemas.provision import kv_put
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
-from services.syncer.checkpoint import CheckpointDir, CheckpointState
+from services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -138,14 +138,17 @@ class Cut:
         log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))
 
     async def commit(self, new_versions: dict[int, int], *, step: int, attempts: dict[int, int],
-                     records: list[dict] = (), packed: dict[int, BulkBytes] | None = None) -> dict[str, float]:
+                     records: list[dict] = (), packed: dict[int, BulkBytes] | None = None,
+                     streamed: dict[int, VersionFiles] | None = None) -> dict[str, float]:
         """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
         plus one `commit` record per fragment) are written with the checkpoint and taped after the
         broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape). `packed`: fragments
         whose bulk bytes the caller already packed and hashed (the merge does, chunk by chunk); the
-        others are packed here. Returns the stage timings (seconds), which are also added to the
-        `detail` of the `merge` records as taped (the checkpoint's copy has none: they are not known yet
-        when it is written)."""
+        others are packed here. `streamed`: fragments whose new version's checkpoint files the merge
+        already wrote chunk by chunk (VersionFiles): the checkpoint stage only fsyncs and renames them
+        (the others are written whole here: version 0, a commit without a merge). Returns the stage
+        timings (seconds), which are also added to the `detail` of the `merge` records as taped (the
+        checkpoint's copy has none: they are not known yet when it is written)."""
         t0 = time.perf_counter()
         packed = dict(packed or {})
         for fid in new_versions:
@@ -167,7 +170,8 @@ class Cut:
                                    "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
         )
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
-        await asyncio.to_thread(self.ckpt.commit, state, frags)
+        streamed = dict(streamed or {})
+        await asyncio.to_thread(self.ckpt.commit, state, frags, streamed)
         t_ckpt = time.perf_counter()
         await self.write_commit_record(state)
         t_kv = time.perf_counter()
@@ -175,7 +179,11 @@ class Cut:
             await self.broadcast(fid, v, digests[fid], packed=packed[fid])
         t_bcast = time.perf_counter()
         timings = {"digest_s": t_digest - t0, "pack_s": sum(packed[fid].seconds for fid in new_versions),
-                   "checkpoint_s": t_ckpt - t_digest, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv}
+                   "checkpoint_s": t_ckpt - t_digest, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv,
+                   # streamed: the writes into the page cache during the merge (checkpoint_s is then the
+                   # fsync + rename + manifest, with ckpt_wait_s of it waiting for a writer thread still behind)
+                   "ckpt_write_s": sum(vf.seconds for vf in streamed.values()),
+                   "ckpt_wait_s": sum(vf.wait_s for vf in streamed.values())}
         for rec in state.tape:
             rec = dict(rec)
             if rec["kind"] == "merge":

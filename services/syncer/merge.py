@@ -1,12 +1,15 @@
 """The merge of a completed round: the accepted pushes read back from the PUSH stream chunk by chunk
 (direct gets, in member order), the weighted mean and the f32 Nesterov outer step (services/syncer/outer),
 the durable commit and broadcast (services/syncer/cut), then the round's pushes deleted from PUSH.
+Each chunk's new params and momentum are written into the new version's checkpoint `.tmp` files as soon
+as its outer step is done (checkpoint.VersionFiles), so the commit only fsyncs and renames them.
 Memory: O(members x chunk) bytes beside the fragment's params and momentum.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 
@@ -15,12 +18,19 @@ import torch
 from schemas import subjects as S
 from schemas.chunks import chunk_plan, digest as chunk_digest
 from services.syncer import rounds as R
+from services.syncer.checkpoint import VersionFiles
 from services.syncer.cut import BulkBytes, Cut
 from services.syncer.intake import PushLedger
 from services.syncer.outer import delta_view, outer_step_
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
+# Where the merge writes the new version's checkpoint files: "inline" (in the outer step's thread hop,
+# right after it), "thread" (a writer thread of its own beside the merge) or "whole" (not streamed: the
+# commit writes them whole, as before; for measuring). See bench/README.md.
+CKPT_WRITER = os.environ.get("YETO_CKPT_WRITER", "inline")
+# "1": start each written chunk's writeback at once (sync_file_range), so the commit's fsync waits less.
+CKPT_WRITEBACK = os.environ.get("YETO_CKPT_WRITEBACK", "0") == "1"
 
 
 class MergeError(RuntimeError):
@@ -83,6 +93,13 @@ class Merger:
         # The new params of a chunk are final after its outer step: pack and hash them there, in the same
         # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
         bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
+        if CKPT_WRITER not in ("inline", "thread", "whole"):
+            raise MergeError(f"YETO_CKPT_WRITER={CKPT_WRITER!r}: expected inline, thread or whole")
+        # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
+        files = None
+        if CKPT_WRITER != "whole":
+            files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
+                                            thread=CKPT_WRITER == "thread", writeback=CKPT_WRITEBACK)
 
         def step(deltas, s):
             t = time.perf_counter()
@@ -90,26 +107,41 @@ class Merger:
             outer_step_(fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu, out=scratch[: s.elem_count])
             outer = time.perf_counter() - t
             bulk.add(s.elem_offset, s.elem_count)
+            if files is not None:
+                files.add(s.elem_offset, s.elem_count)
             return outer
 
         fetch_s = outer_s = 0.0
         nxt = asyncio.create_task(fetch(0))
-        for k, s in enumerate(spans):
-            t = time.perf_counter()
-            deltas = await nxt
-            fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
-            if k + 1 < len(spans):
-                nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
-            outer_s += await asyncio.to_thread(step, deltas, s)
+        try:
+            for k, s in enumerate(spans):
+                t = time.perf_counter()
+                deltas = await nxt
+                fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
+                if k + 1 < len(spans):
+                    nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
+                outer_s += await asyncio.to_thread(step, deltas, s)
+        except BaseException:
+            if files is not None:   # never named by a manifest; deleted now, not left behind
+                await asyncio.to_thread(files.abort)
+            raise
         merge_s = time.time() - t0
         rec = dict(a.record)
         rec["t"] = time.time()
         rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # the tape's sync_s: launch to durable commit
         # merge_s: the whole merge loop; of it fetch_s waited for pushes, outer_s ran the outer step,
         # pack_s (added by the commit with its own stages) packed and hashed the new version.
+        # ckpt_write_s (added by the commit): the checkpoint files' writes, inline in the loop or beside it.
         rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s}
-        await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
-                              packed={fid: bulk})
+        try:
+            await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
+                                  packed={fid: bulk}, streamed={fid: files} if files is not None else None)
+        except BaseException:
+            # Before its renames the files are .tmp leftovers, after them files no manifest names (the
+            # fragment's next commit deletes those): closing here leaves the crash semantics unchanged.
+            if files is not None:
+                await asyncio.to_thread(files.abort)
+            raise
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
         merge_to_broadcast_s = time.time() - t0
