@@ -39,7 +39,10 @@ Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in thi
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
 `--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
-`--ckpt-writer thread` / `--ckpt-writeback 1` set how the syncer streams the checkpoint files.
+`--checkpoint-writer` and `--broadcast` are the syncer's flags of those names (default: inline writes,
+cut-through broadcast: chunks of the new version go out as they are merged, so chunk 0 is seen before
+the merge loop ends and the checkpoint stage then counts 0; the broadcast stage is the durable commit
+and the seal).
 
 The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
@@ -370,8 +373,8 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CKPT_WRITER=args.ckpt_writer,
-                         YETO_CKPT_WRITEBACK=args.ckpt_writeback),
+                env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
+                         YETO_BROADCAST=args.broadcast),
                 start_new_session=True)
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
@@ -454,11 +457,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
                    help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
                    "loop, compiled during the first merge, i.e. in the warm-up round)")
-    p.add_argument("--ckpt-writer", choices=("inline", "thread", "whole"), default="inline",
-                   help="the syncer's YETO_CKPT_WRITER: write the checkpoint files in the merge loop (inline, the "
-                   "default), on a writer thread beside it, or whole at the commit (as before streaming)")
-    p.add_argument("--ckpt-writeback", choices=("0", "1"), default="0",
-                   help="the syncer's YETO_CKPT_WRITEBACK: 1 starts each chunk's writeback as it is written")
+    p.add_argument("--checkpoint-writer", choices=("inline", "thread", "whole"), default="inline",
+                   help="the syncer's --checkpoint-writer: write the checkpoint files in the merge loop (inline, the "
+                   "default), on a writer thread beside it, or whole at the commit")
+    p.add_argument("--broadcast", choices=("cut-through", "after-commit"), default="cut-through",
+                   help="the syncer's --broadcast: chunks out as they are merged with the seal after the durable "
+                   "commit (cut-through, the default), or the whole version after the commit")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
@@ -481,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
-                  f"YETO_CKPT_WRITER={args.ckpt_writer}, YETO_CKPT_WRITEBACK={args.ckpt_writeback}; "
+                  f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)

@@ -1,12 +1,12 @@
 """The merge's streamed checkpoint files (services/syncer/checkpoint.VersionFiles) on real files.
 
-(a) A version streamed chunk by chunk (inline or on a writer thread, with or without the per-chunk
-writeback start) and committed is byte-identical to the same params and momentum written whole.
+(a) A version streamed chunk by chunk (inline or on a writer thread) and committed is byte-identical to the same params and momentum written whole.
 (b) A real process killed with SIGKILL while streaming a version (half the chunks, every chunk but
 before the fsync, after the fsync and renames but before the manifest) leaves the previous version
 readable and the directory resumable; re-issuing the same version over the leftovers gives the right
 bytes, and the fragment's next commit deletes them. (c) The real syncer streams each merged version
-(YETO_CKPT_WRITER inline / thread; `whole` is the old path) and its checkpoint holds the broadcast bytes.
+(`yeto syncer --checkpoint-writer` inline / thread; `whole` writes them at the commit) and its checkpoint
+holds the broadcast bytes, with either `--broadcast` mode.
 """
 from __future__ import annotations
 
@@ -40,16 +40,15 @@ def _spans(numel: int, chunk: int):
     return [(o, min(chunk, numel - o)) for o in range(0, numel, chunk)]
 
 
-@pytest.mark.parametrize("thread,writeback", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("thread", [False, True])
 @pytest.mark.parametrize("chunk", [65_536, 1, NUMEL])
-def test_streamed_files_are_byte_identical_to_a_whole_write(tmp_path, thread, writeback, chunk):
+def test_streamed_files_are_byte_identical_to_a_whole_write(tmp_path, thread, chunk):
     numel = NUMEL if chunk != 1 else 513   # chunks of one element on a small fragment
     params, momentum = _tensors(1, numel)
     whole, streamed = CheckpointDir(tmp_path / "whole"), CheckpointDir(tmp_path / "streamed")
     whole.commit(_state({0: 3}, 3), {0: (params, momentum)})
 
-    vf = VersionFiles(streamed, 0, 3, params, momentum, thread=thread, writeback=writeback)
-    assert vf.writeback == (writeback and sys.platform.startswith("linux"))
+    vf = VersionFiles(streamed, 0, 3, params, momentum, thread=thread)
     for o, c in _spans(numel, chunk):
         vf.add(o, c)
     assert not streamed.files(0, 3)[0].exists()           # nothing under the final name before the commit
@@ -196,10 +195,10 @@ def test_the_next_commit_of_the_fragment_deletes_a_leftover_of_another_version(t
         "checkpoint.json", "frag-0-v3.momentum", "frag-0-v3.params", "frag-1-v2.momentum", "frag-1-v2.params"]
 
 
-@pytest.mark.parametrize("writer", ["inline", "thread", "whole"])
-async def test_the_syncer_streams_the_merged_version_into_its_checkpoint(nats_url, run_id, tmp_path, monkeypatch,
-                                                                          writer):
-    """The real syncer (YETO_CKPT_WRITER as given): after each merged round the checkpoint's params
+@pytest.mark.parametrize("writer,broadcast", [("inline", "cut-through"), ("thread", "cut-through"),
+                                              ("whole", "after-commit")])
+async def test_the_syncer_streams_the_merged_version_into_its_checkpoint(nats_url, run_id, tmp_path, writer, broadcast):
+    """The real syncer (`--checkpoint-writer` and `--broadcast` as given): after each merged round the checkpoint's params
     file holds bitwise the broadcast f32 version, the merge record's ckpt_write_s says the files were
     streamed (0 for `whole`, the old path), and no .tmp file or older version is left."""
     import asyncio
@@ -209,8 +208,8 @@ async def test_the_syncer_streams_the_merged_version_into_its_checkpoint(nats_ur
     from tests.scripted import Reference, SyncerProc, tape
     from tests.test_syncer_e2e import LR, MU, _close, _setup
 
-    monkeypatch.setenv("YETO_CKPT_WRITER", writer)
-    syncer, isls, init = await _setup(nats_url, run_id, ["a", "b"], tmp_path, "--islands", "2", "--fragments", "2",
+    syncer, isls, init = await _setup(nats_url, run_id, ["a", "b"], tmp_path, "--checkpoint-writer", writer,
+                                      "--broadcast", broadcast, "--islands", "2", "--fragments", "2",
                                       "--sync-every", "2", "--total-steps", "6", "--strict", "--outer-lr", str(LR),
                                       "--outer-momentum", str(MU), "--chunk-bytes", "1024")
     assert isinstance(syncer, SyncerProc)
@@ -245,6 +244,7 @@ async def test_the_syncer_streams_the_merged_version_into_its_checkpoint(nats_ur
             d = r["detail"]
             assert d["checkpoint_s"] > 0 and d["ckpt_wait_s"] >= 0
             assert (d["ckpt_write_s"] > 0) == (writer != "whole"), d
+            assert d["broadcast_mode"] == broadcast and (d["early_chunks"] > 0) == (broadcast == "cut-through"), d
         names = sorted(q.name for q in ck.path.iterdir() if q.name.startswith("frag-"))
         assert names == ["frag-0-v1.momentum", "frag-0-v1.params", "frag-1-v1.momentum", "frag-1-v1.params"]
         assert orjson.loads((ck.path / "checkpoint.json").read_bytes())["versions"] == {"0": 1, "1": 1}

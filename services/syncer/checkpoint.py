@@ -16,6 +16,14 @@ fsyncs both, renames them and writes the manifest. The order and the crash seman
 same: until the renames the files are `*.tmp` leftovers, after them files no manifest names, and the
 manifest is replaced only after both are durable.
 
+A cut-through merge (services/syncer/merge.py) sends a version's chunks before the version is
+durable, so a restarted syncer must be able to send the same bytes again: before its first chunk goes
+out, the merge writes its **intent** (`intent-F.json`: the Merge action, the pushes' stream sequences
+and chunk digests, the outer hyper-parameters and the attempts; written, fsynced, renamed). A resumed
+syncer that finds an intent for the version after the checkpointed one redoes that merge from the same
+pushes (they stay in PUSH until the commit) on the same checkpointed params and momentum: the same
+bytes. An intent for a version already committed is stale and ignored (the next one replaces it).
+
 Files, not the Object Store: its client is too slow for GB objects (NATS-NOTES).
 """
 from __future__ import annotations
@@ -58,26 +66,6 @@ def _write_tensor(path: Path, t: torch.Tensor) -> None:
     os.replace(tmp, path)
 
 
-def _sync_file_range():
-    """libc's sync_file_range (Linux) or None: starts the writeback of a file range without waiting for
-    it, so the pages a merge wrote are on their way to the disk before the commit's fsync."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().view(torch.uint8).numpy())
 
@@ -92,16 +80,13 @@ class VersionFiles:
     `abort` closes and deletes the .tmp files (a failed merge; a crash leaves them to the next commit)."""
 
     def __init__(self, ckpt: "CheckpointDir", fragment: int, version: int, params: torch.Tensor,
-                 momentum: torch.Tensor, *, thread: bool = False, writeback: bool = False):
+                 momentum: torch.Tensor, *, thread: bool = False):
         assert sys.byteorder == "little", "checkpoint files are little-endian f32"
         if params.numel() != momentum.numel():
             raise CheckpointError(f"fragment {fragment}: params hold {params.numel()} values, momentum {momentum.numel()}")
         ckpt.path.mkdir(parents=True, exist_ok=True)
         self.fragment, self.version, self.numel = fragment, version, params.numel()
         self.params, self.momentum = params, momentum
-        # writeback: start each chunk's writeback as it is written (sync_file_range), so the fsync at the
-        # commit waits for less; only a hint: the fsync is what makes the files durable.
-        self.writeback = writeback and _SYNC_FILE_RANGE is not None
         self.final = ckpt.files(fragment, version)
         self.tmp = tuple(q.with_suffix(q.suffix + ".tmp") for q in self.final)
         # "wb": a leftover of an earlier attempt at this version (a crash) is truncated, never appended to
@@ -134,10 +119,6 @@ class VersionFiles:
         sl = slice(elem_offset, elem_offset + elem_count)
         self._f[0].write(_tensor_bytes(self.params[sl]))
         self._f[1].write(_tensor_bytes(self.momentum[sl]))
-        if self.writeback:
-            for f in self._f:
-                f.flush()
-                _SYNC_FILE_RANGE(f.fileno(), elem_offset * 4, elem_count * 4, _SYNC_FILE_RANGE_WRITE)
         self.written += elem_count
         self.seconds += time.perf_counter() - t0
 
@@ -327,6 +308,38 @@ class CheckpointDir:
             for old in self.path.glob(f"frag-{fid}-v*"):
                 if old.name not in keep:
                     old.unlink(missing_ok=True)
+
+    def intent_path(self, fragment: int) -> Path:
+        return self.path / f"intent-{fragment}.json"
+
+    def write_intent(self, fragment: int, intent: dict) -> None:
+        """Durably record a cut-through merge's inputs before its first chunk is sent (see the module doc)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.intent_path(fragment)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps({"format": FORMAT, "fragment": fragment, **intent}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.path)
+
+    def read_intent(self, fragment: int) -> dict | None:
+        """The fragment's last merge intent, or None (none written, or a torn one: a crash before its
+        rename leaves only the .tmp file, and then no chunk of that merge was sent)."""
+        path = self.intent_path(fragment)
+        try:
+            d = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except orjson.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} is not JSON ({exc})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("fragment") != fragment:
+            raise CheckpointError(f"{path} is not a merge intent of fragment {fragment} (format {FORMAT})")
+        return d
+
+    def drop_intent(self, fragment: int) -> None:
+        self.intent_path(fragment).unlink(missing_ok=True)
 
     def load_fragment(self, fragment: int, version: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         p, m = self.files(fragment, version)
