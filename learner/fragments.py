@@ -19,8 +19,9 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
 * a reading is identified by (version, chunk 0's chunk `digest`): one version number may be
   re-issued with other bytes (a syncer restarted before the version was durable merges it again),
   so a new chunk 0 under the same version with other bytes drops the reading (read again from chunk
-  0), while the same bytes re-published keep it. Chunks of two byte-streams hashed together
-  unnoticed (a chunk k>0 fetched before chunk 0's notice arrived) fail the seal's digest check;
+  0), and so does a chunk already read re-published under that version with other bytes; the same
+  bytes re-published keep it. Chunks of two byte-streams hashed together unnoticed (a chunk fetched
+  before the notice of a change arrived) fail the seal's digest check;
 * versions are monotonic: chunks of the held version or older are not read again;
 * BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
   already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
@@ -43,7 +44,7 @@ seal's version digest, and a version is installed at most once: a version can ne
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -197,9 +198,14 @@ class SyncState:
 @dataclass
 class _Reading:
     version: int
-    head: str  # chunk 0's chunk digest: with the version, which byte-stream is being read
     hasher: VersionDigest
-    next: int = 0
+    # The chunk digests of the chunks passed, in order: chunk 0's (with the version) names the
+    # byte-stream being read; the others tell a chunk re-published with other bytes (chunk_changed).
+    digests: list = field(default_factory=list)
+
+    @property
+    def next(self) -> int:
+        return len(self.digests)
 
 
 class CutReader:
@@ -310,21 +316,36 @@ class CutReader:
         rd = self._reading.get(fid)
         return None if rd is None else (rd.version, rd.next, len(self.spans[fid]))
 
-    def chunk0_changed(self, fid: int, index: int, version: int, head: Any) -> bool:
-        """A notice says a new message landed on chunk `index` (`head`: that chunk's chunk digest).
-        True when it is chunk 0 and not the reading's (version, chunk 0 digest): that reading can no
-        longer complete (its chunk 0 is gone) and must be dropped (the shell aborts the staging),
-        so the next read starts at chunk 0 again. Without this a forged chunk 0 claiming a far
-        version (valid chunk digest) started a reading that waited for its later chunks for ever
-        ("not_yet"), while the real chunk 0 that overwrote it was never looked at again; and a
-        version re-issued with other bytes (a restarted syncer merging an undurable version again)
-        would hash the new chunks onto the old ones. The same bytes re-published (a restarted
-        syncer re-issuing a version as it was) keep the reading."""
+    def chunk_changed(self, fid: int, index: int, version: int, digest: Any) -> bool:
+        """A notice says a new message landed on chunk `index` (`digest`: that chunk's chunk digest).
+        True when the reading in progress must be dropped (the shell aborts the staging; the next
+        read starts at chunk 0 again):
+
+        * chunk 0 that is not the reading's (version, chunk 0 digest): that reading can no longer
+          complete (its chunk 0 is gone). Without this a forged chunk 0 claiming a far version
+          (valid chunk digest) started a reading that waited for its later chunks for ever
+          ("not_yet"), while the real chunk 0 that overwrote it was never looked at again; and a
+          version re-issued with other bytes (a syncer restarted before it was durable merges it
+          again) would have its new chunks hashed onto the old ones;
+        * a chunk already passed, of the version being read, with other bytes than the ones read
+          there: the bytes read are not (or no longer) that version's — a forged chunk (valid chunk
+          digest: BCAST's only check before the seal) the real one then overwrote. Only the seal
+          could tell, and after its refusal nothing new would land to read the version again.
+
+        The same bytes re-published (a restarted syncer re-issuing a version as it was) keep the
+        reading; chunks not passed yet are simply read when the reading gets there."""
         rd = self._reading.get(fid)
-        if index != 0 or rd is None or (version, head) == (rd.version, rd.head):
+        if rd is None or isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < rd.next:
             return False
+        if index == 0:
+            if (version, digest) == (rd.version, rd.digests[0]):
+                return False
+            self.counters["chunk0_changed"] += 1
+        else:
+            if version != rd.version or digest == rd.digests[index]:
+                return False  # another version's chunk there: not this reading's bytes (read already)
+            self.counters["chunk_changed"] += 1
         del self._reading[fid]
-        self.counters["chunk0_changed"] += 1
         return True
 
     def forget(self, fid: int) -> None:
@@ -433,9 +454,9 @@ class CutReader:
         if rd is None:
             if index != 0:
                 return "restart"
-            rd = self._reading[fid] = _Reading(v, meta.get("digest"), VersionDigest())
+            rd = self._reading[fid] = _Reading(v, VersionDigest())
         rd.hasher.update(payload)
-        rd.next += 1
+        rd.digests.append(meta.get("digest"))
         if rd.next < len(self.spans[fid]):
             return "accept"
         del self._reading[fid]

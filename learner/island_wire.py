@@ -186,8 +186,8 @@ class IslandWire:
         for n in self.client.bcast.drain():
             try:
                 # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
-                # carries a version digest, so chunk 0's bytes tell a re-issued version apart.
-                if self.reader.chunk0_changed(n.fragment, n.chunk, n.version, n.meta.get("digest")):
+                # carries a version digest, so chunk digests tell a re-issued version apart.
+                if self.reader.chunk_changed(n.fragment, n.chunk, n.version, n.meta.get("digest")):
                     self._abort_staging(n.fragment, self.reader)
                     self._dirty.add(n.fragment)
                 if self.reader.announce(n.fragment, n.version, n.meta.get("version_digest")):

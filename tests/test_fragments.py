@@ -453,13 +453,13 @@ def test_a_forged_chunk_0_from_far_ahead_does_not_hold_the_real_version_once_ove
     assert r.take(0, 0, *forged[0], seq=1) == "accept"
     assert r.take(0, 1, *bcast_chunks(0, 0, vec(N0, 0))[1], seq=2) == "wait"  # not_yet
     # the real v1 lands: its chunk 0's notice drops the forged reading
-    assert r.chunk0_changed(0, 0, 1, real[0][0]["digest"]) is True
+    assert r.chunk_changed(0, 0, 1, real[0][0]["digest"]) is True
     assert r.reading(0) is None and r.next_chunks(0)[0].index == 0
     assert [r.take(0, m["chunk"], m, p, seq=10 + i) for i, (m, p) in enumerate(real)][-1] == "complete"
     # notices of the version being read, or of other chunks, change nothing
     real2 = bcast_chunks(0, 2, vec(N0, 2))
     assert r.take(0, 0, *real2[0], seq=20) == "accept"
-    assert not r.chunk0_changed(0, 0, 2, real2[0][0]["digest"]) and not r.chunk0_changed(0, 1, 3, "x")
+    assert not r.chunk_changed(0, 0, 2, real2[0][0]["digest"]) and not r.chunk_changed(0, 1, 3, "x")
     assert r.reading(0) == (2, 1, len(real2))
 
 
@@ -507,7 +507,7 @@ def test_chunk_0_republished_with_the_same_bytes_keeps_the_reading():
     v3 = vec(N0, 3)
     c3 = bcast_chunks(0, 3, v3)
     assert read(r, 0, c3[:2]) == ["accept", "accept"]
-    assert r.chunk0_changed(0, 0, 3, c3[0][0]["digest"]) is False
+    assert r.chunk_changed(0, 0, 3, c3[0][0]["digest"]) is False
     assert r.reading(0) == (3, 2, len(c3)) and r.counters["chunk0_changed"] == 0
     assert read(r, 0, c3[2:])[-1] == "complete" and r.held[0] == (3, digest_of(v3))
 
@@ -520,7 +520,7 @@ def test_chunk_0_republished_with_other_bytes_under_the_same_version_restarts_th
     a, b = bcast_chunks(0, 3, old), bcast_chunks(0, 3, new)
     assert a[0][0]["digest"] != b[0][0]["digest"]
     assert read(r, 0, a[:3]) == ["accept"] * 3
-    assert r.chunk0_changed(0, 0, 3, b[0][0]["digest"]) is True
+    assert r.chunk_changed(0, 0, 3, b[0][0]["digest"]) is True
     assert r.reading(0) is None and r.next_chunks(0)[0].index == 0 and r.counters["chunk0_changed"] == 1
     assert read(r, 0, b)[-1] == "complete" and r.held[0] == (3, digest_of(new))
     # ... and old chunks hashed with a new seal (the notice came too late) are refused by the seal
@@ -528,6 +528,23 @@ def test_chunk_0_republished_with_other_bytes_under_the_same_version_restarts_th
     with pytest.raises(DigestMismatch):
         read(r2, 0, a[:3] + b[3:])
     assert 0 not in r2.held and r2.reading(0) is None
+
+
+def test_a_chunk_already_read_republished_with_other_bytes_drops_the_reading():
+    # A forged chunk 1 of the version being read (valid chunk digest: all BCAST can check before the
+    # seal) is read; the real chunk 1 then overwrites it. Its notice drops the reading, and the
+    # version is read again whole from the real bytes (the seal alone would refuse the mix, and
+    # then nothing new would land to read it again).
+    r = CutReader(S)
+    real, forged = bcast_chunks(0, 4, vec(N0, 4)), bcast_chunks(0, 4, vec(N0, 5))
+    assert read(r, 0, real[:1] + forged[1:3]) == ["accept"] * 3
+    assert not r.chunk_changed(0, 2, 4, forged[2][0]["digest"])  # the bytes read there: keep
+    assert not r.chunk_changed(0, 1, 3, real[1][0]["digest"])  # an older version there: not this reading's
+    assert not r.chunk_changed(0, 3, 4, real[3][0]["digest"])  # not read yet: read when the reading gets there
+    assert r.reading(0) == (4, 3, len(real))
+    assert r.chunk_changed(0, 1, 4, real[1][0]["digest"]) is True
+    assert r.reading(0) is None and r.counters["chunk_changed"] == 1 and r.next_chunks(0)[0].index == 0
+    assert read(r, 0, real)[-1] == "complete" and r.held[0] == (4, digest_of(vec(N0, 4)))
 
 
 def test_a_seal_whose_digest_does_not_match_installs_nothing():
