@@ -32,11 +32,11 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
   chunk plan, a chunk digest mismatch, NaN / Inf values, a `version_digest` missing from a seal or
   present elsewhere on BCAST, the version held carried with another `version_digest`) or a version
   digest mismatch at the seal is refused (WireError, the shell counts it) and drops the reading; the
-  island trains on. What is refused is that *message*
-  (its stream sequence), never a version number: the syncer's real chunks of the same version (a
-  re-broadcast, or a chunk that overwrote the garbage) are new messages and are read as usual, so a
-  forged chunk "from the future" or with a predicted version number cannot hold the real versions
-  back. The version read is the one found at chunk 0, never one a notice merely claims.
+  island trains on. What is refused is that *message* (its stream sequence), never a version number:
+  the syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
+  garbage) are new messages and are read as usual, so a forged chunk "from the future" or with a
+  predicted version number cannot hold the real versions back. The version read is the one found
+  at chunk 0, never one a notice merely claims.
 
 Nothing is installed unless every chunk of that one version passed in order and the bytes hash to the
 seal's version digest, and a version is installed at most once: a version can never be partial or mixed.
@@ -64,7 +64,8 @@ class ProtocolError(WireError):
 
 
 class VersionConflict(WireError):
-    """One version number seen with two version digests (the version held, or the manifest's). One of the two is garbage someone published; the chunk is refused, not fatal."""
+    """One version number seen with two version digests (the version held, or the manifest's). One
+    of the two is garbage someone published; the chunk is refused, not fatal."""
 
     code = "version_conflict"
 
