@@ -185,10 +185,12 @@ class IslandWire:
         Returns the fragments committed."""
         for n in self.client.bcast.drain():
             try:
-                if self.reader.chunk0_changed(n.fragment, n.chunk, n.version, n.meta["version_digest"]):
+                # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
+                # carries a version digest, so chunk digests tell a re-issued version apart.
+                if self.reader.chunk_changed(n.fragment, n.chunk, n.version, n.meta.get("digest")):
                     self._abort_staging(n.fragment, self.reader)
                     self._dirty.add(n.fragment)
-                if self.reader.announce(n.fragment, n.version, n.meta["version_digest"]):
+                if self.reader.announce(n.fragment, n.version, n.meta.get("version_digest")):
                     if not 0 <= n.chunk < len(self.reader.spans[n.fragment]):
                         raise WireError(f"fragment {n.fragment} has {len(self.reader.spans[n.fragment])} chunks",
                                         field="chunk", value=n.chunk)

@@ -450,8 +450,9 @@ class Heartbeater:
 
 class CutWatcher:
     """Every BCAST chunk notice of a run (ordered headers-only consumer, last per subject then new):
-    records (fragment, version) -> version_digest and each chunk subject's sequence of versions, so a
-    test can assert that no version number ever appears with two digests and no version goes back."""
+    records (fragment, version) -> version_digest (carried by the version's seal, its last chunk, only)
+    and each chunk subject's sequence of versions, so a test can assert that no version number is ever
+    sealed with two digests and no version goes back."""
 
     def __init__(self, js, run: str):
         self.js, self.run = js, run
@@ -471,9 +472,10 @@ class CutWatcher:
     async def _on_msg(self, msg) -> None:
         meta = codec.decode_header("bcast_chunk", msg.headers[codec.CHUNK_HEADER])
         key = (meta["fragment"], meta["version"])
-        seen = self.digests.setdefault(key, meta["version_digest"])
-        if seen != meta["version_digest"]:
-            self.conflicts.append((*key, seen, meta["version_digest"]))
+        if "version_digest" in meta:  # the seal; the other chunks of a broadcast carry none
+            seen = self.digests.setdefault(key, meta["version_digest"])
+            if seen != meta["version_digest"]:
+                self.conflicts.append((*key, seen, meta["version_digest"]))
         self.versions.setdefault((meta["fragment"], meta["chunk"]), []).append(meta["version"])
 
     def went_back(self) -> list[tuple[int, int, list[int]]]:
