@@ -7,7 +7,6 @@ syncer published (session, pulls, broadcasts, errors, manifest, final cut, tape)
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 import nats
 import orjson
 import torch
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects as S
@@ -490,3 +488,11 @@ class CutWatcher:
 def snapshot_dir(path: Path) -> dict[str, bytes]:
     """Name -> bytes of every file in a directory (a checkpoint before/after comparison)."""
     return {q.name: q.read_bytes() for q in sorted(Path(path).iterdir()) if q.is_file()}
+
+
+def replay_segments(nats_url: str, run: str) -> list[str]:
+    """`yeto replay` of a run's tape (it must exit 0): its per-process lines ("syncer process ... identical")."""
+    rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run],
+                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert rp.returncode == 0, rp.stdout + rp.stderr
+    return [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]

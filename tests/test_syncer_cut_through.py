@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import signal
-import subprocess
-import sys
 
 import orjson
 import pytest
@@ -30,7 +28,8 @@ from schemas import codec, subjects as S
 from schemas.chunks import chunk_plan, digest
 from schemas.dtypes import unpack
 from services.syncer.checkpoint import CheckpointDir
-from tests.scripted import LR, MU, ROOT, Reference, close_run, start_run, tape, tiny_layout, wait_tape
+from tests.scripted import (LR, MU, Reference, close_run, replay_segments, start_run, tape, tiny_layout,
+                            wait_tape)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -245,11 +244,8 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
         assert syncer.wait(30) == 0, syncer.output()[-4000:]
         await asyncio.sleep(0.3)
         assert log.two_digests() == [], "a chunk of one version number was sent with two different byte strings"
-        rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
-        assert rp.returncode == 0, rp.stdout + rp.stderr
-        segs = [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]
-        assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), rp.stdout
+        segs = replay_segments(nats_url, run_id)
+        assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
     finally:
         await log.stop()
         await close_run(isls, syncer, run_id)
