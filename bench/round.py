@@ -40,9 +40,9 @@ island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
 `--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
 `--checkpoint-writer` and `--broadcast` are the syncer's flags of those names (default: inline writes,
-cut-through broadcast: chunks of the new version go out as they are merged, so chunk 0 is seen before
-the merge loop ends and the checkpoint stage then counts 0; the broadcast stage is the durable commit
-and the seal).
+with-commit broadcast). With `with-commit` or `cut-through` the new version's chunks go out before it is
+durable (cut-through: as they are merged, so chunk 0 is seen before the merge loop ends), so the
+checkpoint stage counts 0 and the broadcast stage is the durable commit and the seal.
 
 The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
@@ -460,9 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-writer", choices=("inline", "thread", "whole"), default="inline",
                    help="the syncer's --checkpoint-writer: write the checkpoint files in the merge loop (inline, the "
                    "default), on a writer thread beside it, or whole at the commit")
-    p.add_argument("--broadcast", choices=("cut-through", "after-commit"), default="cut-through",
-                   help="the syncer's --broadcast: chunks out as they are merged with the seal after the durable "
-                   "commit (cut-through, the default), or the whole version after the commit")
+    p.add_argument("--broadcast", choices=("with-commit", "cut-through", "after-commit"), default="with-commit",
+                   help="the syncer's --broadcast: the chunks after the merge while the version is made durable "
+                   "(with-commit, the default), each as soon as it is merged (cut-through), or all after the "
+                   "commit; the first two send the seal after the durable commit")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")

@@ -1,10 +1,12 @@
-"""Cut-through broadcasts (`yeto syncer --broadcast cut-through`, the default), against a real nats-server
-and the real syncer process, with scripted islands and an independent reference of the outer step.
+"""Broadcasts before the durable commit (`yeto syncer --broadcast with-commit`, the default, and
+`cut-through`), against a real nats-server and the real syncer process, with scripted islands and an
+independent reference of the outer step.
 
 (a) Order, in the server's own timestamps: a new version's chunk 0 is in BCAST before the state KV
-`commit` record of that version (it went out while the merge ran), and its seal (the last chunk, the
-only one with the version digest) after it. With `--broadcast after-commit` chunk 0 comes after the
-commit record: the check tells the two apart.
+`commit` record of that version, and its seal (the last chunk, the only one with the version digest)
+after it; with cut-through chunk 0 even precedes the end of the merge loop, with with-commit it follows
+it. With `--broadcast after-commit` chunk 0 comes after the commit record: the checks tell the three
+apart.
 (b) A syncer killed with SIGKILL in the middle of a cut-through broadcast (some chunks of version v in
 BCAST, no seal) and restarted with `--resume` sends version v again with identical bytes: the chunks
 seen before the kill equal the ones after it, the commit record's digest on the tape is the sha256 of
@@ -115,7 +117,7 @@ async def _play(isls, ref, gen, t: int, attempt: int | None = None) -> None:
     ref.round(fid, deltas, [TOKENS["a"], TOKENS["b"]])
 
 
-@pytest.mark.parametrize("mode", ["cut-through", "after-commit"])
+@pytest.mark.parametrize("mode", ["with-commit", "cut-through", "after-commit"])
 async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats_url, run_id, tmp_path, mode):
     syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], tmp_path / "ckpt", *RUN_ARGS,
                                          "--total-steps", "4", "--broadcast", mode, layout=LAYOUT)
@@ -133,16 +135,20 @@ async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats
             t_commit = min(ts for ts, rec in commits if rec["versions"].get(str(fid), -1) >= v)
             t_first, t_seal = log.first[(fid, v)], log.sealed[(fid, v)]
             assert t_seal > t_commit, (fid, v, "sealed before the commit record")
-            if mode == "cut-through":
-                assert t_first < t_commit, (fid, v, "chunk 0 was not sent before the commit record")
-            else:
+            if mode == "after-commit":
                 assert t_first > t_commit, (fid, v, "chunk 0 was sent before the commit record")
+            else:
+                assert t_first < t_commit, (fid, v, "chunk 0 was not sent before the commit record")
+            # cut-through sends chunk 0 while the merge loop runs; with-commit only after it (the merge
+            # record's `t`: the loop's end, on the same clock)
+            merged_at = next(m["t"] for m in await tape(a.js, run_id, "merge") if (m["fragment"], m["version"]) == (fid, v))
+            assert (t_first < merged_at) == (mode == "cut-through"), (fid, v, t_first, merged_at)
         merges = await tape(a.js, run_id, "merge")
         n = {fid: len(chunk_plan(a.frag(fid)["numel"], "f32", 1024)) for fid in (0, 1)}
         for m in merges:
             d = m["detail"]
             assert d["broadcast_mode"] == mode
-            assert d["early_chunks"] == (n[m["fragment"]] - 1 if mode == "cut-through" else 0), d
+            assert d["early_chunks"] == (n[m["fragment"]] - 1 if mode != "after-commit" else 0), d
         assert log.two_digests() == []
     finally:
         await log.stop()
@@ -153,7 +159,7 @@ async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats
 async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_bytes(nats_url, run_id, tmp_path):
     ckpt = tmp_path / "ckpt"
     syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", "10",
-                                         layout=LAYOUT)
+                                         "--broadcast", "cut-through", layout=LAYOUT)
     a = isls[0]
     js = a.js
     log = await BcastLog(js, run_id).start()

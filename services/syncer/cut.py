@@ -97,9 +97,10 @@ class BulkBytes:
 
 
 class BroadcastStream:
-    """A new version's BCAST chunks sent while the merge still runs (cut-through, `yeto syncer
-    --broadcast cut-through`): `put_ready` sends every chunk whose elements the merge has packed
-    (`BulkBytes.done`), except the last; `seal` sends the last chunk with the version digest, which
+    """A new version's BCAST chunks sent before it is durable (`yeto syncer --broadcast cut-through`
+    or `with-commit`): `put_ready` sends every chunk whose elements the merge has packed
+    (`BulkBytes.done`), except the last (cut-through calls it after each merged chunk; `flush`, which
+    the commit runs beside the checkpoint's fsync, sends what is left); `seal` sends the last chunk with the version digest, which
     the commit calls only once the version is durable (checkpoint files, manifest, state KV). An island
     completes a version only at its seal, after checking the digest over every chunk, so nothing it
     installs was not durable first; the early chunks wait in BCAST (and the islands' staging) until
@@ -137,6 +138,8 @@ class BroadcastStream:
             self.early += 1
 
     async def flush(self) -> None:
+        """Every chunk but the seal sent (those the merge did not send already) and acknowledged."""
+        await self.put_ready()
         await self.pipe.flush()
 
     async def seal(self, vdigest: str) -> int:
@@ -229,8 +232,9 @@ class Cut:
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
         streamed = dict(streamed or {})
         streams = dict(streams or {})
-        # While the version is made durable, the acks of the chunks already sent come in: they must be in
-        # BCAST before the seal (which makes the version whole for the islands) goes out.
+        # While the version is made durable, the chunks before the seal go out (with-commit; cut-through sent
+        # them during the merge) and their acks come in: they must be in BCAST before the seal (which makes
+        # the version whole for the islands) goes out.
         await asyncio.gather(asyncio.to_thread(self.ckpt.commit, state, frags, streamed),
                              *(st.flush() for st in streams.values()))
         t_ckpt = time.perf_counter()

@@ -5,9 +5,10 @@ Each chunk's new params and momentum are written into the new version's checkpoi
 as its outer step is done (checkpoint.VersionFiles), so the commit only fsyncs and renames them.
 Memory: O(members x chunk) bytes beside the fragment's params and momentum.
 
-Cut-through (`--broadcast cut-through`, the default): each chunk of the new version is also sent to
-BCAST as soon as it is merged (cut.BroadcastStream); only its last chunk, the seal with the version
-digest, waits for the durable commit. Before the first chunk goes out, the merge's inputs are written
+Cut-through (`--broadcast cut-through`): each chunk of the new version is also sent to BCAST as soon as
+it is merged (cut.BroadcastStream); only its last chunk, the seal with the version digest, waits for the
+durable commit. `--broadcast with-commit` (the default) sends them after the merge loop, while the
+version is made durable. Before the first chunk goes out, the merge's inputs are written
 durably as its intent (checkpoint.CheckpointDir.write_intent), so a syncer killed mid-broadcast redoes
 the same merge on `--resume` (`Merger.redo`) and sends the same version number with the same bytes.
 """
@@ -35,9 +36,14 @@ log = logging.getLogger("yeto.syncer")
 # (in the outer step's thread hop, right after it), "thread" (a writer thread of its own beside the
 # merge) or "whole" (not streamed: the commit writes them whole). See bench/README.md.
 CKPT_WRITERS = ("inline", "thread", "whole")
-# `yeto syncer --broadcast`: "cut-through" (chunks go out as they are merged, the seal after the durable
-# commit) or "after-commit" (the whole version after the durable commit).
-BROADCAST_MODES = ("cut-through", "after-commit")
+# `yeto syncer --broadcast`: when a new version's chunks go to BCAST. "cut-through": each as soon as it is
+# merged; "with-commit": all after the merge loop, while the version is made durable (the checkpoint's
+# fsync); "after-commit": all after the durable commit. In the first two the last chunk (the seal) waits
+# for the commit. Measured on 2 shared cores (bench/README.md): with-commit beats after-commit by the
+# broadcast's time, while cut-through loses there: the broker and the islands reading the chunks take the
+# CPU the merge needs. It needs cores to spare, as a syncer host has.
+BROADCAST_MODES = ("with-commit", "cut-through", "after-commit")
+EARLY_MODES = ("cut-through", "with-commit")   # chunks before the seal, hence the merge intent
 
 
 class MergeError(RuntimeError):
@@ -55,7 +61,7 @@ async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
 
 class Merger:
     def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter, *,
-                 lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "cut-through",
+                 lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "with-commit",
                  ckpt_writer: str = "inline"):
         if broadcast not in BROADCAST_MODES:
             raise ValueError(f"broadcast mode {broadcast!r} is not one of {BROADCAST_MODES}")
@@ -145,7 +151,7 @@ class Merger:
         bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
         stream = None
         t_intent = time.perf_counter()
-        if self.broadcast == "cut-through":
+        if self.broadcast in EARLY_MODES:
             # Durable before the first chunk goes out: a restarted syncer must send these same bytes.
             await asyncio.to_thread(self.cut.ckpt.write_intent, fid, self.intent(a, tries))
             stream = BroadcastStream(self.cut, fid, a.version, bulk)
@@ -175,7 +181,7 @@ class Merger:
                 if k + 1 < len(spans):
                     nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
                 outer_s += await asyncio.to_thread(step, deltas, s)
-                if stream is not None:
+                if stream is not None and self.broadcast == "cut-through":
                     await stream.put_ready()     # every broadcast chunk now packed, but never the seal
         except BaseException:
             if not nxt.done():

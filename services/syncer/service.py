@@ -95,7 +95,7 @@ class ServiceConfig:
     tick_s: float = 1.0
     status_every_s: float = 5.0
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
-    broadcast: str = "cut-through"
+    broadcast: str = "with-commit"
     ckpt_writer: str = "inline"
 
 
