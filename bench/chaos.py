@@ -288,7 +288,7 @@ class Watch:
     committed: int = 0
     merges: dict = field(default_factory=lambda: defaultdict(list))        # step -> merge records
     commits: dict = field(default_factory=lambda: defaultdict(set))        # (f, v) -> digests (tape)
-    bcast_digests: dict = field(default_factory=lambda: defaultdict(set))  # (f, v) -> version digests
+    bcast_digests: dict = field(default_factory=lambda: defaultdict(set))  # (f, v) -> version digests of its seals
     bcast_seen: set = field(default_factory=set)                           # (f, v) with a chunk seen
     pull_members: dict = field(default_factory=dict)                        # (step, attempt) -> n members
     accepted: dict = field(default_factory=lambda: defaultdict(set))       # (step, attempt) -> islands
@@ -467,7 +467,8 @@ class Chaos:
             self._trigger("island-init", what=f"INIT fragment {hdr['fragment']} chunk {hdr['chunk']}/{hdr['chunks']}")
         elif kind == "bcast" and hdr is not None:
             fv = (hdr["fragment"], hdr["version"])
-            w.bcast_digests[fv].add(hdr["version_digest"])
+            if "version_digest" in hdr:  # the seal (last chunk) only: the other chunks carry none
+                w.bcast_digests[fv].add(hdr["version_digest"])
             new = fv not in w.bcast_seen
             w.bcast_seen.add(fv)
             if new and hdr["version"] >= 1 and hdr["chunk"] == 0 and hdr["chunks"] > 1:

@@ -258,12 +258,16 @@ class Hostile:
                            S.push_msg_id(island, gen, frag, step, attempt, try_, s.index)))
         return out
 
-    def bcast_meta(self, frag: int, chunk: int, version: int, **kw) -> dict:
+    def bcast_meta(self, frag: int, chunk: int, version: int, *, version_digest: str = "ab" * 32,
+                   every: bool = False, **kw) -> dict:
         spans = chunk_plan(self.frags[frag], self.bulk_dtype, self.cb)
         # The framing of the nearest real chunk (`chunk` may lie past the plan); the caller sets the digest.
         meta = {"v": 1, "run": self.run, "fragment": frag, "version": version, "dtype": self.bulk_dtype,
-                **chunk_header(spans, min(chunk, len(spans) - 1), b""), "chunk": chunk, "digest": "0" * 16,
-                "version_digest": "ab" * 32}
+                **chunk_header(spans, min(chunk, len(spans) - 1), b""), "chunk": chunk, "digest": "0" * 16}
+        # BCAST carries the version digest on the last chunk only (the seal), FINAL (`every`) on every
+        # chunk: a forgery that broke that rule would be refused for it, not for what its category tests.
+        if every or chunk >= len(spans) - 1:
+            meta["version_digest"] = version_digest
         meta.update(kw)
         return meta
 
@@ -470,7 +474,8 @@ class Hostile:
             return Unit(cat, [self.bcast_forgery()])
         if cat == "final_garbage":
             f = rnd.randrange(len(self.frags))
-            meta = dict(self.bcast_meta(f, 0, rnd.randrange(1, 10**6)), dtype="f32", final_step=rnd.randrange(1, 10**6))
+            meta = dict(self.bcast_meta(f, 0, rnd.randrange(1, 10**6), every=True), dtype="f32",
+                        final_step=rnd.randrange(1, 10**6))
             return Unit(cat, [Msg(S.final(run, f, 60 + rnd.randrange(40)), os.urandom(32),
                                   {codec.CHUNK_HEADER: orjson.dumps(meta).decode()})])
         if cat == "steplog_garbage":
@@ -532,7 +537,8 @@ class Hostile:
             meta["digest"] = digest(bytes(buf))
         elif how == 3:                         # wrong shape: total and nbytes of another fragment size
             meta["total"] = meta["total"] + 4 * rnd.randrange(1, 100)
-        # how == 4: a consistent chunk of a version whose version digest can never match
+        # how == 4: a consistent chunk of a version whose version digest can never match (on the seal; on
+        # another chunk: bytes the seal's digest can never match once they are read into a version)
         return Msg(S.bcast(self.run, f, s.index), bytes(buf), {codec.CHUNK_HEADER: orjson.dumps(meta).decode()})
 
 

@@ -28,12 +28,21 @@ Stages, from what the product already records (the bench itself changes nothing 
 Next to each row, the syncer's own timings from the `merge` record's detail (EXACT): fetch (merge loop
 waiting for push bytes), outer (the outer step), pack+hash (the new version packed in the bulk dtype and
 hashed for the version digest, inside the merge loop), digest (what was left of it after the loop),
-checkpoint files (written + fsync), commit kv (state KV record), broadcast (every chunk acknowledged).
+checkpoint files (what the commit spends on them before the state KV record: since the merge streams
+the files, fsync + rename + manifest; before, write + fsync), commit kv (state KV record), broadcast
+(every chunk acknowledged). A third line per row, `checkpoint stream`: ckpt write (the merge's writes of
+the new version's files into the page cache, inline in the merge loop or on a writer thread beside it)
+and writer wait (of checkpoint files, the commit waiting for that thread); "-" from a syncer that does
+not stream them.
 
 Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
 `--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
+`--checkpoint-writer` and `--broadcast` are the syncer's flags of those names (default: inline writes,
+with-commit broadcast). With `with-commit` or `cut-through` the new version's chunks go out before it is
+durable (cut-through: as they are merged, so chunk 0 is seen before the merge loop ends), so the
+checkpoint stage counts 0 and the broadcast stage is the durable commit and the seal.
 
 The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_reduce a tensor of the
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
@@ -73,6 +82,9 @@ STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
 # the new version runs inside the merge loop; digest is what remained of it after the loop.
 EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("digest_s", "digest"),
          ("checkpoint_s", "checkpoint files"), ("commit_kv_s", "commit kv"), ("broadcast_s", "broadcast"))
+# Recorded by a syncer that streams the checkpoint files during the merge (optional: printed as "-" when
+# absent, so older syncers' records still make a breakdown).
+STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"))
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -125,11 +137,12 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
     out["export"] = max(o.export_s.get(i, 0.0) for i in islands)
     out["island_apply"] = max(o.apply_s.get(i, 0.0) for i in islands)
     out.update((k, float(o.exact[k])) for k, _ in EXACT)
+    out.update((k, float(o.exact[k])) for k, _ in STREAM if k in o.exact)
     return out
 
 
 def medians(rows: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0] if all(k in r for r in rows)}
 
 
 def parse_steplog(lines, island: str, rounds: dict[int, RoundObs]) -> None:
@@ -158,7 +171,7 @@ def note_event(rec: dict, seen_at: float, rounds: dict[int, RoundObs]) -> None:
         o.accepted.setdefault(rec["island"], rec["t"])
     elif kind == "merge":
         o.merge_t, o.merge_s, o.taped = rec["t"], rec["detail"]["merge_s"], seen_at
-        o.exact = {k: rec["detail"][k] for k, _ in EXACT if k in rec["detail"]}
+        o.exact = {k: rec["detail"][k] for k, _ in EXACT + STREAM if k in rec["detail"]}
     elif kind == "commit" and rec.get("fragment") == 0:
         o.commit_t = rec["t"]
 
@@ -359,7 +372,9 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(env, YETO_OUTER_COMPILE=args.outer_compile),
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
+                         YETO_BROADCAST=args.broadcast),
                 start_new_session=True)
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
@@ -423,7 +438,9 @@ def fmt_stage_row(label: str, b: dict) -> str:
     return (f"{label}: round {b['round']:.3f} s = " + " + ".join(f"{s} {b[s]:.3f}" for s in STAGES)
             + f" (from pull {b['from_pull']:.3f}; merge loop {b['merge_loop']:.3f}, digest {b['digest']:.3f}, "
               f"island export {b['export']:.3f}, island apply {b['island_apply']:.3f})\n"
-            + f"{label} syncer stages: " + ", ".join(f"{name} {b[k]:.3f}" for k, name in EXACT))
+            + f"{label} syncer stages: " + ", ".join(f"{name} {b[k]:.3f}" for k, name in EXACT) + "\n"
+            + f"{label} checkpoint stream: "
+            + ", ".join(f"{name} {b[k]:.3f}" if k in b else f"{name} -" for k, name in STREAM))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
                    help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
                    "loop, compiled during the first merge, i.e. in the warm-up round)")
+    p.add_argument("--checkpoint-writer", choices=("inline", "thread", "whole"), default="inline",
+                   help="the syncer's --checkpoint-writer: write the checkpoint files in the merge loop (inline, the "
+                   "default), on a writer thread beside it, or whole at the commit")
+    p.add_argument("--broadcast", choices=("with-commit", "cut-through", "after-commit"), default="with-commit",
+                   help="the syncer's --broadcast: the chunks after the merge while the version is made durable "
+                   "(with-commit, the default), each as soon as it is merged (cut-through), or all after the "
+                   "commit; the first two send the seal after the durable commit")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
@@ -461,8 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                 rss.add("nats-server", broker.proc.pid)
             print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
-                  f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}; load average {os.getloadavg()[0]:.2f}, "
-                  f"{os.cpu_count()} CPUs", flush=True)
+                  f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
+                  f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}; "
+                  f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)
             wall = time.monotonic() - t0

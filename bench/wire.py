@@ -227,9 +227,13 @@ def _raw_sender(a, ready, go):
 
 
 def _bcast_meta(run: str, part: int, spans: list[ChunkSpan], idx: int, payload, version_digest: str) -> dict:
-    """The header fields of a broadcast chunk, as the syncer's broadcast builds them."""
-    return {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": part, "version": VERSION, "dtype": WIRE_DTYPE,
-            **chunk_header(spans, idx, payload), "version_digest": version_digest}
+    """The header fields of a broadcast chunk, as the syncer's broadcast builds them: the version digest
+    seals the version on its last chunk only."""
+    meta = {"v": codec.PROTOCOL_VERSION, "run": run, "fragment": part, "version": VERSION, "dtype": WIRE_DTYPE,
+            **chunk_header(spans, idx, payload)}
+    if idx == len(spans) - 1:
+        meta["version_digest"] = version_digest
+    return meta
 
 
 def _warm_codec() -> None:

@@ -9,8 +9,19 @@ piece (`learner.anchors.AnchorStore`); `blend` is the math they apply.
 fragment, chunk by chunk, *in chunk order*: the version digest (sha256 over the chunks in order) is
 streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
 
+* the last chunk seals the version: on BCAST only it carries the `version_digest` (the syncer may
+  publish chunks 0..n-2 while it is still merging, and the seal once the version is durable); FINAL
+  carries it on every chunk and every chunk must carry the one wanted (the manifest's);
 * a version completes only when every chunk of that one version passed, in order, and their bytes
-  hash to the `version_digest` they carry; then it is `held`;
+  hash to the seal's `version_digest`; then it is `held`. Until the seal lands the reading waits
+  at the last chunk (which still holds an older version), and chunks that land one by one are read
+  on at each boundary;
+* a reading is identified by (version, chunk 0's chunk `digest`): one version number may be
+  re-issued with other bytes (a syncer restarted before the version was durable merges it again),
+  so a new chunk 0 under the same version with other bytes drops the reading (read again from chunk
+  0), and so does a chunk already read re-published under that version with other bytes; the same
+  bytes re-published keep it. Chunks of two byte-streams hashed together unnoticed (a chunk fetched
+  before the notice of a change arrived) fail the seal's digest check;
 * versions are monotonic: chunks of the held version or older are not read again;
 * BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
   already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
@@ -18,21 +29,22 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
   ("wait": read on at a later boundary);
 * anyone who can publish on the stream can put garbage there (until #17 closes that), so nothing a
   chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
-  chunk plan, a chunk digest mismatch, NaN / Inf values, a version number that another chunk — or
-  the version held — carries with another `version_digest`) or a version digest mismatch is refused (WireError, the
-  shell counts it) and drops the reading; the island trains on. What is refused is that *message*
-  (its stream sequence), never a version number: the syncer's real chunks of the same version (a
-  re-broadcast, or a chunk that overwrote the garbage) are new messages and are read as usual, so a
-  forged chunk "from the future" or with a predicted version number cannot hold the real versions
-  back. The version read is the one found at chunk 0, never one a notice merely claims.
+  chunk plan, a chunk digest mismatch, NaN / Inf values, a `version_digest` missing from a seal or
+  present elsewhere on BCAST, the version held carried with another `version_digest`) or a version
+  digest mismatch at the seal is refused (WireError, the shell counts it) and drops the reading; the
+  island trains on. What is refused is that *message* (its stream sequence), never a version number:
+  the syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
+  garbage) are new messages and are read as usual, so a forged chunk "from the future" or with a
+  predicted version number cannot hold the real versions back. The version read is the one found
+  at chunk 0, never one a notice merely claims.
 
 Nothing is installed unless every chunk of that one version passed in order and the bytes hash to the
-version digest, and a version is installed at most once: a version can never be partial or mixed.
+seal's version digest, and a version is installed at most once: a version can never be partial or mixed.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -52,8 +64,8 @@ class ProtocolError(WireError):
 
 
 class VersionConflict(WireError):
-    """One version number seen with two version digests (the version held, being read, or the
-    manifest's). One of the two is garbage someone published; the chunk is refused, not fatal."""
+    """One version number seen with two version digests (the version held, or the manifest's). One
+    of the two is garbage someone published; the chunk is refused, not fatal."""
 
     code = "version_conflict"
 
@@ -187,9 +199,14 @@ class SyncState:
 @dataclass
 class _Reading:
     version: int
-    digest: str
     hasher: VersionDigest
-    next: int = 0
+    # The chunk digests of the chunks passed, in order: chunk 0's (with the version) names the
+    # byte-stream being read; the others tell a chunk re-published with other bytes (chunk_changed).
+    digests: list = field(default_factory=list)
+
+    @property
+    def next(self) -> int:
+        return len(self.digests)
 
 
 class CutReader:
@@ -209,7 +226,8 @@ class CutReader:
     cannot hold back the real versions. `check` validates a chunk on its own (framing against the
     session's chunk plan, its digest) — for a chunk a notice pointed at, out of order.
 
-    `fixed=True` (FINAL): only the versions named with `want` are read.
+    `fixed=True` (FINAL): only the versions named with `want` are read, and every chunk must carry
+    the wanted version digest (BCAST: only the last chunk, the seal, carries one).
     """
 
     def __init__(self, session: Mapping, *, dtype: str | None = None, fixed: bool = False):
@@ -255,21 +273,23 @@ class CutReader:
         h = self.held.get(fid)
         return -1 if h is None else h[0]
 
-    def announce(self, fid: int, version: int, vdigest: str) -> bool:
-        """A notice says `version` has chunks on the stream. True when it is worth reading."""
+    def announce(self, fid: int, version: int, vdigest: str | None) -> bool:
+        """A notice says `version` has chunks on the stream. True when it is worth reading.
+        `vdigest` is the notice's version digest, None for a BCAST chunk other than the seal:
+        digests are compared only when there is one."""
         fid = self._fid(fid)
         _check_count(version, "version")
-        if not isinstance(vdigest, str):
+        if vdigest is not None and not isinstance(vdigest, str):
             raise WireError("version_digest must be a string", field="version_digest", value=vdigest)
         h = self.held.get(fid)
         if h is not None and version <= h[0]:
-            if version == h[0] and vdigest != h[1]:
+            if version == h[0] and vdigest is not None and vdigest != h[1]:
                 raise VersionConflict(f"fragment {fid} version {version} was installed with digest {h[1]}",
                                       field="version_digest", value=vdigest)
             return False
         if self.fixed:
             w = self.wanted.get(fid)
-            if w is not None and version == w[0] and vdigest != w[1]:
+            if w is not None and version == w[0] and vdigest is not None and vdigest != w[1]:
                 raise VersionConflict(f"fragment {fid} version {version}: notices carry digest {vdigest}, not the "
                                       f"{w[1]} wanted", field="version_digest", value=vdigest)
             return w is not None and version == w[0]
@@ -297,18 +317,36 @@ class CutReader:
         rd = self._reading.get(fid)
         return None if rd is None else (rd.version, rd.next, len(self.spans[fid]))
 
-    def chunk0_changed(self, fid: int, index: int, version: int, vdigest: Any) -> bool:
-        """A notice says a new message landed on chunk `index`. True when it is chunk 0 and it is not
-        the version being read: that reading can no longer complete (its chunk 0 is gone) and
-        must be dropped (the shell aborts the staging), so the next read starts at chunk 0 again.
-        Without this a forged chunk 0 claiming a far version (valid chunk digest) started a
-        reading that waited for its later chunks for ever ("not_yet"), while the real chunk 0
-        that overwrote it was never looked at again."""
+    def chunk_changed(self, fid: int, index: int, version: int, digest: Any) -> bool:
+        """A notice says a new message landed on chunk `index` (`digest`: that chunk's chunk digest).
+        True when the reading in progress must be dropped (the shell aborts the staging; the next
+        read starts at chunk 0 again):
+
+        * chunk 0 that is not the reading's (version, chunk 0 digest): that reading can no longer
+          complete (its chunk 0 is gone). Without this a forged chunk 0 claiming a far version
+          (valid chunk digest) started a reading that waited for its later chunks for ever
+          ("not_yet"), while the real chunk 0 that overwrote it was never looked at again; and a
+          version re-issued with other bytes (a syncer restarted before it was durable merges it
+          again) would have its new chunks hashed onto the old ones;
+        * a chunk already passed, of the version being read, with other bytes than the ones read
+          there: the bytes read are not (or no longer) that version's — a forged chunk (valid chunk
+          digest: BCAST's only check before the seal) the real one then overwrote. Only the seal
+          could tell, and after its refusal nothing new would land to read the version again.
+
+        The same bytes re-published (a restarted syncer re-issuing a version as it was) keep the
+        reading; chunks not passed yet are simply read when the reading gets there."""
         rd = self._reading.get(fid)
-        if index != 0 or rd is None or (version, vdigest) == (rd.version, rd.digest):
+        if rd is None or isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < rd.next:
             return False
+        if index == 0:
+            if (version, digest) == (rd.version, rd.digests[0]):
+                return False
+            self.counters["chunk0_changed"] += 1
+        else:
+            if version != rd.version or digest == rd.digests[index]:
+                return False  # another version's chunk there: not this reading's bytes (read already)
+            self.counters["chunk_changed"] += 1
         del self._reading[fid]
-        self.counters["chunk0_changed"] += 1
         return True
 
     def forget(self, fid: int) -> None:
@@ -318,7 +356,9 @@ class CutReader:
 
     # ---- one chunk ------------------------------------------------------------------------------
 
-    def _head(self, fid: int, index: int, meta: Mapping) -> tuple[int, str]:
+    def _head(self, fid: int, index: int, meta: Mapping) -> tuple[int, str | None]:
+        """(version, version digest or None) of a chunk whose header fits its subject. The seal rule
+        is checked here too, not only by the codec: the reader trusts no header it did not check."""
         n = len(self.spans[fid])
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
             raise WireError(f"fragment {fid} has chunks 0..{n - 1}", field="chunk", value=index)
@@ -327,8 +367,14 @@ class CutReader:
                             value=(fid, index, meta.get("fragment"), meta.get("chunk")))
         v = _check_count(meta.get("version"), "version")
         vd = meta.get("version_digest")
-        if not isinstance(vd, str):
-            raise WireError("version_digest must be a string", field="version_digest", value=vd)
+        if index == n - 1 or self.fixed:
+            if not isinstance(vd, str):
+                raise WireError(f"chunk {index} of {n} must carry the version digest as a string "
+                                f"({'FINAL: every chunk' if self.fixed else 'the last chunk seals the version'})",
+                                field="version_digest", value=vd)
+        elif vd is not None:
+            raise WireError(f"belongs on the last chunk only (this is chunk {index} of {n})",
+                            field="version_digest", value=vd)
         return v, vd
 
     def known_bad(self, fid: int, index: int, seq: int | None) -> bool:
@@ -382,7 +428,7 @@ class CutReader:
         v, vd = self._head(fid, index, meta)
         h = self.held.get(fid)
         if h is not None and v <= h[0]:
-            if v == h[0] and vd != h[1]:
+            if v == h[0] and vd is not None and vd != h[1]:
                 self.refuse(fid, index, seq)
                 raise VersionConflict(f"fragment {fid} version {v} was installed with digest {h[1]}",
                                       field="version_digest", value=vd)
@@ -399,15 +445,9 @@ class CutReader:
                                       field="version_digest", value=vd)
         rd = self._reading.get(fid)
         if rd is not None:
-            if v < rd.version:  # the version being read has not reached this chunk yet
-                self.counters["not_yet"] += 1
+            if v < rd.version:  # the version being read has not reached this chunk yet (or its seal
+                self.counters["not_yet"] += 1  # has not landed: the last subject holds an older one)
                 return "wait"
-            if v == rd.version and vd != rd.digest:
-                # Which of the two is garbage is unknown: drop both readings; the next one starts
-                # again at chunk 0 once a new message lands.
-                self.refuse(fid, index, seq)
-                raise VersionConflict(f"fragment {fid} version {v} chunks carry two version digests ({rd.digest} "
-                                      f"first)", field="version_digest", value=vd)
             if v > rd.version or index != rd.next:  # overwritten by a newer version mid-read
                 del self._reading[fid]
                 self.counters["dropped_partial"] += 1
@@ -415,13 +455,14 @@ class CutReader:
         if rd is None:
             if index != 0:
                 return "restart"
-            rd = self._reading[fid] = _Reading(v, vd, VersionDigest())
+            rd = self._reading[fid] = _Reading(v, VersionDigest())
         rd.hasher.update(payload)
-        rd.next += 1
+        rd.digests.append(meta.get("digest"))
         if rd.next < len(self.spans[fid]):
             return "accept"
         del self._reading[fid]
         try:
+            # The seal: its version digest must match every byte read under this version, in order.
             check_digest(vd, rd.hasher.hexdigest(), field="version_digest")
         except DigestMismatch:
             # Some chunk's bytes are not the version's (a forged chunk with a valid chunk digest). Not

@@ -80,6 +80,9 @@ class IslandWire:
         self.stats = WireStats()
         self._dirty: set[int] = set()  # fragments with BCAST notices since their last read
         self._noticed: dict[int, dict[int, int]] = {}  # fragment -> {chunk: version} those notices claim
+        # fragment -> {chunk: newest version a notice named there}, kept across reads (bounded by the chunk
+        # plan): which chunks of the version being read have landed (see _read_fragment)
+        self._landed: dict[int, dict[int, int]] = {}
         self._staged: dict[int, int] = {}  # fragment -> version the ranks are staging
         self._pushing: dict[int, tuple[PendingPull, PublishHandle]] = {}  # fragment -> push awaiting acks
         # The final cut being read (FINAL): its reader, the manifest's final step, what to read, what was read.
@@ -185,15 +188,19 @@ class IslandWire:
         Returns the fragments committed."""
         for n in self.client.bcast.drain():
             try:
-                if self.reader.chunk0_changed(n.fragment, n.chunk, n.version, n.meta["version_digest"]):
+                # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
+                # carries a version digest, so chunk digests tell a re-issued version apart.
+                if self.reader.chunk_changed(n.fragment, n.chunk, n.version, n.meta.get("digest")):
                     self._abort_staging(n.fragment, self.reader)
                     self._dirty.add(n.fragment)
-                if self.reader.announce(n.fragment, n.version, n.meta["version_digest"]):
+                if self.reader.announce(n.fragment, n.version, n.meta.get("version_digest")):
                     if not 0 <= n.chunk < len(self.reader.spans[n.fragment]):
                         raise WireError(f"fragment {n.fragment} has {len(self.reader.spans[n.fragment])} chunks",
                                         field="chunk", value=n.chunk)
                     self._dirty.add(n.fragment)
                     self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
+                    landed = self._landed.setdefault(n.fragment, {})
+                    landed[n.chunk] = max(n.version, landed.get(n.chunk, -1))
             except WireError as exc:  # garbage someone published on BCAST: counted, training goes on
                 self._reject(f"bcast notice {n.subject}", exc)
         applied: list[int] = []
@@ -251,10 +258,20 @@ class IslandWire:
         header = "bcast_chunk" if kind == "BCAST" else "final_chunk"
         subject = S.bcast if kind == "BCAST" else S.final
         restarts = 0
+        landed = self._landed.get(fid, {}) if kind == "BCAST" else {}
         while True:
             batch, size = [], 0
+            rd = reader.reading(fid)
+            # A cut-through broadcast lands chunk by chunk while the syncer merges: past the next chunk,
+            # fetch only those a notice says hold the version being read (or, before a reading, the one
+            # noticed at chunk 0). Without this each wake fetched a whole batch of chunks still holding the
+            # older version to read the one new chunk (16x the bytes, and a broker kept busy). The next
+            # chunk is always fetched: a missed notice costs one chunk, never a stall.
+            target = rd[0] if rd is not None else landed.get(0)
             for s in reader.next_chunks(fid):
                 if batch and size + s.nbytes > self.config.fetch_batch_bytes:
+                    break
+                if batch and target is not None and landed.get(s.index, -1) < target:
                     break
                 batch.append(s)
                 size += s.nbytes

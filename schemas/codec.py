@@ -250,6 +250,10 @@ def _check_integers(kind: str, msg: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------------- cross-field checks
 
+# kind -> the field sealing the whole payload, carried by its last chunk only (see _check_chunk).
+_LAST_CHUNK_ONLY = {"push_chunk": "push_digest", "bcast_chunk": "version_digest"}
+
+
 def _check_chunk(kind: str, m: dict) -> None:
     chunk, chunks, offset, nbytes, total = m["chunk"], m["chunks"], m["offset"], m["nbytes"], m["total"]
     if chunk >= chunks:
@@ -262,14 +266,18 @@ def _check_chunk(kind: str, m: dict) -> None:
     if last and offset + nbytes != total:
         raise _fail(kind, "nbytes", nbytes, f"of the last chunk must end the payload: offset {offset} + nbytes {nbytes} != total {total}",
                     "chunk_bounds")
-    if kind == "push_chunk":
-        if last and "push_digest" not in m:
-            err = SchemaError(f"{kind}: missing required field 'push_digest' on the last chunk ({chunk} of {chunks})",
-                              field="push_digest", value=None)
+    # The digest that seals a whole payload rides on its last chunk only: a push's push_digest, and a
+    # broadcast's version_digest (so chunks 0..n-2 can go out while the version is still being merged;
+    # the seal follows once it is durable). FINAL chunks carry version_digest on every chunk (schema).
+    seal = _LAST_CHUNK_ONLY.get(kind)
+    if seal is not None:
+        if last and seal not in m:
+            err = SchemaError(f"{kind}: missing required field '{seal}' on the last chunk ({chunk} of {chunks})",
+                              field=seal, value=None)
             err.kind, err.rule = kind, "required"
             raise err
-        if not last and "push_digest" in m:
-            raise _fail(kind, "push_digest", m["push_digest"], f"belongs on the last chunk only (this is chunk {chunk} of {chunks})",
+        if not last and seal in m:
+            raise _fail(kind, seal, m[seal], f"belongs on the last chunk only (this is chunk {chunk} of {chunks})",
                         "last_chunk_only")
 
 

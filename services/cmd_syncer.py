@@ -71,13 +71,27 @@ def add_parser(sub) -> None:
     g.add_argument("--bulk-dtype", choices=BULK_DTYPES, default=_env("YETO_BULK_DTYPE", "f32"),
                    help="dtype of INIT and broadcasts (env YETO_BULK_DTYPE; default %(default)s)")
     _flag(g, "--chunk-bytes", "YETO_CHUNK_BYTES", int, 1 << 20, "chunk size in bytes (bounded by the server's max_payload minus header room)")
+    g.add_argument("--broadcast", choices=("with-commit", "cut-through", "after-commit"),
+                   default=_env("YETO_BROADCAST", "with-commit"),
+                   help="when a new version's chunks go to BCAST: with-commit (after the merge, while the version is "
+                        "made durable), cut-through (each as soon as it is merged: for hosts with cores to spare), "
+                        "after-commit (all after the durable commit). In the first two the last chunk (the seal, "
+                        "with the version digest) goes out once the version is durable, so islands never install what "
+                        "is not committed (env YETO_BROADCAST; default %(default)s)")
     g = p.add_argument_group("state")
     g.add_argument("--checkpoint-dir", default=_env("YETO_CHECKPOINT_DIR", None),
                    help="directory of the params+momentum checkpoint, one per shard (env YETO_CHECKPOINT_DIR; default "
                         "./yeto-data/<run>/syncer, ./yeto-data/<run>/syncer-s<K> with --shards > 1)")
+    g.add_argument("--checkpoint-writer", choices=("inline", "thread", "whole"),
+                   default=_env("YETO_CHECKPOINT_WRITER", "inline"),
+                   help="how a merge writes the new version's checkpoint files: inline (each chunk into the page "
+                        "cache right after its outer step; the commit fsyncs once), thread (the same on a writer "
+                        "thread beside the merge: for hosts with idle cores), whole (all at the commit) "
+                        "(env YETO_CHECKPOINT_WRITER; default %(default)s)")
     g.add_argument("--resume", action="store_true", default=_env("YETO_RESUME", "0") == "1",
                    help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1). "
-                        "A run killed mid-round continues with the round in flight (a new attempt); one killed during "
+                        "A run killed mid-round continues with the round in flight (a new attempt; a merge whose chunks "
+                        "had begun to go out is done again from the same pushes: the same bytes); one killed during "
                         "finalization sends the manifest again to the islands that have not acked and waits for them; "
                         "a finished run (every ack in, or --final-timeout passed) exits 0 at once and changes nothing "
                         "(its final cut stays in FINAL; `yeto export` writes it)")
@@ -126,10 +140,16 @@ def run(args) -> int:
     except ValueError as exc:  # ConfigError names the field and the value
         print(f"yeto syncer: --replicas: {exc}", file=sys.stderr)
         return 2
+    for flag, value, allowed in (("--broadcast", args.broadcast, ("with-commit", "cut-through", "after-commit")),
+                                 ("--checkpoint-writer", args.checkpoint_writer, ("inline", "thread", "whole"))):
+        if value not in allowed:   # an environment default escapes argparse's choices
+            print(f"yeto syncer: {flag} must be one of {', '.join(allowed)}, got {value!r}", file=sys.stderr)
+            return 2
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
                         connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"
                                                          + (f"-s{mc.shard}" if mc.sharded else "")),
-                        checkpoint_dir=ckpt, resume=args.resume, limits=limits)
+                        checkpoint_dir=ckpt, resume=args.resume, limits=limits, broadcast=args.broadcast,
+                        ckpt_writer=args.checkpoint_writer)
     if not (args.status_every > 0):
         print(f"yeto syncer: --status-every must be a number > 0, got {args.status_every!r}", file=sys.stderr)
         return 2

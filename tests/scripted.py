@@ -7,7 +7,6 @@ syncer published (session, pulls, broadcasts, errors, manifest, final cut, tape)
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 import nats
 import orjson
 import torch
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects as S
@@ -450,8 +448,9 @@ class Heartbeater:
 
 class CutWatcher:
     """Every BCAST chunk notice of a run (ordered headers-only consumer, last per subject then new):
-    records (fragment, version) -> version_digest and each chunk subject's sequence of versions, so a
-    test can assert that no version number ever appears with two digests and no version goes back."""
+    records (fragment, version) -> version_digest (carried by the version's seal, its last chunk, only)
+    and each chunk subject's sequence of versions, so a test can assert that no version number is ever
+    sealed with two digests and no version goes back."""
 
     def __init__(self, js, run: str):
         self.js, self.run = js, run
@@ -471,9 +470,10 @@ class CutWatcher:
     async def _on_msg(self, msg) -> None:
         meta = codec.decode_header("bcast_chunk", msg.headers[codec.CHUNK_HEADER])
         key = (meta["fragment"], meta["version"])
-        seen = self.digests.setdefault(key, meta["version_digest"])
-        if seen != meta["version_digest"]:
-            self.conflicts.append((*key, seen, meta["version_digest"]))
+        if "version_digest" in meta:  # the seal; the other chunks of a broadcast carry none
+            seen = self.digests.setdefault(key, meta["version_digest"])
+            if seen != meta["version_digest"]:
+                self.conflicts.append((*key, seen, meta["version_digest"]))
         self.versions.setdefault((meta["fragment"], meta["chunk"]), []).append(meta["version"])
 
     def went_back(self) -> list[tuple[int, int, list[int]]]:
@@ -488,3 +488,11 @@ class CutWatcher:
 def snapshot_dir(path: Path) -> dict[str, bytes]:
     """Name -> bytes of every file in a directory (a checkpoint before/after comparison)."""
     return {q.name: q.read_bytes() for q in sorted(Path(path).iterdir()) if q.is_file()}
+
+
+def replay_segments(nats_url: str, run: str) -> list[str]:
+    """`yeto replay` of a run's tape (it must exit 0): its per-process lines ("syncer process ... identical")."""
+    rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run],
+                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert rp.returncode == 0, rp.stdout + rp.stderr
+    return [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]

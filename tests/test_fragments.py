@@ -53,16 +53,21 @@ def raw_bytes(values: torch.Tensor, dtype: str) -> bytes:
     return values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
 
 
-def bcast_chunks(fid, version, values, dtype="f32", chunk_bytes=CB, vdigest=None):
+def bcast_chunks(fid, version, values, dtype="f32", chunk_bytes=CB, vdigest=None, every=False):
+    """BCAST chunks: the version digest seals the version on the last chunk only; `every`: on every
+    chunk (FINAL's headers)."""
     raw = raw_bytes(values, dtype)
     vd = vdigest or hashlib.sha256(raw).hexdigest()
     n = -(-len(raw) // chunk_bytes)
     out = []
     for i in range(n):
         payload = raw[i * chunk_bytes: (i + 1) * chunk_bytes]
-        out.append(({"v": 1, "run": "r", "fragment": fid, "version": version, "dtype": dtype, "chunk": i, "chunks": n,
-                     "offset": i * chunk_bytes, "nbytes": len(payload), "total": len(raw),
-                     "digest": xxhash.xxh3_64_hexdigest(payload), "version_digest": vd}, payload))
+        meta = {"v": 1, "run": "r", "fragment": fid, "version": version, "dtype": dtype, "chunk": i, "chunks": n,
+                "offset": i * chunk_bytes, "nbytes": len(payload), "total": len(raw),
+                "digest": xxhash.xxh3_64_hexdigest(payload)}
+        if every or i == n - 1:
+            meta["version_digest"] = vd
+        out.append((meta, payload))
     return out
 
 
@@ -289,17 +294,22 @@ def test_one_version_with_two_digests_is_refused_not_fatal_and_the_real_one_stil
     with pytest.raises(VersionConflict) as e:
         r.announce(0, 3, digest_of(vec(N0, 2)))
     assert e.value.field == "version_digest" and not isinstance(e.value, ProtocolError)
-    with pytest.raises(VersionConflict):
-        r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0], seq=10)
+    forged3 = bcast_chunks(0, 3, vec(N0, 2))
+    assert r.take(0, 0, *forged3[0], seq=9) == "wait"  # no digest to compare: just the held version
+    last = len(forged3) - 1
+    with pytest.raises(VersionConflict):  # the seal carries one: compared with the held version's
+        r.take(0, last, *forged3[last], seq=10)
     assert r.held[0] == (3, digest_of(real3)) and r.counters["refused"] == 1
-    assert r.take(0, 0, *bcast_chunks(0, 3, vec(N0, 2))[0], seq=10) == "wait"  # that message: not again
+    assert r.take(0, last, *forged3[last], seq=10) == "wait"  # that message: not again
     assert r.counters["refused"] == 1 and r.counters["refused_again"] == 1
-    # ... and while the version is still being read: the reading is dropped, nothing is held
+    # ... and while the version is still being read: a forged chunk 1 (valid chunk digest, no version
+    # digest to compare on BCAST) is hashed in, and the seal refuses the mix; nothing is held
     real4 = vec(N0, 3)
     c4 = bcast_chunks(0, 4, real4)
     assert r.take(0, 0, *c4[0], seq=20) == "accept"
-    with pytest.raises(VersionConflict):
-        r.take(0, 1, *bcast_chunks(0, 4, vec(N0, 4))[1], seq=21)
+    assert r.take(0, 1, *bcast_chunks(0, 4, vec(N0, 4))[1], seq=21) == "accept"
+    with pytest.raises(DigestMismatch):
+        [r.take(0, m["chunk"], m, p, seq=22 + i) for i, (m, p) in enumerate(c4[2:])]
     assert r.reading(0) is None and r.held[0][0] == 3
     # the real chunk 1 overwrites the forged one (a new message): v4 is read again, whole
     assert [r.take(0, m["chunk"], m, p, seq=30 + i) for i, (m, p) in enumerate(c4)][-1] == "complete"
@@ -328,12 +338,12 @@ def test_a_forged_chunk_with_a_predicted_version_number_does_not_make_the_real_v
     forged_meta, payload = real2[0]
     with pytest.raises(DigestMismatch):
         r.take(0, 0, dict(forged_meta, digest="0" * 16), payload, seq=5)
-    assert r.announce(0, 2, forged_meta["version_digest"])
+    assert r.announce(0, 2, forged_meta.get("version_digest"))
     assert [r.take(0, m["chunk"], m, p, seq=6 + i) for i, (m, p) in enumerate(real2)][-1] == "complete"
     assert r.held[0][0] == 2
     # a self-consistent forged chunk (valid chunk digest) mixed into v3 is never installed as v3
     real3 = bcast_chunks(0, 3, vec(N0, 3))
-    garbage = bcast_chunks(0, 3, vec(N0, 9), vdigest=real3[0][0]["version_digest"])
+    garbage = bcast_chunks(0, 3, vec(N0, 9), vdigest=real3[-1][0]["version_digest"])
     mixed = real3[:2] + garbage[2:3] + real3[3:]
     with pytest.raises(DigestMismatch):
         read(r, 0, mixed)
@@ -371,7 +381,7 @@ def test_a_forged_chunk_from_the_future_is_refused_and_holds_nothing_back():
     c1, c2 = bcast_chunks(0, 1, v1), bcast_chunks(0, 2, v2)
     forged_meta, payload = bcast_chunks(0, 10**6, vec(N0, 9))[2]
     forged_meta = dict(forged_meta, digest="0" * 16)
-    assert r.announce(0, 10**6, forged_meta["version_digest"])  # a notice only says "look"
+    assert r.announce(0, 10**6, forged_meta.get("version_digest"))  # a notice only says "look"
     assert read(r, 0, c1[:2]) == ["accept", "accept"]
     with pytest.raises(DigestMismatch):
         r.take(0, 2, forged_meta, payload, seq=77)
@@ -443,13 +453,13 @@ def test_a_forged_chunk_0_from_far_ahead_does_not_hold_the_real_version_once_ove
     assert r.take(0, 0, *forged[0], seq=1) == "accept"
     assert r.take(0, 1, *bcast_chunks(0, 0, vec(N0, 0))[1], seq=2) == "wait"  # not_yet
     # the real v1 lands: its chunk 0's notice drops the forged reading
-    assert r.chunk0_changed(0, 0, 1, real[0][0]["version_digest"]) is True
+    assert r.chunk_changed(0, 0, 1, real[0][0]["digest"]) is True
     assert r.reading(0) is None and r.next_chunks(0)[0].index == 0
     assert [r.take(0, m["chunk"], m, p, seq=10 + i) for i, (m, p) in enumerate(real)][-1] == "complete"
     # notices of the version being read, or of other chunks, change nothing
     real2 = bcast_chunks(0, 2, vec(N0, 2))
     assert r.take(0, 0, *real2[0], seq=20) == "accept"
-    assert not r.chunk0_changed(0, 0, 2, real2[0][0]["version_digest"]) and not r.chunk0_changed(0, 1, 3, "x")
+    assert not r.chunk_changed(0, 0, 2, real2[0][0]["digest"]) and not r.chunk_changed(0, 1, 3, "x")
     assert r.reading(0) == (2, 1, len(real2))
 
 
@@ -458,7 +468,108 @@ def test_fixed_reader_reads_only_the_wanted_versions():
     want = vec(N0, 7)
     r.want(0, 4, digest_of(want))
     assert not r.announce(0, 5, digest_of(vec(N0, 8)))  # notices change nothing
-    assert r.take(0, 0, *bcast_chunks(0, 5, vec(N0, 8))[0]) == "wait" and r.counters["ignored"] == 1
+    assert r.take(0, 0, *bcast_chunks(0, 5, vec(N0, 8), every=True)[0]) == "wait" and r.counters["ignored"] == 1
     with pytest.raises(VersionConflict):  # the wanted version with another digest than the manifest's
-        r.take(0, 0, *bcast_chunks(0, 4, vec(N0, 9))[0])
-    assert read(r, 0, bcast_chunks(0, 4, want))[-1] == "complete" and r.held[0][0] == 4
+        r.take(0, 0, *bcast_chunks(0, 4, vec(N0, 9), every=True)[0])
+    # FINAL: every chunk carries the version digest (a BCAST-style chunk 0 without one is refused)
+    with pytest.raises(WireError) as e:
+        r.take(0, 0, *bcast_chunks(0, 4, want)[0])
+    assert e.value.field == "version_digest" and e.value.value is None
+    assert read(r, 0, bcast_chunks(0, 4, want, every=True))[-1] == "complete" and r.held[0][0] == 4
+
+
+# ---- the seal: cut-through broadcasts ---------------------------------------------------------------
+
+def test_cut_through_chunks_land_one_by_one_and_only_the_seal_completes_the_version():
+    # The syncer publishes chunks 0..n-2 of v2 while it still merges, the seal (last chunk, with the
+    # version digest) once v2 is durable. Until then the last subject holds v1's seal.
+    r = CutReader(S)
+    c1, v2 = bcast_chunks(0, 1, vec(N0, 1)), vec(N0, 2)
+    c2 = bcast_chunks(0, 2, v2)
+    n = len(c2)
+    assert n > 3 and read(r, 0, c1)[-1] == "complete"
+    assert "version_digest" not in c2[0][0] and c2[-1][0]["version_digest"] == digest_of(v2)
+    for k in range(n - 1):  # chunk k of v2 lands; the next subject still holds v1: read on, then wait
+        assert r.announce(0, 2, c2[k][0].get("version_digest")) and r.pending() == [0]
+        assert r.take(0, k, *c2[k]) == "accept"
+        nxt = c1[k + 1]
+        assert r.take(0, k + 1, *nxt) == "wait" and r.reading(0) == (2, k + 1, n)
+    for _ in range(3):  # boundaries pass: the reading waits at the seal, nothing completes
+        assert r.take(0, n - 1, *c1[-1]) == "wait"
+    assert r.held[0] == (1, digest_of(vec(N0, 1))) and r.reading(0) == (2, n - 1, n)
+    assert r.announce(0, 2, digest_of(v2))  # the seal's notice
+    assert r.take(0, n - 1, *c2[-1]) == "complete" and r.held[0] == (2, digest_of(v2)) and r.reading(0) is None
+
+
+def test_chunk_0_republished_with_the_same_bytes_keeps_the_reading():
+    # A restarted syncer re-issues a version as it was (same bytes): chunk 0's notice keeps the reading.
+    r = CutReader(S)
+    v3 = vec(N0, 3)
+    c3 = bcast_chunks(0, 3, v3)
+    assert read(r, 0, c3[:2]) == ["accept", "accept"]
+    assert r.chunk_changed(0, 0, 3, c3[0][0]["digest"]) is False
+    assert r.reading(0) == (3, 2, len(c3)) and r.counters["chunk0_changed"] == 0
+    assert read(r, 0, c3[2:])[-1] == "complete" and r.held[0] == (3, digest_of(v3))
+
+
+def test_chunk_0_republished_with_other_bytes_under_the_same_version_restarts_the_reading():
+    # A syncer restarted before v3 was durable merges it again with other bytes and re-publishes v3
+    # from chunk 0: the old reading is dropped, v3 completes only from the new bytes.
+    r = CutReader(S)
+    old, new = vec(N0, 3), vec(N0, 4)
+    a, b = bcast_chunks(0, 3, old), bcast_chunks(0, 3, new)
+    assert a[0][0]["digest"] != b[0][0]["digest"]
+    assert read(r, 0, a[:3]) == ["accept"] * 3
+    assert r.chunk_changed(0, 0, 3, b[0][0]["digest"]) is True
+    assert r.reading(0) is None and r.next_chunks(0)[0].index == 0 and r.counters["chunk0_changed"] == 1
+    assert read(r, 0, b)[-1] == "complete" and r.held[0] == (3, digest_of(new))
+    # ... and old chunks hashed with a new seal (the notice came too late) are refused by the seal
+    r2 = CutReader(S)
+    with pytest.raises(DigestMismatch):
+        read(r2, 0, a[:3] + b[3:])
+    assert 0 not in r2.held and r2.reading(0) is None
+
+
+def test_a_chunk_already_read_republished_with_other_bytes_drops_the_reading():
+    # A forged chunk 1 of the version being read (valid chunk digest: all BCAST can check before the
+    # seal) is read; the real chunk 1 then overwrites it. Its notice drops the reading, and the
+    # version is read again whole from the real bytes (the seal alone would refuse the mix, and
+    # then nothing new would land to read it again).
+    r = CutReader(S)
+    real, forged = bcast_chunks(0, 4, vec(N0, 4)), bcast_chunks(0, 4, vec(N0, 5))
+    assert read(r, 0, real[:1] + forged[1:3]) == ["accept"] * 3
+    assert not r.chunk_changed(0, 2, 4, forged[2][0]["digest"])  # the bytes read there: keep
+    assert not r.chunk_changed(0, 1, 3, real[1][0]["digest"])  # an older version there: not this reading's
+    assert not r.chunk_changed(0, 3, 4, real[3][0]["digest"])  # not read yet: read when the reading gets there
+    assert r.reading(0) == (4, 3, len(real))
+    assert r.chunk_changed(0, 1, 4, real[1][0]["digest"]) is True
+    assert r.reading(0) is None and r.counters["chunk_changed"] == 1 and r.next_chunks(0)[0].index == 0
+    assert read(r, 0, real)[-1] == "complete" and r.held[0] == (4, digest_of(vec(N0, 4)))
+
+
+def test_a_seal_whose_digest_does_not_match_installs_nothing():
+    r = CutReader(S)
+    v5 = vec(N0, 5)
+    c5 = bcast_chunks(0, 5, v5)
+    assert read(r, 0, c5[:-1]) == ["accept"] * (len(c5) - 1)
+    bad_seal = (dict(c5[-1][0], version_digest=digest_of(vec(N0, 6))), c5[-1][1])
+    with pytest.raises(DigestMismatch) as e:
+        r.take(0, len(c5) - 1, *bad_seal, seq=40)
+    assert e.value.field == "version_digest"
+    assert 0 not in r.held and r.reading(0) is None and r.counters["completed"] == 0
+
+
+@pytest.mark.parametrize("where", ["missing on the seal", "on chunk 0"])
+def test_a_bcast_chunk_breaking_the_seal_rule_is_refused(where):
+    r = CutReader(S)
+    c = bcast_chunks(0, 1, vec(N0, 1))
+    if where == "missing on the seal":
+        idx, meta = len(c) - 1, {k: v for k, v in c[-1][0].items() if k != "version_digest"}
+    else:
+        idx, meta = 0, dict(c[0][0], version_digest=c[-1][0]["version_digest"])
+    if idx:
+        assert read(r, 0, c[:-1]) == ["accept"] * (len(c) - 1)
+    with pytest.raises(WireError) as e:
+        r.take(0, idx, meta, c[idx][1], seq=5)
+    assert e.value.field == "version_digest" and r.refused == {(0, idx): 5}
+    assert 0 not in r.held and r.reading(0) is None

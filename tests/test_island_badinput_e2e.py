@@ -31,7 +31,9 @@ INJECT_AFTER = 3         # merges committed before the garbage goes out
 
 
 def _chunk_header(run: str, **fields) -> dict:
-    meta = {"v": 1, "run": run, "dtype": "f32", "version_digest": "0" * 64}
+    meta = {"v": 1, "run": run, "dtype": "f32"}
+    if fields["chunk"] == fields["chunks"] - 1:  # the seal: BCAST carries the version digest there only
+        meta["version_digest"] = "0" * 64
     meta.update(fields)
     return {codec.CHUNK_HEADER: codec.encode_header("bcast_chunk", meta)}
 
@@ -69,16 +71,17 @@ async def _inject(js, run: str, session: dict, gens: dict[str, str], committed: 
     await pub(S.bcast(run, 0, last.index), b"\2" * last.nbytes,
               _chunk_header(run, fragment=0, version=10**6, chunk=last.index, chunks=len(spans),
                             offset=last.byte_offset, nbytes=last.nbytes, total=total[0], digest="0" * 16))
-    # Issue 16. A chunk 0 claiming the committed version with another version digest (well framed,
-    # valid chunk digest): the islands exited with ProtocolError; refused now. On fragment 1, so that
-    # no reading meets it together with the corrupted chunk of fragment 0 above: one reading of
-    # fragment 0 that met both was refused once, and the island counted 9 refusals for 10 (CI flake).
+    # Issue 16. A seal (the last chunk, the only BCAST chunk with a version digest) claiming the
+    # committed version with another version digest (well framed, valid chunk digest): the islands
+    # exited with ProtocolError; refused now. On fragment 1, so that no reading meets it together with
+    # the corrupted chunk of fragment 0 above: one reading of fragment 0 that met both was refused
+    # once, and the island counted 9 refusals for 10 (CI flake).
     spans1 = chunk_plan(session["fragments"][1]["numel"], "f32", session["chunk_bytes"])
-    first = spans1[0]
-    await pub(S.bcast(run, 1, 0), b"\3" * first.nbytes,
-              _chunk_header(run, fragment=1, version=committed[1], chunk=0, chunks=len(spans1), offset=0,
-                            nbytes=first.nbytes, total=total[1], digest=digest(b"\3" * first.nbytes),
-                            version_digest="3" * 64))
+    seal = spans1[-1]
+    await pub(S.bcast(run, 1, seal.index), b"\3" * seal.nbytes,
+              _chunk_header(run, fragment=1, version=committed[1], chunk=seal.index, chunks=len(spans1),
+                            offset=seal.byte_offset, nbytes=seal.nbytes, total=total[1],
+                            digest=digest(b"\3" * seal.nbytes), version_digest="3" * 64))
     # a pull naming both islands whose base_version no round can have (2^53 - 1): it made the
     # islands drop every real pull of fragment 1 for good
     pull = codec.make("pull", run=run, fragment=1, step=2, attempt=1, seq=0, base_version=2**53 - 1,

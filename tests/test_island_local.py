@@ -73,7 +73,9 @@ class Syncer:
                 continue
             payload = bytes(mv[sp.byte_offset: sp.byte_offset + sp.nbytes])
             meta = {"v": 1, "run": self.run, "fragment": fid, "version": version, "dtype": dtype,
-                    **chunk_header(spans, sp.index, payload), "version_digest": vdig, **extra}
+                    **chunk_header(spans, sp.index, payload), **extra}
+            if kind == "final_chunk" or sp.index == len(spans) - 1:  # BCAST: on the seal only
+                meta["version_digest"] = vdig
             if corrupt:
                 meta["digest"] = "0" * 16
             await self.js.publish(subject(fid, sp.index), payload,
@@ -366,10 +368,50 @@ async def test_a_version_overwritten_mid_read_is_never_half_applied(env):
     assert [e["applies"] for e in steplog_lines(island)] == [2, 0, 1]
 
 
+async def test_a_cut_through_broadcast_is_read_as_it_lands_and_installed_only_at_its_seal(env):
+    """Cut-through: the syncer publishes v1's chunks 0..2 of fragment 1 one by one while it merges
+    (chunk 3, the seal, still holds v0's), the seal once v1 is durable. The island reads each chunk
+    as it lands (staged, never applied) and installs v1 only when the seal's digest matches; chunk
+    0 re-published with the same bytes keeps the reading. A seal that does not match installs
+    nothing."""
+    island, session, syncer = env(net(), fetch_batch_bytes=CHUNK_BYTES)
+    await started(env, island, session)
+    assert syncer.bcast_chunks(1) == 4
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island) and island.state.version(1) == 0
+    v1 = syncer.values(1, 3)
+    for k in range(3):
+        await syncer.bcast(1, 1, v1, only={k})
+        await until(lambda: len(island.client.bcast) >= 1, what=f"v1 chunk {k} notice")
+        assert await boundary(island)
+        assert island.reader.reading(1) == (1, k + 1, 4) and island.store.staging(1) == 1
+        assert island.state.version(1) == 0
+    assert await boundary(island) and island.state.version(1) == 0  # no seal, no news: nothing moves
+    # a restarted syncer re-issues v1's chunk 0 with the same bytes (another Nats-Msg-Id): kept
+    await syncer.bcast(1, 1, v1, only={0}, msg_id=lambda f, v, k: f"again.{f}.{v}.{k}")
+    await until(lambda: len(island.client.bcast) >= 1, what="re-issued chunk 0 notice")
+    assert await boundary(island) and island.reader.reading(1) == (1, 3, 4)
+    await syncer.bcast(1, 1, v1, only={3})  # the seal
+    await until(lambda: len(island.client.bcast) >= 1, what="v1 seal notice")
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
+    assert island.reader.reading(1) is None and island.counters["bcast.chunk0_changed"] == 0
+    # v2 whose seal's digest does not match its bytes: never installed
+    v2 = syncer.values(1, 4)
+    for k in range(3):
+        await syncer.bcast(1, 2, v2, only={k})
+    await syncer.bcast(1, 2, syncer.values(1, 5), only={3})  # the seal of other bytes (digest of those)
+    await until(lambda: len(island.client.bcast) >= 4, what="v2 notices")
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
+    assert island.counters["rejected.digest_mismatch"] == 1 and island.reader.reading(1) is None
+
+
 async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refused_not_fatal(env):
     """Issue 16: version 2 again with other bytes (held, or being read) used to raise ProtocolError
-    and end the island. Anyone may publish on BCAST: the chunks are refused and counted, the island
-    keeps v2 and trains on, and reads the next real version."""
+    and end the island. Anyone may publish on BCAST: a seal of the version held with another digest
+    is refused and counted, a chunk being read with other bytes never reaches the model; the island
+    keeps v2, trains on, and reads the next real version."""
     island, session, syncer = env(net(), fetch_batch_bytes=CHUNK_BYTES)
     await started(env, island, session)
     v2 = syncer.values(0, 2)
@@ -383,9 +425,11 @@ async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refus
     assert await boundary(island)
     assert torch.equal(frag_values(island, 0), v2) and island.state.version(0) == 2
     assert island.counters["rejected.version_conflict"] >= 1 and steplog_lines(island)[-1]["rejected"] >= 1
-    # Fragment 1 (4 chunks): v5's chunks 0-1 are being read when a chunk 2 claiming v5 with another
-    # version digest lands; the reading is dropped, nothing of v5 is applied; the real chunks 2-3 of
-    # v5 then land (new messages) and v5 is read again, whole.
+    # Fragment 1 (4 chunks): v5's chunks 0-1 are being read when a chunk 2 of v5 with other bytes
+    # (valid chunk digest; only the seal, chunk 3, carries a version digest) lands: it is read, and
+    # nothing of v5 is applied while the seal is missing; the real chunks 2-3 of v5 then land (new
+    # messages): chunk 2's notice (other bytes than the ones read) drops the reading and v5 is read
+    # again, whole, from the real bytes.
     v5 = syncer.values(1, 5)
     await syncer.bcast(1, 5, v5, only={0, 1})
     await until(lambda: len(island.client.bcast) >= 2, what="v5 notices")
@@ -393,12 +437,12 @@ async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refus
     await syncer.bcast(1, 5, syncer.values(1, 6), only={2}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
     await until(lambda: len(island.client.bcast) >= 1, what="forged notice")
     assert await boundary(island)
-    assert island.state.version(1) is None and island.reader.reading(1) is None
-    assert island.counters["rejected.version_conflict"] >= 2
+    assert island.state.version(1) is None and island.reader.reading(1) == (5, 3, 4)
     await syncer.bcast(1, 5, v5, only={2, 3}, msg_id=lambda f, v, k: f"real.{f}.{v}.{k}")
     await until(lambda: len(island.client.bcast) >= 2, what="real notices")
     assert await boundary(island)
     assert island.state.version(1) == 5 and torch.equal(frag_values(island, 1), v5)
+    assert island.counters["bcast.chunk_changed"] == 1
 
 
 async def test_a_forged_future_chunk_does_not_make_the_island_refuse_the_real_version(env):

@@ -264,6 +264,25 @@ def test_push_digest_on_the_last_chunk_only():
     assert err.rule == "last_chunk_only"
 
 
+def test_version_digest_seals_the_last_bcast_chunk_only_and_every_final_chunk():
+    # BCAST: chunks 0..n-2 may go out while the version is still being merged; the last chunk (the
+    # seal) carries the version digest once the version is durable.
+    first, last = codec.examples("bcast_chunk")
+    assert "version_digest" not in first and last["chunk"] == last["chunks"] - 1
+    assert codec.validate("bcast_chunk", first) is first
+    sealless = {k: v for k, v in last.items() if k != "version_digest"}
+    err = _assert_refused("bcast_chunk", sealless, "version_digest", schema_level=False, show_value=False)
+    assert err.rule == "required" and "last chunk" in str(err)
+    early = dict(first, version_digest=last["version_digest"])
+    err = _assert_refused("bcast_chunk", early, "version_digest", schema_level=False)
+    assert err.rule == "last_chunk_only" and "chunk 0 of 8" in str(err)
+    # FINAL is unchanged: every chunk carries it (a schema-level requirement)
+    final0 = dict(_first("final_chunk"), chunk=0, offset=0, nbytes=1048576)
+    assert codec.validate("final_chunk", final0) is final0
+    del final0["version_digest"]
+    _assert_refused("final_chunk", final0, "version_digest", show_value=False)
+
+
 # ---------------------------------------------------------------------------------------------------- plain JSON values
 
 @pytest.mark.parametrize("kind,path,bad", [

@@ -299,9 +299,9 @@ async def test_syncer_killed_in_finalization_resumes_it_and_exits_0(nats_url, ru
 
 
 async def test_forged_bcast_chunk_of_the_committed_version_is_broadcast_again(nats_url, run_id, tmp_path):
-    # BCAST keeps one message per chunk subject: a forged chunk claiming the committed version (another
-    # version digest, garbage bytes with a matching chunk digest, as an attacker would send it) replaces
-    # the real one, and islands never read that version. The stale-base push that follows must make
+    # BCAST keeps one message per chunk subject: a forged seal (last chunk) claiming the committed version
+    # (another version digest, garbage bytes with a matching chunk digest, as an attacker would send it)
+    # replaces the real one, and islands never read that version. The stale-base push that follows must make
     # the syncer publish the committed bytes again (same version, same version digest, a new msg id).
     ckpt = tmp_path / "ckpt"
     args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "2", "--strict",
@@ -314,8 +314,12 @@ async def test_forged_bcast_chunk_of_the_committed_version_is_broadcast_again(na
         ref, gen = Reference(init), torch.Generator().manual_seed(5)
         await _play(isls, ref, 1, gen)
         real = await a.wait_version(0, 1, timeout=60)
-        subj = S.bcast(run_id, 0, 0)
         stream = S.stream(run_id, "BCAST")
+        # the seal (the last chunk): the only BCAST chunk carrying the version digest
+        m = await js.get_msg(stream, subject=S.bcast(run_id, 0, 0), direct=True)
+        seal = codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER])["chunks"] - 1
+        assert seal > 0
+        subj = S.bcast(run_id, 0, seal)
         m = await js.get_msg(stream, subject=subj, direct=True)
         meta = codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER])
         assert meta["version"] == 1
@@ -338,7 +342,7 @@ async def test_forged_bcast_chunk_of_the_committed_version_is_broadcast_again(na
         m = await js.get_msg(stream, subject=subj, direct=True)
         back = codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER])
         assert back["version"] == 1 and back["version_digest"] == real_vdigest
-        assert m.headers[S.MSG_ID] == S.bcast_msg_id(0, 1, 0, rec["detail"]["resend"]) != S.bcast_msg_id(0, 1, 0)
+        assert m.headers[S.MSG_ID] == S.bcast_msg_id(0, 1, seal, rec["detail"]["resend"]) != S.bcast_msg_id(0, 1, seal)
         v, cut, _ = await a.read_cut(0)
         assert v == 1 and torch.equal(cut, real)              # the scripted island reads the real version
         await wait_status(js, run_id, lambda st: st["counters"].get("rebroadcast") == 1, timeout=30)

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import orjson
@@ -22,8 +20,8 @@ import torch
 
 from schemas import subjects as S
 from schemas.provision import RunLimits, kv_put, provision_run
-from tests.scripted import (LR, MU, ROOT, Reference, ScriptedIsland, SyncerProc, close_run, snapshot_dir, tape, tiny_layout,
-                            wait_provisioned, wait_tape)
+from tests.scripted import (LR, MU, Reference, ScriptedIsland, SyncerProc, close_run, replay_segments, snapshot_dir, tape,
+                            tiny_layout, wait_provisioned, wait_tape)
 
 pytestmark = pytest.mark.timeout(180)  # process starts take seconds each on a loaded machine
 
@@ -304,11 +302,8 @@ async def test_a_killed_follower_is_reported_missing_resumes_alone_and_the_run_f
         assert len(missing) == 1
         # every shard process's recorded inputs (SessionSeen, MemberSeen, ShardFinal included) replay to
         # identical actions: shard 0, shard 1 fresh, shard 1 resumed
-        rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
-        assert rp.returncode == 0, rp.stdout + rp.stderr
-        segs = [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]
-        assert len(segs) == 3 and all(line.endswith(" identical") for line in segs), rp.stdout
+        segs = replay_segments(nats_url, run_id)
+        assert len(segs) == 3 and all(line.endswith(" identical") for line in segs), segs
     finally:
         await run.close()
 

@@ -10,13 +10,30 @@ behind (a `*.tmp` file, the new version's files the manifest never named) is nev
 fragment's next commit deletes it. A file that cannot be used (missing, torn, not the manifest's
 format) raises CheckpointError naming it.
 
+A merge streams the new version instead (VersionFiles): each chunk's new params and momentum go into
+the version's `*.tmp` files (page cache) as soon as its outer step is done, and the commit only
+fsyncs both, renames them and writes the manifest. The order and the crash semantics above are the
+same: until the renames the files are `*.tmp` leftovers, after them files no manifest names, and the
+manifest is replaced only after both are durable.
+
+A cut-through merge (services/syncer/merge.py) sends a version's chunks before the version is
+durable, so a restarted syncer must be able to send the same bytes again: before its first chunk goes
+out, the merge writes its **intent** (`intent-F.json`: the Merge action, the pushes' stream sequences
+and chunk digests, the outer hyper-parameters and the attempts; written, fsynced, renamed). A resumed
+syncer that finds an intent for the version after the checkpointed one redoes that merge from the same
+pushes (they stay in PUSH until the commit) on the same checkpointed params and momentum: the same
+bytes. An intent for a version already committed is stale and ignored (the next one replaces it).
+
 Files, not the Object Store: its client is too slow for GB objects (NATS-NOTES).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,10 +60,108 @@ def _write_tensor(path: Path, t: torch.Tensor) -> None:
     assert sys.byteorder == "little", "checkpoint files are little-endian f32"
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(memoryview(t.detach().contiguous().view(torch.uint8).numpy()))
+        f.write(_tensor_bytes(t))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().view(torch.uint8).numpy())
+
+
+class VersionFiles:
+    """A fragment's new version written chunk by chunk while the merge runs: `add(offset, count)` (in
+    order, after the chunk's outer step; the slices must not change until `finish`) writes the chunk's
+    params and momentum into `frag-F-vN.params.tmp` / `.momentum.tmp`; `finish` (in CheckpointDir.commit)
+    waits for the writes, fsyncs both files once and renames them. `thread=True` writes on a thread of
+    its own beside the merge (add only queues the chunk); else add writes inline. `seconds`: time spent
+    writing (page cache); `wait_s`: how long `finish` waited for a writer thread still behind.
+    `abort` closes and deletes the .tmp files (a failed merge; a crash leaves them to the next commit)."""
+
+    def __init__(self, ckpt: "CheckpointDir", fragment: int, version: int, params: torch.Tensor,
+                 momentum: torch.Tensor, *, thread: bool = False):
+        assert sys.byteorder == "little", "checkpoint files are little-endian f32"
+        if params.numel() != momentum.numel():
+            raise CheckpointError(f"fragment {fragment}: params hold {params.numel()} values, momentum {momentum.numel()}")
+        ckpt.path.mkdir(parents=True, exist_ok=True)
+        self.fragment, self.version, self.numel = fragment, version, params.numel()
+        self.params, self.momentum = params, momentum
+        self.final = ckpt.files(fragment, version)
+        self.tmp = tuple(q.with_suffix(q.suffix + ".tmp") for q in self.final)
+        # "wb": a leftover of an earlier attempt at this version (a crash) is truncated, never appended to
+        self._f = [open(q, "wb") for q in self.tmp]
+        self.done = 0            # elements handed to add
+        self.written = 0         # elements written
+        self.seconds = 0.0
+        self.wait_s = 0.0
+        self._error: BaseException | None = None
+        self._q: queue.SimpleQueue | None = None
+        self._thread = None
+        if thread:
+            self._q = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name=f"ckpt-frag-{fragment}-v{version}", daemon=True)
+            self._thread.start()
+
+    def add(self, elem_offset: int, elem_count: int) -> None:
+        if elem_offset != self.done or elem_offset + elem_count > self.numel:
+            raise CheckpointError(f"fragment {self.fragment} version {self.version}: chunk of elements "
+                                  f"{elem_offset}..{elem_offset + elem_count} streamed out of order (expected from "
+                                  f"{self.done}, {self.numel} in all)")
+        self.done += elem_count
+        if self._q is not None:
+            self._q.put((elem_offset, elem_count))
+        else:
+            self._write(elem_offset, elem_count)
+
+    def _write(self, elem_offset: int, elem_count: int) -> None:
+        t0 = time.perf_counter()
+        sl = slice(elem_offset, elem_offset + elem_count)
+        self._f[0].write(_tensor_bytes(self.params[sl]))
+        self._f[1].write(_tensor_bytes(self.momentum[sl]))
+        self.written += elem_count
+        self.seconds += time.perf_counter() - t0
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is None:       # after a failure, drain the queue without writing
+                try:
+                    self._write(*item)
+                except BaseException as exc:  # noqa: BLE001 - raised by finish
+                    self._error = exc
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+            self.wait_s += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """Both files durable under their final names (not yet named by the manifest)."""
+        self._join()
+        if self._error is not None:
+            raise CheckpointError(f"writing {self.tmp[0].name} / {self.tmp[1].name} failed: {self._error!r}")
+        if self.written != self.numel:
+            raise CheckpointError(f"fragment {self.fragment} version {self.version}: {self.written} of {self.numel} "
+                                  f"values streamed to {self.tmp[0].name}; the version is not complete")
+        for f in self._f:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        for tmp, final in zip(self.tmp, self.final):
+            os.replace(tmp, final)
+
+    def abort(self) -> None:
+        self._join()
+        for f in self._f:
+            f.close()
+        for q in self.tmp:
+            q.unlink(missing_ok=True)
 
 
 def _read_tensor(path: Path, numel: int) -> torch.Tensor:
@@ -162,10 +277,21 @@ class CheckpointDir:
         self,
         state: CheckpointState,
         fragments: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        streamed: dict[int, VersionFiles] | None = None,
     ) -> None:
-        """Durably write the given fragments' params and momentum at state.versions, then the manifest."""
+        """Durably write the given fragments' params and momentum at state.versions, then the manifest.
+        `streamed`: fragments whose new version the merge already wrote (VersionFiles): only fsynced
+        and renamed here; the others are written whole."""
         self.path.mkdir(parents=True, exist_ok=True)
+        streamed = streamed or {}
+        for fid, vf in streamed.items():
+            if fid not in fragments or vf.version != state.versions.get(fid) or vf.fragment != fid:
+                raise CheckpointError(f"streamed files of fragment {vf.fragment} version {vf.version} do not belong "
+                                      f"to this commit (versions {state.versions})")
         for fid, (params, momentum) in fragments.items():
+            if fid in streamed:
+                streamed[fid].finish()
+                continue
             p, m = self.files(fid, state.versions[fid])
             _write_tensor(p, params)
             _write_tensor(m, momentum)
@@ -182,6 +308,38 @@ class CheckpointDir:
             for old in self.path.glob(f"frag-{fid}-v*"):
                 if old.name not in keep:
                     old.unlink(missing_ok=True)
+
+    def intent_path(self, fragment: int) -> Path:
+        return self.path / f"intent-{fragment}.json"
+
+    def write_intent(self, fragment: int, intent: dict) -> None:
+        """Durably record a cut-through merge's inputs before its first chunk is sent (see the module doc)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.intent_path(fragment)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps({"format": FORMAT, "fragment": fragment, **intent}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.path)
+
+    def read_intent(self, fragment: int) -> dict | None:
+        """The fragment's last merge intent, or None (none written, or a torn one: a crash before its
+        rename leaves only the .tmp file, and then no chunk of that merge was sent)."""
+        path = self.intent_path(fragment)
+        try:
+            d = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except orjson.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} is not JSON ({exc})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("fragment") != fragment:
+            raise CheckpointError(f"{path} is not a merge intent of fragment {fragment} (format {FORMAT})")
+        return d
+
+    def drop_intent(self, fragment: int) -> None:
+        self.intent_path(fragment).unlink(missing_ok=True)
 
     def load_fragment(self, fragment: int, version: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         p, m = self.files(fragment, version)

@@ -26,7 +26,7 @@ from schemas.dtypes import pack, packed_nbytes
 from schemas.provision import kv_put
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
-from services.syncer.checkpoint import CheckpointDir, CheckpointState
+from services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -96,6 +96,63 @@ class BulkBytes:
         return self._h.hexdigest()
 
 
+class BroadcastStream:
+    """A new version's BCAST chunks sent before it is durable (`yeto syncer --broadcast cut-through`
+    or `with-commit`): `put_ready` sends every chunk whose elements the merge has packed
+    (`BulkBytes.done`), except the last (cut-through calls it after each merged chunk; `flush`, which
+    the commit runs beside the checkpoint's fsync, sends what is left); `seal` sends the last chunk with the version digest, which
+    the commit calls only once the version is durable (checkpoint files, manifest, state KV). An island
+    completes a version only at its seal, after checking the digest over every chunk, so nothing it
+    installs was not durable first; the early chunks wait in BCAST (and the islands' staging) until
+    then. The chunks go out in order on one pipeline, and `flush` waits for their acks before the seal,
+    so the seal is the version's last message in the stream."""
+
+    def __init__(self, cut: "Cut", fid: int, version: int, packed: BulkBytes):
+        if packed.dtype != cut.session["bulk_dtype"]:
+            raise CutError(f"broadcast in {cut.session['bulk_dtype']} of bytes packed in {packed.dtype}")
+        self.cut, self.fid, self.version, self.packed = cut, fid, version, packed
+        self.spans = chunk_plan(packed.params.numel(), packed.dtype, cut.session["chunk_bytes"])
+        self.pipe = cut.pipeline()
+        self.next = 0          # index of the next chunk to send
+        self.early = 0         # chunks sent before the seal
+        self.sent = 0          # bytes sent
+        self.seconds = 0.0     # time spent sending (copies and publishes; not waiting for acks at the seal)
+
+    async def _put(self, s, vdigest: str | None) -> None:
+        t0 = time.perf_counter()
+        buf = self.packed.chunk(s.elem_offset, s.elem_count)
+        subject, msg_id, hdrs = self.cut.chunk_message(self.fid, self.version, self.packed.dtype, self.spans, s, buf,
+                                                       vdigest)
+        await self.pipe.put(subject, buf, msg_id, hdrs)
+        self.sent += buf.numel()
+        self.next += 1
+        self.seconds += time.perf_counter() - t0
+
+    async def put_ready(self) -> None:
+        last = len(self.spans) - 1
+        while self.next < last:
+            s = self.spans[self.next]
+            if s.elem_offset + s.elem_count > self.packed.done:
+                return
+            await self._put(s, None)
+            self.early += 1
+
+    async def flush(self) -> None:
+        """Every chunk but the seal sent (those the merge did not send already) and acknowledged."""
+        await self.put_ready()
+        await self.pipe.flush()
+
+    async def seal(self, vdigest: str) -> int:
+        """The rest of the version (normally its last chunk only) with the version digest on the last
+        chunk; returns the bytes sent in all."""
+        while self.next < len(self.spans):
+            s = self.spans[self.next]
+            await self._put(s, vdigest if self.next == len(self.spans) - 1 else None)
+        await self.pipe.flush()
+        self.cut.counters["bytes_broadcast"] += self.sent
+        return self.sent
+
+
 class Cut:
     def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, tape: TapeWriter, *,
                  shard: int = 0, shards: int = 1):
@@ -138,14 +195,20 @@ class Cut:
         log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))
 
     async def commit(self, new_versions: dict[int, int], *, step: int, attempts: dict[int, int],
-                     records: list[dict] = (), packed: dict[int, BulkBytes] | None = None) -> dict[str, float]:
+                     records: list[dict] = (), packed: dict[int, BulkBytes] | None = None,
+                     streamed: dict[int, VersionFiles] | None = None,
+                     streams: dict[int, BroadcastStream] | None = None) -> dict[str, float]:
         """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
         plus one `commit` record per fragment) are written with the checkpoint and taped after the
         broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape). `packed`: fragments
         whose bulk bytes the caller already packed and hashed (the merge does, chunk by chunk); the
-        others are packed here. Returns the stage timings (seconds), which are also added to the
-        `detail` of the `merge` records as taped (the checkpoint's copy has none: they are not known yet
-        when it is written)."""
+        others are packed here. `streamed`: fragments whose new version's checkpoint files the merge
+        already wrote chunk by chunk (VersionFiles): the checkpoint stage only fsyncs and renames them
+        (the others are written whole here: version 0, a commit without a merge). Returns the stage
+        timings (seconds), which are also added to the `detail` of the `merge` records as taped (the
+        checkpoint's copy has none: they are not known yet when it is written). `streams`: fragments
+        whose chunks already went out before the seal (cut-through, BroadcastStream): only the seal is
+        sent here, once the version is durable."""
         t0 = time.perf_counter()
         packed = dict(packed or {})
         for fid in new_versions:
@@ -167,15 +230,31 @@ class Cut:
                                    "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
         )
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
-        await asyncio.to_thread(self.ckpt.commit, state, frags)
+        streamed = dict(streamed or {})
+        streams = dict(streams or {})
+        # While the version is made durable, the chunks before the seal go out (with-commit; cut-through sent
+        # them during the merge) and their acks come in: they must be in BCAST before the seal (which makes
+        # the version whole for the islands) goes out.
+        await asyncio.gather(asyncio.to_thread(self.ckpt.commit, state, frags, streamed),
+                             *(st.flush() for st in streams.values()))
         t_ckpt = time.perf_counter()
         await self.write_commit_record(state)
         t_kv = time.perf_counter()
         for fid, v in new_versions.items():
-            await self.broadcast(fid, v, digests[fid], packed=packed[fid])
+            if fid in streams:
+                await streams[fid].seal(digests[fid])
+            else:
+                await self.broadcast(fid, v, digests[fid], packed=packed[fid])
         t_bcast = time.perf_counter()
         timings = {"digest_s": t_digest - t0, "pack_s": sum(packed[fid].seconds for fid in new_versions),
-                   "checkpoint_s": t_ckpt - t_digest, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv}
+                   "checkpoint_s": t_ckpt - t_digest, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv,
+                   # streamed: the writes into the page cache during the merge (checkpoint_s is then the
+                   # fsync + rename + manifest, with ckpt_wait_s of it waiting for a writer thread still behind)
+                   "ckpt_write_s": sum(vf.seconds for vf in streamed.values()),
+                   "ckpt_wait_s": sum(vf.wait_s for vf in streamed.values()),
+                   # cut-through: chunks sent before the seal, and the time the merge loop spent sending them
+                   "early_chunks": sum(st.early for st in streams.values()),
+                   "early_send_s": sum(st.seconds for st in streams.values())}
         for rec in state.tape:
             rec = dict(rec)
             if rec["kind"] == "merge":
@@ -190,17 +269,36 @@ class Cut:
         await kv_put(self.js, self.run_id, "state", SH.state_key("commit", self.shard, self.shards), orjson.dumps(rec),
                      counters=self.counters)
 
+    def chunk_message(self, fid: int, version: int, dtype: str, spans, s, buf, vdigest: str | None, *,
+                      final_step: int | None = None, resend: int | None = None) -> tuple[str, str, dict]:
+        """(subject, Nats-Msg-Id, headers) of one BCAST (or, with final_step, FINAL) chunk."""
+        meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
+                **chunk_header(spans, s.index, buf)}
+        # BCAST: the version digest seals the version on its last chunk only, so the other chunks can go out
+        # before the whole version is merged and durable (cut-through); FINAL: on every chunk.
+        if final_step is not None or s.index == len(spans) - 1:
+            meta["version_digest"] = vdigest
+        if final_step is not None:
+            meta["final_step"] = final_step
+            subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
+        else:
+            subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
+        kind = "final_chunk" if final_step is not None else "bcast_chunk"
+        return subject, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)}
+
+    def pipeline(self) -> Pipeline:
+        # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node
+        # died); a re-send with the same Nats-Msg-Id is deduplicated, so waiting less costs nothing.
+        return Pipeline(self.js, timeout=BCAST_ACK_S, counters=self.counters)
+
     async def broadcast(self, fid: int, version: int, vdigest: str, *, final_step: int | None = None,
                          resend: int | None = None, packed: BulkBytes | None = None) -> int:
         """Every chunk of the fragment (`packed`: the bytes the version digest hashed; else packed here).
         Pipeline.put makes the one copy nats-py needs (bytes); nothing here copies."""
         fr = self.frags[fid]
         dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
-        kind = "final_chunk" if final_step is not None else "bcast_chunk"
         spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
-        # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node
-        # died); a re-send with the same Nats-Msg-Id is deduplicated, so waiting less costs nothing.
-        pipe = Pipeline(self.js, timeout=BCAST_ACK_S, counters=self.counters)
+        pipe = self.pipeline()
         sent = 0
         if packed is not None and packed.dtype != dtype:
             raise CutError(f"broadcast in {dtype} of bytes packed in {packed.dtype}")
@@ -209,14 +307,9 @@ class Cut:
                 buf = packed.chunk(s.elem_offset, s.elem_count)
             else:
                 buf = pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype)
-            meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
-                    **chunk_header(spans, s.index, buf), "version_digest": vdigest}
-            if final_step is not None:
-                meta["final_step"] = final_step
-                subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
-            else:
-                subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
-            await pipe.put(subject, buf, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
+            subject, msg_id, hdrs = self.chunk_message(fid, version, dtype, spans, s, buf, vdigest,
+                                                       final_step=final_step, resend=resend)
+            await pipe.put(subject, buf, msg_id, hdrs)
             sent += buf.numel()
         await pipe.flush()
         self.counters["bytes_broadcast"] += sent

@@ -1,7 +1,16 @@
 """The merge of a completed round: the accepted pushes read back from the PUSH stream chunk by chunk
 (direct gets, in member order), the weighted mean and the f32 Nesterov outer step (services/syncer/outer),
 the durable commit and broadcast (services/syncer/cut), then the round's pushes deleted from PUSH.
+Each chunk's new params and momentum are written into the new version's checkpoint `.tmp` files as soon
+as its outer step is done (checkpoint.VersionFiles), so the commit only fsyncs and renames them.
 Memory: O(members x chunk) bytes beside the fragment's params and momentum.
+
+Cut-through (`--broadcast cut-through`): each chunk of the new version is also sent to BCAST as soon as
+it is merged (cut.BroadcastStream); only its last chunk, the seal with the version digest, waits for the
+durable commit. `--broadcast with-commit` (the default) sends them after the merge loop, while the
+version is made durable. Before the first chunk goes out, the merge's inputs are written
+durably as its intent (checkpoint.CheckpointDir.write_intent), so a syncer killed mid-broadcast redoes
+the same merge on `--resume` (`Merger.redo`) and sends the same version number with the same bytes.
 """
 from __future__ import annotations
 
@@ -15,12 +24,26 @@ import torch
 from schemas import subjects as S
 from schemas.chunks import chunk_plan, digest as chunk_digest
 from services.syncer import rounds as R
-from services.syncer.cut import BulkBytes, Cut
-from services.syncer.intake import PushLedger
+from services.syncer.checkpoint import VersionFiles
+from services.syncer.actions import action_from_json, action_to_json
+from services.syncer.cut import BroadcastStream, BulkBytes, Cut
+from services.syncer.intake import PushLedger, PushTry
 from services.syncer.outer import delta_view, outer_step_
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
+# `yeto syncer --checkpoint-writer`: where the merge writes the new version's checkpoint files: "inline"
+# (in the outer step's thread hop, right after it), "thread" (a writer thread of its own beside the
+# merge) or "whole" (not streamed: the commit writes them whole). See bench/README.md.
+CKPT_WRITERS = ("inline", "thread", "whole")
+# `yeto syncer --broadcast`: when a new version's chunks go to BCAST. "cut-through": each as soon as it is
+# merged; "with-commit": all after the merge loop, while the version is made durable (the checkpoint's
+# fsync); "after-commit": all after the durable commit. In the first two the last chunk (the seal) waits
+# for the commit. Measured on 2 shared cores (bench/README.md): with-commit beats after-commit by the
+# broadcast's time, while cut-through loses there: the broker and the islands reading the chunks take the
+# CPU the merge needs. It needs cores to spare, as a syncer host has.
+BROADCAST_MODES = ("with-commit", "cut-through", "after-commit")
+EARLY_MODES = ("cut-through", "with-commit")   # chunks before the seal, hence the merge intent
 
 
 class MergeError(RuntimeError):
@@ -38,11 +61,17 @@ async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
 
 class Merger:
     def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter, *,
-                 lr: float, momentum: float, attempts: dict[int, int]):
+                 lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "with-commit",
+                 ckpt_writer: str = "inline"):
+        if broadcast not in BROADCAST_MODES:
+            raise ValueError(f"broadcast mode {broadcast!r} is not one of {BROADCAST_MODES}")
+        if ckpt_writer not in CKPT_WRITERS:
+            raise ValueError(f"checkpoint writer {ckpt_writer!r} is not one of {CKPT_WRITERS}")
         self.js, self.run_id, self.counters = js, run_id, counters
         self.cut, self.ledger, self.tape = cut, ledger, tape
         self.lr, self.momentum = lr, momentum
         self.attempts = attempts          # step -> highest attempt published (the shell keeps it current)
+        self.broadcast, self.ckpt_writer = broadcast, ckpt_writer
 
     async def _read_push_chunk(self, seq: int, dtype: str, count: int, want_digest: str | None) -> torch.Tensor:
         from nats.js.errors import NotFoundError
@@ -58,7 +87,43 @@ class Merger:
             raise MergeError(f"PUSH message {seq} changed in the stream (digest mismatch)")
         return delta_view(data, dtype, count)  # read in place: the merge never writes a delta
 
-    async def merge(self, a: R.Merge) -> tuple[R.MergeDone, list[int]]:
+    def intent(self, a: R.Merge, tries: list[PushTry]) -> dict:
+        """What redoing this merge needs besides the checkpointed params and momentum (see `redo`)."""
+        return {"merge": action_to_json(a), "lr": self.lr, "momentum": self.momentum,
+                "attempts": {str(k): v for k, v in self.attempts.items()},
+                "tries": [{"key": list(t.key), "chunks": t.chunks, "total": t.total, "dtype": t.dtype,
+                           "base_version": t.base_version, "local_step": t.local_step, "c_steps": t.c_steps,
+                           "c_tokens": t.c_tokens, "seqs": {str(k): v for k, v in t.seqs.items()},
+                           "digests": {str(k): v for k, v in t.digests.items()}, "push_digest": t.push_digest}
+                          for t in tries]}
+
+    async def redo(self, intent: dict) -> tuple[R.MergeDone, list[int]]:
+        """Redo a cut-through merge a killed syncer had begun (its intent): the same pushes, read by the
+        same stream sequences and checked against the same chunk digests, merged with the same weights
+        and hyper-parameters on the checkpointed params and momentum, give the same bytes under the same
+        version number. Raises MergeError when a push is gone from PUSH (then nothing was changed)."""
+        a = action_from_json(intent["merge"])
+        if not isinstance(a, R.Merge):
+            raise MergeError(f"merge intent holds a {type(a).__name__}, not a Merge")
+        for t in intent["tries"]:
+            key = tuple(t["key"])
+            self.ledger.tries[key] = PushTry(
+                key=key, chunks=t["chunks"], total=t["total"], dtype=t["dtype"], base_version=t["base_version"],
+                local_step=t["local_step"], c_steps=t["c_steps"], c_tokens=t["c_tokens"],
+                seqs={int(k): v for k, v in t["seqs"].items()}, digests={int(k): v for k, v in t["digests"].items()},
+                push_digest=t["push_digest"], done=True)
+        self.attempts.update({int(k): v for k, v in intent["attempts"].items()})
+        self.lr, self.momentum = float(intent["lr"]), float(intent["momentum"])
+        fr = self.cut.frags[a.fragment]
+        saved = fr.params.clone(), fr.momentum.clone()
+        try:
+            return await self.merge(a, redone=True)
+        except BaseException:
+            fr.params.copy_(saved[0])    # a failed redo leaves the checkpointed version in memory
+            fr.momentum.copy_(saved[1])
+            raise
+
+    async def merge(self, a: R.Merge, *, redone: bool = False) -> tuple[R.MergeDone, list[int]]:
         """Merge, outer step, durable commit, broadcast: the MergeDone to feed back, and the PUSH
         sequences of the round for `cleanup` (after MergeDone, off the commit path)."""
         t0 = time.time()
@@ -80,9 +145,22 @@ class Merger:
             s = spans[k]
             return await asyncio.gather(*[self._read_push_chunk(t.seqs[k], dtype, s.elem_count, t.digests[k]) for t in tries])
 
+        nxt = asyncio.create_task(fetch(0))
         # The new params of a chunk are final after its outer step: pack and hash them there, in the same
         # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
         bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
+        stream = None
+        t_intent = time.perf_counter()
+        if self.broadcast in EARLY_MODES:
+            # Durable before the first chunk goes out: a restarted syncer must send these same bytes.
+            await asyncio.to_thread(self.cut.ckpt.write_intent, fid, self.intent(a, tries))
+            stream = BroadcastStream(self.cut, fid, a.version, bulk)
+        intent_s = time.perf_counter() - t_intent
+        # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
+        files = None
+        if self.ckpt_writer != "whole":
+            files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
+                                            thread=self.ckpt_writer == "thread")
 
         def step(deltas, s):
             t = time.perf_counter()
@@ -90,31 +168,56 @@ class Merger:
             outer_step_(fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu, out=scratch[: s.elem_count])
             outer = time.perf_counter() - t
             bulk.add(s.elem_offset, s.elem_count)
+            if files is not None:
+                files.add(s.elem_offset, s.elem_count)
             return outer
 
         fetch_s = outer_s = 0.0
-        nxt = asyncio.create_task(fetch(0))
-        for k, s in enumerate(spans):
-            t = time.perf_counter()
-            deltas = await nxt
-            fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
-            if k + 1 < len(spans):
-                nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
-            outer_s += await asyncio.to_thread(step, deltas, s)
+        try:
+            for k, s in enumerate(spans):
+                t = time.perf_counter()
+                deltas = await nxt
+                fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
+                if k + 1 < len(spans):
+                    nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
+                outer_s += await asyncio.to_thread(step, deltas, s)
+                if stream is not None and self.broadcast == "cut-through":
+                    await stream.put_ready()     # every broadcast chunk now packed, but never the seal
+        except BaseException:
+            if not nxt.done():
+                nxt.cancel()
+            if files is not None:   # never named by a manifest; deleted now, not left behind
+                await asyncio.to_thread(files.abort)
+            raise
         merge_s = time.time() - t0
         rec = dict(a.record)
         rec["t"] = time.time()
         rec["sync_s"] = max(0.0, rec["t"] - a.launched_at)   # the tape's sync_s: launch to durable commit
         # merge_s: the whole merge loop; of it fetch_s waited for pushes, outer_s ran the outer step,
         # pack_s (added by the commit with its own stages) packed and hashed the new version.
-        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s}
-        await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
-                              packed={fid: bulk})
+        # ckpt_write_s (added by the commit): the checkpoint files' writes, inline in the loop or beside it.
+        rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s,
+                         "broadcast_mode": self.broadcast}
+        if stream is not None:
+            rec["detail"]["intent_s"] = intent_s
+        if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
+            rec["detail"]["redone"] = True
+        try:
+            await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
+                                  packed={fid: bulk}, streamed={fid: files} if files is not None else None,
+                                  streams={fid: stream} if stream is not None else None)
+        except BaseException:
+            # Before its renames the files are .tmp leftovers, after them files no manifest names (the
+            # fragment's next commit deletes those): closing here leaves the crash semantics unchanged.
+            if files is not None:
+                await asyncio.to_thread(files.abort)
+            raise
         # The round's pushes (every member, every try, every attempt) are no longer needed.
         seqs = self.ledger.pop_round(fid, a.step)
         merge_to_broadcast_s = time.time() - t0
-        log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs)", a.step, fid, a.version,
-                 ",".join(m.island for m in a.members), merge_s, merge_to_broadcast_s)
+        log.info("step %d: fragment %d -> version %d from %s (merge %.2fs, total %.2fs%s)", a.step, fid, a.version,
+                 ",".join(m.island for m in a.members), merge_s, merge_to_broadcast_s,
+                 ", redone after a restart" if redone else "")
         # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
         return R.MergeDone(step=a.step, fragment=fid, version=a.version, merge_to_broadcast_s=merge_to_broadcast_s,
                            now=time.time()), seqs

@@ -94,6 +94,9 @@ class ServiceConfig:
     # bytes a second on an idle run for nothing, since next_wakeup() already names every timer.
     tick_s: float = 1.0
     status_every_s: float = 5.0
+    # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
+    broadcast: str = "with-commit"
+    ckpt_writer: str = "inline"
 
 
 class SyncerService:
@@ -123,6 +126,7 @@ class SyncerService:
         self._proc = f"{int(time.time() * 1000):x}" + (f"s{mc.shard}" if mc.sharded else "")
         self.watch: ShardWatch | None = None
         self._attempts_seen: dict[int, int] = {}
+        self._unsealed: set[int] = set()   # --resume: fragments whose BCAST holds a killed merge's unsealed chunks
         self._status_t = 0.0
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
@@ -156,8 +160,7 @@ class SyncerService:
             await self._start_machine()
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
                                      self._do)
-            self.merger = Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
-                                 lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen)
+            self.merger = self._new_merger()
             rx = self.receiver
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
@@ -215,6 +218,45 @@ class SyncerService:
             log.warning("%s took over %.0f s at exit: left behind", what, timeout_s)
         except Exception as exc:  # noqa: BLE001 - the exit goes on; the reason is logged
             log.warning("%s failed at exit: %r", what, exc)
+
+    def _new_merger(self) -> Merger:
+        return Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
+                      lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen,
+                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer)
+
+    async def _redo_interrupted_merges(self, state):
+        """--resume: a cut-through merge the killed syncer had begun (its intent names the version after
+        the checkpointed one; some of its chunks may be in BCAST, and islands may hold them) is done
+        again from the same pushes, so that version number gets the same bytes. Returns the checkpoint
+        state after those commits. When a push is gone (PUSH's max_age passed while the syncer was
+        down) it cannot be: the round restarts as usual, and islands drop the early chunks they hold
+        because the new chunks differ (the seal's digest would refuse a mix anyway)."""
+        for fid in sorted(self.cut.frags):
+            intent = await asyncio.to_thread(self.ckpt.read_intent, fid)
+            if intent is None:
+                continue
+            merge = intent.get("merge") or {}
+            if merge.get("version") != state.versions.get(fid, -1) + 1:
+                continue   # stale: that version was committed (or never begun)
+            log.warning("fragment %d version %d (step %d) was being merged and broadcast when the syncer stopped: "
+                        "merging it again from the same pushes", fid, merge.get("version"), merge.get("step"))
+            merger = self._new_merger()
+            try:
+                _done, seqs = await merger.redo(intent)
+            except Exception as exc:  # noqa: BLE001 - a push is gone: the round restarts instead
+                self.counters["merge_redo_failed"] += 1
+                log.error("fragment %d version %d cannot be merged again (%r): its round restarts, and the chunks the "
+                          "killed syncer sent are replaced", fid, merge.get("version"), exc)
+                await self.tape.write({"kind": "error", "t": time.time(), "step": merge.get("step"), "fragment": fid,
+                                       "reason": f"interrupted merge of version {merge.get('version')} not redone: {exc!r}"},
+                                      kind="error")
+                await asyncio.to_thread(self.ckpt.drop_intent, fid)
+                self._unsealed.add(fid)
+                continue
+            self.counters["merge_redone"] += 1
+            await merger.cleanup(fid, seqs)
+            state = await asyncio.to_thread(self.ckpt.read_state)
+        return state
 
     async def _on_error(self, exc):
         self.counters["nats_error"] += 1
@@ -281,6 +323,9 @@ class SyncerService:
                     raise SyncerError(
                         f"--resume: checkpoint {self.ckpt.path} fragment {fid} version {state.versions[fid]} has "
                         f"version digest {digests[fid][:12]}…, the checkpoint recorded {want[:12]}…: corrupt checkpoint")
+            if not state.final:
+                state = await self._redo_interrupted_merges(state)
+                digests.update({fid: state.version_digests[fid] for fid in self.cut.frags if fid in state.version_digests})
             members, member_revs = await self._read_members()
             final_record = state.final_record
             if state.final and final_record is None:
@@ -334,7 +379,10 @@ class SyncerService:
             # version they already hold.
             if not state.final:
                 for fid in sorted(self.cut.frags):
-                    await self.cut.broadcast(fid, state.versions[fid], digests[fid])
+                    # Over a killed merge's unsealed chunks the committed version must land, not be dropped
+                    # as a duplicate of its first broadcast: new Nats-Msg-Ids (as a re-broadcast's).
+                    resend = time.time_ns() // 1_000_000 if fid in self._unsealed else None
+                    await self.cut.broadcast(fid, state.versions[fid], digests[fid], resend=resend)
             log.info("resumed run %s from %s at step %d, versions %s", self.run_id, self.ckpt.path,
                      state.committed_step, state.versions)
             nxt = mc.next_own_step(state.committed_step)

@@ -1,0 +1,257 @@
+"""Broadcasts before the durable commit (`yeto syncer --broadcast with-commit`, the default, and
+`cut-through`), against a real nats-server and the real syncer process, with scripted islands and an
+independent reference of the outer step.
+
+(a) Order, in the server's own timestamps: a new version's chunk 0 is in BCAST before the state KV
+`commit` record of that version, and its seal (the last chunk, the only one with the version digest)
+after it; with cut-through chunk 0 even precedes the end of the merge loop, with with-commit it follows
+it. With `--broadcast after-commit` chunk 0 comes after the commit record: the checks tell the three
+apart.
+(b) A syncer killed with SIGKILL in the middle of a cut-through broadcast (some chunks of version v in
+BCAST, no seal) and restarted with `--resume` sends version v again with identical bytes: the chunks
+seen before the kill equal the ones after it, the commit record's digest on the tape is the sha256 of
+the BCAST bytes, the values equal the reference, and no (fragment, version, chunk) is ever seen with two
+chunk digests. While the syncer is down, the island's own reader (learner.fragments.CutReader) finds
+no complete version in that BCAST: an island never installs a partial version. The run then finishes
+(final cut equal to the reference, exit 0), and both processes' recorded inputs replay identical.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+
+import orjson
+import pytest
+import torch
+
+from learner.fragments import CutReader
+from schemas import codec, subjects as S
+from schemas.chunks import chunk_plan, digest
+from schemas.dtypes import unpack
+from services.syncer.checkpoint import CheckpointDir
+from tests.scripted import (LR, MU, Reference, close_run, replay_segments, start_run, tape, tiny_layout,
+                            wait_tape)
+
+pytestmark = pytest.mark.timeout(120)
+
+# P = 2: fragment 0 = embed (3 chunks of 1 KiB), fragment 1 = layers (~66k f32 values, ~258 chunks): the
+# merge and broadcast of fragment 1 take long enough to be caught in the middle.
+LAYOUT = tiny_layout(4, 128)
+RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--strict", "--outer-lr", str(LR),
+            "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--status-every", "0.5")
+TOKENS = {"a": 200, "b": 100}
+
+
+class BcastLog:
+    """Every BCAST message of a run as the server stored it (ordered consumer): (fragment, version,
+    chunk) -> the chunk digests seen (must stay one), the server timestamps of each version's chunk 0
+    and seal, and an optional hook called on each message (the kill)."""
+
+    def __init__(self, js, run: str):
+        self.js, self.run = js, run
+        self.chunk_digests: dict[tuple[int, int, int], set[str]] = {}
+        self.first: dict[tuple[int, int], float] = {}     # (fragment, version) -> chunk 0's timestamp
+        self.sealed: dict[tuple[int, int], float] = {}    # (fragment, version) -> the seal's timestamp
+        self.hook = None
+        self.sub = None
+
+    async def start(self) -> "BcastLog":
+        self.sub = await self.js.subscribe(S.bcast(self.run, 0, 0).rsplit(".", 2)[0] + ".>",
+                                           stream=S.stream(self.run, "BCAST"), ordered_consumer=True, cb=self._on)
+        return self
+
+    async def _on(self, msg) -> None:
+        meta = codec.decode_header("bcast_chunk", msg.headers[codec.CHUNK_HEADER])
+        key = (meta["fragment"], meta["version"])
+        self.chunk_digests.setdefault((*key, meta["chunk"]), set()).add(meta["digest"])
+        ts = msg.metadata.timestamp.timestamp()
+        if meta["chunk"] == 0:
+            self.first.setdefault(key, ts)
+        if "version_digest" in meta:
+            self.sealed.setdefault(key, ts)
+        if self.hook is not None:
+            self.hook(meta)
+
+    def two_digests(self) -> list:
+        return [(k, sorted(v)) for k, v in self.chunk_digests.items() if len(v) > 1]
+
+    async def stop(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+
+
+async def _commit_times(js, run: str) -> list[tuple[float, dict]]:
+    """Every `commit` record of the state KV still in its stream, with the server's timestamp."""
+    bucket = S.kv_bucket(run, "state")
+    out = []
+    sub = await js.subscribe(f"$KV.{bucket}.commit", stream=f"KV_{bucket}", ordered_consumer=True)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except asyncio.TimeoutError:
+                return out
+            out.append((msg.metadata.timestamp.timestamp(), orjson.loads(msg.data)))
+    finally:
+        await sub.unsubscribe()
+
+
+async def _bcast_state(js, run: str, session: dict, fid: int) -> list[tuple[dict, bytes, int]]:
+    """(header, payload, stream sequence) on each of the fragment's chunk subjects, in chunk order."""
+    f = next(f for f in session["fragments"] if f["id"] == fid)
+    out = []
+    for s in chunk_plan(f["numel"], session["bulk_dtype"], session["chunk_bytes"]):
+        m = await js.get_msg(S.stream(run, "BCAST"), subject=S.bcast(run, fid, s.index), direct=True)
+        out.append((codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER]), m.data, m.seq))
+    return out
+
+
+async def _play(isls, ref, gen, t: int, attempt: int | None = None) -> None:
+    fid = (t - 1) % 2
+    deltas = []
+    for isl in isls:
+        pull = await isl.expect_pull(t, attempt=attempt)
+        deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
+        await isl.push(pull, deltas[-1], c_tokens=TOKENS[isl.island])
+    ref.round(fid, deltas, [TOKENS["a"], TOKENS["b"]])
+
+
+@pytest.mark.parametrize("mode", ["with-commit", "cut-through", "after-commit"])
+async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats_url, run_id, tmp_path, mode):
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], tmp_path / "ckpt", *RUN_ARGS,
+                                         "--total-steps", "4", "--broadcast", mode, layout=LAYOUT)
+    a = isls[0]
+    log = await BcastLog(a.js, run_id).start()
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(3)
+        for t in (1, 2, 3, 4):
+            await _play(isls, ref, gen, t)
+            fid, v = (t - 1) % 2, (t + 1) // 2
+            torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)
+        await asyncio.sleep(0.3)   # the log's last messages
+        commits = await _commit_times(a.js, run_id)
+        for fid, v in ((1, 1), (0, 2), (1, 2)):
+            t_commit = min(ts for ts, rec in commits if rec["versions"].get(str(fid), -1) >= v)
+            t_first, t_seal = log.first[(fid, v)], log.sealed[(fid, v)]
+            assert t_seal > t_commit, (fid, v, "sealed before the commit record")
+            if mode == "after-commit":
+                assert t_first > t_commit, (fid, v, "chunk 0 was sent before the commit record")
+            else:
+                assert t_first < t_commit, (fid, v, "chunk 0 was not sent before the commit record")
+            # cut-through sends chunk 0 while the merge loop runs; with-commit only after it (the merge
+            # record's `t`: the loop's end, on the same clock)
+            merged_at = next(m["t"] for m in await tape(a.js, run_id, "merge") if (m["fragment"], m["version"]) == (fid, v))
+            assert (t_first < merged_at) == (mode == "cut-through"), (fid, v, t_first, merged_at)
+        merges = await tape(a.js, run_id, "merge")
+        n = {fid: len(chunk_plan(a.frag(fid)["numel"], "f32", 1024)) for fid in (0, 1)}
+        for m in merges:
+            d = m["detail"]
+            assert d["broadcast_mode"] == mode
+            assert d["early_chunks"] == (n[m["fragment"]] - 1 if mode != "after-commit" else 0), d
+        assert log.two_digests() == []
+    finally:
+        await log.stop()
+        await close_run(isls, syncer, run_id)
+
+
+@pytest.mark.timeout(240)
+async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_bytes(nats_url, run_id, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", "10",
+                                         "--broadcast", "cut-through", layout=LAYOUT)
+    a = isls[0]
+    js = a.js
+    log = await BcastLog(js, run_id).start()
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(8)
+        for t in (1, 2):
+            await _play(isls, ref, gen, t)
+            torch.testing.assert_close(await a.wait_version((t - 1) % 2, 1), ref.value((t - 1) % 2), rtol=1e-6, atol=1e-6)
+
+        # ---- a round of fragment 1 (about 258 chunks): SIGKILL once a few of its chunks are in BCAST. A
+        # kill that comes after the seal (the broadcast was quicker) just tries again two rounds later.
+        fid = 1
+        killed_at = None
+        for t in (4, 6, 8):
+            v = t // 2
+
+            def hook(meta, v=v):
+                if (meta["fragment"], meta["version"]) == (fid, v) and meta["chunk"] >= 3 and syncer.proc.poll() is None:
+                    syncer.proc.send_signal(signal.SIGKILL)
+            await _play(isls, ref, gen, t - 1)
+            torch.testing.assert_close(await a.wait_version(0, v), ref.value(0), rtol=1e-6, atol=1e-6)
+            log.hook = hook
+            await _play(isls, ref, gen, t)
+            for _ in range(200):
+                if syncer.proc.poll() is not None or (fid, v) in log.sealed:
+                    break
+                await asyncio.sleep(0.05)
+            log.hook = None
+            if syncer.proc.poll() is not None:
+                syncer.proc.wait()
+                killed_at = (t, v)
+                break
+            torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)
+        assert killed_at is not None, "the broadcast was never caught in the middle in three rounds"
+        t, v = killed_at
+
+        # ---- the syncer is down mid-broadcast: early chunks of v in BCAST, no seal, v not committed
+        state = await _bcast_state(js, run_id, a.session, fid)
+        versions = [meta["version"] for meta, _, _ in state]
+        assert versions[0] == v and versions[-1] == v - 1, versions
+        assert not any("version_digest" in meta for meta, _, _ in state[:-1])
+        early = {meta["chunk"]: digest(data) for meta, data, _ in state if meta["version"] == v}
+        assert len(early) >= 3
+        ck = CheckpointDir(ckpt)
+        held = ck.read_state()
+        assert held.versions[fid] == v - 1
+        assert ck.read_intent(fid)["merge"]["version"] == v
+        # The island's reader over what BCAST holds, chunk by chunk as the island's shell reads (up to the
+        # first verdict other than "accept"): the chunks of v are staged, the version does not complete.
+        reader = CutReader(a.session)
+        reader.hold(fid, v - 1, held.version_digests[fid])   # the island holds v - 1
+        verdicts = []
+        for meta, data, seq in state:
+            verdicts.append(reader.take(fid, meta["chunk"], meta, data, seq))
+            if verdicts[-1] != "accept":
+                break
+        assert verdicts == ["accept"] * len(early) + ["wait"], verdicts
+        assert reader.held[fid] == (v - 1, held.version_digests[fid]) and reader.reading(fid)[:2] == (v, len(early))
+
+        # ---- restart: version v again from the same pushes, the same bytes
+        syncer.start("--resume")
+        merge = await wait_tape(js, run_id, lambda r: r["step"] == t and r["fragment"] == fid, kind="merge",
+                                timeout=60)
+        assert merge["detail"].get("redone") is True and merge["version"] == v, merge
+        commit = await wait_tape(js, run_id, lambda r: r["step"] == t and r["fragment"] == fid, kind="commit")
+        after = await _bcast_state(js, run_id, a.session, fid)
+        assert [meta["version"] for meta, _, _ in after] == [v] * len(after)
+        assert {c: digest(data) for c, data in ((meta["chunk"], data) for meta, data, _ in after) if c in early} == early
+        whole = hashlib.sha256(b"".join(data for _, data, _ in after)).hexdigest()
+        assert commit["detail"]["version_digest"] == whole == after[-1][0]["version_digest"]
+        vals = unpack(b"".join(data for _, data, _ in after), "f32", a.frag(fid)["numel"])
+        torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+        assert "merging it again from the same pushes" in syncer.output()
+
+        # ---- the run goes on and finishes on the reference
+        for t2 in range(t + 1, 11):
+            await _play(isls, ref, gen, t2)
+            f2 = (t2 - 1) % 2
+            torch.testing.assert_close(await a.wait_version(f2, (t2 + 1) // 2), ref.value(f2), rtol=1e-6, atol=1e-6)
+        for isl in isls:
+            _, man = await isl.expect(lambda k, m: k == "manifest")
+            assert man["final_step"] == 10
+        for f2 in (0, 1):
+            _, vals, _ = await a.read_cut(f2, final=True)
+            torch.testing.assert_close(vals, ref.value(f2), rtol=1e-6, atol=1e-6)
+        for isl in isls:
+            await isl.ack(10)
+        assert syncer.wait(30) == 0, syncer.output()[-4000:]
+        await asyncio.sleep(0.3)
+        assert log.two_digests() == [], "a chunk of one version number was sent with two different byte strings"
+        segs = replay_segments(nats_url, run_id)
+        assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
+    finally:
+        await log.stop()
+        await close_run(isls, syncer, run_id)
