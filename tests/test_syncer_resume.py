@@ -152,15 +152,17 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
         await close_run(isls, syncer, run_id)
 
 
-# One process for every refusal: `python -m services.cli` imports torch and the syncer once, then runs
-# `main(["syncer", ...])` per case (each its own asyncio.run, connection and checkpoint directory, as a
-# fresh process would), between marker lines. The last case is the process's own exit status
-# (`sys.exit(main(...))`, as `yeto syncer` ends), so the exit path itself is checked too. Eight syncer
-# processes one after another cost about 5 s of start-up each on a loaded 2-core machine.
+# One process for every refusal: it imports the CLI and the syncer (torch) once, while the test still
+# makes the checkpoints, then reads the cases from stdin and runs `main(["syncer", ...])` per case (each
+# its own asyncio.run, connection and checkpoint directory, as a fresh process would), between marker
+# lines. The last case is the process's own exit status (`sys.exit(main(...))`, as `yeto syncer` ends),
+# so the exit path itself is checked too. Eight syncer processes one after another cost about 5 s of
+# start-up each on a loaded 2-core machine.
 REFUSALS = r"""
 import json, sys
 from services.cli import main
-cases = json.loads(sys.argv[1])
+import services.syncer.service  # noqa: F401 - the heavy imports, before the cases are ready
+cases = json.loads(sys.stdin.readline())
 for i, (name, argv) in enumerate(cases):
     print(f"@@case {name}", flush=True)
     if i == len(cases) - 1:
@@ -177,7 +179,10 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
             "--chunk-bytes", "1024")
     run2 = f"{run_id}_o"
     made = []
-    proc = None
+    log = tmp_path / "refusals.log"
+    logf = open(log, "wb")
+    proc = subprocess.Popen([sys.executable, "-c", REFUSALS], cwd=ROOT, stdin=subprocess.PIPE, stdout=logf,
+                            stderr=subprocess.STDOUT)
     try:
         # two runs, each to version 0 (a checkpoint on disk), then killed; independent, so side by side
         async def to_v0(run, layout, d):
@@ -218,14 +223,15 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
         }
         argvs = [[name, SyncerProc(nats_url, run_id, ck, *base, *extra).cmd[3:]] for name, (ck, extra, _) in cases.items()]
         assert all(a[0] == "syncer" for _, a in argvs)
-        log = tmp_path / "refusals.log"
-        with open(log, "wb") as logf:
-            proc = subprocess.Popen([sys.executable, "-c", REFUSALS, orjson.dumps(argvs).decode()], cwd=ROOT,
-                                    stdout=logf, stderr=subprocess.STDOUT)
-            try:
-                rc = await asyncio.to_thread(proc.wait, 300)
-            except subprocess.TimeoutExpired:
-                rc = None
+        try:
+            proc.stdin.write(orjson.dumps(argvs) + b"\n")
+            proc.stdin.close()
+        except BrokenPipeError:  # it died importing: its output below says why
+            pass
+        try:
+            rc = await asyncio.to_thread(proc.wait, 300)
+        except subprocess.TimeoutExpired:
+            rc = None
         out = log.read_text(errors="replace")
         # a case that is not refused runs a syncer: the process is then still running, after that case's marker
         assert rc is not None, f"still running after 300 s (a case not refused?):\n{out[-3000:]}"
@@ -244,8 +250,9 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
         assert snapshot_dir(ck1) == before  # refusals write nothing
         assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").iterdir())
     finally:
-        if proc is not None and proc.poll() is None:  # a case that was not refused would still be running
+        if proc.poll() is None:  # a case that was not refused would still be running (or setup failed)
             proc.kill()
             proc.wait()
+        logf.close()
         for run, isls, syncer in made:
             await close_run(isls, syncer, run)
