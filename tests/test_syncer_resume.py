@@ -155,11 +155,12 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
 # One process for every refusal: it imports the CLI and the syncer (torch) once, while the test still
 # makes the checkpoints, then reads the cases from stdin and runs `main(["syncer", ...])` per case (each
 # its own asyncio.run, connection and checkpoint directory, as a fresh process would), between marker
-# lines. The last case is the process's own exit status (`sys.exit(main(...))`, as `yeto syncer` ends),
-# so the exit path itself is checked too. Eight syncer processes one after another cost about 5 s of
+# lines. After each one it names the non-daemon threads left (a process holding one would not exit);
+# the last case is the process's own exit status (`sys.exit(main(...))`, as `yeto syncer` ends), so
+# the exit path itself is checked too. Eight syncer processes one after another cost about 5 s of
 # start-up each on a loaded 2-core machine.
 REFUSALS = r"""
-import json, sys
+import json, sys, threading
 from services.cli import main
 import services.syncer.service  # noqa: F401 - the heavy imports, before the cases are ready
 cases = json.loads(sys.stdin.readline())
@@ -169,7 +170,8 @@ for i, (name, argv) in enumerate(cases):
         sys.exit(main(argv))
     rc = main(argv)
     sys.stderr.flush()
-    print(f"@@rc {name} {rc}", flush=True)
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    print(f"@@rc {name} {rc} {json.dumps(left)}", flush=True)
 """
 
 
@@ -240,10 +242,13 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
         for (name, (_, _, words)), part in zip(cases.items(), parts):
             body = part.split("\n", 1)[1] if "\n" in part else ""
             if name == list(cases)[-1]:
-                got = rc  # the process's exit status
+                got, left = rc, []  # the process's exit status
             else:
-                got = int(body.rsplit(f"@@rc {name} ", 1)[1].split()[0]) if f"@@rc {name} " in body else None
+                assert f"@@rc {name} " in body, (name, body[-2000:])
+                got, left = body.rsplit(f"@@rc {name} ", 1)[1].split("\n", 1)[0].split(" ", 1)
+                got, left = int(got), orjson.loads(left)
             assert got == 2, (name, got, body[-2000:])
+            assert left == [], f"{name}: threads left running after the refusal: {left}"
             assert "Traceback" not in body, (name, body[-2000:])
             for w in words:
                 assert w in body, (name, w, body[-2000:])
