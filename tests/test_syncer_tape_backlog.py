@@ -9,7 +9,6 @@ responder for a few seconds.
 """
 from __future__ import annotations
 
-
 import pytest
 
 from schemas import subjects as S
