@@ -23,14 +23,19 @@ LAST = re.compile(r"^chaos rounds=(\d+) kills=(\d+) lost=(\d+) double=(\d+) fina
 
 @pytest.mark.timeout(420)
 def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
-    # rounds are cheap (a fraction of a second without a kill); the headroom lets the run go on while a
-    # slow restart under load recovers, so every kill of the schedule still finds its moment
-    rounds = 40
+    # rounds are cheap (a fraction of a second without a kill) and stall while a killed part is down (a
+    # round waits for every member, up to the member timeout), so seed 3's last mid-run kill arms at
+    # about round 11 on a quiet or a loaded machine; 24 rounds leave it twice that (kills arm below
+    # round 22), and the final-cut kill comes after them
+    rounds = 24
     out_json = tmp_path / "chaos.json"
     # seed 3 kills the 2-rank island b mid-push and picks syncer-final as the final-cut kill (the full
     # soak, seed 1, takes an island down during the final cut)
     cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--rounds", str(rounds), "--kills-per-kind", "1",
            "--first-kill-after", "2", "--gap-min", "1", "--gap-max", "2", "--seed", "3", "--no-baseline", "--quorum-timeout", "30",
+           # 50 ms of simulated compute per inner step, not the soak's 20: four islands stepping flat out
+           # took a quarter of the run's CPU, which the killed parts' restarts (torch imports) need on 2 cores
+           "--step-delay", "0.05",
            # a restarted 2-rank island needs up to ~60 s to be admitted on a loaded 2-core machine; with the
            # soak's 20 s the run can go on without it and finish before it is back (reported in bench/README)
            "--member-timeout", "90",

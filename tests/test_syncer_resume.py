@@ -152,19 +152,51 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
         await close_run(isls, syncer, run_id)
 
 
-@pytest.mark.timeout(900)  # ten syncer starts in a row: minutes on a loaded CI machine
+# One process for every refusal: it imports the CLI and the syncer (torch) once, while the test still
+# makes the checkpoints, then reads the cases from stdin and runs `main(["syncer", ...])` per case (each
+# its own asyncio.run, connection and checkpoint directory, as a fresh process would), between marker
+# lines. After each one it names the non-daemon threads left (a process holding one would not exit);
+# the last case is the process's own exit status (`sys.exit(main(...))`, as `yeto syncer` ends), so
+# the exit path itself is checked too. Eight syncer processes one after another cost about 5 s of
+# start-up each on a loaded 2-core machine.
+REFUSALS = r"""
+import json, sys, threading
+from services.cli import main
+import services.syncer.service  # noqa: F401 - the heavy imports, before the cases are ready
+cases = json.loads(sys.stdin.readline())
+for i, (name, argv) in enumerate(cases):
+    print(f"@@case {name}", flush=True)
+    if i == len(cases) - 1:
+        sys.exit(main(argv))
+    rc = main(argv)
+    sys.stderr.flush()
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    print(f"@@rc {name} {rc} {json.dumps(left)}", flush=True)
+"""
+
+
+@pytest.mark.timeout(600)  # on a loaded CI machine: two runs to version 0, then one process for eight refusals
 async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats_url, run_id, tmp_path):
     base = ("--islands", "1", "--fragments", "1", "--sync-every", "1", "--total-steps", "1", "--strict",
             "--chunk-bytes", "1024")
     run2 = f"{run_id}_o"
-    made, procs = [], {}
+    made = []
+    log = tmp_path / "refusals.log"
+    logf = open(log, "wb")
+    proc = subprocess.Popen([sys.executable, "-c", REFUSALS], cwd=ROOT, stdin=subprocess.PIPE, stdout=logf,
+                            stderr=subprocess.STDOUT)
     try:
-        # two runs, each to version 0 (a checkpoint on disk), then killed
-        for run, layout, d in ((run_id, LAYOUT, "ck1"), (run2, tiny_layout(3, 32), "ck2")):
+        # two runs, each to version 0 (a checkpoint on disk), then killed; independent, so side by side
+        async def to_v0(run, layout, d):
             syncer, isls, _ = await start_run(nats_url, run, ["a"], tmp_path / d, *base, layout=layout)
             made.append((run, isls, syncer))
             await isls[0].wait_version(0, 0)
             syncer.kill()
+
+        for res in await asyncio.gather(to_v0(run_id, LAYOUT, "ck1"), to_v0(run2, tiny_layout(3, 32), "ck2"),
+                                        return_exceptions=True):  # both settle before any cleanup
+            if isinstance(res, BaseException):
+                raise res
         ck1, ck2 = tmp_path / "ck1", tmp_path / "ck2"
         # the second run's checkpoint claiming to be the first run's (a re-created run id, another layout)
         relabeled = tmp_path / "relabeled"
@@ -191,19 +223,41 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
             "fresh_over_checkpoint": (ck1, [], ["already holds a checkpoint", "--resume"]),
             "fresh_over_session": (tmp_path / "fresh", [], ["already has a session", "--resume"]),
         }
-        # One after another: eight syncers (each importing torch) at once timed out on a loaded machine.
-        for name, (ck, extra, words) in cases.items():
-            procs[name] = SyncerProc(nats_url, run_id, ck, *base, *extra, log=tmp_path / f"{name}.log").start()
-            rc = procs[name].wait(120)
-            out = procs[name].output()
-            assert rc == 2, (name, rc, out[-2000:])
-            assert "Traceback" not in out, (name, out[-2000:])
+        argvs = [[name, SyncerProc(nats_url, run_id, ck, *base, *extra).cmd[3:]] for name, (ck, extra, _) in cases.items()]
+        assert all(a[0] == "syncer" for _, a in argvs)
+        try:
+            proc.stdin.write(orjson.dumps(argvs) + b"\n")
+            proc.stdin.close()
+        except BrokenPipeError:  # it died importing: its output below says why
+            pass
+        try:
+            rc = await asyncio.to_thread(proc.wait, 300)
+        except subprocess.TimeoutExpired:
+            rc = None
+        out = log.read_text(errors="replace")
+        # a case that is not refused runs a syncer: the process is then still running, after that case's marker
+        assert rc is not None, f"still running after 300 s (a case not refused?):\n{out[-3000:]}"
+        parts = out.split("@@case ")[1:]
+        assert [p.split("\n", 1)[0] for p in parts] == list(cases), out[-3000:]
+        for (name, (_, _, words)), part in zip(cases.items(), parts):
+            body = part.split("\n", 1)[1] if "\n" in part else ""
+            if name == list(cases)[-1]:
+                got, left = rc, []  # the process's exit status
+            else:
+                assert f"@@rc {name} " in body, (name, body[-2000:])
+                got, left = body.rsplit(f"@@rc {name} ", 1)[1].split("\n", 1)[0].split(" ", 1)
+                got, left = int(got), orjson.loads(left)
+            assert got == 2, (name, got, body[-2000:])
+            assert left == [], f"{name}: threads left running after the refusal: {left}"
+            assert "Traceback" not in body, (name, body[-2000:])
             for w in words:
-                assert w in out, (name, w, out[-2000:])
+                assert w in body, (name, w, body[-2000:])
         assert snapshot_dir(ck1) == before  # refusals write nothing
         assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").iterdir())
     finally:
-        for proc in procs.values():  # one that was not refused would still be running
-            proc.stop()
+        if proc.poll() is None:  # a case that was not refused would still be running (or setup failed)
+            proc.kill()
+            proc.wait()
+        logf.close()
         for run, isls, syncer in made:
             await close_run(isls, syncer, run)
