@@ -140,11 +140,12 @@ async def publish_retry(
     max_backoff_s: float = 2.0,
     counters: Counter | None = None,
     should_continue: Callable[[], bool] | None = None,
+    election_s: float = ELECTION_S,
 ):
     """Publish and wait for the PubAck; retry transient refusals with the same msg id. Returns the PubAck.
 
     Raises PublishFailed after `attempts` (and, when the stream answered "no responders", not before
-    ELECTION_S), or at once for a non-transient error.
+    `election_s`, default ELECTION_S), or at once for a non-transient error.
     """
     hdrs = dict(headers or {})
     hdrs[MSG_ID] = msg_id
@@ -155,7 +156,7 @@ async def publish_retry(
     t0 = loop.time()
     i = 0
     reasons: list[str] = []
-    while i < attempts or (isinstance(last, NoStreamResponseError) and loop.time() - t0 < ELECTION_S):
+    while i < attempts or (isinstance(last, NoStreamResponseError) and loop.time() - t0 < election_s):
         i += 1
         try:
             sent_on = _sent_on(js)

@@ -13,6 +13,7 @@ import pytest
 
 from schemas import subjects as S
 from schemas.provision import remove_run
+from schemas.publish import ELECTION_S
 from tests.e2e_procs import wait_until
 from tests.scripted import SyncerProc, syncer_status, tape, wait_tape
 
@@ -50,7 +51,7 @@ async def test_tape_records_missed_while_events_is_unavailable_are_written_later
 
         async def deferred():
             # both tape records missed their direct budget (3 attempts; with no responder, as here, up to
-            # schemas.publish.ELECTION_S): the old syncer dropped them here, this one keeps them in its
+            # TAPE_DIRECT_ELECTION_S): the old syncer dropped them here, this one keeps them in its
             # backlog. Polled, not slept on: the counter says when, on a quiet or a loaded machine.
             assert syncer.proc.poll() is None, syncer.output()[-3000:]
             st = await syncer_status(js, run_id)
@@ -64,6 +65,9 @@ async def test_tape_records_missed_while_events_is_unavailable_are_written_later
         # nothing lost, nothing doubled, in the order they happened
         assert [r["island"] for r in errors] == ["x1", "x2", "x3"], errors
         assert all(r["reason"].startswith(bad(r["island"])) for r in errors), errors
+        # intake did not wait out an election per record: x2 was rejected right after x1 (a direct tape
+        # write gives up "no responders" after TAPE_DIRECT_ELECTION_S, not publish_retry's ELECTION_S)
+        assert errors[1]["t"] - errors[0]["t"] < ELECTION_S / 2, errors
 
         async def settled():
             st = await syncer_status(js, run_id)

@@ -23,6 +23,9 @@ from services.syncer.checkpoint import CheckpointState
 log = logging.getLogger("yeto.syncer")
 
 TAPE_DIRECT_ATTEMPTS = 3
+# ... and how long such a record waits out "no responders" (EVENTS without a leader) before the backlog
+# takes it: publish_retry's default (an election, 20 s) stalled intake for 20 s per record.
+TAPE_DIRECT_ELECTION_S = 1.0
 TAPE_RETRY_ATTEMPTS = 40
 TAPE_BACKLOG_MAX = 10_000
 TAPE_FLUSH_AT_EXIT_S = 20.0
@@ -61,8 +64,11 @@ class TapeWriter:
             self._defer(subject, data, mid)  # behind the records still waiting: the tape keeps its order
             return
         try:
-            await publish_retry(self.js, subject, data, mid, counters=self.counters,
-                                attempts=TAPE_RETRY_ATTEMPTS if msg_id is not None else TAPE_DIRECT_ATTEMPTS)
+            if msg_id is not None:
+                await publish_retry(self.js, subject, data, mid, counters=self.counters, attempts=TAPE_RETRY_ATTEMPTS)
+            else:
+                await publish_retry(self.js, subject, data, mid, counters=self.counters, attempts=TAPE_DIRECT_ATTEMPTS,
+                                    election_s=TAPE_DIRECT_ELECTION_S)
         except Exception as exc:
             if msg_id is None:
                 self._defer(subject, data, mid)
