@@ -287,6 +287,36 @@ async def tape(js, run: str, kind: str | None = None) -> list[dict]:
 LR, MU = 0.7, 0.9
 
 
+async def push_round(isls, ref, gen: torch.Generator, t: int, tokens: dict[str, int], *,
+                     attempt: int | None = None) -> int:
+    """Every island answers round t's pull (P = 2 fragments: t targets (t-1) mod 2) with a random delta
+    (0.1 x normal, from `gen`) claiming its `tokens`; the reference takes the same round. Returns the
+    fragment."""
+    fid = (t - 1) % 2
+    deltas = []
+    for isl in isls:
+        pull = await isl.expect_pull(t, attempt=attempt)
+        deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
+        await isl.push(pull, deltas[-1], c_tokens=tokens[isl.island])
+    ref.round(fid, deltas, [tokens[isl.island] for isl in isls])
+    return fid
+
+
+async def finish_on_reference(isls, syncer: "SyncerProc", ref, final_step: int) -> dict:
+    """Finalization seen from the islands: each gets the manifest of `final_step`, the f32 final cut
+    equals the reference, each acks, and the syncer exits 0. Returns the manifest."""
+    for isl in isls:
+        _, man = await isl.expect(lambda k, m: k == "manifest")
+        assert man["final_step"] == final_step, man
+    for fid in range(len(isls[0].session["fragments"])):
+        _, vals, _ = await isls[0].read_cut(fid, final=True)
+        torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+    for isl in isls:
+        await isl.ack(final_step)
+    assert syncer.wait(30) == 0, syncer.output()[-4000:]
+    return man
+
+
 class Reference:
     """The outer optimizer computed independently: torch.optim.SGD(nesterov) per fragment, on the
     float64 weighted mean of the deltas (c_tokens weights)."""

@@ -30,8 +30,8 @@ from schemas import codec, subjects as S
 from schemas.chunks import chunk_plan, digest
 from schemas.dtypes import unpack
 from services.syncer.checkpoint import CheckpointDir
-from tests.scripted import (LR, MU, Reference, close_run, replay_segments, start_run, tape, tiny_layout,
-                            wait_tape)
+from tests.scripted import (LR, MU, Reference, close_run, finish_on_reference, push_round, replay_segments,
+                            start_run, tape, tiny_layout, wait_tape)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,14 +107,8 @@ async def _bcast_state(js, run: str, session: dict, fid: int) -> list[tuple[dict
     return out
 
 
-async def _play(isls, ref, gen, t: int, attempt: int | None = None) -> None:
-    fid = (t - 1) % 2
-    deltas = []
-    for isl in isls:
-        pull = await isl.expect_pull(t, attempt=attempt)
-        deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
-        await isl.push(pull, deltas[-1], c_tokens=TOKENS[isl.island])
-    ref.round(fid, deltas, [TOKENS["a"], TOKENS["b"]])
+async def _play(isls, ref, gen, t: int) -> None:
+    await push_round(isls, ref, gen, t, TOKENS)
 
 
 @pytest.mark.parametrize("mode", ["with-commit", "cut-through", "after-commit"])
@@ -239,15 +233,7 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
             await _play(isls, ref, gen, t2)
             f2 = (t2 - 1) % 2
             torch.testing.assert_close(await a.wait_version(f2, (t2 + 1) // 2), ref.value(f2), rtol=1e-6, atol=1e-6)
-        for isl in isls:
-            _, man = await isl.expect(lambda k, m: k == "manifest")
-            assert man["final_step"] == 10
-        for f2 in (0, 1):
-            _, vals, _ = await a.read_cut(f2, final=True)
-            torch.testing.assert_close(vals, ref.value(f2), rtol=1e-6, atol=1e-6)
-        for isl in isls:
-            await isl.ack(10)
-        assert syncer.wait(30) == 0, syncer.output()[-4000:]
+        await finish_on_reference(isls, syncer, ref, 10)
         await asyncio.sleep(0.3)
         assert log.two_digests() == [], "a chunk of one version number was sent with two different byte strings"
         segs = replay_segments(nats_url, run_id)

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 
 from schemas import subjects as S
-from tests.scripted import (LR, MU, ROOT, CutWatcher, Reference, SyncerProc, close_run, snapshot_dir, start_run,
-                            syncer_status, tape, tiny_layout, wait_tape)
+from tests.scripted import (LR, MU, ROOT, CutWatcher, Reference, SyncerProc, close_run, finish_on_reference,
+                            push_round, snapshot_dir, start_run, syncer_status, tape, tiny_layout, wait_tape)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,13 +60,7 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
         tokens = {"a": 200, "b": 100}
 
         async def play(t: int, attempt: int = 1) -> None:
-            fid = (t - 1) % 2
-            deltas = []
-            for isl in isls:
-                pull = await isl.expect_pull(t, attempt=attempt)
-                deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
-                await isl.push(pull, deltas[-1], c_tokens=tokens[isl.island])
-            ref.round(fid, deltas, [tokens["a"], tokens["b"]])
+            fid = await push_round(isls, ref, gen, t, tokens, attempt=attempt)
             torch.testing.assert_close(await a.wait_version(fid, (t + 1) // 2), ref.value(fid), rtol=1e-6, atol=1e-6)
 
         for t in (1, 2, 3):
@@ -120,15 +114,8 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
             await play(t)
 
         # ---- finalization: manifest, f32 final cut equal to the reference, acks, exit 0
-        for isl in isls:
-            _, man = await isl.expect(lambda k, m: k == "manifest")
-            assert man["final_step"] == 6 and man["versions"] == {"0": 3, "1": 3}
-        for fid in (0, 1):
-            _, vals, _ = await a.read_cut(fid, final=True)
-            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
-        for isl in isls:
-            await isl.ack(6)
-        assert syncer.wait(30) == 0, syncer.output()[-4000:]
+        man = await finish_on_reference(isls, syncer, ref, 6)
+        assert man["versions"] == {"0": 3, "1": 3}
 
         merges = await tape(js, run_id, "merge")
         assert [(m["step"], m["attempt"]) for m in merges] == [(1, 1), (2, 1), (3, 1), (4, 2), (5, 1), (6, 1)]
