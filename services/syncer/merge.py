@@ -115,12 +115,13 @@ class Merger:
         self.attempts.update({int(k): v for k, v in intent["attempts"].items()})
         self.lr, self.momentum = float(intent["lr"]), float(intent["momentum"])
         fr = self.cut.frags[a.fragment]
-        saved = fr.params.clone(), fr.momentum.clone()
         try:
             return await self.merge(a, redone=True)
         except BaseException:
-            fr.params.copy_(saved[0])    # a failed redo leaves the checkpointed version in memory
-            fr.momentum.copy_(saved[1])
+            # A failed redo (a push gone) may have stepped some chunks: back to the checkpointed version,
+            # read again from its files rather than a whole copy held beside the fragment.
+            fr.params, fr.momentum = await asyncio.to_thread(self.cut.ckpt.load_fragment, a.fragment, a.version - 1,
+                                                             fr.numel)
             raise
 
     async def merge(self, a: R.Merge, *, redone: bool = False) -> tuple[R.MergeDone, list[int]]:
