@@ -2,16 +2,18 @@
 """Merge benchmark: the syncer's outer step over one fragment vs a plain in-place torch add.
 
     python bench/merge.py [--size-mb 256] [--members 4] [--push-dtype f32|bf16] [--chunk-kb 1024] [--repeat 3]
-                          [--kernel default|fused]
+                          [--kernel fused|sgd]
 
 The merge pass is the syncer's code path (services/syncer/merge.py `Merger.merge`): for every chunk of
 the fragment's chunk plan (`schemas.chunks.chunk_plan`, push dtype), decode each member's push chunk
 from its wire bytes (`services.syncer.outer.delta_view`, as after a direct get: f32/bf16 read in
-place, q4 decoded) and apply `services.syncer.outer.outer_step_` to that slice of params and
-momentum, with one scratch buffer. `--decode unpack` times the older path that copied every chunk
-(`schemas.dtypes.unpack`). `--kernel default` times the syncer's default kernel (eager, the SGD form,
-YETO_OUTER_COMPILE=0); `--kernel fused` the one-pass loop torch.compile'd before timing
-(YETO_OUTER_COMPILE=sync; see services/syncer/outer.py).
+place, q4 decoded) and apply the merge's `services.syncer.outer.OuterStep` (prepared once per pass, as
+the syncer prepares one per merge) to that slice of params and momentum, with one scratch buffer.
+`--decode unpack` times the older path that copied every chunk (`schemas.dtypes.unpack`).
+`--kernel fused` (default) times the syncer's default kernel, the one-pass loop torch.compile'd for the
+chunk length (YETO_OUTER_COMPILE=async in the syncer, which merges on the bitwise-equal eager twin
+until the compile is done; here sync: compiled before timing, the syncer's steady state);
+`--kernel sgd` the eager SGD-form kernel (YETO_OUTER_COMPILE=0). See services/syncer/outer.py.
 The push payloads are held as `bytes`, one buffer per member over the whole fragment, so every
 chunk comes from memory, not from a cache-sized pool.
 
@@ -45,12 +47,12 @@ import torch  # noqa: E402
 
 from schemas.dtypes import pack, unpack  # noqa: E402
 from schemas.chunks import chunk_plan  # noqa: E402
-from services.syncer.outer import delta_view, outer_step_, weights_for  # noqa: E402
+from services.syncer.outer import OuterStep, delta_dtype, delta_view, weights_for  # noqa: E402
 
 MiB = 1 << 20
 PUSH_BYTES = {"f32": 4, "bf16": 2}
 DECODERS = {"view": delta_view, "unpack": unpack}
-KERNELS = {"default": "0", "fused": "sync"}  # -> YETO_OUTER_COMPILE
+KERNELS = {"fused": "sync", "sgd": "0"}  # -> YETO_OUTER_COMPILE
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -64,7 +66,7 @@ class Config:
     chunk_kb: int = 1024
     repeat: int = 5
     decode: str = "view"  # view: delta_view (the syncer's path); unpack: a copy per chunk
-    kernel: str = "default"  # default: the syncer's eager SGD-form kernel; fused: the compiled one-pass loop
+    kernel: str = "fused"  # fused: the syncer's default, the compiled one-pass loop; sgd: the eager SGD form
     lr: float = 0.7
     mu: float = 0.9
     seed: int = 0
@@ -113,12 +115,13 @@ def mbps(nbytes: int, seconds: float) -> float:
 
 def merge_pass(params, momentum, payloads: list[bytes], spans, dtype: str, weights, lr: float, mu: float,
                scratch: torch.Tensor, decode=delta_view) -> None:
-    """The syncer's merge of one fragment: per chunk, decode every member's bytes, one outer step."""
+    """The syncer's merge of one fragment: one OuterStep, then per chunk decode every member's bytes and step."""
     views = [memoryview(p) for p in payloads]
+    outer = OuterStep(weights, lr, mu, delta_dtypes=[delta_dtype(dtype)] * len(payloads), chunk_numel=spans[0].elem_count)
     for s in spans:
         deltas = [decode(v[s.byte_offset: s.byte_offset + s.nbytes], dtype, s.elem_count) for v in views]
         sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
-        outer_step_(params[sl], momentum[sl], deltas, weights, lr, mu, out=scratch[: s.elem_count])
+        outer(params[sl], momentum[sl], deltas, out=scratch[: s.elem_count])
 
 
 def plain_pass(params: torch.Tensor, deltas: list[torch.Tensor]) -> None:
@@ -128,15 +131,15 @@ def plain_pass(params: torch.Tensor, deltas: list[torch.Tensor]) -> None:
 
 def kernel_used(cfg: Config, spans) -> str:
     """Which kernel the timed passes ran: fused (compiled) only where it compiled and the chunks are large enough."""
-    if cfg.kernel == "default":
-        return "default (eager, SGD form)"
+    if cfg.kernel == "sgd":
+        return "sgd (eager, SGD form)"
     from services.syncer import outer
 
-    key = (str(torch.float32 if cfg.push_dtype == "f32" else torch.bfloat16),) * cfg.members
-    if max(s.elem_count for s in spans) < outer.COMPILE_MIN_NUMEL:
+    key = ((str(delta_dtype(cfg.push_dtype)),) * cfg.members, spans[0].elem_count)
+    if spans[0].elem_count < outer.COMPILE_MIN_NUMEL:
         return "fused, eager twin (chunks under COMPILE_MIN_NUMEL)"
     if outer._COMPILED._ready.get(key) is None:
-        return "fused, eager twin (torch.compile unavailable)"
+        return "fused, eager twin (torch.compile unavailable or refused)"
     return "fused (compiled)"
 
 
@@ -191,7 +194,7 @@ def run(cfg: Config, out=print) -> float:
     mb, pb = merge_bytes(cfg), plain_bytes(cfg)
     m_rate, p_rate = mbps(mb, statistics.median(t_merge)), mbps(pb, statistics.median(t_plain))
     runs = lambda ts: "/".join(f"{t:.3f}" for t in ts)  # noqa: E731
-    out(f"merge ({cfg.decode} + outer_step_ per chunk): {m_rate:.0f} MB/s read+written "
+    out(f"merge ({cfg.decode} + OuterStep per chunk): {m_rate:.0f} MB/s read+written "
         f"({mb / MiB:.0f} MiB per pass, median {statistics.median(t_merge):.3f} s, runs {runs(t_merge)} s)")
     out(f"plain in-place add (params.add_(delta) x {cfg.members}): {p_rate:.0f} MB/s read+written "
         f"({pb / MiB:.0f} MiB per pass, median {statistics.median(t_plain):.3f} s, runs {runs(t_plain)} s)")
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", choices=sorted(DECODERS), default=d.decode,
                     help="view: the syncer's zero-copy decode (default); unpack: a copy per chunk")
     ap.add_argument("--kernel", choices=sorted(KERNELS), default=d.kernel,
-                    help="default: the syncer's default eager kernel; fused: the compiled one-pass loop")
+                    help="fused: the syncer's default, the compiled one-pass loop; sgd: the eager SGD-form kernel")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:

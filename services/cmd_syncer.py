@@ -88,6 +88,9 @@ def add_parser(sub) -> None:
                         "cache right after its outer step; the commit fsyncs once), thread (the same on a writer "
                         "thread beside the merge: for hosts with idle cores), whole (all at the commit) "
                         "(env YETO_CHECKPOINT_WRITER; default %(default)s)")
+    _flag(g, "--push-memory-mib", "YETO_PUSH_MEMORY_MIB", float, 1024.0,
+          "MiB of pushes kept in memory from their arrival to their merge (first come, first kept); the merge "
+          "reads the rest back from the PUSH stream, one direct get per chunk. 0 reads every chunk back")
     g.add_argument("--resume", action="store_true", default=_env("YETO_RESUME", "0") == "1",
                    help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1). "
                         "A run killed mid-round continues with the round in flight (a new attempt; a merge whose chunks "
@@ -154,6 +157,10 @@ def run(args) -> int:
         print(f"yeto syncer: --status-every must be a number > 0, got {args.status_every!r}", file=sys.stderr)
         return 2
     cfg.status_every_s = args.status_every
+    if not (args.push_memory_mib >= 0):
+        print(f"yeto syncer: --push-memory-mib must be a number >= 0, got {args.push_memory_mib!r}", file=sys.stderr)
+        return 2
+    cfg.push_memory_bytes = int(args.push_memory_mib * (1 << 20))
     try:
         return asyncio.run(SyncerService(cfg).run())
     except (SyncerError, ProvisionError) as exc:  # a conflicting run, replicas the server cannot place

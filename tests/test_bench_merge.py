@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 MERGE = ROOT / "bench" / "merge.py"
 LAST_LINE = re.compile(r"^merge ratio_vs_inplace=(?P<x>[-+0-9.eE]+|nan|inf)$")
-MERGE_LINE = re.compile(r"^merge \((?P<decode>view|unpack) \+ outer_step_ per chunk\): (?P<mbps>\d+) MB/s read\+written "
+MERGE_LINE = re.compile(r"^merge \((?P<decode>view|unpack) \+ OuterStep per chunk\): (?P<mbps>\d+) MB/s read\+written "
                         r"\((?P<mib>\d+) MiB per pass, median", re.M)
 PLAIN_LINE = re.compile(r"^plain in-place add \(params\.add_\(delta\) x (?P<m>\d+)\): (?P<mbps>\d+) MB/s read\+written "
                         r"\((?P<mib>\d+) MiB per pass, median", re.M)
@@ -33,8 +33,8 @@ def _load():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dtype,decode,kernel", [("f32", "view", "default"), ("bf16", "view", "default"),
-                                                 ("f32", "unpack", "default"), ("bf16", "view", "fused")])
+@pytest.mark.parametrize("dtype,decode,kernel", [("f32", "view", "sgd"), ("bf16", "view", "fused"),
+                                                 ("f32", "unpack", "fused"), ("bf16", "view", "sgd")])
 def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decode, kernel):
     proc = subprocess.run([sys.executable, str(MERGE), "--size-mb", "4", "--members", "3", "--chunk-kb", "64",
                            "--repeat", "1", "--push-dtype", dtype, "--decode", decode, "--kernel", kernel],
@@ -49,7 +49,7 @@ def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decod
     assert merge and plain and rss, out
     assert merge["decode"] == decode and plain["m"] == "3" and int(rss["rss"]) > 0
     # 64 KiB chunks are under COMPILE_MIN_NUMEL: the fused kernel's eager twin runs, and says so
-    assert re.search(r"^kernel " + ("default" if kernel == "default" else r"fused, eager twin \(chunks under"), out, re.M), out
+    assert re.search(r"^kernel " + ("sgd" if kernel == "sgd" else r"fused, eager twin \(chunks under"), out, re.M), out
     # honest bytes for 4 MiB of f32 params and 3 members: merge reads 3 deltas (push dtype) + params +
     # momentum and writes params + momentum; the plain pass reads 2 and writes 1 f32 per value per add
     per_delta = 4 if dtype == "f32" else 2

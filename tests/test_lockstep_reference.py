@@ -18,7 +18,7 @@ from schemas.provision import remove_run
 from services.cmd_export import export
 from tests import diloco_reference as ref
 from tests.e2e_procs import IslandProc, kv_json, tails, wait_exit
-from tests.scripted import SyncerProc
+from tests.scripted import SyncerProc, tape
 
 H, P, ROUNDS = 4, 2, 10          # 2 inner steps per round, 20 inner steps in all
 ALPHA, OUTER_LR, OUTER_MU = 0.5, 0.7, 0.9
@@ -43,6 +43,9 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
         "--strict", "--init-island", "a", "--push-dtype", "f32", "--bulk-dtype", "f32",
         "--outer-lr", str(OUTER_LR), "--outer-momentum", str(OUTER_MU),
         "--member-timeout", "30", "--quorum-timeout", "60", "--final-timeout", "60",
+        # 1 KiB chunks (~10 per push) and room for ~10 KiB of pushes in memory: each merge takes some
+        # chunks as kept at intake and reads the rest back from PUSH, and both must give the reference
+        "--chunk-bytes", "1024", "--push-memory-mib", str(10 / 1024),
         log=tmp_path / "syncer.log").start()
     env = {"YETO_LOCKSTEP": "1", "YETO_DILOCO_ALPHA": str(ALPHA)}
     args = ("--step-delay", "0", "--batch", str(BATCH), "--lr", str(INNER_LR))
@@ -54,6 +57,9 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
         assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
         session = await kv_json(js, run_id, "session")
         commit = await kv_json(js, run_id, "commit")
+        merges = [r for r in await tape(js, run_id, "merge") if r.get("step")]
+        held = sum(r["detail"]["push_chunks_held"] for r in merges)
+        read = sum(r["detail"]["push_chunks_read"] for r in merges)
     finally:
         for p in procs.values():
             p.stop()
@@ -73,6 +79,7 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
         alpha=ALPHA, outer_lr=OUTER_LR, outer_momentum=OUTER_MU))
 
     assert commit["committed_step"] == ROUNDS
+    assert len(merges) == ROUNDS and held > 0 and read > 0, (held, read)
     assert {int(k): v for k, v in commit["versions"].items()} == expected.versions == {0: ROUNDS // P, 1: ROUNDS // P}
 
     # The final cut (exported from the syncer's checkpoint) equals the reference's global model.

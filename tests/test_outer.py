@@ -22,7 +22,7 @@ def _random_bounds(n: int, gen: torch.Generator) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-@pytest.mark.parametrize("kernel", ["0", "sync"])
+@pytest.mark.parametrize("kernel", ["0", "sync", "async"])
 @pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (1.0, 0.0), (0.35, 0.5)])
 def test_matches_sgd_nesterov_chunkwise_over_many_rounds(lr: float, mu: float, kernel: str, monkeypatch) -> None:
     # sync on chunks this small runs the fused kernel's eager twin (same bits as the compiled loop,
@@ -139,47 +139,105 @@ def _run_chunks(p, m, deltas, w, bounds, lr=0.7, mu=0.9):
         outer_step_(p[a:b], m[a:b], [d[a:b] for d in deltas], w, lr, mu, out=scratch[: b - a])
 
 
+def _wire_deltas(n, dtype, gen, members=3):
+    raw = [(torch.randn(n, generator=gen) * 0.01).to(dtype) for _ in range(members)]
+    wire = [bytes(r.view(torch.uint8).numpy()) for r in raw]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffers; the step never writes a delta
+        return [torch.frombuffer(b, dtype=dtype) for b in wire]
+
+
+def _run_prepared(p, m, deltas, w, bounds, chunk_numel, lr=0.7, mu=0.9):
+    """As the shell merges: one OuterStep per merge, called per chunk."""
+    from services.syncer.outer import OuterStep
+
+    step = OuterStep(w, lr, mu, delta_dtypes=[d.dtype for d in deltas], chunk_numel=chunk_numel)
+    scratch = torch.empty(max(b - a for a, b in bounds))
+    for a, b in bounds:
+        step(p[a:b], m[a:b], [d[a:b] for d in deltas], out=scratch[: b - a])
+    return step
+
+
 @pytest.mark.timeout(300)
 def test_compiled_kernel_gives_its_eager_twins_bits(monkeypatch) -> None:
-    """YETO_OUTER_COMPILE=sync: the torch.compile'd loop and the eager twin that runs wherever it is not
-    compiled compute the same bits, so which one ran never changes a merged version. Chunks as the
-    shell passes them: slices at odd offsets of varying length, f32 deltas read in place from wire
-    bytes (read-only) and bf16 ones; three rounds, so momentum carries over. Both agree with the
-    default kernel to f32 rounding."""
+    """YETO_OUTER_COMPILE=sync: the torch.compile'd loop (static shapes, compiled for the merge's chunk
+    length) and the eager twin that runs wherever it is not compiled compute the same bits, so which
+    one ran never changes a merged version. Chunks as the shell passes them: slices at odd offsets,
+    two of the compiled length and a last one of another length, f32 deltas read in place from wire
+    bytes (read-only) and bf16 ones; three rounds, so momentum carries over. Both agree with the SGD
+    kernel (`0`) to f32 rounding."""
     from services.syncer import outer
 
-    monkeypatch.setenv("YETO_OUTER_COMPILE", "sync")
     gen = torch.Generator().manual_seed(11)
-    big = outer.COMPILE_MIN_NUMEL
-    bounds = [(0, big), (big, 2 * big + 1001), (2 * big + 1001, 3 * big + 7)]  # all compile-sized
+    big = outer.COMPILE_MIN_NUMEL + 7
+    bounds = [(0, big), (big, 2 * big), (2 * big, 2 * big + 1001)]
     n = bounds[-1][1]
     for dtype in (torch.float32, torch.bfloat16):
         p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
-        raw = [(torch.randn(n, generator=gen) * 0.01).to(dtype) for _ in range(3)]
-        wire = [bytes(r.view(torch.uint8).numpy()) for r in raw]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffers; the step never writes a delta
-            deltas = [torch.frombuffer(b, dtype=dtype) for b in wire]
+        deltas = _wire_deltas(n, dtype, gen)
         w = [1000.0, 1010.0, 1020.0]
         got = {}
-        for label, min_numel, mode in (("compiled", big, "sync"), ("twin", n + 1, "sync"), ("default", big, "0")):
-            monkeypatch.setattr(outer, "COMPILE_MIN_NUMEL", min_numel)  # n + 1: no chunk is compile-sized
+        for label, chunk_numel, mode in (("compiled", big, "sync"), ("twin", 0, "sync"), ("sgd", big, "0")):
             monkeypatch.setenv("YETO_OUTER_COMPILE", mode)
             p, m = p0.clone(), m0.clone()
             for _ in range(3):
-                _run_chunks(p, m, deltas, w, bounds)
+                step = _run_prepared(p, m, deltas, w, bounds, chunk_numel)
+                if label == "compiled":
+                    assert step.kernel_for is not None
+                    used = step.kernel_for(big, [d[:big] for d in deltas])
+                    if used is None:
+                        pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager twin runs")
+                    assert step.kernel_for(1001, [d[:1001] for d in deltas]) is None   # other lengths: the twin
             got[label] = (p, m)
-        if outer._COMPILED._ready.get((str(dtype),) * 3) is None:
-            pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager twin runs")
-        (pc, mc), (pt, mt), (pd, md) = got["compiled"], got["twin"], got["default"]
+        (pc, mc), (pt, mt), (pd, md) = got["compiled"], got["twin"], got["sgd"]
         assert torch.equal(pc, pt) and torch.equal(mc, mt), dtype
         torch.testing.assert_close(pc, pd, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(mc, md, rtol=1e-5, atol=1e-8)
         assert (pc - p0).abs().max() > 1e-3  # the rounds moved the params: the comparisons are not vacuous
 
 
+@pytest.mark.timeout(300)
+def test_async_compile_switches_kernels_mid_merge_without_changing_a_bit(monkeypatch) -> None:
+    """The default (async): a merge starts on the eager twin while the loop compiles in the background
+    and moves to the compiled loop in the middle when it is ready; its bytes equal a merge that ran on
+    the twin alone."""
+    from services.syncer import outer
+
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "async")
+    gen = torch.Generator().manual_seed(5)
+    c = outer.COMPILE_MIN_NUMEL + 13          # a chunk length no other test compiles: a fresh key
+    chunks = 4
+    n = c * chunks
+    p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+    deltas = _wire_deltas(n, torch.float32, gen, members=2)
+    w = [3.0, 1.0]
+    bounds = [(k * c, (k + 1) * c) for k in range(chunks)]
+    step = outer.OuterStep(w, 0.7, 0.9, delta_dtypes=[torch.float32] * 2, chunk_numel=c)
+    p, m = p0.clone(), m0.clone()
+    ran = []
+    rounds = 0
+    while rounds < 2000:       # rounds of the same merge until the compile is done, then two more
+        rounds += 1
+        for a, b in bounds:
+            ds = [d[a:b] for d in deltas]
+            ran.append(step.kernel_for(c, ds) is not None)
+            step(p[a:b], m[a:b], ds)
+        if ran[-1] and ran.count(True) >= 2 * chunks:
+            break
+    key = ((str(torch.float32),) * 2, c)
+    if outer._COMPILED._ready.get(key) is None and key not in outer._COMPILED._pending:
+        pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager twin runs")
+    assert not ran[0] and ran[-1], "the merge began on the twin and ended on the compiled loop"
+    monkeypatch.setenv("YETO_OUTER_COMPILE", "sync")
+    pt, mt = p0.clone(), m0.clone()
+    for _ in range(rounds):
+        _run_prepared(pt, mt, deltas, w, bounds, 0)     # chunk_numel 0: nothing compiled, the twin only
+    assert torch.equal(p, pt) and torch.equal(m, mt)
+    assert (p - p0).abs().max() > 1e-3
+
+
 def test_kernel_setting_is_checked(monkeypatch) -> None:
     p, m = torch.zeros(4), torch.zeros(4)
     monkeypatch.setenv("YETO_OUTER_COMPILE", "fast")
-    with pytest.raises(ValueError, match="YETO_OUTER_COMPILE must be 0 or sync, got 'fast'"):
+    with pytest.raises(ValueError, match="YETO_OUTER_COMPILE must be one of 0, async, sync, got 'fast'"):
         outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 0.9)

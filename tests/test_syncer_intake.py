@@ -303,3 +303,43 @@ def test_pop_dropped_and_pop_swept_hand_each_item_over_once():
     for step in (2, 3):
         led.pop_round(step % 2, step)
     assert led.pop_swept() == [8] and led.pop_swept() == []
+
+
+def _feed_held(ledger: PushLedger, metas, seq0: int = 1, *, ok=lambda meta: True):
+    """As the shell does with a payload: each chunk's bytes (12 bytes, named after its try and index)."""
+    done = []
+    for n, meta in enumerate(metas):
+        payload = f"{meta['island']}{meta['try']}:{meta['chunk']:02d}".encode().ljust(12, b".")
+        t = ledger.add(meta, seq0 + n, expected_total=meta["total"], chunk_ok=ok(meta),
+                       chunk_reason=None if ok(meta) else "digest mismatch", payload=payload)
+        if t is not None:
+            done.append(t)
+    return done
+
+
+def test_pushes_are_kept_for_the_merge_within_the_budget_first_come_first_kept():
+    led = PushLedger(hold_bytes=12 * 4)           # room for 4 of the 6 chunks below
+    (a,) = _feed_held(led, [chunk(i) for i in range(3)])
+    (b,) = _feed_held(led, [chunk(i, island="b") for i in range(3)], 10)
+    assert sorted(a.held) == [0, 1, 2] and sorted(b.held) == [0] and led.held_bytes == 48
+    assert led.take(a, 1) == b"a0:01......." and led.take(a, 1) is None    # handed over once
+    assert led.held_bytes == 36
+    assert led.take(b, 2) is None                   # not kept: the merge reads it back from PUSH
+    # a commit forgets the round's tries and with them what is still held
+    led.pop_round(0, 1)
+    assert led.held_bytes == 0 and a.held == {} and b.held == {}
+
+
+def test_an_invalid_or_released_try_holds_nothing_and_no_budget_keeps_nothing():
+    led = PushLedger(hold_bytes=1 << 20)
+    (bad,) = _feed_held(led, [chunk(i) for i in range(3)], ok=lambda m: m["chunk"] != 1)
+    assert bad.invalid and bad.held == {} and led.held_bytes == 0      # never merged: its bytes go at once
+    _feed_held(led, [chunk(i, island="b") for i in range(2)], 10)      # incomplete, then released
+    assert led.held_bytes == 24
+    led.pop_try(("b", "g1", 0, 1, 1, 0))
+    assert led.held_bytes == 0
+    none = PushLedger()                                                 # the default: nothing kept
+    (t,) = _feed_held(none, [chunk(i) for i in range(3)])
+    assert t.held == {} and none.take(t, 0) is None and none.held_bytes == 0
+    with pytest.raises(ValueError, match="hold_bytes must be >= 0, got -1"):
+        PushLedger(hold_bytes=-1)

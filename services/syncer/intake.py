@@ -40,6 +40,9 @@ class PushTry:
     done: bool = False
     sumsq: float = 0.0          # Σ value² over the chunks in (float64), for the quarantine rules
     non_finite: int = 0         # NaN/Inf values over the chunks in
+    # chunk index -> its payload as received and checked at intake, kept for the merge within the
+    # ledger's byte budget (PushLedger.hold_bytes); the merge takes it instead of reading it back
+    held: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def norm(self) -> float:
@@ -82,8 +85,17 @@ class PushLedger:
     TOMBSTONE_COMMITS = 1000
     MAX_TOMBSTONES = 10_000
 
-    def __init__(self, committed_step: int = 0) -> None:
+    def __init__(self, committed_step: int = 0, *, hold_bytes: int = 0) -> None:
+        if hold_bytes < 0:
+            raise ValueError(f"hold_bytes must be >= 0, got {hold_bytes!r}")
         self.tries: dict[PushKey, PushTry] = {}
+        # Pushes kept in memory from intake to their merge (`yeto syncer --push-memory-mib`): the merge
+        # would otherwise read every member's every chunk back from PUSH (a direct get per chunk: as many
+        # bytes again through the broker and the client as the pushes themselves). Within the budget,
+        # first come first kept; past it the chunk is read back as before. Freed as the merge takes
+        # each chunk, or with its try.
+        self.hold_bytes = hold_bytes
+        self.held_bytes = 0
         self.committed_step = committed_step
         self.released: set[PushKey] = set()
         self._opened_at: dict[PushKey, int] = {}   # committed_step when the try was opened
@@ -103,7 +115,7 @@ class PushLedger:
         return None
 
     def add(self, meta: dict, seq: int, *, expected_total: int | None, chunk_ok: bool, chunk_reason: str | None = None,
-            sumsq: float = 0.0, non_finite: int = 0) -> PushTry | None:
+            sumsq: float = 0.0, non_finite: int = 0, payload: bytes | None = None) -> PushTry | None:
         """Record one validated chunk header at stream sequence `seq`.
 
         `expected_total` is the byte size a push of this fragment must have in the session dtype (None if
@@ -111,8 +123,9 @@ class PushLedger:
         dtype, whose own reason then names the try's fault). `chunk_ok` is False when the shell found the
         payload's digest or size bad. `sumsq` / `non_finite` are the chunk's Σ value² and count of
         NaN/Inf values: summed per try (a resent chunk index counts once) into the figures the round
-        machine's quarantine rules judge. Returns the try when it just became complete (valid or not),
-        else None.
+        machine's quarantine rules judge. `payload`: the chunk's bytes, checked; kept for the merge
+        (`take`) while the try is valid and the budget allows. Returns the try when it just became
+        complete (valid or not), else None.
         """
         key = key_of(meta)
         # `closed` was asked before the shell awaited (a bad chunk's rejection is taped first), and a
@@ -148,14 +161,31 @@ class PushLedger:
         t.non_finite += non_finite
         if "push_digest" in meta:
             t.push_digest = meta["push_digest"]
+        if payload is not None and chunk_ok and t.invalid is None and self.held_bytes + len(payload) <= self.hold_bytes:
+            t.held[idx] = payload
+            self.held_bytes += len(payload)
         if t.complete:
             t.done = True
             if t.invalid is None:
                 want = push_digest([t.digests[i] for i in range(t.chunks)])
                 if t.push_digest != want:
                     t.invalid = f"push_digest {t.push_digest} does not match its chunks ({want})"
-            return t
-        return None
+        if t.invalid is not None:
+            self._release(t)   # an invalid try is never merged: its bytes go now
+        return t if t.done else None
+
+    def take(self, t: PushTry, chunk: int) -> bytes | None:
+        """Chunk `chunk` of try `t` as received at intake (checked against its digest there), handed over
+        once and forgotten; None when it was not kept (the budget was full, or after a restart)."""
+        data = t.held.pop(chunk, None)
+        if data is not None:
+            self.held_bytes -= len(data)
+        return data
+
+    def _release(self, t: PushTry) -> None:
+        if t.held:
+            self.held_bytes -= sum(len(d) for d in t.held.values())
+            t.held.clear()
 
     def pop_round(self, fragment: int, step: int) -> list[int]:
         """Forget every try of a (fragment, step) round, which is committed; return their sequences to
@@ -206,4 +236,6 @@ class PushLedger:
     def _pop(self, key: PushKey) -> list[int]:
         self._opened_at.pop(key, None)
         t = self.tries.pop(key, None)
+        if t is not None:
+            self._release(t)
         return list(t.seqs.values()) if t else []

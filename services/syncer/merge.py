@@ -28,7 +28,7 @@ from services.syncer.checkpoint import VersionFiles
 from services.syncer.actions import action_from_json, action_to_json
 from services.syncer.cut import BroadcastStream, BulkBytes, Cut
 from services.syncer.intake import PushLedger, PushTry
-from services.syncer.outer import delta_view, outer_step_
+from services.syncer.outer import OuterStep, delta_dtype, delta_view
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -73,9 +73,17 @@ class Merger:
         self.attempts = attempts          # step -> highest attempt published (the shell keeps it current)
         self.broadcast, self.ckpt_writer = broadcast, ckpt_writer
 
-    async def _read_push_chunk(self, seq: int, dtype: str, count: int, want_digest: str | None) -> torch.Tensor:
+    async def _read_push_chunk(self, t: PushTry, k: int, dtype: str, count: int) -> torch.Tensor:
+        """Chunk k of push try t: the bytes intake kept (checked against the chunk digest there), else
+        read back from PUSH by its stream sequence and checked again."""
         from nats.js.errors import NotFoundError
 
+        data = self.ledger.take(t, k)
+        if data is not None:
+            self.counters["merge.push_chunk_held"] += 1
+            return delta_view(data, dtype, count)
+        self.counters["merge.push_chunk_read"] += 1
+        seq, want_digest = t.seqs[k], t.digests[k]
         try:
             m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
         except NotFoundError:
@@ -138,14 +146,19 @@ class Merger:
             if t is None or not t.complete:
                 raise MergeError(f"merge of step {a.step}: push of {m.island}/{m.gen} try {m.try_} is not in the ledger")
             tries.append(t)
-        weights = [m.weight for m in a.members]
         scratch = torch.empty(max(s.elem_count for s in spans), dtype=torch.float32)
-        lr, mu = self.lr, self.momentum
+        # prepared once per merge: the hyper-parameters checked and the kernel chosen (and, the first
+        # time, compiled in the background) here, not per chunk
+        # (in a thread: YETO_OUTER_COMPILE=sync waits for the compile there, not on the event loop)
+        outer_step = await asyncio.to_thread(OuterStep, [m.weight for m in a.members], self.lr, self.momentum,
+                                        delta_dtypes=[delta_dtype(dtype)] * len(tries),
+                                        chunk_numel=spans[0].elem_count)
 
         async def fetch(k):
             s = spans[k]
-            return await asyncio.gather(*[self._read_push_chunk(t.seqs[k], dtype, s.elem_count, t.digests[k]) for t in tries])
+            return await asyncio.gather(*[self._read_push_chunk(t, k, dtype, s.elem_count) for t in tries])
 
+        held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
         nxt = asyncio.create_task(fetch(0))
         # The new params of a chunk are final after its outer step: pack and hash them there, in the same
         # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
@@ -166,7 +179,7 @@ class Merger:
         def step(deltas, s):
             t = time.perf_counter()
             sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
-            outer_step_(fr.params[sl], fr.momentum[sl], deltas, weights, lr, mu, out=scratch[: s.elem_count])
+            outer_step(fr.params[sl], fr.momentum[sl], deltas, out=scratch[: s.elem_count])
             outer = time.perf_counter() - t
             bulk.add(s.elem_offset, s.elem_count)
             if files is not None:
@@ -197,8 +210,11 @@ class Merger:
         # merge_s: the whole merge loop; of it fetch_s waited for pushes, outer_s ran the outer step,
         # pack_s (added by the commit with its own stages) packed and hashed the new version.
         # ckpt_write_s (added by the commit): the checkpoint files' writes, inline in the loop or beside it.
+        # push chunks the merge took from memory (kept at intake) and read back from PUSH
         rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s,
-                         "broadcast_mode": self.broadcast}
+                         "broadcast_mode": self.broadcast,
+                         "push_chunks_held": self.counters["merge.push_chunk_held"] - held0,
+                         "push_chunks_read": self.counters["merge.push_chunk_read"] - read0}
         if stream is not None:
             rec["detail"]["intent_s"] = intent_s
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again

@@ -3,27 +3,32 @@
 Every island pushes d = local - anchor for a fragment. The outer gradient is the negated weighted mean
 of those deltas, Δ = -Σ wᵢ dᵢ / Σ wᵢ, so an outer step with lr = 1, μ = 0 lands exactly on the weighted
 mean of the islands' local values (Θ - Δ = anchor + mean d). The update is Nesterov momentum applied to
-Δ, the same operations in the same order as `torch.optim.SGD(nesterov=True)`, so the two agree to f32
-rounding:
+Δ, as `torch.optim.SGD(nesterov=True)` does, so the two agree to f32 rounding (the `0` kernel below
+runs SGD's operations in SGD's order):
 
     buf = μ·buf + Δ
     Θ   = Θ - lr·(Δ + μ·buf)
 
-The shell calls `outer_step_` per chunk with slices of the fragment's params and momentum; every
-operation is elementwise, so chunking never changes a single bit of the result.
+The shell prepares one `OuterStep` per merge and calls it per chunk with slices of the fragment's
+params and momentum (`outer_step_` is the one-call form); every operation is elementwise, so chunking
+never changes a single bit of the result.
 
-**Kernels** (`YETO_OUTER_COMPILE`, read per call; one process must keep one setting, and a resumed
-syncer must get the same one, or a re-merged round may differ in the last bit):
-- `0` (default): eager torch ops, the SGD form op for op (`add_(x, alpha=a)`: a fused multiply-add on
-  CPU), ~M+4 passes over a chunk, in cache for 1 MiB chunks.
-- `sync`: the step as one loop, `torch.compile`d on CPU before its first use (seconds, once per
-  process and member count / delta dtype): it reads every delta, params and momentum once and writes
-  params and momentum once. Every product and sum is rounded on its own (no fused multiply-add, which
-  a C++ or Triton compiler may or may not choose), so that where it is not compiled (no C++ compiler,
-  tensors not on CPU, a chunk under COMPILE_MIN_NUMEL elements) an eager twin computes the same bits.
-  It differs from `0` by at most a rounding per op.
-Measured on the 2-core VM (bench/README.md, bench/merge.py) the compiled loop was no faster than the
-default (both ~0.45 of a plain in-place add, within noise of each other), so it stays opt-in.
+**Kernels** (`YETO_OUTER_COMPILE`, read when a merge prepares its `OuterStep`; one process must keep
+one setting, and a resumed syncer must get the same one, or a re-merged round may differ in the last
+bit):
+- `async` (default): the step as one loop, `torch.compile`d on CPU in a background thread the first
+  time a merge needs it (per member count, delta dtype and chunk length: seconds, once per process),
+  checked bitwise against its eager twin, and used from then on; until then, and wherever it is not
+  compiled (no C++ compiler, tensors not on CPU, a chunk under COMPILE_MIN_NUMEL elements or of
+  another length, e.g. a fragment's last chunk), the eager twin computes the same bits. The loop
+  reads every delta, params and momentum once and writes params and momentum once. Every product and
+  sum is rounded on its own (no fused multiply-add, which a C++ or Triton compiler may or may not
+  choose: the check before use refuses a compile that did).
+- `sync`: the same, but the merge waits for the compile instead of starting on the twin.
+- `0`: eager torch ops, the SGD form op for op (`add_(x, alpha=a)`: a fused multiply-add on CPU),
+  ~M+4 passes over a chunk, in cache for 1 MiB chunks; differs from the fused loop by at most a
+  rounding per op. The default until measured slower than the compiled loop (bench/README.md,
+  bench/merge.py: ~0.5 of a plain in-place add against ~0.65-0.75 once the per-call overhead was cut).
 
 `delta_view` decodes a push chunk's wire bytes for the merge without a copy (f32 and bf16 are read in
 place; outer_step_ upcasts bf16 exactly): copying every chunk into fresh memory cost more than the
@@ -41,7 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-__all__ = ["weights_for", "outer_step_", "delta_view", "COMPILE_MIN_NUMEL"]
+__all__ = ["weights_for", "OuterStep", "delta_dtype", "outer_step_", "delta_view", "COMPILE_MIN_NUMEL", "MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,13 @@ def delta_view(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
     return t
 
 
+def delta_dtype(wire_dtype: str) -> torch.dtype:
+    """The dtype `delta_view` usually returns for `wire_dtype` (q4 and misaligned buffers decode to f32;
+    an OuterStep checks each chunk's real dtypes before it uses a compiled loop)."""
+    spec = _VIEW_DTYPES.get(wire_dtype)
+    return spec[0] if spec is not None else torch.float32
+
+
 def _tokens_of(member: Any) -> float:
     # Accept plain numbers, objects with .c_tokens (rounds.MergeInput) and mappings (decoded JSON).
     if isinstance(member, (int, float)):
@@ -108,6 +120,87 @@ def weights_for(members: Sequence[Any], equal_weights: bool) -> list[float]:
     return [t / total for t in tokens]
 
 
+def _check_hyper(weights: Sequence[float], lr: float, mu: float) -> float:
+    """Validate the merge's hyper-parameters; the weights' sum."""
+    if len(weights) == 0:
+        raise ValueError("need at least one delta and one weight per delta, got no weights")
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"outer lr must be finite and >= 0, got {lr!r}")
+    if not (math.isfinite(mu) and 0 <= mu < 1):
+        raise ValueError(f"outer momentum must be in [0, 1), got {mu!r}")
+    total = math.fsum(float(w) for w in weights)
+    if not (math.isfinite(total) and total > 0) or any(float(w) < 0 for w in weights):
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)!r}")
+    return total
+
+
+def _check_slice(params: torch.Tensor, momentum: torch.Tensor, deltas: Sequence[torch.Tensor], n_weights: int) -> None:
+    if params.dtype != torch.float32 or momentum.dtype != torch.float32:
+        raise TypeError(f"params and momentum must be float32, got {params.dtype} and {momentum.dtype}")
+    if params.shape != momentum.shape:
+        raise ValueError(f"momentum shape {tuple(momentum.shape)} != params shape {tuple(params.shape)}")
+    if len(deltas) == 0 or len(deltas) != n_weights:
+        raise ValueError(f"need one weight per delta and at least one delta, got {len(deltas)} deltas and {n_weights} weights")
+    for i, d in enumerate(deltas):
+        if d.shape != params.shape:
+            raise ValueError(f"delta {i} shape {tuple(d.shape)} != params shape {tuple(params.shape)}")
+        if d.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"delta {i} dtype {d.dtype} is not a float type")
+
+
+class OuterStep:
+    """One merge's outer step, prepared once and then applied chunk by chunk.
+
+    The weights, lr and μ are checked, the f32 coefficients built and the kernel chosen here, once per
+    merge; a call per chunk then checks only what can differ between chunks (shapes, dtypes) and runs
+    the kernel. At 1 MiB chunks a merge makes ~1000 calls per 256 MiB, and per-call overhead is what
+    separates a chunked merge from one in-place pass over memory (bench/merge.py).
+
+    `chunk_numel` is the merge's usual chunk length: with YETO_OUTER_COMPILE=async|sync the fused loop
+    is compiled for exactly that length (static shapes: the cheapest call); other lengths (a
+    fragment's last chunk) run the eager twin, which gives the same bits.
+    """
+
+    __slots__ = ("weights", "total", "lr", "mu", "mode", "coefs", "mu_lr", "kernel_for")
+
+    def __init__(self, weights: Sequence[float], lr: float, mu: float, *, delta_dtypes: Sequence[torch.dtype] = (),
+                 chunk_numel: int = 0, device: torch.device | str = "cpu"):
+        self.total = _check_hyper(weights, lr, mu)
+        self.weights = [float(w) for w in weights]
+        self.lr, self.mu = float(lr), float(mu)
+        self.mode = _COMPILED.mode()
+        if self.mode != "0":
+            # Δ = -Σ (wᵢ/Σw)·dᵢ: the coefficients are exact in double and rounded once to f32, here, so
+            # the compiled kernel and its eager twin multiply by the same f32 values.
+            self.coefs = torch.tensor([-w / self.total for w in self.weights], dtype=torch.float32, device=device)
+            self.mu_lr = torch.tensor([self.mu, -self.lr], dtype=torch.float32, device=device)
+        else:
+            self.coefs = self.mu_lr = None
+        self.kernel_for = None
+        if self.mode != "0" and chunk_numel >= COMPILE_MIN_NUMEL and torch.device(device).type == "cpu" \
+                and len(delta_dtypes) == len(self.weights):
+            self.kernel_for = _COMPILED.prepare(tuple(str(d) for d in delta_dtypes), int(chunk_numel),
+                                                wait=self.mode == "sync")
+
+    def __call__(self, params: torch.Tensor, momentum: torch.Tensor, deltas: Sequence[torch.Tensor], *,
+                 out: torch.Tensor | None = None) -> None:
+        """Apply the step in place to this chunk's `params` and `momentum` slices (f32, same shape);
+        `deltas` in the merge's member order; `out` an optional f32 scratch of >= params.numel()
+        elements reused across calls (contents afterwards unspecified)."""
+        _check_slice(params, momentum, deltas, len(self.weights))
+        n = params.numel()
+        if out is not None and (out.dtype != torch.float32 or out.numel() < n):
+            raise ValueError(f"scratch must be float32 with >= {n} elements, got {out.dtype} with {out.numel()}")
+        if self.mode == "0":
+            _sgd_step_(params, momentum, deltas, self.weights, self.total, self.lr, self.mu, out)
+            return
+        kernel = self.kernel_for(n, deltas) if self.kernel_for is not None else None
+        if kernel is not None:
+            kernel(params, momentum, self.coefs, self.mu_lr, *deltas)
+        else:
+            _eager_step_(params, momentum, self.coefs, self.mu_lr, deltas, out)
+
+
 def outer_step_(
     params: torch.Tensor,
     momentum: torch.Tensor,
@@ -126,42 +219,15 @@ def outer_step_(
     `params.numel()` elements that the eager path reuses across calls (its contents afterwards are
     unspecified).
 
-    Which kernel runs: YETO_OUTER_COMPILE (module doc).
+    One call, one `OuterStep` (the shell prepares one per merge instead). Which kernel runs:
+    YETO_OUTER_COMPILE (module doc); here `sync` compiles the loop for this slice's length, `async`
+    uses only a loop already compiled for it.
     """
-    if params.dtype != torch.float32 or momentum.dtype != torch.float32:
-        raise TypeError(f"params and momentum must be float32, got {params.dtype} and {momentum.dtype}")
-    if params.shape != momentum.shape:
-        raise ValueError(f"momentum shape {tuple(momentum.shape)} != params shape {tuple(params.shape)}")
-    if len(deltas) == 0 or len(deltas) != len(weights):
-        raise ValueError(f"need one weight per delta and at least one delta, got {len(deltas)} deltas and {len(weights)} weights")
-    for i, d in enumerate(deltas):
-        if d.shape != params.shape:
-            raise ValueError(f"delta {i} shape {tuple(d.shape)} != params shape {tuple(params.shape)}")
-        if d.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"delta {i} dtype {d.dtype} is not a float type")
-    if not (math.isfinite(lr) and lr >= 0):
-        raise ValueError(f"outer lr must be finite and >= 0, got {lr!r}")
-    if not (math.isfinite(mu) and 0 <= mu < 1):
-        raise ValueError(f"outer momentum must be in [0, 1), got {mu!r}")
-    total = math.fsum(float(w) for w in weights)
-    if not (math.isfinite(total) and total > 0) or any(float(w) < 0 for w in weights):
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)!r}")
-
-    n = params.numel()
-    if out is not None and (out.dtype != torch.float32 or out.numel() < n):
-        raise ValueError(f"scratch must be float32 with >= {n} elements, got {out.dtype} with {out.numel()}")
-    if _COMPILED.mode() == "0":
-        _sgd_step_(params, momentum, deltas, weights, total, lr, mu, out)
-        return
-    # Δ = -Σ (wᵢ/Σw)·dᵢ: the coefficients are exact in double and rounded once to f32, here, so the
-    # compiled kernel and its eager twin multiply by the same f32 values.
-    coefs = torch.tensor([-float(w) / total for w in weights], dtype=torch.float32, device=params.device)
-    mu_lr = torch.tensor([mu, -lr], dtype=torch.float32, device=params.device)
-    kernel = _COMPILED.get(params, deltas)
-    if kernel is not None:
-        kernel(params, momentum, coefs, mu_lr, *deltas)
-    else:
-        _eager_step_(params, momentum, coefs, mu_lr, deltas, out)
+    _check_slice(params, momentum, deltas, len(weights))
+    # async compiles nothing here: a one-off call must not start a compile per slice length it sees
+    step = OuterStep(weights, lr, mu, delta_dtypes=[d.dtype for d in deltas],
+                     chunk_numel=params.numel() if _COMPILED.mode() == "sync" else 0, device=params.device)
+    step(params, momentum, deltas, out=out)
 
 
 # --------------------------------------------------------------------------- the kernels
@@ -237,55 +303,104 @@ def _eager_step_(params, momentum, coefs, mu_lr, deltas, out) -> None:
 
 
 COMPILE_MIN_NUMEL = 1 << 16   # 256 KiB of f32: smaller chunks gain nothing from a compiled loop
+MODES = ("0", "async", "sync")
 
 
 class _CompiledKernels:
-    """torch.compile'd `_fused_step_` per (member count, delta dtypes), compiled on first use; None
-    for chunks it does not serve (under COMPILE_MIN_NUMEL, not on CPU) or for good where compiling
-    failed (no C++ compiler, an unsupported torch): the caller then runs the eager twin."""
+    """The fused loop torch.compile'd per (delta dtypes, chunk length), static shapes (the cheapest call:
+    no size symbols, the fewest guards). Each key gets its own copy of `_fused_step_`'s code, so its
+    dynamo cache holds one entry and no key's guards are evaluated for another.
+
+    A compile is checked before use: the compiled loop must give its eager twin's bits on random
+    chunks (a compiler that contracts a*b+c into one rounding would not); otherwise, or where
+    compiling fails (no C++ compiler, an unsupported torch), the key stays on the twin for the
+    process's life, with one warning. The eager twin and the compiled loop being bitwise equal is what
+    lets `async` switch from one to the other in the middle of a merge without changing a version's
+    bytes, and a restarted syncer redo a merge with the same bytes whichever of them runs.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._ready: dict[tuple, Callable | None] = {}
+        self._ready: dict[tuple, Callable | None] = {}   # key -> compiled and checked, or None (twin for good)
+        self._pending: dict[tuple, threading.Thread] = {}
 
     @staticmethod
     def mode() -> str:
-        m = os.environ.get("YETO_OUTER_COMPILE", "0").strip().lower() or "0"
-        if m not in ("sync", "0"):
-            raise ValueError(f"YETO_OUTER_COMPILE must be 0 or sync, got {m!r}")
+        m = os.environ.get("YETO_OUTER_COMPILE", "async").strip().lower() or "async"
+        if m not in MODES:
+            raise ValueError(f"YETO_OUTER_COMPILE must be one of {', '.join(MODES)}, got {m!r}")
         return m
 
-    def get(self, params: torch.Tensor, deltas: Sequence[torch.Tensor]) -> Callable | None:
-        if params.device.type != "cpu" or params.numel() < COMPILE_MIN_NUMEL:
-            return None
-        key = tuple(str(d.dtype) for d in deltas)
-        with self._lock:  # one compile per key, even with merges on two threads
-            if key not in self._ready:
-                self._ready[key] = self.compile(key)
-            return self._ready[key]
+    def prepare(self, dtypes: tuple[str, ...], numel: int, *, wait: bool) -> Callable:
+        """Start (or with `wait`, finish) compiling the loop for `dtypes` chunks of `numel` values; a
+        lookup `(n, deltas) -> compiled kernel or None` for the merge's calls."""
+        key = (dtypes, numel)
+        with self._lock:
+            if key not in self._ready and key not in self._pending:
+                th = threading.Thread(target=self._build, args=(key,), name=f"outer-compile-{len(dtypes)}x{numel}",
+                                      daemon=True)
+                self._pending[key] = th
+                th.start()
+            th = self._pending.get(key)
+        if wait and th is not None:
+            th.join()
+        ready = self._ready
+
+        def kernel_for(n: int, deltas: Sequence[torch.Tensor]) -> Callable | None:
+            if n != numel:
+                return None
+            fn = ready.get(key)
+            if fn is None:
+                return None
+            for d, want in zip(deltas, dtypes):
+                if str(d.dtype) != want:
+                    return None
+            return fn
+
+        return kernel_for
+
+    def _build(self, key: tuple) -> None:
+        fn = self.compile(key)
+        with self._lock:
+            self._ready[key] = fn
+            self._pending.pop(key, None)
 
     @staticmethod
     def compile(key: tuple) -> Callable | None:
-        """Compile and run once on dummy chunks (where the work happens)."""
+        """Compile, run once and check against the eager twin on random chunks (where the work happens)."""
         import time
+        import types
 
+        dtypes, numel = key
         t0 = time.perf_counter()
         try:
             import torch._inductor.config as inductor_config
 
             # one kernel: no pool of compile worker processes (memory, and orphans if the syncer is killed)
             inductor_config.compile_threads = 1
-            fn = torch.compile(_fused_step_, dynamic=True)
-            n = COMPILE_MIN_NUMEL + 3   # odd sizes and offsets: a general kernel, no specialisation
-            base = torch.zeros(2 * n + 8)
-            dts = [torch.zeros(n + 1, dtype=getattr(torch, k.split(".")[-1]))[1:] for k in key]
-            fn(base[1:n + 1], base[n + 5:2 * n + 5], torch.zeros(len(key)), torch.zeros(2), *dts)
+            code = _fused_step_.__code__.replace()   # its own code object: its own dynamo cache
+            fn = torch.compile(types.FunctionType(code, _fused_step_.__globals__, "_fused_step_"), dynamic=False)
+            gen = torch.Generator().manual_seed(numel)
+            # odd offsets into larger buffers, as the shell's slices are
+            base = torch.randn(2 * numel + 8, generator=gen)
+            dts = [(torch.randn(numel + 1, generator=gen) * 0.01).to(getattr(torch, k.split(".")[-1]))[1:]
+                   for k in dtypes]
+            coefs = -torch.rand(len(dtypes), generator=gen)
+            mu_lr = torch.tensor([0.9, -0.7])
+            twin = base.clone()
+            fn(base[1:numel + 1], base[numel + 5:2 * numel + 5], coefs, mu_lr, *dts)
+            _eager_step_(twin[1:numel + 1], twin[numel + 5:2 * numel + 5], coefs, mu_lr, dts, None)
+            if not torch.equal(base, twin):
+                worst = (base - twin).abs().max().item()
+                log.warning("outer step: the compiled loop for %d members (%s) differs from its eager twin "
+                            "(largest difference %.3g); the twin is used", len(dtypes), ",".join(dtypes), worst)
+                return None
         except Exception as exc:  # no compiler, unsupported platform: the eager twin gives the same bits
             log.warning("outer step: torch.compile unavailable (%s: %s); its eager twin is used",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
-        log.info("outer step: fused kernel for %d members (%s) compiled in %.1fs", len(key), ",".join(key),
-                 time.perf_counter() - t0)
+        log.info("outer step: fused kernel for %d members (%s) x %d values compiled and checked in %.1fs",
+                 len(dtypes), ",".join(dtypes), numel, time.perf_counter() - t0)
         return fn
 
 

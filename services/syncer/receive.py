@@ -250,8 +250,9 @@ class Receiver:
                 await self.reject(f"push chunk on {msg.subject}", exc, island=subj_island, gen=meta["gen"],
                                    extra={"step": meta["step"], "attempt": meta["attempt"], "try": meta["try"],
                                           "chunk": meta["chunk"]})
+        # the checked payload is handed on: within its budget the ledger keeps it for the merge
         t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason,
-                            sumsq=sumsq, non_finite=non_finite)
+                            sumsq=sumsq, non_finite=non_finite, payload=msg.data if ok else None)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
             await self.queue.put(R.PushComplete(

@@ -97,6 +97,8 @@ class ServiceConfig:
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
     broadcast: str = "with-commit"
     ckpt_writer: str = "inline"
+    # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes)
+    push_memory_bytes: int = 1024 << 20
 
 
 class SyncerService:
@@ -106,7 +108,7 @@ class SyncerService:
         self.counters: Counter = Counter()
         self.machine: R.RoundMachine | None = None
         self.ckpt = CheckpointDir(cfg.checkpoint_dir)
-        self.ledger = PushLedger()
+        self.ledger = PushLedger(hold_bytes=cfg.push_memory_bytes)
         # Built once connected: the tape writer, the global model (cut), then intake and merge.
         self.tape: TapeWriter | None = None
         self.cut: Cut | None = None
@@ -307,7 +309,7 @@ class SyncerService:
                     f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
                     f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
             self.cut.set_session(session)
-            self.ledger = PushLedger(committed_step=state.committed_step)
+            self.ledger = PushLedger(committed_step=state.committed_step, hold_bytes=self.cfg.push_memory_bytes)
             for fid, fr in self.cut.frags.items():
                 try:
                     fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
