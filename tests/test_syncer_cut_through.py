@@ -14,11 +14,17 @@ the BCAST bytes, the values equal the reference, and no (fragment, version, chun
 chunk digests. While the syncer is down, the island's own reader (learner.fragments.CutReader) finds
 no complete version in that BCAST: an island never installs a partial version. The run then finishes
 (final cut equal to the reference, exit 0), and both processes' recorded inputs replay identical.
+(c) The same kill, then the round's pushes deleted from PUSH before the restart: the redo fails (an
+`error` record names the missing PUSH message), the committed v - 1 goes out again over the partial
+chunks, the round restarts with a new attempt, and version v is committed from the new pushes (equal to
+a reference that never saw the lost ones); an island's reader never completes v from the partial bytes.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
+import re
 import signal
 
 import orjson
@@ -28,10 +34,11 @@ import torch
 from learner.fragments import CutReader
 from schemas import codec, subjects as S
 from schemas.chunks import chunk_plan, digest
-from schemas.dtypes import unpack
+from schemas.dtypes import pack, unpack
+from schemas.errors import WireError
 from services.syncer.checkpoint import CheckpointDir
 from tests.scripted import (LR, MU, Reference, close_run, finish_on_reference, push_round, replay_segments,
-                            start_run, tape, tiny_layout, wait_tape)
+                            start_run, tape, tiny_layout, wait_status, wait_tape)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,6 +243,166 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
         await finish_on_reference(isls, syncer, ref, 10)
         await asyncio.sleep(0.3)
         assert log.two_digests() == [], "a chunk of one version number was sent with two different byte strings"
+        segs = replay_segments(nats_url, run_id)
+        assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
+    finally:
+        await log.stop()
+        await close_run(isls, syncer, run_id)
+
+
+@pytest.mark.timeout(180)
+async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_round_restarts(nats_url, run_id, tmp_path):
+    """The redo-failure path of (b): the syncer is killed in the middle of version v's cut-through
+    broadcast, then the round's pushes are deleted from PUSH (an operator purge, or max_age passing while
+    it is down), then it is restarted with `--resume`. The intent's merge cannot be done again: an
+    `error` record says so on the tape, the partial version is never sealed (the committed v - 1 goes out
+    again over its chunks, with new Nats-Msg-Ids), the round restarts with a new attempt, and version v
+    is committed from the new pushes, equal to a reference that never saw the lost ones. The syncer
+    lives on and finishes the run."""
+    ckpt = tmp_path / "ckpt"
+    total = 4
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", str(total),
+                                         "--broadcast", "cut-through", layout=LAYOUT)
+    a = isls[0]
+    js = a.js
+    log = await BcastLog(js, run_id).start()
+    try:
+        ref, gen = Reference(init), torch.Generator().manual_seed(11)
+        await _play(isls, ref, gen, 1)
+        torch.testing.assert_close(await a.wait_version(0, 1), ref.value(0), rtol=1e-6, atol=1e-6)
+
+        # ---- fragment 1's rounds (about 258 chunks): SIGKILL once a few chunks of the round's version
+        # are in BCAST; a broadcast quicker than the kill just tries again two rounds later (the last
+        # round will do: the restarted round is then the last one).
+        fid = 1
+        killed_at = before = None
+        for t in (2, 4):
+            v = t // 2
+            if t > 2:
+                await _play(isls, ref, gen, t - 1)
+                torch.testing.assert_close(await a.wait_version(0, v), ref.value(0), rtol=1e-6, atol=1e-6)
+
+            def hook(meta, v=v):
+                if (meta["fragment"], meta["version"]) == (fid, v) and meta["chunk"] >= 3 and syncer.proc.poll() is None:
+                    syncer.proc.send_signal(signal.SIGKILL)
+            before = copy.deepcopy(ref)   # the reference before round t: its pushes may be lost
+            log.hook = hook
+            await _play(isls, ref, gen, t)
+            for _ in range(200):
+                if syncer.proc.poll() is not None or (fid, v) in log.sealed:
+                    break
+                await asyncio.sleep(0.05)
+            log.hook = None
+            if syncer.proc.poll() is not None:
+                syncer.proc.wait()
+                killed_at = (t, v)
+                break
+            torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)
+        assert killed_at is not None, "the broadcast was never caught in the middle in two rounds"
+        t, v = killed_at
+
+        # ---- down mid-broadcast: early chunks of v in BCAST, no seal; an island's reader stages them
+        state = await _bcast_state(js, run_id, a.session, fid)
+        versions = [meta["version"] for meta, _, _ in state]
+        assert versions[0] == v and versions[-1] == v - 1, versions
+        early = {meta["chunk"]: digest(data) for meta, data, _ in state if meta["version"] == v}
+        assert len(early) >= 3
+        ck = CheckpointDir(ckpt)
+        held = ck.read_state()
+        assert held.versions[fid] == v - 1
+        intent = ck.read_intent(fid)
+        assert intent["merge"]["version"] == v and intent["merge"]["step"] == t
+        attempt1 = intent["merge"]["attempt"]
+        readers = [CutReader(a.session), CutReader(a.session)]
+        for reader in readers:
+            reader.hold(fid, v - 1, held.version_digests[fid])
+            verdicts = [reader.take(fid, meta["chunk"], meta, data, seq) for meta, data, seq in state[:len(early)]]
+            assert verdicts == ["accept"] * len(early) and reader.reading(fid)[:2] == (v, len(early))
+
+        # ---- the round's pushes leave PUSH while the syncer is down (the intent names their sequences)
+        seqs = sorted({seq for tr in intent["tries"] for seq in tr["seqs"].values()})
+        assert len(seqs) == 2 * len(chunk_plan(a.frag(fid)["numel"], "f32", 1024)), len(seqs)
+        for seq in seqs:
+            await js.delete_msg(S.stream(run_id, "PUSH"), seq)
+
+        # ---- restart: the redo fails, is taped, and the committed v - 1 goes out again over the partial v
+        syncer.start("--resume")
+        err = await wait_tape(js, run_id, lambda r: r.get("fragment") == fid and "not redone" in r.get("reason", ""),
+                              kind="error", timeout=30)
+        assert err["step"] == t and f"interrupted merge of version {v} not redone" in err["reason"], err
+        # the message named is one of the deleted pushes' chunk 0 (the members' reads run concurrently)
+        gone = re.search(r"MergeError\('PUSH message (\d+) is gone from the stream", err["reason"])
+        assert gone and int(gone[1]) in {tr["seqs"]["0"] for tr in intent["tries"]}, err
+        assert ck.read_intent(fid) is None and ck.read_state().versions[fid] == v - 1
+        await wait_status(js, run_id, lambda st: st["counters"].get("merge_redo_failed") == 1
+                          and not st["counters"].get("merge_redone"))
+        for _ in range(100):
+            resent = await _bcast_state(js, run_id, a.session, fid)
+            if all(meta["version"] == v - 1 for meta, _, _ in resent):
+                break
+            await asyncio.sleep(0.05)
+        assert [meta["version"] for meta, _, _ in resent] == [v - 1] * len(resent)
+        assert resent[-1][0]["version_digest"] == held.version_digests[fid]
+
+        # ---- the round restarts (a new attempt); the pushes merged now are the only ones in version v
+        ref = before
+        deltas = []
+        for isl in isls:
+            pull = await isl.expect_pull(t, timeout=30)
+            assert pull["attempt"] > attempt1 and pull["base_version"] == v - 1, pull
+            deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
+            await isl.push(pull, deltas[-1], c_tokens=TOKENS[isl.island])
+        ref.round(fid, deltas, [TOKENS[isl.island] for isl in isls])
+        commit = await wait_tape(js, run_id, lambda r: r["step"] == t and r["fragment"] == fid, kind="commit",
+                                 timeout=30)
+        merge = await wait_tape(js, run_id, lambda r: r["step"] == t and r["fragment"] == fid, kind="merge")
+        assert merge["version"] == v and merge["attempt"] > attempt1 and not merge["detail"].get("redone"), merge
+        # the committed version v (its checkpoint files) is the reference's, and its digest the commit's
+        params, _ = ck.load_fragment(fid, v, a.frag(fid)["numel"])
+        torch.testing.assert_close(params, ref.value(fid), rtol=1e-6, atol=1e-6)
+        assert commit["detail"]["version_digest"] == hashlib.sha256(pack(params, "f32").numpy().tobytes()).hexdigest()
+        after = await _bcast_state(js, run_id, a.session, fid)
+        stuck = [meta["chunk"] for meta, _, _ in after if meta["version"] != v]
+        if stuck and set(stuck) <= set(early) and all(after[c][0]["version"] == v - 1 for c in stuck):
+            # Known bug (issue 15), fixed in services/syncer/cut.py, outside this test's branch: the
+            # restarted round sends version v under the Nats-Msg-Ids `bcast.F.v.C` the killed syncer used
+            # for its partial chunks, so JetStream drops those chunks as duplicates (duplicate window
+            # 120 s): BCAST keeps v - 1 there and no island can read v. Remove this branch with the fix.
+            pytest.xfail(f"BCAST chunks {stuck} of fragment {fid} still hold version {v - 1}: version {v}'s "
+                         f"new chunks were dropped as duplicates of the killed syncer's")
+        assert [meta["version"] for meta, _, _ in after] == [v] * len(after)
+        whole = hashlib.sha256(b"".join(data for _, data, _ in after)).hexdigest()
+        assert commit["detail"]["version_digest"] == whole == after[-1][0]["version_digest"]
+        torch.testing.assert_close(unpack(b"".join(data for _, data, _ in after), "f32", a.frag(fid)["numel"]),
+                                   ref.value(fid), rtol=1e-6, atol=1e-6)
+        # version v's first chunks now hold other bytes than the killed syncer's
+        assert all(digest(after[c][1]) != d for c, d in early.items())
+
+        # ---- no island installs the partial bytes. An island that saw the notice of the re-sent chunk 0
+        # drops its staging and reads v afresh; one that missed every notice and reads on from where it
+        # stopped hashes old and new chunks together, and the seal refuses that mix.
+        r_notice, r_blind = readers
+        assert r_notice.chunk_changed(fid, 0, v - 1, resent[0][0]["digest"]) is True
+        verdicts = [r_notice.take(fid, meta["chunk"], meta, data, seq) for meta, data, seq in after]
+        assert verdicts == ["accept"] * (len(after) - 1) + ["complete"]
+        assert r_notice.held[fid] == (v, whole)
+        with pytest.raises(WireError):
+            for meta, data, seq in after[len(early):]:
+                assert r_blind.take(fid, meta["chunk"], meta, data, seq) == "accept"
+        assert r_blind.held[fid] == (v - 1, held.version_digests[fid])
+        # only the early chunks of v were ever seen with two byte strings (the seal: one digest)
+        assert {k[2] for k, _ in log.two_digests() if k[:2] == (fid, v)} == set(early), log.two_digests()
+        assert all(k[:2] == (fid, v) for k, _ in log.two_digests()), log.two_digests()
+
+        # ---- the syncer lives on and the run finishes on the reference
+        assert syncer.proc.poll() is None
+        for t2 in range(t + 1, total + 1):
+            await _play(isls, ref, gen, t2)
+            f2 = (t2 - 1) % 2
+            torch.testing.assert_close(await a.wait_version(f2, (t2 + 1) // 2), ref.value(f2), rtol=1e-6, atol=1e-6)
+        await finish_on_reference(isls, syncer, ref, total)
+        out = syncer.output()
+        assert f"fragment {fid} version {v} cannot be merged again" in out
         segs = replay_segments(nats_url, run_id)
         assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
     finally:

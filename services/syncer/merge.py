@@ -89,7 +89,12 @@ class Merger:
         except NotFoundError:
             # Any replica answers a direct get; one still catching up (a cluster node just restarted)
             # does not hold the message yet. The stream leader does.
-            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq)
+            try:
+                m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq)
+            except NotFoundError:
+                # Gone from the stream (max_age, an operator's purge). nats-py's bare NotFoundError()
+                # names nothing: the tape's record of a failed redo must say which message is missing.
+                raise MergeError(f"PUSH message {seq} is gone from the stream (max_age or a purge)") from None
         data = m.data
         if want_digest is not None and chunk_digest(data) != want_digest:
             raise MergeError(f"PUSH message {seq} changed in the stream (digest mismatch)")
