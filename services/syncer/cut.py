@@ -161,6 +161,10 @@ class Cut:
         self.session: dict | None = None
         self.frags: dict[int, Frag] = {}          # this shard's fragments (every fragment with one shard)
         self.final_digests: dict[int, str] = {}   # fragment -> f32 version digest of the final cut
+        # fragment -> (version, resend id): a version number whose first chunks a killed syncer had sent with
+        # other bytes (its redo failed and the round restarted). Its new chunks need ids of their own, or
+        # JetStream drops them as duplicates of the old ones within the duplicate window (120 s).
+        self.reissue: dict[int, tuple[int, int]] = {}
 
     def owns(self, fid: int) -> bool:
         return SH.owns(fid, self.shard, self.shards)
@@ -282,6 +286,8 @@ class Cut:
             meta["final_step"] = final_step
             subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
         else:
+            if resend is None and self.reissue.get(fid, (None, None))[0] == version:
+                resend = self.reissue[fid][1]
             subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
         kind = "final_chunk" if final_step is not None else "bcast_chunk"
         return subject, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)}

@@ -102,7 +102,11 @@ class Merger:
 
     def intent(self, a: R.Merge, tries: list[PushTry]) -> dict:
         """What redoing this merge needs besides the checkpointed params and momentum (see `redo`)."""
+        reissue = self.cut.reissue.get(a.fragment)
         return {"merge": action_to_json(a), "lr": self.lr, "momentum": self.momentum,
+                # the resend id of a version number re-issued after a failed redo: a redo of this merge
+                # must send under the same ids, or chunks only a killed syncer sent would shadow it
+                "reissue": reissue[1] if reissue is not None and reissue[0] == a.version else None,
                 "attempts": {str(k): v for k, v in self.attempts.items()},
                 "tries": [{"key": list(t.key), "chunks": t.chunks, "total": t.total, "dtype": t.dtype,
                            "base_version": t.base_version, "local_step": t.local_step, "c_steps": t.c_steps,
@@ -127,6 +131,8 @@ class Merger:
                 push_digest=t["push_digest"], done=True)
         self.attempts.update({int(k): v for k, v in intent["attempts"].items()})
         self.lr, self.momentum = float(intent["lr"]), float(intent["momentum"])
+        if intent.get("reissue") is not None:
+            self.cut.reissue[a.fragment] = (a.version, int(intent["reissue"]))
         fr = self.cut.frags[a.fragment]
         try:
             return await self.merge(a, redone=True)

@@ -254,6 +254,8 @@ class SyncerService:
                                       kind="error")
                 await asyncio.to_thread(self.ckpt.drop_intent, fid)
                 self._unsealed.add(fid)
+                # The restarted round gives this version number other bytes: new Nats-Msg-Ids for them.
+                self.cut.reissue[fid] = (merge.get("version"), time.time_ns() // 1_000_000)
                 continue
             self.counters["merge_redone"] += 1
             await merger.cleanup(fid, seqs)
