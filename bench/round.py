@@ -38,9 +38,11 @@ not stream them.
 Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
-`--outer-compile sync` runs the syncer with the fused merge kernel (compiled in the warm-up round).
-`--checkpoint-writer` and `--broadcast` are the syncer's flags of those names (default: inline writes,
-with-commit broadcast). With `with-commit` or `cut-through` the new version's chunks go out before it is
+`--outer-compile` sets the syncer's YETO_OUTER_COMPILE (default async, the syncer's: the fused loop
+compiled in the background during the warm-up round; `0`: the eager SGD-form kernel).
+`--checkpoint-writer`, `--broadcast` and `--push-memory-mib` are the syncer's flags of those names
+(default: inline writes, with-commit broadcast, 1024 MiB of pushes kept for the merge; 0 makes the
+merge read every push chunk back from PUSH, the path before). With `with-commit` or `cut-through` the new version's chunks go out before it is
 durable (cut-through: as they are merged, so chunk 0 is seen before the merge loop ends), so the
 checkpoint stage counts 0 and the broadcast stage is the durable commit and the seal.
 
@@ -85,6 +87,8 @@ EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("
 # Recorded by a syncer that streams the checkpoint files during the merge (optional: printed as "-" when
 # absent, so older syncers' records still make a breakdown).
 STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"))
+# Push chunks the merge took from memory (kept at intake) and read back from PUSH (optional, counts).
+HELD = (("push_chunks_held", "push chunks held"), ("push_chunks_read", "read back"))
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -131,13 +135,13 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
     # The round ends at the last mark: an island may report its install before the observer sees
     # the broadcast's tape record, and the stages must add up.
     out["round"] = marks[-1] - start
-    out["from_pull"] = done - o.pull
+    out["from_pull"] = marks[-1] - o.pull   # the same end as `round` (start >= pull, so never shorter)
     out["merge_loop"] = o.merge_s
     out["digest"] = o.commit_t - o.merge_t
     out["export"] = max(o.export_s.get(i, 0.0) for i in islands)
     out["island_apply"] = max(o.apply_s.get(i, 0.0) for i in islands)
     out.update((k, float(o.exact[k])) for k, _ in EXACT)
-    out.update((k, float(o.exact[k])) for k, _ in STREAM if k in o.exact)
+    out.update((k, float(o.exact[k])) for k, _ in STREAM + HELD if k in o.exact)
     return out
 
 
@@ -371,7 +375,8 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--islands", str(args.islands), "--fragments", "1", "--sync-every", "1", "--total-steps", str(total),
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
-                 "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30"],
+                 "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30",
+                 "--push-memory-mib", str(args.push_memory_mib)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                 env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
                          YETO_BROADCAST=args.broadcast),
@@ -440,7 +445,8 @@ def fmt_stage_row(label: str, b: dict) -> str:
               f"island export {b['export']:.3f}, island apply {b['island_apply']:.3f})\n"
             + f"{label} syncer stages: " + ", ".join(f"{name} {b[k]:.3f}" for k, name in EXACT) + "\n"
             + f"{label} checkpoint stream: "
-            + ", ".join(f"{name} {b[k]:.3f}" if k in b else f"{name} -" for k, name in STREAM))
+            + ", ".join(f"{name} {b[k]:.3f}" if k in b else f"{name} -" for k, name in STREAM)
+            + "; " + ", ".join(f"{name} {b[k]:.0f}" if k in b else f"{name} -" for k, name in HELD))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,9 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="the syncer's --chunk-bytes (default 1 MiB)")
     p.add_argument("--fetch-batch-mib", type=float, default=0, help="islands' YETO_FETCH_BATCH_BYTES in MiB "
                    "(default: the island's)")
-    p.add_argument("--outer-compile", choices=("0", "sync"), default="0",
-                   help="the syncer's YETO_OUTER_COMPILE (default 0: the default merge kernel; sync: the fused "
-                   "loop, compiled during the first merge, i.e. in the warm-up round)")
+    p.add_argument("--outer-compile", choices=("async", "sync", "0"), default="async",
+                   help="the syncer's YETO_OUTER_COMPILE (default async, the syncer's: the fused loop compiled in the "
+                   "background, i.e. in the warm-up round; sync: compiled before the first merge; 0: eager SGD form)")
+    p.add_argument("--push-memory-mib", type=float, default=1024,
+                   help="the syncer's --push-memory-mib (default %(default)s; 0: the merge reads every push chunk "
+                   "back from PUSH)")
     p.add_argument("--checkpoint-writer", choices=("inline", "thread", "whole"), default="inline",
                    help="the syncer's --checkpoint-writer: write the checkpoint files in the merge loop (inline, the "
                    "default), on a writer thread beside it, or whole at the commit")
@@ -486,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round bench: {args.islands} islands (learner.demo, lockstep), one fragment of {args.size_mib:g} MiB "
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
-                  f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}; "
+                  f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}, "
+                  f"--push-memory-mib {args.push_memory_mib:g}; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)
