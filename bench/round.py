@@ -175,7 +175,7 @@ def note_event(rec: dict, seen_at: float, rounds: dict[int, RoundObs]) -> None:
         o.accepted.setdefault(rec["island"], rec["t"])
     elif kind == "merge":
         o.merge_t, o.merge_s, o.taped = rec["t"], rec["detail"]["merge_s"], seen_at
-        o.exact = {k: rec["detail"][k] for k, _ in EXACT + STREAM if k in rec["detail"]}
+        o.exact = {k: rec["detail"][k] for k, _ in EXACT + STREAM + HELD if k in rec["detail"]}
     elif kind == "commit" and rec.get("fragment") == 0:
         o.commit_t = rec["t"]
 
