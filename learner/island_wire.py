@@ -9,9 +9,10 @@ in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and 
 ranks' staging as they pass; when a version's last chunk passed and the whole version digest
 matched, `commit(fid, version, digest)` (the shell: the machine decides how, every rank installs)
 runs before the next fragment is read. A version overwritten mid-read is dropped and read again
-from chunk 0. When chunk 0 holds nothing new although notices claim a newer version further on,
-those chunks are fetched on their own and checked (`_probe`), so garbage on the stream is refused
-when it lands. Refused chunks are counted (`counters`, and `stats.rejected` for the step log).
+from chunk 0. After each read, the chunks notices claimed a newer version at that the read did not
+look at (chunk 0 held nothing new, the reading waited or was refused at an earlier chunk) are fetched
+on their own and checked (`_probe`), so garbage on the stream is refused when it lands. Refused
+chunks are counted (`counters`, and `stats.rejected` for the step log).
 
 Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there
 and published as they fill; INIT publishes on a background thread from a short queue; a push's acks
