@@ -31,8 +31,9 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
   chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
   chunk plan, a chunk digest mismatch, NaN / Inf values, a `version_digest` missing from a seal or
   present elsewhere on BCAST, the version held carried with another `version_digest`) or a version
-  digest mismatch at the seal is refused (WireError, the shell counts it) and drops the reading; the
-  island trains on. What is refused is that *message* (its stream sequence), never a version number:
+  digest mismatch at the seal is refused (WireError, the shell counts it) and drops the reading when
+  the reading met it (a bad chunk checked on its own, ahead of the reading, leaves it); the island
+  trains on. What is refused is that *message* (its stream sequence), never a version number:
   the syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
   garbage) are new messages and are read as usual, so a forged chunk "from the future" or with a
   predicted version number cannot hold the real versions back. The version read is the one found
@@ -382,17 +383,24 @@ class CutReader:
         return seq is not None and self.refused.get((fid, index)) == seq
 
     def refuse(self, fid: int, index: int, seq: int | None) -> None:
-        """That message on that chunk subject is garbage: drop the reading, remember the message
-        (only on the plan's subjects: what is remembered stays bounded by the chunk plan)."""
-        self._reading.pop(fid, None)
+        """That message on that chunk subject is garbage: remember it (only on the plan's subjects:
+        what is remembered stays bounded by the chunk plan), and drop the reading if that is the
+        chunk it needed next (it cannot go on). A chunk refused elsewhere (`check` on its own: one a
+        notice pointed at, ahead of the reading or behind it) leaves the reading: behind it, its own
+        bytes were read already; ahead, it meets that message later as "wait" (not refused twice),
+        or the real chunk that overwrote it, and the seal's digest refuses any mix."""
+        rd = self._reading.get(fid)
+        if rd is not None and index == rd.next:
+            del self._reading[fid]
         self.counters["refused"] += 1
         if seq is not None and 0 <= index < len(self.spans[fid]):
             self.refused[(fid, index)] = seq
 
     def check(self, fid: int, index: int, meta: Mapping, payload: Any, seq: int | None = None) -> None:
         """Validate one chunk on its own: framing against the session's chunk plan and its digest.
-        A bad chunk drops the fragment's reading (that subject holds garbage now: the reading can
-        complete only once a new message lands there) and that message is remembered as refused."""
+        A bad chunk is remembered as refused (see `refuse`); it drops the fragment's reading when it
+        is the chunk the reading needed next (that subject holds garbage now: the reading can go on
+        only once a new message lands there)."""
         fid = self._fid(fid)
         try:
             v, _ = self._head(fid, index, meta)

@@ -9,9 +9,10 @@ in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and 
 ranks' staging as they pass; when a version's last chunk passed and the whole version digest
 matched, `commit(fid, version, digest)` (the shell: the machine decides how, every rank installs)
 runs before the next fragment is read. A version overwritten mid-read is dropped and read again
-from chunk 0. When chunk 0 holds nothing new although notices claim a newer version further on,
-those chunks are fetched on their own and checked (`_probe`), so garbage on the stream is refused
-when it lands. Refused chunks are counted (`counters`, and `stats.rejected` for the step log).
+from chunk 0. After each read, the chunks notices claimed a newer version at that the read did not
+look at (chunk 0 held nothing new, the reading waited or was refused at an earlier chunk) are fetched
+on their own and checked (`_probe`), so garbage on the stream is refused when it lands. Refused
+chunks are counted (`counters`, and `stats.rejected` for the step log).
 
 Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there
 and published as they fill; INIT publishes on a background thread from a short queue; a push's acks
@@ -207,27 +208,40 @@ class IslandWire:
         if not self.client.connected:
             return applied  # a request now would only wait out its timeout: fetch after the reconnect
         for fid in sorted(self._dirty):
-            res = self._read_fragment(self.reader, "BCAST", fid)
+            examined: set[int] = set()
+            res = self._read_fragment(self.reader, "BCAST", fid, examined)
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
-            if res == "wait" and self.reader.reading(fid) is None and not self._probe(fid):
-                break
-            self._noticed.pop(fid, None)
-            if res != "restart":
-                self._dirty.discard(fid)
             if res == "complete":
                 version, vdigest = self.reader.held[fid]
                 commit(fid, version, vdigest)
                 applied.append(fid)
+            if res == "restart":
+                continue  # read again at the next boundary (still dirty, its notices kept for the probe)
+            # Whatever the reading did (waited at a chunk the version being read has not reached, was
+            # refused at a bad chunk, completed), the chunks noticed that it did not look at are checked
+            # now: a bad one is refused (and counted) when it lands, not when some later reading meets
+            # it, which may be never (the real chunk overwrites it first).
+            if not self._probe(fid, examined):
+                break  # a fetch failed: read and probe again at the next boundary (still dirty)
+            self._noticed.pop(fid, None)
+            self._dirty.discard(fid)
         return applied
 
-    def _probe(self, fid: int) -> bool:
-        """Chunk 0 holds nothing new, yet notices claimed a newer version at later chunks: fetch
-        those and check them on their own, so a corrupted or forged chunk is refused (and counted)
-        now rather than whenever a reading reaches it. Real chunks of a version being published out
-        of order pass and are read in order later. False when the fetch failed (later)."""
+    def _probe(self, fid: int, examined: set[int]) -> bool:
+        """Notices claimed a version newer than the one held at chunks the reading just done did not
+        look at (`examined`: the chunks it fetched): chunk 0 held nothing new, or the reading waited
+        at an earlier chunk (the syncer between two publishes) or was refused there. Fetch those and
+        check them on their own, so a corrupted or forged chunk is refused (and counted) now rather
+        than whenever a reading reaches it, which may be never: the real chunk may overwrite it first
+        (tests/test_island_badinput_e2e.py flaked so: a forged seal landed while a reading waited
+        at chunk 2 of 4 with the syncer stopped, and was never counted). A bad chunk ahead of the
+        reading in progress leaves it (CutReader.refuse): the reading meets that message later as
+        "wait", or the real chunk that overwrote it. Real chunks pass and are read in order later.
+        Normally every chunk noticed was examined, and this fetches nothing. False when the fetch
+        failed (later)."""
         held = self.reader.held_version(fid)
-        cand = sorted(k for k, v in self._noticed.get(fid, {}).items() if k > 0 and v > held)
+        cand = sorted(k for k, v in self._noticed.get(fid, {}).items() if k not in examined and v > held)
         if not cand:
             return True
         try:
@@ -247,14 +261,16 @@ class IslandWire:
                     self.reader.check(fid, k, meta, m.data or b"", m.seq)
             except WireError as exc:
                 self._reject(f"bcast_chunk {fid}/{k}", exc)
-                self._abort_staging(fid, self.reader)
+                if self.reader.reading(fid) is None:
+                    self._abort_staging(fid, self.reader)  # the reader dropped it: so do the ranks
         return True
 
-    def _read_fragment(self, reader: CutReader, kind: str, fid: int) -> str:
+    def _read_fragment(self, reader: CutReader, kind: str, fid: int, examined: set[int] | None = None) -> str:
         """Fetch the fragment's next chunks in order (bounded batches) and stage them on the ranks.
         Returns "complete" (staged whole, digest verified: commit it), "wait", "restart" (newer
         versions kept overwriting it), "failed" (a bad chunk: that version is dropped) or
-        "transient" (a fetch failed: later)."""
+        "transient" (a fetch failed: later). `examined` collects the chunks handed to the reader
+        (the others noticed are probed, see _probe)."""
         header = "bcast_chunk" if kind == "BCAST" else "final_chunk"
         subject = S.bcast if kind == "BCAST" else S.final
         restarts = 0
@@ -288,6 +304,8 @@ class IslandWire:
             for s, m in zip(batch, msgs):
                 data = None if m is None else (m.data or b"")
                 self._bytes_in(0 if data is None else len(data))
+                if examined is not None:
+                    examined.add(s.index)
                 try:
                     meta = None if m is None else self._chunk_meta(header, m, reader, fid, s.index)
                     verdict = reader.take(fid, s.index, meta, data, None if m is None else m.seq)

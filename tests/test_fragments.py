@@ -395,6 +395,31 @@ def test_a_forged_chunk_from_the_future_is_refused_and_holds_nothing_back():
     assert e.value.field == "nbytes"
 
 
+
+def test_a_bad_chunk_checked_ahead_of_the_reading_is_refused_and_the_reading_goes_on():
+    # The shell checks a chunk a notice pointed at, ahead of where the reading waits (its chunk 2 still
+    # holds the older version). Refused and remembered; the reading of v1 is kept: it meets that message
+    # later as "wait" (not refused twice), then the real seal that overwrote it, and completes.
+    r = CutReader(S)
+    v1 = vec(N0, 1)
+    c1 = bcast_chunks(0, 1, v1)
+    n = len(c1)
+    forged_meta, payload = bcast_chunks(0, 10**6, vec(N0, 9))[n - 1]
+    forged_meta = dict(forged_meta, digest="0" * 16)
+    assert read(r, 0, c1[:2]) == ["accept", "accept"]
+    with pytest.raises(DigestMismatch):
+        r.check(0, n - 1, forged_meta, payload, seq=41)
+    assert r.reading(0) == (1, 2, n) and r.refused == {(0, n - 1): 41}
+    assert read(r, 0, c1[2:n - 1]) == ["accept"] * (n - 3)
+    assert r.take(0, n - 1, forged_meta, payload, seq=41) == "wait" and r.reading(0) == (1, n - 1, n)
+    assert r.take(0, n - 1, *c1[-1], seq=42) == "complete" and r.held[0] == (1, digest_of(v1))
+    assert r.counters["refused"] == 1 and r.counters["refused_again"] == 1
+    # the chunk the reading needs next, refused: that reading cannot go on and is dropped
+    assert read(r, 0, bcast_chunks(0, 2, vec(N0, 2))[:1]) == ["accept"]
+    with pytest.raises(WireError):
+        r.check(0, 1, dict(bcast_chunks(0, 2, vec(N0, 2))[1][0], digest="0" * 16), bcast_chunks(0, 2, vec(N0, 2))[1][1])
+    assert r.reading(0) is None
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_self_consistent_version_with_nan_or_inf_is_never_installed(dtype, bad):

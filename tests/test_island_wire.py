@@ -1,0 +1,66 @@
+"""IslandWire's reading of BCAST against a real nats-server (the syncer side played by hand, with the
+helpers of tests/test_island_local.py): every bad chunk that lands is refused and counted when it
+lands, whatever the reading of that fragment is doing (tests/test_island_badinput_e2e.py CI flake:
+a corrupted seal landed while a reading waited at an earlier chunk, and was never counted).
+"""
+from __future__ import annotations
+
+import torch
+
+from tests.test_island_local import anchor_flat, boundary, env, net, publish_v, started, steplog_lines, until  # noqa: F401 (env: fixture)
+
+
+async def _notices(island, n: int, what: str) -> None:
+    await until(lambda: len(island.client.bcast) >= n, what=what)
+
+
+async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(env):
+    """Fragment 1 (4 chunks): v1's chunks 0-1 landed and were staged; chunk 2 still holds v0 (the
+    syncer is between two publishes), so the reading waits there. A corrupted chunk then replaces the
+    seal (chunk 3), claiming a version far ahead. It is refused and counted at the next boundary, not
+    whenever the reading reaches chunk 3 (if ever: the real seal may overwrite it first), and the
+    reading of v1 is kept: once the real chunk 2 and seal land, v1 is installed."""
+    island, session, syncer = env(net(), fetch_batch_bytes=4096)
+    await started(env, island, session)
+    assert syncer.bcast_chunks(1) == 4
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island) and island.state.version(1) == 0
+    v1 = syncer.values(1, 3)
+    await syncer.bcast(1, 1, v1, only={0, 1})
+    await _notices(island, 2, "v1 chunks 0-1")
+    assert await boundary(island)
+    assert island.reader.reading(1) == (1, 2, 4) and island.store.staging(1) == 1
+    await syncer.bcast(1, 10**6, syncer.values(1, 9), corrupt=True, only={3},
+                       msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    await _notices(island, 1, "the forged seal")
+    assert await boundary(island)
+    assert steplog_lines(island)[-1]["rejected"] == 1 and island.counters["rejected.digest_mismatch"] == 1
+    assert island.reader.reading(1) == (1, 2, 4) and island.store.staging(1) == 1  # v1's reading goes on
+    assert await boundary(island) and steplog_lines(island)[-1]["rejected"] == 0  # counted once
+    await syncer.bcast(1, 1, v1, only={2, 3})
+    await _notices(island, 2, "v1 chunk 2 and seal")
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
+    assert island.counters["rejected.digest_mismatch"] == 1
+
+
+async def test_every_bad_chunk_of_one_fragment_is_counted_not_only_the_first_a_reading_meets(env):
+    """Two corrupted chunks land on fragment 1 (4 chunks) together: chunk 1 and chunk 3. The reading
+    is refused at chunk 1; chunk 3 is refused and counted at the same boundary (it used to be looked
+    at only by a later reading, and never if a real chunk overwrote it first)."""
+    island, session, syncer = env(net(), fetch_batch_bytes=4096)
+    await started(env, island, session)
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island) and island.state.version(1) == 0
+    v1 = syncer.values(1, 3)
+    await syncer.bcast(1, 1, v1, only={0, 2})
+    await syncer.bcast(1, 1, v1, corrupt=True, only={1, 3}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    await _notices(island, 4, "v1 with two corrupted chunks")
+    assert await boundary(island)
+    assert steplog_lines(island)[-1]["rejected"] == 2 and island.counters["rejected.digest_mismatch"] == 2
+    assert island.state.version(1) == 0 and island.reader.reading(1) is None
+    await syncer.bcast(1, 1, v1, only={1, 3}, msg_id=lambda f, v, k: f"real.{f}.{v}.{k}")
+    await _notices(island, 2, "the real chunks 1 and 3")
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
+    assert island.counters["rejected.digest_mismatch"] == 2
