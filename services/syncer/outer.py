@@ -16,7 +16,8 @@ never changes a single bit of the result.
 **Kernels** (`YETO_OUTER_COMPILE`, read when a merge prepares its `OuterStep`; one process must keep
 one setting, and a resumed syncer must get the same one, or a re-merged round may differ in the last
 bit):
-- `async` (default): the step as one loop, `torch.compile`d on CPU in a background thread the first
+- `async` (default): the step as one loop, compiled on CPU (AOTInductor, else `torch.compile`) in a
+  background thread the first
   time a merge needs it (per member count, delta dtype and chunk length: seconds, once per process),
   checked bitwise against its eager twin, and used from then on; until then, and wherever it is not
   compiled (no C++ compiler, tensors not on CPU, a chunk under COMPILE_MIN_NUMEL elements or of
@@ -195,7 +196,7 @@ class OuterStep:
             _sgd_step_(params, momentum, deltas, self.weights, self.total, self.lr, self.mu, out)
             return
         kernel = self.kernel_for(n, deltas) if self.kernel_for is not None else None
-        if kernel is not None:
+        if kernel is not None and params.is_contiguous() and momentum.is_contiguous() and params.device.type == "cpu":
             kernel(params, momentum, self.coefs, self.mu_lr, *deltas)
         else:
             _eager_step_(params, momentum, self.coefs, self.mu_lr, deltas, out)
@@ -307,9 +308,8 @@ MODES = ("0", "async", "sync")
 
 
 class _CompiledKernels:
-    """The fused loop torch.compile'd per (delta dtypes, chunk length), static shapes (the cheapest call:
-    no size symbols, the fewest guards). Each key gets its own copy of `_fused_step_`'s code, so its
-    dynamo cache holds one entry and no key's guards are evaluated for another.
+    """The fused loop compiled per (delta dtypes, chunk length), static shapes: ahead of time with
+    AOTInductor (the cheapest call), else with torch.compile.
 
     A compile is checked before use: the compiled loop must give its eager twin's bits on random
     chunks (a compiler that contracts a*b+c into one rounding would not); otherwise, or where
@@ -346,14 +346,17 @@ class _CompiledKernels:
             th.join()
         ready = self._ready
 
+        want_dtypes = tuple(getattr(torch, k.split(".")[-1]) for k in dtypes)
+
         def kernel_for(n: int, deltas: Sequence[torch.Tensor]) -> Callable | None:
+            # the compiled loop checks nothing at run time (AOTInductor): only exact fits reach it
             if n != numel:
                 return None
             fn = ready.get(key)
-            if fn is None:
+            if fn is None or len(deltas) != len(want_dtypes):
                 return None
-            for d, want in zip(deltas, dtypes):
-                if str(d.dtype) != want:
+            for d, want in zip(deltas, want_dtypes):
+                if d.dtype is not want or not d.is_contiguous() or d.device.type != "cpu":
                     return None
             return fn
 
@@ -367,41 +370,74 @@ class _CompiledKernels:
 
     @staticmethod
     def compile(key: tuple) -> Callable | None:
-        """Compile, run once and check against the eager twin on random chunks (where the work happens)."""
+        """Build the loop (AOTInductor, else torch.compile), run it once and check it against the eager
+        twin on random chunks at odd offsets (where the work happens)."""
         import time
-        import types
 
         dtypes, numel = key
         t0 = time.perf_counter()
-        try:
-            import torch._inductor.config as inductor_config
-
-            # one kernel: no pool of compile worker processes (memory, and orphans if the syncer is killed)
-            inductor_config.compile_threads = 1
-            code = _fused_step_.__code__.replace()   # its own code object: its own dynamo cache
-            fn = torch.compile(types.FunctionType(code, _fused_step_.__globals__, "_fused_step_"), dynamic=False)
-            gen = torch.Generator().manual_seed(numel)
-            # odd offsets into larger buffers, as the shell's slices are
-            base = torch.randn(2 * numel + 8, generator=gen)
-            dts = [(torch.randn(numel + 1, generator=gen) * 0.01).to(getattr(torch, k.split(".")[-1]))[1:]
-                   for k in dtypes]
-            coefs = -torch.rand(len(dtypes), generator=gen)
-            mu_lr = torch.tensor([0.9, -0.7])
-            twin = base.clone()
-            fn(base[1:numel + 1], base[numel + 5:2 * numel + 5], coefs, mu_lr, *dts)
-            _eager_step_(twin[1:numel + 1], twin[numel + 5:2 * numel + 5], coefs, mu_lr, dts, None)
-            if not torch.equal(base, twin):
-                worst = (base - twin).abs().max().item()
-                log.warning("outer step: the compiled loop for %d members (%s) differs from its eager twin "
-                            "(largest difference %.3g); the twin is used", len(dtypes), ",".join(dtypes), worst)
-                return None
-        except Exception as exc:  # no compiler, unsupported platform: the eager twin gives the same bits
-            log.warning("outer step: torch.compile unavailable (%s: %s); its eager twin is used",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        gen = torch.Generator().manual_seed(numel)
+        # odd offsets into larger buffers, as the shell's slices are
+        base = torch.randn(2 * numel + 8, generator=gen)
+        dts = [(torch.randn(numel + 1, generator=gen) * 0.01).to(getattr(torch, k.split(".")[-1]))[1:]
+               for k in dtypes]
+        coefs = -torch.rand(len(dtypes), generator=gen)
+        mu_lr = torch.tensor([0.9, -0.7])
+        fn, how, errors = None, "", []
+        for how, build in (("AOTInductor", _build_aoti), ("torch.compile", _build_dynamo)):
+            try:
+                cand = build(numel, dtypes)
+                out, twin = base.clone(), base.clone()
+                cand(out[1:numel + 1], out[numel + 5:2 * numel + 5], coefs, mu_lr, *dts)
+                _eager_step_(twin[1:numel + 1], twin[numel + 5:2 * numel + 5], coefs, mu_lr, dts, None)
+                if not torch.equal(out, twin):
+                    errors.append(f"{how}: differs from the eager twin by up to {(out - twin).abs().max().item():.3g}")
+                    continue
+                fn = cand
+                break
+            except Exception as exc:  # no compiler, unsupported platform: the next way, or the eager twin
+                errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if fn is None:
+            log.warning("outer step: no compiled loop for %d members (%s) x %d values (%s); its eager twin is used",
+                        len(dtypes), ",".join(dtypes), numel, "; ".join(errors))
             return None
-        log.info("outer step: fused kernel for %d members (%s) x %d values compiled and checked in %.1fs",
-                 len(dtypes), ",".join(dtypes), numel, time.perf_counter() - t0)
+        log.info("outer step: fused loop for %d members (%s) x %d values built with %s and checked in %.1fs",
+                 len(dtypes), ",".join(dtypes), numel, how, time.perf_counter() - t0)
         return fn
+
+
+def _build_aoti(numel: int, dtypes: tuple[str, ...]) -> Callable:
+    """The loop exported and compiled ahead of time (AOTInductor): the cheapest call measured (no
+    dynamo frame, guards or autograd wrappers: bench/README.md, ~0.1 of a plain add better than
+    torch.compile at 1 MiB chunks). It checks nothing about its inputs at run time, so OuterStep calls
+    it only for contiguous CPU chunks of exactly `numel` values and the compiled dtypes."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1   # no pool of compile worker processes (memory, orphans on kill)
+
+    class Step(torch.nn.Module):
+        def forward(self, params, momentum, coefs, mu_lr, *deltas):
+            _fused_step_(params, momentum, coefs, mu_lr, *deltas)
+            return ()
+
+    example = (torch.zeros(numel), torch.zeros(numel), torch.zeros(len(dtypes)), torch.zeros(2),
+               *[torch.zeros(numel, dtype=getattr(torch, k.split(".")[-1])) for k in dtypes])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(Step(), example)
+        return torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(program))
+
+
+def _build_dynamo(numel: int, dtypes: tuple[str, ...]) -> Callable:
+    """torch.compile with static shapes; its own copy of the function's code, so its dynamo cache holds
+    one entry and no other key's guards are evaluated for it."""
+    import types
+
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    code = _fused_step_.__code__.replace()
+    return torch.compile(types.FunctionType(code, _fused_step_.__globals__, "_fused_step_"), dynamic=False)
 
 
 _COMPILED = _CompiledKernels()
