@@ -69,6 +69,27 @@ def cut_contexts(nc, config: IslandConfig):
     return js, (js if config.domain == config.hub_domain else nc.jetstream(domain=config.domain))
 
 
+class Fetch:
+    """A fetch in flight (`IslandClient.fetch_last_ahead`)."""
+
+    __slots__ = ("_fut", "_deadline")
+
+    def __init__(self, fut: "concurrent.futures.Future", deadline: float):
+        self._fut, self._deadline = fut, deadline
+
+    def result(self) -> list:
+        """Its messages; TimeoutError past the deadline (the fetch is then cancelled), else what it raised."""
+        try:
+            return self._fut.result(max(0.0, self._deadline - time.monotonic()))
+        except FutureTimeout:
+            self._fut.cancel()
+            raise TimeoutError("NATS fetch did not finish within its timeout") from None
+
+    def cancel(self) -> None:
+        """Not wanted after all (the reading it was fetched for ended first)."""
+        self._fut.cancel()
+
+
 class IslandClient:
     def __init__(self, config: IslandConfig, *, gen: str | None = None):
         self.config = config
@@ -276,6 +297,15 @@ class IslandClient:
     def fetch_last(self, kind: str, subjects: list[str], *, timeout: float | None = None) -> list:
         """The newest message on each subject of stream `kind` (direct get), None where there is none."""
         return self.call(self._fetch_last(kind, subjects), self.config.fetch_timeout_s if timeout is None else timeout)
+
+    def fetch_last_ahead(self, kind: str, subjects: list[str]) -> "Fetch":
+        """`fetch_last` started now on the loop, its result taken later (`Fetch.result`), so the
+        training thread checks and stages one batch while the next is on the wire. The timeout
+        counts from now."""
+        if self.loop is None or not self.loop.is_running():
+            raise NotConnected("the NATS client is not running")
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_last(kind, subjects), self.loop)
+        return Fetch(fut, time.monotonic() + self.config.fetch_timeout_s)
 
     async def _fetch_last(self, kind: str, subjects: list[str]) -> list:
         stream = S.stream(self.run, kind)
@@ -488,4 +518,4 @@ class IslandClient:
             await asyncio.wait(rest, timeout=2.0)
 
 
-__all__ = ["IslandClient", "cut_contexts"]
+__all__ = ["Fetch", "IslandClient", "cut_contexts"]

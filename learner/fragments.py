@@ -109,6 +109,11 @@ def blend(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor
     return local.to(torch.float32).mul(alpha).add_(glob, alpha=1.0 - alpha)
 
 
+def blend_(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
+    """`blend` written into `local` (float32, any shape; `glob` flat): the same two ops, the same bits."""
+    return local.mul_(alpha).add_(glob.view(local.shape), alpha=1.0 - alpha)
+
+
 # ---- per-fragment bookkeeping ----------------------------------------------------------------------
 
 @dataclass
@@ -483,4 +488,4 @@ class CutReader:
         return "complete"
 
 
-__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "VersionConflict", "all_finite", "blend", "session_numels"]
+__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "VersionConflict", "all_finite", "blend", "blend_", "session_numels"]

@@ -26,7 +26,6 @@ from schemas.dtypes import pack, unpack
 from schemas.chunks import ChunkSpan, chunk_plan
 
 from .anchors import AnchorStore
-from .fragments import blend
 from .layout_map import FragmentMap, IslandLayout
 from .shard_io import Comm, PieceReads, gather_chunk, scatter_chunk
 
@@ -86,10 +85,9 @@ class RankOps:
         for p in pieces:
             staged = self.store.staged(fid, p.name)
             if mode == "blend":
-                value = blend(self.adapter.read(p.name).detach().reshape(-1), staged, self.alpha)
+                self.adapter.blend(p.name, staged, self.alpha, p.local_shape)
             else:
-                value = staged
-            self.adapter.write(p.name, value.view(p.local_shape))
+                self.adapter.write(p.name, staged.view(p.local_shape))
         if mode == "final":
             self.store.drop_staged(fid)
         else:

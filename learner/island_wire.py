@@ -187,23 +187,7 @@ class IslandWire:
     def read_broadcasts(self, commit: Callable[[int, int, str], None]) -> list[int]:
         """Read the fragments with new BCAST notices; `commit` every version that completes.
         Returns the fragments committed."""
-        for n in self.client.bcast.drain():
-            try:
-                # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
-                # carries a version digest, so chunk digests tell a re-issued version apart.
-                if self.reader.chunk_changed(n.fragment, n.chunk, n.version, n.meta.get("digest")):
-                    self._abort_staging(n.fragment, self.reader)
-                    self._dirty.add(n.fragment)
-                if self.reader.announce(n.fragment, n.version, n.meta.get("version_digest")):
-                    if not 0 <= n.chunk < len(self.reader.spans[n.fragment]):
-                        raise WireError(f"fragment {n.fragment} has {len(self.reader.spans[n.fragment])} chunks",
-                                        field="chunk", value=n.chunk)
-                    self._dirty.add(n.fragment)
-                    self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
-                    landed = self._landed.setdefault(n.fragment, {})
-                    landed[n.chunk] = max(n.version, landed.get(n.chunk, -1))
-            except WireError as exc:  # garbage someone published on BCAST: counted, training goes on
-                self._reject(f"bcast notice {n.subject}", exc)
+        self._take_notices()
         applied: list[int] = []
         if not self.client.connected:
             return applied  # a request now would only wait out its timeout: fetch after the reconnect
@@ -227,6 +211,28 @@ class IslandWire:
             self._noticed.pop(fid, None)
             self._dirty.discard(fid)
         return applied
+
+    def _take_notices(self) -> None:
+        """Take the BCAST notices that arrived: mark their fragments dirty and note which chunk holds
+        which version (what `_read_fragment` batches by). Also called between a reading's batches, so
+        a version landing while it is read is fetched many chunks per request, not one by one."""
+        for n in self.client.bcast.drain():
+            try:
+                # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
+                # carries a version digest, so chunk digests tell a re-issued version apart.
+                if self.reader.chunk_changed(n.fragment, n.chunk, n.version, n.meta.get("digest")):
+                    self._abort_staging(n.fragment, self.reader)
+                    self._dirty.add(n.fragment)
+                if self.reader.announce(n.fragment, n.version, n.meta.get("version_digest")):
+                    if not 0 <= n.chunk < len(self.reader.spans[n.fragment]):
+                        raise WireError(f"fragment {n.fragment} has {len(self.reader.spans[n.fragment])} chunks",
+                                        field="chunk", value=n.chunk)
+                    self._dirty.add(n.fragment)
+                    self._noticed.setdefault(n.fragment, {})[n.chunk] = n.version
+                    landed = self._landed.setdefault(n.fragment, {})
+                    landed[n.chunk] = max(n.version, landed.get(n.chunk, -1))
+            except WireError as exc:  # garbage someone published on BCAST: counted, training goes on
+                self._reject(f"bcast notice {n.subject}", exc)
 
     def _probe(self, fid: int, examined: set[int]) -> bool:
         """Notices claimed a version newer than the one held at chunks the reading just done did not
@@ -274,62 +280,94 @@ class IslandWire:
         header = "bcast_chunk" if kind == "BCAST" else "final_chunk"
         subject = S.bcast if kind == "BCAST" else S.final
         restarts = 0
-        landed = self._landed.get(fid, {}) if kind == "BCAST" else {}
-        while True:
-            batch, size = [], 0
-            rd = reader.reading(fid)
-            # A cut-through broadcast lands chunk by chunk while the syncer merges: past the next chunk,
-            # fetch only those a notice says hold the version being read (or, before a reading, the one
-            # noticed at chunk 0). Without this each wake fetched a whole batch of chunks still holding the
-            # older version to read the one new chunk (16x the bytes, and a broker kept busy). The next
-            # chunk is always fetched: a missed notice costs one chunk, never a stall.
-            target = rd[0] if rd is not None else landed.get(0)
-            for s in reader.next_chunks(fid):
-                if batch and size + s.nbytes > self.config.fetch_batch_bytes:
-                    break
-                if batch and target is not None and landed.get(s.index, -1) < target:
-                    break
-                batch.append(s)
-                size += s.nbytes
-            if not batch:
-                return "wait"
-            try:
-                msgs = self.client.fetch_last(kind, [subject(self.config.run, fid, s.index) for s in batch])
-            except TRANSIENT as exc:
-                log.warning("island %s: fetching %s chunks of fragment %d: %r (retried at the next boundary)",
-                            self.config.island, kind, fid, exc)
-                return "transient"
-            staged: dict[int, bytes] = {}
-            version = None
-            for s, m in zip(batch, msgs):
-                data = None if m is None else (m.data or b"")
-                self._bytes_in(0 if data is None else len(data))
-                if examined is not None:
-                    examined.add(s.index)
+        ahead = None  # (the next batch, its Fetch): on the wire while this batch is checked and staged
+        try:
+            while True:
+                if kind == "BCAST":
+                    self._take_notices()  # the chunks that landed since the last batch join the next one
+                landed = self._landed.get(fid, {}) if kind == "BCAST" else {}
+                rd = reader.reading(fid)
+                # A cut-through broadcast lands chunk by chunk while the syncer merges: past the next chunk,
+                # fetch only those a notice says hold the version being read (or, before a reading, the one
+                # noticed at chunk 0). Without this each wake fetched a whole batch of chunks still holding
+                # the older version to read the one new chunk (16x the bytes, and a broker kept busy). The
+                # next chunk is always fetched: a missed notice costs one chunk, never a stall. FINAL is
+                # written whole before its manifest: nothing to wait for there.
+                target = None if kind != "BCAST" else rd[0] if rd is not None else landed.get(0)
+                batch = self._batch(reader.next_chunks(fid), landed, target)
+                if not batch:
+                    return "wait"
+                pending = None
+                if ahead is not None:
+                    if ahead[0][0].index == batch[0].index:  # the reading went on where it was expected to
+                        batch, pending = ahead
+                    else:
+                        ahead[1].cancel()
+                    ahead = None
                 try:
-                    meta = None if m is None else self._chunk_meta(header, m, reader, fid, s.index)
-                    verdict = reader.take(fid, s.index, meta, data, None if m is None else m.seq)
-                except WireError as exc:
-                    self._reject(f"{header} {fid}/{s.index}", exc)
-                    self._abort_staging(fid, reader)
-                    return "failed"
-                if verdict in ("accept", "complete"):
-                    staged[s.index] = data
-                    version = meta["version"]
-                    if verdict == "complete":
+                    if pending is None:
+                        msgs = self.client.fetch_last(kind, [subject(self.config.run, fid, s.index) for s in batch])
+                    else:
+                        msgs = pending.result()
+                    # The batch after this one, if it has landed, is fetched while this one is checked
+                    # and staged (the checks and copies here and the direct gets on the loop thread
+                    # overlap instead of taking turns): at most two batches' bytes are held.
+                    rest = reader.spans[fid][batch[-1].index + 1:]
+                    if rest and (target is None or landed.get(rest[0].index, -1) >= target):
+                        nxt = self._batch(rest, landed, target)
+                        ahead = (nxt, self.client.fetch_last_ahead(
+                            kind, [subject(self.config.run, fid, s.index) for s in nxt]))
+                except TRANSIENT as exc:
+                    log.warning("island %s: fetching %s chunks of fragment %d: %r (retried at the next boundary)",
+                                self.config.island, kind, fid, exc)
+                    return "transient"
+                staged: dict[int, bytes] = {}
+                version = None
+                for s, m in zip(batch, msgs):
+                    data = None if m is None else (m.data or b"")
+                    self._bytes_in(0 if data is None else len(data))
+                    if examined is not None:
+                        examined.add(s.index)
+                    try:
+                        meta = None if m is None else self._chunk_meta(header, m, reader, fid, s.index)
+                        verdict = reader.take(fid, s.index, meta, data, None if m is None else m.seq)
+                    except WireError as exc:
+                        self._reject(f"{header} {fid}/{s.index}", exc)
+                        self._abort_staging(fid, reader)
+                        return "failed"
+                    if verdict in ("accept", "complete"):
+                        staged[s.index] = data
+                        version = meta["version"]
+                        if verdict == "complete":
+                            self._stage(fid, version, reader.dtype, staged)
+                            return "complete"
+                    elif verdict == "restart":
+                        self._abort_staging(fid, reader)
+                        restarts += 1
+                        if restarts > MAX_RESTARTS:
+                            return "restart"
+                        break
+                    else:
                         self._stage(fid, version, reader.dtype, staged)
-                        return "complete"
-                elif verdict == "restart":
-                    self._abort_staging(fid, reader)
-                    restarts += 1
-                    if restarts > MAX_RESTARTS:
-                        return "restart"
-                    break
+                        return "wait"
                 else:
                     self._stage(fid, version, reader.dtype, staged)
-                    return "wait"
-            else:
-                self._stage(fid, version, reader.dtype, staged)
+        finally:
+            if ahead is not None:
+                ahead[1].cancel()
+
+    def _batch(self, spans: list, landed: dict[int, int], target: int | None) -> list:
+        """The next fetch: consecutive `spans` up to `fetch_batch_bytes`, stopping before a chunk no
+        notice says holds `target` (the first is always taken)."""
+        batch, size = [], 0
+        for s in spans:
+            if batch and size + s.nbytes > self.config.fetch_batch_bytes:
+                break
+            if batch and target is not None and landed.get(s.index, -1) < target:
+                break
+            batch.append(s)
+            size += s.nbytes
+        return batch
 
     def _chunk_meta(self, kind: str, m, reader: CutReader, fid: int, index: int) -> dict:
         """The chunk header of a fetched message; a message already refused yields {} (the reader

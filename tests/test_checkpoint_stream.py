@@ -65,6 +65,41 @@ def test_streamed_files_are_byte_identical_to_a_whole_write(tmp_path, thread, ch
     assert vf.seconds > 0 and vf.written == numel
 
 
+def test_streaming_starts_the_writeback_of_every_byte_in_order_and_pruning_can_wait(tmp_path, monkeypatch):
+    """VersionFiles asks the kernel to start writing each file back every WRITEBACK_BYTES (so the
+    commit's fsync finds little left): the ranges it hands to sync_file_range cover each file once,
+    in order, to its last byte. A commit with prune=False keeps the older version's files until
+    `prune`, which leaves exactly the files the manifest names."""
+    import services.syncer.checkpoint as C
+
+    if sys.platform.startswith("linux"):
+        assert C._sync_file_range is not None  # the writeback really starts here, not only in this test
+    calls: list[tuple[int, int, int]] = []
+    real = C.start_writeback
+    monkeypatch.setattr(C, "start_writeback", lambda fd, off, n: (calls.append((fd, off, n)), real(fd, off, n)))
+    monkeypatch.setattr(C, "WRITEBACK_BYTES", 100_000)
+    ck = CheckpointDir(tmp_path)
+    old_p, old_m = _tensors(1)
+    ck.commit(_state({0: 2}, 2), {0: (old_p, old_m)})
+    params, momentum = _tensors(2)
+    vf = VersionFiles(ck, 0, 3, params, momentum)
+    for o, c in _spans(NUMEL, 65_536):
+        vf.add(o, c)
+    fds = sorted({fd for fd, _, _ in calls})
+    assert len(fds) == 2
+    for fd in fds:
+        ranges = [(off, n) for f, off, n in calls if f == fd]
+        assert ranges[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert ranges[-1][0] + ranges[-1][1] == NUMEL * 4 and len(ranges) == 5  # one per 256 KiB chunk (>= 100 kB)
+    ck.commit(_state({0: 3}, 3), {0: (params, momentum)}, {0: vf}, prune=False)
+    assert {q.name for q in tmp_path.iterdir()} == {"checkpoint.json", "frag-0-v2.params", "frag-0-v2.momentum",
+                                                   "frag-0-v3.params", "frag-0-v3.momentum"}
+    ck.prune(ck.read_state(), [0])
+    assert {q.name for q in tmp_path.iterdir()} == {"checkpoint.json", "frag-0-v3.params", "frag-0-v3.momentum"}
+    p, m = ck.load_fragment(0, 3, NUMEL)
+    assert torch.equal(p, params) and torch.equal(m, momentum)
+
+
 def test_an_incomplete_or_out_of_order_stream_is_refused_and_the_old_version_stays(tmp_path):
     ck = CheckpointDir(tmp_path)
     old_p, old_m = _tensors(1)

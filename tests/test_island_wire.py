@@ -5,6 +5,9 @@ a corrupted seal landed while a reading waited at an earlier chunk, and was neve
 """
 from __future__ import annotations
 
+import asyncio
+import time
+
 import torch
 
 from tests.test_island_local import anchor_flat, boundary, env, net, publish_v, started, steplog_lines, until  # noqa: F401 (env: fixture)
@@ -64,3 +67,84 @@ async def test_every_bad_chunk_of_one_fragment_is_counted_not_only_the_first_a_r
     assert await boundary(island)
     assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
     assert island.counters["rejected.digest_mismatch"] == 2
+
+
+def _count_fetches(island, on_first=None) -> dict:
+    """Count the island's BCAST fetches (a wrapper around the real client's calls; `on_first` runs in
+    the training thread after the first one, e.g. to land more chunks while the reading goes on)."""
+    calls = {"now": [], "ahead": []}
+    client = island.client
+    fetch_last, fetch_last_ahead = client.fetch_last, client.fetch_last_ahead
+
+    def now(kind, subjects, **kw):
+        out = fetch_last(kind, subjects, **kw)
+        if kind == "BCAST":
+            calls["now"].append(len(subjects))
+            if on_first is not None and len(calls["now"]) == 1:
+                on_first()
+        return out
+
+    def ahead(kind, subjects):
+        calls["ahead"].append(len(subjects))
+        return fetch_last_ahead(kind, subjects)
+
+    client.fetch_last, client.fetch_last_ahead = now, ahead
+    return calls
+
+
+async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_one_by_one(env):
+    """Only v1's chunk 0 has landed when the reading starts; chunks 1-3 land during its first fetch
+    (the syncer publishing as the island reads). The reading takes the new notices before its next
+    batch and fetches the three in one request (it used to see only the notices it started with, and
+    fetched a whole 256 MiB version 1 MiB per request, one round trip each)."""
+    island, session, syncer = env(net(), fetch_batch_bytes=4096)
+    await started(env, island, session)
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island) and island.state.version(1) == 0
+    v1 = syncer.values(1, 3)
+    await syncer.bcast(1, 1, v1, only={0})
+    await _notices(island, 1, "v1 chunk 0")
+    loop = asyncio.get_running_loop()
+
+    def land_the_rest():
+        asyncio.run_coroutine_threadsafe(syncer.bcast(1, 1, v1, only={1, 2, 3}), loop).result(10)
+        deadline = time.monotonic() + 10
+        while len(island.client.bcast) < 3:
+            assert time.monotonic() < deadline, "the notices of chunks 1-3 never came"
+            time.sleep(0.01)
+
+    calls = _count_fetches(island, land_the_rest)
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
+    assert calls == {"now": [1, 3], "ahead": []}
+
+
+async def test_the_next_batch_is_fetched_while_the_one_before_is_checked(env):
+    """A version that has landed whole, one chunk per batch: the first batch is fetched and waited
+    for, each later one was fetched ahead while the batch before it was checked and staged; the
+    version installed is the one published, bit for bit. A reading refused at a corrupted chunk
+    drops the batch fetched ahead, and reads the real chunk once it lands."""
+    island, session, syncer = env(net(), fetch_batch_bytes=1024)
+    await started(env, island, session)
+    await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
+    assert await boundary(island) and island.state.version(1) == 0
+    assert [s.nbytes for s in island.reader.spans[1]][:3] == [1024] * 3 and len(island.reader.spans[1]) == 4
+    v1 = syncer.values(1, 3)
+    await publish_v(syncer, island, 1, {1: v1})
+    calls = _count_fetches(island)
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and torch.equal(anchor_flat(island, 1), v1)
+    assert calls == {"now": [1], "ahead": [1, 1, 1]}
+
+    v2 = syncer.values(1, 4)
+    await syncer.bcast(1, 2, v2, only={0, 1, 3})
+    await syncer.bcast(1, 2, v2, corrupt=True, only={2}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")
+    await _notices(island, 4, "v2 with chunk 2 corrupted")
+    calls = _count_fetches(island)
+    assert await boundary(island)
+    assert island.state.version(1) == 1 and island.counters["rejected.digest_mismatch"] == 1
+    assert calls["now"][0] == 1 and calls["ahead"][:2] == [1, 1]  # chunk 3 was fetched ahead, then dropped
+    await syncer.bcast(1, 2, v2, only={2}, msg_id=lambda f, v, k: f"real.{f}.{v}.{k}")
+    await _notices(island, 1, "the real chunk 2")
+    assert await boundary(island)
+    assert island.state.version(1) == 2 and torch.equal(anchor_flat(island, 1), v2)

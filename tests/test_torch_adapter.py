@@ -246,3 +246,31 @@ def test_two_gloo_ranks_owner_writes_a_fragment_and_sync_replicas_makes_them_ide
     for n in MASTERED:
         if n in frag:
             assert torch.equal(bits(ad.read(n)), r1["master"][n]), n
+
+
+@pytest.mark.parametrize("model_dtype, with_master", [(torch.float32, False), (torch.bfloat16, True),
+                                                      (torch.bfloat16, False)])
+def test_blend_in_place_gives_the_bits_of_the_default_read_blend_write(model_dtype, with_master):
+    """TorchModuleAdapter.blend works on its own f32 values in place (no piece-sized temporary); it must
+    leave exactly the master and parameter bits of the default path (ModelAdapter.blend: read, blend
+    into a new tensor, write), and agree with α·θ + (1 − α)·Θ in float64 to f32 rounding."""
+    alpha = 0.3
+
+    def make():
+        m = tiny(3).to(model_dtype)
+        master = {n: p.detach().float().clone() for n, p in m.named_parameters()} if with_master else None
+        return TorchModuleAdapter(m, master=master)
+
+    fast, slow = make(), make()
+    for s in fast.shards():
+        glob = torch.randn(torch.Size(s.global_shape).numel(), generator=torch.Generator().manual_seed(7))
+        before = fast.read(s.name).double().reshape(-1).clone()
+        fast.blend(s.name, glob, alpha, tuple(s.global_shape))
+        ModelAdapter.blend(slow, s.name, glob, alpha, tuple(s.global_shape))
+        assert torch.equal(bits(fast.read(s.name)), bits(slow.read(s.name))), s.name
+        assert torch.equal(bits(fast._param(s.name).detach()), bits(slow._param(s.name).detach())), s.name
+        want = alpha * before + (1 - alpha) * glob.double()
+        tol = 1e-6 if with_master or model_dtype == torch.float32 else 1e-2  # a bf16 parameter holds 8 bits
+        assert torch.allclose(fast.read(s.name).double().reshape(-1), want, rtol=0, atol=tol), s.name
+    with pytest.raises(WireError, match="value.embed.weight"):
+        fast.blend("embed.weight", torch.zeros(3), alpha, (3,))

@@ -46,6 +46,8 @@ import torch
 from schemas.errors import WireError
 from schemas.layout import canonical_layout
 
+from ..fragments import blend
+
 TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -92,6 +94,17 @@ class ModelAdapter(ABC):
     @abstractmethod
     def write(self, name: str, value: torch.Tensor) -> None:
         """Set this rank's piece of `name` (master and model parameter) to `value`."""
+
+    def blend(self, name: str, glob: torch.Tensor, alpha: float, shape: tuple[int, ...]) -> None:
+        """Set this rank's piece of `name` (box `shape`) to θ = α·θ_local + (1 − α)·Θ, `glob` being
+        the flat f32 Θ. This default computes it in a new tensor and writes that; an adapter that
+        owns its f32 values may do it in place (`fragments.blend_`: the same torch ops, so the same
+        bits), sparing a piece-sized allocation and its page faults per version installed."""
+        local = self.read(name).detach().reshape(-1)
+        if glob.numel() != local.numel():
+            raise WireError(f"expected {local.numel()} values for the piece", field=f"value.{name}",
+                            value=tuple(glob.shape))
+        self.write(name, blend(local, glob, alpha).view(shape))
 
     def sync_replicas(self, names: Iterable[str]) -> None:
         """Collective over the replica group: make every replica's `names` equal to the owner's.

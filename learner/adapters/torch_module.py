@@ -26,6 +26,7 @@ import torch.distributed as dist
 from schemas.errors import WireError
 from schemas.layout import natural_key
 
+from ..fragments import blend_
 from .base import ModelAdapter, Shard, dtype_name
 
 _ALIGN = 16  # byte alignment of each tensor inside a broadcast bucket (so dtype views are legal)
@@ -117,6 +118,21 @@ class TorchModuleAdapter(ModelAdapter):
                 p.copy_(m)  # the parameter is the master rounded to the model dtype
             else:
                 p.copy_(v)
+
+    def blend(self, name: str, glob: torch.Tensor, alpha: float, shape: tuple[int, ...]) -> None:
+        p = self._param(name)
+        m = self._master.get(name)
+        if m is None and p.dtype != torch.float32:  # read() is a copy there: the default path
+            return super().blend(name, glob, alpha, shape)
+        if glob.numel() != p.numel():
+            raise WireError(f"expected {p.numel()} values for shape {tuple(p.shape)}", field=f"value.{name}",
+                            value=tuple(glob.shape))
+        with torch.no_grad():
+            if m is not None:
+                blend_(m, glob, alpha)
+                p.copy_(m)  # the parameter is the master rounded to the model dtype
+            else:
+                blend_(p, glob, alpha)
 
     # ---- data-parallel replicas -----------------------------------------------------------------
 

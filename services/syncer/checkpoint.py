@@ -24,10 +24,17 @@ syncer that finds an intent for the version after the checkpointed one redoes th
 pushes (they stay in PUSH until the commit) on the same checkpointed params and momentum: the same
 bytes. An intent for a version already committed is stale and ignored (the next one replaces it).
 
+While it streams, VersionFiles asks the kernel to start writing each file back every
+`WRITEBACK_BYTES` (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: it starts the writes, waits for
+nothing), so the commit's fsync finds the data mostly on disk already (512 MiB here: fsync 0.15 ->
+0.01 s, the writes +0.05 s). The older versions' files are deleted after the commit (`prune`), off
+the path to the state KV record and the seal; a crash before that leaves them to the next commit.
+
 Files, not the Object Store: its client is too slow for GB objects (NATS-NOTES).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import queue
@@ -36,12 +43,41 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import orjson
 import torch
 
 MANIFEST = "checkpoint.json"
 FORMAT = 1
+
+
+WRITEBACK_BYTES = 16 << 20  # per file: start the kernel's writeback of what was written every this many bytes
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    """libc's sync_file_range (Linux; the os module has no binding), else None: then the commit's fsync
+    writes everything, as before."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing `nbytes` at `offset` of `fd` to disk (does not wait, never fails:
+    only the fsync that follows is a promise)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class CheckpointError(RuntimeError):
@@ -93,6 +129,7 @@ class VersionFiles:
         self._f = [open(q, "wb") for q in self.tmp]
         self.done = 0            # elements handed to add
         self.written = 0         # elements written
+        self.flushed = 0         # elements whose writeback was started (start_writeback)
         self.seconds = 0.0
         self.wait_s = 0.0
         self._error: BaseException | None = None
@@ -120,6 +157,11 @@ class VersionFiles:
         self._f[0].write(_tensor_bytes(self.params[sl]))
         self._f[1].write(_tensor_bytes(self.momentum[sl]))
         self.written += elem_count
+        if (self.written - self.flushed) * 4 >= WRITEBACK_BYTES or self.written == self.numel:
+            for f in self._f:  # unbuffered for chunks this size; flush() makes sure of it
+                f.flush()
+                start_writeback(f.fileno(), self.flushed * 4, (self.written - self.flushed) * 4)
+            self.flushed = self.written
         self.seconds += time.perf_counter() - t0
 
     def _run(self) -> None:
@@ -278,10 +320,13 @@ class CheckpointDir:
         state: CheckpointState,
         fragments: dict[int, tuple[torch.Tensor, torch.Tensor]],
         streamed: dict[int, VersionFiles] | None = None,
+        *,
+        prune: bool = True,
     ) -> None:
         """Durably write the given fragments' params and momentum at state.versions, then the manifest.
         `streamed`: fragments whose new version the merge already wrote (VersionFiles): only fsynced
-        and renamed here; the others are written whole."""
+        and renamed here; the others are written whole. Then the older files go (`prune`; False:
+        the caller prunes later)."""
         self.path.mkdir(parents=True, exist_ok=True)
         streamed = streamed or {}
         for fid, vf in streamed.items():
@@ -302,7 +347,12 @@ class CheckpointDir:
             os.fsync(f.fileno())
         os.replace(tmp, self.path / MANIFEST)
         _fsync_dir(self.path)
-        # Only now are older versions of these fragments unreferenced.
+        if prune:
+            self.prune(state, fragments)
+
+    def prune(self, state: CheckpointState, fragments: Iterable[int]) -> None:
+        """Delete the files of `fragments` that `state` (committed) no longer names: older versions and
+        what a crash left. Callers that commit with prune=False run it once the version is out."""
         for fid in fragments:
             keep = {q.name for q in self.files(fid, state.versions[fid])}
             for old in self.path.glob(f"frag-{fid}-v*"):
