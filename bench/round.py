@@ -41,7 +41,7 @@ processes share one clock. Each figure is the median over `--rounds` rounds afte
 `--outer-compile` sets the syncer's YETO_OUTER_COMPILE (default async, the syncer's: the fused loop
 compiled in the background during the warm-up round; `0`: the eager SGD-form kernel).
 `--checkpoint-writer`, `--broadcast` and `--push-memory-mib` are the syncer's flags of those names
-(default: inline writes, with-commit broadcast, 1024 MiB of pushes kept for the merge; 0 makes the
+(default: inline writes, cut-through broadcast, 1024 MiB of pushes kept for the merge; 0 makes the
 merge read every push chunk back from PUSH, the path before). With `with-commit` or `cut-through` the new version's chunks go out before it is
 durable (cut-through: as they are merged, so chunk 0 is seen before the merge loop ends), so the
 checkpoint stage counts 0 and the broadcast stage is the durable commit and the seal.
@@ -469,9 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-writer", choices=("inline", "thread", "whole"), default="inline",
                    help="the syncer's --checkpoint-writer: write the checkpoint files in the merge loop (inline, the "
                    "default), on a writer thread beside it, or whole at the commit")
-    p.add_argument("--broadcast", choices=("with-commit", "cut-through", "after-commit"), default="with-commit",
-                   help="the syncer's --broadcast: the chunks after the merge while the version is made durable "
-                   "(with-commit, the default), each as soon as it is merged (cut-through), or all after the "
+    p.add_argument("--broadcast", choices=("cut-through", "with-commit", "after-commit"), default="cut-through",
+                   help="the syncer's --broadcast: each chunk as soon as it is merged (cut-through, the default), "
+                   "the chunks after the merge while the version is made durable (with-commit), or all after the "
                    "commit; the first two send the seal after the durable commit")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")

@@ -71,10 +71,10 @@ def add_parser(sub) -> None:
     g.add_argument("--bulk-dtype", choices=BULK_DTYPES, default=_env("YETO_BULK_DTYPE", "f32"),
                    help="dtype of INIT and broadcasts (env YETO_BULK_DTYPE; default %(default)s)")
     _flag(g, "--chunk-bytes", "YETO_CHUNK_BYTES", int, 1 << 20, "chunk size in bytes (bounded by the server's max_payload minus header room)")
-    g.add_argument("--broadcast", choices=("with-commit", "cut-through", "after-commit"),
-                   default=_env("YETO_BROADCAST", "with-commit"),
-                   help="when a new version's chunks go to BCAST: with-commit (after the merge, while the version is "
-                        "made durable), cut-through (each as soon as it is merged: for hosts with cores to spare), "
+    g.add_argument("--broadcast", choices=("cut-through", "with-commit", "after-commit"),
+                   default=_env("YETO_BROADCAST", "cut-through"),
+                   help="when a new version's chunks go to BCAST: cut-through (each as soon as it is merged), "
+                        "with-commit (after the merge, while the version is made durable), "
                         "after-commit (all after the durable commit). In the first two the last chunk (the seal, "
                         "with the version digest) goes out once the version is durable, so islands never install what "
                         "is not committed (env YETO_BROADCAST; default %(default)s)")
@@ -143,7 +143,7 @@ def run(args) -> int:
     except ValueError as exc:  # ConfigError names the field and the value
         print(f"yeto syncer: --replicas: {exc}", file=sys.stderr)
         return 2
-    for flag, value, allowed in (("--broadcast", args.broadcast, ("with-commit", "cut-through", "after-commit")),
+    for flag, value, allowed in (("--broadcast", args.broadcast, ("cut-through", "with-commit", "after-commit")),
                                  ("--checkpoint-writer", args.checkpoint_writer, ("inline", "thread", "whole"))):
         if value not in allowed:   # an environment default escapes argparse's choices
             print(f"yeto syncer: {flag} must be one of {', '.join(allowed)}, got {value!r}", file=sys.stderr)

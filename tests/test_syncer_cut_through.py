@@ -1,5 +1,5 @@
-"""Broadcasts before the durable commit (`yeto syncer --broadcast with-commit`, the default, and
-`cut-through`), against a real nats-server and the real syncer process, with scripted islands and an
+"""Broadcasts before the durable commit (`yeto syncer --broadcast cut-through`, the default, and
+`with-commit`), against a real nats-server and the real syncer process, with scripted islands and an
 independent reference of the outer step.
 
 (a) Order, in the server's own timestamps: a new version's chunk 0 is in BCAST before the state KV

@@ -6,8 +6,8 @@ as its outer step is done (checkpoint.VersionFiles), so the commit only fsyncs a
 Memory: O(members x chunk) bytes beside the fragment's params and momentum.
 
 Cut-through (`--broadcast cut-through`): each chunk of the new version is also sent to BCAST as soon as
-it is merged (cut.BroadcastStream); only its last chunk, the seal with the version digest, waits for the
-durable commit. `--broadcast with-commit` (the default) sends them after the merge loop, while the
+it is merged (cut.BroadcastStream), the default; only its last chunk, the seal with the version digest,
+waits for the durable commit. `--broadcast with-commit` sends them after the merge loop, while the
 version is made durable. Before the first chunk goes out, the merge's inputs are written
 durably as its intent (checkpoint.CheckpointDir.write_intent), so a syncer killed mid-broadcast redoes
 the same merge on `--resume` (`Merger.redo`) and sends the same version number with the same bytes.
@@ -39,10 +39,11 @@ CKPT_WRITERS = ("inline", "thread", "whole")
 # `yeto syncer --broadcast`: when a new version's chunks go to BCAST. "cut-through": each as soon as it is
 # merged; "with-commit": all after the merge loop, while the version is made durable (the checkpoint's
 # fsync); "after-commit": all after the durable commit. In the first two the last chunk (the seal) waits
-# for the commit. Measured on 2 shared cores (bench/README.md): with-commit beats after-commit by the
-# broadcast's time, while cut-through loses there: the broker and the islands reading the chunks take the
-# CPU the merge needs. It needs cores to spare, as a syncer host has.
-BROADCAST_MODES = ("with-commit", "cut-through", "after-commit")
+# for the commit. Measured (bench/README.md): cut-through is the fastest round on 16 cores (2.7 vs 3.2 s
+# with-commit at 256 MiB) and on 2 shared cores (4.8 vs 5.7-6.1 s), since the islands fetch the chunks
+# that landed many per request; before that fix it lost on 2 cores. with-commit beats after-commit by
+# the broadcast's time.
+BROADCAST_MODES = ("cut-through", "with-commit", "after-commit")
 EARLY_MODES = ("cut-through", "with-commit")   # chunks before the seal, hence the merge intent
 
 
@@ -61,7 +62,7 @@ async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
 
 class Merger:
     def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter, *,
-                 lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "with-commit",
+                 lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "cut-through",
                  ckpt_writer: str = "inline"):
         if broadcast not in BROADCAST_MODES:
             raise ValueError(f"broadcast mode {broadcast!r} is not one of {BROADCAST_MODES}")

@@ -95,7 +95,7 @@ class ServiceConfig:
     tick_s: float = 1.0
     status_every_s: float = 5.0
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
-    broadcast: str = "with-commit"
+    broadcast: str = "cut-through"
     ckpt_writer: str = "inline"
     # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes)
     push_memory_bytes: int = 1024 << 20
