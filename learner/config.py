@@ -17,7 +17,7 @@ value raises ConfigError naming the attribute and, in the message, the variable 
 | heartbeat_s | YETO_HEARTBEAT_S | 2 | heartbeat period |
 | max_reconnects | YETO_MAX_RECONNECTS | 60 | failed reconnects before the island gives up (-1: never) |
 | reconnect_wait_s | YETO_RECONNECT_WAIT_S | 2 | pause between reconnect attempts |
-| fetch_batch_bytes | YETO_FETCH_BATCH_BYTES | 16 MiB | bytes fetched per batch at a boundary (≤ 32 MiB) |
+| fetch_batch_bytes | YETO_FETCH_BATCH_BYTES | 16 MiB | bytes fetched per request at a boundary (≤ 32 MiB; the next batch is fetched while one is checked, so up to two are held) |
 | steplog_queue | YETO_STEPLOG_QUEUE | 1024 | step-log events waiting for the network before drops |
 | init_v0_timeout_s | YETO_INIT_V0_TIMEOUT | 600 | INIT island: wait this long for v0 after streaming INIT |
 | lockstep_timeout_s | YETO_LOCKSTEP_TIMEOUT | 600 | lockstep: longest wait for a pull or a broadcast |

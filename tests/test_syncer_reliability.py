@@ -97,10 +97,12 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
 
 async def test_tape_keeps_every_round_exactly_once_across_kills_after_the_commit(nats_url, run_id, tmp_path):
     # One big fragment in small chunks: its broadcast (between the durable commit and the tape write)
-    # takes long enough to SIGKILL the syncer inside it.
+    # takes long enough to SIGKILL the syncer inside it. `after-commit` sends the whole version there;
+    # the default (cut-through) sends all but the seal before the commit, leaving no such window.
     ckpt = tmp_path / "ckpt"
     layout = tiny_layout(4, 128)
     args = ("--islands", "2", "--fragments", "1", "--sync-every", "1", "--total-steps", "4", "--strict",
+            "--broadcast", "after-commit",
             "--outer-lr", str(LR), "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--final-timeout", "60",
             "--status-every", "0.3", "--member-timeout", "600")   # no heartbeats: under load 30 s passed at round 2
     syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *args, layout=layout)
