@@ -15,8 +15,8 @@ Contract for sharded adapters (multi-rank islands: TP/PP/EP, distributed optimiz
   on the TP size must be presented as TP-independent canonical tensors (or pinned, see issue 6).
 * `read(name)` returns this rank's fp32 piece (shape = the box's shape); `write(name, value)` takes a
   value of that shape and sets master and model param. Every rank that lists a tensor calls `read`
-  (for a push or INIT, and before blending an applied version into it) and `write` (for an applied
-  version) on it, and all ranks do so in the same order (fragment by fragment, canonical order within
+  (for a push or INIT) and `write` (for an applied version that overwrites) or `blend` (for one that
+  blends in: by default `read`, then `write`) on it, and all ranks do so in the same order (fragment by fragment, canonical order within
   a fragment), so an adapter may run a collective inside them over a group whose ranks all hold that
   tensor (e.g. the distributed optimizer's all-gather of owned main_param ranges over its
   data-parallel group).
