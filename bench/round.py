@@ -33,7 +33,9 @@ the files, fsync + rename + manifest; before, write + fsync), commit kv (state K
 (every chunk acknowledged). A third line per row, `checkpoint stream`: ckpt write (the merge's writes of
 the new version's files into the page cache, inline in the merge loop or on a writer thread beside it)
 and writer wait (of checkpoint files, the commit waiting for that thread); "-" from a syncer that does
-not stream them.
+not stream them. Then counts: push chunks the merge took from memory and read back from PUSH, and
+chunks the compiled outer loop stepped and the eager kernel stepped (with `--outer-compile async` the
+eager twin works until the background compile is done: on a slow compile every round may be eager).
 
 Observed with a core NATS subscription (pull, chunk 0 of BCAST, the tape) in this process, and each
 island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`, `apply_s`. All
@@ -87,8 +89,11 @@ EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("
 # Recorded by a syncer that streams the checkpoint files during the merge (optional: printed as "-" when
 # absent, so older syncers' records still make a breakdown).
 STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"))
-# Push chunks the merge took from memory (kept at intake) and read back from PUSH (optional, counts).
-HELD = (("push_chunks_held", "push chunks held"), ("push_chunks_read", "read back"))
+# Counts (optional): push chunks the merge took from memory (kept at intake) and read back from PUSH;
+# chunks the compiled outer loop stepped and the eager kernel stepped (a compile not yet done leaves
+# them to the eager twin).
+HELD = (("push_chunks_held", "push chunks held"), ("push_chunks_read", "read back"),
+        ("outer_compiled_chunks", "outer compiled"), ("outer_eager_chunks", "eager"))
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)

@@ -60,6 +60,9 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
         merges = [r for r in await tape(js, run_id, "merge") if r.get("step")]
         held = sum(r["detail"]["push_chunks_held"] for r in merges)
         read = sum(r["detail"]["push_chunks_read"] for r in merges)
+        # every chunk of every merge was stepped by one kernel or the other, and the record says which
+        stepped = [r["detail"]["outer_compiled_chunks"] + r["detail"]["outer_eager_chunks"] for r in merges]
+        chunks = [r["detail"]["push_chunks_held"] + r["detail"]["push_chunks_read"] for r in merges]
     finally:
         for p in procs.values():
             p.stop()
@@ -80,6 +83,7 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
 
     assert commit["committed_step"] == ROUNDS
     assert len(merges) == ROUNDS and held > 0 and read > 0, (held, read)
+    assert [2 * k for k in stepped] == chunks, (stepped, chunks)   # two members' chunks per stepped chunk
     assert {int(k): v for k, v in commit["versions"].items()} == expected.versions == {0: ROUNDS // P, 1: ROUNDS // P}
 
     # The final cut (exported from the syncer's checkpoint) equals the reference's global model.

@@ -189,6 +189,9 @@ def test_compiled_kernel_gives_its_eager_twins_bits(monkeypatch) -> None:
                     if used is None:
                         pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager twin runs")
                     assert step.kernel_for(1001, [d[:1001] for d in deltas]) is None   # other lengths: the twin
+                    assert (step.compiled_calls, step.eager_calls) == (2, 1)   # what the merge record reports
+                else:
+                    assert (step.compiled_calls, step.eager_calls) == (0, 3)
             got[label] = (p, m)
         (pc, mc), (pt, mt), (pd, md) = got["compiled"], got["twin"], got["sgd"]
         assert torch.equal(pc, pt) and torch.equal(mc, mt), dtype
@@ -231,6 +234,7 @@ def test_async_compile_switches_kernels_mid_merge_without_changing_a_bit(monkeyp
     if outer._COMPILED._ready.get(key) is None and key not in outer._COMPILED._pending:
         pytest.skip("torch.compile is not available here (no C++ compiler?): only the eager twin runs")
     assert not ran[0] and ran[-1], "the merge began on the twin and ended on the compiled loop"
+    assert (step.compiled_calls, step.eager_calls) == (ran.count(True), ran.count(False))
     monkeypatch.setenv("YETO_OUTER_COMPILE", "sync")
     pt, mt = p0.clone(), m0.clone()
     for _ in range(rounds):

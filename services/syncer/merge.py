@@ -226,7 +226,10 @@ class Merger:
         rec["detail"] = {**rec.get("detail", {}), "merge_s": merge_s, "fetch_s": fetch_s, "outer_s": outer_s,
                          "broadcast_mode": self.broadcast,
                          "push_chunks_held": self.counters["merge.push_chunk_held"] - held0,
-                         "push_chunks_read": self.counters["merge.push_chunk_read"] - read0}
+                         "push_chunks_read": self.counters["merge.push_chunk_read"] - read0,
+                         # chunks the compiled outer loop stepped, and the eager twin (or SGD form)
+                         "outer_compiled_chunks": outer_step.compiled_calls,
+                         "outer_eager_chunks": outer_step.eager_calls}
         if stream is not None:
             rec["detail"]["intent_s"] = intent_s
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again

@@ -162,7 +162,8 @@ class OuterStep:
     fragment's last chunk) run the eager twin, which gives the same bits.
     """
 
-    __slots__ = ("weights", "total", "lr", "mu", "mode", "coefs", "mu_lr", "kernel_for")
+    __slots__ = ("weights", "total", "lr", "mu", "mode", "coefs", "mu_lr", "kernel_for", "compiled_calls",
+                 "eager_calls")
 
     def __init__(self, weights: Sequence[float], lr: float, mu: float, *, delta_dtypes: Sequence[torch.dtype] = (),
                  chunk_numel: int = 0, device: torch.device | str = "cpu"):
@@ -178,6 +179,10 @@ class OuterStep:
         else:
             self.coefs = self.mu_lr = None
         self.kernel_for = None
+        # chunks stepped by the compiled loop and by eager torch ops (the twin or the SGD form): a merge
+        # record says which kernel did its work (a compile still running in the background leaves it
+        # to the twin)
+        self.compiled_calls = self.eager_calls = 0
         if self.mode != "0" and chunk_numel >= COMPILE_MIN_NUMEL and torch.device(device).type == "cpu" \
                 and len(delta_dtypes) == len(self.weights):
             self.kernel_for = _COMPILED.prepare(tuple(str(d) for d in delta_dtypes), int(chunk_numel),
@@ -194,12 +199,15 @@ class OuterStep:
             raise ValueError(f"scratch must be float32 with >= {n} elements, got {out.dtype} with {out.numel()}")
         if self.mode == "0":
             _sgd_step_(params, momentum, deltas, self.weights, self.total, self.lr, self.mu, out)
+            self.eager_calls += 1
             return
         kernel = self.kernel_for(n, deltas) if self.kernel_for is not None else None
         if kernel is not None and params.is_contiguous() and momentum.is_contiguous() and params.device.type == "cpu":
             kernel(params, momentum, self.coefs, self.mu_lr, *deltas)
+            self.compiled_calls += 1
         else:
             _eager_step_(params, momentum, self.coefs, self.mu_lr, deltas, out)
+            self.eager_calls += 1
 
 
 def outer_step_(
