@@ -161,10 +161,18 @@ def run(args) -> int:
         print(f"yeto syncer: --push-memory-mib must be a number >= 0, got {args.push_memory_mib!r}", file=sys.stderr)
         return 2
     cfg.push_memory_bytes = int(args.push_memory_mib * (1 << 20))
+    rc = 1
     try:
-        return asyncio.run(SyncerService(cfg).run())
+        rc = asyncio.run(SyncerService(cfg).run())
     except (SyncerError, ProvisionError) as exc:  # a conflicting run, replicas the server cannot place
         print(f"yeto syncer: {exc}", file=sys.stderr)
-        return 2
+        rc = 2
     except KeyboardInterrupt:
-        return 130
+        rc = 130
+    finally:
+        # A short run can end while the merge loop still compiles in the background: leave without the
+        # interpreter's finalization, which can abort around that thread (services/syncer/outer.py).
+        from services.syncer.outer import exit_now_if_compiling
+
+        exit_now_if_compiling(rc)
+    return rc

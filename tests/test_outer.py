@@ -248,3 +248,37 @@ def test_kernel_setting_is_checked(monkeypatch) -> None:
     monkeypatch.setenv("YETO_OUTER_COMPILE", "fast")
     with pytest.raises(ValueError, match="YETO_OUTER_COMPILE must be one of 0, async, sync, got 'fast'"):
         outer_step_(p, m, [torch.zeros(4)], [1], 0.7, 0.9)
+
+
+@pytest.mark.timeout(180)
+def test_a_process_done_while_the_loop_still_compiles_exits_with_its_code_not_an_abort() -> None:
+    """A daemon thread compiling the merge loop (YETO_OUTER_COMPILE=async) is inside C++: an interpreter
+    finalizing around it aborted a syncer that ended a short run ("terminate called without an active
+    exception", SIGABRT: the two-datacenter demo test failed so in CI). `exit_now_if_compiling` (what
+    `yeto syncer` calls on its way out) leaves at once with the process's own code."""
+    import random
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from services.syncer import outer
+
+    numel = outer.COMPILE_MIN_NUMEL + random.randrange(1, 10**6)   # a key no cache holds yet
+    code = textwrap.dedent(f"""
+        import os, time, torch
+        os.environ["YETO_OUTER_COMPILE"] = "async"
+        from services.syncer import outer
+        outer.OuterStep([1.0] * 3, 0.7, 0.9, delta_dtypes=[torch.float32] * 3, chunk_numel={numel})
+        time.sleep(0.3)
+        print("compiling" if outer.compile_in_flight() else "compiled already", flush=True)
+        outer.exit_now_if_compiling(7)
+        print("no compile in flight", flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=150)
+    if "compiled already" in p.stdout:
+        pytest.skip("the loop compiled within 0.3 s (or not at all here): nothing in flight to exit around")
+    assert p.returncode == 7, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "compiling" in p.stdout and "no compile in flight" not in p.stdout
+    assert "terminate called" not in p.stderr

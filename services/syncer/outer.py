@@ -49,7 +49,8 @@ import torch
 from schemas.dtypes import unpack
 
 
-__all__ = ["weights_for", "OuterStep", "delta_dtype", "outer_step_", "delta_view", "COMPILE_MIN_NUMEL", "MODES"]
+__all__ = ["weights_for", "OuterStep", "delta_dtype", "outer_step_", "delta_view", "COMPILE_MIN_NUMEL", "MODES",
+           "compile_in_flight", "exit_now_if_compiling"]
 
 log = logging.getLogger(__name__)
 
@@ -460,3 +461,33 @@ def _build_dynamo(numel: int, dtypes: tuple[str, ...]) -> Callable:
 
 
 _COMPILED = _CompiledKernels()
+
+
+def compile_in_flight() -> bool:
+    """Whether a background compile of the merge loop is still running. Such a thread is a daemon inside
+    C++ (inductor, the C++ compiler): an interpreter that finalizes around it can abort the process
+    ("terminate called without an active exception", SIGABRT), so a process that is done leaves with
+    os._exit instead (`yeto syncer` does; reproduced by exiting 3 s after a compile started)."""
+    with _COMPILED._lock:
+        return any(th.is_alive() for th in _COMPILED._pending.values())
+
+
+def exit_now_if_compiling(rc: int) -> None:
+    """Leave with `rc` at once (buffers flushed, logging shut down) when a compile is in flight (see
+    compile_in_flight); else return and let the interpreter exit as usual."""
+    if not compile_in_flight():
+        return
+    import logging
+    import sys
+    import traceback
+
+    exc = sys.exc_info()[1]
+    if exc is not None and not isinstance(exc, SystemExit):
+        traceback.print_exc()   # os._exit would drop the traceback the interpreter prints
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not stop the exit
+            pass
+    os._exit(rc)
