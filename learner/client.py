@@ -70,23 +70,24 @@ def cut_contexts(nc, config: IslandConfig):
 
 
 class Fetch:
-    """A fetch in flight (`IslandClient.fetch_last_ahead`)."""
+    """A call in flight on the client's loop: `result()` waits for it until its deadline (then it is
+    cancelled: TimeoutError), `cancel()` drops it. `IslandClient.call` waits at once;
+    `fetch_last_ahead` hands one back to wait for later."""
 
-    __slots__ = ("_fut", "_deadline")
+    __slots__ = ("_fut", "_timeout", "_deadline")
 
-    def __init__(self, fut: "concurrent.futures.Future", deadline: float):
-        self._fut, self._deadline = fut, deadline
+    def __init__(self, fut: "concurrent.futures.Future", timeout: float | None):
+        self._fut, self._timeout = fut, timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
 
-    def result(self) -> list:
-        """Its messages; TimeoutError past the deadline (the fetch is then cancelled), else what it raised."""
+    def result(self) -> Any:
         try:
-            return self._fut.result(max(0.0, self._deadline - time.monotonic()))
+            return self._fut.result(None if self._deadline is None else max(0.0, self._deadline - time.monotonic()))
         except FutureTimeout:
             self._fut.cancel()
-            raise TimeoutError("NATS fetch did not finish within its timeout") from None
+            raise TimeoutError(f"NATS call did not finish within {self._timeout:.1f}s") from None
 
     def cancel(self) -> None:
-        """Not wanted after all (the reading it was fetched for ended first)."""
         self._fut.cancel()
 
 
@@ -134,16 +135,7 @@ class IslandClient:
 
     def call(self, coro: Awaitable, timeout: float | None) -> Any:
         """Run `coro` on the loop and wait for its result; cancel it on timeout (TimeoutError)."""
-        if self.loop is None or not self.loop.is_running():
-            if asyncio.iscoroutine(coro):
-                coro.close()
-            raise NotConnected("the NATS client is not running")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout)
-        except FutureTimeout:
-            fut.cancel()
-            raise TimeoutError(f"NATS call did not finish within {timeout:.1f}s") from None
+        return Fetch(self._submit(coro), timeout).result()
 
     @property
     def connected(self) -> bool:
@@ -302,10 +294,7 @@ class IslandClient:
         """`fetch_last` started now on the loop, its result taken later (`Fetch.result`), so the
         training thread checks and stages one batch while the next is on the wire. The timeout
         counts from now."""
-        if self.loop is None or not self.loop.is_running():
-            raise NotConnected("the NATS client is not running")
-        fut = asyncio.run_coroutine_threadsafe(self._fetch_last(kind, subjects), self.loop)
-        return Fetch(fut, time.monotonic() + self.config.fetch_timeout_s)
+        return Fetch(self._submit(self._fetch_last(kind, subjects)), self.config.fetch_timeout_s)
 
     async def _fetch_last(self, kind: str, subjects: list[str]) -> list:
         stream = S.stream(self.run, kind)
