@@ -45,7 +45,9 @@ Choices the design leaves open, decided here (the parts' modules decide the rest
 - **Strict (lockstep)**: launch as soon as pipeline and fragment allow; a round completes only when
   every expected member answered (no quorum, no grace); a passed deadline tapes an error and moves
   the deadline one timeout on (no attempt bump).
-- **Restart with no live member** keeps the attempt and moves the deadline on (nobody to ask).
+- **Restart with no live member** keeps the attempt and moves the deadline on (nobody to ask); a round
+  with no live member is never hopeless: it waits for a hello or a heartbeat, and time only ever moves
+  its due time forward (`next_wakeup()` is never in the past after a Tick).
 - **Hopeless attempts restart early** (not strict): while the answers still possible (slots not answered,
   not refused as stale/future/invalid, member still live) cannot reach quorum, the attempt restarts
   `HOPELESS_RESTART_S` after that began (counted `restart_early`), not at its deadline.
@@ -290,6 +292,9 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization, Sharding):
         self._tape("error", now, island=island, gen=gen, reason=f"{code}: {message}",
                    detail={"code": code, "field": field})
 
+    def _any_live(self) -> bool:
+        return any(m.live for m in self.members.values())
+
     def _live(self) -> list[Member]:
         return [self.members[i] for i in sorted(self.members) if self.members[i].live]
 
@@ -367,7 +372,9 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization, Sharding):
         # Restart soon instead, leaving a moment for the re-broadcast that the refusals triggered to land
         # before the new pull (islands apply broadcasts before answering pulls). Re-judged at every event:
         # a member that comes back makes the attempt hopeful again.
-        if not cfg.strict and r.quorum_at is None and r.answered + self._hopeful(r) < r.quorum:
+        # With no live member at all a restart has nobody to ask: the round waits for a hello or a
+        # heartbeat (which re-judge it), not for a restart time that would already be past.
+        if not cfg.strict and r.quorum_at is None and r.answered + self._hopeful(r) < r.quorum and self._any_live():
             r.hopeless_at = now if r.hopeless_at is None else r.hopeless_at
         else:
             r.hopeless_at = None
@@ -389,7 +396,11 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization, Sharding):
         live = self._live()
         old_responded, old_attempt = r.responded(), r.attempt
         if not live:
+            # Time only moves a due time forward: the next look is one quorum timeout on (or at the first
+            # hello or heartbeat, which re-judges the round), never a hopeless time already past. Kept,
+            # that past time made next_wakeup() stay in the past and the shell's loop spin (issue 30).
             r.deadline = now + cfg.quorum_timeout_s
+            r.hopeless_at = None
             self._tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
                        reason="deadline passed below quorum and no member is live: attempt stands")
             return

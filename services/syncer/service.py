@@ -52,6 +52,7 @@ from schemas.publish import publish_retry
 from services.syncer import rounds as R
 from services.syncer.checkpoint import CheckpointDir, CheckpointError
 from services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
+from services.syncer.event_queue import EventQueue
 from services.syncer.intake import PushLedger
 from services.syncer.merge import Merger
 from services.syncer.receive import Receiver
@@ -63,6 +64,7 @@ log = logging.getLogger("yeto.syncer")
 
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
 PUSH_FETCH_BATCH = 8
+MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's next wake-up is already past
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
 
 
@@ -114,7 +116,7 @@ class SyncerService:
         self.cut: Cut | None = None
         self.receiver: Receiver | None = None
         self.merger: Merger | None = None
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = EventQueue()   # liveness (hello, heartbeat) before the rest: services/syncer/event_queue.py
         self.done: R.Done | None = None
         self.nc = None
         self.js = None
@@ -446,15 +448,31 @@ class SyncerService:
     # ---- the machine loop -------------------------------------------------------------------------
 
     async def _main_loop(self) -> None:
+        past_tick = None   # the time of the last Tick fed because a wake-up was due
         while self.done is None:
             wake = self.machine.next_wakeup()
             timeout = self.cfg.tick_s
             if wake is not None:
                 timeout = max(0.0, min(timeout, wake - time.time()))
-            try:
-                event = await asyncio.wait_for(self.queue.get(), timeout=timeout)
-            except asyncio.TimeoutError:
+            if timeout == 0.0 and past_tick is not None and wake is not None and wake <= past_tick:
+                # The Tick at that time changed nothing it promised: wait as for any other event rather
+                # than spin (never expected; the machine moves due times forward).
+                self.counters["loop.past_wakeup"] += 1
+                timeout = MIN_WAIT_S
+            # Queued events first, always: on Python 3.11 asyncio.wait_for(get(), 0) times out without
+            # dequeuing even when the queue is full, so a due time in the past starved every event (the
+            # wedge of issue 30: the heartbeats that would have brought the islands back were never read).
+            if not self.queue.empty():
+                event = self.queue.get_nowait()
+                await asyncio.sleep(0)   # let intake and tasks run between queued events
+            elif timeout <= 0.0:
                 event = R.Tick(now=time.time())
+            else:
+                try:
+                    event = await asyncio.wait_for(self.queue.get(), timeout=timeout)
+                except asyncio.TimeoutError:
+                    event = R.Tick(now=time.time())
+            past_tick = event.now if isinstance(event, R.Tick) and wake is not None and wake <= event.now else None
             if isinstance(event, BaseException):
                 raise event
             actions = self._feed(event)
