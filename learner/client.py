@@ -41,7 +41,7 @@ from schemas import subjects as S
 from schemas.conn import connect
 from schemas.errors import WireError
 from schemas.ids import new_generation
-from schemas.publish import publish_retry
+from schemas.publish import first_send, note_taken, publish_retry
 
 from .config import IslandConfig
 from .ctl_reader import CtlReader
@@ -454,12 +454,14 @@ class IslandClient:
             items = self.steplog.pop_all(256)
             if not items:
                 return
-            futs = []
+            futs, sent = [], []
             for step, line in items:
+                msg_id = S.steplog_msg_id(self.island, self.gen, step)
                 try:
-                    futs.append(await self.js.publish_async(
-                        subject, line, headers={S.MSG_ID: S.steplog_msg_id(self.island, self.gen, step)},
-                        wait_stall=timeout))
+                    first = first_send(subject, msg_id)
+                    futs.append(await self.js.publish_async(subject, line, headers={S.MSG_ID: msg_id},
+                                                            wait_stall=timeout))
+                    sent.append((line, msg_id, first))
                 except Exception:
                     self._counters["steplog_failed"] += 1
             if futs:
@@ -470,6 +472,13 @@ class IslandClient:
                 failed = sum(isinstance(r, BaseException) for r in res)
                 self._counters["steplog_sent"] += len(res) - failed
                 self._counters["steplog_failed"] += failed
+                for r, (line, msg_id, first) in zip(res, sent):
+                    if first and getattr(r, "duplicate", False):   # another publisher took the id (schemas/publish.py)
+                        try:
+                            await self.js.publish_async(subject, line, wait_stall=timeout, headers={
+                                S.MSG_ID: note_taken(subject, msg_id, self._counters)})
+                        except Exception:
+                            self._counters["steplog_failed"] += 1
 
     async def _aclose(self) -> None:
         if self.nc is None:

@@ -12,6 +12,18 @@ timeout, and a pipeline holds dozens of them (one broadcast took 330 s after a b
 wait here also watches the connection: once the client has reconnected after the publish went out, the
 publish is re-sent at once with the same `Nats-Msg-Id` (counted as `publish_retry.reconnected`).
 
+Message ids nobody else can occupy (issue 30). JetStream de-duplicates by `Nats-Msg-Id` per stream,
+whatever the subject, and our ids are predictable (schemas/subjects.py): an island holding only its own
+credentials could publish on its own subjects, in a stream it shares with others (CTL, PUSH, INIT,
+STEPLOG), the ids the syncer's pulls or another island's pushes, heartbeats, acks will use, and JetStream
+would drop those as duplicates. So a publish into a shared stream (`subjects.in_shared_stream`) whose
+*first* attempt, with an id this process never sent before, is answered `duplicate` was not ours: it is
+re-sent at once under a fresh id (the id + `.x` + 64 random bits, which nobody can guess), counted
+(`publish.msg_id_taken`) and logged. Re-sends of our own message keep collapsing as before: a retry of
+the same publish, or a later publish of an id this process already sent (`_SENT` remembers the last
+`SENT_MEMORY` ids), takes the duplicate as its own. Consumers never read the id (they dedup in their own
+state), so the fresh id changes nothing downstream.
+
 A cluster node's death (or a hung node) loses PubAcks without a reconnect: the client sits on a live
 node, the stream's leader was on the dead one. A pipeline's timeout therefore runs from each publish's
 send (or from the previous ack, whichever is later: publishes leave in order, so on a slow link the
@@ -24,13 +36,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import Counter
+import secrets
+from collections import Counter, OrderedDict
 from typing import Callable
 
 from nats.js.errors import NoStreamResponseError
 
 from .dtypes import as_bytes_view
-from .subjects import MSG_ID
+from .subjects import MSG_ID, in_shared_stream
 
 log = logging.getLogger("yeto.publish")
 
@@ -43,6 +56,49 @@ BACKPRESSURE_CODES = {10077: "stream_full", 10167: "too_many_requests"}
 ELECTION_S = 20.0
 # A publish that needed retries and took at least this long is logged (WARNING) with its reasons.
 SLOW_PUBLISH_S = 2.0
+
+
+# Ids this process sent into shared streams, newest last: a duplicate answer to one of them is our own
+# message landing twice (a retry, a re-sent push), not a taken id. A push of 256 MiB in 1 MiB chunks is
+# 256 ids; this holds the last few hundred pushes' worth at ~100 bytes an id.
+SENT_MEMORY = 1 << 17
+_SENT: "OrderedDict[str, None]" = OrderedDict()
+
+
+def first_send(subject: str, msg_id: str) -> bool:
+    """Note that this process sends `msg_id` on `subject`; True when it is the first time for an id in a
+    shared stream (a `duplicate` answer then means someone else took the id)."""
+    if not in_shared_stream(subject):
+        return False
+    if msg_id in _SENT:
+        _SENT.move_to_end(msg_id)
+        return False
+    _SENT[msg_id] = None
+    if len(_SENT) > SENT_MEMORY:
+        _SENT.popitem(last=False)
+    return True
+
+
+def fresh_msg_id(msg_id: str) -> str:
+    """An id no other publisher can have guessed, for a message whose own id was taken."""
+    return f"{msg_id}.x{secrets.token_hex(8)}"
+
+
+_taken_logged = 0
+
+
+def note_taken(subject: str, msg_id: str, counters: Counter | None) -> str:
+    """Count and log a taken id (the first few at WARNING, the rest at DEBUG); the fresh id to use."""
+    global _taken_logged
+    fresh = fresh_msg_id(msg_id)
+    _SENT[fresh] = None
+    if counters is not None:
+        counters["publish.msg_id_taken"] += 1
+    _taken_logged += 1
+    (log.warning if _taken_logged <= 10 else log.debug)(
+        "Nats-Msg-Id %s on %s was already used by another publisher (a hostile or confused client): "
+        "re-sent as %s", msg_id, subject, fresh)
+    return fresh
 
 
 class _Reconnected(Exception):
@@ -156,6 +212,7 @@ async def publish_retry(
     t0 = loop.time()
     i = 0
     reasons: list[str] = []
+    first = first_send(subject, msg_id)
     while i < attempts or (isinstance(last, NoStreamResponseError) and loop.time() - t0 < election_s):
         i += 1
         try:
@@ -165,6 +222,12 @@ async def publish_retry(
             # look like a timeout. The request, run as a task, can still be given up on a reconnect.
             req = asyncio.ensure_future(js.publish(subject, data, timeout=timeout, headers=hdrs))
             ack = await _await_ack(js, req, timeout, sent_on)
+            if first and i == 1 and getattr(ack, "duplicate", False):
+                # our first try of an id never sent before, answered "duplicate": another publisher holds it
+                return await publish_retry(
+                    js, subject, data, note_taken(subject, msg_id, counters), headers, timeout=timeout,
+                    attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s, counters=counters,
+                    should_continue=should_continue, election_s=election_s)
             if reasons and loop.time() - t0 >= SLOW_PUBLISH_S:
                 # an operator sees what a node's death or a full stream cost, and why
                 log.warning("publish to %s took %.1fs (%d retries: %s)", subject, loop.time() - t0, len(reasons),
@@ -201,8 +264,9 @@ class Pipeline:
                  counters: Counter | None = None):
         self.js, self.max_bytes, self.max_msgs, self.timeout = js, max_bytes, max_msgs, timeout
         self.counters = counters
-        # (future, subject, data, msg id, headers, size, connection it went out on, loop time it went out)
-        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None, float]] = []
+        # (future, subject, data, msg id, headers, size, connection it went out on, loop time it went out,
+        #  whether this process sent that id for the first time)
+        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None, float, bool]] = []
         self._bytes = 0
         self._warned = False
         self._acked_at = 0.0              # loop time of the last ack in
@@ -217,6 +281,7 @@ class Pipeline:
         hdrs = dict(headers or {})
         hdrs[MSG_ID] = msg_id
         sent_on = _sent_on(self.js)
+        first = first_send(subject, msg_id)
         try:
             fut = await self.js.publish_async(subject, data, headers=hdrs, wait_stall=self.timeout)
         except Exception as exc:
@@ -229,7 +294,7 @@ class Pipeline:
             await publish_retry(self.js, subject, data, msg_id, headers, timeout=self.timeout, counters=self.counters)
             return
         self._inflight.append((fut, subject, data, msg_id, headers or {}, len(data), sent_on,
-                               asyncio.get_running_loop().time()))
+                               asyncio.get_running_loop().time(), first))
         self._bytes += len(data)
 
     def _count(self, exc: BaseException) -> None:
@@ -237,7 +302,7 @@ class Pipeline:
             self.counters[f"publish_retry.{_reason(exc) or 'pipeline'}"] += 1
 
     async def _settle_one(self) -> None:
-        fut, subject, data, msg_id, headers, n, sent_on, sent_at = self._inflight.pop(0)
+        fut, subject, data, msg_id, headers, n, sent_on, sent_at, first = self._inflight.pop(0)
         self._bytes -= n
         try:
             now = asyncio.get_running_loop().time()
@@ -247,7 +312,7 @@ class Pipeline:
                 # Publishes leave in order: this one's bytes went out after the previous ack came (a slow
                 # link with a full pipeline is not a lost ack), and acks lost together time out together.
                 left = max(sent_at, self._acked_at) + self.timeout - now
-            await _await_ack(self.js, fut, max(left, 0.0), sent_on)
+            ack = await _await_ack(self.js, fut, max(left, 0.0), sent_on)
             self._acked_at = asyncio.get_running_loop().time()
         except Exception as exc:
             if _reason(exc) is None:
@@ -261,6 +326,10 @@ class Pipeline:
                             asyncio.get_running_loop().time() - sent_at)
             await publish_retry(self.js, subject, data, msg_id, headers, timeout=self.timeout, counters=self.counters)
             self._acked_at = asyncio.get_running_loop().time()
+            return
+        if first and getattr(ack, "duplicate", False):   # the id was taken by another publisher (module docstring)
+            await publish_retry(self.js, subject, data, note_taken(subject, msg_id, self.counters), headers,
+                                timeout=self.timeout, counters=self.counters)
 
     async def flush(self) -> None:
         while self._inflight:

@@ -28,6 +28,19 @@ STREAM_KINDS = ("CTL", "PUSH", "INIT", "BCAST", "FINAL", "STEPLOG", "EVENTS")
 KV_KINDS = ("members", "state")
 
 
+# The streams other identities may publish into too (an island on its own subjects of CTL, PUSH, INIT,
+# STEPLOG): JetStream de-duplicates by Nats-Msg-Id per *stream*, whatever the subject, so an id of ours
+# there can be taken by someone else's publish first (issue 30). BCAST, FINAL, EVENTS and the KV buckets
+# take only the syncer's writes in a secured run. schemas/publish.py re-sends under a fresh id there.
+SHARED_STREAM_TOKENS = ("ctl", "push", "init", "steplog")
+
+
+def in_shared_stream(subject: str) -> bool:
+    """Whether `subject` (of any run) lies in a stream that other identities also publish into."""
+    parts = subject.split(".", 3)
+    return len(parts) >= 3 and parts[0] == PREFIX and parts[2] in SHARED_STREAM_TOKENS
+
+
 def _i(value: int, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         from .errors import IdError
