@@ -156,7 +156,10 @@ def stream_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.S
         return api.StreamConfig(**base)
 
     return {
-        "CTL": cfg("CTL", "control (hello, heartbeat, pull, to-island, ack)", max_age=float(L.ctl_max_age_s)),
+        "CTL": cfg("CTL", "control (hello, pull, to-island, ack)", max_age=float(L.ctl_max_age_s)),
+        # The newest heartbeat per island and nothing else: liveness needs only the latest, and a flood on
+        # one island's subject replaces itself instead of queueing in front of the others' (issue 30).
+        "HB": cfg("HB", "heartbeats, the newest per island", max_msgs_per_subject=1, max_age=float(L.ctl_max_age_s)),
         # Limits + max_bytes + discard NEW: a full PUSH refuses publishes (10077) instead of dropping
         # older pushes that a round still needs; the syncer deletes chunks after each commit.
         "PUSH": cfg(
@@ -210,7 +213,7 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: 
     consumers are named `syncer-init-s<K>` / `syncer-push-s<K>` and filter on its own fragments'
     subjects only (`filter_subjects`, one per fragment: its INIT chunks and every island's pushes of
     it), so a shard never receives, acks or holds bytes of another shard's fragments, and the INIT work
-    queue's filters never overlap. Only the coordinator (shard 0) reads CTL (hello, heartbeat, ack).
+    queue's filters never overlap. Only the coordinator (shard 0) reads CTL (hello, ack) and HB (heartbeats).
     With one shard every name and filter is the unsharded one."""
     _check_run_id(run)
     SH.check(shard, shards, fragments)
@@ -230,12 +233,17 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: 
         )
 
     ctl = ("CTL", durable(
-        S.SYNCER_CTL_CONSUMER, "syncer reads hello, heartbeat, ack",
+        S.SYNCER_CTL_CONSUMER, "syncer reads hello, ack",
         filter_subjects=S.syncer_ctl_filters(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
+    ))
+    hb = ("HB", durable(
+        S.SYNCER_HB_CONSUMER, "syncer reads heartbeats",
+        filter_subject=S.syncer_hb_filter(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
     ))
     if shards == 1:
         return {
             S.SYNCER_CTL_CONSUMER: ctl,
+            S.SYNCER_HB_CONSUMER: hb,
             S.SYNCER_INIT_CONSUMER: ("INIT", durable(
                 S.SYNCER_INIT_CONSUMER, "syncer reads initial weights", ack_wait=SYNCER_INIT_ACK_WAIT_S,
             )),
@@ -248,7 +256,7 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: 
     label = SH.label(shard, shards)
     init_name = SH.consumer(S.SYNCER_INIT_CONSUMER, shard, shards)
     push_name = SH.consumer(S.SYNCER_PUSH_CONSUMER, shard, shards)
-    out = {S.SYNCER_CTL_CONSUMER: ctl} if shard == SH.COORDINATOR else {}
+    out = {S.SYNCER_CTL_CONSUMER: ctl, S.SYNCER_HB_CONSUMER: hb} if shard == SH.COORDINATOR else {}
     out[init_name] = ("INIT", durable(
         init_name, f"syncer {label} reads initial weights of fragments {list(own)}",
         filter_subjects=[S.init(run, f) for f in own], ack_wait=SYNCER_INIT_ACK_WAIT_S,

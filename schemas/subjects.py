@@ -2,7 +2,8 @@
 
 Layout (run R, island I, fragment F), DESIGN §3:
 
-    yeto.R.ctl.hello.I | ctl.hb.I | ctl.ack.I | ctl.pull | ctl.to.I      -> stream CTL
+    yeto.R.ctl.hello.I | ctl.ack.I | ctl.pull | ctl.to.I                 -> stream CTL
+    yeto.R.ctl.hb.I                                                      -> stream HB (1 msg per subject)
     yeto.R.push.I.F                                                      -> stream PUSH
     yeto.R.init.F                                                        -> stream INIT
     yeto.R.bcast.F.<chunk>                                               -> stream BCAST (1 msg per subject)
@@ -24,7 +25,7 @@ from .ids import check_island, check_run, check_token
 PREFIX = "yeto"
 MSG_ID = "Nats-Msg-Id"
 
-STREAM_KINDS = ("CTL", "PUSH", "INIT", "BCAST", "FINAL", "STEPLOG", "EVENTS")
+STREAM_KINDS = ("CTL", "HB", "PUSH", "INIT", "BCAST", "FINAL", "STEPLOG", "EVENTS")
 KV_KINDS = ("members", "state")
 
 
@@ -70,7 +71,10 @@ def kv_bucket(run: str, kind: str) -> str:
 def stream_subjects(run: str, kind: str) -> list[str]:
     r = root(run)
     return {
-        "CTL": [f"{r}.ctl.>"],
+        # Heartbeats have a stream of their own that keeps the newest per island (HB): a flood of one
+        # island's heartbeats is one message to read, never a queue in front of the others' (issue 30).
+        "CTL": [f"{r}.ctl.hello.*", f"{r}.ctl.ack.*", f"{r}.ctl.pull", f"{r}.ctl.to.*"],
+        "HB": [f"{r}.ctl.hb.*"],
         "PUSH": [f"{r}.push.*.*"],
         "INIT": [f"{r}.init.*"],
         "BCAST": [f"{r}.bcast.*.*"],
@@ -81,6 +85,7 @@ def stream_subjects(run: str, kind: str) -> list[str]:
 
 
 SYNCER_CTL_CONSUMER = "syncer-ctl"
+SYNCER_HB_CONSUMER = "syncer-hb"
 SYNCER_INIT_CONSUMER = "syncer-init"
 SYNCER_PUSH_CONSUMER = "syncer-push"
 
@@ -141,8 +146,13 @@ def to_island(run: str, island: str) -> str:
 
 
 def syncer_ctl_filters(run: str) -> list[str]:
+    """What the syncer reads of CTL: hellos and final acks (heartbeats are on HB: `syncer_hb_filter`)."""
     r = root(run)
-    return [f"{r}.ctl.hello.*", f"{r}.ctl.hb.*", f"{r}.ctl.ack.*"]
+    return [f"{r}.ctl.hello.*", f"{r}.ctl.ack.*"]
+
+
+def syncer_hb_filter(run: str) -> str:
+    return f"{root(run)}.ctl.hb.*"
 
 
 def island_ctl_filters(run: str, island: str) -> list[str]:

@@ -69,14 +69,19 @@ async def test_hello_and_heartbeats_arrive_valid_with_one_generation(js, run_id,
     c = await provisioned(clients, run_id, nats_url)
     c.local_step, c.step_time_s = 5, 0.125
     ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run_id, "CTL"))
+    hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(run_id, "HB"))
     got: list[tuple[str, dict, str]] = []
     deadline = time.monotonic() + 10
+    for m in await ctl.fetch(1, timeout=5):
+        await m.ack()
+        got.append((*codec.decode_typed(m.data, ("hello",)), m.headers[S.MSG_ID]))
+        assert m.subject == S.hello(run_id, ISLAND)
     while sum(k == "heartbeat" and m["local_step"] == 5 for k, m, _ in got) < 2 and time.monotonic() < deadline:
-        for m in await ctl.fetch(20, timeout=5):
+        for m in await hb.fetch(20, timeout=5):   # heartbeats have their own stream (HB)
             await m.ack()
-            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))  # validates
+            kind, msg = codec.decode_typed(m.data, ("heartbeat",))  # validates
             got.append((kind, msg, m.headers[S.MSG_ID]))
-            assert m.subject == {"hello": S.hello, "heartbeat": S.heartbeat}[kind](run_id, ISLAND)
+            assert m.subject == S.heartbeat(run_id, ISLAND)
     kinds = [k for k, _, _ in got]
     assert kinds[0] == "hello" and kinds.count("hello") == 1 and kinds.count("heartbeat") >= 2
     assert {m["gen"] for _, m, _ in got} == {c.gen}  # one generation, on every message

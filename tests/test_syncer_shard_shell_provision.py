@@ -25,7 +25,8 @@ def _filters(cfg: api.ConsumerConfig) -> list[str]:
 def test_one_shard_consumers_are_the_unsharded_ones():
     plain = syncer_consumer_configs("r1")
     one = syncer_consumer_configs("r1", shard=0, shards=1, fragments=4)
-    assert list(one) == [S.SYNCER_CTL_CONSUMER, S.SYNCER_INIT_CONSUMER, S.SYNCER_PUSH_CONSUMER] == list(plain)
+    assert list(one) == [S.SYNCER_CTL_CONSUMER, S.SYNCER_HB_CONSUMER, S.SYNCER_INIT_CONSUMER,
+                         S.SYNCER_PUSH_CONSUMER] == list(plain)
     for name, (kind, cfg) in one.items():
         assert plain[name][0] == kind and plain[name][1] == cfg
     assert _filters(one[S.SYNCER_PUSH_CONSUMER][1]) == [S.push_all("r1")]
@@ -42,7 +43,7 @@ def test_each_shard_consumes_its_own_fragments_and_only_the_coordinator_reads_ct
         own = [f for f in range(P) if f % shards == k]
         want = {f"syncer-init-s{k}": "INIT", f"syncer-push-s{k}": "PUSH"}
         if k == 0:
-            want = {S.SYNCER_CTL_CONSUMER: "CTL", **want}
+            want = {S.SYNCER_CTL_CONSUMER: "CTL", S.SYNCER_HB_CONSUMER: "HB", **want}
         assert {n: kind for n, (kind, _) in got.items()} == want
         init, push = got[f"syncer-init-s{k}"][1], got[f"syncer-push-s{k}"][1]
         assert init.durable_name == init.name == f"syncer-init-s{k}"
@@ -53,6 +54,7 @@ def test_each_shard_consumes_its_own_fragments_and_only_the_coordinator_reads_ct
         seen_push += _filters(push)
         if k == 0:
             assert _filters(got[S.SYNCER_CTL_CONSUMER][1]) == sorted(S.syncer_ctl_filters("r1"))
+            assert _filters(got[S.SYNCER_HB_CONSUMER][1]) == [S.syncer_hb_filter("r1")]
     # every fragment is consumed by exactly one shard (the INIT work queue refuses overlapping filters)
     assert sorted(seen_init) == sorted(S.init("r1", f) for f in range(P))
     assert sorted(seen_push) == sorted(S.push_fragment_all("r1", f) for f in range(P))
@@ -69,7 +71,7 @@ def test_bad_shard_arguments_name_the_flag():
 
 async def _consumer_names(js, run: str) -> dict[str, list[str]]:
     out = {}
-    for kind in ("CTL", "INIT", "PUSH"):
+    for kind in ("CTL", "HB", "INIT", "PUSH"):
         out[kind] = sorted([c.name async for c in _consumers(js, S.stream(run, kind))])
     return out
 
@@ -93,7 +95,8 @@ async def test_shards_provisioning_one_run_at_once_all_succeed_and_deliver_only_
             assert f"consumer {S.stream(run_id, 'PUSH')}/syncer-push-s{k}" in r.created
         js = conns[0].jetstream()
         names = await _consumer_names(js, run_id)
-        assert names == {"CTL": [S.SYNCER_CTL_CONSUMER], "INIT": [f"syncer-init-s{k}" for k in range(N)],
+        assert names == {"CTL": [S.SYNCER_CTL_CONSUMER], "HB": [S.SYNCER_HB_CONSUMER],
+                         "INIT": [f"syncer-init-s{k}" for k in range(N)],
                          "PUSH": [f"syncer-push-s{k}" for k in range(N)]}
         # again, all at once: everything is found, nothing conflicts
         again = await asyncio.gather(*(

@@ -1,5 +1,9 @@
-"""The syncer's intake: three durable pull consumers (CTL: hello, heartbeat, ack; INIT: initial weights;
-PUSH: push chunks) turned into round-machine events on the shell's queue.
+"""The syncer's intake: four durable pull consumers (CTL: hello, ack; HB: heartbeats, the newest per island;
+INIT: initial weights; PUSH: push chunks) turned into round-machine events on the shell's queue.
+
+Per identity (the subject's island token), CTL and heartbeat messages beyond a rate are dropped before
+they are decoded, and rejections beyond a rate are counted but taped once per burst
+(services/syncer/intake_limit.py): one island's flood cannot keep intake or the tape busy.
 
 Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values, unknown
 fragment, digest mismatch, an island id that does not match its subject) is acked (never redelivered),
@@ -29,6 +33,7 @@ from schemas.layout import layout_fingerprint
 from services.syncer import rounds as R
 from services.syncer.cut import Cut
 from services.syncer.intake import PushLedger
+from services.syncer.intake_limit import IntakeLimits
 from services.syncer.merge import delete_push_seqs
 from services.syncer.outer import delta_view
 from services.syncer.tape import TapeWriter
@@ -44,6 +49,7 @@ class Receiver:
                  queue: asyncio.Queue, send_error: Callable[[R.SendError], Awaitable[None]]):
         self.js, self.run_id, self.counters = js, run_id, counters
         self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
+        self.limits = IntakeLimits()   # per-identity bounds on CTL/heartbeat intake and on taped rejections
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
         self.init_pending_bytes = 0
 
@@ -91,6 +97,11 @@ class Receiver:
         self.counters[f"rejected.{code}"] += 1
         self.counters["rejected"] += 1
         reason = f"{where}: {exc}"
+        # `island` is the subject's island token wherever the subject has one: the publisher's identity
+        if not self.limits.tape(island or "?", code, time.monotonic()):
+            self.counters["rejected.untaped"] += 1   # one record per burst: flush_limits
+            log.debug("rejected %s (not taped: rate limit)", reason)
+            return
         log.warning("rejected %s", reason)
         rec = {"kind": "error", "reason": reason[:2000]}
         if island is not None:
@@ -105,9 +116,24 @@ class Receiver:
         rec["detail"] = detail
         await self.tape.write(rec, kind="error")
 
+    async def flush_limits(self, *, force: bool = False) -> None:
+        """Tape one record per burst of rejections left untaped by the rate limit (intake_limit.py)."""
+        for s in self.limits.take_summaries(time.monotonic(), force=force):
+            log.warning("rejected %d more messages from %s in %.1f s without taping each (rate limit): %s",
+                        s["count"], s["identity"], s["last_at"] - s["first_at"], s["codes"])
+            await self.tape.write({"kind": "error", "island": s["identity"],
+                                   "reason": f"rate limited: {s['count']} more rejections from {s['identity']} in "
+                                             f"{s['last_at'] - s['first_at']:.1f} s were counted, not taped one by one",
+                                   "detail": {"code": "rate_limited", "suppressed": s["count"], "codes": s["codes"]}},
+                                  kind="error")
+
     async def on_ctl(self, msg) -> None:
         tokens = S.parse(self.run_id, msg.subject)   # ctl.<kind>.<island> (the consumer's filters)
         subj_island = tokens[2] if len(tokens) == 3 else None
+        if not self.limits.allow(subj_island or "?", time.monotonic()):
+            # dropped before it is decoded: a flood from one identity costs the syncer almost nothing
+            self.counters[f"rate_limited.{tokens[1] if len(tokens) > 1 else 'ctl'}"] += 1
+            return
         try:
             kind, m = codec.decode_typed(msg.data, allowed=("hello", "heartbeat", "ack"))
         except WireError as exc:

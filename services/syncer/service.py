@@ -1,7 +1,8 @@
 """The syncer's I/O shell: NATS JetStream in, the round machine in the middle, checkpoint + NATS out.
 
-Three durable pull consumers (services/syncer/receive.py: CTL hello/heartbeat/ack, INIT chunks, PUSH
-chunks checked and acked at once, payloads left in the stream) feed one event queue; one task feeds the
+Four durable pull consumers (services/syncer/receive.py: CTL hello/ack, HB heartbeats, INIT chunks, PUSH
+chunks checked and acked at once, payloads left in the stream) feed one event queue (hellos and
+heartbeats first: services/syncer/event_queue.py); one task feeds the
 queue's events to the pure `RoundMachine` and carries out its actions in order (`_do`). Long actions (a
 merge: services/syncer/merge.py; version 0 and the final cut: services/syncer/cut.py) run as tasks that
 feed their completion back as events, so intake never stops while a fragment is merged. Every event fed,
@@ -22,8 +23,8 @@ published, so a restarted syncer relaunches an in-flight round with a higher att
 even when the round was launched after the last checkpoint.
 
 Syncer shards (`--shard K --shards N`, schemas/shards.py): this process owns the fragments f mod N == K.
-It consumes only their INIT and PUSH subjects (consumers `syncer-init-s<K>`, `syncer-push-s<K>`; CTL only
-in the coordinator, shard 0), holds only their params and momentum, keeps its own checkpoint directory
+It consumes only their INIT and PUSH subjects (consumers `syncer-init-s<K>`, `syncer-push-s<K>`; CTL and HB
+only in the coordinator, shard 0), holds only their params and momentum, keeps its own checkpoint directory
 and its own state KV keys (`syncer.<K>`, `commit.<K>`, `pulls.<K>`). A follower (K > 0) reads the
 session and the members the coordinator wrote, and the coordinator reads each other shard's
 `final.<K>` and status record (services/syncer/shard_watch.py). Its status record adds shard, shards,
@@ -176,7 +177,9 @@ class SyncerService:
                                                rx.on_push, PUSH_FETCH_BATCH, ready=ready)),
             ]
             if mc.coordinator:
-                self._tasks.insert(0, asyncio.create_task(rx.consume("CTL", S.SYNCER_CTL_CONSUMER, rx.on_ctl, FETCH_BATCH)))
+                # Heartbeats on their own stream and consumer: nothing queued on CTL, INIT or PUSH delays them.
+                self._tasks[:0] = [asyncio.create_task(rx.consume("HB", S.SYNCER_HB_CONSUMER, rx.on_ctl, FETCH_BATCH)),
+                                   asyncio.create_task(rx.consume("CTL", S.SYNCER_CTL_CONSUMER, rx.on_ctl, FETCH_BATCH))]
             if self.watch is not None:
                 self._tasks.append(asyncio.create_task(self.watch.run()))
             await self._main_loop()
@@ -187,6 +190,8 @@ class SyncerService:
                 t.cancel()
             await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers")
             if self.tape is not None:
+                if self.receiver is not None:
+                    await self._bounded(self.receiver.flush_limits(force=True), "taping the rate-limited rejections")
                 await self._bounded(self._tape_inputs(force=True), "taping the last inputs")
                 await self._bounded(self.tape.flush(), "flushing the tape")
             if self.machine is not None and self.state_kv is not None:
@@ -514,6 +519,8 @@ class SyncerService:
             await self._do(a)
 
     async def _status(self) -> None:
+        if self.receiver is not None:
+            await self.receiver.flush_limits()   # a burst of untaped rejections that ended: one record
         now = time.monotonic()
         if now - self._status_t < self.cfg.status_every_s:
             return
