@@ -1,0 +1,179 @@
+"""Issue 30, "Must show": island b's own credentials against a secured run (real nats-server with the
+permissions of `yeto auth init`, real `yeto syncer`, islands a and b as `python -m learner.demo`).
+
+- **Message-id squatting**: b publishes, on b's own subjects (the server refuses anything else), messages
+  carrying the Nats-Msg-Ids the syncer's pulls, a's pushes, a's heartbeats, a's final acks and the
+  syncer's manifest and shutdown to a will use. JetStream de-duplicates by id per stream whatever the
+  subject, so before the fix rounds stalled, a was evicted and finalization timed out. Now: rounds keep
+  merging, a is never evicted, the run finalizes and both islands hold the final cut.
+- **A flood** on b's own subjects (heartbeats, hellos, acks, garbage push chunks) while the run goes on never
+  evicts a (heartbeats have their own stream that keeps the newest per island, and their own consumer).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from schemas import subjects as S
+from schemas.conn import ConnectOptions, connect
+from services.auth import init_auth, write_server_config
+from services.broker import Broker
+from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
+                             wait_until)
+from tests.scripted import SyncerProc, tape, wait_provisioned
+
+H, P = 4, 2
+MEMBER_TIMEOUT = 8.0
+
+
+class Run:
+    def __init__(self, base: Path, run: str):
+        self.base, self.run = base, run
+        self.auth = base / "auth"
+        init_auth(run, ["a", "b"], self.auth, init_island="a")
+        conf = write_server_config([self.auth], base / "server.conf")
+        self.log = base / "server.log"
+        self.broker = Broker(store_dir=base / "store", config=conf, log_file=self.log).start()
+
+    def creds(self, identity: str) -> str:
+        return str(self.auth / f"{identity}.creds")
+
+    async def conn(self, identity: str):
+        return await connect(ConnectOptions(url=self.broker.url, creds=self.creds(identity)), name=f"test-{identity}",
+                             allow_reconnect=False, connect_timeout=5)
+
+    def start(self, rounds: int, tmp: Path, step_delay: str = "0.05") -> dict:
+        syncer = SyncerProc(self.broker.url, self.run, tmp / "ckpt", "--islands", "2", "--fragments", str(P),
+                            "--sync-every", str(H), "--total-steps", str(rounds), "--init-island", "a",
+                            "--quorum-timeout", "30", "--member-timeout", str(MEMBER_TIMEOUT), "--final-timeout", "60",
+                            "--nats-creds", self.creds("syncer"), log=tmp / "syncer.log")
+        islands = {i: IslandProc(self.broker.url, self.run, i, tmp, args=("--step-delay", step_delay),
+                                 env={"YETO_NATS_CREDS": self.creds(i), "YETO_HEARTBEAT_S": "1"}) for i in ("a", "b")}
+        return {"syncer": syncer, **islands}
+
+    def violations(self) -> list[str]:
+        return [ln for ln in self.log.read_text(errors="replace").splitlines() if "Violation" in ln]
+
+
+async def _gen_of(js, run: str, island: str) -> str:
+    kv = await js.key_value(S.kv_bucket(run, "members"))
+
+    async def got():
+        try:
+            e = await kv.get(island)
+        except Exception:
+            return None
+        return orjson.loads(e.value)["gen"] if e is not None and e.value else None
+
+    return await wait_until(got, 60, f"island {island}'s generation in the members KV", poll=0.02)
+
+
+@pytest.mark.timeout(300)
+async def test_island_b_squatting_the_ids_of_pulls_pushes_heartbeats_and_final_messages_stalls_nothing(
+        run_id, tmp_path):
+    rounds = 16
+    r = Run(tmp_path, run_id)
+    procs = r.start(rounds, tmp_path)
+    watcher = await r.conn("syncer")      # the test's own eyes (not the attacker's)
+    b = await r.conn("b")                 # the attacker: island b's credentials only
+    bjs = b.jetstream(timeout=10)
+    taken = 0
+
+    async def squat(subject: str, ids) -> None:
+        nonlocal taken
+        for mid in ids:
+            ack = await bjs.publish(subject, b"squat", headers={S.MSG_ID: mid})
+            taken += not ack.duplicate
+
+    try:
+        wjs = watcher.jetstream(timeout=10)
+        procs["syncer"].start()
+        await wait_provisioned(wjs, run_id)
+        # the syncer's pulls (CTL): every step, attempts 1-3, the first re-publications
+        await squat(S.ack(run_id, "b"), [S.pull_msg_id((t - 1) % P, t, a, s) for t in range(1, rounds + 1)
+                                         for a in (1, 2, 3) for s in (0, 1)])
+        procs["a"].start()
+        gen_a = await _gen_of(wjs, run_id, "a")
+        procs["b"].start()
+        # a's heartbeats (HB), pushes (PUSH), final ack and the syncer's manifest / shutdown to a (CTL)
+        await squat(S.heartbeat(run_id, "b"), [S.heartbeat_msg_id("a", gen_a, q) for q in range(0, 400)])
+        await squat(S.push(run_id, "b", 0), [S.push_msg_id("a", gen_a, (t - 1) % P, t, a, y, k)
+                                             for t in range(1, rounds + 1) for a in (1, 2) for y in (0, 1)
+                                             for k in range(2)])
+        await squat(S.ack(run_id, "b"), [S.ack_msg_id("a", gen_a, rounds, n) for n in range(4)]
+                    + [S.to_island_msg_id("a", "manifest", gen_a), S.to_island_msg_id("a", "shutdown", gen_a)])
+        t0 = time.monotonic()
+        rcs = await wait_exit(procs, 200)
+        took = time.monotonic() - t0
+        assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(wjs, run_id, "commit")
+        status = await kv_json(wjs, run_id, "syncer")
+        leaves = await tape(wjs, run_id, "leave")
+        merged = await merges(wjs, run_id)
+    finally:
+        for p in procs.values():
+            p.stop()
+        await b.close()
+        await watcher.close()
+        r.broker.stop()
+    assert taken > 400, taken                           # the squats landed before the real messages
+    assert commit["committed_step"] == rounds and len(merged) == rounds
+    assert [x for x in leaves if x["island"] == "a"] == [], leaves
+    # a took part in the rounds (its pushes were not swallowed): all but the first few merged its push
+    with_a = [m for m in merged if any(x["island"] == "a" for x in m["responded"])]
+    assert len(with_a) >= rounds - 2, merged
+    assert took < 120, took
+    assert status["counters"].get("publish.msg_id_taken", 0) >= 1, status["counters"]   # the pulls re-sent
+    res_a = procs["a"].result()
+    assert res_a["counters"].get("publish.msg_id_taken", 0) >= 10, res_a["counters"]     # heartbeats, pushes
+    assert_islands_hold_the_final_cut(tmp_path / "ckpt", tmp_path / "final.safetensors", run_id,
+                                      [procs["a"], procs["b"]])
+
+
+@pytest.mark.timeout(300)
+async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_path):
+    rounds = 40
+    r = Run(tmp_path, run_id)
+    procs = r.start(rounds, tmp_path, step_delay="0.1")
+    watcher = await r.conn("syncer")
+    b = await r.conn("b")
+    sent = 0
+    try:
+        wjs = watcher.jetstream(timeout=10)
+        for p in procs.values():
+            p.start()
+        await wait_until(lambda: _merged(wjs, run_id, 2), 90, "2 merges")
+        # flood b's own subjects as fast as the client goes, for longer than the member timeout
+        subjects = [S.heartbeat(run_id, "b"), S.hello(run_id, "b"), S.ack(run_id, "b"), S.push(run_id, "b", 0)]
+        end = time.monotonic() + 2.5 * MEMBER_TIMEOUT
+        while time.monotonic() < end:
+            for _ in range(200):
+                await b.publish(subjects[sent % len(subjects)], b"{flood" + b"x" * 200)
+                sent += 1
+            await b.flush()
+            await asyncio.sleep(0)
+        rcs = await wait_exit(procs, 200)
+        assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
+        leaves = await tape(wjs, run_id, "leave")
+        status = await kv_json(wjs, run_id, "syncer")
+        commit = await kv_json(wjs, run_id, "commit")
+    finally:
+        for p in procs.values():
+            p.stop()
+        await b.close()
+        await watcher.close()
+        r.broker.stop()
+    assert sent > 5000, sent
+    assert [x for x in leaves if x["island"] == "a"] == [], leaves
+    assert commit["committed_step"] == rounds
+    c = status["counters"]
+    assert c.get("rate_limited.hello", 0) + c.get("rate_limited.ack", 0) + c.get("rate_limited.hb", 0) > 0, c
+    assert c.get("rejected.untaped", 0) > 0, c          # the rejections' tape records were bounded
+
+
+async def _merged(js, run, n):
+    return len(await merges(js, run)) >= n
