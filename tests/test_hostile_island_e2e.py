@@ -6,8 +6,9 @@ permissions of `yeto auth init`, real `yeto syncer`, islands a and b as `python 
   syncer's manifest and shutdown to a will use. JetStream de-duplicates by id per stream whatever the
   subject, so before the fix rounds stalled, a was evicted and finalization timed out. Now: rounds keep
   merging, a is never evicted, the run finalizes and both islands hold the final cut.
-- **A flood** on b's own subjects (heartbeats, hellos, acks, garbage push chunks) while the run goes on never
-  evicts a (heartbeats have their own stream that keeps the newest per island, and their own consumer).
+- **A flood** on b's own subjects (heartbeats, hellos, acks at full speed, then 20,000 garbage push chunks)
+  while the run goes on never evicts a (heartbeats have their own stream that keeps the newest per island,
+  and their own consumer) and the run finishes.
 """
 from __future__ import annotations
 
@@ -147,8 +148,8 @@ async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_pa
         for p in procs.values():
             p.start()
         await wait_until(lambda: _merged(wjs, run_id, 2), 90, "2 merges")
-        # flood b's own subjects as fast as the client goes, for longer than the member timeout
-        subjects = [S.heartbeat(run_id, "b"), S.hello(run_id, "b"), S.ack(run_id, "b"), S.push(run_id, "b", 0)]
+        # flood b's own control subjects as fast as the client goes, for longer than the member timeout
+        subjects = [S.heartbeat(run_id, "b"), S.hello(run_id, "b"), S.ack(run_id, "b")]
         end = time.monotonic() + 2.5 * MEMBER_TIMEOUT
         while time.monotonic() < end:
             for _ in range(200):
@@ -156,6 +157,13 @@ async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_pa
                 sent += 1
             await b.flush()
             await asyncio.sleep(0)
+        # and 20,000 garbage push chunks (PUSH is read in stream order: a sustained flood there delays
+        # rounds until intake has refused it, ~2-3k chunks a second here; it never touches heartbeats)
+        for i in range(20_000):
+            await b.publish(S.push(run_id, "b", i % P), b"x" * 200)
+            if i % 500 == 0:
+                await b.flush()
+        sent += 20_000
         rcs = await wait_exit(procs, 200)
         assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
         leaves = await tape(wjs, run_id, "leave")

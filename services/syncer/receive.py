@@ -41,6 +41,7 @@ from services.syncer.tape import TapeWriter
 log = logging.getLogger("yeto.syncer")
 
 INIT_PENDING_BYTES = 64 << 20   # INIT chunk bytes waiting for the machine's InitStore/InitDrop before intake pauses
+DELETE_IN_FLIGHT = 32          # refused push chunks deleted at once (off intake's path)
 INIT_ROOM_WAIT_S = 5.0          # the longest one chunk waits for room (well under the INIT consumer's 60 s ack wait)
 
 
@@ -49,6 +50,8 @@ class Receiver:
                  queue: asyncio.Queue, send_error: Callable[[R.SendError], Awaitable[None]]):
         self.js, self.run_id, self.counters = js, run_id, counters
         self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
+        self._doomed: list[int] = []                   # refused push chunks to delete (_delete_later)
+        self._deleter: asyncio.Future | None = None
         self.limits = IntakeLimits()   # per-identity bounds on CTL/heartbeat intake and on taped rejections
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
         self.init_pending_bytes = 0
@@ -226,20 +229,20 @@ class Receiver:
             meta = codec.decode_header("push_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
         except WireError as exc:
             await self.reject(f"push chunk on {msg.subject}", exc, island=subj_island)
-            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            self._delete_later(seq)
             return
         if meta["run"] != self.run_id or meta["island"] != subj_island or tokens[-1] != str(meta["fragment"]):
             await self.reject(f"push chunk on {msg.subject}",
                                WireError("island/fragment in the header does not match the subject", field="island",
                                          value=meta["island"], code="subject_mismatch"), island=subj_island)
-            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            self._delete_later(seq)
             return
         why_closed = self.ledger.closed(meta, redelivered=msg.metadata.num_delivered > 1)
         if why_closed is not None:
             # A redelivery (or a late resend) of a chunk no round can use: drop it, it opens no try.
             self.counters["push.late_chunk"] += 1
             log.debug("push chunk on %s dropped: %s", msg.subject, why_closed)
-            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            self._delete_later(seq)
             return
         ok, reason, expected_total = True, None, None
         sumsq, non_finite = 0.0, 0
@@ -253,7 +256,7 @@ class Receiver:
             await self.reject(f"push chunk on {msg.subject}",
                                WireError(f"unknown fragment ({why})", field="fragment", value=meta["fragment"],
                                          code="unknown_fragment"), island=subj_island, gen=meta["gen"])
-            await delete_push_seqs(self.js, self.run_id, self.counters, [seq])
+            self._delete_later(seq)
             return
         else:
             try:
@@ -285,6 +288,20 @@ class Receiver:
                 island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
                 base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
                 valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
+
+    def _delete_later(self, seq: int) -> None:
+        """Delete a refused push chunk from PUSH off intake's path: awaited one by one, the deletes held a
+        flood of garbage on one island's push subject to ~90 chunks a second (a round trip each), and the
+        honest pushes behind it waited (issue 30). Several deletes are in flight at once; a failure is
+        counted (max_age is the safety net)."""
+        self._doomed.append(seq)
+        if self._deleter is None or self._deleter.done():
+            self._deleter = asyncio.ensure_future(self._delete_doomed())
+
+    async def _delete_doomed(self) -> None:
+        while self._doomed:
+            batch, self._doomed = self._doomed[:DELETE_IN_FLIGHT], self._doomed[DELETE_IN_FLIGHT:]
+            await asyncio.gather(*(delete_push_seqs(self.js, self.run_id, self.counters, [q]) for q in batch))
 
     def store_init(self, a: R.InitStore) -> None:
         span, values = self.init_pending.pop((a.gen, a.fragment, a.chunk))
