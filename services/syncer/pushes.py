@@ -229,7 +229,8 @@ class Pushes:
     def _excuse(self, r: Round, now: float) -> None:
         """A member whose push was quarantined is excused from the attempt's quorum (not in strict mode,
         which waits for every member): quorum becomes at most the members not quarantined (and at least
-        1). Without this a compromised island that quarantines every push (NaN, a norm far out) would
+        1), for the rest of the attempt (a later try of that member that is accepted is merged, but not
+        waited for). Without this a compromised island that quarantines every push (NaN, a norm far out) would
         hold every round of a run whose quorum is every member below quorum, restarting for ever: a
         2-island run with the default quorum never committed again. The round completes with the
         others (after the grace window, as for a member that did not answer)."""
@@ -318,11 +319,12 @@ class Pushes:
 
     def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int | float], dict[str, dict]]:
         """The c_tokens each answer weighs with, and {island: {claimed, used, limit}} of the claims
-        that were cut (see the module docstring): a claim is capped at F x R_tps x min(c_steps, F x
-        R_steps), F = max_token_factor, R_tps the lower median of the positive claims' tokens per step
-        (c_tokens / c_steps) and R_steps the lower median of their c_steps. Computed in exact rationals
-        (F as the decimal it was given, e.g. 2.5 is 5/2): a cut claim weighs with the exact limit, an
-        int when it is whole, else the nearest float."""
+        that were cut (see the module docstring): a claim is capped at the larger of F x R_claim and
+        F x R_tps x min(c_steps, F x R_steps), F = max_token_factor, R_claim the lower median of the
+        positive claims, R_tps the lower median of their tokens per step (c_tokens / c_steps) and
+        R_steps the lower median of their c_steps. Computed in exact rationals (F as the decimal it was
+        given, e.g. 2.5 is 5/2): a cut claim weighs with the exact limit, an int when it is whole, else
+        the nearest float."""
         claims = [int(a.c_tokens) for _, a in answers]
         factor = self.config.max_token_factor
         positive = [(c, max(1, int(a.c_steps))) for (_, a), c in zip(answers, claims) if c > 0]
@@ -331,11 +333,12 @@ class Pushes:
         f = Fraction(repr(float(factor)))            # the shortest decimal of the float: what the flag said
         per_step = lower_median([Fraction(c, s) for c, s in positive])
         steps_ref = lower_median([s for _, s in positive])
+        by_claim = f * lower_median([c for c, _ in positive])
         used: list[int | float] = []
         clamp = {}
         for (island, a), c in zip(answers, claims):
             steps = min(Fraction(max(1, int(a.c_steps))), f * steps_ref)
-            limit = f * per_step * steps
+            limit = max(by_claim, f * per_step * steps)
             if c > limit:
                 u = limit.numerator if limit.denominator == 1 else float(limit)
                 clamp[island] = {"claimed": c, "used": u, "limit": u}
