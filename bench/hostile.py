@@ -3,6 +3,14 @@
     .venv/bin/python bench/hostile.py                      # 1000 hostile messages, seed 0, embedded broker
     .venv/bin/python bench/hostile.py --quick              # ~250 messages, a shorter run (the suite's test)
     .venv/bin/python bench/hostile.py --count 5000 --seed 7 --nats nats://host:4222
+    .venv/bin/python bench/hostile.py --poison all         # issue 30: a compromised island, default syncer flags
+
+`--poison KIND[,KIND...]|all` runs no flood: it starts a clean 2-island run and, side by side on the same broker,
+one run per KIND whose island a is compromised by learner/demo.py's test-only fault injector (YETO_DEMO_POISON:
+plus50, nan, norm5x, tokens), the syncer on its default flags, and prints per kind
+`poison kind=K clean=X poisoned=Y ratio=Y/X quarantined=.. clamped=.. ...` (X, Y: the final cut's held-out eval
+loss), the clean run's `max_norm_ratio` (how near an honest push came to --push-norm-factor) and last
+`poison ok=<true|false> ...`.
 
 Starts the embedded broker (unless --nats), the real syncer (`python -m services.cli syncer`) and two real islands
 (`python -m learner.demo`, islands a and b), and once version 0 is committed sends --count malformed or hostile
