@@ -3,6 +3,14 @@
     .venv/bin/python bench/hostile.py                      # 1000 hostile messages, seed 0, embedded broker
     .venv/bin/python bench/hostile.py --quick              # ~250 messages, a shorter run (the suite's test)
     .venv/bin/python bench/hostile.py --count 5000 --seed 7 --nats nats://host:4222
+    .venv/bin/python bench/hostile.py --poison all         # issue 30: a compromised island, default syncer flags
+
+`--poison KIND[,KIND...]|all` runs no flood: it starts a clean 2-island run and, side by side on the same broker,
+one run per KIND whose island a is compromised by learner/demo.py's test-only fault injector (YETO_DEMO_POISON:
+plus50, nan, norm5x, tokens), the syncer on its default flags, and prints per kind
+`poison kind=K clean=X poisoned=Y ratio=Y/X quarantined=.. clamped=.. ...` (X, Y: the final cut's held-out eval
+loss), the clean run's `max_norm_ratio` (how near an honest push came to --push-norm-factor) and last
+`poison ok=<true|false> ...`.
 
 Starts the embedded broker (unless --nats), the real syncer (`python -m services.cli syncer`) and two real islands
 (`python -m learner.demo`, islands a and b), and once version 0 is committed sends --count malformed or hostile
@@ -556,8 +564,9 @@ def _rss_kib(pid: int) -> int | None:
 
 
 class Procs:
-    def __init__(self, url: str, run: str, work: Path, args):
+    def __init__(self, url: str, run: str, work: Path, args, island_env: dict[str, dict] | None = None):
         self.url, self.run, self.work, self.args = url, run, work, args
+        self.island_env = island_env or {}   # island -> extra environment (--poison: the fault injector)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
@@ -575,7 +584,8 @@ class Procs:
             cmd = [sys.executable, "-m", "learner.demo", "--run", self.run, "--island", isl,
                    "--step-delay", str(a.step_delay), "--out", str(self.work / f"island-{isl}.safetensors")]
             self._spawn(isl, cmd, dict(env, YETO_ISLAND=isl, **ISLAND_ENV,
-                                       YETO_DILOCO_STEP_LOG=str(self.work / f"steplog-{isl}.jsonl")))
+                                       YETO_DILOCO_STEP_LOG=str(self.work / f"steplog-{isl}.jsonl"),
+                                       **self.island_env.get(isl, {})))
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
         self.logs[name] = self.work / f"{name}.log"
@@ -804,6 +814,134 @@ def final_equal(work: Path, run: str) -> tuple[bool, str]:
     return True, "every island equals the final cut bitwise"
 
 
+# ---- --poison: a compromised island against the syncer's default defences ---------------------------
+
+POISON_KINDS = ("plus50", "nan", "norm5x", "tokens")   # learner/demo.py's fault injector (YETO_DEMO_POISON)
+
+
+def final_eval_loss(work: Path, run: str) -> float:
+    """The held-out loss (learner.demo.eval_loss) of the run's final cut, exported from the syncer's checkpoint."""
+    from safetensors.torch import load_file
+
+    from learner import demo
+    from services.cmd_export import export
+
+    path = work / "final-cut.safetensors"
+    export(work / "syncer", path, run)
+    weights = load_file(str(path))
+    model = demo.build_model(hidden=weights["0.weight"].shape[0])
+    model.load_state_dict(weights)
+    return demo.eval_loss(model)
+
+
+def norm_headroom(merges: list[dict]) -> float:
+    """The largest ratio, over a run's merged pushes, of a push's norm to the reference norm the syncer's
+    default norm bound judged it against (services/syncer/pushes.py, replayed from the merge records'
+    `detail.norms`): how close an honest run came to --push-norm-factor."""
+    from services.syncer.config import NORM_HISTORY, NORM_MIN_ISLANDS
+    from services.syncer.state import lower_median
+
+    hist: dict[int, dict[str, list[float]]] = {}
+    worst = 0.0
+    for m in sorted(merges, key=lambda r: r.get("step", 0)):
+        norms = (m.get("detail") or {}).get("norms") or {}
+        h = hist.setdefault(m["fragment"], {})
+        values = []
+        for isl in sorted(e["island"] for e in m.get("expected", [])):
+            own = [v for v in h.get(isl, []) if v > 0] + ([norms[isl]] if norms.get(isl, 0) > 0 else [])
+            if own:
+                values.append(lower_median(own))
+        if len(values) >= NORM_MIN_ISLANDS:
+            ref = lower_median(values)
+            worst = max([worst] + [n / ref for n in norms.values()])
+        for isl, n in norms.items():
+            h.setdefault(isl, []).append(n)
+            del h[isl][:-NORM_HISTORY]
+    return worst
+
+
+def poison_runs(url: str, work: Path, a) -> dict[str, dict]:
+    """One clean run and one run per poison kind, side by side on one broker: the real syncer with its
+    default defence flags (none given) and islands a and b (`python -m learner.demo`); island a of a
+    poisoned run carries YETO_DEMO_POISON=<kind>. Returns {kind or "clean": {eval_loss, exit_codes, rounds}}."""
+    import nats
+
+    kinds = ["clean", *a.poison]
+    stamp = int(time.time())
+    runs = {k: (f"poison-{k}-{a.seed}-{stamp}", work / k) for k in kinds}
+    procs = {}
+    for k, (run, wd) in runs.items():
+        wd.mkdir(parents=True, exist_ok=True)
+        procs[k] = Procs(url, run, wd, a, {"a": {"YETO_DEMO_POISON": k}} if k != "clean" else None)
+    out: dict[str, dict] = {}
+    t0 = time.monotonic()
+    try:
+        for pr in procs.values():
+            pr.start()
+        for k, pr in procs.items():
+            rcs = {}
+            for name, proc in pr.procs.items():
+                try:
+                    rcs[name] = proc.wait(max(1.0, t0 + a.timeout - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    rcs[name] = None
+            out[k] = {"exit_codes": rcs}
+
+        async def status():
+            nc = await nats.connect(url)
+            try:
+                js = nc.jetstream(timeout=20)
+                for k, (run, _) in runs.items():
+                    st = await kv_json(js, run, "syncer") or {}
+                    out[k]["rounds"] = st.get("rounds", {})
+                    out[k]["committed_step"] = st.get("committed_step")
+                    out[k]["headroom"] = norm_headroom([r for r in await tape(js, run) if r.get("kind") == "merge"])
+            finally:
+                await nc.close()
+        asyncio.run(status())
+        for k, (run, wd) in runs.items():
+            try:
+                out[k]["eval_loss"] = final_eval_loss(wd, run)
+            except Exception as exc:  # noqa: BLE001 - reported: the bench must print its lines
+                out[k]["eval_loss"] = float("nan")
+                out[k]["error"] = repr(exc)
+    finally:
+        for pr in procs.values():
+            pr.stop()
+    out["_wall_s"] = {"s": time.monotonic() - t0}
+    return out
+
+
+def poison_main(a, url: str, work: Path) -> int:
+    print(f"hostile --poison: {','.join(a.poison)} against a clean run, {a.rounds} rounds, NATS {url}, files in {work}",
+          flush=True)
+    res = poison_runs(url, work, a)
+    wall = res.pop("_wall_s")["s"]
+    clean = res["clean"]
+    ok = all(rc == 0 for rc in clean["exit_codes"].values()) and clean.get("committed_step") == a.rounds
+    # an honest run is never touched by the defences: nothing quarantined, no claim cut
+    honest = clean.get("rounds", {}).get("disposition.quarantined", 0) + clean.get("rounds", {}).get("tokens.clamped", 0)
+    ok = ok and honest == 0
+    print(f"poison kind=clean eval_loss={clean['eval_loss']:.6g} quarantined={clean.get('rounds', {}).get('disposition.quarantined', 0)} "
+          f"clamped={clean.get('rounds', {}).get('tokens.clamped', 0)} committed={clean.get('committed_step')} "
+          f"max_norm_ratio={clean.get('headroom', 0.0):.3g} "
+          f"exit_codes={clean['exit_codes']}" + (f" error={clean['error']}" if "error" in clean else ""))
+    for k in a.poison:
+        r = res[k]
+        rounds = r.get("rounds", {})
+        quarantined = {q.split(".", 1)[1]: v for q, v in rounds.items() if q.startswith("quarantine.")}
+        ratio = r["eval_loss"] / clean["eval_loss"] if clean["eval_loss"] > 0 else float("inf")
+        fine = all(rc == 0 for rc in r["exit_codes"].values()) and r.get("committed_step") == a.rounds
+        ok = ok and fine and ratio <= a.max_ratio
+        print(f"poison kind={k} clean={clean['eval_loss']:.6g} poisoned={r['eval_loss']:.6g} ratio={ratio:.4g} "
+              f"quarantined={rounds.get('disposition.quarantined', 0)} clamped={rounds.get('tokens.clamped', 0)} "
+              f"merges={rounds.get('merge', 0)} committed={r.get('committed_step')} rules={json.dumps(quarantined)} "
+              f"exit_codes={json.dumps(r['exit_codes'])}" + (f" error={r['error']}" if "error" in r else ""), flush=True)
+    print(f"poison ok={'true' if ok else 'false'} kinds={len(a.poison)} max_ratio={a.max_ratio:g} wall_s={wall:.0f}",
+          flush=True)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/hostile.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -822,6 +960,13 @@ def main(argv: list[str] | None = None) -> int:
                         "generations (syncer impersonation: only server permissions stop it; expect stalls)")
     p.add_argument("--skip", default="", help="categories (comma separated) left out of the seeded plan, the "
                    "other messages staying the same: for bisecting a failure")
+    p.add_argument("--poison", default=None, metavar="KIND[,KIND...]",
+                   help="instead of the flood: a clean run and, side by side, one run per KIND (plus50, nan, norm5x, "
+                        "tokens, or all) whose island a is compromised (learner/demo.py's YETO_DEMO_POISON), the "
+                        "syncer on its default flags; prints per kind `poison kind=K clean=X poisoned=Y ratio=R ...` "
+                        "and last `poison ok=<true|false> ...` (ok: every run finished and every ratio <= --max-ratio)")
+    p.add_argument("--max-ratio", type=float, default=10.0, help="--poison: the largest poisoned/clean eval loss ratio "
+                   "that passes")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.add_argument("--workdir", default=None)
     p.add_argument("--run", default=None)
@@ -830,6 +975,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # a SIGTERM (a CI timeout) still runs the `finally` below: no syncer, island or broker left behind
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.poison is not None:
+        kinds = list(POISON_KINDS) if a.poison.strip() == "all" else [k.strip() for k in a.poison.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in POISON_KINDS]
+        if bad or not kinds:
+            p.error(f"--poison: {bad or a.poison!r} not among {', '.join(POISON_KINDS)} (or all)")
+        a.poison = kinds
+        a.rounds = a.rounds if a.rounds is not None else 16
     a.count = a.count if a.count is not None else (250 if a.quick else 1000)
     a.rounds = a.rounds if a.rounds is not None else (30 if a.quick else 80)
     a.step_delay = a.step_delay if a.step_delay is not None else (0.04 if a.quick else 0.05)
@@ -844,6 +996,12 @@ def main(argv: list[str] | None = None) -> int:
 
         broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
         url = broker.url
+    if a.poison is not None:
+        try:
+            return poison_main(a, url, work)
+        finally:
+            if broker is not None:
+                broker.stop()
     print(f"hostile: run {run}, NATS {url}, seed {a.seed}, {a.count} messages, files in {work}", flush=True)
     procs = Procs(url, run, work, a)
     report: dict = {}

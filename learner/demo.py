@@ -10,6 +10,11 @@ rank 0 talks to NATS. After the final cut is installed, rank 0 saves the island'
 names) to `--out` and prints one JSON line with its mean loss over the last 10 steps.
 
 `python -m learner.demo eval --weights FILE` prints the held-out loss of a safetensors file.
+
+Fault injector (tests and bench/hostile.py --poison only, never a real run): `YETO_DEMO_POISON=KIND` makes
+this island a compromised one. Its training is honest; what it pushes is not: `plus50` adds 50 to every
+value of every pushed delta, `nan` makes every pushed value NaN, `norm5x` pushes 5 x its true delta, and
+`tokens` claims c_tokens = 2^53-1 on every push (its delta honest). See `poison_island`.
 """
 from __future__ import annotations
 
@@ -86,6 +91,47 @@ def shard(island: str, rank: int) -> tuple[torch.Generator, float]:
     return torch.Generator().manual_seed(shard_seed * 1000 + rank), (0.3 if shard_seed % 2 else -0.3)
 
 
+POISON_ENV = "YETO_DEMO_POISON"
+POISON_KINDS = ("plus50", "nan", "norm5x", "tokens")
+
+
+def poison_island(island, kind: str) -> None:
+    """Test and bench fault injector (YETO_DEMO_POISON, see the module doc): alter what `island` pushes,
+    after it computed it honestly, as a compromised island would. It wraps the island's push export
+    (every chunk of d = local - anchor, on the sync rank) or its push request (the c_tokens claim);
+    the wrappers stay on the objects, so calling this again (after every boundary: a new session
+    builds new ones) is cheap and changes nothing more."""
+    import dataclasses
+
+    from schemas.dtypes import as_bytes_view, pack, unpack
+
+    if kind not in POISON_KINDS:
+        raise ValueError(f"{POISON_ENV} must be one of {', '.join(POISON_KINDS)}, got {kind!r}")
+    if kind == "tokens":
+        wire = island.wire
+        if wire is None or getattr(wire, "_poisoned", False):
+            return
+        push = wire.push
+        wire.push = lambda op: push(dataclasses.replace(op, c_tokens=2 ** 53 - 1))
+        wire._poisoned = True
+        return
+    ops = island.ops
+    if ops is None or getattr(ops, "_poisoned", False):
+        return
+    export = ops.export
+
+    def poisoned_export(op):
+        for s, packed in export(op):
+            if op["purpose"] == "push":
+                d = unpack(bytes(as_bytes_view(packed)), op["dtype"], s.elem_count)
+                d = d + 50.0 if kind == "plus50" else torch.full_like(d, float("nan")) if kind == "nan" else d * 5.0
+                packed = pack(d, op["dtype"])
+            yield s, packed
+
+    ops.export = poisoned_export
+    ops._poisoned = True
+
+
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone().contiguous() for name, p in model.named_parameters()}
 
@@ -110,6 +156,12 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
     cfg = IslandConfig.from_env(run=args.run, island=args.island)
     island = Island(adapter, cfg, group=group)
     island.start()
+    poison = os.environ.get(POISON_ENV, "").strip()
+    if poison:
+        poison_island(island, poison)
+        if rank == 0:
+            print(f"[{args.island}] {POISON_ENV}={poison}: this island pushes poisoned updates (fault injector)",
+                  flush=True)
     gen, shift = shard(args.island, rank)
     losses: list[float] = []
     step = 0
@@ -134,6 +186,8 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         if args.step_delay:
             time.sleep(args.step_delay)  # stands in for a real model's compute time
         keep = island.boundary(tokens=args.batch * world, loss=lv)
+        if poison:
+            poison_island(island, poison)
         if rank == 0 and time.monotonic() - t_last > 2.0:
             t_last = time.monotonic()
             print(f"[{args.island}] step {step} loss {lv:.4f} versions {island.state.versions()}", flush=True)

@@ -21,6 +21,16 @@ def _flag(parser, name: str, env: str, type_, default, help_: str, **kw):
                         help=f"{help_} (env {env}; default %(default)s)", **kw)
 
 
+def _factor_or_off(text: str) -> float:
+    """A factor flag's value: a number, or "off" (= 0, off); the range is SyncerConfig's to check."""
+    if str(text).strip().lower() == "off":
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 1, or 0 or off for off, got {text!r}") from None
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "syncer", help="run the syncer of a run",
@@ -61,7 +71,17 @@ def add_parser(sub) -> None:
           "quarantine a push whose norm exceeds this many times the round's median push norm (> 1; needs 3 or "
           "more pushes in the round; off when unset)")
     _flag(g, "--max-token-factor", "YETO_MAX_TOKEN_FACTOR", float, 4.0,
-          "cap each push's claimed c_tokens at this many times the round's median claim (>= 1; 0 = off)")
+          "cap each push's claimed c_tokens at F x the round's lower median tokens per step (c_tokens / c_steps) "
+          "x its c_steps, those steps at most F x the round's lower median c_steps, F being this factor, "
+          "fractions honoured exactly (>= 1; 0 = off)")
+    # Not _flag: argparse converts a string default with `type`, so a bad YETO_PUSH_NORM_FACTOR is refused
+    # like a bad flag (naming --push-norm-factor and the value), not with a traceback.
+    g.add_argument("--push-norm-factor", type=_factor_or_off, default=_env("YETO_PUSH_NORM_FACTOR", "4"),
+                   help="quarantine a push whose L2 norm exceeds this many times the reference norm of its fragment: "
+                        "the lower median over the round's members of each one's recent merged push norms (its "
+                        "last 8, and this push); on by default, needs no tuning and judges from two islands on; a "
+                        "quarantined member is excused from the round's quorum (> 1; 0 or off = off) "
+                        "(env YETO_PUSH_NORM_FACTOR; default %(default)s)")
     g = p.add_argument_group("outer optimizer")
     _flag(g, "--outer-lr", "YETO_OUTER_LR", float, 0.7, "outer learning rate")
     _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum")
@@ -131,6 +151,7 @@ def run(args) -> int:
             init_island=args.init_island, member_timeout_s=args.member_timeout, final_timeout_s=args.final_timeout,
             max_push_norm=args.max_push_norm, outlier_factor=args.outlier_factor,
             max_token_factor=None if args.max_token_factor == 0 else args.max_token_factor,
+            push_norm_factor=None if args.push_norm_factor == 0 else args.push_norm_factor,
             shard=args.shard, shards=args.shards,
         )
     except ValueError as exc:

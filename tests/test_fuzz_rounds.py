@@ -13,8 +13,10 @@ a random delay) and the final cut with its completion. Whatever the sequence:
   round's pull named;
 - every action is well-formed: pulls, errors and tape records validate against the wire schemas, and no push the
   outstanding merge reads is released;
-- no merge input is a push that was quarantined (NaN/Inf, over --max-push-norm, an outlier), and no input's
-  c_tokens exceeds --max-token-factor x the lower median of the merged pushes' positive claims.
+- no merge input is a push that was quarantined (NaN/Inf, over --max-push-norm, an outlier, over the default
+  --push-norm-factor bound), and no input's c_tokens exceeds --max-token-factor x the lower median of the merged
+  pushes' positive claims (every push here covers the same c_steps, where the cap by tokens per step is the same);
+- a merge has at least the round's quorum of inputs, less the members excused by a quarantine.
 """
 from __future__ import annotations
 
@@ -196,6 +198,11 @@ class Shell:
             named = {(m["island"], m["gen"]) for p in pulls for m in p["members"]}
             expected = len(pulls[-1]["members"])
             quorum = expected if cfg.strict or cfg.quorum is None else max(1, min(cfg.quorum, expected))
+            if not cfg.strict:
+                # a member whose push of this attempt was quarantined is excused from its quorum (pushes.py),
+                # for the rest of the attempt (a later try of it that is accepted merges, but is not waited for)
+                excused = {k[0] for k in self.quarantined if k[2:4] == (a.step, a.attempt)}
+                quorum = max(1, min(quorum, expected - len(excused)))
             assert len(a.members) >= quorum, f"merge with {len(a.members)} inputs, quorum {quorum}"
             assert len({m.island for m in a.members}) == len(a.members)
             for mi in a.members:

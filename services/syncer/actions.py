@@ -56,7 +56,8 @@ class MergeInput:
     gen: str
     weight: float          # normalized merge weight (the members' weights sum to 1)
     try_: int
-    c_tokens: int          # the claim as used for the weight (after the max_token_factor clamp)
+    c_tokens: int | float  # the claim as used for the weight (after the max_token_factor cap: an exact limit
+                           # that is not whole is a float)
     c_steps: int
     base_version: int
     local_step: int

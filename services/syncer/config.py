@@ -22,6 +22,11 @@ DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "st
 HOPELESS_DISPOSITIONS = ("future_base", "stale_base", "invalid", "quarantined")
 # The outlier rule needs this many accepted pushes in a round: with two, neither is a reference.
 OUTLIER_MIN_PUSHES = 3
+# The norm bound (`push_norm_factor`, on by default): each island's last NORM_HISTORY merged push norms
+# per fragment make its reference value, and it judges only with values from NORM_MIN_ISLANDS islands
+# or more (one island alone is no reference for itself: a single-island run is never judged).
+NORM_HISTORY = 8
+NORM_MIN_ISLANDS = 2
 # Restart this soon once quorum is out of reach (capped by the quorum timeout).
 HOPELESS_RESTART_S = 2.0
 
@@ -51,7 +56,8 @@ class SyncerConfig:
     launch_lead_steps: int = 1
     max_push_norm: float | None = None     # quarantine a push whose L2 norm exceeds this; None = off
     outlier_factor: float | None = None    # quarantine a push above this x the round's median norm; None = off
-    max_token_factor: float | None = 4.0   # cap a c_tokens claim at this x the round's median claim; None = off
+    max_token_factor: float | None = 4.0   # cap a c_tokens claim (tokens per step and steps, pushes.py); None = off
+    push_norm_factor: float | None = 4.0   # quarantine a push above this x the members' reference norm; None = off
     shard: int = 0                    # this process's shard K (schemas/shards.py): it owns fragments f mod N == K
     shards: int = 1                   # N; 1 = one syncer owns everything (and every name is the unsharded one)
 
@@ -86,7 +92,7 @@ class SyncerConfig:
                 bad("--" + name.replace("_", "-"), "must be an integer >= 0", value)
         # Defence in depth: None = off. A factor of 1 would quarantine half of every round as outliers.
         for name, low, low_ok, off in (("max_push_norm", 0.0, False, "unset"), ("outlier_factor", 1.0, False, "unset"),
-                                       ("max_token_factor", 1.0, True, "0")):
+                                       ("max_token_factor", 1.0, True, "0"), ("push_norm_factor", 1.0, False, "0 or off")):
             value = getattr(self, name)
             if value is None:
                 continue

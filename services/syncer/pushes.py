@@ -3,34 +3,62 @@
 A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
 
 - **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (outer.weights_for).
-  A claim is bounded before it weighs (`max_token_factor`, default 4): at most that many times the
-  round's *lower median positive claim* among the pushes being merged (the smaller middle value for an
-  even count; claims of 0 take no part, so an island that counts no tokens changes nothing). The syncer
-  cannot check a claim (tokens per step differ per island, and c_steps is claimed too), but it can
-  refuse to let one island's word outweigh the others': with the lower median, one island of a round
-  of two or more never moves the cap by lying, so its weight is at most factor × an honest member's.
-  A clamped claim is counted (`tokens.clamped`) and shown in the merge record (`weights` hold the
-  used values, `detail.token_clamp` {island: {claimed, used, limit}}).
+  A claim is bounded before it weighs (`max_token_factor` F, default 4). The syncer cannot check a claim
+  (tokens per step differ per island, and c_steps is claimed too), but it can refuse to let one island's
+  word outweigh the others'. Among the round's positive claims (claims of 0 take no part, so an island
+  that counts no tokens changes nothing) take the lower medians (the smaller middle value for an even
+  count) of the claims (R_claim), of the tokens per step c_tokens / c_steps (R_tps) and of the c_steps
+  (R_steps); a claim is capped at the larger of F x R_claim and F x R_tps x min(c_steps, F x R_steps).
+  The second term keeps an honest island's accumulated claim (one that skipped rounds, or trains faster,
+  covers more steps: 1408 tokens over 11 steps beside 256 over 4 was cut to 1024 by the first term
+  alone), while a claim of 2^53-1 gets at most F x the tokens per step of the others over at most F x
+  their steps. With lower medians one island of a round of two or more never moves a reference by
+  lying. Computed in exact rationals, F taken as the decimal it was given (2.5 caps a median of 3 at
+  7.5, not 7): a cut claim weighs with that exact limit (a float when it is not whole). A clamped claim
+  is counted (`tokens.clamped`) and shown in the merge record (`weights` hold the used values,
+  `detail.token_clamp` {island: {claimed, used, limit}}).
 - **Quarantine** (defence in depth against a compromised or buggy island): the shell reports each
   complete push's L2 norm and count of non-finite values (summed chunk by chunk as they arrive; no
-  whole-model copy). A push that would be accepted is instead `quarantined` when it holds any NaN/Inf
-  (always), when its norm exceeds `max_push_norm` (off by default), or — judged when the round is
-  about to complete, against the pushes accepted this attempt — when its norm exceeds
-  `outlier_factor` × the round's lower median norm (off by default; it needs at least
-  `OUTLIER_MIN_PUSHES` = 3 accepted pushes, since with two neither is a reference for the other, and
-  a median of 0 judges nothing). A quarantined push is taped (rule, figure, limit), counted
-  (`disposition.quarantined`, `quarantine.<rule>`), released and never merged; its slot counts as
-  refused (like a stale base): the round goes on with the others, and if that leaves it below quorum
-  it restarts as for a missing member (strict mode, having no quorum, waits for another try). An
-  outlier was first taped `accepted`; its `quarantined` record follows and supersedes it.
+  whole-model copy). A push that would be accepted is instead `quarantined`:
+  - on arrival, when it holds any NaN/Inf (always), or when its norm exceeds `max_push_norm` (off by
+    default);
+  - judged when the round is about to complete, against the pushes accepted this attempt: when its
+    norm exceeds `outlier_factor` x the round's lower median norm (off by default; it needs at least
+    `OUTLIER_MIN_PUSHES` = 3 accepted pushes, and a median of 0 judges nothing);
+  - judged then too, **on by default** (`push_norm_factor` K = 4, `--push-norm-factor`): when its norm
+    exceeds K x the fragment's *reference norm*. Each expected member's value is the lower median of
+    its own last `NORM_HISTORY` (8) merged push norms of that fragment and its push of this attempt;
+    the reference is the lower median of those values over the members, and it judges only with
+    values from `NORM_MIN_ISLANDS` (2) islands or more (a single-island run is never judged). This
+    needs no tuning and works from two islands and the first round on: in a round of two, the
+    smaller member's value is the reference. An attacker cannot ratchet it up: every island counts
+    once, the history holds only norms that were merged (so at most K x an honest reference; a
+    quarantined norm never enters), and one island of two (or a minority) can never raise a lower
+    median — it can only lower it, which shrinks what the others may push (training slows) but never
+    lets a large push in. Honest pushes are untouched while they stay within K x the others' (the
+    demo's runs peak near 1.5: bench/hostile.py --poison prints `max_norm_ratio`); an island whose
+    pushes are honestly more than K x larger (more than K x faster, say) is quarantined: raise K or
+    turn the bound off (`--push-norm-factor off`). The history is the machine's, not the checkpoint's:
+    a machine made by `restore` (--resume) starts without one, its first rounds judge against their own
+    pushes (as a run's first rounds do), and `yeto replay` rebuilds it from the recorded events.
+  A quarantined push is taped (rule, figures, limit), counted (`disposition.quarantined`,
+  `quarantine.<rule>`), released and never merged; its slot counts as refused (like a stale base). Its
+  member is **excused from the attempt's quorum** (not in strict mode, which waits for every member):
+  the quorum becomes at most the members not quarantined, for the rest of the attempt, so the round
+  completes with the others (after the grace window, as for a member that did not answer); only when
+  nobody is left does it restart as for a missing member. Before this, a compromised island that
+  quarantined every push held every round of a 2-island run (default quorum: every member) below
+  quorum, restarting for ever. A push judged at completion was first taped `accepted`; its
+  `quarantined` record follows and supersedes it.
 """
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Sequence
 
 from services.syncer.actions import Merge, MergeInput, Release
-from services.syncer.config import HOPELESS_DISPOSITIONS, OUTLIER_MIN_PUSHES
+from services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
 from services.syncer.events import MergeDone, PushComplete
 from services.syncer.outer import weights_for
 from services.syncer.state import Round, _Answer, lower_median
@@ -39,6 +67,7 @@ from services.syncer.state import Round, _Answer, lower_median
 class Pushes:
     def _on_push(self, ev: PushComplete, now: float) -> None:
         quarantine = None
+        quarantined_now = False
         m = self.members.get(ev.island)
         if m is not None and ev.gen == m.gen:
             m.observe_push(int(ev.local_step), now)
@@ -75,6 +104,7 @@ class Pushes:
                 disposition, reason = "quarantined", quarantine.pop("reason")
                 self.counters[f"quarantine.{quarantine['rule']}"] += 1
                 slot.quarantined.add((ev.gen, ev.try_))
+                quarantined_now = True
             else:
                 disposition = "accepted"
                 slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens,
@@ -87,6 +117,8 @@ class Pushes:
                 # The island's push was acknowledged by JetStream, so it will not send another for this
                 # attempt: its slot cannot count towards quorum any more.
                 slot.refused = disposition
+            if quarantined_now:
+                self._excuse(r, now)
         self.counters[f"disposition.{disposition}"] += 1
         staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
         detail = {"staleness": staleness, "local_step": ev.local_step}
@@ -114,10 +146,16 @@ class Pushes:
         return None
 
     def _screen_outliers(self, r: Round, now: float) -> bool:
-        """Before a round completes: quarantine every accepted push whose norm exceeds outlier_factor x
-        the lower median of the norms accepted this attempt (outliers included, so removing one never
-        lowers the reference for the rest). Returns True if it removed any (the round does not
-        complete now; it goes on as if those members had not answered)."""
+        """Before a round completes: the rules that judge a push against others (the outlier rule, then the
+        norm bound). Returns True if they removed any push (the round does not complete now; it goes on
+        as if those members had not answered, each excused from the attempt's quorum)."""
+        removed = self._screen_outlier_rule(r, now)
+        removed = self._screen_norm_bound(r, now) or removed
+        return removed
+
+    def _screen_outlier_rule(self, r: Round, now: float) -> bool:
+        """Quarantine every accepted push whose norm exceeds outlier_factor x the lower median of the norms
+        accepted this attempt (outliers included, so removing one never lowers the reference for the rest)."""
         factor = self.config.outlier_factor
         if factor is None or len(r.norms) < OUTLIER_MIN_PUSHES:
             return False
@@ -130,23 +168,114 @@ class Pushes:
             a = slot.answer
             if a is None or a.norm is None or a.norm <= limit:
                 continue
-            slot.answer, slot.refused = None, "quarantined"
-            slot.quarantined.add((a.gen, a.try_))
             removed = True
-            self.counters["disposition.quarantined"] += 1
-            self.counters["quarantine.outlier"] += 1
-            self._tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
-                       gen=a.gen, disposition="quarantined", base_version=a.base_version,
-                       reason=(f"quarantined: push norm {a.norm:.6g} exceeds --outlier-factor {factor:g} x the round's "
-                               f"median norm {median:.6g} (limit {limit:.6g}); supersedes its accepted record"),
-                       detail={"local_step": a.local_step,
-                               "quarantine": {"rule": "outlier", "norm": float(a.norm), "limit": float(limit),
-                                              "median": float(median), "pushes": len(r.norms)}},
-                       **{"try": a.try_})
-            self._emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
-        if removed and r.answered < r.quorum:
-            r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
+            self._quarantine_answer(
+                r, island, now, rule={"rule": "outlier", "norm": float(a.norm), "limit": float(limit),
+                                      "median": float(median), "pushes": len(r.norms)},
+                reason=(f"quarantined: push norm {a.norm:.6g} exceeds --outlier-factor {factor:g} x the round's "
+                        f"median norm {median:.6g} (limit {limit:.6g}); supersedes its accepted record"))
         return removed
+
+    # -- the norm bound (on by default) --------------------------------------------------------------
+
+    def _norm_history(self) -> dict[int, dict[str, list[float]]]:
+        """fragment -> island -> the norms of its last NORM_HISTORY merged pushes of that fragment (oldest
+        first). Kept by the machine, not the checkpoint: a machine made by `restore` (--resume) starts with
+        none, and its first rounds judge against their own pushes, as a run's first rounds do. (Created
+        here on first use: the machine's constructor belongs to rounds.py.)"""
+        hist = self.__dict__.get("_accepted_norms")
+        if hist is None:
+            hist = self._accepted_norms = {}
+        return hist
+
+    def _norm_reference(self, r: Round) -> tuple[float, int] | None:
+        """(reference norm, islands it came from) for round r's fragment, or None (fewer than
+        NORM_MIN_ISLANDS islands have a value). Each expected member's value is the lower median of its
+        own recent merged norms of the fragment and its push this attempt (if any); the reference is the
+        lower median of those values over the members. So every island counts once however many pushes
+        it made, the history holds only norms that passed every rule (an attacker's accepted pushes are
+        at most factor x an honest reference, its quarantined ones never enter), and, the median being
+        the lower one, a single island (one of two, or a minority) can never raise the reference: it
+        can only lower it, which shrinks what the others may push but never lets anything large in."""
+        hist = self._norm_history().get(r.fragment, {})
+        values = []
+        for island in sorted(r.slots):
+            own = [v for v in hist.get(island, ()) if v > 0]
+            cur = r.norms.get(island)
+            if cur is not None and math.isfinite(cur) and cur > 0:
+                own.append(cur)
+            if own:
+                values.append(lower_median(own))
+        if len(values) < NORM_MIN_ISLANDS:
+            return None
+        return lower_median(values), len(values)
+
+    def _screen_norm_bound(self, r: Round, now: float) -> bool:
+        """Quarantine every accepted push whose norm exceeds push_norm_factor x the reference norm
+        (`_norm_reference`; this attempt's norms include pushes already removed, so a removal never moves
+        the reference for the rest and a second screening removes nothing more)."""
+        factor = self.config.push_norm_factor
+        if factor is None:
+            return False
+        ref = self._norm_reference(r)
+        if ref is None:
+            return False
+        reference, sources = ref
+        limit = factor * reference
+        removed = False
+        for island, slot in sorted(r.slots.items()):
+            a = slot.answer
+            if a is None or a.norm is None or a.norm <= limit:
+                continue
+            removed = True
+            self._quarantine_answer(
+                r, island, now, rule={"rule": "norm_bound", "norm": float(a.norm), "limit": float(limit),
+                                      "reference": float(reference), "islands": sources},
+                reason=(f"quarantined: push norm {a.norm:.6g} exceeds --push-norm-factor {factor:g} x the reference "
+                        f"norm {reference:.6g} (limit {limit:.6g}: the lower median over {sources} members of their "
+                        f"recent merged norms of fragment {r.fragment}); supersedes its accepted record"))
+        return removed
+
+    def _quarantine_answer(self, r: Round, island: str, now: float, *, rule: dict, reason: str) -> None:
+        """Take back an accepted push judged at completion: taped `quarantined` (superseding its
+        `accepted` record), counted, released; its member is excused from the attempt's quorum."""
+        slot = r.slots[island]
+        a = slot.answer
+        slot.answer, slot.refused = None, "quarantined"
+        slot.quarantined.add((a.gen, a.try_))
+        self.counters["disposition.quarantined"] += 1
+        self.counters[f"quarantine.{rule['rule']}"] += 1
+        self._tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
+                   gen=a.gen, disposition="quarantined", base_version=a.base_version, reason=reason,
+                   detail={"local_step": a.local_step, "quarantine": rule}, **{"try": a.try_})
+        self._emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
+        self._excuse(r, now)
+        if r.answered < r.quorum:
+            r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
+
+    def _excuse(self, r: Round, now: float) -> None:
+        """A member whose push was quarantined is excused from the attempt's quorum (not in strict mode,
+        which waits for every member): quorum becomes at most the members not quarantined (and at least
+        1), for the rest of the attempt (a later try of that member that is accepted is merged, but not
+        waited for). Without this a compromised island that quarantines every push (NaN, a norm far out) would
+        hold every round of a run whose quorum is every member below quorum, restarting for ever: a
+        2-island run with the default quorum never committed again. The round completes with the
+        others (after the grace window, as for a member that did not answer)."""
+        if self.config.strict:
+            return
+        excused = sum(1 for s in r.slots.values() if s.answer is None and s.refused == "quarantined")
+        r.quorum = max(1, min(r.quorum, len(r.slots) - excused))
+        if r.quorum_at is None and r.answered >= r.quorum:
+            self._reach_quorum(r, now)
+
+    def _remember_norms(self, r: Round, answers: Sequence[tuple[str, _Answer]]) -> None:
+        """The merged pushes' norms join their islands' history of r's fragment (the newest NORM_HISTORY)."""
+        hist = self._norm_history().setdefault(r.fragment, {})
+        for island, a in answers:
+            if a.norm is not None and math.isfinite(a.norm) and a.norm > 0:
+                own = hist.setdefault(island, [])
+                own.append(float(a.norm))
+                del own[:-NORM_HISTORY]
 
     def _is_pending_merge_input(self, ev: PushComplete) -> bool:
         # a re-delivered copy of an accepted push has the same identity as the one the merge reads
@@ -169,6 +298,7 @@ class Pushes:
     def _complete(self, r: Round, now: float) -> None:
         r.complete_at = now
         answers = [(i, s.answer) for i, s in sorted(r.slots.items()) if s.answer is not None]
+        self._remember_norms(r, answers)
         used, clamp = self._clamp_tokens(answers)
         weights = weights_for(used, self.config.equal_weights)
         inputs = tuple(
@@ -214,22 +344,36 @@ class Pushes:
         self.counters["merge"] += 1
         # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
 
-    def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int], dict[str, dict]]:
-        """The c_tokens each answer weighs with: its claim, capped at max_token_factor x the lower median
-        of the positive claims (see the module docstring); and {island: {claimed, used, limit}} of the
-        claims that were cut."""
+    def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int | float], dict[str, dict]]:
+        """The c_tokens each answer weighs with, and {island: {claimed, used, limit}} of the claims
+        that were cut (see the module docstring): a claim is capped at the larger of F x R_claim and
+        F x R_tps x min(c_steps, F x R_steps), F = max_token_factor, R_claim the lower median of the
+        positive claims, R_tps the lower median of their tokens per step (c_tokens / c_steps) and
+        R_steps the lower median of their c_steps. Computed in exact rationals (F as the decimal it was
+        given, e.g. 2.5 is 5/2): a cut claim weighs with the exact limit, an int when it is whole, else
+        the nearest float."""
         claims = [int(a.c_tokens) for _, a in answers]
         factor = self.config.max_token_factor
-        positive = [c for c in claims if c > 0]
+        positive = [(c, max(1, int(a.c_steps))) for (_, a), c in zip(answers, claims) if c > 0]
         if factor is None or self.config.equal_weights or not positive:
             return claims, {}
-        limit = int(factor * lower_median(positive))
+        f = Fraction(repr(float(factor)))            # the shortest decimal of the float: what the flag said
+        per_step = lower_median([Fraction(c, s) for c, s in positive])
+        steps_ref = lower_median([s for _, s in positive])
+        by_claim = f * lower_median([c for c, _ in positive])
+        used: list[int | float] = []
         clamp = {}
-        for (island, _), c in zip(answers, claims):
+        for (island, a), c in zip(answers, claims):
+            steps = min(Fraction(max(1, int(a.c_steps))), f * steps_ref)
+            limit = max(by_claim, f * per_step * steps)
             if c > limit:
-                clamp[island] = {"claimed": c, "used": limit, "limit": limit}
+                u = limit.numerator if limit.denominator == 1 else float(limit)
+                clamp[island] = {"claimed": c, "used": u, "limit": u}
                 self.counters["tokens.clamped"] += 1
-        return [min(c, limit) for c in claims], clamp
+                used.append(u)
+            else:
+                used.append(c)
+        return used, clamp
 
     def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:
         # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
