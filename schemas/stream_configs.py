@@ -156,10 +156,11 @@ def stream_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.S
         return api.StreamConfig(**base)
 
     return {
-        "CTL": cfg("CTL", "control (hello, pull, to-island, ack)", max_age=float(L.ctl_max_age_s)),
-        # The newest heartbeat per island and nothing else: liveness needs only the latest, and a flood on
-        # one island's subject replaces itself instead of queueing in front of the others' (issue 30).
-        "HB": cfg("HB", "heartbeats, the newest per island", max_msgs_per_subject=1, max_age=float(L.ctl_max_age_s)),
+        "CTL": cfg("CTL", "control (hello, pull, to-island)", max_age=float(L.ctl_max_age_s)),
+        # The newest heartbeat and final ack per island and nothing else: the syncer needs only the latest,
+        # and a flood on one island's subject replaces itself instead of queueing in front of the others'.
+        "HB": cfg("HB", "heartbeats and final acks, the newest per island", max_msgs_per_subject=1,
+                  max_age=float(L.ctl_max_age_s)),
         # Limits + max_bytes + discard NEW: a full PUSH refuses publishes (10077) instead of dropping
         # older pushes that a round still needs; the syncer deletes chunks after each commit.
         "PUSH": cfg(
@@ -213,7 +214,7 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: 
     consumers are named `syncer-init-s<K>` / `syncer-push-s<K>` and filter on its own fragments'
     subjects only (`filter_subjects`, one per fragment: its INIT chunks and every island's pushes of
     it), so a shard never receives, acks or holds bytes of another shard's fragments, and the INIT work
-    queue's filters never overlap. Only the coordinator (shard 0) reads CTL (hello, ack) and HB (heartbeats).
+    queue's filters never overlap. Only the coordinator (shard 0) reads CTL (hellos) and HB (heartbeats, final acks).
     With one shard every name and filter is the unsharded one."""
     _check_run_id(run)
     SH.check(shard, shards, fragments)
@@ -233,12 +234,12 @@ def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: 
         )
 
     ctl = ("CTL", durable(
-        S.SYNCER_CTL_CONSUMER, "syncer reads hello, ack",
+        S.SYNCER_CTL_CONSUMER, "syncer reads hellos",
         filter_subjects=S.syncer_ctl_filters(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
     ))
     hb = ("HB", durable(
-        S.SYNCER_HB_CONSUMER, "syncer reads heartbeats",
-        filter_subject=S.syncer_hb_filter(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
+        S.SYNCER_HB_CONSUMER, "syncer reads heartbeats and final acks",
+        filter_subjects=S.syncer_hb_filters(run), ack_wait=SYNCER_CTL_ACK_WAIT_S,
     ))
     if shards == 1:
         return {

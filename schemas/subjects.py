@@ -2,8 +2,8 @@
 
 Layout (run R, island I, fragment F), DESIGN §3:
 
-    yeto.R.ctl.hello.I | ctl.ack.I | ctl.pull | ctl.to.I                 -> stream CTL
-    yeto.R.ctl.hb.I                                                      -> stream HB (1 msg per subject)
+    yeto.R.ctl.hello.I | ctl.pull | ctl.to.I                             -> stream CTL
+    yeto.R.ctl.hb.I | ctl.ack.I                                          -> stream HB (1 msg per subject)
     yeto.R.push.I.F                                                      -> stream PUSH
     yeto.R.init.F                                                        -> stream INIT
     yeto.R.bcast.F.<chunk>                                               -> stream BCAST (1 msg per subject)
@@ -71,10 +71,12 @@ def kv_bucket(run: str, kind: str) -> str:
 def stream_subjects(run: str, kind: str) -> list[str]:
     r = root(run)
     return {
-        # Heartbeats have a stream of their own that keeps the newest per island (HB): a flood of one
-        # island's heartbeats is one message to read, never a queue in front of the others' (issue 30).
-        "CTL": [f"{r}.ctl.hello.*", f"{r}.ctl.ack.*", f"{r}.ctl.pull", f"{r}.ctl.to.*"],
-        "HB": [f"{r}.ctl.hb.*"],
+        # Heartbeats and final acks have a stream of their own that keeps the newest per subject (HB): a
+        # flood on one island's subjects is one message to read, never a queue in front of the others'
+        # (issue 30). Only the newest of each matters. Hellos stay on CTL: an island's CTL consumers
+        # start at its hello's stream sequence.
+        "CTL": [f"{r}.ctl.hello.*", f"{r}.ctl.pull", f"{r}.ctl.to.*"],
+        "HB": [f"{r}.ctl.hb.*", f"{r}.ctl.ack.*"],
         "PUSH": [f"{r}.push.*.*"],
         "INIT": [f"{r}.init.*"],
         "BCAST": [f"{r}.bcast.*.*"],
@@ -146,13 +148,13 @@ def to_island(run: str, island: str) -> str:
 
 
 def syncer_ctl_filters(run: str) -> list[str]:
-    """What the syncer reads of CTL: hellos and final acks (heartbeats are on HB: `syncer_hb_filter`)."""
+    """What the syncer reads of CTL: hellos (heartbeats and final acks are on HB: `syncer_hb_filters`)."""
+    return [f"{root(run)}.ctl.hello.*"]
+
+
+def syncer_hb_filters(run: str) -> list[str]:
     r = root(run)
-    return [f"{r}.ctl.hello.*", f"{r}.ctl.ack.*"]
-
-
-def syncer_hb_filter(run: str) -> str:
-    return f"{root(run)}.ctl.hb.*"
+    return [f"{r}.ctl.hb.*", f"{r}.ctl.ack.*"]
 
 
 def island_ctl_filters(run: str, island: str) -> list[str]:

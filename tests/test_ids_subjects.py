@@ -49,8 +49,8 @@ def test_subjects_fall_under_their_stream():
         return len(st) == len(pt)
 
     cases = {
-        "CTL": [S.hello(run, "a"), S.ack(run, "a"), S.pull(run), S.to_island(run, "a")],
-        "HB": [S.heartbeat(run, "a")],
+        "CTL": [S.hello(run, "a"), S.pull(run), S.to_island(run, "a")],
+        "HB": [S.heartbeat(run, "a"), S.ack(run, "a")],
         "PUSH": [S.push(run, "a", 3)],
         "INIT": [S.init(run, 2)],
         "BCAST": [S.bcast(run, 1, 7)],

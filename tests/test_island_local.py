@@ -580,7 +580,8 @@ async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
     final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
     await syncer.bcast(1, 3, final[1])  # a bf16 broadcast of the final version: must never count
     digest1 = await syncer.final(1, 3, final[1], final_step=6)  # fragment 1's final first: any order
-    ctl = await env.js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(syncer.run, "CTL"))
+    # final acks travel on HB (the newest per island), read by the syncer's heartbeat consumer
+    ctl = await env.js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(syncer.run, "HB"))
     await syncer.to_island("manifest", ISLAND, final_step=6, versions={"0": 2, "1": 3},
                            version_digests={"0": version_digest(pack(final[0], "f32")), "1": digest1},
                            gen=island.gen)
@@ -825,8 +826,9 @@ async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_an
         await syncer.to_island("manifest", "dp", final_step=4, versions={"0": 1, "1": 2}, version_digests=digests,
                                gen=gen)
         acked = False
+        hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(run, "HB"))  # acks: HB
         while not acked:
-            for m in await ctl.fetch(10, timeout=30):
+            for m in await hb.fetch(10, timeout=30):
                 await m.ack()
                 kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
                 acked = acked or (kind == "ack" and msg["final_step"] == 4 and msg["gen"] == gen)
