@@ -138,9 +138,9 @@ async def test_island_b_squatting_the_ids_of_pulls_pushes_heartbeats_and_final_m
 
 @pytest.mark.timeout(300)
 async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_path):
-    rounds = 40
+    rounds = 160   # ~60 s of training: the flood (~35 s) must end while rounds still run
     r = Run(tmp_path, run_id)
-    procs = r.start(rounds, tmp_path, step_delay="0.1")
+    procs = r.start(rounds, tmp_path, step_delay="0.25")
     watcher = await r.conn("syncer")
     b = await r.conn("b")
     sent = 0
@@ -165,6 +165,8 @@ async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_pa
             if i % 500 == 0:
                 await b.flush()
         sent += 20_000
+        await b.flush()
+        mid_run = (await kv_json(wjs, run_id, "commit"))["committed_step"]
         rcs = await wait_exit(procs, 200)
         # The syncer may end with 3, "no ack from: b": b's own final ack can sit behind (or be dropped with)
         # the flood b's credentials sent on b's own ack subject. Never a's.
@@ -172,6 +174,7 @@ async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_pa
         if rcs["syncer"] == 3:
             assert "finalization timed out; no ack from: b\n" in procs["syncer"].output(), tails(procs)
         leaves = await tape(wjs, run_id, "leave")
+        finals = await tape(wjs, run_id, "final")
         status = await kv_json(wjs, run_id, "syncer")
         commit = await kv_json(wjs, run_id, "commit")
     finally:
@@ -181,7 +184,11 @@ async def test_a_flood_on_island_b_subjects_never_evicts_island_a(run_id, tmp_pa
         await watcher.close()
         r.broker.stop()
     assert sent > 5000, sent
-    assert [x for x in leaves if x["island"] == "a"] == [], leaves
+    assert mid_run < rounds, f"the run ended before the flood did ({mid_run} of {rounds}): make it longer"
+    # Once the final cut is out, a waits for a shutdown that b's missing ack can hold back, then stops
+    # (30 s) and is timed out like any island that left: only a leave before the cut is an eviction.
+    cut_at = next(x["t"] for x in finals if x.get("reason") == "final cut published")
+    assert [x for x in leaves if x["island"] == "a" and x["t"] < cut_at] == [], leaves
     assert commit["committed_step"] == rounds
     c = status["counters"]
     assert c.get("rate_limited.hello", 0) + c.get("rate_limited.ack", 0) + c.get("rate_limited.hb", 0) > 0, c
