@@ -102,6 +102,48 @@ STEP_DELAY = "0.1"  # 4 inner steps per round: ~0.4 s a round, so the kill lands
 ALONE = ("EVENTS", "CTL")  # streams whose leader's node dies with nothing else led there (one run for both)
 
 
+async def _ctl_state(js, run: str) -> str:
+    """What a stalled run's pulls look like on the server: CTL's state, the islands' pull consumers and
+    the newest pulls (a failure message, so a stall under load can be read after the fact)."""
+    out = []
+    try:
+        ctl = S.stream(run, "CTL")
+        info = await js.stream_info(ctl)
+        out.append(f"CTL: msgs={info.state.messages} first={info.state.first_seq} last={info.state.last_seq} "
+                   f"leader={info.cluster.leader}")
+        for island in ("a", "b"):
+            c = await js.consumer_info(ctl, S.island_consumer(island, "pull"))
+            out.append(f"pull-{island}: delivered={c.delivered} ack_floor={c.ack_floor} pending={c.num_pending} "
+                       f"ack_pending={c.num_ack_pending} waiting={c.num_waiting} leader={c.cluster.leader}")
+        for kind, durable in (("PUSH", S.SYNCER_PUSH_CONSUMER), ("CTL", S.SYNCER_CTL_CONSUMER)):
+            c = await js.consumer_info(S.stream(run, kind), durable)
+            out.append(f"{durable}: delivered={c.delivered} ack_floor={c.ack_floor} pending={c.num_pending} "
+                       f"ack_pending={c.num_ack_pending} waiting={c.num_waiting} leader={c.cluster.leader}")
+        push = await js.stream_info(S.stream(run, "PUSH"))
+        out.append(f"PUSH: msgs={push.state.messages} first={push.state.first_seq} last={push.state.last_seq} "
+                   f"leader={push.cluster.leader}")
+        try:
+            out.append(f"syncer counters: {(await kv_json(js, run, 'syncer')).get('counters')}")
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"(syncer status unreadable: {exc!r})")
+        ev = await js.stream_info(S.stream(run, "EVENTS"))
+        for seq in range(max(ev.state.first_seq, ev.state.last_seq - 12), ev.state.last_seq + 1):
+            try:
+                m = await js.get_msg(S.stream(run, "EVENTS"), seq)
+                out.append(f"  tape #{seq} {bytes(m.data)[:600]!r}")
+            except Exception as exc:  # noqa: BLE001
+                out.append(f"  tape #{seq} {exc!r}")
+        for seq in range(max(info.state.first_seq, info.state.last_seq - 5), info.state.last_seq + 1):
+            try:
+                m = await js.get_msg(ctl, seq)
+                out.append(f"  #{seq} {m.subject} {bytes(m.data)[:200]!r}")
+            except Exception as exc:  # noqa: BLE001 - a deleted message is a fact to print too
+                out.append(f"  #{seq} {exc!r}")
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        out.append(f"(CTL state unreadable: {exc!r})")
+    return "\n".join(out)
+
+
 async def _retry(fn, what: str, timeout: float = 60.0):
     """The test's own reads ride through the node's death too: a request that meets the dead node, a
     stream whose new leader is not elected yet, or a cluster electing a new meta leader is asked again."""
@@ -198,12 +240,18 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
             assert syncer.proc.poll() is None or syncer.proc.returncode == 0, tails(procs)
             return await _retry(lambda: _committed(js, run_id), "commit record") >= before + 2
 
-        await wait_until(committed_without_it, 90, "two rounds committed with the leader's node down")
+        try:
+            await wait_until(committed_without_it, 90, "two rounds committed with the leader's node down")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{await _ctl_state(js, run_id)}\n{tails(procs)}") from None
         new_leader = (await _retry(lambda: js.stream_info(S.stream(run_id, victim)), "stream info")).cluster.leader
         assert new_leader != cluster.server_name(leader)
         cluster.start_node(leader)
 
-        rcs = await wait_exit(procs, 150)
+        try:
+            rcs = await wait_exit(procs, 150)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{await _ctl_state(js, run_id)}") from None
         assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
         commit = await _retry(lambda: kv_json(js, run_id, "commit"), "commit record")
         tape_merges = await _retry(lambda: merges(js, run_id), "tape")

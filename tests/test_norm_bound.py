@@ -207,3 +207,23 @@ def test_push_norm_factor_off_and_0_turn_it_off():
 
     assert _factor_or_off("off") == _factor_or_off("OFF") == _factor_or_off("0") == 0.0
     assert _factor_or_off("2.5") == 2.5
+
+
+def test_a_stale_history_never_holds_a_run_whose_every_push_outgrew_it():
+    # After a broker outage both islands trained unsynced and push 30x the history's norms: judged against
+    # the history every attempt was quarantined and the round restarted for ever (the cluster test under
+    # load stalled so). Every push over the limit: the attempt's own lower median is the reference.
+    m = launched(islands=("a", "b"), total_steps=5)
+    _, qs = run_rounds(m, [{"a": 1.0, "b": 1.0}] * 3 + [{"a": 30.0, "b": 40.0}])
+    assert not qs and m.counters["norm_bound.history_stale"] == 1
+    # a hostile push among them is still judged, against the honest one (the lower median of two)
+    m.handle(Heartbeat("a", GEN["a"], 20, 1.0, 45.0))
+    m.handle(Heartbeat("b", GEN["b"], 20, 1.0, 45.0))
+    m.handle(Tick(46.0))
+    acts = m.handle(push(m, "a", 5, norm=30.0, now=50.0)) + m.handle(push(m, "b", 5, norm=30.0 * 73, now=50.0))
+    acts += m.handle(Tick(60.0))
+    qs = quarantined(acts)
+    assert [q["island"] for q in qs] == ["b"] and qs[0]["detail"]["quarantine"]["reference"] == 30.0
+    assert "this attempt's 2 pushes" in qs[0]["reason"]
+    (mg,) = of(acts, Merge)
+    assert [x.island for x in mg.members] == ["a"]

@@ -38,7 +38,10 @@ A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.p
     lets a large push in. Honest pushes are untouched while they stay within K x the others' (the
     demo's runs peak near 1.5: bench/hostile.py --poison prints `max_norm_ratio`); an island whose
     pushes are honestly more than K x larger (more than K x faster, say) is quarantined: raise K or
-    turn the bound off (`--push-norm-factor off`). The history is the machine's, not the checkpoint's:
+    turn the bound off (`--push-norm-factor off`). When *every* push of an attempt (two or more) exceeds
+    the history's limit, the history is stale (islands that trained unsynced through a broker outage
+    push many steps' worth at once), and the attempt's own lower median is the reference instead
+    (counted `norm_bound.history_stale`): without that, such a run restarted the round for ever. The history is the machine's, not the checkpoint's:
     a machine made by `restore` (--resume) starts without one, its first rounds judge against their own
     pushes (as a run's first rounds do), and `yeto replay` rebuilds it from the recorded events.
   A quarantined push is taped (rule, figures, limit), counted (`disposition.quarantined`,
@@ -222,6 +225,20 @@ class Pushes:
             return False
         reference, sources = ref
         limit = factor * reference
+        basis = f"the lower median over {sources} members of their recent merged norms of fragment {r.fragment}"
+        # this attempt's norms, those removed at an earlier screening included: the choice stays put
+        judged = [n for n in r.norms.values() if n is not None and math.isfinite(n) and n > 0]
+        if len(judged) >= NORM_MIN_ISLANDS and all(n > limit for n in judged):
+            # Every push of the attempt is over the bound: the history is stale, not the islands hostile
+            # (islands that trained unsynced through a broker outage push many steps' worth at once; judged
+            # against the old rounds every attempt was quarantined and the run restarted for ever). The
+            # attempt's own pushes are the reference then: their lower median, as for the outlier rule,
+            # so one hostile push among them still cannot raise it.
+            reference, sources = lower_median(judged), len(judged)
+            limit = factor * reference
+            basis = (f"the lower median of this attempt's {sources} pushes: every one exceeded the history's "
+                     f"limit {factor * ref[0]:.6g}")
+            self.counters["norm_bound.history_stale"] += 1
         removed = False
         for island, slot in sorted(r.slots.items()):
             a = slot.answer
@@ -232,8 +249,7 @@ class Pushes:
                 r, island, now, rule={"rule": "norm_bound", "norm": float(a.norm), "limit": float(limit),
                                       "reference": float(reference), "islands": sources},
                 reason=(f"quarantined: push norm {a.norm:.6g} exceeds --push-norm-factor {factor:g} x the reference "
-                        f"norm {reference:.6g} (limit {limit:.6g}: the lower median over {sources} members of their "
-                        f"recent merged norms of fragment {r.fragment}); supersedes its accepted record"))
+                        f"norm {reference:.6g} (limit {limit:.6g}: {basis}); supersedes its accepted record"))
         return removed
 
     def _quarantine_answer(self, r: Round, island: str, now: float, *, rule: dict, reason: str) -> None:
