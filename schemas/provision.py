@@ -303,9 +303,12 @@ async def kv(js, run: str, kind: str):
 KV_PUT_ATTEMPTS = 40  # with publish_retry's backoff (<= 2 s): about a minute, beyond any election
 
 
-async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=None, attempts: int = KV_PUT_ATTEMPTS):
+async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=None, attempts: int = KV_PUT_ATTEMPTS,
+                 expected_rev: int | None = None):
     """Put `value` under `key` in the run's KV bucket `kind`, riding through reconnects and leader
-    elections (see above). Returns the PubAck (its `seq` is the entry's revision)."""
+    elections (see above). Returns the PubAck (its `seq` is the entry's revision). `expected_rev`: only
+    over that revision of the key (0: only when the key has none), else nats-py's APIError 10071 (a
+    re-send of the same put after a lost ack is answered as a duplicate first, so it never trips this)."""
     import uuid
 
     from .publish import publish_retry
@@ -313,7 +316,8 @@ async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=No
     if kind not in S.KV_KINDS:
         raise WireError(f"must be one of {', '.join(S.KV_KINDS)}", field="kind", value=kind, code="bad_kv")
     subject = S.kv_key(_check_run_id(run), kind, key)
-    return await publish_retry(js, subject, value, f"kv.{kind}.{key}.{uuid.uuid4().hex}",
+    headers = None if expected_rev is None else {"Nats-Expected-Last-Subject-Sequence": str(int(expected_rev))}
+    return await publish_retry(js, subject, value, f"kv.{kind}.{key}.{uuid.uuid4().hex}", headers,
                                counters=counters, attempts=attempts)
 
 

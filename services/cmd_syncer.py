@@ -123,6 +123,11 @@ def add_parser(sub) -> None:
     _flag(g, "--replicas", "YETO_REPLICAS", int, 1,
           "replicas of every stream and KV bucket of the run (3 on a 3-node NATS cluster); a run provisioned "
           "with other replicas is refused, never changed")
+    _flag(g, "--lease-ttl", "YETO_SYNCER_LEASE_TTL", float, 10.0,
+          "seconds: one syncer owns a run (per shard) through a lease in its state KV, refreshed every third of "
+          "this; a second `yeto syncer` for the run stands by and takes over once the owner's lease has not "
+          "moved for this long (it was killed, paused or cut off; a paused owner that wakes publishes nothing "
+          "more and exits 4)")
     _flag(g, "--status-every", "YETO_STATUS_EVERY", float, 5.0,
           "seconds between status lines and updates of the state KV key `syncer` (phase, versions, counters)")
     g.add_argument("--log-level", default=_env("YETO_LOG_LEVEL", "INFO"))
@@ -178,6 +183,10 @@ def run(args) -> int:
         print(f"yeto syncer: --status-every must be a number > 0, got {args.status_every!r}", file=sys.stderr)
         return 2
     cfg.status_every_s = args.status_every
+    if not (args.lease_ttl >= 1):
+        print(f"yeto syncer: --lease-ttl must be a number of seconds >= 1, got {args.lease_ttl!r}", file=sys.stderr)
+        return 2
+    cfg.lease_ttl_s = args.lease_ttl
     if not (args.push_memory_mib >= 0):
         print(f"yeto syncer: --push-memory-mib must be a number >= 0, got {args.push_memory_mib!r}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import orjson
 import torch
@@ -27,6 +28,7 @@ from schemas.provision import kv_put
 from schemas.publish import Pipeline, publish_retry
 from services.syncer import rounds as R
 from services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
+from services.syncer.lease import Fenced
 from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -119,6 +121,7 @@ class BroadcastStream:
         self.seconds = 0.0     # time spent sending (copies and publishes; not waiting for acks at the seal)
 
     async def _put(self, s, vdigest: str | None) -> None:
+        await self.cut.guard()   # a deposed owner sends no chunk (lease.py)
         t0 = time.perf_counter()
         buf = self.packed.chunk(s.elem_offset, s.elem_count)
         subject, msg_id, hdrs = self.cut.chunk_message(self.fid, self.version, self.packed.dtype, self.spans, s, buf,
@@ -153,11 +156,19 @@ class BroadcastStream:
         return self.sent
 
 
+async def _no_guard() -> None:
+    """No lease (a Cut used on its own: tests, tools)."""
+
+
 class Cut:
     def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, tape: TapeWriter, *,
                  shard: int = 0, shards: int = 1):
         self.js, self.run_id, self.counters, self.ckpt, self.tape = js, run_id, counters, ckpt, tape
         self.shard, self.shards = shard, shards
+        # Fencing (services/syncer/lease.py): the commit record's revision this owner wrote last (None:
+        # unconditional writes), and the check that raises Fenced once the lease is not ours to trust.
+        self.commit_rev: int | None = None
+        self.guard: Callable[[], Awaitable[None]] = _no_guard
         self.session: dict | None = None
         self.frags: dict[int, Frag] = {}          # this shard's fragments (every fragment with one shard)
         self.final_digests: dict[int, str] = {}   # fragment -> f32 version digest of the final cut
@@ -239,6 +250,7 @@ class Cut:
         # While the version is made durable, the chunks before the seal go out (with-commit; cut-through sent
         # them during the merge) and their acks come in: they must be in BCAST before the seal (which makes
         # the version whole for the islands) goes out.
+        await self.guard()   # a deposed owner writes no checkpoint (lease.py): the directory may be a standby's too
         await asyncio.gather(asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False),
                              *(st.flush() for st in streams.values()))
         t_ckpt = time.perf_counter()
@@ -273,8 +285,26 @@ class Cut:
         rec = {"committed_step": state.committed_step,
                "versions": {str(k): v for k, v in state.versions.items()},
                "version_digests": {str(k): v for k, v in state.version_digests.items()}}
-        await kv_put(self.js, self.run_id, "state", SH.state_key("commit", self.shard, self.shards), orjson.dumps(rec),
-                     counters=self.counters)
+        await self.put_commit_record(orjson.dumps(rec))
+
+    async def put_commit_record(self, value: bytes) -> None:
+        """The commit record, revision-checked once this process owns the run (`commit_rev`, set by the
+        lease: services/syncer/lease.py): a new owner rewrites it first, so a deposed owner's write
+        (and with it the seal, which follows it) fails instead of landing after the takeover."""
+        from nats.js.errors import APIError
+
+        await self.guard()
+        key = SH.state_key("commit", self.shard, self.shards)
+        try:
+            ack = await kv_put(self.js, self.run_id, "state", key, value, counters=self.counters,
+                               expected_rev=self.commit_rev)
+        except APIError as exc:
+            if self.commit_rev is not None and exc.err_code in (10071, 10164):
+                raise Fenced(f"the state KV's {key!r} record moved on from revision {self.commit_rev} (another "
+                             f"syncer owns the run now): this process publishes nothing more") from None
+            raise
+        if self.commit_rev is not None:
+            self.commit_rev = ack.seq
 
     def chunk_message(self, fid: int, version: int, dtype: str, spans, s, buf, vdigest: str | None, *,
                       final_step: int | None = None, resend: int | None = None) -> tuple[str, str, dict]:
@@ -312,6 +342,7 @@ class Cut:
         if packed is not None and packed.dtype != dtype:
             raise CutError(f"broadcast in {dtype} of bytes packed in {packed.dtype}")
         for s in spans:
+            await self.guard()   # a deposed owner sends no chunk (lease.py)
             if packed is not None:
                 buf = packed.chunk(s.elem_offset, s.elem_count)
             else:

@@ -25,6 +25,7 @@ from schemas import subjects as S
 from schemas.chunks import chunk_plan, digest as chunk_digest
 from services.syncer import rounds as R
 from services.syncer.checkpoint import VersionFiles
+from services.syncer.lease import Fenced
 from services.syncer.actions import action_from_json, action_to_json
 from services.syncer.cut import BroadcastStream, BulkBytes, Cut
 from services.syncer.intake import PushLedger, PushTry
@@ -177,6 +178,7 @@ class Merger:
         bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
         stream = None
         t_intent = time.perf_counter()
+        await self.cut.guard()   # a deposed owner writes no intent and no version files (lease.py)
         if self.broadcast in EARLY_MODES:
             # Durable before the first chunk goes out: a restarted syncer must send these same bytes.
             await asyncio.to_thread(self.cut.ckpt.write_intent, fid, self.intent(a, tries))
@@ -206,13 +208,16 @@ class Merger:
                 fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
                 if k + 1 < len(spans):
                     nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
+                await self.cut.guard()   # woken from a pause after a takeover: not one more chunk written
                 outer_s += await asyncio.to_thread(step, deltas, s)
                 if stream is not None and self.broadcast == "cut-through":
                     await stream.put_ready()     # every broadcast chunk now packed, but never the seal
-        except BaseException:
+        except BaseException as exc:
             if not nxt.done():
                 nxt.cancel()
-            if files is not None:   # never named by a manifest; deleted now, not left behind
+            # never named by a manifest; deleted now, not left behind. Not by a deposed owner: its files'
+            # names may be the new owner's own work in progress (a checkpoint directory both mount).
+            if files is not None and not isinstance(exc, Fenced):
                 await asyncio.to_thread(files.abort)
             raise
         merge_s = time.time() - t0

@@ -55,6 +55,7 @@ from services.syncer.checkpoint import CheckpointDir, CheckpointError
 from services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
 from services.syncer.event_queue import EventQueue
 from services.syncer.intake import PushLedger
+from services.syncer.lease import DEFAULT_TTL_S, Fenced, FlagMismatch, RunLease, lease_key, read_key
 from services.syncer.merge import Merger
 from services.syncer.receive import Receiver
 from services.syncer.recording import INPUT_KIND, InputRecorder
@@ -97,6 +98,8 @@ class ServiceConfig:
     # bytes a second on an idle run for nothing, since next_wakeup() already names every timer.
     tick_s: float = 1.0
     status_every_s: float = 5.0
+    # `--lease-ttl`: a standby takes over once the owner's lease did not move for this long (lease.py)
+    lease_ttl_s: float = DEFAULT_TTL_S
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
     broadcast: str = "cut-through"
     ckpt_writer: str = "inline"
@@ -138,10 +141,84 @@ class SyncerService:
         self.recorder = InputRecorder(self._proc)
         self._pending_inputs: dict | None = None   # an input record the recorder handed back, not yet taped
         self._pending_actions: list[R.Action] = []  # produced at start (resume), carried out by the loop
+        self.lease: RunLease | None = None
+        self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
+        self.standby_done = False           # stood by until the run finished: nothing was ours to do
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
     async def run(self) -> int:
+        try:
+            return await self._run()
+        except Fenced as exc:
+            log.error("%s: fenced: %s", self.label, exc)
+            return 4
+
+    def _run_flags(self) -> dict:
+        """The run flags every syncer of a run must agree on (a standby with others refuses to start)."""
+        mc = self.cfg.machine
+        return {"islands": mc.islands, "fragments": mc.fragments, "sync_every": mc.sync_every,
+                "total_steps": mc.total_steps, "push_dtype": mc.push_dtype, "bulk_dtype": mc.bulk_dtype,
+                "shards": mc.shards, "strict": mc.strict}
+
+    async def _run_finished(self) -> bool:
+        """A standby's question: has the run (this shard) finished, so that there is nothing to take over?"""
+        key = SH.final_key(self.shard) if self.cfg.machine.sharded else "final"
+        try:
+            return await self._kv_get(self.state_kv, key) is not None
+        except Exception:  # noqa: BLE001 - no answer now: ask again at the next poll
+            return False
+
+    async def _own_the_run(self) -> bool:
+        """Take the run's lease, or stand by until it lapses (lease.py). False: the run finished meanwhile.
+        A takeover continues the run from this syncer's checkpoint directory (as --resume does)."""
+        mc = self.cfg.machine
+        self.lease = RunLease(self.state_kv, lease_key(mc.shard, mc.shards), ttl_s=self.cfg.lease_ttl_s,
+                              flags=self._run_flags(), label=f"syncer {self.label}".strip())
+        try:
+            owner = await self.lease.acquire()
+        except FlagMismatch as exc:
+            raise SyncerError(f"run {self.run_id} is owned by a syncer with other run flags: {exc}") from None
+        if not owner:
+            if not await self.lease.wait_for_lapse(self._run_finished):
+                log.info("run %s finished while this syncer stood by: nothing to do", self.run_id)
+                self.standby_done = True
+                return False
+            commit = await self._kv_get(self.state_kv, self._key("commit"))
+            if commit is not None and not self.ckpt.exists() and not self.cfg.resume:
+                await self.lease.release()   # not ours to run: leave it to a syncer that holds the state
+                raise SyncerError(
+                    f"took over run {self.run_id}, but its committed state (step {commit.get('committed_step')}) "
+                    f"lives in the previous owner's checkpoint directory and {self.ckpt.path} holds none: start "
+                    f"the standby on that directory (a volume both can mount), or the owner again with --resume")
+        if self.ckpt.exists() and not self.cfg.resume:
+            # The same command twice is the whole HA set-up, and a restarted pod runs its command again: a
+            # checkpoint directory that holds a checkpoint is continued (the resume checks it is this run's).
+            log.info("run %s: %s holds a checkpoint: continuing from it (as --resume)", self.run_id, self.ckpt.path)
+            self.cfg.resume = True
+        # Fencing: the commit record is written revision-checked from now on, starting from its revision
+        # now; a resumed owner rewrites it first (the old owner's next write then fails: cut.py).
+        self.cut.commit_rev, _ = await read_key(self.state_kv, self._key("commit"))
+        self.cut.guard = self._guard
+        return True
+
+    async def _guard(self) -> None:
+        """Before anything that makes a version visible: still the owner (asks the KV after a pause)."""
+        if self.fenced is not None:
+            raise self.fenced
+        if self.lease is None:
+            return
+        try:
+            await self.lease.confirm()
+        except Fenced as exc:
+            self.fenced = exc
+            raise
+
+    def _lease_lost(self, exc: Fenced) -> None:
+        self.fenced = exc
+        self.queue.put_nowait(exc)
+
+    async def _run(self) -> int:
         name = f"yeto-syncer-{self.run_id}" + (f"-s{self.shard}" if self.cfg.machine.sharded else "")
         self.nc = await connect(self.cfg.connect, name=name, max_reconnect_attempts=-1,
                                 error_cb=self._on_error, disconnected_cb=self._on_disconnect,
@@ -162,6 +239,9 @@ class SyncerService:
             self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc,
                                    shard=mc.shard if mc.sharded else None)
             self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape, shard=mc.shard, shards=mc.shards)
+            if not await self._own_the_run():
+                return 0
+            self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
             await self._start_machine()
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
                                      self._do)
@@ -170,7 +250,7 @@ class SyncerService:
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
             ready = None if mc.coordinator else (lambda: self.cut.session is not None)
-            self._tasks = [
+            self._tasks += [
                 asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
                                                rx.on_init, FETCH_BATCH, ready=ready)),
                 asyncio.create_task(rx.consume("PUSH", SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
@@ -189,12 +269,12 @@ class SyncerService:
             for t in self._tasks:
                 t.cancel()
             await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers")
-            if self.tape is not None:
+            if self.tape is not None and self.fenced is None:
                 if self.receiver is not None:
                     await self._bounded(self.receiver.flush_limits(force=True), "taping the rate-limited rejections")
                 await self._bounded(self._tape_inputs(force=True), "taping the last inputs")
                 await self._bounded(self.tape.flush(), "flushing the tape")
-            if self.machine is not None and self.state_kv is not None:
+            if self.machine is not None and self.state_kv is not None and self.fenced is None:
                 try:  # the last status record (counters at exit) for operators and post-mortems
                     await asyncio.wait_for(self._write_status(final=True), 5)
                 except BaseException as exc:  # noqa: BLE001 - never mask the real exit reason
@@ -205,6 +285,11 @@ class SyncerService:
                 await asyncio.wait_for(self.nc.flush(), 5)
             except Exception:
                 pass
+            if self.lease is not None and self.fenced is None and self.done is not None:
+                # a finished run's lease goes at once (a standby sees the final record and exits)
+                await self._bounded(self.lease.release(), "releasing the lease")
+            if self.lease is not None:
+                self.lease.close()
             await self._bounded(self.nc.close(), "closing the NATS connection")
         if self.done is None:
             return 1
@@ -571,6 +656,7 @@ class SyncerService:
                      counters=self.counters)
 
     async def _do(self, a) -> None:
+        await self._guard()   # a deposed owner carries out nothing (lease.py)
         if isinstance(a, R.WriteSession):
             self.cut.set_session(a.session)
             await asyncio.to_thread(self.ckpt.write_session, a.session)
