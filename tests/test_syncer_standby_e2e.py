@@ -1,0 +1,150 @@
+"""Issue 24 end to end: two `yeto syncer` processes for one run (the HA set-up is starting the same
+command twice). Real nats-server, real syncers, two `python -m learner.demo` islands.
+
+- twin start: the second stands by (says who owns the run) and never touches it; the run finishes as
+  with one syncer (before: both sat in INIT for ever, islands got `unknown_member`);
+- the owner killed -9: the standby (same checkpoint directory, a volume both mount) takes over and the
+  run finishes;
+- the owner paused (SIGSTOP) until the standby took over, then woken: it is fenced (exits 4) and commits
+  nothing more (before: both stalled for ever); no (fragment, version) ever carries two digests.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from schemas.provision import remove_run
+from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
+                             wait_until)
+from tests.scripted import SyncerProc, tape
+
+H, P = 4, 2
+TTL = "2"
+
+
+def _syncer(url, run, ckpt, rounds, log):
+    return SyncerProc(url, run, ckpt, "--islands", "2", "--fragments", str(P), "--sync-every", str(H),
+                      "--total-steps", str(rounds), "--init-island", "a", "--quorum-timeout", "30",
+                      "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", TTL, log=log)
+
+
+def _islands(url, run, tmp):
+    return {i: IslandProc(url, run, i, tmp, args=("--step-delay", "0.1"), env={"YETO_HEARTBEAT_S": "1"}).start()
+            for i in ("a", "b")}
+
+
+async def _one_digest_per_version(js, run):
+    """Every (fragment, version) committed on the tape carries one version digest."""
+    seen: dict[tuple[int, int], set[str]] = {}
+    for r in await tape(js, run, "commit"):
+        seen.setdefault((r["fragment"], r["version"]), set()).add(r["detail"]["version_digest"])
+    doubles = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not doubles, doubles
+    return seen
+
+
+async def _merged(js, run, n):
+    return len(await merges(js, run)) >= n
+
+
+@pytest.mark.timeout(240)
+async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_finishes(nc, nats_url, run_id, tmp_path):
+    js = nc.jetstream()
+    rounds = 24
+    first = _syncer(nats_url, run_id, tmp_path / "s1", rounds, tmp_path / "s1.log").start()
+    await asyncio.sleep(1.0)
+    second = _syncer(nats_url, run_id, tmp_path / "s2", rounds, tmp_path / "s2.log").start()
+    isl = _islands(nats_url, run_id, tmp_path)
+    procs = {"first": first, "second": second, **isl}
+    try:
+        rcs = await wait_exit(procs, 180)
+        assert rcs == {"first": 0, "second": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(js, run_id, "commit")
+        await _one_digest_per_version(js, run_id)
+    finally:
+        for p in procs.values():
+            p.stop()
+    out = second.output()
+    assert "standby for run" in out and "finished while this syncer stood by" in out, out[-3000:]
+    assert "took over" not in out
+    assert commit["committed_step"] == rounds
+    assert not (tmp_path / "s2" / "checkpoint.json").exists()      # the standby wrote nothing
+    assert_islands_hold_the_final_cut(tmp_path / "s1", tmp_path / "final.safetensors", run_id, isl.values())
+    await remove_run(js, run_id)
+
+
+@pytest.mark.timeout(240)
+async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finishes(nc, nats_url, run_id, tmp_path):
+    js = nc.jetstream()
+    rounds, ckpt = 60, tmp_path / "shared"
+    first = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s1.log").start()
+    await asyncio.sleep(1.0)
+    second = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s2.log").start()
+    isl = _islands(nats_url, run_id, tmp_path)
+    procs = {"second": second, **isl}
+    try:
+        await wait_until(lambda: _merged(js, run_id, 6), 120, "6 merges")
+        first.kill()
+        killed_at = time.time()
+        before = len(await merges(js, run_id))
+        await wait_until(lambda: _merged(js, run_id, before + 1), 60, "a merge by the standby")
+        took = time.time() - killed_at
+        rcs = await wait_exit(procs, 180)
+        assert rcs == {"second": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(js, run_id, "commit")
+        await _one_digest_per_version(js, run_id)
+        steps = [m["step"] for m in await merges(js, run_id)]
+    finally:
+        first.stop()
+        for p in procs.values():
+            p.stop()
+    print(f"owner killed -> first merge by the standby: {took:.1f}s")
+    assert took <= 20.0, took
+    assert "took over run" in second.output()
+    assert commit["committed_step"] == rounds
+    assert sorted(set(steps)) == list(range(1, rounds + 1))
+    assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, isl.values())
+    await remove_run(js, run_id)
+
+
+@pytest.mark.timeout(240)
+async def test_a_paused_owner_woken_after_the_takeover_is_fenced_and_commits_nothing(nc, nats_url, run_id, tmp_path):
+    js = nc.jetstream()
+    rounds, ckpt = 60, tmp_path / "shared"
+    first = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s1.log").start()
+    await asyncio.sleep(1.0)
+    second = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s2.log").start()
+    isl = _islands(nats_url, run_id, tmp_path)
+    procs = {"first": first, "second": second, **isl}
+    try:
+        await wait_until(lambda: _merged(js, run_id, 6), 120, "6 merges")
+        first.proc.send_signal(signal.SIGSTOP)
+        paused_at = time.time()
+        await wait_until(lambda: asyncio.sleep(0, "took over run" in second.output()), 60, "the standby's takeover")
+        before = len(await merges(js, run_id))
+        await wait_until(lambda: _merged(js, run_id, before + 2), 60, "two merges by the new owner")
+        first.proc.send_signal(signal.SIGCONT)
+        woke_at = time.time()
+        rc_first = await asyncio.to_thread(first.wait, 30)
+        rcs = await wait_exit({k: v for k, v in procs.items() if k != "first"}, 180)
+        assert rcs == {"second": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(js, run_id, "commit")
+        await _one_digest_per_version(js, run_id)
+    finally:
+        try:
+            first.proc.send_signal(signal.SIGCONT)
+        except Exception:
+            pass
+        for p in procs.values():
+            p.stop()
+    out = first.output()
+    assert rc_first == 4, out[-3000:]
+    assert "fenced" in out, out[-3000:]
+    assert woke_at - paused_at > float(TTL)
+    assert commit["committed_step"] == rounds
+    assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, isl.values())
+    await remove_run(js, run_id)
