@@ -85,7 +85,8 @@ STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
 # (detail key, printed name). fetch + outer + the hop overheads make the merge loop; pack (and hash) of
 # the new version runs inside the merge loop; digest is what remained of it after the loop.
 EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("digest_s", "digest"),
-         ("checkpoint_s", "checkpoint files"), ("commit_kv_s", "commit kv"), ("broadcast_s", "broadcast"))
+         ("checkpoint_s", "checkpoint files"), ("state_store_s", "state in JetStream"), ("commit_kv_s", "commit kv"),
+         ("broadcast_s", "broadcast"))
 # Recorded by a syncer that streams the checkpoint files during the merge (optional: printed as "-" when
 # absent, so older syncers' records still make a breakdown).
 STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"))

@@ -128,6 +128,11 @@ def add_parser(sub) -> None:
           "this; a second `yeto syncer` for the run stands by and takes over once the owner's lease has not "
           "moved for this long (it was killed, paused or cut off; a paused owner that wakes publishes nothing "
           "more and exits 4)")
+    g.add_argument("--state-store", default=_env("YETO_STATE_STORE", "jetstream"),
+                   help="where the committed params, momentum and merge intents are kept besides --checkpoint-dir: "
+                        "jetstream (the run's state KV, with its --replicas: a standby or a rescheduled syncer on "
+                        "another host continues the run from it) or local (the checkpoint directory only) "
+                        "(env YETO_STATE_STORE; default %(default)s)")
     _flag(g, "--status-every", "YETO_STATUS_EVERY", float, 5.0,
           "seconds between status lines and updates of the state KV key `syncer` (phase, versions, counters)")
     g.add_argument("--log-level", default=_env("YETO_LOG_LEVEL", "INFO"))
@@ -187,6 +192,11 @@ def run(args) -> int:
         print(f"yeto syncer: --lease-ttl must be a number of seconds >= 1, got {args.lease_ttl!r}", file=sys.stderr)
         return 2
     cfg.lease_ttl_s = args.lease_ttl
+    if args.state_store not in ("jetstream", "local"):
+        print(f"yeto syncer: --state-store (YETO_STATE_STORE) must be jetstream or local, got {args.state_store!r}",
+              file=sys.stderr)
+        return 2
+    cfg.state_store = args.state_store
     if not (args.push_memory_mib >= 0):
         print(f"yeto syncer: --push-memory-mib must be a number >= 0, got {args.push_memory_mib!r}", file=sys.stderr)
         return 2

@@ -204,13 +204,15 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
             "other_run": (ck2, ["--resume"], [f"belongs to run {run2!r}"]),
             "other_layout": (relabeled, ["--resume"], ["another layout"]),
             "corrupt": (corrupt, ["--resume"], ["corrupt checkpoint", "fragment 0 version 0"]),
-            "no_checkpoint": (tmp_path / "empty", ["--resume"], ["no checkpoint"]),
+            # (with --state-store jetstream, the default, both of these continue the run from the state KV:
+            # tests/test_syncer_standby_e2e.py)
+            "no_checkpoint": (tmp_path / "empty", ["--resume", "--state-store", "local"], ["no checkpoint"]),
             "fragments": (ck1, ["--resume", "--fragments", "2", "--sync-every", "2"], ["--fragments is 2"]),
             "dtype": (ck1, ["--resume", "--push-dtype", "bf16"], ["--push-dtype", "bf16"]),
             # a checkpoint directory is continued without --resume too (issue 24: the same command twice is
             # the HA set-up): one of another run is refused as with --resume
             "fresh_over_checkpoint": (ck2, [], [f"belongs to run {run2!r}"]),
-            "fresh_over_session": (tmp_path / "fresh", [], ["already has a session", "--resume"]),
+            "fresh_over_session": (tmp_path / "fresh", ["--state-store", "local"], ["already has a session", "--resume"]),
         }
         argvs = [[name, SyncerProc(nats_url, run_id, ck, *base, *extra).cmd[3:]] for name, (ck, extra, _) in cases.items()]
         assert all(a[0] == "syncer" for _, a in argvs)

@@ -3,10 +3,12 @@ command twice). Real nats-server, real syncers, two `python -m learner.demo` isl
 
 - twin start: the second stands by (says who owns the run) and never touches it; the run finishes as
   with one syncer (before: both sat in INIT for ever, islands got `unknown_member`);
-- the owner killed -9: the standby (same checkpoint directory, a volume both mount) takes over and the
-  run finishes;
-- the owner paused (SIGSTOP) until the standby took over, then woken: it is fenced (exits 4) and commits
-  nothing more (before: both stalled for ever); no (fragment, version) ever carries two digests.
+- the owner killed -9: the standby takes over and the run finishes, with its own empty checkpoint
+  directory ("another host": the committed state comes from the state KV) or the owner's (a volume both
+  mount);
+- the owner paused (SIGSTOP) until the standby (its own directory) took over, then woken: it is fenced
+  (exits 4) and commits nothing more (before: both stalled for ever); no (fragment, version) ever carries
+  two digests, and the islands end bitwise on the survivor's export.
 """
 from __future__ import annotations
 
@@ -51,6 +53,17 @@ async def _merged(js, run, n):
     return len(await merges(js, run)) >= n
 
 
+async def _owner_first(js, run, one, two):
+    """(owner, standby) of the two syncers, by the pid in the lease (under load the second one started may
+    well be the first to take it)."""
+    import orjson
+
+    kv = await js.key_value(f"yeto_{run}_state")
+    pid = orjson.loads((await kv.get("lease")).value)["pid"]
+    assert pid in (one.proc.pid, two.proc.pid), pid
+    return (one, two) if one.proc.pid == pid else (two, one)
+
+
 @pytest.mark.timeout(240)
 async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_finishes(nc, nats_url, run_id, tmp_path):
     js = nc.jetstream()
@@ -78,16 +91,23 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
 
 
 @pytest.mark.timeout(240)
-async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finishes(nc, nats_url, run_id, tmp_path):
+@pytest.mark.parametrize("dirs", ["own", "shared"])
+async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finishes(nc, nats_url, run_id, tmp_path,
+                                                                                      dirs):
     js = nc.jetstream()
-    rounds, ckpt = 60, tmp_path / "shared"
-    first = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s1.log").start()
+    rounds = 60
+    d1, d2 = (tmp_path / "s1", tmp_path / "s2") if dirs == "own" else (tmp_path / "shared",) * 2
+    first = _syncer(nats_url, run_id, d1, rounds, tmp_path / "s1.log").start()
     await asyncio.sleep(1.0)
-    second = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s2.log").start()
+    second = _syncer(nats_url, run_id, d2, rounds, tmp_path / "s2.log").start()
+    where = {id(first): d1, id(second): d2}
     isl = _islands(nats_url, run_id, tmp_path)
-    procs = {"second": second, **isl}
+    procs = {"first": first, "second": second, **isl}
     try:
         await wait_until(lambda: _merged(js, run_id, 6), 120, "6 merges")
+        first, second = await _owner_first(js, run_id, first, second)
+        ckpt = where[id(second)]
+        procs = {"second": second, **isl}
         first.kill()
         killed_at = time.time()
         before = len(await merges(js, run_id))
@@ -100,11 +120,14 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
         steps = [m["step"] for m in await merges(js, run_id)]
     finally:
         first.stop()
+        second.stop()
         for p in procs.values():
             p.stop()
     print(f"owner killed -> first merge by the standby: {took:.1f}s")
     assert took <= 20.0, took
-    assert "took over run" in second.output()
+    assert "took over run" in second.output(), second.output()[-3000:]
+    if dirs == "own":
+        assert "from the state KV" in second.output()
     assert commit["committed_step"] == rounds
     assert sorted(set(steps)) == list(range(1, rounds + 1))
     assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, isl.values())
@@ -114,14 +137,18 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
 @pytest.mark.timeout(240)
 async def test_a_paused_owner_woken_after_the_takeover_is_fenced_and_commits_nothing(nc, nats_url, run_id, tmp_path):
     js = nc.jetstream()
-    rounds, ckpt = 60, tmp_path / "shared"
-    first = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s1.log").start()
+    rounds = 60
+    first = _syncer(nats_url, run_id, tmp_path / "s1", rounds, tmp_path / "s1.log").start()
     await asyncio.sleep(1.0)
-    second = _syncer(nats_url, run_id, ckpt, rounds, tmp_path / "s2.log").start()
+    second = _syncer(nats_url, run_id, tmp_path / "s2", rounds, tmp_path / "s2.log").start()
+    where = {id(first): tmp_path / "s1", id(second): tmp_path / "s2"}
     isl = _islands(nats_url, run_id, tmp_path)
     procs = {"first": first, "second": second, **isl}
     try:
         await wait_until(lambda: _merged(js, run_id, 6), 120, "6 merges")
+        first, second = await _owner_first(js, run_id, first, second)
+        ckpt = where[id(second)]
+        procs = {"first": first, "second": second, **isl}
         first.proc.send_signal(signal.SIGSTOP)
         paused_at = time.time()
         await wait_until(lambda: asyncio.sleep(0, "took over run" in second.output()), 60, "the standby's takeover")

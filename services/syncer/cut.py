@@ -168,6 +168,9 @@ class Cut:
         # Fencing (services/syncer/lease.py): the commit record's revision this owner wrote last (None:
         # unconditional writes), and the check that raises Fenced once the lease is not ours to trust.
         self.commit_rev: int | None = None
+        # The committed state kept in JetStream for a standby on another host (state_store.py); None: the
+        # checkpoint directory only (`--state-store local`).
+        self.store = None
         self.guard: Callable[[], Awaitable[None]] = _no_guard
         self.session: dict | None = None
         self.frags: dict[int, Frag] = {}          # this shard's fragments (every fragment with one shard)
@@ -253,6 +256,10 @@ class Cut:
         await self.guard()   # a deposed owner writes no checkpoint (lease.py): the directory may be a standby's too
         await asyncio.gather(asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False),
                              *(st.flush() for st in streams.values()))
+        store_s = 0.0
+        if self.store is not None:
+            previous = {fid: prev.versions[fid] for fid in new_versions if prev and fid in prev.versions}
+            store_s = await self.store.save(state, frags, previous)
         t_ckpt = time.perf_counter()
         await self.write_commit_record(state)
         t_kv = time.perf_counter()
@@ -263,7 +270,7 @@ class Cut:
                 await self.broadcast(fid, v, digests[fid], packed=packed[fid])
         t_bcast = time.perf_counter()
         timings = {"digest_s": t_digest - t0, "pack_s": sum(packed[fid].seconds for fid in new_versions),
-                   "checkpoint_s": t_ckpt - t_digest, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv,
+                   "checkpoint_s": t_ckpt - t_digest - store_s, "state_store_s": store_s, "commit_kv_s": t_kv - t_ckpt, "broadcast_s": t_bcast - t_kv,
                    # streamed: the writes into the page cache during the merge (checkpoint_s is then the
                    # fsync + rename + manifest, with ckpt_wait_s of it waiting for a writer thread still behind)
                    "ckpt_write_s": sum(vf.seconds for vf in streamed.values()),
@@ -434,7 +441,10 @@ class Cut:
             st = self.ckpt.read_state()
             st.final, st.final_record = True, dict(record)
             self.ckpt.commit(st, {})
-        await asyncio.to_thread(write)
+            return st
+        st = await asyncio.to_thread(write)
+        if self.store is not None:
+            await self.store.save_manifest(st)
         if record.get("finished"):
             await self.write_final_kv(int(record["final_step"]), {int(k): int(v) for k, v in record["versions"].items()})
 

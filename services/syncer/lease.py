@@ -167,8 +167,15 @@ class RunLease:
         record is in `book.holder` (a standby); FlagMismatch when the owner runs with other run flags."""
         rev, held = await self._read()
         self.book.saw(rev, held, time.monotonic())
-        if self.book.lapsed(time.monotonic()) or self._holder_died_here():
-            return await self._write(rev)   # nobody to agree with: the resume checks the flags against the run
+        died = self._holder_died_here()
+        if self.book.lapsed(time.monotonic()) or died:
+            # nobody to agree with: the resume checks the flags against the run
+            won = await self._write(rev)
+            if won and not self.book.absent and held:
+                log.warning("%s: took over run %s from %s (host %s, pid %s: %s)", self.label, self.key,
+                            held.get("owner", "?"), held.get("host", "?"), held.get("pid", "?"),
+                            "a process gone from this host" if died else "its lease had lapsed")
+            return won
         if held and held.get("flags"):
             bad = flag_mismatches(self.flags, held["flags"])
             if bad:   # a standby that could never continue the owner's run

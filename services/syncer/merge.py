@@ -181,7 +181,10 @@ class Merger:
         await self.cut.guard()   # a deposed owner writes no intent and no version files (lease.py)
         if self.broadcast in EARLY_MODES:
             # Durable before the first chunk goes out: a restarted syncer must send these same bytes.
-            await asyncio.to_thread(self.cut.ckpt.write_intent, fid, self.intent(a, tries))
+            intent = self.intent(a, tries)
+            await asyncio.to_thread(self.cut.ckpt.write_intent, fid, intent)
+            if self.cut.store is not None:   # a standby on another host must redo this merge the same way
+                await self.cut.store.put_intent(fid, intent)
             stream = BroadcastStream(self.cut, fid, a.version, bulk)
         intent_s = time.perf_counter() - t_intent
         # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).

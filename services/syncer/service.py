@@ -59,6 +59,7 @@ from services.syncer.lease import DEFAULT_TTL_S, Fenced, FlagMismatch, RunLease,
 from services.syncer.merge import Merger
 from services.syncer.receive import Receiver
 from services.syncer.recording import INPUT_KIND, InputRecorder
+from services.syncer.state_store import StateStore
 from services.syncer.shard_watch import ShardRecordError, ShardWatch, parse_shard_final
 from services.syncer.tape import TapeWriter
 
@@ -100,6 +101,9 @@ class ServiceConfig:
     status_every_s: float = 5.0
     # `--lease-ttl`: a standby takes over once the owner's lease did not move for this long (lease.py)
     lease_ttl_s: float = DEFAULT_TTL_S
+    # `--state-store`: "jetstream" keeps the committed state in the run's state KV too (state_store.py), so
+    # a standby on another host can take over; "local": the checkpoint directory only
+    state_store: str = "jetstream"
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
     broadcast: str = "cut-through"
     ckpt_writer: str = "inline"
@@ -184,13 +188,17 @@ class SyncerService:
                 log.info("run %s finished while this syncer stood by: nothing to do", self.run_id)
                 self.standby_done = True
                 return False
-            commit = await self._kv_get(self.state_kv, self._key("commit"))
-            if commit is not None and not self.ckpt.exists() and not self.cfg.resume:
+        commit = await self._kv_get(self.state_kv, self._key("commit"))
+        if commit is not None and not self.ckpt.exists():
+            # Another host's syncer committed (the previous owner, or this syncer's pod before it was moved)
+            if self.cut.store is not None and await self.cut.store.has_state():
+                await self._restore_from_jetstream()
+            elif not owner and not self.cfg.resume:
                 await self.lease.release()   # not ours to run: leave it to a syncer that holds the state
                 raise SyncerError(
                     f"took over run {self.run_id}, but its committed state (step {commit.get('committed_step')}) "
-                    f"lives in the previous owner's checkpoint directory and {self.ckpt.path} holds none: start "
-                    f"the standby on that directory (a volume both can mount), or the owner again with --resume")
+                    f"is neither in the state KV (the owner ran with --state-store local) nor in {self.ckpt.path}: "
+                    f"start the standby on the owner's directory (a volume both mount), or the owner again")
         if self.ckpt.exists() and not self.cfg.resume:
             # The same command twice is the whole HA set-up, and a restarted pod runs its command again: a
             # checkpoint directory that holds a checkpoint is continued (the resume checks it is this run's).
@@ -201,6 +209,21 @@ class SyncerService:
         self.cut.commit_rev, _ = await read_key(self.state_kv, self._key("commit"))
         self.cut.guard = self._guard
         return True
+
+    async def _restore_from_jetstream(self) -> None:
+        """A takeover on a host without the previous owner's directory: the committed state from the state
+        KV into this syncer's checkpoint directory, which the resume then continues (and checks)."""
+        session = await self._kv_get(self.state_kv, "session")
+        if session is None:
+            raise SyncerError(f"run {self.run_id}: the state KV holds committed state but no session")
+        numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in set(self.cfg.machine.own_fragments)}
+        t0 = time.perf_counter()
+        try:
+            state = await self.cut.store.restore_into(self.ckpt, session, numels)
+        except (RuntimeError, CheckpointError) as exc:
+            raise SyncerError(f"run {self.run_id}: restoring the committed state from the state KV failed: {exc}") from None
+        log.warning("restored run %s's committed state (step %d, versions %s) from the state KV into %s in %.1f s",
+                    self.run_id, state.committed_step, state.versions, self.ckpt.path, time.perf_counter() - t0)
 
     async def _guard(self) -> None:
         """Before anything that makes a version visible: still the owner (asks the KV after a pause)."""
@@ -239,6 +262,9 @@ class SyncerService:
             self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc,
                                    shard=mc.shard if mc.sharded else None)
             self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape, shard=mc.shard, shards=mc.shards)
+            if self.cfg.state_store == "jetstream":
+                self.cut.store = StateStore(self.js, self.run_id, self.state_kv, self.counters, shard=mc.shard,
+                                            chunk_bytes=mc.chunk_bytes, guard=self._guard)
             if not await self._own_the_run():
                 return 0
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))

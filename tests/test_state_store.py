@@ -1,0 +1,94 @@
+"""Issue 24 item 3: the committed state kept in the run's state KV (services/syncer/state_store.py), against a
+real nats-server: saved versions restore bitwise into an empty directory on "another host", an older
+version's chunks go once the manifest names the new one, the intent travels too, and a torn save (chunks
+without their manifest) restores the previous version, complete."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from schemas.provision import RunLimits, kv as kv_handle, provision_run
+from services.syncer.checkpoint import CheckpointDir, CheckpointState
+from services.syncer.state_store import StateStore
+
+SESSION = {"fragments": [{"id": 0, "numel": 1000}, {"id": 1, "numel": 37}], "session_fingerprint": "s" * 64,
+           "layout_fingerprint": "l" * 64}
+
+
+def _state(run, versions, step):
+    return CheckpointState(run=run, session_fingerprint="s" * 64, layout_fingerprint="l" * 64, committed_step=step,
+                           versions=dict(versions), version_digests={f: f"d{v}" for f, v in versions.items()})
+
+
+def _frag(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+@pytest.fixture
+async def store(nc, run_id):
+    js = nc.jetstream(timeout=10)
+    await provision_run(js, run_id, RunLimits.small())
+    kv = await kv_handle(js, run_id, "state")
+    yield StateStore(js, run_id, kv, Counter(), shard=0, chunk_bytes=256), kv
+
+
+async def test_saved_versions_restore_bitwise_into_an_empty_directory(store, run_id, tmp_path):
+    st, kv = store
+    v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
+    v1 = {0: _frag(3, 1000)}
+    await st.save(_state(run_id, {0: 1, 1: 0}, 1), v1, {0: 0})
+    await st.put_intent(1, {"merge": {"step": 2}, "seqs": [5, 6]})
+    assert await st.has_state()
+    other_host = CheckpointDir(tmp_path / "standby")
+    state = await st.restore_into(other_host, SESSION, {0: 1000, 1: 37})
+    assert state.versions == {0: 1, 1: 0} and state.committed_step == 1
+    assert other_host.read_state().versions == {0: 1, 1: 0} and other_host.read_session() == SESSION
+    for fid, v, (p, m) in ((0, 1, v1[0]), (1, 0, v0[1])):
+        got_p, got_m = other_host.load_fragment(fid, v, p.numel())
+        assert torch.equal(got_p, p) and torch.equal(got_m, m)
+    assert other_host.read_intent(1)["seqs"] == [5, 6]
+    # version 0 of fragment 0 is gone from the KV (purged once version 1's manifest landed)
+    keys = set(await kv.keys())
+    assert not [k for k in keys if k.startswith("ckpt.0.f0.v0.")], sorted(keys)
+    assert [k for k in keys if k.startswith("ckpt.0.f0.v1.p.")]
+
+
+async def test_a_save_torn_before_its_manifest_restores_the_previous_version(store, run_id, tmp_path):
+    st, _ = store
+    v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
+
+    calls = 0
+
+    async def dies_after_a_few_chunks():
+        nonlocal calls
+        calls += 1
+        if calls > 5:
+            raise RuntimeError("killed")
+
+    st.guard = dies_after_a_few_chunks
+    with pytest.raises(RuntimeError, match="killed"):
+        await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: _frag(9, 1000)}, {0: 0})
+    st.guard = _none
+    state = await st.restore_into(CheckpointDir(tmp_path / "standby"), SESSION, {0: 1000, 1: 37})
+    assert state.versions == {0: 0, 1: 0}
+    got_p, _ = CheckpointDir(tmp_path / "standby").load_fragment(0, 0, 1000)
+    assert torch.equal(got_p, v0[0][0])
+
+
+async def _none():
+    return None
+
+
+async def test_restore_names_what_is_missing(store, run_id, tmp_path):
+    st, kv = store
+    with pytest.raises(RuntimeError, match="no checkpoint manifest"):
+        await st.restore_into(CheckpointDir(tmp_path / "a"), SESSION, {0: 1000, 1: 37})
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), {0: _frag(1, 1000), 1: _frag(2, 37)}, {})
+    await kv.purge("ckpt.0.f1.v0.m.0")
+    with pytest.raises(RuntimeError, match=r"ckpt\.0\.f1\.v0\.m\.0 is missing .* fragment 1 is incomplete"):
+        await st.restore_into(CheckpointDir(tmp_path / "b"), SESSION, {0: 1000, 1: 37})
