@@ -601,6 +601,7 @@ async def test_only_the_syncer_writes_the_state_kv(provisioned):
         skv = await syncer.jetstream(timeout=5).key_value(state)
         rev = await skv.put("commit", b"syncer's")
         assert rev > 0
+        assert await skv.put("lease", b"syncer's") > 0   # positive control: the syncer takes its lease
         await (await syncer.jetstream(timeout=5).key_value(members)).put("a", b"syncer's")
         for who in ("a", "b", "observer", "admin"):
             err = []
@@ -610,6 +611,9 @@ async def test_only_the_syncer_writes_the_state_kv(provisioned):
                 # the KV put is a plain publish on $KV.<bucket>.<key>: build it as nats-py does
                 await _api_refused(err, js.publish(f"$KV.{state}.commit", b"forged"), f"$KV.{state}.commit")
                 await _api_refused(err, js.publish(f"$KV.{members}.a", b"forged"), f"$KV.{members}.a")
+                # issue 24: the syncer's lease and the committed state kept for a standby
+                for key in ("lease", "ckpt.0.manifest", "ckpt.0.f0.v1.p.0"):
+                    await _api_refused(err, js.publish(f"$KV.{state}.{key}", b"forged"), f"$KV.{state}.{key}")
             finally:
                 await nc.close()
         assert (await skv.get("commit")).value == b"syncer's"
