@@ -359,7 +359,9 @@ class Chaos:
         self.watch = Watch()
         self.children: list = []          # every Child ever started (for the "left" check)
         self.current: dict[str, IslandChild] = {}
-        self.syncer: Child | None = None
+        self.syncer: Child | None = None            # the owning syncer (with --standby: the lease's holder)
+        self.standby: Child | None = None           # --standby: the syncer standing by
+        self.dirs: dict[str, Path] = {}             # syncer child name -> its --checkpoint-dir
         self.broker: BrokerChild | None = None
         self.restarts: dict[str, int] = defaultdict(int)
         self.kills: list[Kill] = []
@@ -391,19 +393,34 @@ class Chaos:
 
     # ---- processes ----------------------------------------------------------------------------------
 
-    def start_syncer(self, resume: bool) -> None:
+    def start_syncer(self, resume: bool) -> Child:
         a = self.args
         n = len([c for c in self.children if c.name.startswith("syncer")])
+        # --standby: every syncer its own (empty) directory, as on another host: a takeover restores the
+        # committed state from the state KV
+        d = self.work / (f"syncer-{n}" if a.standby else "syncer")
         cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
-               "--checkpoint-dir", str(self.work / "syncer"), "--small-limits", "--islands", str(a.islands),
+               "--checkpoint-dir", str(d), "--small-limits", "--islands", str(a.islands),
                "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
                "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),
                "--member-timeout", str(a.member_timeout), "--final-timeout", "60", "--status-every", "2",
                "--replicas", str(a.replicas)]
         if resume:
             cmd.append("--resume")
-        self.syncer = Child(f"syncer-{n}", cmd, self.work / f"syncer-{n}.log", clean_env()).start()
-        self.children.append(self.syncer)
+        child = Child(f"syncer-{n}", cmd, self.work / f"syncer-{n}.log", clean_env()).start()
+        self.dirs[child.name] = d
+        self.children.append(child)
+        return child
+
+    async def _follow_lease(self, kv) -> None:
+        """--standby: which of the two syncers holds the run's lease (the pid in it); kills go to that one."""
+        try:
+            pid = orjson.loads((await kv.get("lease")).value).get("pid")
+        except Exception:   # noqa: BLE001 - not written yet, or a broker away: ask again
+            return
+        if self.standby is not None and self.standby.proc.pid == pid:
+            self.syncer, self.standby = self.standby, self.syncer
+            log(self.t0, f"{self.syncer.name} owns the run now")
 
     def start_island(self, island: str) -> None:
         n = self.restarts[island]
@@ -554,7 +571,11 @@ class Chaos:
         await nc.flush()
         if a.cluster:
             leaders = asyncio.create_task(self._poll_leaders(nc))
-        self.start_syncer(resume=False)
+        self.syncer = self.start_syncer(resume=False)
+        lease_kv = None
+        if a.standby:
+            self.standby = self.start_syncer(resume=False)
+            lease_kv = await nc.jetstream(timeout=5).key_value(S.kv_bucket(self.run, "state"))
         for i in self.islands:
             self.start_island(i)
         deadline = time.monotonic() + a.timeout
@@ -581,6 +602,8 @@ class Chaos:
                         i_mid = len(mids)  # too late in the run: the rest of the schedule is dropped
                 if self.armed is not None and self.armed.kind == "island-init" and self.watch.committed > 0:
                     self.armed = None  # INIT ended before the island sent a chunk we saw
+                if lease_kv is not None:
+                    await self._follow_lease(lease_kv)
                 await self._restarts()
                 self._reap()
                 if self.syncer.reap() is not None and not self._restart_pending("syncer"):
@@ -654,9 +677,13 @@ class Chaos:
         for k in self.kills:
             if k.fired_at is None or k.restarted_at is not None or now < k.fired_at + k.restart_delay:
                 continue
-            if k.target == "syncer":
+            if k.target == "syncer" and self.args.standby:
+                # never restarted: the standby takes over; a new standby (an empty directory) stands by
                 self.syncer_rcs.append(self.syncer.proc.wait(10))
-                self.start_syncer(resume=True)
+                self.syncer, self.standby = self.standby, self.start_syncer(resume=False)
+            elif k.target == "syncer":
+                self.syncer_rcs.append(self.syncer.proc.wait(10))
+                self.syncer = self.start_syncer(resume=True)
             elif k.target == "broker":
                 self.broker.wait_dead(10)
                 await asyncio.to_thread(self.broker.start)
@@ -666,7 +693,8 @@ class Chaos:
                 self.start_island(k.target)
             k.restarted_at = time.monotonic()
             log(self.t0, f"restarted {k.target} {k.restart_delay:.1f}s after {k.kind}"
-                         + (" (--resume)" if k.target == "syncer" else ""))
+                         + ((" (a new standby; the old one takes over)" if self.args.standby else " (--resume)")
+                            if k.target == "syncer" else ""))
 
     def _reap(self) -> None:
         for island, c in self.current.items():
@@ -675,11 +703,12 @@ class Chaos:
                 self.crashes.append(c.name)
                 tail = "\n".join(c.output().splitlines()[-15:])
                 log(self.t0, f"CRASH: {c.name} exited {rc} without being killed:\n{tail}")
-        rc = self.syncer.reap()
-        if rc not in (None, 0) and not self.syncer.killed and self.syncer.name not in self.crashes:
-            self.crashes.append(self.syncer.name)
-            tail = "\n".join(self.syncer.output().splitlines()[-15:])
-            log(self.t0, f"CRASH: {self.syncer.name} exited {rc} without being killed:\n{tail}")
+        for syncer in (self.syncer, self.standby):
+            rc = syncer.reap() if syncer is not None else None
+            if rc not in (None, 0) and not syncer.killed and syncer.name not in self.crashes:
+                self.crashes.append(syncer.name)
+                tail = "\n".join(syncer.output().splitlines()[-15:])
+                log(self.t0, f"CRASH: {syncer.name} exited {rc} without being killed:\n{tail}")
 
     async def _read_tape(self, nc) -> list[dict]:
         from schemas import subjects as S
@@ -721,7 +750,7 @@ class Chaos:
         # export the checkpoint: the final cut
         final_path = self.work / "final-cut.safetensors"
         ex = subprocess.run([sys.executable, "-m", "services.cli", "export", "--run", self.run, "--checkpoint-dir",
-                             str(self.work / "syncer"), "--out", str(final_path)], capture_output=True, text=True,
+                             str(self.dirs[self.syncer.name]), "--out", str(final_path)], capture_output=True, text=True,
                             cwd=ROOT, env=clean_env())
         final, meta = None, {}
         if ex.returncode == 0:
@@ -841,6 +870,10 @@ def main(argv: list[str] | None = None) -> int:
                         "without it (default %(default)s)")
     p.add_argument("--quorum-timeout", type=float, default=60.0,
                    help="the syncer's --quorum-timeout: the longest a round waits below quorum (default %(default)s)")
+    p.add_argument("--standby", action="store_true",
+                   help="two syncers from the start, each with its own empty --checkpoint-dir (as on two hosts): a "
+                        "killed owner is never restarted, its standby takes over from the state KV, and a new "
+                        "standby is started")
     p.add_argument("--quick", action="store_true",
                    help="a short soak: 40 rounds, 2 kills of each mid-run kind (well under 10 minutes)")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run (goodput=na)")

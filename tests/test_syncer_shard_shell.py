@@ -48,7 +48,9 @@ async def _kv(js, run: str) -> dict[str, object]:
         except Exception:   # deleted
             continue
         if e and e.value:
-            out[key] = orjson.loads(e.value) if key != "session" else e.value
+            # the committed state's chunks (state_store.py) are raw f32 bytes; every other value is JSON
+            raw = key == "session" or (key.startswith("ckpt.") and key.split(".")[2].startswith("f"))
+            out[key] = e.value if raw else orjson.loads(e.value)
     return out
 
 
@@ -195,6 +197,11 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         # state KV: per-shard keys only, each naming its own fragment; the run's final manifest
         kv = await _kv(js, run_id)
         assert not {"commit", "pulls", "syncer"} & set(kv), sorted(kv)
+        # each shard keeps its own committed state for a standby (issue 24): its fragment at its version
+        for k in (0, 1):
+            assert kv[f"ckpt.{k}.manifest"]["state"]["versions"] == {str(k): 2}
+            assert any(key.startswith(f"ckpt.{k}.f{k}.v2.p.") for key in kv), sorted(kv)
+        assert not {"lease.0", "lease.1"} & set(kv)   # each shard's lease, released at its clean exit
         for k in (0, 1):
             assert kv[f"commit.{k}"]["versions"] == {str(k): 2}
             assert kv[f"final.{k}"] == {"shard": k, "final_step": STEPS, "versions": {str(k): 2},
