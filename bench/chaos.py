@@ -412,10 +412,13 @@ class Chaos:
         self.children.append(child)
         return child
 
-    async def _follow_lease(self, kv) -> None:
+    async def _follow_lease(self, nc) -> None:
         """--standby: which of the two syncers holds the run's lease (the pid in it); kills go to that one."""
+        from schemas import subjects as S
         try:
-            pid = orjson.loads((await kv.get("lease")).value).get("pid")
+            if self._lease_kv is None:   # the syncer provisions the bucket
+                self._lease_kv = await nc.jetstream(timeout=5).key_value(S.kv_bucket(self.run, "state"))
+            pid = orjson.loads((await self._lease_kv.get("lease")).value).get("pid")
         except Exception:   # noqa: BLE001 - not written yet, or a broker away: ask again
             return
         if self.standby is not None and self.standby.proc.pid == pid:
@@ -572,10 +575,9 @@ class Chaos:
         if a.cluster:
             leaders = asyncio.create_task(self._poll_leaders(nc))
         self.syncer = self.start_syncer(resume=False)
-        lease_kv = None
+        self._lease_kv = None
         if a.standby:
             self.standby = self.start_syncer(resume=False)
-            lease_kv = await nc.jetstream(timeout=5).key_value(S.kv_bucket(self.run, "state"))
         for i in self.islands:
             self.start_island(i)
         deadline = time.monotonic() + a.timeout
@@ -602,8 +604,8 @@ class Chaos:
                         i_mid = len(mids)  # too late in the run: the rest of the schedule is dropped
                 if self.armed is not None and self.armed.kind == "island-init" and self.watch.committed > 0:
                     self.armed = None  # INIT ended before the island sent a chunk we saw
-                if lease_kv is not None:
-                    await self._follow_lease(lease_kv)
+                if a.standby:
+                    await self._follow_lease(nc)
                 await self._restarts()
                 self._reap()
                 if self.syncer.reap() is not None and not self._restart_pending("syncer"):
