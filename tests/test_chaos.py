@@ -68,3 +68,32 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
     never = {k: v for k, v in res["recovery"].items() if any(x is None for x in v)}
     assert never == {}, f"never recovered: {never}{tail}"
     assert proc.returncode == 0, tail
+
+
+@pytest.mark.timeout(420)
+def test_chaos_standby_owner_killed_never_restarted_loses_nothing(tmp_path):
+    """Issue 24: `bench/chaos.py --standby`: two syncers, each its own empty checkpoint directory (two hosts);
+    every syncer kill takes the owner, which is never restarted: its standby takes over from the state KV
+    (a new standby starts). Nothing lost, nothing doubled, every island on the final cut."""
+    out_json = tmp_path / "chaos.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--standby", "--rounds", "30", "--kills-per-kind", "1",
+           "--kinds", "syncer-mid-merge,syncer-mid-broadcast,syncer-final", "--first-kill-after", "3",
+           "--gap-min", "3", "--gap-max", "5", "--seed", "2", "--no-baseline", "--quorum-timeout", "30",
+           "--step-delay", "0.05", "--member-timeout", "90", "--progress-every", "30", "--timeout", "330",
+           "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    m = LAST.match(last)
+    assert m, f"no summary line (rc {proc.returncode}):\n{out[-6000:]}"
+    n, kills, lost, double, final_equal, _ = m.groups()
+    res = json.loads(out_json.read_text())["chaos"]
+    tail = f"\n--- bench/chaos.py output (tail) ---\n{out[-8000:]}"
+    assert set(res["recovery"]) >= {"syncer-mid-merge", "syncer-mid-broadcast"}, tail
+    assert int(kills) >= 2 and int(n) == 30, tail
+    assert (int(lost), int(double)) == (0, 0), tail
+    assert final_equal == "true" and res["crashes"] == [] and not res["timed_out"], tail
+    logs = [p.read_text() for p in (tmp_path / "work" / "chaos").glob("syncer-*.log")]
+    assert "owns the run now" in out and any("restored run" in text for text in logs), tail
+    assert res["left"] == {}, tail
+    assert proc.returncode == 0, tail
