@@ -13,8 +13,9 @@ command twice). Real nats-server, real syncers, two `python -m learner.demo` isl
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,7 +23,7 @@ import pytest
 from schemas.provision import remove_run
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
-from tests.scripted import SyncerProc, tape
+from tests.scripted import ROOT, SyncerProc, tape
 
 H, P = 4, 2
 TTL = "2"
@@ -118,12 +119,18 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
         commit = await kv_json(js, run_id, "commit")
         await _one_digest_per_version(js, run_id)
         steps = [m["step"] for m in await merges(js, run_id)]
+        # `yeto replay` holds across the takeover: both processes' inputs replay to the same actions
+        replay = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
         first.stop()
         second.stop()
         for p in procs.values():
             p.stop()
     print(f"owner killed -> first merge by the standby: {took:.1f}s")
+    assert replay.returncode == 0 and replay.stdout.strip().splitlines()[-1].endswith(" identical"), \
+        replay.stdout + replay.stderr
     assert took <= 20.0, took
     assert "took over run" in second.output(), second.output()[-3000:]
     if dirs == "own":
