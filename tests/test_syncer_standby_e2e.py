@@ -75,6 +75,12 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
     isl = _islands(nats_url, run_id, tmp_path)
     procs = {"first": first, "second": second, **isl}
     try:
+        # a third one with other run flags is refused, naming the flag and both values
+        await wait_until(lambda: _merged(js, run_id, 1), 120, "a first merge")
+        odd = SyncerProc(nats_url, run_id, tmp_path / "s3", "--islands", "3", "--fragments", str(P), "--sync-every",
+                         str(H), "--total-steps", str(rounds), "--init-island", "a", "--lease-ttl", TTL,
+                         log=tmp_path / "s3.log").start()
+        rc_odd = await asyncio.to_thread(odd.wait, 60)
         rcs = await wait_exit(procs, 180)
         assert rcs == {"first": 0, "second": 0, "a": 0, "b": 0}, tails(procs)
         commit = await kv_json(js, run_id, "commit")
@@ -82,12 +88,16 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
     finally:
         for p in procs.values():
             p.stop()
+    assert rc_odd == 2 and "--islands: the owner runs with 2, this syncer with 3" in odd.output(), odd.output()[-2000:]
+    first, second = (first, second) if "standby for run" in second.output() else (second, first)
     out = second.output()
     assert "standby for run" in out and "finished while this syncer stood by" in out, out[-3000:]
     assert "took over" not in out
     assert commit["committed_step"] == rounds
-    assert not (tmp_path / "s2" / "checkpoint.json").exists()      # the standby wrote nothing
-    assert_islands_hold_the_final_cut(tmp_path / "s1", tmp_path / "final.safetensors", run_id, isl.values())
+    owner_dir, standby_dir = ((tmp_path / "s1", tmp_path / "s2") if str(tmp_path / "s1") in first.cmd
+                              else (tmp_path / "s2", tmp_path / "s1"))
+    assert not (standby_dir / "checkpoint.json").exists()      # the standby wrote nothing
+    assert_islands_hold_the_final_cut(owner_dir, tmp_path / "final.safetensors", run_id, isl.values())
     await remove_run(js, run_id)
 
 
