@@ -90,6 +90,7 @@ class ShardWatch:
         self._members_seq = 0                      # members stream's last sequence read
         self._members_rev: dict[str, int] = {}     # island -> revision last fed (or skipped as bad)
         self._final_rev: dict[int, int] = {}       # shard -> final.<K> revision last read
+        self._final_in: set[int] = set()           # shards whose final cut was taken: never missing after it
         self._started = time.monotonic()
         self._status_seen: dict[int, tuple[int, float]] = {}   # shard -> (revision, when it changed)
         self.missing: dict[int, str] = {}          # shard -> why (coordinator)
@@ -211,7 +212,8 @@ class ShardWatch:
             if e is None or e.revision == self._final_rev.get(k):
                 continue
             self._final_rev[k] = e.revision
-            await self.feed_final(k, e.value, e.revision)
+            if await self.feed_final(k, e.value, e.revision):
+                self._final_in.add(k)
 
     async def feed_final(self, k: int, value: bytes, revision: int = 0) -> bool:
         try:
@@ -244,7 +246,9 @@ class ShardWatch:
                 except orjson.JSONDecodeError:
                     rec = {}
                 rec = rec if isinstance(rec, dict) else {}
-                if rec.get("exited") and rec.get("phase") != "done":
+                if k in self._final_in:
+                    why = None      # its final cut is in: it may exit (slowly, or killed) with nothing left to do
+                elif rec.get("exited") and rec.get("phase") != "done":
                     why = f"exited in phase {rec.get('phase')!r}"
                 elif rec.get("exited"):
                     why = None      # done: its final cut is out, it has nothing left to do
