@@ -13,6 +13,7 @@ command twice). Real nats-server, real syncers, two `python -m learner.demo` isl
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from tests.scripted import ROOT, SyncerProc, tape
 
 H, P = 4, 2
 TTL = "2"
+# Rounds of the kill and pause runs; the issue's own figure is 600 (YETO_TEST_STANDBY_ROUNDS=600, about 3 min
+# a run here: bench/README.md "A standby that takes over")
+ROUNDS = int(os.environ.get("YETO_TEST_STANDBY_ROUNDS", "60"))
 
 
 def _syncer(url, run, ckpt, rounds, log):
@@ -101,12 +105,12 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
     await remove_run(js, run_id)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240 + 2 * ROUNDS)
 @pytest.mark.parametrize("dirs", ["own", "shared"])
 async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finishes(nc, nats_url, run_id, tmp_path,
                                                                                       dirs):
     js = nc.jetstream()
-    rounds = 60
+    rounds = ROUNDS
     d1, d2 = (tmp_path / "s1", tmp_path / "s2") if dirs == "own" else (tmp_path / "shared",) * 2
     first = _syncer(nats_url, run_id, d1, rounds, tmp_path / "s1.log").start()
     await asyncio.sleep(1.0)
@@ -124,7 +128,7 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
         before = len(await merges(js, run_id))
         await wait_until(lambda: _merged(js, run_id, before + 1), 60, "a merge by the standby")
         took = time.time() - killed_at
-        rcs = await wait_exit(procs, 180)
+        rcs = await wait_exit(procs, 180 + ROUNDS)
         assert rcs == {"second": 0, "a": 0, "b": 0}, tails(procs)
         commit = await kv_json(js, run_id, "commit")
         await _one_digest_per_version(js, run_id)
@@ -151,10 +155,10 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
     await remove_run(js, run_id)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240 + 2 * ROUNDS)
 async def test_a_paused_owner_woken_after_the_takeover_is_fenced_and_commits_nothing(nc, nats_url, run_id, tmp_path):
     js = nc.jetstream()
-    rounds = 60
+    rounds = ROUNDS
     first = _syncer(nats_url, run_id, tmp_path / "s1", rounds, tmp_path / "s1.log").start()
     await asyncio.sleep(1.0)
     second = _syncer(nats_url, run_id, tmp_path / "s2", rounds, tmp_path / "s2.log").start()
@@ -174,7 +178,7 @@ async def test_a_paused_owner_woken_after_the_takeover_is_fenced_and_commits_not
         first.proc.send_signal(signal.SIGCONT)
         woke_at = time.time()
         rc_first = await asyncio.to_thread(first.wait, 30)
-        rcs = await wait_exit({k: v for k, v in procs.items() if k != "first"}, 180)
+        rcs = await wait_exit({k: v for k, v in procs.items() if k != "first"}, 180 + ROUNDS)
         assert rcs == {"second": 0, "a": 0, "b": 0}, tails(procs)
         commit = await kv_json(js, run_id, "commit")
         await _one_digest_per_version(js, run_id)
@@ -188,7 +192,10 @@ async def test_a_paused_owner_woken_after_the_takeover_is_fenced_and_commits_not
     out = first.output()
     assert rc_first == 4, out[-3000:]
     assert "fenced" in out, out[-3000:]
-    assert woke_at - paused_at > float(TTL)
+    # the standby takes over a TTL after the last refresh it saw, which came up to a third of a TTL before the
+    # pause: the owner was paused for at least the rest
+    assert woke_at - paused_at >= float(TTL) * 2 / 3 - 0.1, woke_at - paused_at
+    print(f"owner paused for {woke_at - paused_at:.1f}s; woke fenced (exit {rc_first})")
     assert commit["committed_step"] == rounds
     assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, isl.values())
     await remove_run(js, run_id)
