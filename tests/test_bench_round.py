@@ -65,7 +65,7 @@ def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_a
     # (waiting for pushes, outer step) within the loop's wall time
     exact = {m["label"]: dict(kv.rsplit(" ", 1) for kv in m["figs"].split(", ")) for m in EXACT_ROW.finditer(out)}
     assert set(exact) == set(rows), out
-    names = {"fetch", "outer", "pack+hash", "digest", "checkpoint files", "commit kv", "broadcast"}
+    names = {"fetch", "outer", "pack+hash", "digest", "checkpoint files", "state in JetStream", "commit kv", "broadcast"}
     for label, figs in exact.items():
         assert set(figs) == names, (label, out)
         assert all(float(x) >= 0 for x in figs.values()), (label, out)
@@ -109,7 +109,8 @@ def test_breakdown_stages_follow_the_timestamps_and_start_at_the_later_of_pull_a
     assert b["checkpoint"] == pytest.approx(0.6) and b["broadcast"] == pytest.approx(0.4)
     assert b["apply"] == pytest.approx(0.9) and b["round"] == pytest.approx(3.4) and b["from_pull"] == pytest.approx(3.9)
     assert b["digest"] == pytest.approx(0.2) and b["merge_loop"] == 0.4 and b["export"] == 0.3
-    assert b["fetch_s"] == 0 and b["broadcast_s"] == pytest.approx(0.06)  # the syncer's figures, as recorded
+    assert b["fetch_s"] == 0 and b["state_store_s"] == pytest.approx(0.05) and b["broadcast_s"] == pytest.approx(0.07)
+    # (the syncer's figures, as recorded)
     # islands already waiting when the pull went out: the round starts at the pull
     b = bench.breakdown(_obs(bench, ready={"a": 99.0, "b": 98.0}), ["a", "b"])
     assert b["round"] == pytest.approx(3.9) == b["from_pull"]
