@@ -279,6 +279,7 @@ class Kill:
     recovered_at: float | None = None
     killed_gen: str | None = None
     committed_at_kill: int = 0
+    victim: object = None            # the process killed (--standby: the owner then, whoever owns now)
 
 
 @dataclass
@@ -517,6 +518,7 @@ class Chaos:
         k.what = what
         k.committed_at_kill = self.watch.committed
         if k.target == "syncer":
+            k.victim = self.syncer
             self.syncer.sigkill()
         elif k.target == "broker":
             who = self.broker.sigkill("PUSH" if k.kind == "broker-mid-push" else "BCAST", self.rng)
@@ -621,9 +623,11 @@ class Chaos:
                                  f"kills {len([k for k in plan if k.fired_at])}/{len(plan)}")
                 await asyncio.sleep(0.05)
             wall = time.monotonic() - started
-            # the islands leave after the syncer's shutdown: give them a moment before judging
+            # the islands leave after the syncer's shutdown, a standby once it sees the run's final record:
+            # give them a moment before judging
             end = time.monotonic() + 60
-            while time.monotonic() < end and any(c.reap() is None for c in self.current.values()):
+            waited = list(self.current.values()) + ([self.standby] if self.standby is not None else [])
+            while time.monotonic() < end and any(c.reap() is None for c in waited):
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)
             left = {c.name: c.left() for c in self.children}
@@ -681,8 +685,12 @@ class Chaos:
                 continue
             if k.target == "syncer" and self.args.standby:
                 # never restarted: the standby takes over; a new standby (an empty directory) stands by
-                self.syncer_rcs.append(self.syncer.proc.wait(10))
-                self.syncer, self.standby = self.standby, self.start_syncer(resume=False)
+                self.syncer_rcs.append(k.victim.proc.wait(10))
+                if self.syncer is k.victim:
+                    self.syncer = self.standby
+                # else the lease showed the takeover already (_follow_lease swapped them): the victim stands
+                # as the "standby", which is replaced
+                self.standby = self.start_syncer(resume=False)
             elif k.target == "syncer":
                 self.syncer_rcs.append(self.syncer.proc.wait(10))
                 self.syncer = self.start_syncer(resume=True)

@@ -20,7 +20,9 @@ import sys
 import time
 
 import pytest
+from nats.js.errors import KeyNotFoundError
 
+from schemas import subjects as S
 from schemas.provision import remove_run
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
@@ -102,6 +104,18 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
                               else (tmp_path / "s2", tmp_path / "s1"))
     assert not (standby_dir / "checkpoint.json").exists()      # the standby wrote nothing
     assert_islands_hold_the_final_cut(owner_dir, tmp_path / "final.safetensors", run_id, isl.values())
+    # the same command once more after the end (a pod restarted late): it says so and exits 0 at once,
+    # restores nothing and takes no lease (once, a chaos run's late standby took the lease and waited)
+    late = _syncer(nats_url, run_id, tmp_path / "s4", rounds, tmp_path / "s4.log").start()
+    try:
+        rc_late = await asyncio.to_thread(late.wait, 60)
+    finally:
+        late.stop()
+    assert rc_late == 0 and "already finished" in late.output(), late.output()[-2000:]
+    assert not (tmp_path / "s4" / "checkpoint.json").exists()
+    state = await js.key_value(S.kv_bucket(run_id, "state"))
+    with pytest.raises(KeyNotFoundError):
+        await state.get("lease")
     await remove_run(js, run_id)
 
 

@@ -166,8 +166,10 @@ class SyncerService:
                 "shards": mc.shards, "strict": mc.strict}
 
     async def _run_finished(self) -> bool:
-        """A standby's question: has the run (this shard) finished, so that there is nothing to take over?"""
-        key = SH.final_key(self.shard) if self.cfg.machine.sharded else "final"
+        """A standby's question: has the run (this shard) finished, so that there is nothing to take over?
+        A follower shard is done once its final cut is recorded; the coordinator once the run's `final`."""
+        mc = self.cfg.machine
+        key = SH.final_key(self.shard) if mc.sharded and not mc.coordinator else "final"
         try:
             return await self._kv_get(self.state_kv, key) is not None
         except Exception:  # noqa: BLE001 - no answer now: ask again at the next poll
@@ -179,6 +181,12 @@ class SyncerService:
         mc = self.cfg.machine
         self.lease = RunLease(self.state_kv, lease_key(mc.shard, mc.shards), ttl_s=self.cfg.lease_ttl_s,
                               flags=self._run_flags(), label=f"syncer {self.label}".strip())
+        if not self.cfg.resume and not self.ckpt.exists() and await self._run_finished():
+            # A pod restarted (or a standby started) after the run ended: nothing to own, nothing to restore.
+            log.info("run %s already finished (its final record is in the state KV; export the final cut with "
+                     "`yeto export`): nothing to do", self.run_id)
+            self.standby_done = True
+            return False
         try:
             owner = await self.lease.acquire()
         except FlagMismatch as exc:
