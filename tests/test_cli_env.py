@@ -1,0 +1,46 @@
+"""Issue 26: an environment variable that does not parse is the user's mistake, reported as such.
+
+Before, `yeto syncer`'s flag defaults were converted while the parsers were built, so `YETO_FRAGMENTS=four`
+in a launch script broke every `yeto` command (even `yeto export --help`) with a ValueError traceback.
+Now the value is kept aside and `yeto syncer` alone refuses it: exit 2, naming the variable and the value.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from services.cli import build_parser
+from services.cmd_syncer import bad_env_values
+from tests.scripted import ROOT
+
+
+def _yeto(*argv: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+def test_a_bad_syncer_variable_breaks_no_other_command():
+    proc = _yeto("export", "--help", YETO_FRAGMENTS="four")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_yeto_syncer_refuses_a_variable_that_does_not_parse_naming_it_and_its_value():
+    # the broker address is a closed port: the refusal must come before any connection attempt
+    proc = _yeto("syncer", "--run", "r", "--nats", "nats://127.0.0.1:9", YETO_FRAGMENTS="four", YETO_ISLANDS="2.5")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "YETO_FRAGMENTS='four' in the environment" in proc.stderr, proc.stderr
+    assert "YETO_ISLANDS='2.5' in the environment" in proc.stderr, proc.stderr
+
+
+def test_a_good_variable_is_the_default_and_a_flag_given_overrides_a_bad_one(monkeypatch):
+    monkeypatch.setenv("YETO_FRAGMENTS", "3")
+    args = build_parser().parse_args(["syncer", "--run", "r"])
+    assert args.fragments == 3 and bad_env_values(args) == []
+    monkeypatch.setenv("YETO_FRAGMENTS", "four")
+    args = build_parser().parse_args(["syncer", "--run", "r"])
+    assert [line.split(" in the environment")[0] for line in bad_env_values(args)] == ["YETO_FRAGMENTS='four'"]
+    args = build_parser().parse_args(["syncer", "--run", "r", "--fragments", "2"])
+    assert args.fragments == 2 and bad_env_values(args) == []
