@@ -1,0 +1,131 @@
+"""Issue 24, shards: a lease and a standby per shard, against a real nats-server.
+
+Two shards (P = 2, `--shards 2`), each started twice with the same command and its own empty
+`--checkpoint-dir` (as on two hosts: no shared files). The owner of one shard (the follower, then the
+coordinator) is killed -9 with its round in flight and never restarted: that shard's standby takes the
+lease `lease.<K>`, restores the committed state from the state KV into its empty directory, launches the
+round again with a new attempt, and the run finishes: the merged values equal an independent reference,
+every (fragment, version) is committed once with one digest, and the other shard's standby exits 0 once
+its shard (or the run) is over, having written nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+import torch
+
+from tests.scripted import Reference, SyncerProc, tape
+from tests.test_syncer_shard_shell import RUN_ARGS, ShardedRun, _play
+
+pytestmark = pytest.mark.timeout(240)
+
+TTL = "3"
+
+
+async def _lease_pid(js, run: str, shard: int, timeout: float = 30.0) -> int:
+    kv = await js.key_value(f"yeto_{run}_state")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return orjson.loads((await kv.get(f"lease.{shard}")).value)["pid"]
+        except Exception:  # noqa: BLE001 - not written yet
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"lease.{shard} never written")
+
+
+class TwinShards(ShardedRun):
+    """ShardedRun with a second `yeto syncer` per shard (own directory), started right after the first."""
+
+    def __init__(self, nats_url: str, run: str, tmp_path):
+        super().__init__(nats_url, run, tmp_path)
+        for p in self.shards:
+            p.cmd = [*p.cmd, "--lease-ttl", TTL]
+        self.twins = [SyncerProc(nats_url, run, tmp_path / f"s{k}-twin", *RUN_ARGS, "--shard", str(k),
+                                 "--lease-ttl", TTL, log=tmp_path / f"shard{k}-twin.log") for k in range(2)]
+
+    async def start(self, *, seed: int = 0):
+        init = await super().start(seed=seed)
+        for t in self.twins:
+            t.start()
+        return init
+
+    async def owner(self, shard: int) -> tuple[SyncerProc, SyncerProc]:
+        """(owner, standby) of a shard, by the pid in its lease."""
+        pid = await _lease_pid(self.isls[0].js, self.run, shard)
+        one, two = self.shards[shard], self.twins[shard]
+        assert pid in (one.proc.pid, two.proc.pid), pid
+        return (one, two) if one.proc.pid == pid else (two, one)
+
+    async def close(self) -> None:
+        for t in self.twins:
+            t.stop()
+        await super().close()
+
+
+async def _finish_all(run: TwinShards, procs: list[SyncerProc]) -> dict:
+    manifests = {}
+    for isl in run.isls:
+        _, m = await isl.expect(lambda k, m: k == "manifest", timeout=60)
+        manifests[isl.island] = m
+        await isl.ack(m["final_step"])
+    for p in procs:
+        rc = await asyncio.to_thread(p.wait, 60)
+        assert rc == 0, p.output()[-3000:]
+    return manifests["a"]
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["follower", "coordinator"])
+async def test_a_shards_owner_killed_its_standby_on_an_empty_directory_takes_over(nats_url, run_id, tmp_path, killed):
+    run = TwinShards(nats_url, run_id, tmp_path)
+    try:
+        init = await run.start(seed=7 + killed)
+        a = run.isls[0]
+        js = a.js
+        ref = Reference(init)
+        gen = torch.Generator().manual_seed(11)
+        await _play(run, ref, 1, gen)
+        await _play(run, ref, 2, gen)
+        owners = {k: await run.owner(k) for k in (0, 1)}
+        victim, standby = owners[killed]
+        # the killed shard's next round is in flight (strict: launched right after the step before committed)
+        t = 4 if killed == 1 else 3
+        for isl in run.isls:
+            await isl.expect_pull(t, attempt=1)
+        victim.kill()
+        t_kill = time.monotonic()
+        # the other shard's round goes on meanwhile
+        if killed == 1:
+            await _play(run, ref, 3, gen)
+        # the standby takes the lease (a dead pid on this host: at once; the TTL otherwise), restores from
+        # the state KV into its empty directory and launches the round again with a new attempt
+        await _play(run, ref, t, gen, attempt=2, timeout=60)
+        took = time.monotonic() - t_kill
+        if killed == 0:
+            await _play(run, ref, 4, gen)
+        out = standby.output()
+        assert "restored run" in out and "from the state KV" in out, out[-3000:]
+        # (its lease may already be released: a follower exits right after its final cut)
+        other_owner, other_standby = owners[1 - killed]
+        manifest = await _finish_all(run, [standby, other_owner, other_standby])
+        print(f"shard {killed}: kill -> its round merged again by the standby in {took:.1f}s")
+        assert manifest["versions"] == {"0": 2, "1": 2}
+        for fid in (0, 1):
+            _, vals, meta = await a.read_cut(fid, final=True)
+            assert meta["version_digest"] == manifest["version_digests"][str(fid)]
+            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+        commits = [(r["fragment"], r["version"], r["detail"]["version_digest"]) for r in await tape(js, run_id, "commit")]
+        assert sorted({(f, v) for f, v, _ in commits}) == sorted((f, v) for f in (0, 1) for v in (0, 1, 2))
+        assert len({(f, v, d) for f, v, d in commits}) == 6, commits   # one digest per version
+        # the standby of the shard nobody killed stood by to the end and wrote nothing
+        assert "finished while this syncer stood by" in other_standby.output(), other_standby.output()[-3000:]
+        standby_dir = run.ckpt[1 - killed] if other_standby in run.shards else tmp_path / f"s{1 - killed}-twin"
+        assert not (standby_dir / "checkpoint.json").exists()
+        # a shard's final cut taken, it was never reported missing afterwards
+        missing = [r for r in await tape(js, run_id, "error") if r["reason"].startswith("shard ")
+                   and "missing" in r["reason"]]
+        assert all(r["detail"]["fragments"] == [killed] for r in missing), missing
+    finally:
+        await run.close()
