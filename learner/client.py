@@ -39,7 +39,7 @@ from schemas import codec
 from schemas import provision as P
 from schemas import subjects as S
 from schemas.conn import connect
-from schemas.errors import WireError
+from schemas.errors import ConnectError, WireError
 from schemas.ids import new_generation
 from schemas.publish import first_send, note_taken, publish_retry
 
@@ -318,26 +318,18 @@ class IslandClient:
 
     async def _connect(self) -> None:
         cfg = self.config
-        t0 = time.monotonic()
-        logged = False
-        while True:
-            try:
-                self.nc = await connect(
-                    cfg.nats, name=f"yeto-island-{self.island}-{self.gen}",
-                    # nats-py reads 0 as "no limit"; our 0 means "give up at the first loss".
-                    max_reconnect_attempts=cfg.max_reconnects, reconnect_time_wait=cfg.reconnect_wait_s,
-                    allow_reconnect=cfg.max_reconnects != 0, connect_timeout=5,
-                    disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
-                    closed_cb=self._on_closed, error_cb=self._on_error)
-                break
-            except Exception as exc:  # server not up yet: retry until connect_timeout_s
-                if time.monotonic() - t0 >= cfg.connect_timeout_s:
-                    raise IslandUnhealthy(f"cannot connect to NATS at {cfg.nats.url} within "
-                                          f"{cfg.connect_timeout_s:.0f}s: {exc!r}") from exc
-                if not logged:
-                    log.warning("island %s: waiting for NATS at %s (%r)", self.island, cfg.nats.url, exc)
-                    logged = True
-                await asyncio.sleep(0.5)
+        try:
+            # the first connection is bounded (connect_timeout_s, YETO_CONNECT_TIMEOUT; nats-py alone retried a
+            # dead address for 60 x 2 s in silence); after it, reconnects keep the max_reconnects budget
+            self.nc = await connect(
+                cfg.nats, within_s=cfg.connect_timeout_s, name=f"yeto-island-{self.island}-{self.gen}",
+                # nats-py reads 0 as "no limit"; our 0 means "give up at the first loss".
+                max_reconnect_attempts=cfg.max_reconnects, reconnect_time_wait=cfg.reconnect_wait_s,
+                allow_reconnect=cfg.max_reconnects != 0, connect_timeout=5,
+                disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
+                closed_cb=self._on_closed, error_cb=self._on_error)
+        except ConnectError as exc:
+            raise IslandUnhealthy(str(exc)) from None
         self.js, self.cut_js = cut_contexts(self.nc, cfg)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()

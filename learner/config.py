@@ -79,6 +79,7 @@ ENV = {
     "session_timeout_s": "YETO_SESSION_TIMEOUT",
     "push_timeout_s": "YETO_PUSH_TIMEOUT",
     "fetch_timeout_s": "YETO_FETCH_TIMEOUT",
+    "connect_timeout_s": "YETO_CONNECT_TIMEOUT",
     "progress": "YETO_PROGRESS",
     "anchor_dir": "YETO_ANCHOR_DIR",
     "domain": "YETO_DOMAIN",
@@ -112,7 +113,7 @@ class IslandConfig:
     session_timeout_s: float | None = None
     push_timeout_s: float = 120.0
     fetch_timeout_s: float = 60.0
-    connect_timeout_s: float = 60.0
+    connect_timeout_s: float = 20.0   # the first connection only (schemas.conn.connect)
     progress: bool = True
     anchor_dir: str | None = None
     # Island datacenters (issue 13): the leaf node's JetStream domain holding the cut's mirror, and the hub's.

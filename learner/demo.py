@@ -259,18 +259,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-mib", type=float, default=0.0, help="widen the MLP to about this many MiB of f32 "
                    "parameters (default 0: the tiny model)")
     args = p.parse_args(argv)
-    if args.ranks > 1:
-        import torch.multiprocessing as mp
+    from schemas.errors import ConfigError
 
-        if not args.port:
-            import socket
+    from learner.errors import IslandUnhealthy
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                args.port = s.getsockname()[1]
-        mp.spawn(_spawn_rank, args=(args.ranks, args), nprocs=args.ranks, join=True)
-    else:
-        _train(0, 1, args)
+    try:
+        if args.ranks > 1:
+            import torch.multiprocessing as mp
+
+            if not args.port:
+                import socket
+
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    args.port = s.getsockname()[1]
+            try:
+                mp.spawn(_spawn_rank, args=(args.ranks, args), nprocs=args.ranks, join=True)
+            except mp.ProcessRaisedException as exc:
+                # a rank's expected error: its last line (the message) is the news, its traceback is not
+                last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+                if "IslandUnhealthy" in last or "ConfigError" in last:
+                    print(f"learner.demo island {args.island}: {last.split(': ', 1)[-1]}", file=sys.stderr)
+                    return 2 if "ConfigError" in last else 1
+                raise
+        else:
+            _train(0, 1, args)
+    except (IslandUnhealthy, ConfigError) as exc:
+        if os.environ.get("YETO_LOG_LEVEL", "").upper() == "DEBUG":
+            raise
+        print(f"learner.demo island {args.island}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
     return 0
 
 

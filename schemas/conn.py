@@ -7,7 +7,9 @@ and `learner` connect the same way, so this lives in the shared package.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import re
 import ssl
 from dataclasses import dataclass
 
@@ -106,13 +108,141 @@ def add_connect_args(parser: argparse.ArgumentParser, *, run: bool = True, run_r
         )
 
 
-async def connect(opts: ConnectOptions, **extra):
-    """Connect with nats-py; extra keyword arguments go to nats.connect (callbacks, reconnect policy)."""
-    import nats
+# URL schemes nats-py speaks (a bare host:port means nats://)
+SCHEMES = ("nats", "tls", "ws", "wss")
+CONNECT_TIMEOUT_ENV = "YETO_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 20.0
 
+
+def check_urls(url: str) -> list[str]:
+    """The servers of `--nats`, each checked before any connection attempt: a scheme nats-py speaks and a
+    host (`http://…` or `nats:/host` were retried for ever as if the network were down)."""
+    from urllib.parse import urlsplit
+
+    servers = [u.strip() for u in str(url).split(",") if u.strip()]
+    if not servers:
+        raise ConfigError("--nats / NATS_URL: no server URL given", field="nats", value=url)
+    for u in servers:
+        parts = urlsplit(u if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", u) else f"nats://{u}")
+        if parts.scheme not in SCHEMES:
+            raise ConfigError(f"--nats / NATS_URL: {u!r} is not a NATS URL: the scheme must be one of "
+                              f"{', '.join(s + '://' for s in SCHEMES)} (e.g. nats://host:4222)", field="nats", value=u)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if not parts.hostname or port == -1:
+            raise ConfigError(f"--nats / NATS_URL: {u!r} names no host (or a bad port): write it as "
+                              f"{parts.scheme}://host:4222", field="nats", value=u)
+    return servers
+
+
+def redact(url: str) -> str:
+    """The URL(s) for a message: a password in user:password@ shown as ***."""
+    return re.sub(r"(://[^:/@,]*):[^@/,]*@", r"\1:***@", str(url))
+
+
+def _refused(exc) -> bool:
+    """The server refused the identity (nats-py reports it as AuthorizationError or as a plain Error)."""
+    from nats.errors import AuthorizationError
+
+    return isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
+def connect_bound_s(env=None) -> float:
+    """How long a command waits for its first connection (`YETO_CONNECT_TIMEOUT`, seconds, default 20)."""
+    raw = (os.environ if env is None else env).get(CONNECT_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_CONNECT_TIMEOUT_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise ConfigError(f"{CONNECT_TIMEOUT_ENV} must be a number of seconds > 0", field=CONNECT_TIMEOUT_ENV, value=raw)
+    return v
+
+
+async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extra):
+    """Connect with nats-py; extra keyword arguments go to nats.connect (callbacks, reconnect policy).
+
+    The first connection is bounded (`within_s`, default `YETO_CONNECT_TIMEOUT` or 20 s): nats-py alone
+    retries a dead address for its whole reconnect budget (60 x 2 s, or for ever), in silence. Past the
+    bound, or at once when the server refuses the credentials, a ConnectError names the URL and what to do.
+    Once connected, reconnects follow the caller's policy. A bad URL or creds file is a ConfigError first."""
+    import logging
+
+    import nats
+    from .errors import ConnectError
+
+    check_urls(opts.url)
+    bound = connect_bound_s() if within_s is None else float(within_s)
     kw = opts.kwargs()
     kw.update(extra)
-    return await nats.connect(**kw)
+    where = redact(opts.url)
+    user_error_cb = kw.get("error_cb")
+    state = {"connected": False, "last": None, "warned": False}
+    refused = asyncio.Event()
+
+    async def on_error(exc):
+        if state["connected"]:
+            if user_error_cb is not None:
+                await user_error_cb(exc)
+            else:   # one line (nats-py's own default logs a traceback for each)
+                logging.getLogger("yeto.conn").warning("nats at %s: %r", where, exc)
+            return
+        state["last"] = exc   # before the first connection: said once, then kept for the one message
+        if _refused(exc):
+            refused.set()
+        elif not state["warned"]:
+            state["warned"] = True
+            logging.getLogger("yeto.conn").warning("waiting for NATS at %s (up to %.0fs, %s): %r", where, bound,
+                                                   CONNECT_TIMEOUT_ENV, exc)
+
+    kw["error_cb"] = on_error
+
+    def after_connect(cb):
+        # a half-open client closed below must not tell the caller it was disconnected or closed
+        async def forward(*a):
+            if state["connected"]:
+                await cb(*a)
+        return forward
+
+    for name in ("disconnected_cb", "closed_cb", "reconnected_cb"):
+        if kw.get(name) is not None:
+            kw[name] = after_connect(kw[name])
+    deadline = asyncio.get_running_loop().time() + bound
+    while True:
+        nc = nats.NATS()
+        attempt = asyncio.ensure_future(nc.connect(**kw))
+        stop = asyncio.ensure_future(refused.wait())
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait({attempt, stop}, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if attempt.done() and attempt.exception() is None:
+            state["connected"] = True
+            return nc
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+        else:
+            state["last"] = attempt.exception()
+        try:
+            await asyncio.wait_for(nc.close(), 2)
+        except BaseException:  # noqa: BLE001 - a half-open client: nothing to keep
+            pass
+        last = state["last"]
+        if refused.is_set() or _refused(last):
+            who = f"the credentials in {opts.creds}" if opts.creds else "a connection without credentials"
+            raise ConnectError(f"NATS at {where} refused {who} (authorization violation): pass the identity "
+                               f"`yeto auth init` made for this process with --nats-creds / YETO_NATS_CREDS")
+        if asyncio.get_running_loop().time() >= deadline:
+            why = f": {last!r}" if last is not None else ""
+            raise ConnectError(f"cannot connect to NATS at {where} within {bound:.0f}s{why}; is the broker running "
+                               f"there? ({CONNECT_TIMEOUT_ENV} sets how long to wait)")
+        await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0.0)))
 
 
 def server_max_payload(nc) -> int:

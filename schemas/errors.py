@@ -62,3 +62,8 @@ class ChunkError(WireError):
     """Base of the chunk reassembly errors; each case has its own subclass and code."""
 
     code = "chunk"
+
+
+class ConnectError(ConnectionError):
+    """The broker could not be reached (or refused us) when a command started: the message names the URL,
+    what went wrong and what to do. Commands exit 1 on it with that one line (no traceback)."""

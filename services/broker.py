@@ -111,6 +111,12 @@ class Broker:
 
     def start(self, timeout: float = 20.0) -> "Broker":
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        # A port another server holds: say so now. Otherwise the readiness check below reached that other
+        # server, printed "ready", and this one exited 1 a moment later with no reason given.
+        held = port_held(self.host, self.port)
+        if held:
+            raise BrokerError(f"port {self.port} on {self.host} is already in use ({held}): another broker runs "
+                              f"there (connect to it at {self.url}), or pick another port with --port")
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         if out is not subprocess.DEVNULL:
@@ -124,7 +130,7 @@ class Broker:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.settimeout(2.0)
-                    if s.recv(4096).startswith(b"INFO"):
+                    if s.recv(4096).startswith(b"INFO") and self.proc.poll() is None:
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -156,6 +162,18 @@ class Broker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def port_held(host: str, port: int) -> str | None:
+    """Why `port` on `host` cannot be listened on (None: it can). SO_REUSEADDR as nats-server sets it, so
+    a port in TIME_WAIT after a restart counts as free and only a listener holds it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or repr(exc)
+    return None
 
 
 def free_port_block(n: int, tries: int = 200) -> int:

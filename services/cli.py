@@ -87,6 +87,8 @@ def _cmd_run_rm(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="yeto", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", default=os.environ.get("YETO_LOG_LEVEL", "").upper() == "DEBUG",
+                   help="show the traceback of an expected error too (also YETO_LOG_LEVEL=DEBUG)")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run the embedded nats-server (JetStream) in the foreground")
@@ -136,12 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "run_id", None) is not None:
-        from schemas.ids import check_run
+    from schemas.errors import ConfigError, ConnectError
 
-        args.run = check_run(args.run_id)
-    return int(args.func(args) or 0)
+    args = build_parser().parse_args(argv)
+    sub = next((v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)), None)
+    what = " ".join(x for x in ("yeto", args.command, sub) if x)
+    try:
+        if getattr(args, "run_id", None) is not None:
+            from schemas.ids import check_run
+
+            args.run = check_run(args.run_id)
+        return int(args.func(args) or 0)
+    except (ConfigError, ConnectError) as exc:
+        # An expected error (a setting to fix, a broker not there): one line that says what to do, no traceback
+        # unless asked for. A setting is a usage error (2), an unreachable broker a runtime one (1).
+        if args.debug:
+            raise
+        print(f"{what}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -222,7 +222,13 @@ async def connect(args, name: str):
     async def on_error(exc):
         log.warning("nats: %r", exc)
 
-    return await _connect(ConnectOptions.from_args(args, name=name), max_reconnect_attempts=-1,
+    from schemas.conn import connect_bound_s
+
+    # `--timeout` (tail) bounds the whole command, the wait for the broker included
+    within = connect_bound_s()
+    if getattr(args, "timeout", None):
+        within = min(within, float(args.timeout))
+    return await _connect(ConnectOptions.from_args(args, name=name), within_s=within, max_reconnect_attempts=-1,
                           reconnect_time_wait=1, error_cb=on_error)
 
 

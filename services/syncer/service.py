@@ -393,6 +393,8 @@ class SyncerService:
         log.warning("nats error: %r", exc)
 
     async def _on_disconnect(self):
+        if self.nc is not None and (self.nc.is_closed or self.nc.is_draining):
+            return   # our own close at exit: nothing to report (every clean exit warned "reconnecting")
         self.counters["disconnects"] += 1
         log.warning("disconnected from NATS; reconnecting")
 

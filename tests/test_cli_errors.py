@@ -1,0 +1,125 @@
+"""Issue 26: an operator's mistakes fail fast with one line that names the thing and what to do.
+
+CLI-level, each against a real nats-server where one is involved (a dead broker is a real one killed -9):
+
+- a broker that is down: `yeto run rm`, `yeto steplog tail --timeout 5`, `yeto syncer` and a demo island
+  each end within their bound (20 s by default, YETO_CONNECT_TIMEOUT), naming the URL, in a few lines,
+  without a traceback (before: 65 s of silence and a TimeoutError for the island, 29 tracebacks and no end
+  for `run rm`, a warning every 2 s for ever for the syncer, `--timeout` ignored by the tail);
+- `--nats http://…` or `nats:/host` is refused at once (exit 2) instead of retried for ever;
+- an island whose creds file is missing exits 2 at once naming the path (before: retried as a network fault);
+- a second `yeto broker` on a port a broker holds never prints "ready" and names the port (exit 2);
+- a secured server that refuses the credentials: the connection fails at once saying so.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.broker import Broker, free_port
+from tests.scripted import ROOT
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_") and k != "NATS_URL"}
+    return {**env, **extra}
+
+
+def _start(argv: list[str], **env: str) -> tuple[subprocess.Popen, float]:
+    return (subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=_env(**env)), time.monotonic())
+
+
+@pytest.fixture
+def dead_broker_url(tmp_path) -> str:
+    """The address of a real nats-server that was killed -9 (nothing listens there any more)."""
+    b = Broker(store_dir=tmp_path / "dead").start()
+    url = b.url
+    b.kill()
+    return url
+
+
+def test_every_command_against_a_dead_broker_ends_within_its_bound_naming_the_url(dead_broker_url, tmp_path):
+    url = dead_broker_url
+    procs = {
+        "run rm": _start(["-m", "services.cli", "run", "rm", "r1", "--nats", url]),
+        "steplog tail": _start(["-m", "services.cli", "steplog", "tail", "--run", "r1", "--timeout", "5",
+                                "--nats", url]),
+        "syncer": _start(["-m", "services.cli", "syncer", "--run", "r1", "--nats", url,
+                          "--checkpoint-dir", str(tmp_path / "ck")]),
+        "island": _start(["-m", "learner.demo", "--run", "r1", "--island", "a"], NATS_URL=url),
+    }
+    bounds = {"run rm": 40, "steplog tail": 40, "syncer": 40, "island": 30}
+    for name, (p, t0) in procs.items():
+        try:
+            out, _ = p.communicate(timeout=bounds[name] + 20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            pytest.fail(f"{name}: still running after {bounds[name] + 20}s against a dead broker:\n{out[-3000:]}")
+        took = time.monotonic() - t0
+        lines = out.strip().splitlines()
+        print(f"{name}: exit {p.returncode} after {took:.1f}s, {len(lines)} lines: {lines[-1] if lines else ''}")
+        assert p.returncode == 1, (name, out[-3000:])
+        assert took <= bounds[name], (name, took, out[-3000:])
+        assert url in out and "cannot connect to NATS" in out, (name, out[-3000:])
+        assert "Traceback" not in out, (name, out[-3000:])
+        assert len(lines) <= 10, (name, out[-3000:])
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:4222", "nats:/127.0.0.1:4222"])
+def test_a_url_that_is_not_nats_is_refused_at_once(url):
+    for argv in (["-m", "services.cli", "syncer", "--run", "r1", "--nats", url],
+                 ["-m", "services.cli", "run", "rm", "r1", "--nats", url]):
+        p, t0 = _start(argv)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 2, out[-3000:]
+        assert time.monotonic() - t0 < 15, out
+        assert repr(url) in out and "Traceback" not in out, out
+        assert "nats://host:4222" in out, out
+
+
+def test_an_island_whose_creds_file_is_missing_exits_2_naming_it(nats_url, tmp_path):
+    missing = tmp_path / "no-such.creds"
+    p, t0 = _start(["-m", "learner.demo", "--run", "r1", "--island", "a"], NATS_URL=nats_url,
+                   YETO_NATS_CREDS=str(missing))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2, out[-3000:]
+    assert time.monotonic() - t0 < 15, out
+    assert str(missing) in out and "cannot read it" in out and "Traceback" not in out, out
+
+
+def test_a_second_broker_on_a_held_port_never_says_ready_and_names_the_port(tmp_path):
+    port = free_port()
+    with Broker(port=port, store_dir=tmp_path / "first"):
+        p, _ = _start(["-m", "services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "second")])
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2, out[-3000:]
+    assert "broker ready" not in out, out   # (the line printed once a broker serves)
+    assert f"port {port}" in out and "already in use" in out, out
+
+
+async def test_a_secured_server_refusing_the_credentials_is_said_at_once(tmp_path):
+    """A wrong identity is not a network fault: no waiting out the connect bound."""
+    from schemas.conn import ConnectOptions, connect
+    from schemas.errors import ConnectError
+
+    conf = tmp_path / "auth.conf"
+    conf.write_text('port: -1\nauthorization { user: alice, password: "right" }\n')
+    port = free_port()
+    b = Broker(port=port, store_dir=tmp_path / "s", config=conf).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError) as ei:
+            await connect(ConnectOptions(url=f"nats://alice:wrong@127.0.0.1:{port}"), within_s=20)
+        assert time.monotonic() - t0 < 10
+        msg = str(ei.value)
+        assert "authorization violation" in msg and "wrong" not in msg and "alice:***@" in msg, msg
+    finally:
+        b.stop()
