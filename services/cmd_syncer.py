@@ -43,6 +43,17 @@ def _flag(parser, name: str, env: str, type_, default, help_: str, **kw):
     parser.add_argument(name, type=type_, default=value, help=f"{help_} (env {env}; default %(default)s)", **kw)
 
 
+def _choice_env(env: str, choices, default: str):
+    """A dtype variable the islands share with the syncer: `auto` (their default, "the session's") is the
+    syncer's own default here; anything else not in `choices` is reported naming the variable."""
+    raw = os.environ.get(env)
+    if raw is None or raw == "" or raw == "auto":
+        return default
+    if raw in choices:
+        return raw
+    return BadEnv(env, raw, f"must be one of {', '.join(choices)} (or auto)")
+
+
 def bad_env_values(args) -> list[str]:
     """What `_flag` kept aside: one line per variable that does not parse (and whose flag was not given)."""
     return [v.message() for v in vars(args).values() if isinstance(v, BadEnv)]
@@ -113,10 +124,12 @@ def add_parser(sub) -> None:
     _flag(g, "--outer-lr", "YETO_OUTER_LR", float, 0.7, "outer learning rate")
     _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum")
     g = p.add_argument_group("wire")
-    g.add_argument("--push-dtype", choices=PUSH_DTYPES, default=_env("YETO_PUSH_DTYPE", "f32"),
-                   help="dtype of pushes (env YETO_PUSH_DTYPE; default %(default)s)")
-    g.add_argument("--bulk-dtype", choices=BULK_DTYPES, default=_env("YETO_BULK_DTYPE", "f32"),
-                   help="dtype of INIT and broadcasts (env YETO_BULK_DTYPE; default %(default)s)")
+    g.add_argument("--push-dtype", choices=PUSH_DTYPES, default=_choice_env("YETO_PUSH_DTYPE", PUSH_DTYPES, "f32"),
+                   help="dtype of pushes (env YETO_PUSH_DTYPE, where `auto`, the islands' default, means this "
+                        "default; default %(default)s)")
+    g.add_argument("--bulk-dtype", choices=BULK_DTYPES, default=_choice_env("YETO_BULK_DTYPE", BULK_DTYPES, "f32"),
+                   help="dtype of INIT and broadcasts (env YETO_BULK_DTYPE, `auto` as for --push-dtype; "
+                        "default %(default)s)")
     _flag(g, "--chunk-bytes", "YETO_CHUNK_BYTES", int, 1 << 20, "chunk size in bytes (bounded by the server's max_payload minus header room)")
     g.add_argument("--broadcast", choices=("cut-through", "with-commit", "after-commit"),
                    default=_env("YETO_BROADCAST", "cut-through"),

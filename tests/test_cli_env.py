@@ -44,3 +44,16 @@ def test_a_good_variable_is_the_default_and_a_flag_given_overrides_a_bad_one(mon
     assert [line.split(" in the environment")[0] for line in bad_env_values(args)] == ["YETO_FRAGMENTS='four'"]
     args = build_parser().parse_args(["syncer", "--run", "r", "--fragments", "2"])
     assert args.fragments == 2 and bad_env_values(args) == []
+
+
+def test_the_dtype_variables_the_islands_share_take_auto_and_name_themselves_when_bad(monkeypatch):
+    # README's island table gives YETO_PUSH_DTYPE=auto as the default; one environment for both sides works
+    monkeypatch.setenv("YETO_PUSH_DTYPE", "auto")
+    monkeypatch.setenv("YETO_BULK_DTYPE", "auto")
+    args = build_parser().parse_args(["syncer", "--run", "r"])
+    assert (args.push_dtype, args.bulk_dtype) == ("f32", "f32") and bad_env_values(args) == []
+    monkeypatch.setenv("YETO_PUSH_DTYPE", "bf16")
+    assert build_parser().parse_args(["syncer", "--run", "r"]).push_dtype == "bf16"
+    proc = _yeto("syncer", "--run", "r", "--nats", "nats://127.0.0.1:9", YETO_PUSH_DTYPE="fp8")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "YETO_PUSH_DTYPE='fp8' in the environment: must be one of f32, bf16, q4" in proc.stderr, proc.stderr
