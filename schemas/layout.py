@@ -94,8 +94,9 @@ def assign_fragments(layout: Iterable[dict], fragments: int) -> list[list[dict]]
     canon = [e for e in canonical_layout(layout) if numel(e["shape"]) > 0]
     if len(canon) < fragments:
         raise WireError(
-            f"cannot split {len(canon)} non-empty tensors into that many fragments", field="fragments", value=fragments
-        )
+            f"the model has {len(canon)} non-empty tensors and a fragment holds whole tensors: it cannot be split "
+            f"into {fragments} fragments (give the syncer --fragments / YETO_FRAGMENTS <= {len(canon)})",
+            field="fragments", value=fragments)
     bins: list[list[dict]] = [[] for _ in range(fragments)]
     embeds = [e for e in canon if is_embedding(e["name"])]
     rest = [e for e in canon if not is_embedding(e["name"])]

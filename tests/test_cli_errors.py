@@ -123,3 +123,23 @@ async def test_a_secured_server_refusing_the_credentials_is_said_at_once(tmp_pat
         assert "authorization violation" in msg and "wrong" not in msg and "alice:***@" in msg, msg
     finally:
         b.stop()
+
+
+def test_more_fragments_than_tensors_is_refused_naming_the_tensor_count(nats_url, run_id, tmp_path):
+    """The demo MLP has 6 tensors; --fragments 50 cannot pin a session: the island exits with one line
+    naming the count, the syncer says so at ERROR (and keeps running: another island's hello is no reason
+    for it to exit, nor a forged one)."""
+    syncer, _ = _start(["-m", "services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--fragments", "50",
+                        "--sync-every", "50", "--islands", "1", "--small-limits", "--checkpoint-dir", str(tmp_path / "ck")])
+    try:
+        island, t0 = _start(["-m", "learner.demo", "--run", run_id, "--island", "a"], NATS_URL=nats_url)
+        out, _ = island.communicate(timeout=120)
+        assert island.returncode not in (0, None), out[-3000:]
+        assert "the model has 6 non-empty tensors" in out and "--fragments / YETO_FRAGMENTS <= 6" in out, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        assert syncer.poll() is None
+    finally:
+        syncer.terminate()
+        s_out, _ = syncer.communicate(timeout=30)
+    assert f"ERROR run {run_id} cannot pin its session on island a's model" in s_out.replace("yeto.syncer ", ""), \
+        s_out[-3000:]

@@ -725,7 +725,11 @@ class SyncerService:
             await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("error", msg),
                                 S.to_island_msg_id(a.island, "error", f"{a.gen}.{self.tape.next_key()}"), counters=self.counters,
                                 attempts=CTL_PUBLISH_ATTEMPTS)
-            log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
+            if a.code == "bad_layout":
+                # the run cannot start on this island's model: the operator's to fix, said as loudly as it is
+                log.error("run %s cannot pin its session on island %s's model: %s", self.run_id, a.island, a.message)
+            else:
+                log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
         elif isinstance(a, R.InitStore):
             self.receiver.store_init(a)
         elif isinstance(a, R.InitDrop):
