@@ -142,6 +142,22 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@,]*):[^@/,]*@", r"\1:***@", str(url))
 
 
+# Permission violations the server reported on this process's connections, newest last: (op, subject).
+# nats-py only logs them and lets the request time out; a command turns the timeout into this news.
+DENIED: list[tuple[str, str]] = []
+_DENIED_RE = re.compile(r'permissions violation for (publish|subscription) (?:to|on) "([^"]*)"', re.I)
+
+
+def note_denied(exc) -> tuple[str, str] | None:
+    """Record a permissions violation the server sent (None if `exc` is not one)."""
+    m = _DENIED_RE.search(str(exc))
+    if m is None:
+        return None
+    DENIED.append((m.group(1).lower(), m.group(2)))
+    del DENIED[:-16]
+    return DENIED[-1]
+
+
 def _refused(exc) -> bool:
     """The server refused the identity (nats-py reports it as AuthorizationError or as a plain Error)."""
     from nats.errors import AuthorizationError
@@ -186,8 +202,12 @@ async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extr
 
     async def on_error(exc):
         if state["connected"]:
+            denied = note_denied(exc)
             if user_error_cb is not None:
                 await user_error_cb(exc)
+            elif denied is not None:
+                logging.getLogger("yeto.conn").warning("permission denied: %s to %s (identity %s)", *denied,
+                                                       opts.creds or "none")
             else:   # one line (nats-py's own default logs a traceback for each)
                 logging.getLogger("yeto.conn").warning("nats at %s: %r", where, exc)
             return

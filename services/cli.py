@@ -137,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The identity (`yeto auth init`'s creds file) each command needs in a secured run, for the denial message.
+IDENTITY_FOR = {
+    "yeto run rm": "the admin identity (--nats-creds DIR/admin.creds)",
+    "yeto syncer": "the syncer identity (--nats-creds DIR/syncer.creds)",
+    "yeto replay": "the observer or admin identity (--nats-creds DIR/observer.creds)",
+    "yeto steplog tail": "the observer identity (--nats-creds DIR/observer.creds)",
+    "yeto exporter": "the observer identity (--nats-creds DIR/observer.creds)",
+    "yeto dashboard": "the observer identity (--nats-creds DIR/observer.creds)",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     from schemas.errors import ConfigError, ConnectError
 
@@ -156,6 +167,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{what}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except Exception as exc:  # noqa: BLE001 - re-raised unless a permission denial explains it
+        from schemas.conn import DENIED
+
+        if args.debug or not DENIED:
+            raise
+        # A secured run refused an operation: nats-py logged the violation and the request timed out.
+        op, subject = DENIED[-1]
+        who = getattr(args, "nats_creds", None)
+        need = IDENTITY_FOR.get(what, "the identity `yeto auth init` made for this role")
+        print(f"{what}: permission denied: {op} to {subject} (identity: {who or 'none'}); this command needs "
+              f"{need}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -143,3 +143,25 @@ def test_more_fragments_than_tensors_is_refused_naming_the_tensor_count(nats_url
         s_out, _ = syncer.communicate(timeout=30)
     assert f"ERROR run {run_id} cannot pin its session on island a's model" in s_out.replace("yeto.syncer ", ""), \
         s_out[-3000:]
+
+
+def test_a_refused_operation_in_a_secured_run_says_permission_denied_and_which_identity(tmp_path):
+    """Before: a `nats: timeout` traceback, the violation only in one warning line."""
+    from services.auth import init_auth, write_server_config
+
+    run = "sec_rm"
+    init_auth(run, ["a", "b"], tmp_path / "auth", init_island="a")
+    conf = write_server_config([tmp_path / "auth"], tmp_path / "server.conf")
+    with Broker(store_dir=tmp_path / "store", config=conf) as b:
+        p, _ = _start(["-m", "services.cli", "run", "rm", run, "--nats", b.url,
+                       "--nats-creds", str(tmp_path / "auth" / "a.creds")])
+        out, _ = p.communicate(timeout=90)
+        assert p.returncode == 1, out[-3000:]
+        assert "yeto run rm: permission denied: publish to $js.api.stream.delete" in out.lower(), out[-3000:]
+        assert "admin.creds" in out and str(tmp_path / "auth" / "a.creds") in out, out[-3000:]
+        assert "Traceback" not in out and len(out.strip().splitlines()) <= 10, out[-3000:]
+        # the identity it names does it
+        p, _ = _start(["-m", "services.cli", "run", "rm", run, "--nats", b.url,
+                       "--nats-creds", str(tmp_path / "auth" / "admin.creds")])
+        out, _ = p.communicate(timeout=90)
+        assert p.returncode == 0 and "nothing to remove" in out, out[-3000:]
