@@ -187,8 +187,10 @@ def test_chart_model_snapshot_then_deltas_cover_every_point_once():
     assert len(snap["timeouts"]) + len(delta["timeouts"]) == 1
     # the series are bounded; the newest points survive
     assert [p[1] for p in chart.islands["a"]] == [2, 3, 4]
-    # island point layout: [t, step, boundary_s, export_s, apply_s, lag]; lag of b's last point is 1
-    assert chart.islands["b"][-1][1:] == [4, 0.5, 0.05, 0.0, 1]
+    # island point layout: [t, step, boundary_s, export_s, apply_s, lag, loss]; lag of b's last point is 1,
+    # b reports no loss, a's last is 2.75
+    assert chart.islands["b"][-1][1:] == [4, 0.5, 0.05, 0.0, 1, None]
+    assert chart.islands["a"][-1][-1] == 2.75
     assert [p[4] for p in chart.rounds] == [1.75, 4.25] and [p[3] for p in chart.rounds] == [1.25, 3.5]
     assert delta["summary"]["merges"] == 2 and delta["island_state"]["b"]["lag"] == 1
     assert orjson.loads(orjson.dumps(snap))["fields"]["island"] == list(ChartModel.ISLAND_FIELDS)

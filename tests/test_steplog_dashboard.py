@@ -288,6 +288,10 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
     add_malformed(r)
     js = nc.jetstream()
     await publish_all(js, r.msgs)
+    # the syncer's status record names the run's --total-steps: the page shows progress against it (issue 26)
+    state = await js.key_value(f"yeto_{run}_state")
+    await state.put("syncer", orjson.dumps({"updated_at": time.time(), "phase": "rounds", "committed_step": 2,
+                                            "total_steps": 8, "versions": {"0": 1, "1": 1}, "rounds_in_flight": []}))
     async with Served(nc, run) as srv:
         await _until(lambda: srv.dash.feed.received == len(r.msgs), what="events read")
         await asyncio.to_thread(browser.open, srv.url)
@@ -299,6 +303,19 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
 
         s = await _until(drawn_all, what="first draw")
         assert s["islands"] == {"a": 4, "b": 4} and s["rounds"] == 2 and s["timeouts"] == 1
+        # loss: a reported one with each of its 4 steps, b none (no point drawn for it)
+        assert s["drawn"]["loss"] == 4
+        s = await _until(lambda: _progress(stats), what="progress from the status record")
+        assert s["progress"] == pytest.approx(0.25)
+        header = await asyncio.to_thread(browser.eval, "document.getElementById('s-progress').textContent")
+        assert header == "2 / 8 (25%)"
+        rows = await asyncio.to_thread(browser.eval, "[...document.querySelectorAll('#t-islands tbody tr')]"
+                                                     ".map(tr => [...tr.children].slice(0, 3).map(td => td.textContent))")
+        assert sorted(rows) == [["a", "4", "2.750"], ["b", "4", "-"]]
+        loss_ink = await asyncio.to_thread(browser.eval, """(() => { const c = document.getElementById('c-loss');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;
+            for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; })()""")
+        assert loss_ink > 300
         assert s["drawn"]["split"] == 2 and s["drawn"]["lag"] == 8 and s["drawn"]["rounds"] == 4
         assert s["drawn"]["timeouts"] >= 2 and s["malformed"] == MALFORMED and s["errors"] == 0
         text = await asyncio.to_thread(browser.eval, "document.body.innerText")
@@ -330,6 +347,11 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
         s = await _until(grown, what="live update")
         assert s["updates"] > before and s["snapshots"] == 1 and s["errors"] == 0  # deltas, not a reload
         assert s["drawn"]["rounds"] == 6
+
+
+async def _progress(stats):
+    s = await stats()
+    return s if s and s.get("progress") is not None else None
 
 
 async def test_page_with_twenty_islands(nc, run, browser):

@@ -372,6 +372,7 @@ class Aggregator:
             "syncer_resumes": self.syncer_resumes, "errors": self.errors, "dispositions": dict(self.dispositions),
             "syncer_versions": {str(f): v for f, v in sorted(self.syncer_versions.items())},
             "committed_step": self.committed_step, "final_step": self.final_step,
+            "total_steps": max((st.total_steps for st in self.shards.status.values() if st.total_steps), default=None),
             "malformed": self.malformed, "last_malformed": self.last_malformed, "filtered": self.filtered,
             "shards": self.shards.shards(), "state_malformed": self.shards.malformed,
         }
@@ -382,12 +383,12 @@ class Aggregator:
 class ChartModel:
     """Bounded time series for the web dashboard, fed with Records (after the Aggregator accepted them).
 
-    Points are lists (compact JSON): island series `[t, step, boundary_s, export_s, apply_s, lag]`,
+    Points are lists (compact JSON): island series `[t, step, boundary_s, export_s, apply_s, lag, loss]`,
     rounds `[t, step, attempt, quorum_s, sync_s]`, timeouts `[t, step, cumulative]`. Times are unix
     seconds; the page makes them relative. `max_points` bounds every series (oldest dropped).
     """
 
-    ISLAND_FIELDS = ("t", "step", "boundary_s", "export_s", "apply_s", "lag")
+    ISLAND_FIELDS = ("t", "step", "boundary_s", "export_s", "apply_s", "lag", "loss")
     ROUND_FIELDS = ("t", "step", "attempt", "quorum_s", "sync_s")
     TIMEOUT_FIELDS = ("t", "step", "count")
 
@@ -414,7 +415,7 @@ class ChartModel:
         m = rec.msg
         if rec.stream == STEPLOG:
             lag = self.agg.islands[m["island"]].max_lag(self.agg.syncer_versions)
-            pt = [m["t"], m["step"], m["boundary_s"], m["export_s"], m["apply_s"], lag]
+            pt = [m["t"], m["step"], m["boundary_s"], m["export_s"], m["apply_s"], lag, m.get("loss")]
             self.islands.setdefault(m["island"], collections.deque(maxlen=self.max_points)).append(pt)
             self._delta["islands"].setdefault(m["island"], []).append(pt)
         elif m["kind"] == "merge":
@@ -437,7 +438,7 @@ class ChartModel:
             islands[name] = {
                 "gen": st.gen, "step": st.step, "boundary_s": st.boundary_s, "export_s": st.export_s,
                 "apply_s": st.apply_s, "lag": st.max_lag(a.syncer_versions), "pending_pulls": st.pending_pulls,
-                "events": st.events, "live": st.live,
+                "events": st.events, "live": st.live, "loss": st.loss,
                 "mean_boundary_s": st.boundary_sum_s / st.events if st.events else 0.0,
                 "mean_export_s": st.export_sum_s / st.events if st.events else 0.0,
                 "mean_apply_s": st.apply_sum_s / st.events if st.events else 0.0,

@@ -94,6 +94,7 @@ class Status:
     fragments: list[int] | None = None
     shards_missing: list[int] = field(default_factory=list)
     live: list[str] = field(default_factory=list)
+    total_steps: int | None = None  # the run's --total-steps (the dashboard's progress)
     seen_at: float | None = None  # when this viewer saw it arrive live (its own clock)
 
     def age(self, now: float) -> float:
@@ -138,7 +139,8 @@ def parse_status(key: str, shard: int | None, rec: Any) -> Status:
     return Status(shard=shard_v, shards=shards_v, updated_at=_num(rec, "updated_at", key), phase=phase,
                   committed_step=_int(rec, "committed_step", key), versions=_versions(rec, key),
                   rounds_in_flight=flight, rss_bytes=_int(rec, "rss_bytes", key, required=False), exited=exited,
-                  fragments=frags, shards_missing=sorted(set(missing)), live=live)
+                  fragments=frags, shards_missing=sorted(set(missing)), live=live,
+                  total_steps=_int(rec, "total_steps", key, lo=1, required=False))
 
 
 @dataclass
