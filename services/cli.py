@@ -11,6 +11,7 @@ import os
 import sys
 
 from schemas.conn import ConnectOptions, add_connect_args
+from services.envflags import bad_env_values, env_value
 
 
 def _cmd_broker(args) -> int:
@@ -92,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run the embedded nats-server (JetStream) in the foreground")
-    b.add_argument("--port", type=int, default=int(os.environ.get("YETO_BROKER_PORT", "4222")), help="client port (env YETO_BROKER_PORT; default %(default)s)")
+    b.add_argument("--port", type=int, default=env_value("YETO_BROKER_PORT", int, 4222), help="client port (env YETO_BROKER_PORT; default %(default)s)")
     b.add_argument("--host", default=os.environ.get("YETO_BROKER_HOST", "127.0.0.1"), help="listen address (env YETO_BROKER_HOST; default %(default)s)")
     b.add_argument("--store-dir", default=os.environ.get("YETO_BROKER_STORE"), help="JetStream store directory (env YETO_BROKER_STORE; default ./yeto-data/jetstream)")
     b.add_argument("--config", default=os.environ.get("YETO_BROKER_CONFIG"), help="nats-server config file (default: the shipped services/nats.conf, max_payload 8 MiB)")
-    b.add_argument("--cluster", type=int, default=int(os.environ.get("YETO_BROKER_CLUSTER", "0")),
+    b.add_argument("--cluster", type=int, default=env_value("YETO_BROKER_CLUSTER", int, 0),
                    help="run N servers joined by routes on this host, a JetStream cluster (client ports P..P+N-1, "
                         "stores <store-dir>/<name>-<i>); prints the N client URLs comma separated once a meta "
                         "leader is elected (env YETO_BROKER_CLUSTER; default 0: one server)")
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(first) monitoring port (default: --port + 4000 with --cluster, else a free port)")
     _add_broker_security_args(b)
     # Island datacenters (services/leaf.py): a hub with a leafnode listener, or a leaf that dials out to it.
-    b.add_argument("--leaf-port", type=int, default=int(os.environ.get("YETO_BROKER_LEAF_PORT", "0")) or None,
+    b.add_argument("--leaf-port", type=int, default=env_value("YETO_BROKER_LEAF_PORT", lambda v: int(v) or None, None),
                    help="hub: accept leaf nodes of island datacenters on this port, JetStream domain --domain "
                         "(default hub) (env YETO_BROKER_LEAF_PORT)")
     b.add_argument("--leaf-of", default=os.environ.get("YETO_BROKER_LEAF_OF") or None,
@@ -154,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sub = next((v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)), None)
     what = " ".join(x for x in ("yeto", args.command, sub) if x)
+    bad = bad_env_values(args)
+    if bad:   # a variable of this command that does not parse (another command's never gets here)
+        for line in bad:
+            print(f"{what}: {line}", file=sys.stderr)
+        return 2
     try:
         if getattr(args, "run_id", None) is not None:
             from schemas.ids import check_run

@@ -10,36 +10,15 @@ from pathlib import Path
 
 from schemas.conn import ConnectOptions, add_connect_args
 from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
+from services.envflags import BadEnv, bad_env_values, env_value  # noqa: F401  (bad_env_values: tests)
 
 
 def _env(name: str, default):
     return os.environ.get(name, default)
 
 
-class BadEnv:
-    """A flag's default from an environment variable that does not parse: kept (never raised while the
-    parsers are built, so no other `yeto` command, and no `--help`, breaks on it) and reported by
-    `yeto syncer` before it starts, naming the variable and the value."""
-
-    def __init__(self, env: str, raw: str, why: str):
-        self.env, self.raw, self.why = env, raw, why
-
-    def __repr__(self) -> str:
-        return f"{self.raw!r} (from {self.env}, which does not parse: {self.why})"
-
-    def message(self) -> str:
-        return f"{self.env}={self.raw!r} in the environment: {self.why}"
-
-
 def _flag(parser, name: str, env: str, type_, default, help_: str, **kw):
-    raw = os.environ.get(env)
-    if raw is None:
-        value = type_(default) if default is not None else None
-    else:
-        try:
-            value = type_(raw)
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
-            value = BadEnv(env, raw, str(exc) or f"not a valid {getattr(type_, '__name__', 'value')}")
+    value = env_value(env, type_, default)
     parser.add_argument(name, type=type_, default=value, help=f"{help_} (env {env}; default %(default)s)", **kw)
 
 
@@ -52,11 +31,6 @@ def _choice_env(env: str, choices, default: str):
     if raw in choices:
         return raw
     return BadEnv(env, raw, f"must be one of {', '.join(choices)} (or auto)")
-
-
-def bad_env_values(args) -> list[str]:
-    """What `_flag` kept aside: one line per variable that does not parse (and whose flag was not given)."""
-    return [v.message() for v in vars(args).values() if isinstance(v, BadEnv)]
 
 
 def _factor_or_off(text: str) -> float:

@@ -57,3 +57,18 @@ def test_the_dtype_variables_the_islands_share_take_auto_and_name_themselves_whe
     proc = _yeto("syncer", "--run", "r", "--nats", "nats://127.0.0.1:9", YETO_PUSH_DTYPE="fp8")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "YETO_PUSH_DTYPE='fp8' in the environment: must be one of f32, bf16, q4" in proc.stderr, proc.stderr
+
+
+def test_every_commands_variables_are_reported_by_that_command_alone():
+    # YETO_BROKER_PORT was int()-ed while the parsers were built: every command died on it
+    proc = _yeto("export", "--help", YETO_BROKER_PORT="abc", YETO_DASHBOARD_PORT="x")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _yeto("broker", "--store-dir", "/nonexistent/never-made", YETO_BROKER_PORT="abc")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("yeto broker: YETO_BROKER_PORT='abc' in the environment"), proc.stderr
+    proc = _yeto("dashboard", "--run", "r", YETO_DASHBOARD_PORT="x")
+    assert proc.returncode == 2 and "yeto dashboard: YETO_DASHBOARD_PORT='x' in the environment" in proc.stderr, \
+        proc.stderr
+    # the flag given wins over its broken variable
+    proc = _yeto("broker", "--port", "4222", "--cluster", "-1", YETO_BROKER_PORT="abc")
+    assert proc.returncode == 2 and "--cluster must be 0" in proc.stderr, proc.stderr

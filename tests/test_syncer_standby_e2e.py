@@ -100,6 +100,8 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
     assert "standby for run" in out and "finished while this syncer stood by" in out, out[-3000:]
     assert "took over" not in out
     assert commit["committed_step"] == rounds
+    # a clean exit is no disconnection (issue 26: every clean exit warned "disconnected from NATS; reconnecting")
+    assert "disconnected from NATS" not in first.output() + out, first.output()[-2000:]
     owner_dir, standby_dir = ((tmp_path / "s1", tmp_path / "s2") if str(tmp_path / "s1") in first.cmd
                               else (tmp_path / "s2", tmp_path / "s1"))
     assert not (standby_dir / "checkpoint.json").exists()      # the standby wrote nothing

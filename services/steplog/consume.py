@@ -260,7 +260,9 @@ def add_server_args(parser, *, port: int, port_env: str, host_env: str) -> None:
     """--port / --host / --log-level of a viewer that serves HTTP (`yeto exporter`, `yeto dashboard`)."""
     import os
 
-    parser.add_argument("--port", type=int, default=int(os.environ.get(port_env, str(port))),
+    from services.envflags import env_value
+
+    parser.add_argument("--port", type=int, default=env_value(port_env, int, port),
                         help=f"HTTP port (env {port_env}; 0 picks a free one)")
     parser.add_argument("--host", default=os.environ.get(host_env, "127.0.0.1"),
                         help=f"listen address (env {host_env}; 0.0.0.0 in a container)")
