@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from services.broker import Broker, BrokerError, Cluster, check_config
+from services.broker_supervisor import RestartPolicy
 
 def is_loopback(host: str) -> bool:
     """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
@@ -114,8 +115,8 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
     """`yeto broker`: run until SIGINT/SIGTERM, print the URL(s) once usable.
 
     cluster N >= 1: N servers joined by routes (`Cluster`), ready once JetStream has a meta leader; the
-    line printed carries the N client URLs comma separated (what `--nats` takes). If a node exits on
-    its own the others are stopped and the exit status is that node's.
+    line printed carries the N client URLs comma separated (what `--nats` takes). A node that exits on its
+    own is restarted on its store (`supervise`); each server logs to `nats-server.log` in its store.
 
     auth DIR: serve DIR's identities (`AuthServe`; TLS when DIR/tls/ has a certificate); a cluster's
     routes then stay on loopback. SIGHUP reloads the config of every server (rebuilt from DIR first).
@@ -141,35 +142,87 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
                     http_port=http_port if http_port is not None else port + 4000,
                     **_secured_cluster_kw(served))
         nodes = c.nodes
+        _log_in_store(nodes)
         c.start()
         print(f"yeto broker ready: {_shown_urls(c.url, served)} (cluster {cluster_name} of {cluster}, JetStream meta leader elected "
               f"after {c.waited_s:.1f}s; routes {c.cluster_port}..{c.cluster_port + cluster - 1}, monitoring "
-              f"{c.http_port}..{c.http_port + cluster - 1}; stores under {c.store_dir}{secured})", flush=True)
+              f"{c.http_port}..{c.http_port + cluster - 1}; stores and logs (nats-server.log) under {c.store_dir}"
+              f"{secured})", flush=True)
         stopper = c.stop
     else:
         broker = Broker(port=port, store_dir=store_dir, config=config, host=host, http_port=http_port)
         nodes = [broker]
+        _log_in_store(nodes)
         broker.start()
         print(f"yeto broker ready: {_shown_urls(broker.url, served)} (JetStream store {broker.store_dir}, "
-              f"config {broker.config}{secured})", flush=True)
+              f"config {broker.config}, log {broker.log_file}, monitoring http://{broker.host}:{broker.http_port}"
+              f"{secured})", flush=True)
         stopper = broker.stop
     try:
-        while not stop["flag"] and all(b.proc and b.proc.poll() is None for b in nodes):
-            if stop["reload"]:
-                stop["reload"] = False
-                _reload(nodes, served)
-            time.sleep(0.2)
-        if stop["flag"]:
-            rc = 0
-        else:
-            dead = [b for b in nodes if not (b.proc and b.proc.poll() is None)]
-            rc = dead[0].proc.returncode if dead[0].proc else 1
-            print(f"yeto broker: nats-server on {dead[0].url} exited with {rc}", file=sys.stderr, flush=True)
+        supervise(nodes, stop, served)
+        rc = 0
     finally:
         stopper()
         if served is not None:
             served.cleanup()
     return rc
+
+
+def _log_in_store(nodes: list[Broker]) -> None:
+    """nats-server's own output (why a node exited, the permission violations the README says are logged)
+    goes to `nats-server.log` in the node's store, not to /dev/null (issue 25)."""
+    for b in nodes:
+        if b.log_file is None:
+            b.store_dir.mkdir(parents=True, exist_ok=True)
+            b.log_file = b.store_dir / "nats-server.log"
+
+
+def _log_tail(b: Broker, n: int = 5) -> str:
+    try:
+        lines = Path(b.log_file).read_text(errors="replace").splitlines()[-n:]
+    except (OSError, TypeError):
+        return ""
+    return "".join(f"\n    {ln}" for ln in lines)
+
+
+def supervise(nodes: list[Broker], stop: dict, served: AuthServe | None, *, poll_s: float = 0.2) -> None:
+    """Until SIGINT/SIGTERM: a nats-server that exits on its own is restarted on its own store, after
+    the RestartPolicy's delay (logged with the reason from its log), while the others keep serving: a
+    cluster rides through the death of any node, as the README promises (issue 25: one node's death
+    stopped them all)."""
+    policy = RestartPolicy()
+    now = time.monotonic()
+    for i in range(len(nodes)):
+        policy.started(i, now)
+    while not stop["flag"]:
+        if stop["reload"]:
+            stop["reload"] = False
+            _reload(nodes, served)
+        now = time.monotonic()
+        for i, b in enumerate(nodes):
+            if b.proc is not None and b.proc.poll() is None:
+                continue
+            if not policy.pending(i):
+                rc = b.proc.returncode if b.proc is not None else None
+                delay = policy.exited(i, now)
+                print(f"yeto broker: nats-server {_name(b, i)} on {b.url} exited with {rc}; restarting it on its store "
+                      f"{b.store_dir} in {delay:.0f}s (restart {policy.restarts(i)}; log {b.log_file}){_log_tail(b)}",
+                      file=sys.stderr, flush=True)
+            elif policy.due(i, now):
+                try:
+                    b.start()
+                except BrokerError as exc:
+                    print(f"yeto broker: restarting {_name(b, i)} failed: {exc}", file=sys.stderr, flush=True)
+                    policy.exited(i, time.monotonic())   # the next try after a longer pause
+                    continue
+                policy.started(i, time.monotonic())
+                print(f"yeto broker: {_name(b, i)} on {b.url} is back (restart {policy.restarts(i)})", flush=True)
+        time.sleep(poll_s)
+
+
+def _name(b: Broker, i: int) -> str:
+    args = b.extra_args
+    return args[args.index("--server_name") + 1] if "--server_name" in args else f"node {i + 1}"
 
 
 def _secured_cluster_kw(served: AuthServe | None) -> dict:
