@@ -260,9 +260,16 @@ class Cluster:
         log_dir: str | os.PathLike | None = None,
         route_host: str | None = None,
         connect_opts=None,
+        peers: list[tuple[str, int]] | None = None,
     ):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BrokerError(f"cluster size must be an integer >= 1, got {n!r}")
+        if peers is not None and len(peers) != n:
+            raise BrokerError(f"--peers lists {len(peers)} route addresses for a cluster of {n}")
+        # peers (one node per host, `yeto broker --cluster N --node K --peers H1:R1,...`): node i listens
+        # for routes on peers[i], clients on `port` and monitoring on `http_port` (no per-node offset:
+        # each host runs one node); only the node asked for is ever started.
+        self.peers = peers
         self.n, self.name, self.host = n, name, host
         # Routes carry no client authorization: a secured cluster keeps them on loopback (route_host)
         # while clients may come from anywhere; connect_opts lets start() probe a secured server.
@@ -279,18 +286,20 @@ class Cluster:
         for what, base in (("port", self.port), ("cluster port", self.cluster_port), ("monitoring port", self.http_port)):
             if not 0 < base <= 65536 - n:
                 raise BrokerError(f"{what} {base}: the cluster needs {n} ports from it, up to 65535")
-        routes = ",".join(f"nats://{route_host}:{self.cluster_port + i}" for i in range(n))
+        listen = peers or [(route_host, self.cluster_port + i) for i in range(n)]
+        routes = ",".join(f"nats://{h}:{p}" for h, p in listen)
+        off = 0 if peers else 1
         self.nodes: list[Broker] = []
         for i in range(n):
             server_name = f"{name}-{i + 1}"
             log_file = Path(log_dir) / f"{server_name}.log" if log_dir else None
             self.nodes.append(Broker(
-                port=self.port + i, store_dir=self.store_dir / server_name, config=config, host=host,
-                http_port=self.http_port + i, log_file=log_file,
+                port=self.port + i * off, store_dir=self.store_dir / server_name, config=config, host=host,
+                http_port=self.http_port + i * off, log_file=log_file,
                 # Every node lists every route, itself included (the server skips its own): one list
                 # for all, as in deploy/nats/hub-common.conf.
                 extra_args=["--server_name", server_name, "--cluster_name", name,
-                            "--cluster", f"nats://{route_host}:{self.cluster_port + i}", "--routes", routes],
+                            "--cluster", f"nats://{listen[i][0]}:{listen[i][1]}", "--routes", routes],
             ))
 
     @property

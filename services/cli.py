@@ -40,16 +40,19 @@ def _cmd_broker(args) -> int:
                                      host=args.host, config=args.config, cluster=args.cluster)
         return run_foreground(args.port, store, config, host=args.host, cluster=args.cluster,
                               cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port,
-                              auth=args.auth)
+                              auth=args.auth, node=args.node, peers=args.peers)
     except BrokerError as exc:
         print(f"yeto broker: {exc}", file=sys.stderr)
         return 2
 
 
 def _broker_refusal(args) -> str | None:
-    """Issue 17: no open broker beyond loopback unless asked for (--insecure)."""
-    from services.cmd_broker import exposure_refusal
+    """Issue 17: no open broker beyond loopback unless asked for (--insecure). Issue 25: --node/--peers."""
+    from services.cmd_broker import exposure_refusal, node_refusal
 
+    why = node_refusal(args.cluster, args.node, args.peers, auth=args.auth, insecure=args.insecure)
+    if why:
+        return why
     if args.auth and not os.path.isdir(args.auth):
         return f"--auth: {args.auth!r} is not a directory (make one with `yeto auth init --out DIR`)"
     return exposure_refusal(args.host, auth=args.auth, insecure=args.insecure)
@@ -105,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster-port", type=int, default=None, help="first route port of --cluster (default: --port + 2000)")
     b.add_argument("--http-port", type=int, default=None,
                    help="(first) monitoring port (default: --port + 4000 with --cluster, else a free port)")
+    b.add_argument("--node", type=int, default=env_value("YETO_BROKER_NODE", int, None), metavar="K",
+                   help="with --cluster N: start node K (1..N) of that cluster alone, on its own store (one node "
+                        "per host, or one restarted by hand); it joins the others as they come (env YETO_BROKER_NODE)")
+    b.add_argument("--peers", default=os.environ.get("YETO_BROKER_PEERS") or None, metavar="H1:R1,...",
+                   help="with --node: every node's route address host:port, in node order (one node per host: "
+                        "clients on --port and monitoring on --http-port of each host) (env YETO_BROKER_PEERS)")
     _add_broker_security_args(b)
     # Island datacenters (services/leaf.py): a hub with a leafnode listener, or a leaf that dials out to it.
     b.add_argument("--leaf-port", type=int, default=env_value("YETO_BROKER_LEAF_PORT", lambda v: int(v) or None, None),

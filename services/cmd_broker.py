@@ -41,6 +41,41 @@ def exposure_refusal(host: str, *, auth: str | None, insecure: bool) -> str | No
             f"or with a --config that does its own authorization)")
 
 
+def parse_peers(text: str) -> list[tuple[str, int]]:
+    """`--peers H1:R1,H2:R2,...` -> [(host, route port)], each checked (BrokerError naming the entry)."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise BrokerError(f"--peers: {item!r} is not host:port (a node's route address, e.g. hub-2:6222)")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def node_refusal(cluster: int, node: int | None, peers: str | None, *, auth: str | None, insecure: bool) -> str | None:
+    """Why `--node`/`--peers` cannot be served as given, or None. Pure."""
+    if node is None:
+        return "--peers needs --node K (the node this host runs)" if peers else None
+    if cluster < 2:
+        return f"--node {node} needs --cluster N (N >= 2): the size of the cluster it belongs to"
+    if not 1 <= node <= cluster:
+        return f"--node {node}: a node of --cluster {cluster} is numbered 1..{cluster}"
+    if peers:
+        try:
+            listed = parse_peers(peers)
+        except BrokerError as exc:
+            return str(exc)
+        if len(listed) != cluster:
+            return f"--peers lists {len(listed)} route addresses, --cluster is {cluster}: one per node, in order"
+        if auth:
+            return ("--peers with --auth: routes between hosts carry no authorization yet (a secured cluster keeps "
+                    "its routes on loopback); run a secured multi-host hub from deploy/nats/ (routes with TLS)")
+        if not insecure and not all(is_loopback(h) for h, _ in listed):
+            return ("--peers beyond loopback: routes carry no authorization, so any host that reaches a route port "
+                    "joins the cluster; pass --insecure on a private network, or use deploy/nats/")
+    return None
+
+
 class AuthServe:
     """The nats-server config `yeto broker --auth DIR` serves: the base config (default the shipped
     services/nats.conf: max_payload, JetStream limits), DIR's users and permissions, and TLS when
@@ -111,7 +146,8 @@ def reload_nodes(nodes: list["Broker"], served: "AuthServe | None") -> str:
 
 def run_foreground(port: int, store_dir: str, config: str | None, host: str = "127.0.0.1", *,
                    cluster: int = 0, cluster_name: str = "yeto", cluster_port: int | None = None,
-                   http_port: int | None = None, auth: str | None = None) -> int:
+                   http_port: int | None = None, auth: str | None = None, node: int | None = None,
+                   peers: str | None = None) -> int:
     """`yeto broker`: run until SIGINT/SIGTERM, print the URL(s) once usable.
 
     cluster N >= 1: N servers joined by routes (`Cluster`), ready once JetStream has a meta leader; the
@@ -136,7 +172,24 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_hup)
     secured = f"; {served.summary}" if served is not None else ""
-    if cluster:
+    if cluster and node is not None:
+        # One node of the cluster alone: the layout --cluster N gives it on this host, or its own host's
+        # ports with --peers. Ready once it accepts clients; the meta leader comes when a majority runs.
+        listed = parse_peers(peers) if peers else None
+        c = Cluster(cluster, port, store_dir, name=cluster_name, config=config, host=host,
+                    cluster_port=cluster_port if cluster_port is not None else port + 2000,
+                    http_port=http_port if http_port is not None else port + 4000, peers=listed,
+                    **_secured_cluster_kw(served))
+        b = c.nodes[node - 1]
+        nodes = [b]
+        _log_in_store(nodes)
+        b.start()
+        routes = b.extra_args[b.extra_args.index("--routes") + 1]
+        print(f"yeto broker ready: {_shown_urls(b.url, served)} (node {cluster_name}-{node} of cluster {cluster_name} "
+              f"of {cluster}, routes {routes}; it joins the others as they come; store {b.store_dir}, log "
+              f"{b.log_file}, monitoring http://{b.host}:{b.http_port}{secured})", flush=True)
+        stopper = b.stop
+    elif cluster:
         c = Cluster(cluster, port, store_dir, name=cluster_name, config=config, host=host,
                     cluster_port=cluster_port if cluster_port is not None else port + 2000,
                     http_port=http_port if http_port is not None else port + 4000,
