@@ -35,7 +35,7 @@ import nats
 import nats.errors
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from schemas import codec
+from schemas import codec, leader_watch
 from schemas import provision as P
 from schemas import subjects as S
 from schemas.conn import connect
@@ -331,6 +331,8 @@ class IslandClient:
         except ConnectError as exc:
             raise IslandUnhealthy(str(exc)) from None
         self.js, self.cut_js = cut_contexts(self.nc, cfg)
+        # a stream leader's election re-sends what its dead predecessor left unacknowledged (issue 25)
+        await leader_watch.watch(self.nc, self.run)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
 

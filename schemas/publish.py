@@ -29,7 +29,11 @@ node, the stream's leader was on the dead one. A pipeline's timeout therefore ru
 send (or from the previous ack, whichever is later: publishes leave in order, so on a slow link the
 queue ahead of a publish is not counted against it), and once one ack of a batch is found lost, every
 publish sent before that moment is presumed lost too and re-sent at once. Otherwise each lost ack costs
-a whole timeout one after another (6 lost acks took 21 s with a 3 s timeout).
+a whole timeout one after another (6 lost acks took 21 s with a 3 s timeout). And where the connection
+has a `leader_watch.LeaderWatch` (the syncer's and the islands'), a stream leader's election after a
+publish left presumes it lost at once: the dead leader's acks are then re-sent one election after the
+node's death, not one ack timeout (issue 25 item 2), and a retry backing off from "no responders" wakes
+at the election.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from typing import Callable
 from nats.js.errors import NoStreamResponseError
 
 from .dtypes import as_bytes_view
+from .leader_watch import watch_of
 from .subjects import MSG_ID, in_shared_stream
 
 log = logging.getLogger("yeto.publish")
@@ -105,6 +110,27 @@ class _Reconnected(Exception):
     """The connection a publish went out on is gone: its PubAck will never come."""
 
 
+class _LeaderElected(Exception):
+    """A stream elected a new leader since the publish went out: its PubAck may never come (the old
+    leader's node died with it); re-sent with the same Nats-Msg-Id, a publish that did land collapses."""
+
+
+def _elections(js) -> int | None:
+    """The connection's leader-election count now (None: no watch on it)."""
+    w = watch_of(js)
+    return None if w is None else w.elections
+
+
+async def _backoff(js, seconds: float) -> None:
+    """Sleep `seconds`, or less when a stream leader is elected meanwhile (a refusal for want of a
+    leader is then worth retrying at once)."""
+    w = watch_of(js)
+    if w is None:
+        await asyncio.sleep(seconds)
+    else:
+        await w.wait(seconds)
+
+
 # How often a wait for a PubAck looks at the connection. Cheap (two attribute reads); short enough that
 # a lost ack costs a fraction of a second after the reconnect.
 _WATCH_S = 0.1
@@ -121,13 +147,16 @@ def _sent_on(js) -> int | None:
     return stats["reconnects"] + (0 if nc.is_connected else 1)
 
 
-async def _await_ack(js, fut: asyncio.Future, timeout: float, sent_on: int | None):
+async def _await_ack(js, fut: asyncio.Future, timeout: float, sent_on: int | None, elected: int | None = None):
     """The PubAck of `fut` (a publish_async future or a js.publish task), or asyncio.TimeoutError after
-    `timeout`, or _Reconnected as soon as the client has reconnected since the publish went out. A future
-    given up is cancelled (for publish_async that returns its slot in nats-py's pending semaphore)."""
+    `timeout`, or _Reconnected as soon as the client has reconnected since the publish went out, or
+    _LeaderElected once a stream elected a leader since then (`elected`: the election count at the send).
+    A future given up is cancelled (for publish_async that returns its slot in nats-py's pending
+    semaphore)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     nc = getattr(js, "_nc", None)
+    w = watch_of(js) if elected is not None else None
     try:
         while True:
             if fut.done():  # an ack already in (a pipeline may wait with no time left)
@@ -140,6 +169,8 @@ async def _await_ack(js, fut: asyncio.Future, timeout: float, sent_on: int | Non
                 return fut.result()
             if sent_on is not None and nc.stats["reconnects"] > sent_on:
                 raise _Reconnected
+            if w is not None and w.elections > elected:
+                raise _LeaderElected
     finally:
         if not fut.done():
             fut.cancel()
@@ -171,6 +202,8 @@ def _reason(exc: BaseException) -> str | None:
         return BACKPRESSURE_CODES.get(getattr(exc, "err_code", None) or 0)
     if isinstance(exc, _Reconnected):
         return "reconnected"
+    if isinstance(exc, _LeaderElected):
+        return "leader_elected"
     if isinstance(exc, (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError)):
         # Disconnected, and the client's reconnect buffer (2 MiB, trap 7) is full: wait for the reconnect.
         return "disconnected"
@@ -216,12 +249,12 @@ async def publish_retry(
     while i < attempts or (isinstance(last, NoStreamResponseError) and loop.time() - t0 < election_s):
         i += 1
         try:
-            sent_on = _sent_on(js)
+            sent_on, elected = _sent_on(js), _elections(js)
             # js.publish (a request), not publish_async: nats-py 2.16 loses a publish_async future's
             # JetStream error (APIError.from_error raises 503s inside the reply callback), so 10077 would
             # look like a timeout. The request, run as a task, can still be given up on a reconnect.
             req = asyncio.ensure_future(js.publish(subject, data, timeout=timeout, headers=hdrs))
-            ack = await _await_ack(js, req, timeout, sent_on)
+            ack = await _await_ack(js, req, timeout, sent_on, elected)
             if first and i == 1 and getattr(ack, "duplicate", False):
                 # our first try of an id never sent before, answered "duplicate": another publisher holds it
                 return await publish_retry(
@@ -247,7 +280,9 @@ async def publish_retry(
                 break
             if reason == "disconnected":
                 await _until_connected(js, timeout)
-            await asyncio.sleep(delay * (0.5 + random.random()))
+            # a new leader elected (now, or while this attempt failed): re-send at once
+            if reason != "leader_elected" and (elected is None or _elections(js) == elected):
+                await _backoff(js, delay * (0.5 + random.random()))
             delay = min(delay * 2, max_backoff_s)
     raise PublishFailed(subject, msg_id, i, last)
 
@@ -265,8 +300,9 @@ class Pipeline:
         self.js, self.max_bytes, self.max_msgs, self.timeout = js, max_bytes, max_msgs, timeout
         self.counters = counters
         # (future, subject, data, msg id, headers, size, connection it went out on, loop time it went out,
-        #  whether this process sent that id for the first time)
-        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None, float, bool]] = []
+        #  whether this process sent that id for the first time, leader elections seen when it went out)
+        self._inflight: list[tuple[asyncio.Future, str, bytes, str, dict, int, int | None, float, bool,
+                                   int | None]] = []
         self._bytes = 0
         self._warned = False
         self._acked_at = 0.0              # loop time of the last ack in
@@ -280,7 +316,7 @@ class Pipeline:
             await self._settle_one()
         hdrs = dict(headers or {})
         hdrs[MSG_ID] = msg_id
-        sent_on = _sent_on(self.js)
+        sent_on, elected = _sent_on(self.js), _elections(self.js)
         first = first_send(subject, msg_id)
         try:
             fut = await self.js.publish_async(subject, data, headers=hdrs, wait_stall=self.timeout)
@@ -294,7 +330,7 @@ class Pipeline:
             await publish_retry(self.js, subject, data, msg_id, headers, timeout=self.timeout, counters=self.counters)
             return
         self._inflight.append((fut, subject, data, msg_id, headers or {}, len(data), sent_on,
-                               asyncio.get_running_loop().time(), first))
+                               asyncio.get_running_loop().time(), first, elected))
         self._bytes += len(data)
 
     def _count(self, exc: BaseException) -> None:
@@ -302,7 +338,7 @@ class Pipeline:
             self.counters[f"publish_retry.{_reason(exc) or 'pipeline'}"] += 1
 
     async def _settle_one(self) -> None:
-        fut, subject, data, msg_id, headers, n, sent_on, sent_at, first = self._inflight.pop(0)
+        fut, subject, data, msg_id, headers, n, sent_on, sent_at, first, elected = self._inflight.pop(0)
         self._bytes -= n
         try:
             now = asyncio.get_running_loop().time()
@@ -312,7 +348,7 @@ class Pipeline:
                 # Publishes leave in order: this one's bytes went out after the previous ack came (a slow
                 # link with a full pipeline is not a lost ack), and acks lost together time out together.
                 left = max(sent_at, self._acked_at) + self.timeout - now
-            ack = await _await_ack(self.js, fut, max(left, 0.0), sent_on)
+            ack = await _await_ack(self.js, fut, max(left, 0.0), sent_on, elected)
             self._acked_at = asyncio.get_running_loop().time()
         except Exception as exc:
             if _reason(exc) is None:

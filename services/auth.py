@@ -50,6 +50,7 @@ from pathlib import Path
 
 from schemas import subjects as S
 from schemas.conn import nkey_inbox_prefix
+from schemas.leader_watch import run_advisories
 from schemas.ids import check_island, check_run
 
 ROLES = ("syncer", "island", "observer", "admin")
@@ -113,6 +114,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
         ctl = st["CTL"]
         pub = [S.push_island_all(run, name), S.hello(run, name), S.heartbeat(run, name), S.ack(run, name),
                S.steplog(run, name)]
+        sub += run_advisories(run)   # stream leader elections (schemas/leader_watch.py)
         if name == init_island:
             pub.append(S.init_all(run))
         # check_run: every stream and bucket of the run must exist
@@ -143,6 +145,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
                     f"{API}.STREAM.MSG.GET.{s}", f"{API}.STREAM.MSG.DELETE.{s}", f"{API}.DIRECT.GET.{s}",
                     f"{API}.DIRECT.GET.{s}.>"] + _all_consumer_ops(s)
         sub.append(S.run_all(run))
+        sub += run_advisories(run)   # stream leader elections (schemas/leader_watch.py)
         # removing or reshaping the run is the admin's
         deny_pub = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>"]
     elif role == "observer":

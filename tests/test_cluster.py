@@ -179,6 +179,19 @@ async def _committed(js, run: str) -> int:
     return c["committed_step"] if c else 0
 
 
+def _first_merge_after(log_path, t: float) -> float:
+    """Seconds from wall time `t` to the first merge the syncer logged after it ('step N: fragment ...')."""
+    import datetime
+
+    for line in log_path.read_text().splitlines():
+        if ": fragment " not in line or " step " not in line:
+            continue
+        stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if stamp > t:
+            return stamp - t
+    return float("nan")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", ["PUSH", "BCAST", "EVENTS+CTL"])
 async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run_id, tmp_path, victim):
@@ -232,6 +245,7 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
                 led_there = (await _retry(lambda: js.stream_info(name), name)).cluster.leader == doomed
                 assert led_there == (name in mine), name
         before = await _retry(lambda: _committed(js, run_id), "commit record")
+        killed_at = time.time()
         cluster.kill(leader)
         assert before < ROUNDS - 2, f"the run was about to finish ({before} of {ROUNDS}) before the kill: make it longer"
 
@@ -244,6 +258,9 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
             await wait_until(committed_without_it, 90, "two rounds committed with the leader's node down")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{await _ctl_state(js, run_id)}\n{tails(procs)}") from None
+        # kill -> the syncer's next merge, from its log (README "Failure and recovery"): the elections of
+        # the streams a round needs (4-9 s each), not an ack timeout
+        print(f"{victim} leader's node killed -> next merge {_first_merge_after(tmp_path / 'syncer.log', killed_at):.1f}s")
         new_leader = (await _retry(lambda: js.stream_info(S.stream(run_id, victim)), "stream info")).cluster.leader
         assert new_leader != cluster.server_name(leader)
         cluster.start_node(leader)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import orjson
 
-from schemas import codec, shards as SH, subjects as S
+from schemas import codec, leader_watch, shards as SH, subjects as S
 from schemas.chunks import max_chunk_bytes
 from schemas.conn import ConnectOptions, connect, server_max_payload
 from schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
@@ -255,6 +255,8 @@ class SyncerService:
                                 error_cb=self._on_error, disconnected_cb=self._on_disconnect,
                                 reconnected_cb=self._on_reconnect)
         self.js = self.nc.jetstream(timeout=30)
+        # a stream leader's election re-sends what its dead predecessor left unacknowledged (issue 25)
+        await leader_watch.watch(self.nc, self.run_id)
         try:
             bound = max_chunk_bytes(server_max_payload(self.nc))
             if self.cfg.machine.chunk_bytes > bound:
