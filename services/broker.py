@@ -117,9 +117,12 @@ class Broker:
         if held:
             raise BrokerError(f"port {self.port} on {self.host} is already in use ({held}): another broker runs "
                               f"there (connect to it at {self.url}), or pick another port with --port")
-        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        # log_file "-": the server writes to our stderr (`yeto broker --log -`, e.g. under a supervisor that
+        # collects stderr)
+        to_stderr = str(self.log_file) == "-"
+        out = sys.stderr if to_stderr else open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        if out is not subprocess.DEVNULL:
+        if out not in (subprocess.DEVNULL, sys.stderr):
             out.close()  # the child holds its own descriptor
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -40,7 +40,7 @@ def _cmd_broker(args) -> int:
                                      host=args.host, config=args.config, cluster=args.cluster)
         return run_foreground(args.port, store, config, host=args.host, cluster=args.cluster,
                               cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port,
-                              auth=args.auth, node=args.node, peers=args.peers)
+                              auth=args.auth, node=args.node, peers=args.peers, log=args.log)
     except BrokerError as exc:
         print(f"yeto broker: {exc}", file=sys.stderr)
         return 2
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default=os.environ.get("YETO_BROKER_PEERS") or None, metavar="H1:R1,...",
                    help="with --node: every node's route address host:port, in node order (one node per host: "
                         "clients on --port and monitoring on --http-port of each host) (env YETO_BROKER_PEERS)")
+    b.add_argument("--log", default=os.environ.get("YETO_BROKER_LOG") or None, metavar="FILE|-",
+                   help="nats-server's log: this file (with --cluster, one per node: FILE's stem + -<server name>), "
+                        "or - for stderr (default: nats-server.log in each server's store) (env YETO_BROKER_LOG)")
     _add_broker_security_args(b)
     # Island datacenters (services/leaf.py): a hub with a leafnode listener, or a leaf that dials out to it.
     b.add_argument("--leaf-port", type=int, default=env_value("YETO_BROKER_LEAF_PORT", lambda v: int(v) or None, None),

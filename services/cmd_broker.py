@@ -147,7 +147,7 @@ def reload_nodes(nodes: list["Broker"], served: "AuthServe | None") -> str:
 def run_foreground(port: int, store_dir: str, config: str | None, host: str = "127.0.0.1", *,
                    cluster: int = 0, cluster_name: str = "yeto", cluster_port: int | None = None,
                    http_port: int | None = None, auth: str | None = None, node: int | None = None,
-                   peers: str | None = None) -> int:
+                   peers: str | None = None, log: str | None = None) -> int:
     """`yeto broker`: run until SIGINT/SIGTERM, print the URL(s) once usable.
 
     cluster N >= 1: N servers joined by routes (`Cluster`), ready once JetStream has a meta leader; the
@@ -182,12 +182,12 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
                     **_secured_cluster_kw(served))
         b = c.nodes[node - 1]
         nodes = [b]
-        _log_in_store(nodes)
+        _log_in_store(nodes, log)
         b.start()
         routes = b.extra_args[b.extra_args.index("--routes") + 1]
         print(f"yeto broker ready: {_shown_urls(b.url, served)} (node {cluster_name}-{node} of cluster {cluster_name} "
               f"of {cluster}, routes {routes}; it joins the others as they come; store {b.store_dir}, log "
-              f"{b.log_file}, monitoring http://{b.host}:{b.http_port}{secured})", flush=True)
+              f"{_shown_log(b)}, monitoring http://{b.host}:{b.http_port}{secured})", flush=True)
         stopper = b.stop
     elif cluster:
         c = Cluster(cluster, port, store_dir, name=cluster_name, config=config, host=host,
@@ -195,20 +195,21 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
                     http_port=http_port if http_port is not None else port + 4000,
                     **_secured_cluster_kw(served))
         nodes = c.nodes
-        _log_in_store(nodes)
+        _log_in_store(nodes, log)
         c.start()
+        logs = (f"logs (nats-server.log) in the stores under {c.store_dir}" if not log else
+                f"stores under {c.store_dir}, logs {'stderr' if log == '-' else ','.join(_shown_log(n) for n in nodes)}")
         print(f"yeto broker ready: {_shown_urls(c.url, served)} (cluster {cluster_name} of {cluster}, JetStream meta leader elected "
               f"after {c.waited_s:.1f}s; routes {c.cluster_port}..{c.cluster_port + cluster - 1}, monitoring "
-              f"{c.http_port}..{c.http_port + cluster - 1}; stores and logs (nats-server.log) under {c.store_dir}"
-              f"{secured})", flush=True)
+              f"{','.join(f'http://{n.host}:{n.http_port}' for n in nodes)}; {logs}{secured})", flush=True)
         stopper = c.stop
     else:
         broker = Broker(port=port, store_dir=store_dir, config=config, host=host, http_port=http_port)
         nodes = [broker]
-        _log_in_store(nodes)
+        _log_in_store(nodes, log)
         broker.start()
         print(f"yeto broker ready: {_shown_urls(broker.url, served)} (JetStream store {broker.store_dir}, "
-              f"config {broker.config}, log {broker.log_file}, monitoring http://{broker.host}:{broker.http_port}"
+              f"config {broker.config}, log {_shown_log(broker)}, monitoring http://{broker.host}:{broker.http_port}"
               f"{secured})", flush=True)
         stopper = broker.stop
     try:
@@ -221,16 +222,36 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
     return rc
 
 
-def _log_in_store(nodes: list[Broker]) -> None:
+def _log_in_store(nodes: list[Broker], log: str | None = None) -> None:
     """nats-server's own output (why a node exited, the permission violations the README says are logged)
-    goes to `nats-server.log` in the node's store, not to /dev/null (issue 25)."""
+    goes to `nats-server.log` in the node's store, not to /dev/null (issue 25); `log` (`--log`): that file
+    instead (with several nodes, one per node: `<stem>-<server name><suffix>`), or "-" for our stderr."""
     for b in nodes:
-        if b.log_file is None:
+        if log == "-":
+            b.log_file = "-"
+        elif log:
+            path = Path(log)
+            if len(nodes) > 1:
+                path = path.with_name(f"{path.stem}-{_server_name(b)}{path.suffix}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            b.log_file = path
+        elif b.log_file is None:
             b.store_dir.mkdir(parents=True, exist_ok=True)
             b.log_file = b.store_dir / "nats-server.log"
 
 
+def _server_name(b: Broker) -> str:
+    args = b.extra_args or []
+    return args[args.index("--server_name") + 1] if "--server_name" in args else b.store_dir.name
+
+
+def _shown_log(b: Broker) -> str:
+    return "stderr" if str(b.log_file) == "-" else str(b.log_file)
+
+
 def _log_tail(b: Broker, n: int = 5) -> str:
+    if str(b.log_file) == "-":   # already on our stderr
+        return ""
     try:
         lines = Path(b.log_file).read_text(errors="replace").splitlines()[-n:]
     except (OSError, TypeError):
@@ -259,7 +280,7 @@ def supervise(nodes: list[Broker], stop: dict, served: AuthServe | None, *, poll
                 rc = b.proc.returncode if b.proc is not None else None
                 delay = policy.exited(i, now)
                 print(f"yeto broker: nats-server {_name(b, i)} on {b.url} exited with {rc}; restarting it on its store "
-                      f"{b.store_dir} in {delay:.0f}s (restart {policy.restarts(i)}; log {b.log_file}){_log_tail(b)}",
+                      f"{b.store_dir} in {delay:.0f}s (restart {policy.restarts(i)}; log {_shown_log(b)}){_log_tail(b)}",
                       file=sys.stderr, flush=True)
             elif policy.due(i, now):
                 try:
