@@ -11,7 +11,7 @@ logs.
 `--datacenters 2` runs two sites on this host instead: a hub (broker with JetStream domain `hub`, the
 syncer, island a) and a datacenter `dc1` (a leaf node dialling the hub, islands b and c reading the cut
 from their local mirror); the JSON line then adds `wan`: the bytes the hub sent over the leaf link
-(its `/leafz`) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
+(its `/leafz` and closed leaf connections) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
 `--model-mib` widens the MLP to a few MiB so those bytes are about the cut, not control traffic.
 
 `--syncer-shards N` runs the syncer as N shard processes (`yeto syncer --shard K --shards N`, checkpoint

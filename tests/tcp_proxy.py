@@ -17,6 +17,9 @@ class TcpProxy:
         self.down = False
         self.connections = 0  # accepted while up
         self.refused = 0  # accepted and closed while cut
+        # bytes passed on, per direction: "up" from the dialer to the target, "down" from the target back
+        # (for a leaf link through the proxy: "down" is what the hub sent to the datacenter)
+        self.bytes = {"up": 0, "down": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy", daemon=True)
         self._server: asyncio.AbstractServer | None = None
@@ -31,12 +34,13 @@ class TcpProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, direction: str) -> None:
         try:
             while not self.down:
                 data = await r.read(1 << 16)
                 if not data:
                     break
+                self.bytes[direction] += len(data)
                 w.write(data)
                 await w.drain()
         except (ConnectionError, OSError, asyncio.CancelledError):
@@ -57,7 +61,7 @@ class TcpProxy:
         self.connections += 1
         self._writers |= {cw, uw}
         try:
-            await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw))
+            await asyncio.gather(self._pipe(cr, uw, "up"), self._pipe(ur, cw, "down"))
         finally:
             self._writers -= {cw, uw}
 
