@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Goodput benchmark: what streaming sync costs an island's training loop (issue 27 item 1).
+
+    python bench/goodput.py [--islands 2] [--size-mib 256] [--fragments 4] [--step-s 0.25]
+                            [--sync-every 32] [--steps 160] [--warmup 24]
+
+N islands (processes) train a model of S MiB of f32 parameters in 8 square weight tensors (so P
+fragments of whole tensors divide it evenly). Each step is a fixed simulated accelerator time
+(`--step-s`, a sleep: the host CPU is free meanwhile, as while a GPU computes) plus the real optimizer
+step (torch AdamW over every parameter, gradients fixed at the start: the bench measures the loop, not
+learning). The same script runs twice, in one invocation:
+
+  sync   a real broker (embedded, or `--nats`), the real `yeto syncer` (P fragments, H = `--sync-every`,
+         streaming: not lockstep) and N islands calling `Island.boundary()` after every step;
+  alone  the same N processes with no Island at all.
+
+Per island, steps/s over the steps after `--warmup` and before the last H/P (the final cut's wait is not
+training); goodput = the median island's steps/s with sync over without. Staleness: each time an island
+installs a new version of a fragment (its step log, YETO_DILOCO_STEP_LOG), how many versions of that
+fragment the syncer had committed by then beyond the one installed (the tape's merge records); the median
+over every install. Peak RSS (VmHWM) of every process. The last line:
+
+  goodput ratio=<x> staleness=<y> sync_steps_per_s=<a> alone_steps_per_s=<b>
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+LAYERS = 8
+
+
+# ---------------------------------------------------------------------------------------- the island
+
+
+def width_for(size_mib: float) -> int:
+    """The width d of LAYERS d x d f32 tensors holding about `size_mib` MiB."""
+    return max(8, int((size_mib * MiB / 4 / LAYERS) ** 0.5))
+
+
+def worker(args) -> int:
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    d = width_for(args.size_mib)
+    model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(LAYERS)])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3   # fixed: the loop's cost, not learning, is measured
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    island = None
+    if args.sync:
+        from learner.adapters.torch_module import TorchModuleAdapter
+        from learner.config import IslandConfig
+        from learner.island import Island
+
+        island = Island(TorchModuleAdapter(model), IslandConfig.from_env(run=args.run, island=args.island))
+        island.start()
+    times, boundary_s = [], []
+    for _ in range(args.steps + (10 * args.sync_every if args.sync else 0)):
+        time.sleep(args.step_s)               # the accelerator's forward and backward
+        opt.step()
+        if island is not None:
+            t0 = time.monotonic()
+            keep = island.boundary(tokens=1)
+            boundary_s.append(time.monotonic() - t0)
+            times.append(time.monotonic())
+            if not keep:
+                break
+        else:
+            times.append(time.monotonic())
+            if len(times) >= args.steps:
+                break
+    if island is not None:
+        island.close()
+    Path(args.out).write_text(json.dumps({"island": args.island, "times": times, "boundary_s": boundary_s,
+                                          "params": sum(p.numel() for p in model.parameters())}))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ the driver
+
+
+def vm_hwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def wait_all(procs: dict[str, subprocess.Popen], timeout: float, work: Path, peak: dict[str, int]) -> None:
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs.values()):
+        for name, p in procs.items():
+            v = vm_hwm(p.pid) if p.poll() is None else None
+            if v:
+                peak[name] = max(peak.get(name, 0), v)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"goodput bench: still running after {timeout:.0f}s (logs in {work})")
+        time.sleep(0.5)
+    for name, p in procs.items():
+        if p.returncode != 0:
+            tail = (work / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise SystemExit(f"goodput bench: {name} exited with {p.returncode}; its log ends:\n{tail}")
+
+
+def rate(times: list[float], warmup: int, tail: int) -> float:
+    """Steps per second between step `warmup` and the step `tail` steps before the end."""
+    end = len(times) - 1 - tail
+    if end <= warmup:
+        raise SystemExit(f"goodput bench: {len(times)} steps leave no window after --warmup {warmup} (tail {tail})")
+    return (end - warmup) / (times[end] - times[warmup])
+
+
+def staleness(steplog_lines: list[str], merges: list[dict]) -> list[int]:
+    """Per install of a new fragment version seen in an island's step log: versions of that fragment the
+    syncer had committed by then beyond the one installed (pure)."""
+    committed: dict[int, list[tuple[float, int]]] = {}
+    for m in merges:
+        committed.setdefault(int(m["fragment"]), []).append((float(m["t"]), int(m["version"])))
+    out, last = [], {}
+    for line in steplog_lines:
+        ev = json.loads(line)
+        for f, v in (ev.get("versions") or {}).items():
+            f, v = int(f), int(v)
+            if v > last.get(f, 0) and v > 0:
+                newest = max((ver for t, ver in committed.get(f, []) if t <= ev["t"]), default=v)
+                out.append(max(0, newest - v))
+            last[f] = max(last.get(f, 0), v)
+    return out
+
+
+async def read_merges(url: str, run: str) -> list[dict]:
+    import nats
+    import orjson
+
+    from schemas import subjects as S
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(S.stream(run, "EVENTS"))
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                rec = orjson.loads((await js.get_msg(S.stream(run, "EVENTS"), seq=seq)).data)
+            except Exception:  # a gap (none expected): skip it
+                continue
+            if rec.get("kind") == "merge":
+                out.append(rec)
+        return out
+    finally:
+        await nc.close()
+
+
+def rounds_for(args) -> int:
+    """Global rounds in `--steps` island steps: one fragment's round every H/P steps."""
+    return max(1, args.steps * args.fragments // args.sync_every)
+
+
+def one_pass(args, url: str | None, work: Path, sync: bool, peak: dict[str, int]) -> tuple[dict, str | None]:
+    run = f"bench_goodput_{uuid.uuid4().hex[:8]}"
+    names = [f"i{k}" for k in range(args.islands)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env.update(PYTHONUNBUFFERED="1", YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    tag = "sync" if sync else "alone"
+    procs: dict[str, subprocess.Popen] = {}
+    logs = []
+    try:
+        if sync:
+            log = open(work / f"{tag}-syncer.log", "ab")
+            logs.append(log)
+            procs[f"{tag}-syncer"] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run, "--islands",
+                 str(args.islands), "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
+                 "--total-steps", str(rounds_for(args)), "--init-island", names[0],
+                 "--checkpoint-dir", str(work / f"{tag}-ckpt"), "--status-every", "30"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        for name in names:
+            log = open(work / f"{tag}-{name}.log", "ab")
+            logs.append(log)
+            e = dict(env)
+            if sync:
+                e.update(YETO_NATS=url, YETO_DILOCO_STEP_LOG=str(work / f"{tag}-steplog-{name}.jsonl"))
+            procs[f"{tag}-{name}"] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "worker", "--island", name, "--run", run,
+                 "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--step-s", str(args.step_s),
+                 "--sync-every", str(args.sync_every), "--out", str(work / f"{tag}-{name}.json")]
+                + (["--sync"] if sync else []),
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e, start_new_session=True)
+        wait_all(procs, args.timeout, work, peak)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    results = {n: json.loads((work / f"{tag}-{n}.json").read_text()) for n in names}
+    return results, run if sync else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--island", required=True)
+    w.add_argument("--run", required=True)
+    w.add_argument("--size-mib", type=float, required=True)
+    w.add_argument("--steps", type=int, required=True)
+    w.add_argument("--step-s", type=float, required=True)
+    w.add_argument("--sync-every", type=int, required=True)
+    w.add_argument("--sync", action="store_true")
+    w.add_argument("--out", required=True)
+    ap.add_argument("--islands", type=int, default=2)
+    ap.add_argument("--size-mib", type=float, default=256.0)
+    ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=0.25, help="simulated accelerator time per step (a sleep)")
+    ap.add_argument("--sync-every", type=int, default=32, help="H")
+    ap.add_argument("--steps", type=int, default=160,
+                    help="training steps per island (the syncer commits steps x P / H rounds)")
+    ap.add_argument("--warmup", type=int, default=24, help="steps left out at the start (initial cut, first pulls)")
+    ap.add_argument("--nats", default=None, help="a broker to use (default: the embedded one)")
+    ap.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    args = ap.parse_args(argv)
+    if args.cmd == "worker":
+        return worker(args)
+    if args.fragments > LAYERS:
+        ap.error(f"--fragments {args.fragments}: the model has {LAYERS} tensors and a fragment holds whole tensors")
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="yeto-goodput-"))
+    work.mkdir(parents=True, exist_ok=True)
+    broker = None
+    url = args.nats
+    if url is None:
+        from services.broker import Broker
+
+        broker = Broker(store_dir=work / "broker").start()
+        url = broker.url
+    peak: dict[str, int] = {}
+    try:
+        t0 = time.monotonic()
+        synced, run = one_pass(args, url, work, True, peak)
+        t_sync = time.monotonic() - t0
+        merges = asyncio.run(read_merges(url, run))
+        t0 = time.monotonic()
+        alone, _ = one_pass(args, None, work, False, peak)
+        t_alone = time.monotonic() - t0
+    finally:
+        if broker is not None:
+            broker.stop()
+    tail = args.sync_every // args.fragments
+    sync_rates = {n: rate(r["times"], args.warmup, tail) for n, r in synced.items()}
+    alone_rates = {n: rate(r["times"], args.warmup, tail) for n, r in alone.items()}
+    stale: list[int] = []
+    for n in synced:
+        stale += staleness((work / f"sync-steplog-{n}.jsonl").read_text().splitlines(), merges)
+    boundary = sorted(b for r in synced.values() for b in r["boundary_s"][args.warmup:])
+    params = next(iter(synced.values()))["params"]
+    print(f"model: {params * 4 / MiB:.0f} MiB f32 in {LAYERS} tensors, {args.fragments} fragments, H={args.sync_every}, "
+          f"{args.islands} islands, step {args.step_s}s + AdamW")
+    print(f"sync  pass {t_sync:.0f}s: steps/s per island {', '.join(f'{n} {v:.3f}' for n, v in sync_rates.items())}; "
+          f"{len(merges)} merges; boundary() median {statistics.median(boundary):.3f}s, p90 "
+          f"{boundary[int(0.9 * (len(boundary) - 1))]:.3f}s, max {boundary[-1]:.3f}s")
+    print(f"alone pass {t_alone:.0f}s: steps/s per island {', '.join(f'{n} {v:.3f}' for n, v in alone_rates.items())}")
+    print("peak RSS MiB: " + ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(peak.items())))
+    ratio = statistics.median(sync_rates.values()) / statistics.median(alone_rates.values())
+    st = statistics.median(stale) if stale else float("nan")
+    print(f"goodput ratio={ratio:.3f} staleness={st:g} sync_steps_per_s={statistics.median(sync_rates.values()):.3f} "
+          f"alone_steps_per_s={statistics.median(alone_rates.values()):.3f} installs={len(stale)} merges={len(merges)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""bench/goodput.py: a smoke run on a 4 MiB model (output contract: both passes ran, merges committed, every
+process's peak RSS), and its pure parts (the rate window, staleness from a step log and the tape) on
+hand-made data.
+
+Not a timed assertion: steps/s on 2 shared cores are too noisy to gate on; the 256 MiB figures live in
+bench/README.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GOODPUT = ROOT / "bench" / "goodput.py"
+LAST = re.compile(r"^goodput ratio=(?P<ratio>[0-9.]+) staleness=(?P<st>[0-9.]+) sync_steps_per_s=(?P<s>[0-9.]+) "
+                  r"alone_steps_per_s=(?P<a>[0-9.]+) installs=(?P<installs>\d+) merges=(?P<merges>\d+)$")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_goodput", GOODPUT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rate_window_leaves_out_warmup_and_tail():
+    g = _load()
+    times = [0.0, 5.0] + [5.0 + 0.5 * k for k in range(1, 11)] + [30.0, 60.0]   # slow start, slow end
+    # steps 1..11 are 0.5 s apart: 2 steps/s, whatever the first and last steps cost
+    assert g.rate(times, warmup=1, tail=2) == pytest.approx(2.0)
+    with pytest.raises(SystemExit):
+        g.rate(times[:4], warmup=2, tail=2)
+
+
+def test_staleness_counts_versions_committed_beyond_the_one_installed():
+    g = _load()
+    merges = [{"fragment": 0, "version": 1, "t": 10.0}, {"fragment": 0, "version": 2, "t": 20.0},
+              {"fragment": 1, "version": 1, "t": 15.0}, {"fragment": 0, "version": 3, "t": 30.0}]
+    log = [json.dumps({"t": 12.0, "versions": {"0": 1, "1": 0}}),
+           json.dumps({"t": 25.0, "versions": {"0": 1, "1": 1}}),    # installs f1 v1 at 25: newest 1 -> 0
+           json.dumps({"t": 31.0, "versions": {"0": 2, "1": 1}})]    # installs f0 v2 at 31: newest 3 -> 1
+    assert g.staleness(log, merges) == [0, 0, 1]
+    assert g.width_for(256) ** 2 * 4 * g.LAYERS == pytest.approx(256 * (1 << 20), rel=0.01)
+
+
+@pytest.mark.timeout(300)
+def test_smoke_run_prints_both_passes_and_the_last_line(tmp_path):
+    out = subprocess.run([sys.executable, str(GOODPUT), "--size-mib", "4", "--steps", "48", "--warmup", "8",
+                          "--step-s", "0.05", "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    m = LAST.match(lines[-1])
+    assert m, lines[-1]
+    assert int(m["merges"]) == 48 * 4 // 32, out.stdout   # steps x P / H rounds, each merged once
+    assert int(m["installs"]) >= 2 * 4, out.stdout        # each island installed every fragment at least once
+    assert float(m["s"]) > 0 and float(m["a"]) > 0 and float(m["ratio"]) > 0
+    rss = next(ln for ln in lines if ln.startswith("peak RSS MiB: "))
+    for proc in ("alone-i0", "alone-i1", "sync-i0", "sync-i1", "sync-syncer"):
+        assert re.search(rf"\b{proc} \d+", rss), rss
