@@ -234,6 +234,9 @@ def users_text(run: str, identities: list[Identity], init_island: str | None, in
     admin, their JetStream API moved into the domains they use there)."""
     out = []
     islands = _island_perms(run, identities, init_island)
+    # A leaf key opens no client session and a client key no leaf link: an island's key could otherwise
+    # link a leaf node of its own (with its island permissions, but still a link nobody issued).
+    as_client = f'{indent}  allowed_connection_types: ["STANDARD"]\n'
     for ident in identities:
         if ident.role == LEAF_ROLE:
             if datacenter is None:
@@ -245,7 +248,7 @@ def users_text(run: str, identities: list[Identity], init_island: str | None, in
             if ident.role not in ("island", "admin"):
                 continue  # the syncer and the observer work at the hub
             p = served_permissions(p, ident.role, run, datacenter)
-        out.append(_user_text(run, ident, p, indent))
+        out.append(_user_text(run, ident, p, indent, as_client))
     return "\n".join(out)
 
 

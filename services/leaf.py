@@ -165,7 +165,8 @@ def secured_leaf_role(auth_dir: str | os.PathLike, *, leaf_of: str | None, leaf_
                               f"could connect; run `yeto auth init ... --out {auth_dir} --datacenters dc1[,dc2]` first")
         return LeafRole(domain=HUB_DOMAIN, leaf_port=leaf_port, leaf_host=leaf_host)
     except AuthError as exc:
-        raise BrokerError(str(exc)) from None
+        msg = str(exc)   # name the option: a DIR that is no auth directory says so as `--auth DIR: ...`
+        raise BrokerError(msg if msg.startswith("--") else f"--auth {auth_dir}: {msg}") from None
 
 
 def write_config(store_dir: str | os.PathLike, role: str, text: str) -> Path:
