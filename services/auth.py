@@ -14,6 +14,9 @@
   and a `tls` block when `DIR/tls/` holds a certificate (`yeto broker --config DIR/server.conf`).
 * with `--tls`: `DIR/tls/ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (made with
   `cryptography`); clients verify the server with `--tls-ca DIR/tls/ca.pem`.
+* with `--datacenters dc1,...`: `DIR/leaf-<dc>.creds`, the leaf-node identity of each island datacenter
+  (role `leaf`: it may connect only as a leaf node; its permissions and those a leaf node serves the
+  islands with are services/leaf_auth.py's).
 
 Why nkey users in the server config rather than operator-mode JWTs: the permissions then sit in one
 readable file next to the broker (what an operator reviews), adding an island is a config reload,

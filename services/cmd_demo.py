@@ -12,6 +12,8 @@ logs.
 syncer, island a) and a datacenter `dc1` (a leaf node dialling the hub, islands b and c reading the cut
 from their local mirror); the JSON line then adds `wan`: the bytes the hub sent over the leaf link
 (its `/leafz`) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
+With `--secure` both sites are secured by one auth directory (`--datacenters dc1`): the leaf dials the
+hub with dc1's leaf identity over TLS and serves islands b and c their own keys (services/leaf_auth.py).
 `--model-mib` widens the MLP to a few MiB so those bytes are about the cut, not control traffic.
 
 `--syncer-shards N` runs the syncer as N shard processes (`yeto syncer --shard K --shards N`, checkpoint
@@ -52,7 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--secure", action="store_true",
                    help="run it through a secured broker: `yeto auth init --tls` into the work directory, the broker "
                         "serves it (`yeto broker --auth`), every process connects with its own identity and verifies "
-                        "the server with the run's CA (not with --nats)")
+                        "the server with the run's CA (not with --nats); with --datacenters 2 the hub and the leaf "
+                        "node both, linked with the datacenter's leaf identity")
     p.add_argument("--datacenters", type=int, choices=(1, 2), default=1,
                    help="2: a hub (broker, syncer, island a) and a second datacenter, a leaf node with islands b and c "
                         "that read the cut from their local mirror; the summary adds the WAN bytes (default %(default)s)")
