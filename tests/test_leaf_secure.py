@@ -24,7 +24,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from schemas import subjects as S
-from schemas.conn import ConnectOptions, connect
+from schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
 from schemas.provision import CUT_KINDS, RunLimits, ensure_cut_mirrors, kv, kv_put, provision_run
 from services import leaf as L
 from services.auth import init_auth
@@ -225,6 +225,52 @@ def test_a_leaf_without_a_leaf_identity_is_refused_by_the_hub(pair, tmp_path, wh
         assert [lf["name"] for lf in leafs] == [dc1], leafs
     finally:
         rogue.stop()
+
+
+async def test_the_leaf_identity_carries_only_what_islands_and_mirrors_need(pair, tmp_path):
+    """A leaf node that holds dc1's key but serves anyone (its own config, no users): what its clients
+    send still passes the hub's check of the leaf identity. An island's hello crosses (its answer only to
+    an island's inbox); a broadcast chunk (the syncer's) and a KV write do not, and nothing of them
+    lands on the hub."""
+    from services.leaf_auth import link_permissions
+
+    run, errors = pair.run, []
+    seed = (pair.auth / "leaf-dc1.creds").read_text().strip()
+    text = L.leaf_config_text(domain="dc8", leaf_of=f"127.0.0.1:{pair.hub.leaf_port}", seed=seed,
+                              ca_file=pair.auth / "tls" / "ca.pem")
+    open_leaf = Broker(store_dir=tmp_path / "dc8", config=L.write_config(tmp_path, "leaf", text),
+                       log_file=tmp_path / "dc8.log").start()
+    hub = await pair.conn("hub", "syncer")
+    try:
+        await asyncio.to_thread(L.wait_leaf_link, pair.hub.http_port, 2)
+
+        async def on_error(exc):
+            errors.append(str(exc))
+
+        # replies cross back only to the islands' inboxes: use b's prefix (its key's, as schemas.conn does)
+        b_key = json.loads((pair.auth / "identities.json").read_text())["identities"]["b"]["public_key"]
+        nc = await nats.connect(open_leaf.url, error_cb=on_error, inbox_prefix=nkey_inbox_prefix(b_key))
+        try:
+            js = nc.jetstream(domain=L.HUB_DOMAIN, timeout=10)
+            assert (await js.publish(S.hello(run, "c"), b"via the open leaf")).stream == S.stream(run, "CTL")
+            hub_js = hub.jetstream(timeout=10)
+            for subject in (S.bcast(run, 1, 0), f"$JS.hub.API.{S.kv_key(run, 'state', 'forged')}"):
+                with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError)):
+                    await nc.request(subject, b"forged", timeout=2)
+            assert await _no_msg(hub_js, S.stream(run, "BCAST"), S.bcast(run, 1, 0))
+            with pytest.raises(Exception):
+                await (await kv(hub_js, run, "state")).get("forged")
+        finally:
+            await nc.close()
+    finally:
+        await hub.close()
+        open_leaf.stop()
+    # and, pure: the link's rules name no syncer subject, no KV write and no other reader's inbox
+    perms = link_permissions(run, [("UKEYB", {"publish": {"allow": [S.hello(run, "b")]},
+                                              "subscribe": {"allow": ["_INBOX_UKEYB.>"]}})])
+    assert perms["subscribe"]["allow"] == ["_INBOX_UKEYB.>", "$JS.M.*", "$JSC.R.*"]
+    assert not [x for x in perms["publish"]["allow"] if "bcast" in x or "$KV" in x or x.endswith(".>") and "yeto" in x
+                and "push" not in x]
 
 
 def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
