@@ -303,6 +303,16 @@ async def kv(js, run: str, kind: str):
 KV_PUT_ATTEMPTS = 40  # with publish_retry's backoff (<= 2 s): about a minute, beyond any election
 
 
+def _kv_subject_via(js, subject: str) -> str:
+    """The subject a KV put of `subject` ($KV.<bucket>.<key>) goes to through `js`. A context of another
+    JetStream domain (a writer behind a leaf node: `nc.jetstream(domain="hub")`) sends it as
+    `$JS.<domain>.API.$KV.<bucket>.<key>`, which that domain's servers map to the bucket's subject: a bare
+    `$KV.>` never crosses a leaf link between two domains (nats-server denies it there, denyAllClientJs),
+    and nats-py 2.16's KeyValue.put sends it bare."""
+    prefix = getattr(js, "_prefix", S.js_api())
+    return subject if prefix == S.js_api() else f"{prefix}.{subject}"
+
+
 async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=None, attempts: int = KV_PUT_ATTEMPTS,
                  expected_rev: int | None = None):
     """Put `value` under `key` in the run's KV bucket `kind`, riding through reconnects and leader
@@ -315,7 +325,7 @@ async def kv_put(js, run: str, kind: str, key: str, value: bytes, *, counters=No
 
     if kind not in S.KV_KINDS:
         raise WireError(f"must be one of {', '.join(S.KV_KINDS)}", field="kind", value=kind, code="bad_kv")
-    subject = S.kv_key(_check_run_id(run), kind, key)
+    subject = _kv_subject_via(js, S.kv_key(_check_run_id(run), kind, key))
     headers = None if expected_rev is None else {"Nats-Expected-Last-Subject-Sequence": str(int(expected_rev))}
     return await publish_retry(js, subject, value, f"kv.{kind}.{key}.{uuid.uuid4().hex}", headers,
                                counters=counters, attempts=attempts)

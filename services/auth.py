@@ -14,6 +14,9 @@
   and a `tls` block when `DIR/tls/` holds a certificate (`yeto broker --config DIR/server.conf`).
 * with `--tls`: `DIR/tls/ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (made with
   `cryptography`); clients verify the server with `--tls-ca DIR/tls/ca.pem`.
+* with `--datacenters dc1,...`: `DIR/leaf-<dc>.creds`, the leaf-node identity of each island datacenter
+  (role `leaf`: it may connect only as a leaf node; its permissions and those a leaf node serves the
+  islands with are services/leaf_auth.py's).
 
 Why nkey users in the server config rather than operator-mode JWTs: the permissions then sit in one
 readable file next to the broker (what an operator reviews), adding an island is a config reload,
@@ -52,6 +55,8 @@ from schemas import subjects as S
 from schemas.conn import nkey_inbox_prefix
 from schemas.leader_watch import run_advisories
 from schemas.ids import check_island, check_run
+from services.leaf_auth import (LEAF_PREFIX, ROLE as LEAF_ROLE, leaf_name, link_permissions, parse_datacenters,
+                                served_permissions)
 
 ROLES = ("syncer", "island", "observer", "admin")
 RESERVED = ("syncer", "observer", "admin")  # identity names an island may not take
@@ -191,6 +196,9 @@ def parse_islands(text: str) -> list[str]:
             raise AuthError(f"--islands: {n!r} is not an island id ([A-Za-z0-9_-]+): {exc}") from None
         if n in RESERVED:
             raise AuthError(f"--islands: {n!r} is reserved for the {n} identity; name the island otherwise")
+        if n.startswith(LEAF_PREFIX):
+            raise AuthError(f"--islands: {n!r} starts with {LEAF_PREFIX!r}, the prefix of the datacenters' leaf "
+                            f"identities; name the island otherwise")
     if len(set(names)) != len(names):
         raise AuthError(f"--islands: repeated island id in {text!r}")
     return names
@@ -213,20 +221,47 @@ def _perm_text(p: dict, indent: str) -> str:
     return "\n".join(lines)
 
 
-def users_text(run: str, identities: list[Identity], init_island: str | None, indent: str = "    ") -> str:
-    """The `users` entries (one nkey user per identity, its permissions, its name as a comment)."""
+def _user_text(run: str, ident: Identity, p: dict, indent: str, extra: str = "") -> str:
+    return (f"{indent}# run {run}: {ident.role} {ident.name}\n"
+            f"{indent}{{\n{indent}  nkey: {ident.public_key}\n{extra}{indent}  permissions: {{\n"
+            f"{_perm_text(p, indent + '  ')}\n{indent}  }}\n{indent}}}")
+
+
+def _island_perms(run: str, identities: list[Identity], init_island: str | None) -> list[tuple[Identity, dict]]:
+    return [(i, permissions(run, i.name, i.role, i.public_key, init_island=init_island))
+            for i in identities if i.role == "island"]
+
+
+def users_text(run: str, identities: list[Identity], init_island: str | None, indent: str = "    ",
+               datacenter: str | None = None) -> str:
+    """The `users` entries (one nkey user per identity, its permissions, its name as a comment).
+    `datacenter` None: as the hub serves them, every identity; a leaf identity may connect only as a
+    leaf node (services/leaf_auth.py). `datacenter` D: as D's leaf node serves them (islands and the
+    admin, their JetStream API moved into the domains they use there)."""
     out = []
+    islands = _island_perms(run, identities, init_island)
+    # A leaf key opens no client session and a client key no leaf link: an island's key could otherwise
+    # link a leaf node of its own (with its island permissions, but still a link nobody issued).
+    as_client = f'{indent}  allowed_connection_types: ["STANDARD"]\n'
     for ident in identities:
+        if ident.role == LEAF_ROLE:
+            if datacenter is None:
+                p = link_permissions(run, [(i.public_key, q) for i, q in islands])
+                out.append(_user_text(run, ident, p, indent, f'{indent}  allowed_connection_types: ["LEAFNODE"]\n'))
+            continue
         p = permissions(run, ident.name, ident.role, ident.public_key, init_island=init_island)
-        out.append(f"{indent}# run {run}: {ident.role} {ident.name}\n"
-                   f"{indent}{{\n{indent}  nkey: {ident.public_key}\n{indent}  permissions: {{\n"
-                   f"{_perm_text(p, indent + '  ')}\n{indent}  }}\n{indent}}}")
+        if datacenter is not None:
+            if ident.role not in ("island", "admin"):
+                continue  # the syncer and the observer work at the hub
+            p = served_permissions(p, ident.role, run, datacenter)
+        out.append(_user_text(run, ident, p, indent, as_client))
     return "\n".join(out)
 
 
-def auth_conf_text(runs: list[tuple[str, list[Identity], str | None]]) -> str:
-    """A nats-server `authorization` block with the users of every (run, identities, init island)."""
-    body = "\n".join(users_text(r, ids, init) for r, ids, init in runs)
+def auth_conf_text(runs: list[tuple[str, list[Identity], str | None]], datacenter: str | None = None) -> str:
+    """A nats-server `authorization` block with the users of every (run, identities, init island), as the
+    hub serves them, or as the leaf node of `datacenter` does."""
+    body = "\n".join(users_text(r, ids, init, datacenter=datacenter) for r, ids, init in runs)
     return ("# Generated by `yeto auth init`: public keys and permissions only (the seeds are the .creds files).\n"
             "# No no_auth_user: a client without a key is refused.\n"
             "authorization {\n  timeout: 5\n  users = [\n" + body + "\n  ]\n}\n")
@@ -252,13 +287,16 @@ def load_identities(auth_dir: str | os.PathLike) -> tuple[str, list[Identity], s
 
 
 def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os.PathLike | None = None,
-                       *, tls: bool | None = None, served_dir: str | None = None) -> str:
+                       *, tls: bool | None = None, served_dir: str | None = None, base_text: str | None = None,
+                       datacenter: str | None = None) -> str:
     """A whole nats-server config: the base settings (default: the shipped services/nats.conf), the
     users of every auth dir (several runs may share one broker), and a TLS block when the first dir
     has `tls/` (or `tls=True`). What `yeto broker --auth DIR` serves. `served_dir`: where the server
     sees the first dir when that differs from here (a container's mount, e.g. /etc/yeto-auth); the
-    TLS file paths use it."""
-    if base_config is None:
+    TLS file paths use it. `base_text`: the base settings themselves (a generated hub or leaf config,
+    services/leaf.py) instead of a file; `datacenter`: serve the identities as that datacenter's leaf
+    node does (services/leaf_auth.py)."""
+    if base_config is None and base_text is None:
         from services.broker import default_config_path
 
         base_config = default_config_path()
@@ -268,7 +306,8 @@ def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os
         if run in seen:
             raise AuthError(f"auth dirs {seen[run]!r} and {str(d)!r} are both for run {run!r}")
         seen[run] = str(d)
-    text = Path(base_config).read_text() + "\n" + auth_conf_text(runs)
+    base = base_text if base_text is not None else Path(base_config).read_text()
+    text = base + "\n" + auth_conf_text(runs, datacenter)
     tls_dir = Path(auth_dirs[0]) / TLS_DIR
     if tls or (tls is None and (tls_dir / "server.pem").exists()):
         text += tls_block(tls_dir if served_dir is None else f"{served_dir.rstrip('/')}/{TLS_DIR}")
@@ -277,10 +316,31 @@ def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os
 
 def write_server_config(auth_dirs: list[str | os.PathLike], out: str | os.PathLike,
                         base_config: str | os.PathLike | None = None, *, tls: bool | None = None,
-                        served_dir: str | None = None) -> Path:
+                        served_dir: str | None = None, base_text: str | None = None,
+                        datacenter: str | None = None) -> Path:
     out = Path(out)
-    _write_private(out, server_config_text(auth_dirs, base_config, tls=tls, served_dir=served_dir))
+    _write_private(out, server_config_text(auth_dirs, base_config, tls=tls, served_dir=served_dir,
+                                           base_text=base_text, datacenter=datacenter))
     return out
+
+
+def datacenters_of(auth_dir: str | os.PathLike) -> list[str]:
+    """The datacenters DIR holds leaf identities for."""
+    _run, ids, _init = load_identities(auth_dir)
+    return [i.name[len(LEAF_PREFIX):] for i in ids if i.role == LEAF_ROLE]
+
+
+def leaf_seed(auth_dir: str | os.PathLike, datacenter: str) -> str:
+    """The seed of datacenter `datacenter`'s leaf identity in DIR; AuthError saying how to issue it."""
+    d = Path(auth_dir)
+    run, ids, _init = load_identities(d)
+    creds = d / f"{leaf_name(datacenter)}.creds"
+    if not any(i.role == LEAF_ROLE and i.name == leaf_name(datacenter) for i in ids) or not creds.exists():
+        have = datacenters_of(d)
+        raise AuthError(f"--domain {datacenter}: {d} has no leaf credentials for datacenter {datacenter!r} "
+                        f"(it has: {', '.join(have) or 'none'}); run `yeto auth init --run {run} --islands <the "
+                        f"run's islands> --out {d} --datacenters {datacenter}` and copy {creds.name} here")
+    return creds.read_text().strip()
 
 
 def _write_private(path: Path, data: str | bytes) -> None:
@@ -325,13 +385,16 @@ class InitReport:
     kept: list[str]
     tls: list[str]
     init_island: str | None
+    datacenters: list[str] = ()
 
 
 def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_island: str | None = None,
-              tls: bool = False, hosts: list[str] | None = None) -> InitReport:
+              tls: bool = False, hosts: list[str] | None = None, datacenters: list[str] | None = None) -> InitReport:
     """`yeto auth init`: create or extend DIR. Existing identities keep their keys; new islands get new
-    ones; auth.conf is rewritten from the union."""
+    ones; auth.conf is rewritten from the union. `datacenters`: one leaf identity `leaf-<dc>` per island
+    datacenter (added to those DIR has), for its leaf node's link to the hub (services/leaf_auth.py)."""
     check_run(run)
+    datacenters = parse_datacenters(",".join(datacenters or ()), AuthError)
     hosts = list(DEFAULT_HOSTS if hosts is None else hosts)
     if tls and not hosts:
         raise AuthError("--hosts: give at least one host name or address")
@@ -352,7 +415,10 @@ def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_isla
         init_island = prev_init or all_islands[0]
     elif init_island not in all_islands:
         raise AuthError(f"--init-island: {init_island!r} is not one of the islands {all_islands}")
-    wanted = [("syncer", "syncer"), *((n, "island") for n in all_islands), ("observer", "observer"), ("admin", "admin")]
+    all_dcs = [i.name for i in existing.values() if i.role == LEAF_ROLE]
+    all_dcs += [leaf_name(d) for d in datacenters or () if leaf_name(d) not in all_dcs]
+    wanted = [("syncer", "syncer"), *((n, "island") for n in all_islands), ("observer", "observer"), ("admin", "admin"),
+              *((n, LEAF_ROLE) for n in all_dcs)]
     created, kept, final = [], [], []
     for name, role in wanted:
         creds = out / f"{name}.creds"
@@ -379,7 +445,8 @@ def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_isla
     # A whole broker config (shipped settings + these users + TLS when DIR/tls has a certificate), so
     # `yeto broker --config DIR/server.conf` serves it as is.
     write_server_config([out], out / SERVER_CONF)
-    return InitReport(run, out, created, kept, tls_files, init_island)
+    return InitReport(run, out, created, kept, tls_files, init_island,
+                      [i.name[len(LEAF_PREFIX):] for i in final if i.role == LEAF_ROLE])
 
 
 # ---- TLS ------------------------------------------------------------------------------------------

@@ -28,22 +28,34 @@ def _cmd_broker(args) -> int:
         return 2
     from services.broker import BrokerError
 
-    config = args.config
+    config, leaf = args.config, None
     try:
+        if args.leaf_host and not args.leaf_port:
+            raise BrokerError(f"--leaf-host {args.leaf_host!r} needs --leaf-port P: it is where a hub's leafnode port "
+                              f"listens")
         if args.leaf_of or args.leaf_port or args.domain:
-            if args.auth:
-                raise BrokerError("--auth with --leaf-port/--leaf-of/--domain is not supported yet: a secured hub "
-                                  "with leaf nodes needs leafnode credentials (see deploy/nats/ for the templates)")
-            from services.leaf import leaf_hub_config
-
-            config = leaf_hub_config(store, leaf_of=args.leaf_of, leaf_port=args.leaf_port, domain=args.domain,
-                                     host=args.host, config=args.config, cluster=args.cluster)
+            config, leaf = _leaf_setup(args, store)
         return run_foreground(args.port, store, config, host=args.host, cluster=args.cluster,
                               cluster_name=args.cluster_name, cluster_port=args.cluster_port, http_port=args.http_port,
-                              auth=args.auth, node=args.node, peers=args.peers, log=args.log)
+                              auth=args.auth, node=args.node, peers=args.peers, log=args.log, leaf=leaf)
     except BrokerError as exc:
         print(f"yeto broker: {exc}", file=sys.stderr)
         return 2
+
+
+def _leaf_setup(args, store: str):
+    """(config, secured leaf role) of a hub or leaf `yeto broker`: without --auth a generated config
+    under the store; with --auth DIR the role AuthServe adds to DIR's users (services/leaf_auth.py)."""
+    from services.leaf import check_leaf_options, leaf_hub_config, secured_leaf_role
+
+    leaf_host = args.leaf_host or args.host
+    if not args.auth:
+        return leaf_hub_config(store, leaf_of=args.leaf_of, leaf_port=args.leaf_port, domain=args.domain,
+                               host=leaf_host, config=args.config, cluster=args.cluster), None
+    check_leaf_options(leaf_of=args.leaf_of, leaf_port=args.leaf_port, domain=args.domain, config=args.config,
+                       cluster=args.cluster)
+    return None, secured_leaf_role(args.auth, leaf_of=args.leaf_of, leaf_port=args.leaf_port, domain=args.domain,
+                                   leaf_host=leaf_host)
 
 
 def _broker_refusal(args) -> str | None:
@@ -55,7 +67,11 @@ def _broker_refusal(args) -> str | None:
         return why
     if args.auth and not os.path.isdir(args.auth):
         return f"--auth: {args.auth!r} is not a directory (make one with `yeto auth init --out DIR`)"
-    return exposure_refusal(args.host, auth=args.auth, insecure=args.insecure)
+    why = exposure_refusal(args.host, auth=args.auth, insecure=args.insecure)
+    if why or not (args.leaf_port and args.leaf_host):
+        return why
+    # A hub's leaf port beyond loopback lets any leaf node join the account: the same rule as clients.
+    return exposure_refusal(args.leaf_host, auth=args.auth, insecure=args.insecure, flag="--leaf-host")
 
 
 def _add_broker_security_args(b) -> None:
@@ -122,9 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--leaf-port", type=int, default=env_value("YETO_BROKER_LEAF_PORT", lambda v: int(v) or None, None),
                    help="hub: accept leaf nodes of island datacenters on this port, JetStream domain --domain "
                         "(default hub) (env YETO_BROKER_LEAF_PORT)")
+    b.add_argument("--leaf-host", default=os.environ.get("YETO_BROKER_LEAF_HOST") or None, metavar="H",
+                   help="hub: the address the leafnode port listens on, e.g. 0.0.0.0 so other datacenters can dial "
+                        "in (default: --host); beyond loopback it needs --auth or --insecure, as --host does "
+                        "(env YETO_BROKER_LEAF_HOST)")
     b.add_argument("--leaf-of", default=os.environ.get("YETO_BROKER_LEAF_OF") or None,
                    help="leaf node of an island datacenter: dial out to the hub's leafnode URL(s) HOST:PORT[,...], "
-                        "JetStream domain --domain (env YETO_BROKER_LEAF_OF)")
+                        "JetStream domain --domain; with --auth DIR it dials with DIR/leaf-<domain>.creds (TLS with "
+                        "DIR's CA when DIR has tls/) and serves DIR's islands (env YETO_BROKER_LEAF_OF)")
     b.add_argument("--domain", default=os.environ.get("YETO_BROKER_DOMAIN") or None,
                    help="this server's JetStream domain: the datacenter's name on a leaf (required with --leaf-of), "
                         "default hub with --leaf-port (env YETO_BROKER_DOMAIN)")

@@ -23,19 +23,27 @@ def add_parser(sub) -> None:
     i.add_argument("--init-island", default=None,
                    help="the island allowed to publish the initial weights (default: DIR's, else the first of "
                         "--islands); start the syncer with the same --init-island")
+    i.add_argument("--datacenters", default=None, metavar="DC1,DC2",
+                   help="island datacenters (each one's JetStream domain), comma separated: one leaf-node identity "
+                        "DIR/leaf-<dc>.creds each, which `yeto broker --auth DIR --leaf-of HUB:7422 --domain <dc>` "
+                        "dials the hub with (added to those DIR already has)")
     i.add_argument("--tls", action="store_true", help="also make a CA and a server certificate under DIR/tls/")
     i.add_argument("--hosts", default=",".join(("localhost", "127.0.0.1")),
-                   help="server names / addresses the certificate is valid for, comma separated")
+                   help="server names / addresses the certificate is valid for, comma separated: every name a "
+                        "client or a leaf node dials, the hub's and each datacenter leaf node's (they share it)")
     i.set_defaults(func=_cmd_init)
 
 
 def _cmd_init(args) -> int:
     from services.auth import AuthError, init_auth, parse_islands
+    from services.leaf_auth import parse_datacenters
 
     try:
         islands = parse_islands(args.islands)
+        dcs = parse_datacenters(args.datacenters, AuthError)
         hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-        rep = init_auth(args.run, islands, args.out, init_island=args.init_island, tls=args.tls, hosts=hosts)
+        rep = init_auth(args.run, islands, args.out, init_island=args.init_island, tls=args.tls, hosts=hosts,
+                        datacenters=dcs)
     except AuthError as exc:
         print(f"yeto auth init: {exc}", file=sys.stderr)
         return 2
@@ -51,4 +59,7 @@ def _cmd_init(args) -> int:
         print("  tls: " + ", ".join(f"tls/{f}" for f in rep.tls) + f"  (clients: --tls-ca {rep.out}/tls/ca.pem)")
     print(f"  serve with: yeto broker --auth {rep.out}   (a running one: SIGHUP to `yeto broker` reloads it; "
           f"yeto broker --config {rep.out}/server.conf serves the same)")
+    if rep.datacenters:
+        print(f"  leaf nodes: hub `yeto broker --auth {rep.out} --leaf-port 7422 --leaf-host 0.0.0.0`; in datacenter D "
+              f"`yeto broker --auth {rep.out} --leaf-of HUB:7422 --domain D` (datacenters: {', '.join(rep.datacenters)})")
     return 0

@@ -29,12 +29,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_refusal(host: str, *, auth: str | None, insecure: bool) -> str | None:
+def exposure_refusal(host: str, *, auth: str | None, insecure: bool, flag: str = "") -> str | None:
     """Why `yeto broker` must not start (listening beyond loopback with no authorization), or None.
-    Pure: the CLI prints the text and exits 2."""
+    `flag`: the option that set `host` when it is not --host (--leaf-host). Pure: the CLI prints the
+    text and exits 2."""
     if auth or insecure or is_loopback(host):
         return None
-    return (f"refusing to listen on {host} without authorization: any client that reaches it could "
+    what = f" ({flag}: leaf nodes)" if flag else ""
+    return (f"refusing to listen on {host}{what} without authorization: any client that reaches it could "
             f"publish and read every run on it (forge pushes and broadcasts, stop islands, remove runs). "
             f"Serve the identities of `yeto auth init` with --auth DIR (env YETO_BROKER_AUTH), or pass "
             f"--insecure (env YETO_BROKER_INSECURE=1) to run it open anyway (e.g. on a private network, "
@@ -80,11 +82,17 @@ class AuthServe:
     """The nats-server config `yeto broker --auth DIR` serves: the base config (default the shipped
     services/nats.conf: max_payload, JetStream limits), DIR's users and permissions, and TLS when
     DIR/tls/ holds a server certificate. Written to a private temporary file (DIR may be read-only,
-    e.g. a container mount) and written again from DIR by `refresh()` before each reload."""
+    e.g. a container mount) and written again from DIR by `refresh()` before each reload.
 
-    def __init__(self, auth_dir: str | os.PathLike, base_config: str | os.PathLike | None = None):
+    `leaf` (services.leaf.LeafRole): a hub's leafnode listener or a leaf's remote to the hub, secured
+    with DIR's leaf identities (services/leaf_auth.py); the generated hub / leaf config is then the
+    base, and a leaf serves DIR's islands as a leaf node of its datacenter does. The leaf's config holds
+    its identity's seed: one more reason it lives in this private directory only."""
+
+    def __init__(self, auth_dir: str | os.PathLike, base_config: str | os.PathLike | None = None, leaf=None):
         self.dir = Path(auth_dir)
         self.base_config = base_config
+        self.leaf = leaf
         self._tmp = tempfile.mkdtemp(prefix="yeto-broker-auth-")  # mode 0700
         atexit.register(self.cleanup)  # also when the start fails half way
         self.config = Path(self._tmp) / "server.conf"
@@ -111,15 +119,29 @@ class AuthServe:
 
         try:
             run, ids, _init = load_identities(self.dir)
-            candidate = write_server_config([self.dir], self.config.with_name("candidate.conf"), self.base_config)
+            leaf = self.leaf
+            candidate = write_server_config(
+                [self.dir], self.config.with_name("candidate.conf"), self.base_config,
+                base_text=leaf.base_text(self.dir) if leaf is not None else None,
+                datacenter=None if leaf is None or leaf.is_hub else leaf.domain)
         except (AuthError, OSError, ValueError, KeyError) as exc:
             raise BrokerError(f"--auth {self.dir}: {exc}") from None
         check_config(candidate)
         os.replace(candidate, self.config)
         self.ids = ids
         self.summary = (f"auth {self.dir}: run {run}, identities {', '.join(i.name for i in ids)}; "
-                        + (f"TLS (clients: --tls-ca {self.ca})" if self.tls else "no TLS (DIR has no tls/)"))
+                        + (f"TLS (clients: --tls-ca {self.ca})" if self.tls else "no TLS (DIR has no tls/)")
+                        + self._leaf_summary())
         return self.summary
+
+    def _leaf_summary(self) -> str:
+        if self.leaf is None:
+            return ""
+        if self.leaf.is_hub:
+            return (f"; leaf nodes on {self.leaf.leaf_host}:{self.leaf.leaf_port} with a leaf identity of DIR"
+                    + (" over TLS" if self.tls else ""))
+        return (f"; leaf node of datacenter {self.leaf.domain}, dialling {self.leaf.leaf_of} as "
+                f"leaf-{self.leaf.domain}" + (" over TLS" if self.tls else ""))
 
     def probe_options(self, url: str):
         """Connect options for the broker's own readiness probe: the observer's key (read-only)."""
@@ -147,7 +169,7 @@ def reload_nodes(nodes: list["Broker"], served: "AuthServe | None") -> str:
 def run_foreground(port: int, store_dir: str, config: str | None, host: str = "127.0.0.1", *,
                    cluster: int = 0, cluster_name: str = "yeto", cluster_port: int | None = None,
                    http_port: int | None = None, auth: str | None = None, node: int | None = None,
-                   peers: str | None = None, log: str | None = None) -> int:
+                   peers: str | None = None, log: str | None = None, leaf=None) -> int:
     """`yeto broker`: run until SIGINT/SIGTERM, print the URL(s) once usable.
 
     cluster N >= 1: N servers joined by routes (`Cluster`), ready once JetStream has a meta leader; the
@@ -156,6 +178,7 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
 
     auth DIR: serve DIR's identities (`AuthServe`; TLS when DIR/tls/ has a certificate); a cluster's
     routes then stay on loopback. SIGHUP reloads the config of every server (rebuilt from DIR first).
+    leaf (with auth): the secured hub or leaf role (services.leaf.LeafRole, see AuthServe).
     """
     stop = {"flag": False, "reload": False}
 
@@ -165,7 +188,7 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
     def _on_hup(signum, frame):
         stop["reload"] = True
 
-    served = AuthServe(auth, config) if auth else None
+    served = AuthServe(auth, config, leaf=leaf) if auth else None
     if served is not None:
         config = str(served.config)
     signal.signal(signal.SIGINT, _on_signal)

@@ -12,6 +12,8 @@ logs.
 syncer, island a) and a datacenter `dc1` (a leaf node dialling the hub, islands b and c reading the cut
 from their local mirror); the JSON line then adds `wan`: the bytes the hub sent over the leaf link
 (its `/leafz` and closed leaf connections) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
+With `--secure` both sites are secured by one auth directory (`--datacenters dc1`): the leaf dials the
+hub with dc1's leaf identity over TLS and serves islands b and c their own keys (services/leaf_auth.py).
 `--model-mib` widens the MLP to a few MiB so those bytes are about the cut, not control traffic.
 
 `--syncer-shards N` runs the syncer as N shard processes (`yeto syncer --shard K --shards N`, checkpoint
@@ -52,7 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--secure", action="store_true",
                    help="run it through a secured broker: `yeto auth init --tls` into the work directory, the broker "
                         "serves it (`yeto broker --auth`), every process connects with its own identity and verifies "
-                        "the server with the run's CA (not with --nats)")
+                        "the server with the run's CA (not with --nats); with --datacenters 2 the hub and the leaf "
+                        "node both, linked with the datacenter's leaf identity")
     p.add_argument("--datacenters", type=int, choices=(1, 2), default=1,
                    help="2: a hub (broker, syncer, island a) and a second datacenter, a leaf node with islands b and c "
                         "that read the cut from their local mirror; the summary adds the WAN bytes (default %(default)s)")
@@ -123,19 +126,27 @@ def _overhead(path: Path) -> dict:
 
 
 class _Secure:
-    """`yeto demo --secure`: the run's identities (`yeto auth init --tls`, island a the INIT island) in
-    WORK/auth and the broker config serving them (services.cmd_broker.AuthServe, what `yeto broker --auth`
-    serves). `env(name)`: the credentials and CA of identity `name` as its process reads them."""
+    """`yeto demo --secure`: the run's identities (`yeto auth init --tls`, island a the INIT island; with
+    two datacenters also island c and the leaf identity of dc1) in WORK/auth and the broker config
+    serving them (services.cmd_broker.AuthServe, what `yeto broker --auth` serves). `env(name)`: the
+    credentials and CA of identity `name` as its process reads them."""
 
     ISLANDS = ("a", "b")
 
-    def __init__(self, work: Path, run_id: str):
+    def __init__(self, work: Path, run_id: str, datacenters: int = 1):
         from services.auth import init_auth
         from services.cmd_broker import AuthServe
 
         self.dir = work / "auth"
-        init_auth(run_id, list(self.ISLANDS), self.dir, init_island=self.ISLANDS[0], tls=True)
+        islands = ["a", "b", "c"] if datacenters == 2 else list(self.ISLANDS)
+        init_auth(run_id, islands, self.dir, init_island=self.ISLANDS[0], tls=True,
+                  datacenters=["dc1"] if datacenters == 2 else None)
         self.served = AuthServe(self.dir)
+        self.others = []   # the AuthServe of a secured hub and leaf (two datacenters)
+
+    def cleanup(self) -> None:
+        for s in [self.served, *self.others]:
+            s.cleanup()
 
     def env(self, name: str) -> dict[str, str]:
         return {"YETO_NATS_CREDS": str(self.dir / f"{name}.creds"), "YETO_TLS_CA": str(self.dir / "tls" / "ca.pem")}
@@ -151,6 +162,11 @@ class _Secure:
 
 def _no_identity(name: str) -> dict[str, str]:
     return {}
+
+
+def _shown(url: str, secure: "_Secure | None") -> str:
+    """A secured server requires TLS: say so in the URL its clients get."""
+    return url.replace("nats://", "tls://") if secure else url
 
 
 def check_shards(shards: object, fragments: int) -> str | None:
@@ -186,29 +202,29 @@ def run(args) -> int:
     # (island, ranks, NATS URL, datacenter domain): island b runs two gloo ranks in the one-site demo.
     islands = [("a", 1, None, None), ("b", 2, None, None)]
     leaf_node = None
-    if args.secure and args.datacenters == 2:
-        print("yeto demo: --secure with --datacenters 2 is not supported yet (the leaf link would need its own "
-              "credentials)", file=sys.stderr)
+    if args.datacenters == 2 and (url or args.replicas > 1):
+        print("yeto demo: --datacenters 2 starts its own hub and leaf node (no --nats, --replicas 1)", file=sys.stderr)
         return 2
     secure, ident = None, _no_identity
+    if args.secure and url:
+        print("yeto demo: --secure starts its own secured broker; leave out --nats", file=sys.stderr)
+        return 2
     if args.secure:
-        if url:
-            print("yeto demo: --secure starts its own secured broker; leave out --nats", file=sys.stderr)
-            return 2
-        secure = _Secure(work, run_id)
+        secure = _Secure(work, run_id, args.datacenters)
         ident = secure.env
-        broker = secure.start_broker(work, args.replicas)
-        url = broker.url.replace("nats://", "tls://")  # the server requires TLS: say so in the URL
-    elif args.datacenters == 2:
-        if url or args.replicas > 1:
-            print("yeto demo: --datacenters 2 starts its own hub and leaf node (no --nats, --replicas 1)", file=sys.stderr)
-            return 2
+    if args.datacenters == 2:
         from services.leaf import start_hub_and_leaf
 
-        broker, leaf_node = start_hub_and_leaf(work, "dc1")
-        url = broker.url
-        islands = [("a", 1, None, None), ("b", 1, leaf_node.url, "dc1"), ("c", 1, leaf_node.url, "dc1")]
-        print(f"yeto demo: hub {url} (domain hub), datacenter dc1 leaf node {leaf_node.url}", flush=True)
+        # secured: the hub admits dc1's leaf identity only, the leaf serves islands b and c their own keys
+        broker, leaf_node = start_hub_and_leaf(work, "dc1", auth_dir=secure.dir if secure else None)
+        if secure:
+            secure.others += [broker.served, leaf_node.served]
+        url, leaf_url = (_shown(b.url, secure) for b in (broker, leaf_node))
+        islands = [("a", 1, None, None), ("b", 1, leaf_url, "dc1"), ("c", 1, leaf_url, "dc1")]
+        print(f"yeto demo: hub {url} (domain hub), datacenter dc1 leaf node {leaf_url}", flush=True)
+    elif secure:
+        broker = secure.start_broker(work, args.replicas)
+        url = _shown(broker.url, secure)
     elif not url and args.replicas > 1:
         broker = Cluster(args.replicas, store_dir=work / "jetstream", log_dir=work).start()
         url = broker.url
@@ -304,9 +320,12 @@ def run(args) -> int:
         if secure:
             summary["secure"] = {"tls": True, "identities": sorted(i.name for i in secure.served.ids)}
         if leaf_node is not None:
+            from schemas.conn import ConnectOptions
             from services.leaf import wan_figures
 
-            summary["wan"] = asyncio.run(wan_figures(broker, run_id))
+            obs = ident("observer")  # a secured hub: read the syncer's record as the observer
+            summary["wan"] = asyncio.run(wan_figures(broker, run_id, ConnectOptions(
+                url=url, creds=obs.get("YETO_NATS_CREDS"), tls_ca=obs.get("YETO_TLS_CA"))))
         print(json.dumps(summary), flush=True)
         return 0 if diff == 0.0 and rounds == args.rounds else 1
     finally:
@@ -322,4 +341,4 @@ def run(args) -> int:
         if broker is not None:
             broker.stop()
         if secure:
-            secure.served.cleanup()
+            secure.cleanup()

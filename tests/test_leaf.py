@@ -80,20 +80,11 @@ def test_yeto_broker_leaf_options_are_checked(tmp_path, capsys):
                        (["--leaf-port", "7422", "--leaf-of", "127.0.0.1:7422", "--domain", "x"], "either a leaf or a hub"),
                        (["--leaf-port", "7422", "--cluster", "3"], "--cluster"),
                        (["--domain", "dc1"], "--leaf-port"),
-                       # a secured hub with leaf nodes needs leafnode credentials: refused, not served open
+                       # a secured hub with leaf nodes needs DIR's leaf identities (tests/test_leaf_secure.py)
                        (["--leaf-port", "7422", "--auth", str(tmp_path)], "--auth")):
         rc = main(["broker", "--port", str(free_port()), "--store-dir", str(tmp_path / "s"), *args])
         err = capsys.readouterr().err
         assert rc == 2 and word in err, (args, rc, err)
-
-
-def test_demo_datacenters_with_secure_is_refused_before_anything_starts(tmp_path, capsys):
-    from services.cli import main
-
-    rc = main(["demo", "--secure", "--datacenters", "2", "--workdir", str(tmp_path / "w")])
-    err = capsys.readouterr().err
-    assert rc == 2 and "--secure with --datacenters 2" in err, (rc, err)
-    assert not (tmp_path / "w" / "auth").exists()
 
 
 def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
