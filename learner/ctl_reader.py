@@ -200,7 +200,9 @@ class CtlReader:
             log.error("island %s: syncer error %s (fatal=%s): %s", self.island, msg["code"], msg["fatal"], msg["message"])
             if msg["fatal"]:
                 self.fatal = SyncerRefused(msg)
-            elif msg["code"] in REHELLO_CODES:
+            elif msg["code"] in REHELLO_CODES and self._fatal is None:
+                # an island the syncer refused (bad_layout, ...) stops: the syncer forgetting it is no reason
+                # to say hello again and be refused once more
                 self._spawn(self._hello_again(msg["code"]), "rehello")
         self.control.put((kind, msg))
 

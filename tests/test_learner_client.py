@@ -253,6 +253,12 @@ async def test_unknown_member_error_makes_the_island_say_hello_again(js, run_id,
     other = dict(err, code="schema")
     await js.publish(S.to_island(run_id, ISLAND), codec.encode("error", other), headers={S.MSG_ID: "schema-1"})
     assert await hellos(1, timeout=2) == [] and c.counters["rehello"] == 1
+    # once refused for good (a fatal error), an unknown_member that follows says no hello again
+    fatal = dict(err, code="bad_layout", fatal=True, message="layout does not match the session")
+    await js.publish(S.to_island(run_id, ISLAND), codec.encode("error", fatal), headers={S.MSG_ID: "fatal-1"})
+    await until(lambda: c.ctl.fatal is not None, what="the fatal error")
+    await js.publish(S.to_island(run_id, ISLAND), codec.encode("error", err), headers={S.MSG_ID: "unknown-2"})
+    assert await hellos(1, timeout=3) == [] and c.counters["rehello"] == 1
 
 
 async def test_step_log_events_validate_file_gets_the_same_lines_and_the_queue_drops(js, run_id, nats_url, clients,
