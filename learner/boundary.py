@@ -1,4 +1,4 @@
-"""The sync rank's boundary as a pure state machine (DESIGN §3.2, §5): no I/O, no clock, no
+"""The sync rank's boundary as a pure state machine (docs/design.md §3.9, §5.2): no I/O, no clock, no
 torch.distributed. `Island` (learner/island.py) is the shell that feeds it events and carries out the
 operations it returns, with `IslandWire` (cuts and exports), `RankOps` (the ranks) and `IslandClient`
 (the network).

@@ -1,4 +1,4 @@
-"""Per-fragment sync bookkeeping and in-order reading of a cut (DESIGN §3, §5) — pure, no I/O.
+"""Per-fragment sync bookkeeping and in-order reading of a cut (docs/design.md §3.6, §5.5) — pure, no I/O.
 
 `SyncState` (the sync rank's view) holds, per fragment of the session, the version the island holds,
 that version's digest, and the inner-step and token counters since it was installed. The values —

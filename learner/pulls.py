@@ -1,4 +1,4 @@
-"""The island's pending-pull ledger (DESIGN §5 take_ready_pulls) — pure logic, no I/O.
+"""The island's pending-pull ledger (docs/design.md §5.3) — pure logic, no I/O.
 
 The NATS thread feeds every pull it reads from the island's durable CTL consumer to `PullBook.offer`;
 at a step boundary the training loop asks `take_ready` which pulls to answer now, pushes them, and

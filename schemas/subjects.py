@@ -1,6 +1,6 @@
 """Every subject, stream, bucket, consumer name and `Nats-Msg-Id` of a run is built here, and only here.
 
-Layout (run R, island I, fragment F), DESIGN §3:
+Layout (run R, island I, fragment F), docs/design.md §3.1:
 
     yeto.R.ctl.hello.I | ctl.pull | ctl.to.I                             -> stream CTL
     yeto.R.ctl.hb.I | ctl.ack.I                                          -> stream HB (1 msg per subject)
@@ -12,7 +12,7 @@ Layout (run R, island I, fragment F), DESIGN §3:
     yeto.R.events.<kind>                                                 -> stream EVENTS
 
 Subjects and state are per fragment so the syncer can later be sharded by fragment with no protocol
-change (DESIGN §8).
+change (docs/design.md §10).
 
 The JetStream API subjects a client publishes to by hand (not through a nats-py method) are built here
 too: `js_api` (`$JS.API`, or `$JS.<domain>.API` for another JetStream domain), `consumer_msg_next`
@@ -263,7 +263,7 @@ def parse(run: str, subject: str) -> tuple[str, ...]:
     return tuple(subject[len(r):].split("."))
 
 
-# ---- Nats-Msg-Id keys (per attempt; DESIGN §3 "Per-attempt keys for dedup") -------------------
+# ---- Nats-Msg-Id keys (per attempt; docs/design.md §3.5) ----------------------------------------
 
 def pull_msg_id(fragment: int, step: int, attempt: int, seq: int) -> str:
     return f"pull.{fragment}.{step}.{attempt}.{seq}"

@@ -1,4 +1,4 @@
-"""Island datacenters as NATS leaf nodes (DESIGN §8): the config of a hub broker that accepts leaf
+"""Island datacenters as NATS leaf nodes (docs/design.md §12): the config of a hub broker that accepts leaf
 connections and of a leaf broker that dials out to it, each with its own JetStream domain, and the
 hub's leaf-link byte counters (monitoring `/leafz`).
 

@@ -1,4 +1,4 @@
-"""PullBook: every take_ready_pulls rule of DESIGN §5, including the generation rule across restarts."""
+"""PullBook: every take_ready_pulls rule of docs/design.md §5.3, including the generation rule across restarts."""
 from __future__ import annotations
 
 import pytest

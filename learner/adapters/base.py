@@ -1,4 +1,4 @@
-"""The model adapter interface: how the sync core sees a model's parameters (DESIGN §5, §6).
+"""The model adapter interface: how the sync core sees a model's parameters (docs/design.md §5, §6).
 
 An adapter lists the synced tensors as named *shards* with their global shapes, reads this rank's
 fp32 master piece of one, and writes values back into the master and the model parameter together

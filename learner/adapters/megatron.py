@@ -6,7 +6,7 @@
 peft) or not. `optimizer`: megatron-core's optimizer as built by `get_megatron_optimizer` (a
 ChainedOptimizer is unwrapped), or None when the parameters themselves are the truth.
 
-What is synced (DESIGN §5): the trainable parameters (`requires_grad`; in a LoRA run the adapters), each
+What is synced (docs/design.md §5.4): the trainable parameters (`requires_grad`; in a LoRA run the adapters), each
 once. Names are canonical (see megatron_names: wrappers stripped, global layer index, global expert
 index; the same on every island whatever its TP/PP/EP/VPP). Tied embedding and output layer
 (`share_embeddings_and_output_weights`): with PP > 1 the last stage holds its own copy of the word
@@ -24,7 +24,7 @@ megatron-core's padded vocabulary, so islands whose padded vocab differs (paddin
 data-parallel(-with-context) rank 0 (expert-data-parallel rank 0 for experts) and, for a tensor that
 is not TP-partitioned, TP rank 0.
 
-fp32 master (DESIGN §6), found through the optimizer by attributes (no type names):
+fp32 master (docs/design.md §6), found through the optimizer by attributes (no type names):
 * DistributedOptimizer: each rank owns a contiguous range of each parameter's flattened local tensor
   (`main_param` shard, from `_get_model_param_range_map`). `read` is a collective over that
   optimizer's data-parallel group: the owned ranges are all-gathered and placed at their offsets

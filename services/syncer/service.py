@@ -65,7 +65,7 @@ from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 
-FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
+FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (docs/design.md §15.4)
 PUSH_FETCH_BATCH = 8
 MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's next wake-up is already past
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)

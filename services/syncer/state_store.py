@@ -19,7 +19,7 @@ writes everything into a checkpoint directory, and the resume there checks every
 version digests it recorded.
 
 Why KV keys and not the Object Store: nats-py's object store client is too slow for large objects
-(NATS-NOTES); these are the same chunked, pipelined publishes the broadcast uses.
+(docs/design.md §15.3); these are the same chunked, pipelined publishes the broadcast uses.
 """
 from __future__ import annotations
 
