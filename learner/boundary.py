@@ -322,7 +322,7 @@ class Boundary:
         """Finalize only once the manifest is backed by the final cut: the syncer publishes FINAL
         before any manifest, so chunk 0 of every fragment it names already carries its version,
         digest and final step. Until then the island trains on; a manifest still unbacked after
-        `final_timeout_s` (forged: until #17 anyone may publish one) is dropped and counted."""
+        `final_timeout_s` (forged: without server permissions anyone may publish one) is dropped and counted."""
         msg, since = self.offered
         want = sorted((int(k), v) for k, v in msg["versions"].items())
         ev = yield VerifyManifest([fid for fid, _ in want])

@@ -331,7 +331,7 @@ class IslandClient:
         except ConnectError as exc:
             raise IslandUnhealthy(str(exc)) from None
         self.js, self.cut_js = cut_contexts(self.nc, cfg)
-        # a stream leader's election re-sends what its dead predecessor left unacknowledged (issue 25)
+        # a stream leader's election re-sends what its dead predecessor left unacknowledged (docs/design.md §3.8)
         await leader_watch.watch(self.nc, self.run)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()

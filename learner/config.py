@@ -116,7 +116,7 @@ class IslandConfig:
     connect_timeout_s: float = 20.0   # the first connection only (schemas.conn.connect)
     progress: bool = True
     anchor_dir: str | None = None
-    # Island datacenters (issue 13): the leaf node's JetStream domain holding the cut's mirror, and the hub's.
+    # Island datacenters (docs/design.md §12): the leaf node's JetStream domain holding the cut's mirror, and the hub's.
     domain: str | None = None
     hub_domain: str = "hub"
     host: str = field(default_factory=socket.gethostname)

@@ -43,8 +43,8 @@ try + 1). Acks not in within `ACK_WAIT_S`, or when the connection drops, are awa
 background: the pull stays in flight, the boundary returns, and the boundary after the outcome
 reports it. The step-log event carries the bytes rank 0 moved to and from the other ranks
 (scatter_bytes, gather_bytes). Bad input is counted (`rejected`) and training goes on: that includes
-chunks that claim a version held or being read with another version digest (until #17 anyone on
-the bus may publish them); the cut is read again when new messages land.
+chunks that claim a version held or being read with another version digest (without server
+permissions, docs/design.md §13, anyone on the bus may publish them); the cut is read again when new messages land.
 
 Decisions of this shell (beyond docs/design.md §5):
 * The island's CTL consumers deliver from its hello's stream sequence (see IslandClient.provision).

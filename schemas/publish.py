@@ -12,7 +12,7 @@ timeout, and a pipeline holds dozens of them (one broadcast took 330 s after a b
 wait here also watches the connection: once the client has reconnected after the publish went out, the
 publish is re-sent at once with the same `Nats-Msg-Id` (counted as `publish_retry.reconnected`).
 
-Message ids nobody else can occupy (issue 30). JetStream de-duplicates by `Nats-Msg-Id` per stream,
+Message ids nobody else can occupy (docs/design.md §3.5). JetStream de-duplicates by `Nats-Msg-Id` per stream,
 whatever the subject, and our ids are predictable (schemas/subjects.py): an island holding only its own
 credentials could publish on its own subjects, in a stream it shares with others (CTL, PUSH, INIT,
 STEPLOG), the ids the syncer's pulls or another island's pushes, heartbeats, acks will use, and JetStream
@@ -32,7 +32,7 @@ publish sent before that moment is presumed lost too and re-sent at once. Otherw
 a whole timeout one after another (6 lost acks took 21 s with a 3 s timeout). And where the connection
 has a `leader_watch.LeaderWatch` (the syncer's and the islands'), a stream leader's election after a
 publish left presumes it lost at once: the dead leader's acks are then re-sent one election after the
-node's death, not one ack timeout (issue 25 item 2), and a retry backing off from "no responders" wakes
+node's death, not one ack timeout (docs/design.md §3.8), and a retry backing off from "no responders" wakes
 at the election.
 """
 from __future__ import annotations

@@ -414,7 +414,7 @@ def config_conflicts(existing: Any, wanted: Any, kind: str = "stream") -> list[t
     return out
 
 
-# ---- datacenter mirrors of the cut (issue 13) ----------------------------------------------------
+# ---- datacenter mirrors of the cut (docs/design.md §12) -------------------------------------------
 #
 # An island datacenter runs a NATS leaf node with a JetStream domain of its own (services/leaf.py).
 # There the run keeps a mirror of BCAST and FINAL, under the same stream names, so the datacenter's

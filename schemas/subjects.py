@@ -31,7 +31,7 @@ KV_KINDS = ("members", "state")
 
 # The streams other identities may publish into too (an island on its own subjects of CTL, PUSH, INIT,
 # STEPLOG): JetStream de-duplicates by Nats-Msg-Id per *stream*, whatever the subject, so an id of ours
-# there can be taken by someone else's publish first (issue 30). BCAST, FINAL, EVENTS and the KV buckets
+# there can be taken by someone else's publish first (docs/design.md §3.5). BCAST, FINAL, EVENTS and the KV buckets
 # take only the syncer's writes in a secured run. schemas/publish.py re-sends under a fresh id there.
 SHARED_STREAM_TOKENS = ("ctl", "push", "init", "steplog")
 
@@ -73,7 +73,7 @@ def stream_subjects(run: str, kind: str) -> list[str]:
     return {
         # Heartbeats and final acks have a stream of their own that keeps the newest per subject (HB): a
         # flood on one island's subjects is one message to read, never a queue in front of the others'
-        # (issue 30). Only the newest of each matters. Hellos stay on CTL: an island's CTL consumers
+        # (docs/design.md §3.1). Only the newest of each matters. Hellos stay on CTL: an island's CTL consumers
         # start at its hello's stream sequence.
         "CTL": [f"{r}.ctl.hello.*", f"{r}.ctl.pull", f"{r}.ctl.to.*"],
         "HB": [f"{r}.ctl.hb.*", f"{r}.ctl.ack.*"],

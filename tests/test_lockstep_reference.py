@@ -1,4 +1,4 @@
-"""Issue 4, "Show": in lockstep mode a real run — nats-server, `yeto syncer --strict`, island `a` (one
+"""docs/design.md §5.2: in lockstep mode a real run — nats-server, `yeto syncer --strict`, island `a` (one
 process) and island `b` (two data-parallel gloo ranks), both `python -m learner.demo` with
 YETO_LOCKSTEP=1 — ends on the same parameters as an in-process streaming-DiLoCo reference with the same
 seeds, data order, inner optimizer (AdamW), outer optimizer (Nesterov SGD), α and round schedule, and

@@ -419,7 +419,7 @@ async def test_concurrent_provisioning_agrees_or_conflicts(js, run_id):
     assert (await js.stream_info(S.stream(run_id, "CTL"))).config.max_age == winner_age
 
 
-# ---- replicas (issue 13) ---------------------------------------------------------------------------
+# ---- replicas (docs/design.md §7) ------------------------------------------------------------------
 
 def test_replicas_reach_every_stream_and_bucket_config():
     lim = RunLimits.small(replicas=3)

@@ -12,7 +12,7 @@ Contract for sharded adapters (multi-rank islands: TP/PP/EP, distributed optimiz
   (one slice per dimension, step 1) of the global tensor it holds; `owner` marks the one rank whose
   piece is read for pushes/INIT (every element of every synced tensor has exactly one owner across
   the island; replicas of the same box are not owners). Fused tensors whose global layout would depend
-  on the TP size must be presented as TP-independent canonical tensors (or pinned, see issue 6).
+  on the TP size must be presented as TP-independent canonical tensors (or pinned).
 * `read(name)` returns this rank's fp32 piece (shape = the box's shape); `write(name, value)` takes a
   value of that shape and sets master and model param. Every rank that lists a tensor calls `read`
   (for a push or INIT) and `write` (for an applied version that overwrites) or `blend` (for one that

@@ -37,12 +37,12 @@ main→model copy does), so they never disagree. Reads come from the master.
 
 Collectives inside `read` / `write` (base.py allows them): `read` of a DistributedOptimizer tensor
 runs an all-gather over the optimizer's data-parallel group, so every rank of that group must call
-`read` for the same names in the same order — the sharded island (issue 5) does; the older
+`read` for the same names in the same order — the sharded island does; the older
 single-sync-rank Island calls `read` on rank 0 only, so there use Float16Optimizer/FP32 or DP = 1.
 
 `sync_replicas(names)` (the older Island's DP protocol: rank 0 writes, then every rank calls it)
 broadcasts each box written by the data-parallel replica group's rank 0 over that group and writes it
-on the other replicas. The sharded island (issue 5) writes every holder itself and does not call it.
+on the other replicas. The sharded island writes every holder itself and does not call it.
 
 `layout_all(adapter)` and `gather_full(adapter)` / `scatter_full(adapter, values)` are collective
 helpers over the world: the island-wide layout and whole canonical tensors (tests, checkpoints).
