@@ -1,9 +1,9 @@
-"""bench/hostile.py — a real run under a flood of malformed and hostile messages (issue 16, Build item 2).
+"""bench/hostile.py — a real run under a flood of malformed and hostile messages (docs/design.md §14).
 
     .venv/bin/python bench/hostile.py                      # 1000 hostile messages, seed 0, embedded broker
     .venv/bin/python bench/hostile.py --quick              # ~250 messages, a shorter run (the suite's test)
     .venv/bin/python bench/hostile.py --count 5000 --seed 7 --nats nats://host:4222
-    .venv/bin/python bench/hostile.py --poison all         # issue 30: a compromised island, default syncer flags
+    .venv/bin/python bench/hostile.py --poison all         # a compromised island (docs/design.md §9), default syncer flags
 
 `--poison KIND[,KIND...]|all` runs no flood: it starts a clean 2-island run and, side by side on the same broker,
 one run per KIND whose island a is compromised by learner/demo.py's test-only fault injector (YETO_DEMO_POISON:
@@ -124,7 +124,7 @@ CATS = [
     Cat("init_unknown_gen", "observed", 0),
     # opt-in (--impersonate): forged pulls for rounds not committed yet, and fatal errors / manifests / shutdowns
     # naming the islands' real generations. Nothing on the wire tells them from the syncer's own until
-    # the security issue's permissions; they stall or stop the run (see bench/README.md).
+    # server permissions (docs/design.md §13); they stall or stop the run (see bench/README.md).
     Cat("pull_forged_future", "observed", 0), Cat("to_island_real_gen", "observed", 0),
 ]
 CAT_NO = {c.name: i + 1 for i, c in enumerate(CATS)}
@@ -235,7 +235,7 @@ class Hostile:
         gen = gen or hgen(cat, rnd)
         # Default: a round that will not be in flight for a while. The syncer forgets a round's tries at
         # its commit (PushLedger.pop_round), so a try straddling that commit would never complete and
-        # never be taped: a count that depends on timing (reported as a finding, issue 16).
+        # never be taped: a count that depends on timing (reported as a finding).
         step = step if step is not None else self.committed + 3 + rnd.randrange(3)
         frag = frag if frag is not None else (step - 1) % len(self.frags)
         attempt = attempt if attempt is not None else self.attempts.get(step, 1)
@@ -522,7 +522,7 @@ class Hostile:
 
     def bcast_forgery(self) -> Msg:
         """A chunk on a real BCAST chunk subject: it replaces the real one in the stream (one message per
-        subject; closed by server permissions in the security issue). The islands must refuse it and recover."""
+        subject; closed by server permissions, docs/design.md §13). The islands must refuse it and recover."""
         rnd = self.rnd
         f = rnd.randrange(len(self.frags))
         spans = chunk_plan(self.frags[f], self.bulk_dtype, self.cb)
@@ -734,7 +734,7 @@ async def attack(url: str, run: str, procs: Procs, args, report: dict) -> None:
                 cat.units += 1
                 cat.island_must += u.islands
             await asyncio.sleep(args.pace)
-        # Last: an INIT chunk of a generation the syncer never saw holds its INIT intake for a while (issue 16),
+        # Last: an INIT chunk of a generation the syncer never saw holds its INIT intake for a while,
         # so nothing else may queue behind it.
         for _ in range(args.init_gens if "stopped_early" not in report else 0):
             u = h.unit("init_unknown_gen")

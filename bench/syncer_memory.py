@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Syncer memory benchmark: one syncer vs N syncer shards on the same run shape (issue 14).
+"""Syncer memory benchmark: one syncer vs N syncer shards on the same run shape (docs/design.md §10).
 
     python bench/syncer_memory.py [--size-mib 1024] [--rounds 8] [--shards 4] [--chunk-mib 1] [--keep]
 

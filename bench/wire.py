@@ -4,11 +4,11 @@
     python bench/wire.py --size-mb 512 [--chunk-mb 1] [--repeat 3] [--nats URL] [--explore]
 
 A publisher PROCESS and a consumer PROCESS run at the same time. The publisher sends an N MiB f32
-fragment the way the syncer broadcasts one (DESIGN §3), through the production code: the chunk plan
+fragment the way the syncer broadcasts one (docs/design.md §3.6), through the production code: the chunk plan
 (`schemas.chunks.chunk_plan`), the `bcast_chunk` header (`chunk_header` + `codec.encode_header`, which
 validates it), the subjects and `Nats-Msg-Id`s of `schemas.subjects`, and `schemas.publish.Pipeline`
-(bounded bytes in flight, NATS-NOTES traps 5, 9; refusals retried with the same id). The consumer is a
-durable pull consumer that keeps bounded pull requests outstanding (≤ 32 MiB each, trap 4), decodes
+(bounded bytes in flight, docs/design.md §15.5, §15.9; refusals retried with the same id). The consumer is a
+durable pull consumer that keeps bounded pull requests outstanding (≤ 32 MiB each, docs/design.md §15.4), decodes
 every header (`codec.decode_header`), checks each chunk against its own plan (`check_chunk`: offset,
 size, xxh3 digest) and acks. The baseline moves the same chunk buffers between two processes over a
 blocking loopback socket (sendall / recv_into).
@@ -71,7 +71,7 @@ class Config:
     ack: str = "all"  # all: AckAll policy, one ack per batch_mb received; explicit: ack every message
     pull: str = "pipelined"  # pipelined: own MSG.NEXT requests kept outstanding; fetch: stock fetch()
     pulls_outstanding: int = 2
-    batch_mb: int = 16  # bytes per pull request (≤ 32 MiB, NATS-NOTES trap 4)
+    batch_mb: int = 16  # bytes per pull request (≤ 32 MiB, docs/design.md §15.4)
     inflight_mb: int = 16  # publisher: bytes published but not yet acknowledged by JetStream
     procs: int = 1  # publisher processes (the fragment split in contiguous parts); as many consumers
     read_kb: int = 0  # 0: stock nats-py socket reads (32 KiB); else patch its read size (experiment only)

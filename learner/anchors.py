@@ -1,4 +1,4 @@
-"""Per-rank values of one island rank's pieces (DESIGN §5, §6) — pure torch + local files, no network.
+"""Per-rank values of one island rank's pieces (docs/design.md §5.5, §6) — pure torch + local files, no network.
 
 Every rank keeps, per session fragment, flat float32 values for *its own* pieces (the boxes of the
 fragment's tensors it holds, see `layout_map`), never for the whole fragment:

@@ -1,4 +1,4 @@
-"""The sync rank's boundary as a pure state machine (DESIGN §3.2, §5): no I/O, no clock, no
+"""The sync rank's boundary as a pure state machine (docs/design.md §3.9, §5.2): no I/O, no clock, no
 torch.distributed. `Island` (learner/island.py) is the shell that feeds it events and carries out the
 operations it returns, with `IslandWire` (cuts and exports), `RankOps` (the ranks) and `IslandClient`
 (the network).
@@ -322,7 +322,7 @@ class Boundary:
         """Finalize only once the manifest is backed by the final cut: the syncer publishes FINAL
         before any manifest, so chunk 0 of every fragment it names already carries its version,
         digest and final step. Until then the island trains on; a manifest still unbacked after
-        `final_timeout_s` (forged: until #17 anyone may publish one) is dropped and counted."""
+        `final_timeout_s` (forged: without server permissions anyone may publish one) is dropped and counted."""
         msg, since = self.offered
         want = sorted((int(k), v) for k, v in msg["versions"].items())
         ev = yield VerifyManifest([fid for fid, _ in want])

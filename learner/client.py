@@ -1,4 +1,4 @@
-"""The island's NATS client (DESIGN §5): a background thread running nats-py's asyncio loop.
+"""The island's NATS client (docs/design.md §5.1): a background thread running nats-py's asyncio loop.
 
 The training thread never touches the network directly. The loop thread:
 
@@ -185,7 +185,7 @@ class IslandClient:
     # ---- provisioning and the session (training thread) -----------------------------------------
 
     def provision(self, hello: dict) -> None:
-        """Island-side provisioning (DESIGN §3): wait for the run's streams, publish hello, make the
+        """Island-side provisioning (docs/design.md §3.3): wait for the run's streams, publish hello, make the
         island's CTL consumers this generation's, delivering from the hello's stream sequence (from
         its PubAck: nothing stored before it can be meant for this generation; no read of CTL is
         needed, so the permissions give an island none), and start the background readers and
@@ -232,7 +232,7 @@ class IslandClient:
             entry = await kv.get(key)
         except KeyNotFoundError:
             return None
-        return entry.value or None  # an empty value is a delete marker (NATS-NOTES trap 6)
+        return entry.value or None  # an empty value is a delete marker (docs/design.md §15.6)
 
     def wait_session(self, *, poll_s: float = 0.2, log_every_s: float = 30.0) -> dict:
         """Wait for the syncer's session record (state KV key `session`), with a log line while
@@ -331,7 +331,7 @@ class IslandClient:
         except ConnectError as exc:
             raise IslandUnhealthy(str(exc)) from None
         self.js, self.cut_js = cut_contexts(self.nc, cfg)
-        # a stream leader's election re-sends what its dead predecessor left unacknowledged (issue 25)
+        # a stream leader's election re-sends what its dead predecessor left unacknowledged (docs/design.md §3.8)
         await leader_watch.watch(self.nc, self.run)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""Island configuration: `YETO_*` environment variables and/or keyword arguments (DESIGN §5, §7).
+"""Island configuration: `YETO_*` environment variables and/or keyword arguments (docs/design.md §5, §7).
 
 `IslandConfig.from_env(**overrides)` reads the environment; keyword arguments win over it. Every bad
 value raises ConfigError naming the attribute and, in the message, the variable it came from.
@@ -52,7 +52,7 @@ from schemas.ids import check_island, check_run
 
 _DOMAIN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a domain becomes a subject token ($JS.<domain>.API)
 MiB = 1 << 20
-MAX_FETCH_BATCH_BYTES = 32 * MiB  # NATS-NOTES trap 4: keep a batch well under the 64 MiB slow-consumer limit
+MAX_FETCH_BATCH_BYTES = 32 * MiB  # docs/design.md §15.4: keep a batch well under the 64 MiB slow-consumer limit
 
 PUSH_DTYPES = (AUTO_DTYPE, *_PUSH)
 BULK_DTYPES = (AUTO_DTYPE, *_BULK)
@@ -116,7 +116,7 @@ class IslandConfig:
     connect_timeout_s: float = 20.0   # the first connection only (schemas.conn.connect)
     progress: bool = True
     anchor_dir: str | None = None
-    # Island datacenters (issue 13): the leaf node's JetStream domain holding the cut's mirror, and the hub's.
+    # Island datacenters (docs/design.md §12): the leaf node's JetStream domain holding the cut's mirror, and the hub's.
     domain: str | None = None
     hub_domain: str = "hub"
     host: str = field(default_factory=socket.gethostname)

@@ -1,4 +1,4 @@
-"""The island's CTL reading (DESIGN §3, §5), on the client's loop thread: the two durable CTL
+"""The island's CTL reading (docs/design.md §3.3, §5.1), on the client's loop thread: the two durable CTL
 consumers, `pull-I` (pulls) and `isl-I` (manifest / error / shutdown sent to this island), fetched
 into the client's inboxes, each message acked once it is in one; and the cut watchers' callback,
 which turns BCAST / FINAL chunk headers into notices.

@@ -1,4 +1,4 @@
-"""Per-fragment sync bookkeeping and in-order reading of a cut (DESIGN §3, §5) — pure, no I/O.
+"""Per-fragment sync bookkeeping and in-order reading of a cut (docs/design.md §3.6, §5.5) — pure, no I/O.
 
 `SyncState` (the sync rank's view) holds, per fragment of the session, the version the island holds,
 that version's digest, and the inner-step and token counters since it was installed. The values —
@@ -27,7 +27,7 @@ streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
   already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
   if chunk k still holds an older version than the one wanted, the newer one has not reached it yet
   ("wait": read on at a later boundary);
-* anyone who can publish on the stream can put garbage there (until #17 closes that), so nothing a
+* anyone who can publish on the stream can put garbage there (unless server permissions close that, docs/design.md §13), so nothing a
   chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
   chunk plan, a chunk digest mismatch, NaN / Inf values, a `version_digest` missing from a seal or
   present elsewhere on BCAST, the version held carried with another `version_digest`) or a version

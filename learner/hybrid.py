@@ -1,4 +1,4 @@
-"""Hybrid process groups inside an island (DESIGN §6): gloo across nodes, the device backend inside one.
+"""Hybrid process groups inside an island (docs/design.md §6): gloo across nodes, the device backend inside one.
 
 Enabled with `YETO_CROSS_NODE_GLOO=1` (`install_from_env()`, which the ms-swift plugin calls at import
 time) or `install()`. Some clusters have no working device fabric between nodes (HCCL/NCCL across

@@ -1,4 +1,4 @@
-"""Which backend a process group gets in an island with hybrid groups (DESIGN §6), and the node math.
+"""Which backend a process group gets in an island with hybrid groups (docs/design.md §6), and the node math.
 
 Pure decisions plus device detection, no patching (learner/hybrid.py installs the patches that use
 them): `choose_backend` is a function of the rank set, the requested backend, the device backend and

@@ -1,4 +1,4 @@
-"""The torch.distributed calls as wrapped for hybrid groups (DESIGN §6): host copies, work handles, fallbacks.
+"""The torch.distributed calls as wrapped for hybrid groups (docs/design.md §6): host copies, work handles, fallbacks.
 
 Called with a group that learner/hybrid.py recorded as hybrid (gloo across nodes), a collective or P2P
 call copies device tensors to fresh host tensors, runs on gloo and copies the results back into the

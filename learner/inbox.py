@@ -74,7 +74,7 @@ class CutInbox:
     only the newest bounds the inbox by the number of chunks of the model, however many versions
     land between two boundaries (a long evaluation, a slow step). Newest means the last to arrive
     (the ordered consumer delivers in stream order), not the highest version: a forged chunk
-    claiming version 10^4 must not hide the real chunk that overwrote it (issue 16)."""
+    claiming version 10^4 must not hide the real chunk that overwrote it."""
 
     def __init__(self, arrivals: Arrivals | None = None) -> None:
         self._d: dict[tuple[int, int], ChunkNotice] = {}

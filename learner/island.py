@@ -1,4 +1,4 @@
-"""The island's sync core (DESIGN §3.2, §5, §6): `Island`, what a training loop calls — start-up
+"""The island's sync core (docs/design.md §3.9, §5, §6): `Island`, what a training loop calls — start-up
 (layout, hello, session, INIT, initial cut) and the step boundary — on every rank of the island.
 
 Use (every rank of the island group calls every method; `group` None: a single process):
@@ -43,10 +43,10 @@ try + 1). Acks not in within `ACK_WAIT_S`, or when the connection drops, are awa
 background: the pull stays in flight, the boundary returns, and the boundary after the outcome
 reports it. The step-log event carries the bytes rank 0 moved to and from the other ranks
 (scatter_bytes, gather_bytes). Bad input is counted (`rejected`) and training goes on: that includes
-chunks that claim a version held or being read with another version digest (until #17 anyone on
-the bus may publish them); the cut is read again when new messages land.
+chunks that claim a version held or being read with another version digest (without server
+permissions, docs/design.md §13, anyone on the bus may publish them); the cut is read again when new messages land.
 
-Decisions beyond DESIGN:
+Decisions of this shell (beyond docs/design.md §5):
 * The island's CTL consumers deliver from its hello's stream sequence (see IslandClient.provision).
 * The INIT island skips INIT when the state KV already holds `commit` (v0 exists: it is a restart),
   then waits up to `init_v0_timeout_s` for v0 of every fragment before its first step (its weights

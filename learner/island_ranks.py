@@ -1,4 +1,4 @@
-"""What every rank of an island does for one step the sync rank announces (DESIGN §5, §6).
+"""What every rank of an island does for one step the sync rank announces (docs/design.md §5, §6).
 
 The sync rank (rank 0 of the island group) decides; each collective step is a small dict ("op")
 that it shares with `Comm.share` before running it itself, and the other ranks run the same op in

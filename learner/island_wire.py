@@ -1,4 +1,4 @@
-"""The sync rank's side of the wire (DESIGN §3, §5, §6): reading cuts (BCAST and FINAL) in chunk
+"""The sync rank's side of the wire (docs/design.md §3.6, §5.5, §6): reading cuts (BCAST and FINAL) in chunk
 order into the ranks' staging, and exporting (INIT, pushes) chunk by chunk. `IslandWire` holds its
 own state (the BCAST reader, which fragments have news, what the ranks are staging, the pushes in
 flight) and is held by `learner.island.Island`, which carries out the boundary machine's operations

@@ -1,4 +1,4 @@
-"""Where every rank's pieces sit in a fragment's flat layout (DESIGN §6) — pure: no torch.distributed.
+"""Where every rank's pieces sit in a fragment's flat layout (docs/design.md §6) — pure: no torch.distributed.
 
 An island gathers, once at start, every rank's list of pieces (`describe`): for each synced tensor the
 rank holds, its canonical name, global shape, dtype, the *box* it holds (one [start, stop) range per

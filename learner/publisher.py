@@ -1,5 +1,5 @@
 """Publishing a stream of chunks from the training thread (pushes, INIT) on the client's loop, with
-bounded bytes in flight (NATS-NOTES traps 5, 9), and waiting for its acks without blocking a
+bounded bytes in flight (docs/design.md §15.5, §15.9), and waiting for its acks without blocking a
 boundary on a dying connection.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .errors import NotConnected
 from .inbox import PublishHandle
 from .waiting import Arrivals, wait_until
 
-PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (NATS-NOTES traps 5, 9)
+PUSH_PIPELINE_BYTES = 16 << 20  # push bytes unacked at once (docs/design.md §15.5, §15.9)
 # A detached publish (a push) waits this long for its last acks before finishing in the background:
 # on a healthy broker they are in within milliseconds, so the step log still shows the push at the
 # boundary that made it; a full PUSH stream or a dying broker no longer holds the boundary.
@@ -53,7 +53,7 @@ class StreamPublisher:
         PublishHandle is returned, done or not, and the pipeline goes on in the background (same
         msg ids, re-sent after a reconnect) until `timeout`."""
         deadline = time.monotonic() + timeout
-        # An ack future can hang when the server answers with an error (NATS-NOTES trap 2): the
+        # An ack future can hang when the server answers with an error (docs/design.md §15.2): the
         # pipeline's own wait is a fraction of the budget, so such a publish is redone with
         # publish_retry (same msg id, backoff on 10077 / 10167) before the whole stream times out.
         pipe = Pipeline(self.js, max_bytes=PUSH_PIPELINE_BYTES, timeout=max(0.5, min(10.0, timeout / 4)),

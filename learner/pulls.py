@@ -1,4 +1,4 @@
-"""The island's pending-pull ledger (DESIGN §5 take_ready_pulls) — pure logic, no I/O.
+"""The island's pending-pull ledger (docs/design.md §5.3) — pure logic, no I/O.
 
 The NATS thread feeds every pull it reads from the island's durable CTL consumer to `PullBook.offer`;
 at a step boundary the training loop asks `take_ready` which pulls to answer now, pushes them, and
@@ -39,11 +39,11 @@ Rules, and why:
   once and commits them in order, so a version of F newer than b exists only once round t has
   committed. The book therefore drops every round of F with base_version < v as soon as the island
   applied version v of F (`committed(F, v)`: bytes whose digest matched). Later copies of such pulls
-  are dropped on arrival. A pull's own `base_version` is *not* taken as proof (it once was): until
-  #17 anyone on the bus may publish a pull, and one claiming base 2^53−1 made the island drop every
+  are dropped on arrival. A pull's own `base_version` is *not* taken as proof (it once was): without
+  server permissions (docs/design.md §13) anyone on the bus may publish a pull, and one claiming base 2^53−1 made the island drop every
   real pull of its fragment for good. Since the broadcasts are applied before pulls are answered at
   a boundary, the commit rule alone rarely lets a moot push out (the syncer disposes of it).
-* **Plausibility** (hostile pulls, issue 16). Refused (WireError naming the field, counted by the
+* **Plausibility** (hostile pulls). Refused (WireError naming the field, counted by the
   shell): a number above MAX_COUNT (2^31 − 1: no run gets near it, and values near 2^53 lose
   precision in JSON readers); with the session's fragment count, a step that targets another
   fragment or a base_version above the number of rounds of the fragment before it,

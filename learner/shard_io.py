@@ -1,4 +1,4 @@
-"""Moving chunks between the sync rank and the ranks that hold the pieces (DESIGN §6): the thin
+"""Moving chunks between the sync rank and the ranks that hold the pieces (docs/design.md §6): the thin
 torch.distributed shell around `layout_map`.
 
 * `Comm`: the island group — `share` (rank 0's small plan to everyone, broadcast_object_list),

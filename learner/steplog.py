@@ -1,4 +1,4 @@
-"""The island's step log (DESIGN §5): one JSON event per step, published by the sync rank to
+"""The island's step log (docs/design.md §5.8): one JSON event per step, published by the sync rank to
 `yeto.R.steplog.I` and, with `YETO_DILOCO_STEP_LOG=<path>`, appended to a file.
 
 `StepLog.emit` runs on the training thread: it builds and validates the event (schema `steplog`),

@@ -1,4 +1,4 @@
-"""Chunk framing, the one definition every side uses (DESIGN §3): the chunk plan, the chunk header's
+"""Chunk framing, the one definition every side uses (docs/design.md §3.6): the chunk plan, the chunk header's
 framing fields, the check of one received chunk, and the digests.
 
 Pure logic, no I/O. A fragment of `numel` values in a wire dtype is cut by `chunk_plan` into chunks of
@@ -25,7 +25,7 @@ import xxhash
 from .dtypes import as_bytes_view, packed_nbytes, wire_align
 from .errors import ChunkError, WireError
 
-# NATS counts headers toward max_payload but nats-py checks only the payload (NATS-NOTES trap 1):
+# NATS counts headers toward max_payload but nats-py checks only the payload (docs/design.md §15.1):
 # a chunk header (Nats-Msg-Id + compact JSON metadata with two digests) is well under 1 KiB; 4 KiB
 # leaves room for tracing or auth headers added later.
 HEADER_HEADROOM = 4096

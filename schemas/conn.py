@@ -1,4 +1,4 @@
-"""One convention for every command's connection to NATS (DESIGN §7).
+"""One convention for every command's connection to NATS (docs/design.md §7).
 
 `--nats URL` (default `NATS_URL`, else nats://127.0.0.1:4222; user:password may sit in the URL),
 `--nats-creds FILE`, `--tls-ca FILE`, `--run R`. `YETO_*` variables mirror the flags. Both `services`

@@ -1,4 +1,4 @@
-"""Wire dtypes: packing flat float32 tensors into bytes and back (DESIGN §3, §5 Push). Pure, no I/O.
+"""Wire dtypes: packing flat float32 tensors into bytes and back (docs/design.md §3.6, §5.4). Pure, no I/O.
 
 Three wire dtypes:
 

@@ -1,4 +1,4 @@
-"""Fragment layout and fingerprints (DESIGN §3.2 step 3) — pure, deterministic.
+"""Fragment layout and fingerprints (docs/design.md §3.7) — pure, deterministic.
 
 A session splits the canonical layout (the named tensors every island agrees on) into P fragments:
 

@@ -1,5 +1,5 @@
 """Stream leader elections, as the server announces them, so a lost PubAck costs one election and not an
-ack timeout (issue 25 item 2).
+ack timeout (docs/design.md §3.8).
 
 When a cluster node that leads a stream dies, what was published to that stream and not yet acknowledged
 will never be acknowledged: the leader that would answer is gone, and the client, connected to a live

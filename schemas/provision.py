@@ -1,4 +1,4 @@
-"""Provisioning of a run's JetStream streams, KV buckets and consumers (DESIGN §3, "Provisioning").
+"""Provisioning of a run's JetStream streams, KV buckets and consumers (docs/design.md §3.3).
 
 Who does what:
 
@@ -15,7 +15,7 @@ Who does what:
 
 Consumers are **durable pull consumers**, all of them (the island's cut reader, an ordered consumer, is
 the one exception, see `bcast_consumer_config`). Why pull: the reader decides when and how much to
-fetch, so a batch's bytes stay bounded (NATS-NOTES trap 4: a batch larger than the server's
+fetch, so a batch's bytes stay bounded (docs/design.md §15.4: a batch larger than the server's
 per-connection buffer gets the client cut off as a slow consumer — keep `fetch` batches ≲ 32 MiB), a
 slow syncer or an island busy in a training step never has bytes pushed into its process, and a
 durable survives a restart of its reader (it resumes at its ack floor). `syncer-push` is
@@ -163,7 +163,7 @@ async def provision_run(
     js, run: str, limits: RunLimits = RunLimits(), *, push_headers_only: bool = True,
     log: Callable[[str], None] | None = None, shard: int = 0, shards: int = 1, fragments: int | None = None,
 ) -> ProvisionReport:
-    """The syncer-side call: create what is missing, check what exists (DESIGN §3 Provisioning).
+    """The syncer-side call: create what is missing, check what exists (docs/design.md §3.3).
 
     Raises ProvisionConflict (nothing created, nothing changed) if any existing stream, bucket or
     syncer consumer differs from the wanted configuration on a field that matters.

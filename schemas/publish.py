@@ -1,10 +1,10 @@
 """JetStream publishing with backpressure handled the same way on both sides.
 
 A publish refused with 10077 (stream full: PUSH's max_bytes + discard-new) or 10167 (too many
-requests), or one that times out (e.g. right after a reconnect, NATS-NOTES trap 7), is retried with
+requests), or one that times out (e.g. right after a reconnect, docs/design.md §15.7), is retried with
 backoff and the SAME `Nats-Msg-Id`: JetStream's duplicate window makes a retry of a publish that did
 land harmless. Every retry is counted. `publish_async` futures can hang forever when the server answers
-with an error (trap 2), so everything here waits with a timeout.
+with an error (docs/design.md §15.2), so everything here waits with a timeout.
 
 A PubAck is lost for good when the connection that carried the publish dies (a broker restart, or a
 cluster node's death): the server that would answer is gone. Waiting such a future out costs its whole
@@ -12,7 +12,7 @@ timeout, and a pipeline holds dozens of them (one broadcast took 330 s after a b
 wait here also watches the connection: once the client has reconnected after the publish went out, the
 publish is re-sent at once with the same `Nats-Msg-Id` (counted as `publish_retry.reconnected`).
 
-Message ids nobody else can occupy (issue 30). JetStream de-duplicates by `Nats-Msg-Id` per stream,
+Message ids nobody else can occupy (docs/design.md §3.5). JetStream de-duplicates by `Nats-Msg-Id` per stream,
 whatever the subject, and our ids are predictable (schemas/subjects.py): an island holding only its own
 credentials could publish on its own subjects, in a stream it shares with others (CTL, PUSH, INIT,
 STEPLOG), the ids the syncer's pulls or another island's pushes, heartbeats, acks will use, and JetStream
@@ -32,7 +32,7 @@ publish sent before that moment is presumed lost too and re-sent at once. Otherw
 a whole timeout one after another (6 lost acks took 21 s with a 3 s timeout). And where the connection
 has a `leader_watch.LeaderWatch` (the syncer's and the islands'), a stream leader's election after a
 publish left presumes it lost at once: the dead leader's acks are then re-sent one election after the
-node's death, not one ack timeout (issue 25 item 2), and a retry backing off from "no responders" wakes
+node's death, not one ack timeout (docs/design.md §3.8), and a retry backing off from "no responders" wakes
 at the election.
 """
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _reason(exc: BaseException) -> str | None:
     if isinstance(exc, _LeaderElected):
         return "leader_elected"
     if isinstance(exc, (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError)):
-        # Disconnected, and the client's reconnect buffer (2 MiB, trap 7) is full: wait for the reconnect.
+        # Disconnected, and the client's reconnect buffer (2 MiB, docs/design.md §15.7) is full: wait for the reconnect.
         return "disconnected"
     if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
                         nats.errors.ConnectionClosedError)):
@@ -288,7 +288,7 @@ async def publish_retry(
 
 
 class Pipeline:
-    """Pipelined publishes with bounded bytes in flight (NATS-NOTES traps 5 and 9).
+    """Pipelined publishes with bounded bytes in flight (docs/design.md §15.5, §15.9).
 
     `await put(...)` sends at once with js.publish_async and only waits when `max_bytes` are unacked;
     `await flush()` waits for every ack. A refused or timed-out publish is redone with publish_retry

@@ -46,7 +46,7 @@ ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different c
 def push_max_bytes_for(pipeline: int, members: int, fragment_bytes: int, slack: float = 1.5) -> int:
     """PUSH `max_bytes` for `pipeline` rounds in flight × `members` pushes × `fragment_bytes` each.
 
-    DESIGN §4: pushes wait in PUSH until their round commits. `slack` covers re-sends (`try`),
+    docs/design.md §4.6: pushes wait in PUSH until their round commits. `slack` covers re-sends (`try`),
     restarted attempts whose chunks are not yet deleted, and message headers.
     """
     for name, v in (("pipeline", pipeline), ("members", members), ("fragment_bytes", fragment_bytes)):
@@ -68,7 +68,7 @@ class RunLimits:
 
     duplicate_window_s: float = 120.0
     ctl_max_age_s: float = 7 * DAY
-    # DESIGN §4: pipeline × members × fragment bytes; see push_max_bytes_for. A bound is mandatory:
+    # docs/design.md §3.1: pipeline × members × fragment bytes; see push_max_bytes_for. A bound is mandatory:
     # it is the backpressure signal (10077) that keeps islands from filling the broker's disk.
     push_max_bytes: int = 8 * GiB
     push_max_age_s: float = DAY  # safety net: the syncer deletes pushes after each commit
@@ -77,7 +77,7 @@ class RunLimits:
     events_max_age_s: float = 90 * DAY
     events_max_bytes: int = -1
     storage: str = "file"  # "memory" for tests only: the shipped config caps memory at 1 GB
-    replicas: int = 1  # 3 on a NATS cluster (DESIGN §8)
+    replicas: int = 1  # 3 on a NATS cluster (docs/design.md §7)
     max_msg_size: int = -1  # -1: the server's max_payload governs
     members_history: int = 1  # heartbeats rewrite members' keys every few seconds: keep the newest only
     state_history: int = 5  # a few revisions of the session / versions record help a post-mortem
@@ -128,7 +128,7 @@ class RunLimits:
 # ---- pure configs --------------------------------------------------------------------------------
 
 def stream_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.StreamConfig]:
-    """The wanted StreamConfig of every stream of `run`, by kind (DESIGN §3 streams table)."""
+    """The wanted StreamConfig of every stream of `run`, by kind (docs/design.md §3.1)."""
     _check_run_id(run)
     L = limits
     LIM, WQ = api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
@@ -170,7 +170,7 @@ def stream_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.S
         # Work queue: the syncer's ack removes an INIT chunk once it holds it.
         "INIT": cfg("INIT", "initial weights from the INIT island", retention=WQ),
         # One message per chunk subject: the stream *is* the current cut; a reader may see chunks of
-        # versions v and v+1 side by side (DESIGN §3, broadcast assembly).
+        # versions v and v+1 side by side (docs/design.md §3.6).
         "BCAST": cfg("BCAST", "current cut, one message per chunk", max_msgs_per_subject=1, allow_direct=True),
         "FINAL": cfg("FINAL", "authoritative f32 final cut", max_msgs_per_subject=1, allow_direct=True),
         # Limits, never interest retention: interest drops events while no dashboard listens.
@@ -185,7 +185,7 @@ def stream_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.S
 
 
 def kv_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.KeyValueConfig]:
-    """The wanted KeyValueConfig of each bucket, by kind. No TTL anywhere (NATS-NOTES trap 6: per-key
+    """The wanted KeyValueConfig of each bucket, by kind. No TTL anywhere (docs/design.md §15.6: per-key
     TTL leases misbehave in nats-py 2.16; liveness is judged from heartbeat times in the values)."""
     _check_run_id(run)
     hist = {"members": limits.members_history, "state": limits.state_history}
@@ -208,7 +208,7 @@ def kv_stream_name(bucket: str) -> str:
 
 def syncer_consumer_configs(run: str, *, push_headers_only: bool = True, shard: int = 0, shards: int = 1,
                             fragments: int | None = None) -> dict[str, tuple[str, api.ConsumerConfig]]:
-    """The syncer's durable pull consumers: name -> (stream kind, config). DESIGN §3 consumer table.
+    """The syncer's durable pull consumers: name -> (stream kind, config). docs/design.md §3.3.
 
     Syncer shards (schemas/shards.py; `fragments` P is then required): shard K's INIT and PUSH
     consumers are named `syncer-init-s<K>` / `syncer-push-s<K>` and filter on its own fragments'
@@ -323,7 +323,7 @@ def bcast_consumer_config(run: str, fragment: int | None = None, *, headers_only
         sub = await js.subscribe(cfg.filter_subject, stream=stream(run, "BCAST"), ordered_consumer=True, config=cfg)
 
     `headers_only` (default): the inbox holds notices (chunk headers, stream sequence), not bytes;
-    rank 0 fetches the payloads by sequence at the boundary (DESIGN §3, island-side buffering).
+    rank 0 fetches the payloads by sequence at the boundary (docs/design.md §3.6).
     """
     subj = S.bcast_all(run) if fragment is None else S.bcast_fragment(run, fragment)
     return _cut_config(subj, headers_only)
@@ -414,7 +414,7 @@ def config_conflicts(existing: Any, wanted: Any, kind: str = "stream") -> list[t
     return out
 
 
-# ---- datacenter mirrors of the cut (issue 13) ----------------------------------------------------
+# ---- datacenter mirrors of the cut (docs/design.md §12) -------------------------------------------
 #
 # An island datacenter runs a NATS leaf node with a JetStream domain of its own (services/leaf.py).
 # There the run keeps a mirror of BCAST and FINAL, under the same stream names, so the datacenter's

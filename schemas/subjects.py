@@ -1,6 +1,6 @@
 """Every subject, stream, bucket, consumer name and `Nats-Msg-Id` of a run is built here, and only here.
 
-Layout (run R, island I, fragment F), DESIGN §3:
+Layout (run R, island I, fragment F), docs/design.md §3.1:
 
     yeto.R.ctl.hello.I | ctl.pull | ctl.to.I                             -> stream CTL
     yeto.R.ctl.hb.I | ctl.ack.I                                          -> stream HB (1 msg per subject)
@@ -12,7 +12,7 @@ Layout (run R, island I, fragment F), DESIGN §3:
     yeto.R.events.<kind>                                                 -> stream EVENTS
 
 Subjects and state are per fragment so the syncer can later be sharded by fragment with no protocol
-change (DESIGN §8).
+change (docs/design.md §10).
 
 The JetStream API subjects a client publishes to by hand (not through a nats-py method) are built here
 too: `js_api` (`$JS.API`, or `$JS.<domain>.API` for another JetStream domain), `consumer_msg_next`
@@ -31,7 +31,7 @@ KV_KINDS = ("members", "state")
 
 # The streams other identities may publish into too (an island on its own subjects of CTL, PUSH, INIT,
 # STEPLOG): JetStream de-duplicates by Nats-Msg-Id per *stream*, whatever the subject, so an id of ours
-# there can be taken by someone else's publish first (issue 30). BCAST, FINAL, EVENTS and the KV buckets
+# there can be taken by someone else's publish first (docs/design.md §3.5). BCAST, FINAL, EVENTS and the KV buckets
 # take only the syncer's writes in a secured run. schemas/publish.py re-sends under a fresh id there.
 SHARED_STREAM_TOKENS = ("ctl", "push", "init", "steplog")
 
@@ -73,7 +73,7 @@ def stream_subjects(run: str, kind: str) -> list[str]:
     return {
         # Heartbeats and final acks have a stream of their own that keeps the newest per subject (HB): a
         # flood on one island's subjects is one message to read, never a queue in front of the others'
-        # (issue 30). Only the newest of each matters. Hellos stay on CTL: an island's CTL consumers
+        # (docs/design.md §3.1). Only the newest of each matters. Hellos stay on CTL: an island's CTL consumers
         # start at its hello's stream sequence.
         "CTL": [f"{r}.ctl.hello.*", f"{r}.ctl.pull", f"{r}.ctl.to.*"],
         "HB": [f"{r}.ctl.hb.*", f"{r}.ctl.ack.*"],
@@ -263,7 +263,7 @@ def parse(run: str, subject: str) -> tuple[str, ...]:
     return tuple(subject[len(r):].split("."))
 
 
-# ---- Nats-Msg-Id keys (per attempt; DESIGN §3 "Per-attempt keys for dedup") -------------------
+# ---- Nats-Msg-Id keys (per attempt; docs/design.md §3.5) ----------------------------------------
 
 def pull_msg_id(fragment: int, step: int, attempt: int, seq: int) -> str:
     return f"pull.{fragment}.{step}.{attempt}.{seq}"

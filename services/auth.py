@@ -1,4 +1,4 @@
-"""Identities and server-enforced permissions of a secured run (issue 17, DESIGN §7/§8 "Security").
+"""Identities and server-enforced permissions of a secured run (docs/design.md §13).
 
 `yeto auth init --run R --islands a,b --out DIR` writes, with the private files mode 0600:
 

@@ -1,4 +1,4 @@
-"""When `yeto broker` restarts a nats-server that exited on its own (issue 25): a pure policy, no I/O.
+"""When `yeto broker` restarts a nats-server that exited on its own (docs/design.md §7): a pure policy, no I/O.
 
 Fed "node i exited at t" and "node i started at t", it answers how long to wait before the restart:
 1 s, then doubling up to 30 s while a node keeps dying soon after its start (a config or disk fault should

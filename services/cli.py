@@ -59,7 +59,7 @@ def _leaf_setup(args, store: str):
 
 
 def _broker_refusal(args) -> str | None:
-    """Issue 17: no open broker beyond loopback unless asked for (--insecure). Issue 25: --node/--peers."""
+    """No open broker beyond loopback unless asked for (--insecure; docs/design.md §13); --node/--peers."""
     from services.cmd_broker import exposure_refusal, node_refusal
 
     why = node_refusal(args.cluster, args.node, args.peers, auth=args.auth, insecure=args.insecure)

@@ -1,5 +1,5 @@
 """`yeto broker`: one nats-server or a loopback cluster (services.broker) in the foreground, and what a
-secured broker needs (issue 17): `--auth DIR` serves DIR's identities (services.auth, `AuthServe`, also
+secured broker needs (docs/design.md §13): `--auth DIR` serves DIR's identities (services.auth, `AuthServe`, also
 used by `yeto demo --secure`), with TLS when DIR/tls exists; the rule that refuses a non-loopback
 listener without authorization; the reload of every node's config on SIGHUP.
 """
@@ -247,7 +247,7 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
 
 def _log_in_store(nodes: list[Broker], log: str | None = None) -> None:
     """nats-server's own output (why a node exited, the permission violations the README says are logged)
-    goes to `nats-server.log` in the node's store, not to /dev/null (issue 25); `log` (`--log`): that file
+    goes to `nats-server.log` in the node's store, not to /dev/null; `log` (`--log`): that file
     instead (with several nodes, one per node: `<stem>-<server name><suffix>`), or "-" for our stderr."""
     for b in nodes:
         if log == "-":
@@ -285,7 +285,7 @@ def _log_tail(b: Broker, n: int = 5) -> str:
 def supervise(nodes: list[Broker], stop: dict, served: AuthServe | None, *, poll_s: float = 0.2) -> None:
     """Until SIGINT/SIGTERM: a nats-server that exits on its own is restarted on its own store, after
     the RestartPolicy's delay (logged with the reason from its log), while the others keep serving: a
-    cluster rides through the death of any node, as the README promises (issue 25: one node's death
+    cluster rides through the death of any node, as the README promises (before, one node's death
     stopped them all)."""
     policy = RestartPolicy()
     now = time.monotonic()

@@ -1,4 +1,4 @@
-"""Island datacenters as NATS leaf nodes (DESIGN §8): the config of a hub broker that accepts leaf
+"""Island datacenters as NATS leaf nodes (docs/design.md §12): the config of a hub broker that accepts leaf
 connections and of a leaf broker that dials out to it, each with its own JetStream domain, and the
 hub's leaf-link byte counters (monitoring `/leafz`).
 
@@ -235,7 +235,7 @@ def leaf_link_bytes(http_port: int, host: str = "127.0.0.1") -> dict:
     """Bytes and messages over every leaf connection a server has had, summed: out = sent by this server
     (on the hub: hub -> datacenters), in = received. `/leafz` lists live connections only, so a link that
     dropped and redialed would lose what its first connection carried (134.5 MB reported against 176.7 MB
-    through a byte-counting proxy, issue 25): the closed leaf connections of /connz are added (`closed`:
+    through a byte-counting proxy): the closed leaf connections of /connz are added (`closed`:
     how many)."""
     tot = {"out_bytes": 0, "in_bytes": 0, "out_msgs": 0, "in_msgs": 0, "links": 0, "closed": 0}
     live = leafz(http_port, host).get("leafs") or []

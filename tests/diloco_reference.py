@@ -2,7 +2,7 @@
 learner sync code.
 
 It re-derives what a lockstep run of `python -m learner.demo` islands against `yeto syncer --strict`
-must compute, from DESIGN.md §3 (Steps), §3.2 and §4–§5 alone. It imports only the *task* from
+must compute, from docs/design.md §3.7, §3.9, §4 and §5 alone. It imports only the *task* from
 learner.demo (model, seeds, data, held-out loss) — never learner.island / fragments / pulls /
 client nor services.syncer (no SyncState, no outer_step_, no round machine):
 

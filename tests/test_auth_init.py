@@ -1,4 +1,4 @@
-"""`yeto auth init` (issue 17 item 1): the files it writes, their modes, re-running it, bad input, and
+"""`yeto auth init` (docs/design.md §13): the files it writes, their modes, re-running it, bad input, and
 the generated config served by a real nats-server (with TLS, and reloaded after adding an island)."""
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def _may(perms: dict, kind: str, subject: str) -> bool:
     ("a", "publish", "$JS.API.STREAM.PURGE.YETO_r_BCAST", False),
     ("a", "publish", "$JS.API.STREAM.MSG.DELETE.YETO_r_BCAST", False),
     ("a", "publish", "$JS.API.STREAM.INFO.YETO_r_CTL", True),
-    # its two CTL consumers, by name and filter (issue 17 gap a), and nothing else on CTL (gap e)
+    # its two CTL consumers, by name and filter, and nothing else on CTL
     ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_CTL.isl-a.yeto.r.ctl.to.a", True),
     ("a", "publish", "$JS.API.CONSUMER.CREATE.YETO_r_CTL.pull-a.yeto.r.ctl.pull", True),
     ("a", "publish", "$JS.API.CONSUMER.MSG.NEXT.YETO_r_CTL.isl-a", True),

@@ -1,4 +1,4 @@
-"""Server-enforced permissions of `yeto auth init` (issue 17), against a real nats-server started with
+"""Server-enforced permissions of `yeto auth init` (docs/design.md §13), against a real nats-server started with
 the generated config (the shipped services/nats.conf settings + the users of three runs + TLS).
 
 Every negative check has its positive twin on the same subject or API call, so a refusal can only come
@@ -408,7 +408,7 @@ async def test_island_cannot_delete_or_purge_a_stream_a_message_or_write_kv(prov
 
 
 async def test_island_cannot_create_use_or_delete_another_islands_consumers(provisioned):
-    """Issue 17 gap (a): an island's CTL consumers have fixed names (`pull-I`, `isl-I`) with their
+    """docs/design.md §13: an island's CTL consumers have fixed names (`pull-I`, `isl-I`) with their
     filter in the create subject, so the rules name them: island b cannot create, fetch from, ack on,
     inspect or delete island a's; island a can (positive control, same calls)."""
     s = provisioned
@@ -450,7 +450,7 @@ async def test_island_cannot_create_use_or_delete_another_islands_consumers(prov
 
 
 async def test_island_b_cannot_read_island_a_control_messages(provisioned):
-    """Issue 17 gap (e): no island reads CTL but through its own consumers (it needs no read back of its
+    """docs/design.md §13: no island reads CTL but through its own consumers (it needs no read back of its
     hello: its consumers start at the hello's sequence, from the PubAck), and the server holds a
     consumer to the filter its create subject names. Every way b tries to read a message to island a
     is refused; a reads it (positive control)."""
@@ -611,7 +611,7 @@ async def test_only_the_syncer_writes_the_state_kv(provisioned):
                 # the KV put is a plain publish on $KV.<bucket>.<key>: build it as nats-py does
                 await _api_refused(err, js.publish(f"$KV.{state}.commit", b"forged"), f"$KV.{state}.commit")
                 await _api_refused(err, js.publish(f"$KV.{members}.a", b"forged"), f"$KV.{members}.a")
-                # issue 24: the syncer's lease and the committed state kept for a standby
+                # docs/design.md §11: the syncer's lease and the committed state kept for a standby
                 for key in ("lease", "ckpt.0.manifest", "ckpt.0.f0.v1.p.0"):
                     await _api_refused(err, js.publish(f"$KV.{state}.{key}", b"forged"), f"$KV.{state}.{key}")
             finally:

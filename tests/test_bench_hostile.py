@@ -1,4 +1,4 @@
-"""Issue 16, "Show": `bench/hostile.py --quick` as a test — a real run (the session's nats-server, the real syncer,
+"""docs/design.md §14: `bench/hostile.py --quick` as a test — a real run (the session's nats-server, the real syncer,
 islands a and b as `python -m learner.demo` processes) under a seeded flood of malformed and hostile messages.
 
 The bench's last line must say: no crash, every island equal to the final cut bitwise, and exactly as many

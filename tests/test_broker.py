@@ -75,7 +75,7 @@ def test_yeto_broker_prints_url_and_stops_on_sigterm(tmp_path):
             proc.kill()
 
 
-# ---- production templates (issue 13): deploy/nats/ -------------------------------------------------
+# ---- production templates (docs/design.md §7, §12): deploy/nats/ -------------------------------------
 
 NATS_DEPLOY = ROOT / "deploy" / "nats"
 

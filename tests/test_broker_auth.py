@@ -1,4 +1,4 @@
-"""`yeto broker --auth DIR`, the loopback rule and reload on SIGHUP (issue 17), against the real
+"""`yeto broker --auth DIR`, the loopback rule and reload on SIGHUP (docs/design.md §13), against the real
 `yeto broker` command (its nats-server child serving what it generated from a `yeto auth init` dir).
 
 One secured broker (TLS, run r with island a) is shared by the module; the SIGHUP test adds island c

@@ -1,4 +1,4 @@
-"""Issue 25 must-show: `yeto broker --cluster 3` prints its 3 URLs; `yeto demo --nats URLS --replicas 3
+"""docs/design.md §14: `yeto broker --cluster 3` prints its 3 URLs; `yeto demo --nats URLS --replicas 3
 --rounds 40` finishes with max_abs_diff 0 while the nats-server child of that same `yeto broker` that leads
 the run's BCAST stream is killed -9 mid-run (through the CLI's own supervision, not nodes started by hand),
 and the BCAST stream has 3 replicas. The broker restarts the node on its store.

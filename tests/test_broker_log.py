@@ -1,4 +1,4 @@
-"""Issue 25 item 4: `yeto broker` keeps nats-server's log and says where, and prints the monitoring URL(s).
+"""docs/design.md §7: `yeto broker` keeps nats-server's log and says where, and prints the monitoring URL(s).
 
 Real `yeto broker` processes: `--log FILE` (one server; with --cluster, one file per node), `--log -` (the
 server's output on the command's stderr), and the default (nats-server.log in the store). Every monitoring

@@ -1,4 +1,4 @@
-"""Issue 25: `yeto broker --cluster N --node K` starts one node of a cluster alone (one node per host, or one
+"""docs/design.md §7: `yeto broker --cluster N --node K` starts one node of a cluster alone (one node per host, or one
 restarted by hand), and `--peers` gives each node its own host's ports. Three real `yeto broker` processes
 form one JetStream cluster (a meta leader, an R3 stream on all three); one stopped and started again by
 hand rejoins on its store and catches up. Bad combinations are refused naming the flag.

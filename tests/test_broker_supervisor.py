@@ -1,4 +1,4 @@
-"""Issue 25: `yeto broker` restarts a node that exited on its own, the others keep serving.
+"""docs/design.md §7: `yeto broker` restarts a node that exited on its own, the others keep serving.
 
 The policy (services/broker_supervisor.py) directly, then the command end to end: `yeto broker --cluster 3`,
 one nats-server killed -9 behind its back: the command keeps running, says why and when it restarts the

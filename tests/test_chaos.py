@@ -1,4 +1,4 @@
-"""Issue 16, "Show": `bench/chaos.py` in CI size. A real run (own nats-server, the syncer, 4 islands, island
+"""docs/design.md §14: `bench/chaos.py` in CI size. A real run (own nats-server, the syncer, 4 islands, island
 b with 2 gloo ranks) in which islands, the syncer and the broker are SIGKILLed at every kind of moment the
 harness knows (INIT, after a pull, mid-push, mid-merge, mid-broadcast, the broker mid-push and
 mid-broadcast, the final cut) and restarted; one kill of each kind. It must lose no round, double
@@ -72,7 +72,7 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_chaos_standby_owner_killed_never_restarted_loses_nothing(tmp_path):
-    """Issue 24: `bench/chaos.py --standby`: two syncers, each its own empty checkpoint directory (two hosts);
+    """docs/design.md §11: `bench/chaos.py --standby`: two syncers, each its own empty checkpoint directory (two hosts);
     every syncer kill takes the owner, which is never restarted: its standby takes over from the state KV
     (a new standby starts). Nothing lost, nothing doubled, every island on the final cut."""
     out_json = tmp_path / "chaos.json"

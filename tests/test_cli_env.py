@@ -1,4 +1,4 @@
-"""Issue 26: an environment variable that does not parse is the user's mistake, reported as such.
+"""docs/design.md §7: an environment variable that does not parse is the user's mistake, reported as such.
 
 Before, `yeto syncer`'s flag defaults were converted while the parsers were built, so `YETO_FRAGMENTS=four`
 in a launch script broke every `yeto` command (even `yeto export --help`) with a ValueError traceback.

@@ -1,4 +1,4 @@
-"""Issue 26: an operator's mistakes fail fast with one line that names the thing and what to do.
+"""docs/design.md §7: an operator's mistakes fail fast with one line that names the thing and what to do.
 
 CLI-level, each against a real nats-server where one is involved (a dead broker is a real one killed -9):
 

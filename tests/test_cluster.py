@@ -1,4 +1,4 @@
-"""Issue 13: a replicated JetStream cluster on one host (services.broker.Cluster, `yeto broker --cluster N`),
+"""docs/design.md §7, §14: a replicated JetStream cluster on one host (services.broker.Cluster, `yeto broker --cluster N`),
 runs provisioned with `--replicas 3`, and a run that rides through a node's death.
 
 Everything is real: three nats-server processes joined by routes on loopback, the real `yeto syncer`,

@@ -1,4 +1,4 @@
-"""Issue 4, "Show": `yeto demo` end to end — the real nats-server of the test session, the real syncer,
+"""docs/design.md §3.9: `yeto demo` end to end — the real nats-server of the test session, the real syncer,
 island `a` (one process) and island `b` (two gloo ranks) training the demo MLP with streaming DiLoCo —
 runs once (the `demo_run` session fixture, 12 rounds); these tests read what it printed and left in
 its work directory.

@@ -1,4 +1,4 @@
-"""Issue 17, "Show": `yeto demo --secure` end to end — `yeto auth init --tls` into the work directory, a
+"""docs/design.md §13: `yeto demo --secure` end to end — `yeto auth init --tls` into the work directory, a
 broker serving it (what `yeto broker --auth` serves), the real syncer, island a and two-rank island b,
 each process with its own identity over TLS. One run; the tests read what it printed and left.
 """

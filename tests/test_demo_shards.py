@@ -1,4 +1,4 @@
-"""Issue #14, item 5: `yeto demo --syncer-shards 2` end to end — the real nats-server of the test session,
+"""docs/design.md §10: `yeto demo --syncer-shards 2` end to end — the real nats-server of the test session,
 two real `yeto syncer --shard K --shards 2` processes, island `a` (one process) and island `b` (two gloo
 ranks) — runs once (module fixture, 12 rounds, P = 4); the tests read what it printed and left.
 

@@ -1,4 +1,4 @@
-"""`yeto export` across syncer shards (issue #14): one safetensors file from every shard's checkpoint
+"""`yeto export` across syncer shards (docs/design.md §10): one safetensors file from every shard's checkpoint
 directory, on real directories written by services/syncer/checkpoint.CheckpointDir.
 
 The same params are committed once into one unsharded directory (every fragment) and once split over

@@ -286,7 +286,7 @@ def test_fragments_read_independently_and_consecutive_versions_each_complete():
 
 
 def test_one_version_with_two_digests_is_refused_not_fatal_and_the_real_one_still_completes():
-    # Issue 16: a chunk claiming the version held (or being read) with another version_digest used
+    # Regression: a chunk claiming the version held (or being read) with another version_digest used
     # to raise ProtocolError and kill the island. It is garbage someone published: refused, counted.
     r = CutReader(S)
     real3 = vec(N0, 1)
@@ -330,7 +330,7 @@ def test_version_digest_mismatch_refuses_that_reading_only_and_the_version_is_re
 
 
 def test_a_forged_chunk_with_a_predicted_version_number_does_not_make_the_real_version_refused():
-    # Issue 16: a bad-digest chunk claiming v2 (the next version, easy to predict) used to put
+    # Regression: a bad-digest chunk claiming v2 (the next version, easy to predict) used to put
     # (fragment, 2) in a `failed` set for good: the real v2 was never installed, pushes went stale.
     r = CutReader(S)
     read(r, 0, bcast_chunks(0, 1, vec(N0, 1)))
@@ -423,7 +423,7 @@ def test_a_bad_chunk_checked_ahead_of_the_reading_is_refused_and_the_reading_goe
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_self_consistent_version_with_nan_or_inf_is_never_installed(dtype, bad):
-    # Issue 16: chunks whose digests all match but whose values are NaN/Inf were installed.
+    # Regression: chunks whose digests all match but whose values are NaN/Inf were installed.
     s = session(bulk=dtype)
     r = CutReader(s)
     g = vec(s["fragments"][0]["numel"], 3)
@@ -470,7 +470,7 @@ def test_a_chunk_index_beyond_the_plan_is_refused_not_an_index_error():
 
 
 def test_a_forged_chunk_0_from_far_ahead_does_not_hold_the_real_version_once_overwritten():
-    # Issue 16 (bench/hostile.py, seed 6): a well-framed chunk 0 claiming v7955 started a reading that
+    # Regression (bench/hostile.py, seed 6): a well-framed chunk 0 claiming v7955 started a reading that
     # waited for its chunk 1 for ever ("not_yet"); the real v1 that overwrote chunk 0 was never read.
     r = CutReader(S)
     forged = bcast_chunks(0, 7955, vec(N0, 9), vdigest="7" * 64)

@@ -1,4 +1,4 @@
-"""Issue 30, "Must show": island b's own credentials against a secured run (real nats-server with the
+"""docs/design.md §13: island b's own credentials against a secured run (real nats-server with the
 permissions of `yeto auth init`, real `yeto syncer`, islands a and b as `python -m learner.demo`).
 
 - **Message-id squatting**: b publishes, on b's own subjects (the server refuses anything else), messages

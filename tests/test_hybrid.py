@@ -1,4 +1,4 @@
-"""Hybrid process groups (learner/hybrid.py, DESIGN §6).
+"""Hybrid process groups (learner/hybrid.py, docs/design.md §6).
 
 Pure tests of the node math and backend choice, then real multi-process torch.distributed/gloo runs
 that simulate two nodes through `YETO_RANKS_PER_NODE`. The multi-process runs use the test-only

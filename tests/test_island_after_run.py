@@ -1,4 +1,4 @@
-"""Issue 16: an island that (re)starts after the run finished, or that was away while it finished, used
+"""docs/design.md §5.7: an island that (re)starts after the run finished, or that was away while it finished, used
 to train for ever: the syncer had exited, nobody sent it a manifest. Now the syncer leaves the final
 manifest in the state KV (`final`) as it exits, and such an island installs the f32 final cut from
 FINAL (digests checked), stops at its next boundary and exits 0.

@@ -1,4 +1,4 @@
-"""Issue 4, "Show": bad input arriving at islands in a real run is counted, reported in the step log, and
+"""docs/design.md §5.5: bad input arriving at islands in a real run is counted, reported in the step log, and
 training goes on. tests/test_island_local.py covers each kind against one Island object; this runs
 the real thing — nats-server, `yeto syncer`, islands `a` and `b` as `python -m learner.demo` processes
 — and, once rounds are committing, publishes on the islands' own subjects: a malformed pull, a pull
@@ -80,7 +80,7 @@ async def _inject(js, run: str, session: dict, gens: dict[str, str], committed: 
                             offset=last.byte_offset, nbytes=last.nbytes, total=total[0], digest="0" * 16),
               what=f"corrupted BCAST chunk (fragment 0, chunk {last.index}, digest mismatch)",
               pattern=rf"rejected bcast_chunk 0/{last.index}: digest does not match")
-    # Issue 16. A seal (the last chunk, the only BCAST chunk with a version digest) claiming the
+    # A seal (the last chunk, the only BCAST chunk with a version digest) claiming the
     # committed version with another version digest (well framed, valid chunk digest): the islands
     # exited with ProtocolError; refused now. On fragment 1: fragment 0's last chunk subject holds the
     # corrupted chunk above (one message per subject).

@@ -408,7 +408,7 @@ async def test_a_cut_through_broadcast_is_read_as_it_lands_and_installed_only_at
 
 
 async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refused_not_fatal(env):
-    """Issue 16: version 2 again with other bytes (held, or being read) used to raise ProtocolError
+    """Regression: version 2 again with other bytes (held, or being read) used to raise ProtocolError
     and end the island. Anyone may publish on BCAST: a seal of the version held with another digest
     is refused and counted, a chunk being read with other bytes never reaches the model; the island
     keeps v2, trains on, and reads the next real version."""
@@ -446,7 +446,7 @@ async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refus
 
 
 async def test_a_forged_future_chunk_does_not_make_the_island_refuse_the_real_version(env):
-    """Issue 16: a bad-digest chunk claiming the next version (easy to guess) put that version in a
+    """Regression: a bad-digest chunk claiming the next version (easy to guess) put that version in a
     `failed` set for good. Here it lands first, then the real v1 overwrites it and is installed; a
     forged chunk that *replaces* a real one (one message per subject) holds v2 back only until the
     syncer re-broadcasts v2 (new messages, same version); the island never installs a mixed
@@ -587,7 +587,7 @@ async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
                            gen=island.gen)
     await until(lambda: len(island.client.control) >= 1, what="manifest")
     # Fragment 0's final cut has not landed: the manifest is not backed by FINAL yet (the real syncer
-    # publishes the cut first; until #17 a manifest may be forged), so the island trains on.
+    # publishes the cut first; without server permissions a manifest may be forged), so the island trains on.
     assert await boundary(island) is True
     assert island.machine.manifest is None and island.machine.offered is not None and not island.finalized
     await syncer.final(0, 2, final[0], final_step=6)

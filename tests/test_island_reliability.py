@@ -1,4 +1,4 @@
-"""The island under failures (issue 16, island side), against real nats-servers: a push in flight
+"""The island under failures (docs/design.md §14, island side), against real nats-servers: a push in flight
 across a broker restart, and hostile messages toward the island.
 
 The syncer side is played by hand (tests.test_island_local's Syncer); the island runs its blocking
@@ -39,7 +39,7 @@ async def _streams_back(js, run: str, timeout: float = 30.0) -> None:
 
 
 async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_boundary(tmp_path):
-    """Issue 16: a push whose acks had not all come when the broker died held `boundary()` until
+    """Regression: a push whose acks had not all come when the broker died held `boundary()` until
     YETO_PUSH_TIMEOUT (5 s seen). Here PUSH is full (its acks cannot come), the broker is stopped
     while the boundary waits for them, and every boundary of the outage is timed; after the restart
     the syncer makes room and the push completes in the background: its pull stays pending until
@@ -121,7 +121,7 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
         broker.stop()
 
 
-# ---- hostile messages toward the island (issue 16) ------------------------------------------------
+# ---- hostile messages toward the island (docs/design.md §5.5) -------------------------------------
 
 async def test_forged_manifests_do_not_stop_or_crash_the_island(env):
     """A manifest naming a fragment the session does not have raised ProtocolError (the island
@@ -215,7 +215,7 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
     await forged(1, 2 + 2 * 10**6, 10**6, [("b", "0123456789abcdef")])  # consistent, huge, not naming us
     await syncer.pull(1, 2, 0, me)  # the real round
     # an attempt jump of the real round (a forged first sighting of a round cannot be told from a
-    # real one without #17's permissions: this one follows the real attempt)
+    # real one without server permissions, docs/design.md §13: this one follows the real attempt)
     await forged(1, 2, 0, [("b", "0123456789abcdef")], attempt=2**31 - 1)
     await until(lambda: island.client.counters["pulls_received"] + island.client.rejected_total() >= 6,
                 what="pulls")
@@ -229,7 +229,7 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
 
 
 async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(env):
-    """Issue 16, found by bench/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
+    """Regression found by bench/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
     version 7955 (valid chunk digest) started a reading that waited for ever for that version's
     chunk 1; the notice inbox kept the highest version per subject, so the real v1 that then
     overwrote chunk 0 was never read. Pushes went stale and the run stalled."""

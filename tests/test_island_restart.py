@@ -1,4 +1,4 @@
-"""Issue 4, "Show": an island killed with SIGKILL mid-run and restarted rejoins with the current cut and
+"""docs/design.md §14: an island killed with SIGKILL mid-run and restarted rejoins with the current cut and
 the run completes. Real nats-server, real `yeto syncer`, islands `a` (one process) and `b` (two gloo
 ranks) as `python -m learner.demo` processes; the whole of island b (launcher and both ranks, one
 process group) is killed after some rounds committed, then started again — a new process, so a new

@@ -1,4 +1,4 @@
-"""Fragment layout (DESIGN §3.2 step 3) and fingerprints."""
+"""Fragment layout (docs/design.md §3.7) and fingerprints."""
 from __future__ import annotations
 
 import random

@@ -1,4 +1,4 @@
-"""Issue 25 item 2: a stream leader's death costs one election, not an ack timeout.
+"""docs/design.md §3.8: a stream leader's death costs one election, not an ack timeout.
 
 A real 3-node cluster (services.broker.Cluster). The stream's leader is frozen (SIGSTOP), so what is
 published to it now is routed to it and never acknowledged, exactly as the last chunks and the seal of a

@@ -1,4 +1,4 @@
-"""Issue 13: island datacenters as NATS leaf nodes (services/leaf.py). One hub + one leaf-node
+"""docs/design.md §12: island datacenters as NATS leaf nodes (services/leaf.py). One hub + one leaf-node
 datacenter per module, all real: the hub nats-server (JetStream domain `hub`, leafnode listener), a
 leaf nats-server (domain `dc1`) dialling it through a test TCP proxy (tests/tcp_proxy.py, so a test can
 cut the link), the real `yeto syncer` on the hub, real `python -m learner.demo` islands: `a` on the

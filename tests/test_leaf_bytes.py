@@ -1,4 +1,4 @@
-"""Issue 25 item 5: the WAN figure counts bytes across reconnects.
+"""docs/design.md §12: the WAN figure counts bytes across reconnects.
 
 A hub and a leaf node linked through a byte-counting TCP proxy (tests/tcp_proxy.py, independent of
 nats-server's own counters). 4 MB cross the link, the link is cut (RST) and the leaf redials, 4 MB more

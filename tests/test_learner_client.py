@@ -119,7 +119,7 @@ async def test_control_messages_are_routed_by_kind_subject_and_generation(js, ru
     to = S.to_island(run_id, ISLAND)
     await send(S.pull(run_id), ctl("pull", **dict(pull, step=3)), "p3")
     await send(to, ctl("shutdown", reason="for another generation", gen=other), "s-other")
-    await send(to, ctl("shutdown", reason="without a generation"), "s-any")  # issue 16: refused
+    await send(to, ctl("shutdown", reason="without a generation"), "s-any")  # refused
     await send(to, ctl("shutdown", reason="for this island", gen=c.gen), "s-mine")
     await send(to, b"\xff not json", "junk")
     await send(to, ctl("pull", **dict(pull, step=5)), "pull-on-wrong-subject")
@@ -380,7 +380,7 @@ def test_cut_inbox_keeps_the_newest_notice_per_chunk_subject():
 
     inbox = CutInbox()
     # the last to arrive wins, whatever version it claims: the stream holds that one (a forged v3
-    # overwritten by the real v2 must not hide it, issue 16)
+    # overwritten by the real v2 must not hide it)
     for n in (notice(0, 0, 1), notice(0, 1, 1), notice(0, 0, 3), notice(0, 0, 2), notice(1, 0, 1)):
         inbox.put(n)
     assert len(inbox) == 3

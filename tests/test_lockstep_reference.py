@@ -1,8 +1,8 @@
-"""Issue 4, "Show": in lockstep mode a real run — nats-server, `yeto syncer --strict`, island `a` (one
+"""docs/design.md §5.2: in lockstep mode a real run — nats-server, `yeto syncer --strict`, island `a` (one
 process) and island `b` (two data-parallel gloo ranks), both `python -m learner.demo` with
 YETO_LOCKSTEP=1 — ends on the same parameters as an in-process streaming-DiLoCo reference with the same
 seeds, data order, inner optimizer (AdamW), outer optimizer (Nesterov SGD), α and round schedule, and
-no broker (tests/diloco_reference.py, written from DESIGN.md without the learner's or the syncer's
+no broker (tests/diloco_reference.py, written from the design, docs/design.md, without the learner's or the syncer's
 sync code).
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
             p.stop()
         await remove_run(js, run_id)
 
-    # The session splits the model as DESIGN §3.2 step 3 says (schemas.layout is the contract).
+    # The session splits the model as docs/design.md §3.7 says (schemas.layout is the contract).
     model = ref.demo.build_model()
     layout = [{"name": n, "shape": list(p.shape), "dtype": "float32"} for n, p in model.named_parameters()]
     want_frags = [[t["name"] for t in f["tensors"]] for f in build_fragments(layout, P)]

@@ -1,8 +1,8 @@
-"""Issue 30 item 4: a compromised island is bounded by default. The round machine's rules directly (pure, no
+"""docs/design.md §9: a compromised island is bounded by default. The round machine's rules directly (pure, no
 broker, no clock): the default norm bound (--push-norm-factor 4) judged against the members' recent merged norms
 per fragment, from two islands on; a quarantined member excused from the attempt's quorum (a 2-island run with
 the default quorum goes on); the c_tokens cap by tokens per step x steps (an honest accumulated claim is kept,
-a 2^53-1 claim is not), fractional factors honoured exactly. Each test fails on the code before the issue."""
+a 2^53-1 claim is not), fractional factors honoured exactly. Each test fails on the code before these rules."""
 from __future__ import annotations
 
 import math

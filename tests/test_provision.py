@@ -167,7 +167,7 @@ async def test_streams_read_back_with_their_retention_and_limits(js, run_id):
     members = (await js.stream_info(f"KV_{S.kv_bucket(run_id, 'members')}")).config
     state = (await js.stream_info(f"KV_{S.kv_bucket(run_id, 'state')}")).config
     assert (members.max_msgs_per_subject, state.max_msgs_per_subject) == (1, 5)
-    assert members.max_age == 0 and state.max_age == 0  # no TTL: NATS-NOTES trap 6
+    assert members.max_age == 0 and state.max_age == 0  # no TTL: docs/design.md §15.6
 
     ctl_c = (await js.consumer_info(S.stream(run_id, "CTL"), S.SYNCER_CTL_CONSUMER)).config
     assert sorted(ctl_c.filter_subjects) == sorted(S.syncer_ctl_filters(run_id)) and ctl_c.ack_policy == "explicit"
@@ -419,7 +419,7 @@ async def test_concurrent_provisioning_agrees_or_conflicts(js, run_id):
     assert (await js.stream_info(S.stream(run_id, "CTL"))).config.max_age == winner_age
 
 
-# ---- replicas (issue 13) ---------------------------------------------------------------------------
+# ---- replicas (docs/design.md §7) ------------------------------------------------------------------
 
 def test_replicas_reach_every_stream_and_bucket_config():
     lim = RunLimits.small(replicas=3)

@@ -1,4 +1,4 @@
-"""Issue 30, "Message-id squatting", at the publish layer, against a real nats-server: JetStream de-duplicates
+"""docs/design.md §3.5, message-id squatting, at the publish layer, against a real nats-server: JetStream de-duplicates
 by Nats-Msg-Id per stream whatever the subject, so another identity publishing on *its own* subject of a
 shared stream (CTL, PUSH, INIT, STEPLOG) can take the ids our messages will use. A first publish answered
 `duplicate` is re-sent under a fresh id and counted; our own re-sends still collapse; streams nobody else

@@ -1,4 +1,4 @@
-"""Publishing across a broker restart (issue 16: "a broker restart mid-broadcast stalls the syncer").
+"""Publishing across a broker restart (docs/design.md §3.8; the bug was "a broker restart mid-broadcast stalls the syncer").
 
 The PubAcks of publishes in flight when the server dies never come: the server that would have sent
 them is gone. The old Pipeline awaited each lost future for its whole timeout, one after another (30 s

@@ -1,4 +1,4 @@
-"""PullBook: every take_ready_pulls rule of DESIGN §5, including the generation rule across restarts."""
+"""PullBook: every take_ready_pulls rule of docs/design.md §5.3, including the generation rule across restarts."""
 from __future__ import annotations
 
 import pytest
@@ -206,7 +206,7 @@ def test_commit_supersedes_rounds_launched_on_older_versions():
 
 
 def test_a_pull_claiming_a_later_base_does_not_drop_other_rounds_on_its_own_word():
-    # Issue 16: a pull's base_version was taken as proof that the version was committed; one forged
+    # Regression: a pull's base_version was taken as proof that the version was committed; one forged
     # pull (base 2^53-1) made the island drop every real pull of its fragment for good. Now only an
     # applied version (committed) supersedes rounds; the real round goes on being answered.
     book = PullBook(ISL, GEN, fragments=4)

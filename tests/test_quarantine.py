@@ -1,4 +1,4 @@
-"""Defence in depth inside the syncer's round machine (issue 17, Build item 5): a push holding NaN/Inf,
+"""Defence in depth inside the syncer's round machine (docs/design.md §9): a push holding NaN/Inf,
 one whose norm exceeds --max-push-norm, or one whose norm exceeds --outlier-factor x the round's median
 norm is `quarantined` (taped with its figures, counted, released, never merged; the round goes on as if
 that member had not answered), and a claimed c_tokens is capped at --max-token-factor x the round's
@@ -112,7 +112,7 @@ def test_norm_above_max_push_norm_is_quarantined_at_the_limit_is_not_and_unset_m
 
 
 def test_a_quarantined_member_is_excused_from_quorum_and_the_round_restarts_only_when_nobody_is_left():
-    # Issue 30: with the quorum every member (the default), a quarantine used to leave the round below
+    # Regression: with the quorum every member (the default), a quarantine used to leave the round below
     # quorum and restart it; a compromised island that poisons every push held the run for ever.
     m = launched(max_push_norm=10.0)                            # quorum: every member (3)
     m.handle(qpush(m, "a", 1, now=5.0))

@@ -261,7 +261,7 @@ def chunks(m, gen, fragment, idx, n=3, island="a", now=1.0):
 
 
 def test_init_chunks_of_an_unseen_generation_are_held_never_waited_for_then_replayed():
-    # issue 16: each INIT chunk of an unknown generation blocked INIT intake for 10 s in the shell;
+    # regression: each INIT chunk of an unknown generation blocked INIT intake for 10 s in the shell;
     # the machine now decides per chunk: store, drop, or hold until the generation's hello
     m = machine(fragments=2, islands=2)
     m.handle(hello("a"))
@@ -828,7 +828,7 @@ def test_new_generation_of_a_target_gets_the_cut_unknown_islands_are_refused():
 
 
 def test_new_generation_while_the_final_cut_is_published_never_publishes_it_twice():
-    # issue 16, final-cut race: a target's new generation during the publication made the machine
+    # regression, final-cut race: a target's new generation during the publication made the machine
     # emit a second Finalize while the first ran (a partial digest dict, two checkpoint writers)
     m = machine(total_steps=1, fragments=2, sync_every=2)
     acts = run_to_final(m)
@@ -848,7 +848,7 @@ def test_new_generation_while_the_final_cut_is_published_never_publishes_it_twic
 
 
 def test_known_island_back_during_finalization_gets_the_manifest():
-    # issue 16: a known island heard from after finalization started (heartbeat of a member that had
+    # regression: a known island heard from after finalization started (heartbeat of a member that had
     # left, or a new generation, even of one that acked) got neither manifest nor error
     m = machine(total_steps=1, fragments=1, sync_every=1, member_timeout_s=5.0)
     start(m)
@@ -874,7 +874,7 @@ def test_known_island_back_during_finalization_gets_the_manifest():
 
 
 def test_heartbeat_of_an_unknown_island_or_generation_asks_for_hello():
-    # issue 16: a resumed syncer without members ignored their heartbeats for ever
+    # regression: a resumed syncer without members ignored their heartbeats for ever
     m = machine(member_timeout_s=10.0)
     start(m, islands=("a", "b"))
     acts = m.handle(Heartbeat("c", GEN["c"], 5, 0.1, 1.0))
@@ -934,7 +934,7 @@ def test_restore_refuses_inconsistent_state_and_finalizes_when_done():
 
 
 def test_restore_of_a_finished_run_is_done_at_once():
-    # issue 16: --resume of a finished run finalized again, waited --final-timeout and exited 3
+    # regression: --resume of a finished run finalized again, waited --final-timeout and exited 3
     c = cfg(total_steps=2)
     members = {i: {"gen": GEN[i], "layout_fingerprint": FP} for i in ("a", "b")}
     rec = {"final_step": 2, "versions": {"0": 1, "1": 1}, "targets": {"a": GEN["a"], "b": GEN["b"]},

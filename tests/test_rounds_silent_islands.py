@@ -1,4 +1,4 @@
-"""Issue 30, "a wedge": every member leaves with a round in flight (both islands paused past the member
+"""docs/design.md §4.4, "a wedge": every member leaves with a round in flight (both islands paused past the member
 timeout). The machine must never leave a due time in the past (the shell's loop spun on it and never read
 the heartbeats that would have brought the islands back), and the run must go on as soon as they return."""
 from __future__ import annotations

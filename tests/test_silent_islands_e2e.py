@@ -1,4 +1,4 @@
-"""Issue 30, "a wedge", end to end: both islands paused (SIGSTOP) past the member timeout with a round in
+"""docs/design.md §4.4, "a wedge", end to end: both islands paused (SIGSTOP) past the member timeout with a round in
 flight, then resumed. Before the fix the syncer never merged again (its loop spun on a due time in the
 past and never read the heartbeats). Real nats-server, real `yeto syncer`, two `python -m learner.demo`."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24 item 3: the committed state kept in the run's state KV (services/syncer/state_store.py), against a
+"""docs/design.md §11: the committed state kept in the run's state KV (services/syncer/state_store.py), against a
 real nats-server: saved versions restore bitwise into an empty directory on "another host", an older
 version's chunks go once the manifest names the new one, the intent travels too, and a torn save (chunks
 without their manifest) restores the previous version, complete."""

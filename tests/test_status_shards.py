@@ -1,4 +1,4 @@
-"""Per-shard syncer status in the viewers (issue #14): `yeto steplog tail`, `yeto exporter` and
+"""Per-shard syncer status in the viewers (docs/design.md §10): `yeto steplog tail`, `yeto exporter` and
 `yeto dashboard` read every `syncer` / `syncer.<K>` status record and `commit` / `commit.<K>` commit
 record of the run's `state` KV and show, per shard, phase, rounds in flight, last commit and memory,
 and a shard as missing when its record is absent or stale (15 s) or the coordinator says so.

@@ -288,7 +288,7 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
     add_malformed(r)
     js = nc.jetstream()
     await publish_all(js, r.msgs)
-    # the syncer's status record names the run's --total-steps: the page shows progress against it (issue 26)
+    # the syncer's status record names the run's --total-steps: the page shows progress against it
     state = await js.key_value(f"yeto_{run}_state")
     await state.put("syncer", orjson.dumps({"updated_at": time.time(), "phase": "rounds", "committed_step": 2,
                                             "total_steps": 8, "versions": {"0": 1, "1": 1}, "rounds_in_flight": []}))

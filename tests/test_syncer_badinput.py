@@ -4,7 +4,7 @@ Hellos that do not fit the session get a fatal `error` on ctl.to.I and are not a
 inconsistent messages and chunks (bad JSON, schema violations, a subject that names another island,
 wrong sizes, NaN/Inf INIT values, unknown fragments, digest mismatches, garbage headers) are each
 refused with a tape record and a counter (state KV key `syncer`), and a push holding NaN/Inf is
-quarantined (issue 17); none changes anything: the syncer keeps running, later good rounds complete,
+quarantined (docs/design.md §9); none changes anything: the syncer keeps running, later good rounds complete,
 and the merged values equal a reference that never saw the bad input.
 """
 from __future__ import annotations
@@ -154,7 +154,7 @@ async def test_bad_wire_input_is_refused_counted_taped_and_changes_nothing(nats_
         assert codes == sorted(["digest_mismatch", "non_finite",                 # INIT
                                 "malformed", "schema", "subject_mismatch",      # CTL
                                 "unknown_fragment", "malformed", "malformed",   # PUSH
-                                # chunk rejects inside push tries, taped when they arrive (issue 16)
+                                # chunk rejects inside push tries, taped when they arrive
                                 "wrong_size", "digest_mismatch"])
         chunk_rejects = [r for r in errors if r["detail"].get("where") == "push chunk on " + S.push(run_id, "a", 0)
                          and "try" in r["detail"]]

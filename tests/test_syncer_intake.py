@@ -44,7 +44,7 @@ def test_a_try_completes_once_and_pop_round_forgets_it():
 
 
 def test_redelivered_chunks_after_pop_round_or_pop_try_open_no_try():
-    # issue 16: chunks redelivered after pop_round / pop_try created tries that never completed and
+    # regression: chunks redelivered after pop_round / pop_try created tries that never completed and
     # were never removed
     led = PushLedger()
     feed(led, [chunk(i) for i in range(3)])
@@ -85,7 +85,7 @@ def test_resumed_ledger_starts_at_the_checkpoints_committed_step():
 
 
 def test_every_incomplete_try_dropped_at_a_commit_is_reported_once():
-    # issue 16: a try whose chunks straddle its round's commit never completed and was never taped
+    # regression: a try whose chunks straddle its round's commit never completed and was never taped
     led = PushLedger()
     feed(led, [chunk(i) for i in range(3)])                               # a's try completes
     feed(led, [chunk(0, island="b"), chunk(2, island="b")], 10)           # b's try: 2 of 3 chunks in
@@ -143,7 +143,7 @@ def test_a_chunk_whose_try_was_dropped_after_its_closed_check_opens_no_second_tr
 
 
 def test_quarantine_figures_sum_over_chunks_and_a_resent_chunk_counts_once():
-    # issue 17: the shell hands each chunk's Σ value² and NaN/Inf count to the ledger as it arrives; the
+    # docs/design.md §9: the shell hands each chunk's Σ value² and NaN/Inf count to the ledger as it arrives; the
     # complete try carries the push's L2 norm and non-finite count to the round machine
     led = PushLedger()
     assert led.add(chunk(0), 1, expected_total=36, chunk_ok=True, sumsq=9.0) is None

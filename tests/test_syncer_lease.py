@@ -1,4 +1,4 @@
-"""Issue 24 items 1-2: one owner per run. The lease's pure rules (LeaseBook), then its shell (RunLease)
+"""docs/design.md §11: one owner per run. The lease's pure rules (LeaseBook), then its shell (RunLease)
 against a real nats-server's KV: a second syncer stands by, takes over only once the owner's revision
 stood still for a TTL, two standbys never both win, a paused owner finds itself fenced, and a commit
 record written revision-checked refuses a deposed owner's write."""

@@ -1,4 +1,4 @@
-"""Issue 17, Show: "the quarantine rule ... one e2e run where a scripted island sends a huge push, which
+"""docs/design.md §9: "the quarantine rule ... one e2e run where a scripted island sends a huge push, which
 is quarantined while the run converges as without it". A real nats-server, the real `yeto syncer`
 process, three scripted islands; island c misbehaves every round: a huge push (over --max-push-norm),
 then an outlier (under the absolute limit, far over --outlier-factor x the round's median norm), then

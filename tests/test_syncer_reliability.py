@@ -1,4 +1,4 @@
-"""Syncer failures found by issue 16 (chaos and review), each against a real nats-server and a real
+"""Syncer failures found by chaos runs and review (docs/design.md §14), each against a real nats-server and a real
 `yeto syncer` process killed with SIGKILL and resumed, driven by scripted islands.
 
 - `--resume` of a finished run exits 0 at once (it used to finalize again, wait --final-timeout, exit 3);
@@ -64,7 +64,7 @@ async def test_resume_of_a_finished_run_exits_0_at_once(nats_url, run_id, tmp_pa
         await _finish(isls, syncer, 2)
         before = (ckpt / "checkpoint.json").read_bytes()
         # the exiting syncer left the final manifest (no gen) in the state KV for islands that come
-        # later (issue 16); one a syncer of a finished run did not leave is written by the resume
+        # later; one a syncer of a finished run did not leave is written by the resume
         kv = await isls[0].js.key_value(S.kv_bucket(run_id, "state"))
         record = codec.decode("manifest", (await kv.get("final")).value)
         assert record["final_step"] == 2 and record["versions"] == {"0": 2} and "gen" not in record
@@ -212,7 +212,7 @@ async def test_resumed_syncer_without_members_asks_islands_to_say_hello_again(na
 
 
 async def test_init_chunks_that_overtake_their_hello_are_held_not_waited_for(nats_url, run_id, tmp_path):
-    # issue 16: each INIT chunk of a generation the syncer had not seen blocked INIT intake for 10 s,
+    # regression: each INIT chunk of a generation the syncer had not seen blocked INIT intake for 10 s,
     # and a complete fragment's chunks of that generation were then refused (unknown_gen) for good
     from schemas.dtypes import pack, unpack
     from tests.scripted import ScriptedIsland, wait_provisioned

@@ -209,7 +209,7 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
             "no_checkpoint": (tmp_path / "empty", ["--resume", "--state-store", "local"], ["no checkpoint"]),
             "fragments": (ck1, ["--resume", "--fragments", "2", "--sync-every", "2"], ["--fragments is 2"]),
             "dtype": (ck1, ["--resume", "--push-dtype", "bf16"], ["--push-dtype", "bf16"]),
-            # a checkpoint directory is continued without --resume too (issue 24: the same command twice is
+            # a checkpoint directory is continued without --resume too (docs/design.md §11: the same command twice is
             # the HA set-up): one of another run is refused as with --resume
             "fresh_over_checkpoint": (ck2, [], [f"belongs to run {run2!r}"]),
             "fresh_over_session": (tmp_path / "fresh", ["--state-store", "local"], ["already has a session", "--resume"]),

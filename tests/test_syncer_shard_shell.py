@@ -1,4 +1,4 @@
-"""Syncer shards end to end at the shell (issue #14): two `yeto syncer` processes of one run (P = 2,
+"""Syncer shards end to end at the shell (docs/design.md §10): two `yeto syncer` processes of one run (P = 2,
 `--shards 2`) and scripted islands, against a real nats-server.
 
 - Each shard commits version 0 and the rounds of its own fragment only; the merged values equal an
@@ -197,7 +197,7 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         # state KV: per-shard keys only, each naming its own fragment; the run's final manifest
         kv = await _kv(js, run_id)
         assert not {"commit", "pulls", "syncer"} & set(kv), sorted(kv)
-        # each shard keeps its own committed state for a standby (issue 24): its fragment at its version
+        # each shard keeps its own committed state for a standby (docs/design.md §11): its fragment at its version
         for k in (0, 1):
             assert kv[f"ckpt.{k}.manifest"]["state"]["versions"] == {str(k): 2}
             assert any(key.startswith(f"ckpt.{k}.f{k}.v2.p.") for key in kv), sorted(kv)

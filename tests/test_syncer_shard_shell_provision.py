@@ -1,4 +1,4 @@
-"""Syncer shards, provisioning side (issue #14): each shard's durable consumers (names, filters, CTL only
+"""Syncer shards, provisioning side (docs/design.md §10): each shard's durable consumers (names, filters, CTL only
 in the coordinator; one shard unchanged), what the server makes of them (a shard's consumers deliver
 its own fragments' INIT and push subjects only), and several shards provisioning one run at once.
 Against a real nats-server."""

@@ -1,4 +1,4 @@
-"""Issue 24, shards: a lease and a standby per shard, against a real nats-server.
+"""docs/design.md §10, §11: a lease and a standby per shard, against a real nats-server.
 
 Two shards (P = 2, `--shards 2`), each started twice with the same command and its own empty
 `--checkpoint-dir` (as on two hosts: no shared files). The owner of one shard (the follower, then the

@@ -1,4 +1,4 @@
-"""Issue 14, "Show": syncer shards end to end, every part a real process.
+"""docs/design.md §10: syncer shards end to end, every part a real process.
 
 A real nats-server (the session's), N `yeto syncer --shard K --shards N` processes, each with its own
 checkpoint directory, and two `python -m learner.demo` islands (the tiny MLP, fixed seeds), P = 4

@@ -1,4 +1,4 @@
-"""Issue 24 end to end: two `yeto syncer` processes for one run (the HA set-up is starting the same
+"""docs/design.md §11 end to end: two `yeto syncer` processes for one run (the HA set-up is starting the same
 command twice). Real nats-server, real syncers, two `python -m learner.demo` islands.
 
 - twin start: the second stands by (says who owns the run) and never touches it; the run finishes as
@@ -30,7 +30,7 @@ from tests.scripted import ROOT, SyncerProc, tape
 
 H, P = 4, 2
 TTL = "2"
-# Rounds of the kill and pause runs; the issue's own figure is 600 (YETO_TEST_STANDBY_ROUNDS=600, about 3 min
+# Rounds of the kill and pause runs; the soak figure is 600 (YETO_TEST_STANDBY_ROUNDS=600, about 3 min
 # a run here: bench/README.md "A standby that takes over")
 ROUNDS = int(os.environ.get("YETO_TEST_STANDBY_ROUNDS", "60"))
 
@@ -100,7 +100,7 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
     assert "standby for run" in out and "finished while this syncer stood by" in out, out[-3000:]
     assert "took over" not in out
     assert commit["committed_step"] == rounds
-    # a clean exit is no disconnection (issue 26: every clean exit warned "disconnected from NATS; reconnecting")
+    # a clean exit is no disconnection (regression: every clean exit warned "disconnected from NATS; reconnecting")
     assert "disconnected from NATS" not in first.output() + out, first.output()[-2000:]
     owner_dir, standby_dir = ((tmp_path / "s1", tmp_path / "s2") if str(tmp_path / "s1") in first.cmd
                               else (tmp_path / "s2", tmp_path / "s1"))

@@ -1,4 +1,4 @@
-"""Issue 16 note: tape records that are not a commit's (dispositions, errors) had 3 publish attempts and
+"""docs/design.md §4.9: tape records that are not a commit's (dispositions, errors) had 3 publish attempts and
 were dropped when EVENTS could not take them for a moment (a stream-leader election, a broker
 restart). Now one that misses its short budget waits in an in-order backlog that the syncer retries in
 the background (intake still never waits on it), and lands once EVENTS is back.

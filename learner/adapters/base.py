@@ -1,4 +1,4 @@
-"""The model adapter interface: how the sync core sees a model's parameters (DESIGN §5, §6).
+"""The model adapter interface: how the sync core sees a model's parameters (docs/design.md §5, §6).
 
 An adapter lists the synced tensors as named *shards* with their global shapes, reads this rank's
 fp32 master piece of one, and writes values back into the master and the model parameter together
@@ -12,7 +12,7 @@ Contract for sharded adapters (multi-rank islands: TP/PP/EP, distributed optimiz
   (one slice per dimension, step 1) of the global tensor it holds; `owner` marks the one rank whose
   piece is read for pushes/INIT (every element of every synced tensor has exactly one owner across
   the island; replicas of the same box are not owners). Fused tensors whose global layout would depend
-  on the TP size must be presented as TP-independent canonical tensors (or pinned, see issue 6).
+  on the TP size must be presented as TP-independent canonical tensors (or pinned).
 * `read(name)` returns this rank's fp32 piece (shape = the box's shape); `write(name, value)` takes a
   value of that shape and sets master and model param. Every rank that lists a tensor calls `read`
   (for a push or INIT) and `write` (for an applied version that overwrites) or `blend` (for one that

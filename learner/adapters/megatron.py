@@ -6,7 +6,7 @@
 peft) or not. `optimizer`: megatron-core's optimizer as built by `get_megatron_optimizer` (a
 ChainedOptimizer is unwrapped), or None when the parameters themselves are the truth.
 
-What is synced (DESIGN §5): the trainable parameters (`requires_grad`; in a LoRA run the adapters), each
+What is synced (docs/design.md §5.4): the trainable parameters (`requires_grad`; in a LoRA run the adapters), each
 once. Names are canonical (see megatron_names: wrappers stripped, global layer index, global expert
 index; the same on every island whatever its TP/PP/EP/VPP). Tied embedding and output layer
 (`share_embeddings_and_output_weights`): with PP > 1 the last stage holds its own copy of the word
@@ -24,7 +24,7 @@ megatron-core's padded vocabulary, so islands whose padded vocab differs (paddin
 data-parallel(-with-context) rank 0 (expert-data-parallel rank 0 for experts) and, for a tensor that
 is not TP-partitioned, TP rank 0.
 
-fp32 master (DESIGN §6), found through the optimizer by attributes (no type names):
+fp32 master (docs/design.md §6), found through the optimizer by attributes (no type names):
 * DistributedOptimizer: each rank owns a contiguous range of each parameter's flattened local tensor
   (`main_param` shard, from `_get_model_param_range_map`). `read` is a collective over that
   optimizer's data-parallel group: the owned ranges are all-gathered and placed at their offsets
@@ -37,12 +37,12 @@ main→model copy does), so they never disagree. Reads come from the master.
 
 Collectives inside `read` / `write` (base.py allows them): `read` of a DistributedOptimizer tensor
 runs an all-gather over the optimizer's data-parallel group, so every rank of that group must call
-`read` for the same names in the same order — the sharded island (issue 5) does; the older
+`read` for the same names in the same order — the sharded island does; the older
 single-sync-rank Island calls `read` on rank 0 only, so there use Float16Optimizer/FP32 or DP = 1.
 
 `sync_replicas(names)` (the older Island's DP protocol: rank 0 writes, then every rank calls it)
 broadcasts each box written by the data-parallel replica group's rank 0 over that group and writes it
-on the other replicas. The sharded island (issue 5) writes every holder itself and does not call it.
+on the other replicas. The sharded island writes every holder itself and does not call it.
 
 `layout_all(adapter)` and `gather_full(adapter)` / `scatter_full(adapter, values)` are collective
 helpers over the world: the island-wide layout and whole canonical tensors (tests, checkpoints).

@@ -1,6 +1,6 @@
 """Canonical names and TP boxes for megatron-core parameters: pure functions, no torch.distributed.
 
-A canonical name is the same on every island whatever its TP/PP/EP/VPP sizes (DESIGN §6):
+A canonical name is the same on every island whatever its TP/PP/EP/VPP sizes (docs/design.md §6):
 
 * wrapper prefixes are dropped (`module.` of DDP / Float16Module, `base_model.model.` of a peft
   model, `_orig_mod.` of torch.compile);

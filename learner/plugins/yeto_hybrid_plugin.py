@@ -1,4 +1,4 @@
-"""ms-swift plugin with only the hybrid process groups of an island (learner.hybrid, DESIGN §6).
+"""ms-swift plugin with only the hybrid process groups of an island (learner.hybrid, docs/design.md §6).
 
     YETO_CROSS_NODE_GLOO=1 megatron sft ... --external_plugins /path/to/learner/plugins/yeto_hybrid_plugin.py
 

@@ -1,4 +1,4 @@
-"""ms-swift plugin: streaming DiLoCo for `megatron sft` / `megatron pt` (DESIGN §5, §6).
+"""ms-swift plugin: streaming DiLoCo for `megatron sft` / `megatron pt` (docs/design.md §5, §6).
 
     megatron sft ... --external_plugins /path/to/learner/plugins/yeto_swift_plugin.py
 

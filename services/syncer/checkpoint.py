@@ -30,7 +30,7 @@ nothing), so the commit's fsync finds the data mostly on disk already (512 MiB h
 0.01 s, the writes +0.05 s). The older versions' files are deleted after the commit (`prune`), off
 the path to the state KV record and the seal; a crash before that leaves them to the next commit.
 
-Files, not the Object Store: its client is too slow for GB objects (NATS-NOTES).
+Files, not the Object Store: its client is too slow for GB objects (docs/design.md §15.3).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Hellos and heartbeats are what keep islands members; every other event (push chunks complete, INIT
 chunks, merges done) can wait a moment. Under a flood of other events (a hostile island sending pushes
 for rounds not in flight: each one a disposition to tape and a release), a heartbeat waiting its turn
-behind them could come later than the member timeout and evict an honest island (issue 30: both islands
+behind them could come later than the member timeout and evict an honest island (seen: both islands
 "left" in 2 of 5 floods). So the queue has two lanes and `get` always takes the liveness lane first;
 within a lane the order is arrival order. An exception put by a failed task goes first of all: it stops
 the syncer. The machine takes events in any order (a `now` older than one seen counts as the newest), and

@@ -3,7 +3,7 @@
 One island (one identity: in a secured run the server lets an island publish only on subjects that carry
 its own id, so the subject's island token *is* the identity) can send on its own subjects as fast as its
 link allows. Without a bound, a flood of its hellos, heartbeats or acks, or of malformed messages that
-each cost a tape record, keeps the syncer's intake and its tape busy (issue 30: a flood delayed honest
+each cost a tape record, keeps the syncer's intake and its tape busy (seen: a flood delayed honest
 heartbeats past the member timeout; the wedge wrote 730 tape records a second). Two limits:
 
 - **messages** (`allow`): CTL and heartbeat messages beyond `rate`/s (bursts of `burst`) from one identity

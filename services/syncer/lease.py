@@ -1,4 +1,4 @@
-"""One owner per run (per shard): the syncer's lease in the run's state KV (issue 24).
+"""One owner per run (per shard): the syncer's lease in the run's state KV (docs/design.md §11).
 
 A run's rounds, commits and seals come from exactly one syncer process at a time. The owner holds the
 state KV key `lease` (`lease.<K>` for shard K) and rewrites it every `ttl/3` with a revision-checked

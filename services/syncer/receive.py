@@ -292,7 +292,7 @@ class Receiver:
     def _delete_later(self, seq: int) -> None:
         """Delete a refused push chunk from PUSH off intake's path: awaited one by one, the deletes held a
         flood of garbage on one island's push subject to ~90 chunks a second (a round trip each), and the
-        honest pushes behind it waited (issue 30). Several deletes are in flight at once; a failure is
+        honest pushes behind it waited. Several deletes are in flight at once; a failure is
         counted (max_age is the safety net)."""
         self._doomed.append(seq)
         if self._deleter is None or self._deleter.done():

@@ -398,7 +398,7 @@ class RoundMachine(Membership, InitRules, Pushes, Finalization, Sharding):
         if not live:
             # Time only moves a due time forward: the next look is one quorum timeout on (or at the first
             # hello or heartbeat, which re-judges the round), never a hopeless time already past. Kept,
-            # that past time made next_wakeup() stay in the past and the shell's loop spin (issue 30).
+            # that past time made next_wakeup() stay in the past and the shell's loop spin.
             r.deadline = now + cfg.quorum_timeout_s
             r.hopeless_at = None
             self._tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,

@@ -65,7 +65,7 @@ from services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 
-FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (trap 4)
+FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (docs/design.md §15.4)
 PUSH_FETCH_BATCH = 8
 MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's next wake-up is already past
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
@@ -255,7 +255,7 @@ class SyncerService:
                                 error_cb=self._on_error, disconnected_cb=self._on_disconnect,
                                 reconnected_cb=self._on_reconnect)
         self.js = self.nc.jetstream(timeout=30)
-        # a stream leader's election re-sends what its dead predecessor left unacknowledged (issue 25)
+        # a stream leader's election re-sends what its dead predecessor left unacknowledged (docs/design.md §3.8)
         await leader_watch.watch(self.nc, self.run_id)
         try:
             bound = max_chunk_bytes(server_max_payload(self.nc))
@@ -589,7 +589,7 @@ class SyncerService:
                 timeout = MIN_WAIT_S
             # Queued events first, always: on Python 3.11 asyncio.wait_for(get(), 0) times out without
             # dequeuing even when the queue is full, so a due time in the past starved every event (the
-            # wedge of issue 30: the heartbeats that would have brought the islands back were never read).
+            # wedge of docs/design.md §4.4: the heartbeats that would have brought the islands back were never read).
             if not self.queue.empty():
                 event = self.queue.get_nowait()
                 await asyncio.sleep(0)   # let intake and tasks run between queued events

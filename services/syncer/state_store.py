@@ -1,4 +1,4 @@
-"""The syncer's committed state in JetStream (issue 24): what a standby on another host, with an empty
+"""The syncer's committed state in JetStream (docs/design.md §8, §11): what a standby on another host, with an empty
 `--checkpoint-dir`, needs to continue the run — the committed params and momentum of every fragment,
 the checkpoint manifest, and the merge intents — kept in the run's `state` KV bucket (its `--replicas`),
 beside the commit record. The checkpoint directory stays the owner's working copy (resume reads it;
@@ -19,7 +19,7 @@ writes everything into a checkpoint directory, and the resume there checks every
 version digests it recorded.
 
 Why KV keys and not the Object Store: nats-py's object store client is too slow for large objects
-(NATS-NOTES); these are the same chunked, pipelined publishes the broadcast uses.
+(docs/design.md §15.3); these are the same chunked, pipelined publishes the broadcast uses.
 """
 from __future__ import annotations
 

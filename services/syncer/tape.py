@@ -3,7 +3,7 @@
 A commit's records (per-version Nats-Msg-Ids) must reach the tape, so they ride out a cluster leader
 election (seconds); every other record gets a short direct budget (intake never stalls on one), and one
 that misses it waits in an in-order backlog that a background task retries with the long budget instead
-of being dropped (issue 16). Bounded: past TAPE_BACKLOG_MAX waiting records a new one is dropped
+of being dropped (docs/design.md §4.9). Bounded: past TAPE_BACKLOG_MAX waiting records a new one is dropped
 (counter `tape_dropped`). `retape` writes the last commit's records that a syncer killed between its
 commit and its tape write left out.
 """
