@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from bench.round import vm_hwm  # noqa: E402  (peak RSS as every bench reads it)
+
 MiB = 1 << 20
 LAYERS = 8
 
@@ -94,17 +96,6 @@ def worker(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the driver
-
-
-def vm_hwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def wait_all(procs: dict[str, subprocess.Popen], timeout: float, work: Path, peak: dict[str, int]) -> None:
