@@ -5,8 +5,8 @@ and check from what the run leaves behind that nothing was lost, doubled or torn
     python bench/chaos.py [--rounds 200] [--islands 4] [--seed 1] [--quick] [--no-baseline] [--workdir DIR]
 
 Everything is a real process: the embedded nats-server (services.broker.Broker, own port and store
-dir), the syncer (`python -m services.cli syncer`, restarted with `--resume`), and N islands
-(`python -m learner.demo`; island `b` has 2 gloo ranks). Each runs in its own process group, so a
+dir), the syncer (`python -m yeto.services.cli syncer`, restarted with `--resume`), and N islands
+(`python -m yeto.learner.demo`; island `b` has 2 gloo ranks). Each runs in its own process group, so a
 SIGKILL takes a whole island (launcher and ranks) down at once, as a dead node would.
 
 Moments are detected only from what the product already publishes: a monitor holds a core NATS
@@ -175,7 +175,7 @@ class IslandChild(Child):
                         **ISLAND_ENV)
         if restarted:  # a restarted island installs the current cut before its first step
             env["YETO_DILOCO_INITIAL_CUT_TIMEOUT"] = "30"
-        cmd = [sys.executable, "-m", "learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+        cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
                "--step-delay", str(step_delay), "--out", str(self.out)]
         super().__init__(f"island-{tag}", cmd, work / f"island-{tag}.log", env)
 
@@ -217,7 +217,7 @@ class BrokerChild:
         self.pgids: list[int] = []
 
     def start(self) -> None:
-        from services.broker import Broker, Cluster
+        from yeto.services.broker import Broker, Cluster
 
         if self.cluster_n:
             if self.cluster is None:
@@ -400,7 +400,7 @@ class Chaos:
         # --standby: every syncer its own (empty) directory, as on another host: a takeover restores the
         # committed state from the state KV
         d = self.work / (f"syncer-{n}" if a.standby else "syncer")
-        cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
+        cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
                "--checkpoint-dir", str(d), "--small-limits", "--islands", str(a.islands),
                "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
                "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),
@@ -415,7 +415,7 @@ class Chaos:
 
     async def _follow_lease(self, nc) -> None:
         """--standby: which of the two syncers holds the run's lease (the pid in it); kills go to that one."""
-        from schemas import subjects as S
+        from yeto.schemas import subjects as S
         try:
             if self._lease_kv is None:   # the syncer provisions the bucket
                 self._lease_kv = await nc.jetstream(timeout=5).key_value(S.kv_bucket(self.run, "state"))
@@ -551,7 +551,7 @@ class Chaos:
 
         a = self.args
         self.work.mkdir(parents=True, exist_ok=True)
-        from services.broker import free_port, free_port_block
+        from yeto.services.broker import free_port, free_port_block
 
         port = a.port or (free_port_block(a.cluster) if a.cluster else free_port())
         self.broker = BrokerChild(self.work, port, a.cluster)
@@ -569,7 +569,7 @@ class Chaos:
         nc = await nats.connect(self.broker.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                 name="chaos-monitor", error_cb=self._quiet, disconnected_cb=self._quiet2,
                                 reconnected_cb=self._quiet2)
-        from schemas import subjects as S
+        from yeto.schemas import subjects as S
 
         await nc.subscribe(S.run_all(self.run), cb=self.on_msg, pending_msgs_limit=1_000_000,
                            pending_bytes_limit=1 << 30)
@@ -651,7 +651,7 @@ class Chaos:
 
     async def _poll_leaders(self, nc) -> None:
         """Keep the PUSH and BCAST streams' leaders known, so a broker kill can take the leader's node."""
-        from schemas import subjects as S
+        from yeto.schemas import subjects as S
 
         js = nc.jetstream(timeout=2)
         while True:
@@ -721,7 +721,7 @@ class Chaos:
                 log(self.t0, f"CRASH: {syncer.name} exited {rc} without being killed:\n{tail}")
 
     async def _read_tape(self, nc) -> list[dict]:
-        from schemas import subjects as S
+        from yeto.schemas import subjects as S
 
         js = nc.jetstream(timeout=10)
         out = []
@@ -759,7 +759,7 @@ class Chaos:
                 accepted[(r["step"], r["attempt"], r["island"], r["gen"])] = r.get("detail", {}).get("local_step")
         # export the checkpoint: the final cut
         final_path = self.work / "final-cut.safetensors"
-        ex = subprocess.run([sys.executable, "-m", "services.cli", "export", "--run", self.run, "--checkpoint-dir",
+        ex = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", self.run, "--checkpoint-dir",
                              str(self.dirs[self.syncer.name]), "--out", str(final_path)], capture_output=True, text=True,
                             cwd=ROOT, env=clean_env())
         final, meta = None, {}

@@ -67,9 +67,9 @@ def worker(args) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     island = None
     if args.sync:
-        from learner.adapters.torch_module import TorchModuleAdapter
-        from learner.config import IslandConfig
-        from learner.island import Island
+        from yeto.learner.adapters.torch_module import TorchModuleAdapter
+        from yeto.learner.config import IslandConfig
+        from yeto.learner.island import Island
 
         island = Island(TorchModuleAdapter(model), IslandConfig.from_env(run=args.run, island=args.island))
         island.start()
@@ -144,7 +144,7 @@ async def read_merges(url: str, run: str) -> list[dict]:
     import nats
     import orjson
 
-    from schemas import subjects as S
+    from yeto.schemas import subjects as S
 
     nc = await nats.connect(url)
     try:
@@ -181,7 +181,7 @@ def one_pass(args, url: str | None, work: Path, sync: bool, peak: dict[str, int]
             log = open(work / f"{tag}-syncer.log", "ab")
             logs.append(log)
             procs[f"{tag}-syncer"] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run, "--islands",
+                [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands",
                  str(args.islands), "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
                  "--total-steps", str(rounds_for(args)), "--init-island", names[0],
                  "--checkpoint-dir", str(work / f"{tag}-ckpt"), "--status-every", "30"],
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     broker = None
     url = args.nats
     if url is None:
-        from services.broker import Broker
+        from yeto.services.broker import Broker
 
         broker = Broker(store_dir=work / "broker").start()
         url = broker.url

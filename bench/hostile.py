@@ -12,8 +12,8 @@ plus50, nan, norm5x, tokens), the syncer on its default flags, and prints per ki
 loss), the clean run's `max_norm_ratio` (how near an honest push came to --push-norm-factor) and last
 `poison ok=<true|false> ...`.
 
-Starts the embedded broker (unless --nats), the real syncer (`python -m services.cli syncer`) and two real islands
-(`python -m learner.demo`, islands a and b), and once version 0 is committed sends --count malformed or hostile
+Starts the embedded broker (unless --nats), the real syncer (`python -m yeto.services.cli syncer`) and two real islands
+(`python -m yeto.learner.demo`, islands a and b), and once version 0 is committed sends --count malformed or hostile
 messages on every subject a client can reach, towards the syncer (CTL hello/heartbeat/ack, PUSH, INIT) and towards
 the islands (CTL pull and to-island, BCAST, FINAL) and on STEPLOG, while the run goes on. They are built with the
 `schemas` package (subjects, codec, chunk framing) and mutated by a seeded random mutator: bad JSON, schema
@@ -61,11 +61,11 @@ sys.path.insert(0, str(ROOT))
 import orjson  # noqa: E402
 import torch  # noqa: E402
 
-from schemas import codec, subjects as S  # noqa: E402
-from schemas.chunks import digest, push_digest  # noqa: E402
-from schemas.dtypes import pack  # noqa: E402
-from schemas.layout import layout_fingerprint  # noqa: E402
-from schemas.chunks import chunk_header, chunk_plan  # noqa: E402
+from yeto.schemas import codec, subjects as S  # noqa: E402
+from yeto.schemas.chunks import digest, push_digest  # noqa: E402
+from yeto.schemas.dtypes import pack  # noqa: E402
+from yeto.schemas.layout import layout_fingerprint  # noqa: E402
+from yeto.schemas.chunks import chunk_header, chunk_plan  # noqa: E402
 
 ISLANDS = ("a", "b")
 ISLAND_ENV = {"YETO_SESSION_TIMEOUT": "90", "YETO_FINAL_TIMEOUT": "90", "YETO_SHUTDOWN_TIMEOUT": "30",
@@ -574,14 +574,14 @@ class Procs:
         a = self.args
         env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
         env.update(PYTHONUNBUFFERED="1", YETO_NATS=self.url, YETO_RUN=self.run)
-        syncer = [sys.executable, "-m", "services.cli", "syncer", "--nats", self.url, "--run", self.run,
+        syncer = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", self.url, "--run", self.run,
                   "--islands", "2", "--fragments", "2", "--sync-every", "8", "--total-steps", str(a.rounds),
                   "--chunk-bytes", str(a.chunk_bytes), "--checkpoint-dir", str(self.work / "syncer"), "--small-limits",
                   "--quorum-timeout", str(a.quorum_timeout), "--member-timeout", "20", "--final-timeout", "90",
                   "--status-every", "0.5"]
         self._spawn("syncer", syncer, env)
         for isl in ISLANDS:
-            cmd = [sys.executable, "-m", "learner.demo", "--run", self.run, "--island", isl,
+            cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", self.run, "--island", isl,
                    "--step-delay", str(a.step_delay), "--out", str(self.work / f"island-{isl}.safetensors")]
             self._spawn(isl, cmd, dict(env, YETO_ISLAND=isl, **ISLAND_ENV,
                                        YETO_DILOCO_STEP_LOG=str(self.work / f"steplog-{isl}.jsonl"),
@@ -793,7 +793,7 @@ def island_rejections(procs: Procs) -> dict[str, dict[str, int]]:
 def final_equal(work: Path, run: str) -> tuple[bool, str]:
     from safetensors.torch import load_file
 
-    from services.cmd_export import export
+    from yeto.services.cmd_export import export
 
     path = work / "final-cut.safetensors"
     try:
@@ -823,8 +823,8 @@ def final_eval_loss(work: Path, run: str) -> float:
     """The held-out loss (learner.demo.eval_loss) of the run's final cut, exported from the syncer's checkpoint."""
     from safetensors.torch import load_file
 
-    from learner import demo
-    from services.cmd_export import export
+    from yeto.learner import demo
+    from yeto.services.cmd_export import export
 
     path = work / "final-cut.safetensors"
     export(work / "syncer", path, run)
@@ -838,8 +838,8 @@ def norm_headroom(merges: list[dict]) -> float:
     """The largest ratio, over a run's merged pushes, of a push's norm to the reference norm the syncer's
     default norm bound judged it against (services/syncer/pushes.py, replayed from the merge records'
     `detail.norms`): how close an honest run came to --push-norm-factor."""
-    from services.syncer.config import NORM_HISTORY, NORM_MIN_ISLANDS
-    from services.syncer.state import lower_median
+    from yeto.services.syncer.config import NORM_HISTORY, NORM_MIN_ISLANDS
+    from yeto.services.syncer.state import lower_median
 
     hist: dict[int, dict[str, list[float]]] = {}
     worst = 0.0
@@ -862,7 +862,7 @@ def norm_headroom(merges: list[dict]) -> float:
 
 def poison_runs(url: str, work: Path, a) -> dict[str, dict]:
     """One clean run and one run per poison kind, side by side on one broker: the real syncer with its
-    default defence flags (none given) and islands a and b (`python -m learner.demo`); island a of a
+    default defence flags (none given) and islands a and b (`python -m yeto.learner.demo`); island a of a
     poisoned run carries YETO_DEMO_POISON=<kind>. Returns {kind or "clean": {eval_loss, exit_codes, rounds}}."""
     import nats
 
@@ -992,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
     broker = None
     url = a.nats
     if not url:
-        from services.broker import Broker
+        from yeto.services.broker import Broker
 
         broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
         url = broker.url

@@ -154,10 +154,10 @@ def _rank(rank: int, world: int, cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from learner.adapters.sliced_torch import SlicedTorchAdapter
-    from learner.config import IslandConfig
-    from learner.island import Island
-    from schemas.conn import ConnectOptions
+    from yeto.learner.adapters.sliced_torch import SlicedTorchAdapter
+    from yeto.learner.config import IslandConfig
+    from yeto.learner.island import Island
+    from yeto.schemas.conn import ConnectOptions
 
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.INFO if cfg["verbose"] else logging.ERROR,
@@ -200,7 +200,7 @@ def _rank(rank: int, world: int, cfg: dict) -> None:
 def _remove_run(url: str, run: str) -> None:
     import nats
 
-    from schemas.provision import remove_run
+    from yeto.schemas.provision import remove_run
 
     async def go():
         nc = await nats.connect(url)
@@ -219,7 +219,7 @@ def one_size(size: float, args, url: str, work: Path) -> dict:
     d = work / run
     d.mkdir(parents=True)
     log = open(d / "syncer.log", "wb")
-    syncer = subprocess.Popen([sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run,
+    syncer = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                                "--islands", "1", "--fragments", str(args.fragments), "--sync-every",
                                str(args.fragments), "--total-steps", "1", "--init-island", ISLAND,
                                "--bulk-dtype", "f32", "--push-dtype", "f32", "--chunk-bytes", str(args.chunk_kb * 1024),
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.nats
     try:
         if url is None:
-            from services.broker import Broker
+            from yeto.services.broker import Broker
 
             broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
             url = broker.url

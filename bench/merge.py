@@ -45,9 +45,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import torch  # noqa: E402
 
-from schemas.dtypes import pack, unpack  # noqa: E402
-from schemas.chunks import chunk_plan  # noqa: E402
-from services.syncer.outer import OuterStep, delta_dtype, delta_view, weights_for  # noqa: E402
+from yeto.schemas.dtypes import pack, unpack  # noqa: E402
+from yeto.schemas.chunks import chunk_plan  # noqa: E402
+from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view, weights_for  # noqa: E402
 
 MiB = 1 << 20
 PUSH_BYTES = {"f32": 4, "bf16": 2}
@@ -133,7 +133,7 @@ def kernel_used(cfg: Config, spans) -> str:
     """Which kernel the timed passes ran: fused (compiled) only where it compiled and the chunks are large enough."""
     if cfg.kernel == "sgd":
         return "sgd (eager, SGD form)"
-    from services.syncer import outer
+    from yeto.services.syncer import outer
 
     key = ((str(delta_dtype(cfg.push_dtype)),) * cfg.members, spans[0].elem_count)
     if spans[0].elem_count < outer.COMPILE_MIN_NUMEL:

@@ -5,7 +5,7 @@
 
 A fresh run on the embedded nats-server (or `--nats`): the real `yeto syncer` (`--strict`: the round
 waits for every island; one fragment; H = 1, so every island step is a round) and N real islands
-(`python -m learner.demo --model-mib S`, lockstep: each blocks at its boundary until it holds the
+(`python -m yeto.learner.demo --model-mib S`, lockstep: each blocks at its boundary until it holds the
 round's pull, pushes, and has installed the new version). Their model is one fragment of about S MiB
 of f32 parameters. The islands train one demo step between rounds; that is not part of a round.
 
@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: E402  (no torch import)
+from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: E402  (no torch import)
 
 MiB = 1 << 20
 STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
@@ -220,8 +220,8 @@ class Observer:
         import nats
         import orjson
 
-        from schemas import codec
-        from schemas import subjects as S
+        from yeto.schemas import codec
+        from yeto.schemas import subjects as S
 
         self._stop = asyncio.Event()
         by_version: dict[int, float] = {}
@@ -377,7 +377,7 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
             log = open(work / "syncer.log", "ab")
             logs.append(log)
             procs["syncer"] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run,
+                [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                  "--islands", str(args.islands), "--fragments", "1", "--sync-every", "1", "--total-steps", str(total),
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
@@ -396,7 +396,7 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                 if args.fetch_batch_mib:
                     e["YETO_FETCH_BATCH_BYTES"] = str(int(args.fetch_batch_mib * MiB))
                 procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "learner.demo", "--run", run, "--island", name, "--model-mib",
+                    [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name, "--model-mib",
                      str(args.size_mib), "--step-delay", "0", "--out", str(work / f"final-{name}.safetensors")],
                     stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e, start_new_session=True)
                 rss.add(f"island {name}", procs[name].pid)
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with RssWatch() as rss:
             if url is None:
-                from services.broker import Broker
+                from yeto.services.broker import Broker
 
                 broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
                 url = broker.url

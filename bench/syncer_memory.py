@@ -180,8 +180,8 @@ async def _status_records(js, run: str, n: int) -> dict[int, dict]:
     import orjson
     from nats.js.errors import KeyNotFoundError
 
-    from schemas import shards as SH
-    from schemas import subjects as S
+    from yeto.schemas import shards as SH
+    from yeto.schemas import subjects as S
 
     kv = await js.key_value(S.kv_bucket(run, "state"))
     out = {}
@@ -200,7 +200,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
     import nats
     import torch
 
-    from schemas.provision import remove_run
+    from yeto.schemas.provision import remove_run
     from tests.scripted import ScriptedIsland, tape_of, wait_provisioned
 
     run = f"bench_shmem{n}_{uuid.uuid4().hex[:8]}"
@@ -218,7 +218,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
             logs.append(log)
             flags = [] if n == 1 else ["--shard", str(k), "--shards", str(n)]
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run, "--islands", "2",
+                [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands", "2",
                  "--fragments", str(P), "--sync-every", str(P), "--total-steps", str(args.rounds), "--strict",
                  "--init-island", ISLANDS[0], "--push-dtype", "f32", "--bulk-dtype", "f32",
                  "--chunk-bytes", str(int(args.chunk_mib * MiB)), "--checkpoint-dir", str(work / f"syncer-s{k}"),
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         with PeakWatch() as watch:
             watch.add("bench (scripted islands)", os.getpid())
             if url is None:
-                from services.broker import Broker
+                from yeto.services.broker import Broker
 
                 broker = Broker(store_dir=work / "jetstream", log_file=work / "nats-server.log").start()
                 url = broker.url

@@ -5,7 +5,7 @@
 
 For each island count N: a hub nats-server (JetStream domain `hub`, leafnode listener) with the real
 `yeto syncer`, and one island datacenter, a leaf node (domain `dc1`) dialling the hub, with N real
-`python -m learner.demo` islands connected to it (YETO_DOMAIN=dc1: they keep the run's mirror of
+`python -m yeto.learner.demo` islands connected to it (YETO_DOMAIN=dc1: they keep the run's mirror of
 BCAST / FINAL in dc1 and read the cut from it). After the run:
 
     bytes_per_committed_byte = hub -> datacenter bytes on the leaf link (the hub's /leafz out_bytes:
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.leaf import start_hub_and_leaf, wan_figures  # noqa: E402
+from yeto.services.leaf import start_hub_and_leaf, wan_figures  # noqa: E402
 
 
 def one_run(n: int, args, work: Path, naive: bool) -> dict:
@@ -49,7 +49,7 @@ def one_run(n: int, args, work: Path, naive: bool) -> dict:
         log = open(work / "syncer.log", "ab")
         logs.append(log)
         procs["syncer"] = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "syncer", "--nats", hub.url, "--run", run, "--islands", str(n),
+            [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", hub.url, "--run", run, "--islands", str(n),
              "--fragments", "2", "--sync-every", "8", "--total-steps", str(args.rounds), "--init-island", names[0],
              "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--quorum-timeout", "60",
              "--member-timeout", "60", "--final-timeout", "60"],
@@ -59,7 +59,7 @@ def one_run(n: int, args, work: Path, naive: bool) -> dict:
             logs.append(log)
             e = dict(env, YETO_NATS=leaf.url, YETO_ISLAND=name, YETO_DOMAIN="hub" if naive else "dc1")
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "learner.demo", "--run", run, "--island", name, "--model-mib",
+                [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name, "--model-mib",
                  str(args.model_mib), "--step-delay", "0.02"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e)
         deadline = time.monotonic() + args.timeout

@@ -45,11 +45,11 @@ from pathlib import Path
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas import codec  # noqa: E402
-from schemas import subjects as S  # noqa: E402
-from schemas.chunks import ChunkSpan, VersionDigest, check_chunk, chunk_header, chunk_plan, max_chunk_bytes  # noqa: E402
-from schemas.errors import WireError  # noqa: E402
-from schemas.publish import Pipeline  # noqa: E402
+from yeto.schemas import codec  # noqa: E402
+from yeto.schemas import subjects as S  # noqa: E402
+from yeto.schemas.chunks import ChunkSpan, VersionDigest, check_chunk, chunk_header, chunk_plan, max_chunk_bytes  # noqa: E402
+from yeto.schemas.errors import WireError  # noqa: E402
+from yeto.schemas.publish import Pipeline  # noqa: E402
 
 MiB = 1 << 20
 WIRE_DTYPE = "f32"  # the fragment is f32 values, as a broadcast in the default bulk dtype
@@ -826,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         url, server_pid = args.nats, None
         if url is None:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-            from services.broker import Broker
+            from yeto.services.broker import Broker
 
             store = stack.enter_context(tempfile.TemporaryDirectory(prefix="yeto-wire-"))
             broker = stack.enter_context(Broker(store_dir=store))

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from schemas.errors import WireError
+from yeto.schemas.errors import WireError
 
 _F32 = 4
 _IO_MAX = 1 << 30  # bytes per pread/pwrite call (Linux moves at most ~2 GiB per call)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generator, Iterable, Mapping
 
-from schemas.errors import WireError
+from yeto.schemas.errors import WireError
 
 from .boundary_ops import (Ack, Begin, BeginFinal, BroadcastsRead, CheckHealth, Commit, End, Fail, FinalRead,
                            FinalShared, Log, Progress, Push, ReadBroadcasts, ReadControl, ReadFinal, Reap, StepDone,

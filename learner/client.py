@@ -35,13 +35,13 @@ import nats
 import nats.errors
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from schemas import codec, leader_watch
-from schemas import provision as P
-from schemas import subjects as S
-from schemas.conn import connect
-from schemas.errors import ConnectError, WireError
-from schemas.ids import new_generation
-from schemas.publish import first_send, note_taken, publish_retry
+from yeto.schemas import codec, leader_watch
+from yeto.schemas import provision as P
+from yeto.schemas import subjects as S
+from yeto.schemas.conn import connect
+from yeto.schemas.errors import ConnectError, WireError
+from yeto.schemas.ids import new_generation
+from yeto.schemas.publish import first_send, note_taken, publish_retry
 
 from .config import IslandConfig
 from .ctl_reader import CtlReader

@@ -45,10 +45,10 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from schemas.conn import ConnectOptions
-from schemas.dtypes import AUTO_DTYPE, BULK_DTYPES as _BULK, PUSH_DTYPES as _PUSH
-from schemas.errors import ConfigError
-from schemas.ids import check_island, check_run
+from yeto.schemas.conn import ConnectOptions
+from yeto.schemas.dtypes import AUTO_DTYPE, BULK_DTYPES as _BULK, PUSH_DTYPES as _PUSH
+from yeto.schemas.errors import ConfigError
+from yeto.schemas.ids import check_island, check_run
 
 _DOMAIN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a domain becomes a subject token ($JS.<domain>.API)
 MiB = 1 << 20

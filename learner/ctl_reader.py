@@ -21,11 +21,11 @@ from typing import Callable
 
 import nats.errors
 
-from schemas import codec
-from schemas import provision as P
-from schemas import subjects as S
-from schemas.errors import DecodeError, WireError
-from schemas.publish import publish_retry
+from yeto.schemas import codec
+from yeto.schemas import provision as P
+from yeto.schemas import subjects as S
+from yeto.schemas.errors import DecodeError, WireError
+from yeto.schemas.publish import publish_retry
 
 from .errors import Superseded, SyncerRefused
 from .inbox import ChunkNotice, CutInbox, Inbox

@@ -3,13 +3,13 @@
 Each island draws its training data from its own seed (heterogeneous shards of one task); held-out
 data comes from a third seed. No downloads: the data is generated.
 
-    python -m learner.demo --run R --island a [--ranks 2] [--steps-max N] [--out params.safetensors]
+    python -m yeto.learner.demo --run R --island a [--ranks 2] [--steps-max N] [--out params.safetensors]
 
 With `--ranks 2` the island is data-parallel over two gloo processes (gradients all-reduced); only
 rank 0 talks to NATS. After the final cut is installed, rank 0 saves the island's parameters (canonical
 names) to `--out` and prints one JSON line with its mean loss over the last 10 steps.
 
-`python -m learner.demo eval --weights FILE` prints the held-out loss of a safetensors file.
+`python -m yeto.learner.demo eval --weights FILE` prints the held-out loss of a safetensors file.
 
 Fault injector (tests and bench/hostile.py --poison only, never a real run): `YETO_DEMO_POISON=KIND` makes
 this island a compromised one. Its training is honest; what it pushes is not: `plus50` adds 50 to every
@@ -103,7 +103,7 @@ def poison_island(island, kind: str) -> None:
     builds new ones) is cheap and changes nothing more."""
     import dataclasses
 
-    from schemas.dtypes import as_bytes_view, pack, unpack
+    from yeto.schemas.dtypes import as_bytes_view, pack, unpack
 
     if kind not in POISON_KINDS:
         raise ValueError(f"{POISON_ENV} must be one of {', '.join(POISON_KINDS)}, got {kind!r}")
@@ -139,9 +139,9 @@ def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _train(rank: int, world: int, args, result_q=None) -> None:
     import torch.distributed as dist
 
-    from learner.adapters.torch_module import TorchModuleAdapter
-    from learner.config import IslandConfig
-    from learner.island import Island
+    from yeto.learner.adapters.torch_module import TorchModuleAdapter
+    from yeto.learner.config import IslandConfig
+    from yeto.learner.island import Island
 
     torch.set_num_threads(1)
     group = None
@@ -235,7 +235,7 @@ def _spawn_rank(rank, world, args):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval":
-        p = argparse.ArgumentParser(prog="python -m learner.demo eval")
+        p = argparse.ArgumentParser(prog="python -m yeto.learner.demo eval")
         p.add_argument("--weights", required=True)
         a = p.parse_args(argv[1:])
         from safetensors.torch import load_file
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(weights)
         print(json.dumps({"eval_loss": eval_loss(model)}))
         return 0
-    p = argparse.ArgumentParser(prog="python -m learner.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m yeto.learner.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default=os.environ.get("YETO_RUN"), required="YETO_RUN" not in os.environ)
     p.add_argument("--island", default=os.environ.get("YETO_ISLAND"), required="YETO_ISLAND" not in os.environ)
@@ -259,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-mib", type=float, default=0.0, help="widen the MLP to about this many MiB of f32 "
                    "parameters (default 0: the tiny model)")
     args = p.parse_args(argv)
-    from schemas.errors import ConfigError
+    from yeto.schemas.errors import ConfigError
 
-    from learner.errors import IslandUnhealthy
+    from yeto.learner.errors import IslandUnhealthy
 
     try:
         if args.ranks > 1:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 # a rank's expected error: its last line (the message) is the news, its traceback is not
                 last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
                 if "IslandUnhealthy" in last or "ConfigError" in last:
-                    print(f"learner.demo island {args.island}: {last.split(': ', 1)[-1]}", file=sys.stderr)
+                    print(f"yeto.learner.demo island {args.island}: {last.split(': ', 1)[-1]}", file=sys.stderr)
                     return 2 if "ConfigError" in last else 1
                 raise
         else:
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except (IslandUnhealthy, ConfigError) as exc:
         if os.environ.get("YETO_LOG_LEVEL", "").upper() == "DEBUG":
             raise
-        print(f"learner.demo island {args.island}: {exc}", file=sys.stderr)
+        print(f"yeto.learner.demo island {args.island}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     return 0
 

@@ -51,10 +51,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from schemas.chunks import DigestMismatch, VersionDigest, check_chunk, check_digest
-from schemas.dtypes import BULK_DTYPES, packed_nbytes
-from schemas.errors import ConfigError, WireError
-from schemas.chunks import ChunkSpan, chunk_plan
+from yeto.schemas.chunks import DigestMismatch, VersionDigest, check_chunk, check_digest
+from yeto.schemas.dtypes import BULK_DTYPES, packed_nbytes
+from yeto.schemas.errors import ConfigError, WireError
+from yeto.schemas.chunks import ChunkSpan, chunk_plan
 
 
 class ProtocolError(WireError):

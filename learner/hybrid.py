@@ -51,10 +51,10 @@ import torch.distributed as dist
 
 # The backend choice (learner/hybrid_backend.py) and the wrapped calls (learner/hybrid_calls.py) live in
 # their own modules; this one puts the wrappers in place, and the public names stay importable from here.
-from learner.hybrid_backend import (
+from yeto.learner.hybrid_backend import (
     ENV_RANKS_PER_NODE, Choice, choose_backend, device_backend, node_of, ranks_per_node, spans_nodes,
 )
-from learner.hybrid_calls import (
+from yeto.learner.hybrid_calls import (
     _DEVICE_ARG_OPS, _NATIVE, _S, _TENSOR_OPS, _wrap_batch, _wrap_check_op, _wrap_destroy, _wrap_device_arg_op,
     _wrap_new_group, _wrap_tensor_op, choices, hybrid_groups, installed, is_hybrid, stats,
 )

@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from schemas.errors import ConfigError
+from yeto.schemas.errors import ConfigError
 
 ENV_RANKS_PER_NODE = "YETO_RANKS_PER_NODE"
 

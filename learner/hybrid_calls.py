@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from learner.hybrid_backend import Choice, choose_backend, device_backend, ranks_per_node
+from yeto.learner.hybrid_backend import Choice, choose_backend, device_backend, ranks_per_node
 
 log = logging.getLogger("yeto.hybrid")
 

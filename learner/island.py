@@ -75,8 +75,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from schemas.errors import WireError
-from schemas.layout import layout_fingerprint
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import layout_fingerprint
 
 from . import boundary_ops as O
 from .adapters import ModelAdapter

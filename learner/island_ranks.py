@@ -22,8 +22,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-from schemas.dtypes import pack, unpack
-from schemas.chunks import ChunkSpan, chunk_plan
+from yeto.schemas.dtypes import pack, unpack
+from yeto.schemas.chunks import ChunkSpan, chunk_plan
 
 from .anchors import AnchorStore
 from .layout_map import FragmentMap, IslandLayout

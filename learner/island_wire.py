@@ -31,12 +31,12 @@ from typing import Callable
 
 import nats.errors
 
-from schemas import codec
-from schemas import subjects as S
-from schemas.chunks import chunk_header, push_digest
-from schemas.dtypes import as_bytes_view, packed_nbytes
-from schemas.errors import WireError
-from schemas.publish import PublishFailed
+from yeto.schemas import codec
+from yeto.schemas import subjects as S
+from yeto.schemas.chunks import chunk_header, push_digest
+from yeto.schemas.dtypes import as_bytes_view, packed_nbytes
+from yeto.schemas.errors import WireError
+from yeto.schemas.publish import PublishFailed
 
 from .boundary_ops import Commit, Push
 from .errors import NotConnected

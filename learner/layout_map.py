@@ -29,8 +29,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from schemas.errors import WireError
-from schemas.layout import canonical_layout
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import canonical_layout
 
 Box = tuple[tuple[int, int], ...]
 

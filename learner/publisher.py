@@ -11,7 +11,7 @@ from collections import Counter
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Awaitable, Callable, Iterable
 
-from schemas.publish import Pipeline
+from yeto.schemas.publish import Pipeline
 
 from .errors import NotConnected
 from .inbox import PublishHandle

@@ -72,7 +72,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from schemas.errors import WireError
+from yeto.schemas.errors import WireError
 
 WAITING = "waiting"
 MAX_COUNT = 2**31 - 1

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from schemas import codec
+from yeto.schemas import codec
 
 
 def make_event(run: str, island: str, gen: str, *, step: int, boundary_s: float, export_s: float, apply_s: float,

@@ -22,7 +22,7 @@ from typing import Any
 import fastjsonschema
 import orjson
 
-from schemas.errors import DecodeError, SchemaError
+from yeto.schemas.errors import DecodeError, SchemaError
 
 PROTOCOL_VERSION = 1
 CHUNK_HEADER = "Yeto-Chunk"  # the NATS header that carries a chunk's metadata (compact JSON)

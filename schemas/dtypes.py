@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import torch
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host in the fleet
-    raise ImportError("schemas.dtypes assumes a little-endian host: wire bytes are raw little-endian memory")
+    raise ImportError("yeto.schemas.dtypes assumes a little-endian host: wire bytes are raw little-endian memory")
 
 # The one definition of the dtype names (the JSON schemas' enums say the same; tests/test_dtypes.py checks).
 WIRE_DTYPES = ("f32", "bf16", "q4")

@@ -8,7 +8,7 @@ one an unsharded syncer always used, so a run started before shards existed resu
 """
 from __future__ import annotations
 
-from schemas.errors import ConfigError
+from yeto.schemas.errors import ConfigError
 
 COORDINATOR = 0
 

@@ -51,11 +51,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas import subjects as S
-from schemas.conn import nkey_inbox_prefix
-from schemas.leader_watch import run_advisories
-from schemas.ids import check_island, check_run
-from services.leaf_auth import (LEAF_PREFIX, ROLE as LEAF_ROLE, leaf_name, link_permissions, parse_datacenters,
+from yeto.schemas import subjects as S
+from yeto.schemas.conn import nkey_inbox_prefix
+from yeto.schemas.leader_watch import run_advisories
+from yeto.schemas.ids import check_island, check_run
+from yeto.services.leaf_auth import (LEAF_PREFIX, ROLE as LEAF_ROLE, leaf_name, link_permissions, parse_datacenters,
                                 served_permissions)
 
 ROLES = ("syncer", "island", "observer", "admin")
@@ -297,7 +297,7 @@ def server_config_text(auth_dirs: list[str | os.PathLike], base_config: str | os
     services/leaf.py) instead of a file; `datacenter`: serve the identities as that datacenter's leaf
     node does (services/leaf_auth.py)."""
     if base_config is None and base_text is None:
-        from services.broker import default_config_path
+        from yeto.services.broker import default_config_path
 
         base_config = default_config_path()
     runs = [load_identities(d) for d in auth_dirs]

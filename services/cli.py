@@ -10,12 +10,12 @@ import asyncio
 import os
 import sys
 
-from schemas.conn import ConnectOptions, add_connect_args
-from services.envflags import bad_env_values, env_value
+from yeto.schemas.conn import ConnectOptions, add_connect_args
+from yeto.services.envflags import bad_env_values, env_value
 
 
 def _cmd_broker(args) -> int:
-    from services.cmd_broker import run_foreground
+    from yeto.services.cmd_broker import run_foreground
 
     store = args.store_dir or os.path.join(os.getcwd(), "yeto-data", "jetstream")
     if args.cluster < 0:
@@ -26,7 +26,7 @@ def _cmd_broker(args) -> int:
     if refusal:
         print(f"yeto broker: {refusal}", file=sys.stderr)
         return 2
-    from services.broker import BrokerError
+    from yeto.services.broker import BrokerError
 
     config, leaf = args.config, None
     try:
@@ -46,7 +46,7 @@ def _cmd_broker(args) -> int:
 def _leaf_setup(args, store: str):
     """(config, secured leaf role) of a hub or leaf `yeto broker`: without --auth a generated config
     under the store; with --auth DIR the role AuthServe adds to DIR's users (services/leaf_auth.py)."""
-    from services.leaf import check_leaf_options, leaf_hub_config, secured_leaf_role
+    from yeto.services.leaf import check_leaf_options, leaf_hub_config, secured_leaf_role
 
     leaf_host = args.leaf_host or args.host
     if not args.auth:
@@ -60,7 +60,7 @@ def _leaf_setup(args, store: str):
 
 def _broker_refusal(args) -> str | None:
     """No open broker beyond loopback unless asked for (--insecure; docs/design.md §13); --node/--peers."""
-    from services.cmd_broker import exposure_refusal, node_refusal
+    from yeto.services.cmd_broker import exposure_refusal, node_refusal
 
     why = node_refusal(args.cluster, args.node, args.peers, auth=args.auth, insecure=args.insecure)
     if why:
@@ -85,8 +85,8 @@ def _add_broker_security_args(b) -> None:
 
 
 def _cmd_run_rm(args) -> int:
-    from schemas.conn import connect
-    from schemas.provision import remove_run
+    from yeto.schemas.conn import connect
+    from yeto.schemas.provision import remove_run
 
     async def go():
         nc = await connect(ConnectOptions.from_args(args, name="yeto-run-rm"))
@@ -162,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("syncer", "export", "replay", "demo", "steplog", "exporter", "dashboard", "auth"):
         try:
-            mod = __import__(f"services.cmd_{name}", fromlist=["add_parser"])
+            mod = __import__(f"yeto.services.cmd_{name}", fromlist=["add_parser"])
         except ModuleNotFoundError as exc:
-            if exc.name != f"services.cmd_{name}":
+            if exc.name != f"yeto.services.cmd_{name}":
                 raise
             continue
         mod.add_parser(sub)
@@ -183,7 +183,7 @@ IDENTITY_FOR = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from schemas.errors import ConfigError, ConnectError
+    from yeto.schemas.errors import ConfigError, ConnectError
 
     args = build_parser().parse_args(argv)
     sub = next((v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)), None)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if getattr(args, "run_id", None) is not None:
-            from schemas.ids import check_run
+            from yeto.schemas.ids import check_run
 
             args.run = check_run(args.run_id)
         return int(args.func(args) or 0)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{what}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     except Exception as exc:  # noqa: BLE001 - re-raised unless a permission denial explains it
-        from schemas.conn import DENIED
+        from yeto.schemas.conn import DENIED
 
         if args.debug or not DENIED:
             raise

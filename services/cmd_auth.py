@@ -35,8 +35,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd_init(args) -> int:
-    from services.auth import AuthError, init_auth, parse_islands
-    from services.leaf_auth import parse_datacenters
+    from yeto.services.auth import AuthError, init_auth, parse_islands
+    from yeto.services.leaf_auth import parse_datacenters
 
     try:
         islands = parse_islands(args.islands)

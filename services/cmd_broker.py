@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.broker import Broker, BrokerError, Cluster, check_config
-from services.broker_supervisor import RestartPolicy
+from yeto.services.broker import Broker, BrokerError, Cluster, check_config
+from yeto.services.broker_supervisor import RestartPolicy
 
 def is_loopback(host: str) -> bool:
     """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
@@ -115,7 +115,7 @@ class AuthServe:
     def refresh(self) -> str:
         """Rebuild the config from DIR; raises BrokerError (the file in service stays as it was) when
         DIR is not an auth directory or nats-server rejects the result. Returns a one-line summary."""
-        from services.auth import AuthError, load_identities, write_server_config
+        from yeto.services.auth import AuthError, load_identities, write_server_config
 
         try:
             run, ids, _init = load_identities(self.dir)
@@ -145,7 +145,7 @@ class AuthServe:
 
     def probe_options(self, url: str):
         """Connect options for the broker's own readiness probe: the observer's key (read-only)."""
-        from schemas.conn import ConnectOptions
+        from yeto.schemas.conn import ConnectOptions
 
         names = [i.name for i in self.ids]
         who = "observer" if "observer" in names else names[0]

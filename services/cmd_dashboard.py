@@ -6,14 +6,14 @@ import argparse
 import functools
 import sys
 
-from schemas.conn import add_connect_args
+from yeto.schemas.conn import add_connect_args
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dashboard", help="serve a web page with live charts of a run",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_connect_args(p)
-    from services.steplog.consume import add_server_args, add_source_args
+    from yeto.services.steplog.consume import add_server_args, add_source_args
 
     add_source_args(p)
     add_server_args(p, port=8080, port_env="YETO_DASHBOARD_PORT", host_env="YETO_DASHBOARD_HOST")
@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd(args) -> int:
-    from services.steplog.consume import run_server
-    from services.steplog.dashboard import serve_dashboard
+    from yeto.services.steplog.consume import run_server
+    from yeto.services.steplog.dashboard import serve_dashboard
 
     if args.points < 1:
         print(f"yeto dashboard: --points must be >= 1, got {args.points}", file=sys.stderr)

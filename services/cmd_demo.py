@@ -21,7 +21,7 @@ directories WORK/syncer-s<K>; README "Syncer shards"); the demo waits for every 
 final cut it checks the islands against is exported from all their directories together. N may not
 exceed `--fragments` (a shard would own no fragment).
 
-The islands run `python -m learner.demo` (this package never imports the learner).
+The islands run `python -m yeto.learner.demo` (this package never imports the learner).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from schemas.dtypes import PUSH_DTYPES
+from yeto.schemas.dtypes import PUSH_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -83,8 +83,8 @@ def _pump(proc: subprocess.Popen, prefix: str, sink: list[str], show) -> threadi
 async def _count_merges(url: str, run: str, ident: dict[str, str] | None = None) -> int:
     import orjson
 
-    from schemas import subjects as S
-    from schemas.conn import ConnectOptions, connect
+    from yeto.schemas import subjects as S
+    from yeto.schemas.conn import ConnectOptions, connect
 
     ident = ident or {}  # a secured demo reads the tape as its observer
     nc = await connect(ConnectOptions(url=url, creds=ident.get("YETO_NATS_CREDS"), tls_ca=ident.get("YETO_TLS_CA")))
@@ -134,8 +134,8 @@ class _Secure:
     ISLANDS = ("a", "b")
 
     def __init__(self, work: Path, run_id: str, datacenters: int = 1):
-        from services.auth import init_auth
-        from services.cmd_broker import AuthServe
+        from yeto.services.auth import init_auth
+        from yeto.services.cmd_broker import AuthServe
 
         self.dir = work / "auth"
         islands = ["a", "b", "c"] if datacenters == 2 else list(self.ISLANDS)
@@ -152,7 +152,7 @@ class _Secure:
         return {"YETO_NATS_CREDS": str(self.dir / f"{name}.creds"), "YETO_TLS_CA": str(self.dir / "tls" / "ca.pem")}
 
     def start_broker(self, work: Path, replicas: int):
-        from services.broker import Broker, Cluster
+        from yeto.services.broker import Broker, Cluster
 
         if replicas > 1:
             return Cluster(replicas, store_dir=work / "jetstream", log_dir=work, config=self.served.config,
@@ -187,8 +187,8 @@ def syncer_names(shards: int) -> list[str]:
 def run(args) -> int:
     from safetensors.torch import load_file
 
-    from services.broker import Broker, Cluster
-    from services.cmd_export import export
+    from yeto.services.broker import Broker, Cluster
+    from yeto.services.cmd_export import export
 
     why = check_shards(args.syncer_shards, args.fragments)
     if why:
@@ -213,7 +213,7 @@ def run(args) -> int:
         secure = _Secure(work, run_id, args.datacenters)
         ident = secure.env
     if args.datacenters == 2:
-        from services.leaf import start_hub_and_leaf
+        from yeto.services.leaf import start_hub_and_leaf
 
         # secured: the hub admits dc1's leaf identity only, the leaf serves islands b and c their own keys
         broker, leaf_node = start_hub_and_leaf(work, "dc1", auth_dir=secure.dir if secure else None)
@@ -243,7 +243,7 @@ def run(args) -> int:
         pumps = []
         for k, name in enumerate(syncers):
             # every shard the same run flags, its own --shard and checkpoint directory (README "Syncer shards")
-            syncer_cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run_id,
+            syncer_cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
                           "--islands", str(len(islands)), "--fragments", str(args.fragments),
                           "--sync-every", str(args.sync_every),
                           "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
@@ -261,7 +261,7 @@ def run(args) -> int:
                                lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l
                                or "session pinned" in l or "missing" in l))
         for name, ranks, island_url, domain in islands:
-            cmd = [sys.executable, "-m", "learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
+            cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors"), "--model-mib", str(args.model_mib)]
             e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"), **ident(name))
             if domain:  # an island of the datacenter: connected to its leaf node
@@ -300,7 +300,7 @@ def run(args) -> int:
                 return 1
             for k, v in final.items():
                 diff = max(diff, float((mine[k] - v).abs().max()))
-        ev = subprocess.run([sys.executable, "-m", "learner.demo", "eval", "--weights", str(final_path)],
+        ev = subprocess.run([sys.executable, "-m", "yeto.learner.demo", "eval", "--weights", str(final_path)],
                             capture_output=True, text=True, env=env, check=True)
         eval_loss = json.loads(ev.stdout.strip().splitlines()[-1])["eval_loss"]
         rounds = asyncio.run(_count_merges(url, run_id, ident("observer")))
@@ -320,8 +320,8 @@ def run(args) -> int:
         if secure:
             summary["secure"] = {"tls": True, "identities": sorted(i.name for i in secure.served.ids)}
         if leaf_node is not None:
-            from schemas.conn import ConnectOptions
-            from services.leaf import wan_figures
+            from yeto.schemas.conn import ConnectOptions
+            from yeto.services.leaf import wan_figures
 
             obs = ident("observer")  # a secured hub: read the syncer's record as the observer
             summary["wan"] = asyncio.run(wan_figures(broker, run_id, ConnectOptions(

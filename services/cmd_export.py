@@ -58,7 +58,7 @@ def _natural(path: Path) -> tuple:
 def resolve_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """The checkpoint directories named by `paths`: each is one itself (it holds checkpoint.json or
     session.json), or a parent whose sub-directories holding either are taken in natural order."""
-    from services.syncer.checkpoint import MANIFEST
+    from yeto.services.syncer.checkpoint import MANIFEST
 
     def is_ckpt(d: Path) -> bool:
         return (d / MANIFEST).is_file() or (d / "session.json").is_file()
@@ -98,7 +98,7 @@ def _open_consistent(path: Path) -> _Shard:
 
     A running syncer deletes a fragment's older files right after each commit: open every file of one
     checkpoint state first (an open file survives its unlink), and start over if a commit got between."""
-    from services.syncer.checkpoint import CheckpointDir, CheckpointError
+    from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointError
 
     ck = CheckpointDir(path)
     try:

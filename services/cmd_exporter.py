@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import functools
 
-from schemas.conn import add_connect_args
+from yeto.schemas.conn import add_connect_args
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("exporter", help="serve a run's step-log metrics to Prometheus (GET /metrics)",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_connect_args(p)
-    from services.steplog.consume import add_server_args, add_source_args
+    from yeto.services.steplog.consume import add_server_args, add_source_args
 
     add_source_args(p)
     add_server_args(p, port=9464, port_env="YETO_EXPORTER_PORT", host_env="YETO_EXPORTER_HOST")
@@ -21,8 +21,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd(args) -> int:
-    from services.steplog.consume import run_server
-    from services.steplog.exporter import serve_exporter
+    from yeto.services.steplog.consume import run_server
+    from yeto.services.steplog.exporter import serve_exporter
 
     return run_server(args, "exporter", functools.partial(serve_exporter, host=args.host, port=args.port),
                       lambda port: f"yeto exporter: run {args.run}, metrics on http://{args.host}:{port}/metrics")

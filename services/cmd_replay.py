@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from schemas.conn import add_connect_args
+from yeto.schemas.conn import add_connect_args
 
 
 def add_parser(sub) -> None:
@@ -35,8 +35,8 @@ async def read_tape(args) -> list[dict]:
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.api import DeliverPolicy
 
-    from schemas import subjects as S
-    from schemas.conn import ConnectOptions, connect
+    from yeto.schemas import subjects as S
+    from yeto.schemas.conn import ConnectOptions, connect
 
     nc = await connect(ConnectOptions.from_args(args, name=f"yeto-replay-{args.run}"))
     try:
@@ -75,7 +75,7 @@ def read_file(path: str) -> list[dict]:
 
 
 def run(args) -> int:
-    from services.syncer.replay import TapeError, replay, segments
+    from yeto.services.syncer.replay import TapeError, replay, segments
 
     if (args.tape is None) == (args.run is None):
         print("yeto replay: give --run R (read the broker) or --tape FILE (a JSON-lines export), not both",

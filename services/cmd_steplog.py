@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from schemas.conn import add_connect_args
+from yeto.schemas.conn import add_connect_args
 
 
 def add_parser(sub) -> None:
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_connect_args(t)
-    from services.steplog.consume import add_source_args
+    from yeto.services.steplog.consume import add_source_args
 
     add_source_args(t)
     t.add_argument("--json", action="store_true", help="print each accepted event as one raw JSON line (for piping)")
@@ -32,8 +32,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd_tail(args) -> int:
-    from services.steplog.consume import connect, source_options
-    from services.steplog.tail import tail
+    from yeto.services.steplog.consume import connect, source_options
+    from yeto.services.steplog.tail import tail
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     if args.refresh <= 0:

@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from schemas.conn import ConnectOptions, add_connect_args
-from schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
-from services.envflags import BadEnv, bad_env_values, env_value  # noqa: F401  (bad_env_values: tests)
+from yeto.schemas.conn import ConnectOptions, add_connect_args
+from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
+from yeto.services.envflags import BadEnv, bad_env_values, env_value  # noqa: F401  (bad_env_values: tests)
 
 
 def _env(name: str, default):
@@ -159,10 +159,10 @@ def run(args) -> int:
         for line in bad:
             print(f"yeto syncer: {line}", file=sys.stderr)
         return 2
-    from schemas import shards as SH
-    from schemas.provision import ProvisionError, RunLimits
-    from services.syncer.rounds import SyncerConfig
-    from services.syncer.service import OuterConfig, ServiceConfig, SyncerError, SyncerService
+    from yeto.schemas import shards as SH
+    from yeto.schemas.provision import ProvisionError, RunLimits
+    from yeto.services.syncer.rounds import SyncerConfig
+    from yeto.services.syncer.service import OuterConfig, ServiceConfig, SyncerError, SyncerService
 
     # Every log line of a shard names it (several shards' logs often end up side by side).
     label = SH.label(args.shard, args.shards) if isinstance(args.shard, int) and isinstance(args.shards, int) \
@@ -231,7 +231,7 @@ def run(args) -> int:
     finally:
         # A short run can end while the merge loop still compiles in the background: leave without the
         # interpreter's finalization, which can abort around that thread (services/syncer/outer.py).
-        from services.syncer.outer import exit_now_if_compiling
+        from yeto.services.syncer.outer import exit_now_if_compiling
 
         exit_now_if_compiling(rc)
     return rc

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.broker import Broker, BrokerError
+from yeto.services.broker import Broker, BrokerError
 
 HUB_DOMAIN = "hub"
 # JetStream domain names become a subject token ($JS.<domain>.API): no dots, spaces or wildcards.
@@ -134,7 +134,7 @@ class LeafRole:
         return self.leaf_of is None
 
     def base_text(self, auth_dir: str | os.PathLike) -> str:
-        from services.auth import leaf_seed
+        from yeto.services.auth import leaf_seed
 
         tls = Path(auth_dir) / "tls"
         has_tls = (tls / "server.pem").exists()
@@ -150,7 +150,7 @@ def secured_leaf_role(auth_dir: str | os.PathLike, *, leaf_of: str | None, leaf_
     """`yeto broker --auth DIR` with leaf options, checked against DIR (BrokerError naming the option):
     a hub serves JetStream domain hub (what DIR's leaf identities are allowed to reach) and needs at
     least one leaf identity in DIR; a leaf needs DIR's leaf identity of its --domain."""
-    from services.auth import AuthError, datacenters_of, leaf_seed
+    from yeto.services.auth import AuthError, datacenters_of, leaf_seed
 
     try:
         if leaf_of:
@@ -180,7 +180,7 @@ def write_config(store_dir: str | os.PathLike, role: str, text: str) -> Path:
 def _secured(b: Broker, auth_dir, role: LeafRole) -> Broker:
     """Serve `auth_dir`'s identities on `b` in `role` (the config `yeto broker --auth DIR` would serve,
     private; `b.served` is the AuthServe to clean up)."""
-    from services.cmd_broker import AuthServe
+    from yeto.services.cmd_broker import AuthServe
 
     b.served = AuthServe(auth_dir, leaf=role)
     b.config = b.served.config
@@ -308,7 +308,7 @@ def start_hub_and_leaf(work: str | os.PathLike, domain: str = "dc1", *, via=None
     under `work`. `via(leaf_port) -> port` may put something between them (a test's TCP proxy).
     `auth_dir`: both secured by it (`yeto auth init ... --datacenters <domain>`), as `yeto broker --auth`
     serves a hub and a leaf."""
-    from services.broker import free_port
+    from yeto.services.broker import free_port
 
     work = Path(work)
     lp = free_port()
@@ -337,8 +337,8 @@ async def wan_figures(hub: Broker, run: str, connect_opts=None) -> dict:
     import orjson
     from nats.js.errors import KeyNotFoundError
 
-    from schemas import subjects as S
-    from schemas.conn import ConnectOptions, connect
+    from yeto.schemas import subjects as S
+    from yeto.schemas.conn import ConnectOptions, connect
 
     # a secured hub: `connect_opts` of an identity that reads the state KV (the observer's)
     nc = await connect(connect_opts or ConnectOptions(url=hub.url))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 
-from schemas import subjects as S
+from yeto.schemas import subjects as S
 
 LEAF_PREFIX = "leaf-"     # identity name of datacenter D: leaf-D (creds file DIR/leaf-D.creds)
 ROLE = "leaf"

@@ -29,7 +29,7 @@ def nats_url(tmp_path_factory):
         yield url
         return
     try:
-        from services.broker import Broker, nats_server_binary
+        from yeto.services.broker import Broker, nats_server_binary
 
         nats_server_binary()
     except Exception as exc:  # no embedded binary: fall back to Docker if an engine runs
@@ -76,7 +76,7 @@ def demo_run(nats_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("demo")
     run = f"t_demo_{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--nats", nats_url, "--run", run,
+    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
                            "--workdir", str(work), "--rounds", "12"], capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"yeto demo exited {proc.returncode}:\n{out[-4000:]}"

@@ -1,7 +1,7 @@
 """An in-process streaming-DiLoCo reference for the lockstep end-to-end test: no broker, no syncer, no
 learner sync code.
 
-It re-derives what a lockstep run of `python -m learner.demo` islands against `yeto syncer --strict`
+It re-derives what a lockstep run of `python -m yeto.learner.demo` islands against `yeto syncer --strict`
 must compute, from docs/design.md §3.7, §3.9, §4 and §5 alone. It imports only the *task* from
 learner.demo (model, seeds, data, held-out loss) — never learner.island / fragments / pulls /
 client nor services.syncer (no SyncState, no outer_step_, no round machine):
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from learner import demo
+from yeto.learner import demo
 
 
 @dataclass(frozen=True)

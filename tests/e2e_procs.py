@@ -1,4 +1,4 @@
-"""Real processes for the learner end-to-end tests: `python -m learner.demo` islands next to the real
+"""Real processes for the learner end-to-end tests: `python -m yeto.learner.demo` islands next to the real
 `yeto syncer` (tests.scripted.SyncerProc), plus small readers of what a run leaves behind (step-log
 files, RESULT lines, the state KV, the EVENTS tape).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from schemas import subjects as S
+from yeto.schemas import subjects as S
 from tests.scripted import ROOT, tape
 
 # Fail fast instead of hanging for the production defaults (600 s) when a run goes wrong.
@@ -48,7 +48,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 class IslandProc:
-    """One `python -m learner.demo` island (all its ranks), logging to files under `work`.
+    """One `python -m yeto.learner.demo` island (all its ranks), logging to files under `work`.
 
     `tag` names this process's files (a restarted island gets a new tag, so each generation has its
     own log and step-log file)."""
@@ -60,7 +60,7 @@ class IslandProc:
         self.log = work / f"island-{self.tag}.log"
         self.steplog = work / f"steplog-{self.tag}.jsonl"
         self.out = work / f"island-{self.tag}.safetensors"
-        self.cmd = [sys.executable, "-m", "learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+        self.cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
                     "--out", str(self.out), *args]
         self.env = clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island,
                              YETO_DILOCO_STEP_LOG=str(self.steplog), **ISLAND_TIMEOUTS, **(env or {}))
@@ -149,7 +149,7 @@ def assert_islands_hold_the_final_cut(ckpt: Path, out: Path, run: str, islands) 
     import torch
     from safetensors.torch import load_file
 
-    from services.cmd_export import export
+    from yeto.services.cmd_export import export
 
     export(ckpt, out, run)
     final = load_file(str(out))

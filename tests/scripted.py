@@ -18,13 +18,13 @@ import orjson
 import torch
 from nats.js.errors import KeyNotFoundError
 
-from schemas import codec, subjects as S
-from schemas.chunks import chunk_header, digest, push_digest
-from schemas.dtypes import pack, unpack
-from schemas.ids import new_generation
-from schemas.layout import layout_fingerprint
-from schemas.chunks import chunk_plan
-from schemas.provision import ensure_island_consumers, remove_run
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.chunks import chunk_header, digest, push_digest
+from yeto.schemas.dtypes import pack, unpack
+from yeto.schemas.ids import new_generation
+from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.chunks import chunk_plan
+from yeto.schemas.provision import ensure_island_consumers, remove_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ class SyncerProc:
     """`yeto syncer` as a child process (so a test can SIGKILL it)."""
 
     def __init__(self, url: str, run: str, ckpt: Path, *args: str, log: Path | None = None):
-        self.cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", url, "--run", run,
+        self.cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                     "--checkpoint-dir", str(ckpt), "--small-limits", *args]
         self.log = log or ckpt.parent / f"syncer-{run}.log"
         self.proc: subprocess.Popen | None = None
@@ -490,7 +490,7 @@ class CutWatcher:
         self.sub = None
 
     async def start(self) -> "CutWatcher":
-        from schemas.provision import bcast_consumer_config
+        from yeto.schemas.provision import bcast_consumer_config
 
         cfg = bcast_consumer_config(self.run)
         self.sub = await self.js.subscribe(cfg.filter_subject, stream=S.stream(self.run, "BCAST"),
@@ -522,7 +522,7 @@ def snapshot_dir(path: Path) -> dict[str, bytes]:
 
 def replay_segments(nats_url: str, run: str) -> list[str]:
     """`yeto replay` of a run's tape (it must exit 0): its per-process lines ("syncer process ... identical")."""
-    rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run],
+    rp = subprocess.run([sys.executable, "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run],
                         capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert rp.returncode == 0, rp.stdout + rp.stderr
     return [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]

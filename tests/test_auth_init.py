@@ -15,15 +15,15 @@ import nats
 import nkeys
 import pytest
 
-from schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
-from services.auth import cert_hosts, load_identities, write_server_config
-from services.broker import Broker, check_config
+from yeto.schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
+from yeto.services.auth import cert_hosts, load_identities, write_server_config
+from yeto.services.broker import Broker, check_config
 from tests.e2e_procs import clean_env
 from tests.scripted import ROOT
 
 
 def yeto_auth(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "auth", "init", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "yeto.services.cli", "auth", "init", *args], capture_output=True,
                           text=True, cwd=ROOT, env=clean_env(), timeout=120)
 
 
@@ -298,7 +298,7 @@ def _may(perms: dict, kind: str, subject: str) -> bool:
     ("admin", "publish", "$JS.API.DIRECT.GET.YETO_r_BCAST", False),
 ])
 def test_rules(who, kind, subject, allowed):
-    from services.auth import permissions
+    from yeto.services.auth import permissions
 
     role = {"a": "island", "b": "island"}.get(who, who)
     perms = permissions("r", who, role, "UPUB", init_island="a")
@@ -306,7 +306,7 @@ def test_rules(who, kind, subject, allowed):
 
 
 def test_every_key_subscribes_only_to_its_own_inbox():
-    from services.auth import permissions
+    from yeto.services.auth import permissions
 
     for who, role in (("a", "island"), ("syncer", "syncer"), ("observer", "observer"), ("admin", "admin")):
         perms = permissions("r", who, role, "UKEY1", init_island="a")
@@ -315,7 +315,7 @@ def test_every_key_subscribes_only_to_its_own_inbox():
 
 
 def test_served_dir_points_tls_at_the_containers_mount(tmp_path):
-    from services.auth import server_config_text
+    from yeto.services.auth import server_config_text
 
     out = tmp_path / "auth"
     assert yeto_auth("--run", "r", "--islands", "a", "--out", str(out), "--tls").returncode == 0

@@ -23,11 +23,11 @@ import pytest
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from schemas import codec, subjects as S
-from schemas.conn import ConnectOptions, connect
-from schemas.provision import RunLimits, island_consumer_config, provision_run
-from services.auth import init_auth, write_server_config
-from services.broker import Broker
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.conn import ConnectOptions, connect
+from yeto.schemas.provision import RunLimits, island_consumer_config, provision_run
+from yeto.services.auth import init_auth, write_server_config
+from yeto.services.broker import Broker
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, clean_env, kv_json, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 from tests.test_steplog_exporter import scrape
@@ -111,12 +111,12 @@ async def test_a_real_run_through_the_secured_broker_finishes_normally(secured, 
                for name in ("a", "b")}
     tail_out = tmp_path / "tail.jsonl"
     exporter = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "exporter", "--run", run, "--nats", url, "--port", "0", "--from-start",
+        sys.executable, "-m", "yeto.services.cli", "exporter", "--run", run, "--nats", url, "--port", "0", "--from-start",
         "--log-level", "WARNING", "--nats-creds", secured.creds("e2e", "observer"), *tls,
         cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with open(tail_out, "wb") as out:
         tail = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "steplog", "tail", "--json", "--count", "6", "--timeout", "150",
+            [sys.executable, "-m", "yeto.services.cli", "steplog", "tail", "--json", "--count", "6", "--timeout", "150",
              "--nats", url, "--run", run, "--nats-creds", secured.creds("e2e", "observer"), *tls],
             stdout=out, stderr=subprocess.PIPE, cwd=ROOT, env=clean_env())
         procs = {"syncer": syncer, **islands}
@@ -275,7 +275,7 @@ async def test_anonymous_and_unknown_keys_are_refused(secured, tmp_path):
                            connect_timeout=5)
     assert "authorization" in repr(anon.value).lower(), repr(anon.value)
     # a well-formed nkey the server does not know
-    from services.auth import _new_seed
+    from yeto.services.auth import _new_seed
 
     stranger = tmp_path / "stranger.creds"
     stranger.write_bytes(_new_seed()[0] + b"\n")
@@ -544,8 +544,8 @@ async def test_island_cannot_read_or_consume_other_islands_pushes(provisioned):
 async def test_an_island_cannot_read_replies_meant_for_others(provisioned):
     """Replies (JetStream API answers, direct gets of pushes by the syncer) travel on the requester's
     inbox: each key may subscribe only to its own prefix."""
-    from schemas.conn import nkey_inbox_prefix
-    from services.auth import load_identities
+    from yeto.schemas.conn import nkey_inbox_prefix
+    from yeto.services.auth import load_identities
 
     s = provisioned
     _run, ids, _init = load_identities(s.dirs["r1"])
@@ -654,7 +654,7 @@ async def test_a_client_of_run_r2_cannot_touch_run_r1(provisioned):
 # ---- only the admin removes a run -----------------------------------------------------------------
 
 def _run_rm(s: Secured, key: str, identity: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "run", "rm", s.runs[key], "--nats", s.broker.url,
+    return subprocess.run([sys.executable, "-m", "yeto.services.cli", "run", "rm", s.runs[key], "--nats", s.broker.url,
                            "--nats-creds", s.creds(key, identity), "--tls-ca", s.ca],
                           capture_output=True, text=True, cwd=ROOT, env=clean_env(), timeout=120)
 

@@ -1,5 +1,5 @@
 """docs/design.md §14: `bench/hostile.py --quick` as a test — a real run (the session's nats-server, the real syncer,
-islands a and b as `python -m learner.demo` processes) under a seeded flood of malformed and hostile messages.
+islands a and b as `python -m yeto.learner.demo` processes) under a seeded flood of malformed and hostile messages.
 
 The bench's last line must say: no crash, every island equal to the final cut bitwise, and exactly as many
 rejections (syncer tape records + island rejections) as the deterministic categories must cause; the line before

@@ -62,9 +62,9 @@ def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decod
 def test_merge_pass_is_the_outer_step_of_the_whole_fragment():
     """The bench's chunked merge from wire bytes equals one outer_step_ over the whole tensors."""
     bench = _load()
-    from schemas.dtypes import pack, unpack
-    from schemas.chunks import chunk_plan
-    from services.syncer.outer import outer_step_
+    from yeto.schemas.dtypes import pack, unpack
+    from yeto.schemas.chunks import chunk_plan
+    from yeto.services.syncer.outer import outer_step_
 
     gen = torch.Generator().manual_seed(0)
     n = 5000
@@ -94,11 +94,11 @@ def test_byte_accounting():
 
 
 def test_delta_view_reads_wire_bytes_in_place_and_falls_back_to_unpack():
-    """services.syncer.outer.delta_view (the merge's decode, timed above): f32/bf16 without a copy,
+    """yeto.services.syncer.outer.delta_view (the merge's decode, timed above): f32/bf16 without a copy,
     equal to schemas.dtypes.unpack; q4 and misaligned buffers decoded by unpack; bad sizes refused."""
-    from schemas.dtypes import pack, unpack
-    from schemas.errors import WireError
-    from services.syncer.outer import delta_view
+    from yeto.schemas.dtypes import pack, unpack
+    from yeto.schemas.errors import WireError
+    from yeto.services.syncer.outer import delta_view
 
     x = torch.randn(300, generator=torch.Generator().manual_seed(1))
     for dtype in ("f32", "bf16", "q4"):

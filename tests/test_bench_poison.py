@@ -1,5 +1,5 @@
 """docs/design.md §9: `bench/hostile.py --poison all` as a test — with the syncer's default flags, a
-2-island run (the session's nats-server, the real `yeto syncer`, islands a and b as `python -m learner.demo`)
+2-island run (the session's nats-server, the real `yeto syncer`, islands a and b as `python -m yeto.learner.demo`)
 whose island a is compromised (learner/demo.py's YETO_DEMO_POISON: +50 on every pushed value, NaN pushes,
 5 x its delta's norm, a 2^53-1 token claim) ends with a final eval loss within 10 x of a clean run's, run
 side by side. Before the default norm bound: 7.5e8 (plus50), no round ever committed (nan), 13.9 (norm5x) against 0.076.

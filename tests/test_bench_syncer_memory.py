@@ -95,7 +95,7 @@ def test_syncer_memory_smoke_prints_every_process_and_the_ratio_last():
 
 def test_layout_splits_into_four_equal_fragments():
     bench = _load()
-    from schemas.layout import build_fragments
+    from yeto.schemas.layout import build_fragments
 
     for size in (4, 1024):
         frags = build_fragments(bench.layout_for(size), bench.P)

@@ -66,7 +66,7 @@ def test_wire_bench_smoke_prints_both_rates_and_the_ratio_last(nats_url):
 
 
 def test_the_bench_cuts_fragments_with_the_production_plan():
-    from schemas.chunks import chunk_plan
+    from yeto.schemas.chunks import chunk_plan
 
     wire = _load_wire()
     cfg = wire.Config(size_mb=5, chunk_mb=1)
@@ -79,9 +79,9 @@ def test_the_bench_cuts_fragments_with_the_production_plan():
 def test_consumer_tally_checks_each_chunk_as_an_island_would_and_counts_redeliveries():
     """The consumer decodes the real bcast_chunk header and checks the chunk against its own plan: a bad
     digest, offset, version or header is refused naming the field; a redelivery is counted once."""
-    from schemas import codec
-    from schemas.chunks import DigestMismatch, chunk_plan
-    from schemas.errors import DecodeError, WireError
+    from yeto.schemas import codec
+    from yeto.schemas.chunks import DigestMismatch, chunk_plan
+    from yeto.schemas.errors import DecodeError, WireError
 
     wire = _load_wire()
     spans = chunk_plan(3, "f32", 4)  # three chunks of one f32 value

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from learner import boundary_ops as O
-from learner.boundary import Boundary, LockstepTimeout, Phase, Rules
-from learner.fragments import ProtocolError
+from yeto.learner import boundary_ops as O
+from yeto.learner.boundary import Boundary, LockstepTimeout, Phase, Rules
+from yeto.learner.fragments import ProtocolError
 
 ISLAND, GEN = "a", "g1"
 P = 2

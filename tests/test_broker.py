@@ -9,7 +9,7 @@ import nats
 import pytest
 import yaml
 
-from services.broker import Broker, check_config, default_config_path, nats_server_binary
+from yeto.services.broker import Broker, check_config, default_config_path, nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,11 +58,11 @@ def test_yeto_broker_prints_url_and_stops_on_sigterm(tmp_path):
     import signal
     import time
 
-    from services.broker import free_port
+    from yeto.services.broker import free_port
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "s")],
+        [sys.executable, "-m", "yeto.services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "s")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -88,7 +88,7 @@ def test_deploy_templates_pass_the_servers_own_config_test(name):
 def test_check_config_reports_the_servers_words(tmp_path):
     bad = tmp_path / "bad.conf"
     bad.write_text("jetstream { domain: two words }\n")
-    from services.broker import BrokerError
+    from yeto.services.broker import BrokerError
 
     with pytest.raises(BrokerError) as e:
         check_config(bad)
@@ -128,7 +128,7 @@ def test_hub_and_leaf_templates_run_as_a_cluster_with_a_leaf_node(tmp_path):
     import time
     import urllib.request
 
-    from services.broker import free_port_block, wait_jetstream
+    from yeto.services.broker import free_port_block, wait_jetstream
 
     client, route, mon, leafp = (free_port_block(4) for _ in range(4))
     common = (NATS_DEPLOY / "hub-common.conf").read_text()

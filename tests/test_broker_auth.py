@@ -20,10 +20,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from schemas.conn import ConnectOptions, connect
-from services.auth import init_auth
-from services.broker import free_port, free_port_block
-from services.cmd_broker import exposure_refusal, is_loopback
+from yeto.schemas.conn import ConnectOptions, connect
+from yeto.services.auth import init_auth
+from yeto.services.broker import free_port, free_port_block
+from yeto.services.cmd_broker import exposure_refusal, is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_RETRY = {"allow_reconnect": False, "max_reconnect_attempts": 0, "connect_timeout": 5}
@@ -40,7 +40,7 @@ class YetoBroker:
     """`yeto broker ARGS` as a child process; `ready` is its first stdout line."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "broker", *args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", *args], cwd=ROOT,
                                      env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.ready = self.proc.stdout.readline()
         if "yeto broker ready" not in self.ready:
@@ -170,7 +170,7 @@ def test_a_broker_beyond_loopback_without_auth_refuses_to_start(tmp_path, how):
         args += ["--host", "0.0.0.0"]
     else:
         env["YETO_BROKER_HOST"] = "0.0.0.0"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "broker", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "broker", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr
@@ -198,7 +198,7 @@ async def test_insecure_lets_an_open_broker_listen_beyond_loopback(tmp_path, how
 
 def test_auth_that_is_not_an_auth_dir_is_refused(tmp_path):
     for bad, says in ((tmp_path / "missing", "is not a directory"), (tmp_path, "identities.json")):
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "broker", "--auth", str(bad),
+        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "broker", "--auth", str(bad),
                                "--port", str(free_port()), "--store-dir", str(tmp_path / "s")],
                               cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and says in proc.stderr and str(bad) in proc.stderr, proc.stderr
@@ -296,8 +296,8 @@ async def test_compose_with_yeto_broker_auth_serves_the_mounted_dir_with_tls(tmp
     verifying the certificate with the mounted CA; the certificate is valid for the service name `nats`."""
     import shutil
 
-    from services.auth import cert_hosts
-    from services.broker import Broker, check_config
+    from yeto.services.auth import cert_hosts
+    from yeto.services.broker import Broker, check_config
 
     auth = tmp_path / "yeto-auth"
     init_auth("demo", ["a", "b"], auth, tls=True, hosts=["nats", "localhost", "127.0.0.1"])

@@ -15,8 +15,8 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from services.broker import free_port_block, wait_jetstream
-from services.cmd_broker import node_refusal
+from yeto.services.broker import free_port_block, wait_jetstream
+from yeto.services.cmd_broker import node_refusal
 from tests.scripted import ROOT
 from tests.test_broker_supervisor import _publish
 
@@ -46,7 +46,7 @@ def test_good_node_flags_pass():
 def _node(tmp_path, k: int, *args: str) -> tuple[subprocess.Popen, str]:
     log = tmp_path / f"node{k}.out"
     with open(log, "ab") as out:
-        p = subprocess.Popen([sys.executable, "-m", "services.cli", "broker", "--cluster", "3", "--node", str(k), *args],
+        p = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--node", str(k), *args],
                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     return p, str(log)
 

@@ -20,8 +20,8 @@ import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
-from services.broker import free_port_block
-from services.broker_supervisor import RestartPolicy
+from yeto.services.broker import free_port_block
+from yeto.services.broker_supervisor import RestartPolicy
 from tests.scripted import ROOT
 
 
@@ -84,7 +84,7 @@ def test_yeto_broker_cluster_restarts_a_killed_node_and_keeps_serving(tmp_path):
     log = tmp_path / "broker.out"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "broker", "--cluster", "3", "--port", str(port), "--cluster-port",
+            [sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port), "--cluster-port",
              str(route), "--http-port", str(mon), "--store-dir", str(tmp_path / "s")],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     urls = [f"nats://127.0.0.1:{port + i}" for i in range(3)]

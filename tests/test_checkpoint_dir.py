@@ -13,7 +13,7 @@ import orjson
 import pytest
 import torch
 
-from services.syncer.checkpoint import MANIFEST, CheckpointDir, CheckpointError, CheckpointState, sha256_of
+from yeto.services.syncer.checkpoint import MANIFEST, CheckpointDir, CheckpointError, CheckpointState, sha256_of
 
 
 def state(versions: dict[int, int], step: int = 1, **kw) -> CheckpointState:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas.chunks import chunk_plan
-from services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState, VersionFiles
+from yeto.schemas.chunks import chunk_plan
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointError, CheckpointState, VersionFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMEL = 300_001          # not a multiple of the chunk: the last chunk is short
@@ -70,7 +70,7 @@ def test_streaming_starts_the_writeback_of_every_byte_in_order_and_pruning_can_w
     commit's fsync finds little left): the ranges it hands to sync_file_range cover each file once,
     in order, to its last byte. A commit with prune=False keeps the older version's files until
     `prune`, which leaves exactly the files the manifest names."""
-    import services.syncer.checkpoint as C
+    import yeto.services.syncer.checkpoint as C
 
     if sys.platform.startswith("linux"):
         assert C._sync_file_range is not None  # the writeback really starts here, not only in this test
@@ -139,7 +139,7 @@ def test_a_failing_writer_thread_fails_the_commit(tmp_path):
 CHILD = textwrap.dedent("""
     import sys, time
     import torch
-    from services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
+    from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
     path, stage, thread, numel, chunk = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
     def tensors(seed):
         g = torch.Generator().manual_seed(seed)

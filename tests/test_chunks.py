@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.chunks import (
+from yeto.schemas.chunks import (
     HEADER_HEADROOM,
     DigestMismatch,
     VersionDigest,
@@ -24,8 +24,8 @@ from schemas.chunks import (
     push_digest,
     version_digest,
 )
-from schemas.dtypes import pack, packed_nbytes, unpack, wire_align
-from schemas.errors import WireError
+from yeto.schemas.dtypes import pack, packed_nbytes, unpack, wire_align
+from yeto.schemas.errors import WireError
 
 FAST = settings(max_examples=60, deadline=None)
 MiB = 1 << 20

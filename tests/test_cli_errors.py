@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from services.broker import Broker, free_port
+from yeto.services.broker import Broker, free_port
 from tests.scripted import ROOT
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,16 +48,16 @@ def dead_broker_url(tmp_path) -> str:
 def test_every_command_against_a_dead_broker_ends_within_its_bound_naming_the_url(dead_broker_url, tmp_path):
     url = dead_broker_url
     procs = {
-        "run rm": _start(["-m", "services.cli", "run", "rm", "r1", "--nats", url]),
-        "steplog tail": _start(["-m", "services.cli", "steplog", "tail", "--run", "r1", "--timeout", "5",
+        "run rm": _start(["-m", "yeto.services.cli", "run", "rm", "r1", "--nats", url]),
+        "steplog tail": _start(["-m", "yeto.services.cli", "steplog", "tail", "--run", "r1", "--timeout", "5",
                                 "--nats", url]),
-        "syncer": _start(["-m", "services.cli", "syncer", "--run", "r1", "--nats", url,
+        "syncer": _start(["-m", "yeto.services.cli", "syncer", "--run", "r1", "--nats", url,
                           "--checkpoint-dir", str(tmp_path / "ck")]),
-        "island": _start(["-m", "learner.demo", "--run", "r1", "--island", "a"], NATS_URL=url),
+        "island": _start(["-m", "yeto.learner.demo", "--run", "r1", "--island", "a"], NATS_URL=url),
     }
     # the same imports with no connection: what a loaded machine adds before the 20 s wait even starts
     # (torch and the learner took 10+ s to import here while the whole suite ran on two cores)
-    base, t_base = _start(["-c", "import learner.demo, services.cli"])
+    base, t_base = _start(["-c", "import yeto.learner.demo, yeto.services.cli"])
     base.communicate(timeout=120)
     startup = time.monotonic() - t_base
     bounds = {"run rm": 40, "steplog tail": 40, "syncer": 40, "island": max(30.0, startup + 25.0)}
@@ -81,8 +81,8 @@ def test_every_command_against_a_dead_broker_ends_within_its_bound_naming_the_ur
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:4222", "nats:/127.0.0.1:4222"])
 def test_a_url_that_is_not_nats_is_refused_at_once(url):
-    for argv in (["-m", "services.cli", "syncer", "--run", "r1", "--nats", url],
-                 ["-m", "services.cli", "run", "rm", "r1", "--nats", url]):
+    for argv in (["-m", "yeto.services.cli", "syncer", "--run", "r1", "--nats", url],
+                 ["-m", "yeto.services.cli", "run", "rm", "r1", "--nats", url]):
         p, t0 = _start(argv, YETO_CONNECT_TIMEOUT="300")   # refused before any wait (before: retried for ever)
         out, _ = p.communicate(timeout=200)
         assert p.returncode == 2, out[-3000:]
@@ -94,7 +94,7 @@ def test_a_url_that_is_not_nats_is_refused_at_once(url):
 def test_an_island_whose_creds_file_is_missing_exits_2_naming_it(nats_url, tmp_path):
     missing = tmp_path / "no-such.creds"
     # a connect bound of 300 s: before, the missing file was retried like a network fault for all of it
-    p, t0 = _start(["-m", "learner.demo", "--run", "r1", "--island", "a"], NATS_URL=nats_url,
+    p, t0 = _start(["-m", "yeto.learner.demo", "--run", "r1", "--island", "a"], NATS_URL=nats_url,
                    YETO_NATS_CREDS=str(missing), YETO_CONNECT_TIMEOUT="300")
     out, _ = p.communicate(timeout=200)
     assert p.returncode == 2, out[-3000:]
@@ -105,7 +105,7 @@ def test_an_island_whose_creds_file_is_missing_exits_2_naming_it(nats_url, tmp_p
 def test_a_second_broker_on_a_held_port_never_says_ready_and_names_the_port(tmp_path):
     port = free_port()
     with Broker(port=port, store_dir=tmp_path / "first"):
-        p, _ = _start(["-m", "services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "second")])
+        p, _ = _start(["-m", "yeto.services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "second")])
         out, _ = p.communicate(timeout=60)
     assert p.returncode == 2, out[-3000:]
     assert "broker ready" not in out, out   # (the line printed once a broker serves)
@@ -114,8 +114,8 @@ def test_a_second_broker_on_a_held_port_never_says_ready_and_names_the_port(tmp_
 
 async def test_a_secured_server_refusing_the_credentials_is_said_at_once(tmp_path):
     """A wrong identity is not a network fault: no waiting out the connect bound."""
-    from schemas.conn import ConnectOptions, connect
-    from schemas.errors import ConnectError
+    from yeto.schemas.conn import ConnectOptions, connect
+    from yeto.schemas.errors import ConnectError
 
     conf = tmp_path / "auth.conf"
     conf.write_text('port: -1\nauthorization { user: alice, password: "right" }\n')
@@ -136,10 +136,10 @@ def test_more_fragments_than_tensors_is_refused_naming_the_tensor_count(nats_url
     """The demo MLP has 6 tensors; --fragments 50 cannot pin a session: the island exits with one line
     naming the count, the syncer says so at ERROR (and keeps running: another island's hello is no reason
     for it to exit, nor a forged one)."""
-    syncer, _ = _start(["-m", "services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--fragments", "50",
+    syncer, _ = _start(["-m", "yeto.services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--fragments", "50",
                         "--sync-every", "50", "--islands", "1", "--small-limits", "--checkpoint-dir", str(tmp_path / "ck")])
     try:
-        island, t0 = _start(["-m", "learner.demo", "--run", run_id, "--island", "a"], NATS_URL=nats_url)
+        island, t0 = _start(["-m", "yeto.learner.demo", "--run", run_id, "--island", "a"], NATS_URL=nats_url)
         out, _ = island.communicate(timeout=120)
         assert island.returncode not in (0, None), out[-3000:]
         assert "the model has 6 non-empty tensors" in out and "--fragments / YETO_FRAGMENTS <= 6" in out, out[-3000:]
@@ -154,13 +154,13 @@ def test_more_fragments_than_tensors_is_refused_naming_the_tensor_count(nats_url
 
 def test_a_refused_operation_in_a_secured_run_says_permission_denied_and_which_identity(tmp_path):
     """Before: a `nats: timeout` traceback, the violation only in one warning line."""
-    from services.auth import init_auth, write_server_config
+    from yeto.services.auth import init_auth, write_server_config
 
     run = "sec_rm"
     init_auth(run, ["a", "b"], tmp_path / "auth", init_island="a")
     conf = write_server_config([tmp_path / "auth"], tmp_path / "server.conf")
     with Broker(store_dir=tmp_path / "store", config=conf) as b:
-        p, _ = _start(["-m", "services.cli", "run", "rm", run, "--nats", b.url,
+        p, _ = _start(["-m", "yeto.services.cli", "run", "rm", run, "--nats", b.url,
                        "--nats-creds", str(tmp_path / "auth" / "a.creds")])
         out, _ = p.communicate(timeout=90)
         assert p.returncode == 1, out[-3000:]
@@ -168,7 +168,7 @@ def test_a_refused_operation_in_a_secured_run_says_permission_denied_and_which_i
         assert "admin.creds" in out and str(tmp_path / "auth" / "a.creds") in out, out[-3000:]
         assert "Traceback" not in out and len(out.strip().splitlines()) <= 10, out[-3000:]
         # the identity it names does it
-        p, _ = _start(["-m", "services.cli", "run", "rm", run, "--nats", b.url,
+        p, _ = _start(["-m", "yeto.services.cli", "run", "rm", run, "--nats", b.url,
                        "--nats-creds", str(tmp_path / "auth" / "admin.creds")])
         out, _ = p.communicate(timeout=90)
         assert p.returncode == 0 and "nothing to remove" in out, out[-3000:]

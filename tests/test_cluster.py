@@ -2,7 +2,7 @@
 runs provisioned with `--replicas 3`, and a run that rides through a node's death.
 
 Everything is real: three nats-server processes joined by routes on loopback, the real `yeto syncer`,
-real `python -m learner.demo` islands, all connected with the whole server list.
+real `python -m yeto.learner.demo` islands, all connected with the whole server list.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import nats.errors
 import pytest
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from schemas import subjects as S
-from schemas.provision import RunLimits, kv_stream_name, provision_run, remove_run
-from services.broker import Cluster, free_port_block
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import RunLimits, kv_stream_name, provision_run, remove_run
+from yeto.services.broker import Cluster, free_port_block
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 
@@ -45,7 +45,7 @@ def test_yeto_broker_cluster_prints_the_url_list_and_stops_every_node(tmp_path):
     (account_info works), and SIGTERM stops all three servers."""
     port, route, mon = free_port_block(3), free_port_block(3), free_port_block(3)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "broker", "--cluster", "3", "--port", str(port),
+        [sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port),
          "--cluster-port", str(route), "--http-port", str(mon), "--store-dir", str(tmp_path / "s")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
     )

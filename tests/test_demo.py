@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner import demo
+from yeto.learner import demo
 from tests.e2e_procs import kv_json
 
 ROUNDS = 12  # what the demo_run fixture asks for
@@ -109,7 +109,7 @@ def test_demo_passes_replicas_to_its_syncer(nats_url, tmp_path):
 
     from tests.scripted import ROOT
 
-    p = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--nats", nats_url, "--replicas", "3",
+    p = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--replicas", "3",
                         "--rounds", "2", "--workdir", str(tmp_path), "--timeout", "120"],
                        capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]

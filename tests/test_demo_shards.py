@@ -25,9 +25,9 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from learner import demo
-from services.cmd_export import export
-from services.steplog.shards import ShardBoard
+from yeto.learner import demo
+from yeto.services.cmd_export import export
+from yeto.services.steplog.shards import ShardBoard
 from tests.e2e_procs import kv_json, merges
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def sharded_demo(nats_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("demo-shards")
     run = f"t_demo_shards_{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--nats", nats_url, "--run", run,
+    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
                            "--workdir", str(work), "--rounds", str(ROUNDS), "--fragments", str(P),
                            "--syncer-shards", str(N)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     out = proc.stdout + proc.stderr
@@ -112,13 +112,13 @@ async def test_rounds_merged_once_and_the_state_kv_per_shard(sharded_demo, nc):
 def test_more_shards_than_fragments_is_refused():
     for extra, why in ((["--syncer-shards", "5", "--fragments", "4"], "--syncer-shards 5 exceeds --fragments 4"),
                        (["--syncer-shards", "0"], "--syncer-shards must be an integer >= 1")):
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--nats", "nats://127.0.0.1:1", *extra],
+        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", "nats://127.0.0.1:1", *extra],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
 
 
 def test_compose_two_shard_example_is_two_valid_syncer_services(monkeypatch):
-    from services.cli import build_parser
+    from yeto.services.cli import build_parser
 
     text = (ROOT / "docker-compose.yml").read_text()
     block = text.split("# BEGIN two syncer shards\n")[1].split("  # END two syncer shards")[0]

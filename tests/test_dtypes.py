@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.dtypes import (
+from yeto.schemas.dtypes import (
     Q4_BLOCK,
     Q4_BLOCK_BYTES,
     as_bytes_view,
@@ -22,7 +22,7 @@ from schemas.dtypes import (
     unpack,
     wire_align,
 )
-from schemas.errors import DecodeError, WireError
+from yeto.schemas.errors import DecodeError, WireError
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -403,9 +403,9 @@ def test_q4_decision_is_exact_where_the_midpoint_is_not_a_float():
 
 
 def test_dtype_names_are_defined_once_and_the_json_schemas_agree():
-    """schemas.dtypes holds the one list of dtype names; every enum in the JSON schemas says the same."""
-    from schemas import codec
-    from schemas.dtypes import AUTO_DTYPE, BULK_DTYPES, PUSH_DTYPES, WIRE_DTYPES
+    """yeto.schemas.dtypes holds the one list of dtype names; every enum in the JSON schemas says the same."""
+    from yeto.schemas import codec
+    from yeto.schemas.dtypes import AUTO_DTYPE, BULK_DTYPES, PUSH_DTYPES, WIRE_DTYPES
 
     assert set(BULK_DTYPES) < set(PUSH_DTYPES) == set(WIRE_DTYPES)
     hello, session = codec.load_schema("hello"), codec.load_schema("session")
@@ -422,8 +422,9 @@ def test_importing_the_dtype_names_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, schemas.dtypes, schemas.chunks, schemas.layout, schemas.publish, learner.config; "
-            "schemas.chunks.digest(b'x'); print('torch' in sys.modules)")
+    code = ("import sys, yeto.schemas.dtypes, yeto.schemas.chunks, yeto.schemas.layout, yeto.schemas.publish, "
+            "yeto.learner.config; "
+            "yeto.schemas.chunks.digest(b'x'); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

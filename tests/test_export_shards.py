@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from schemas import shards
-from schemas.layout import build_session
-from services.cmd_export import ExportError, export
-from services.syncer.checkpoint import CheckpointDir, CheckpointState, sha256_of
+from yeto.schemas import shards
+from yeto.schemas.layout import build_session
+from yeto.services.cmd_export import ExportError, export
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, sha256_of
 from tests.scripted import tiny_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_cli_repeated_dirs_parent_dir_and_the_default(tmp_path, cut):
     }
     for name, extra in runs.items():
         out = tmp_path / f"{name}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "export", "--run", RUN, *extra, "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", RUN, *extra, "--out", str(out)],
                               capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
         assert proc.returncode == 0, (name, proc.stderr)
         assert "exported the final cut" in proc.stdout and "from 2 checkpoint directories" in proc.stdout, proc.stdout

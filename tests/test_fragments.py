@@ -14,11 +14,11 @@ import pytest
 import torch
 import xxhash
 
-from learner.anchors import AnchorStore
-from learner.fragments import CutReader, ProtocolError, SyncState, VersionConflict, blend
-from schemas.chunks import DigestMismatch
-from schemas.errors import ConfigError, WireError
-from schemas.layout import build_session
+from yeto.learner.anchors import AnchorStore
+from yeto.learner.fragments import CutReader, ProtocolError, SyncState, VersionConflict, blend
+from yeto.schemas.chunks import DigestMismatch
+from yeto.schemas.errors import ConfigError, WireError
+from yeto.schemas.layout import build_session
 
 LAYOUT = [
     {"name": "embed.weight", "shape": [6, 5], "dtype": "float32"},

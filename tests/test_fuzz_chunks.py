@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from schemas.chunks import check_chunk, chunk_header, chunk_plan
-from schemas.dtypes import pack
-from schemas.errors import WireError
+from yeto.schemas.chunks import check_chunk, chunk_header, chunk_plan
+from yeto.schemas.dtypes import pack
+from yeto.schemas.errors import WireError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 FIELDS = ("chunk", "chunks", "offset", "nbytes", "total", "digest")
@@ -59,8 +59,8 @@ def test_a_chunk_passes_only_with_its_own_header_and_bytes(n, dtype, cb, data):
 def test_unpacking_any_payload_returns_the_values_or_raises_a_wire_error(buf, dtype, numel):
     """A chunk payload that passed its digest still decodes only if its size fits: anything else is refused as
     bad input (WireError naming the field), never a numpy/torch error."""
-    from schemas.dtypes import packed_nbytes, unpack
-    from schemas.errors import WireError
+    from yeto.schemas.dtypes import packed_nbytes, unpack
+    from yeto.schemas.errors import WireError
 
     try:
         out = unpack(buf, dtype, numel)

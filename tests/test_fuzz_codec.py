@@ -12,8 +12,8 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from schemas import codec
-from schemas.errors import DecodeError, SchemaError, WireError
+from yeto.schemas import codec
+from yeto.schemas.errors import DecodeError, SchemaError, WireError
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 

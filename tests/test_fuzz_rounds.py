@@ -25,9 +25,9 @@ import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from schemas import codec
-from schemas.layout import layout_fingerprint
-from services.syncer import rounds as R
+from yeto.schemas import codec
+from yeto.schemas.layout import layout_fingerprint
+from yeto.services.syncer import rounds as R
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 

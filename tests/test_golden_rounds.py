@@ -21,10 +21,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from schemas.layout import layout_fingerprint
-from services.syncer.actions import action_from_json, action_to_json
-from services.syncer.events import event_from_json, event_to_json
-from services.syncer.rounds import (
+from yeto.schemas.layout import layout_fingerprint
+from yeto.services.syncer.actions import action_from_json, action_to_json
+from yeto.services.syncer.events import event_from_json, event_to_json
+from yeto.services.syncer.rounds import (
     CommitV0, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, Merge, MergeDone, PublishFinal, PublishPull,
     PushComplete, RoundMachine, SyncerConfig, Tick, V0Done,
 )

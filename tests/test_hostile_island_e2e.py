@@ -1,5 +1,5 @@
 """docs/design.md §13: island b's own credentials against a secured run (real nats-server with the
-permissions of `yeto auth init`, real `yeto syncer`, islands a and b as `python -m learner.demo`).
+permissions of `yeto auth init`, real `yeto syncer`, islands a and b as `python -m yeto.learner.demo`).
 
 - **Message-id squatting**: b publishes, on b's own subjects (the server refuses anything else), messages
   carrying the Nats-Msg-Ids the syncer's pulls, a's pushes, a's heartbeats, a's final acks and the
@@ -19,10 +19,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from schemas import subjects as S
-from schemas.conn import ConnectOptions, connect
-from services.auth import init_auth, write_server_config
-from services.broker import Broker
+from yeto.schemas import subjects as S
+from yeto.schemas.conn import ConnectOptions, connect
+from yeto.services.auth import init_auth, write_server_config
+from yeto.services.broker import Broker
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
 from tests.scripted import SyncerProc, tape, wait_provisioned

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from learner import hybrid, hybrid_backend, hybrid_calls
-from schemas.errors import ConfigError
+from yeto.learner import hybrid, hybrid_backend, hybrid_calls
+from yeto.schemas.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------------
 # Pure
@@ -104,7 +104,7 @@ def test_install_patches_both_namespaces_and_uninstall_restores():
 
 _PLUGIN_PROBE = """
 import hashlib, importlib.util, json, sys, torch.distributed as dist
-from learner import hybrid, hybrid_backend, hybrid_calls
+from yeto.learner import hybrid, hybrid_backend, hybrid_calls
 path = sys.argv[1]
 loaded = []
 for _ in range(2):  # as ms-swift's import_external_file does it: a hashed module name, imported twice
@@ -453,7 +453,7 @@ def _start(fn, world: int, tmp_path) -> None:
     # ran a parallel region (fork-safe), instead of a fresh interpreter importing torch per rank.
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "learner.hybrid"])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "yeto.learner.hybrid"])
     mp.start_processes(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True,
                        start_method="forkserver")
 

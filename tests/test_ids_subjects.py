@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import subjects as S
-from schemas.errors import IdError
-from schemas.ids import check_gen, check_island, check_run, new_generation
+from yeto.schemas import subjects as S
+from yeto.schemas.errors import IdError
+from yeto.schemas.ids import check_gen, check_island, check_run, new_generation
 
 
 @pytest.mark.parametrize("bad", ["a.b", "a b", "a*", ">", "", "ü", "a\n", None, 5, "x" * 65])

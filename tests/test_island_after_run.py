@@ -3,7 +3,7 @@ to train for ever: the syncer had exited, nobody sent it a manifest. Now the syn
 manifest in the state KV (`final`) as it exits, and such an island installs the f32 final cut from
 FINAL (digests checked), stops at its next boundary and exits 0.
 
-Real nats-server, real `yeto syncer`, `python -m learner.demo` islands (one of them with 2 gloo ranks).
+Real nats-server, real `yeto syncer`, `python -m yeto.learner.demo` islands (one of them with 2 gloo ranks).
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemas import codec
-from schemas import subjects as S
-from schemas.provision import remove_run
-from services.cmd_export import export
+from yeto.schemas import codec
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import remove_run
+from yeto.services.cmd_export import export
 from tests.e2e_procs import IslandProc, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc
 

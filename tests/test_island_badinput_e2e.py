@@ -1,6 +1,6 @@
 """docs/design.md §5.5: bad input arriving at islands in a real run is counted, reported in the step log, and
 training goes on. tests/test_island_local.py covers each kind against one Island object; this runs
-the real thing — nats-server, `yeto syncer`, islands `a` and `b` as `python -m learner.demo` processes
+the real thing — nats-server, `yeto syncer`, islands `a` and `b` as `python -m yeto.learner.demo` processes
 — and, once rounds are committing, publishes on the islands' own subjects: a malformed pull, a pull
 for a fragment the session does not have, and three BCAST chunks: an unknown fragment, a payload of
 the wrong size, and a chunk whose bytes do not match its digest. The last one is framed exactly like
@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemas import codec, subjects as S
-from schemas.chunks import digest
-from schemas.chunks import chunk_plan
-from schemas.provision import remove_run
-from services.cmd_export import export
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.chunks import digest
+from yeto.schemas.chunks import chunk_plan
+from yeto.schemas.provision import remove_run
+from yeto.services.cmd_export import export
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc
 

@@ -15,17 +15,17 @@ import pytest
 import torch
 from torch import nn
 
-from learner.adapters import TorchModuleAdapter, gather_fragment
-from learner.config import IslandConfig
-from learner.island import ACK_RESEND_S, Island
-from schemas import codec
-from schemas import subjects as S
-from schemas.chunks import check_chunk, chunk_header, chunk_plan, digest, push_digest, version_digest
-from schemas.dtypes import as_bytes_view
-from schemas.conn import ConnectOptions
-from schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
-from schemas.layout import build_session
-from schemas.provision import RunLimits, kv, provision_run, remove_run
+from yeto.learner.adapters import TorchModuleAdapter, gather_fragment
+from yeto.learner.config import IslandConfig
+from yeto.learner.island import ACK_RESEND_S, Island
+from yeto.schemas import codec
+from yeto.schemas import subjects as S
+from yeto.schemas.chunks import check_chunk, chunk_header, chunk_plan, digest, push_digest, version_digest
+from yeto.schemas.dtypes import as_bytes_view
+from yeto.schemas.conn import ConnectOptions
+from yeto.schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
+from yeto.schemas.layout import build_session
+from yeto.schemas.provision import RunLimits, kv, provision_run, remove_run
 
 CHUNK_BYTES = 1024
 ISLAND = "a"
@@ -703,7 +703,7 @@ async def test_a_push_waits_while_disconnected_and_goes_out_after_the_reconnect(
     reconnect (same generation) the next boundary sends it with try 0."""
     import nats
 
-    from services.broker import Broker
+    from yeto.services.broker import Broker
 
     store = tmp_path / "store"
     broker = Broker(store_dir=store).start()

@@ -13,15 +13,15 @@ import nats
 import pytest
 import torch
 
-from learner.adapters import TorchModuleAdapter
-from learner.config import IslandConfig
-from learner.island import Island
-from schemas import codec
-from schemas import subjects as S
-from schemas.conn import ConnectOptions
-from schemas.layout import build_session
-from schemas.provision import RunLimits, kv, provision_run, remove_run
-from services.broker import Broker
+from yeto.learner.adapters import TorchModuleAdapter
+from yeto.learner.config import IslandConfig
+from yeto.learner.island import Island
+from yeto.schemas import codec
+from yeto.schemas import subjects as S
+from yeto.schemas.conn import ConnectOptions
+from yeto.schemas.layout import build_session
+from yeto.schemas.provision import RunLimits, kv, provision_run, remove_run
+from yeto.services.broker import Broker
 from tests.test_island_local import (CHUNK_BYTES, ISLAND, Syncer, anchor_flat, assemble_push, boundary, env,  # noqa: F401
                                      frag_values, net, publish_v, started, steplog_lines, until)
 

@@ -1,6 +1,6 @@
 """docs/design.md §14: an island killed with SIGKILL mid-run and restarted rejoins with the current cut and
 the run completes. Real nats-server, real `yeto syncer`, islands `a` (one process) and `b` (two gloo
-ranks) as `python -m learner.demo` processes; the whole of island b (launcher and both ranks, one
+ranks) as `python -m yeto.learner.demo` processes; the whole of island b (launcher and both ranks, one
 process group) is killed after some rounds committed, then started again — a new process, so a new
 connection generation.
 """
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemas.provision import remove_run
-from services.cmd_export import export
+from yeto.schemas.provision import remove_run
+from yeto.services.cmd_export import export
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc, tape
 

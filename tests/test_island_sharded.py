@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from learner.adapters.sliced_torch import SlicedTorchAdapter
-from learner.fragments import blend
-from schemas.layout import build_fragments
+from yeto.learner.adapters.sliced_torch import SlicedTorchAdapter
+from yeto.learner.fragments import blend
+from yeto.schemas.layout import build_fragments
 from tests.e2e_procs import join_ranks_and_syncer, rank_processes
 from tests.scripted import LR, MU, Reference, ScriptedIsland, SyncerProc, wait_provisioned
 
@@ -48,9 +48,9 @@ def tp_dim(name, shape, tp):
 def _island(proc: int, url: str, run: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from learner.config import IslandConfig
-    from learner.island import Island
-    from schemas.conn import ConnectOptions
+    from yeto.learner.config import IslandConfig
+    from yeto.learner.island import Island
+    from yeto.schemas.conn import ConnectOptions
 
     name = "a" if proc == 0 else "b"
     group, rank = None, 0

@@ -6,8 +6,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from schemas import layout as L
-from schemas.errors import ConfigError, WireError
+from yeto.schemas import layout as L
+from yeto.schemas.errors import ConfigError, WireError
 
 
 def gpt_layout(layers=6, d=8):

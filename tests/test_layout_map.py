@@ -1,4 +1,4 @@
-"""learner.layout_map: per-rank boxes over a fragment's flat layout, against direct slicing of the
+"""yeto.learner.layout_map: per-rank boxes over a fragment's flat layout, against direct slicing of the
 whole tensors (torch indexing is the independent reference), for boxes on any dimension, replicas,
 ranks that hold nothing (PP), and the tiling checks."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from learner.adapters.base import Shard
-from learner.layout_map import IslandLayout, _merged, box_of, count_below, describe
-from schemas.errors import WireError
+from yeto.learner.adapters.base import Shard
+from yeto.learner.layout_map import IslandLayout, _merged, box_of, count_below, describe
+from yeto.schemas.errors import WireError
 
 
 def row(name, shape, box, owner=True, dtype="float32"):

@@ -18,9 +18,9 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from schemas import leader_watch
-from schemas.publish import Pipeline, publish_retry
-from services.broker import Cluster
+from yeto.schemas import leader_watch
+from yeto.schemas.publish import Pipeline, publish_retry
+from yeto.services.broker import Cluster
 
 RUN = "lw"
 STREAM = f"YETO_{RUN}_BCAST"     # a name the watch of run "lw" follows

@@ -1,7 +1,7 @@
 """docs/design.md §12: island datacenters as NATS leaf nodes (services/leaf.py). One hub + one leaf-node
 datacenter per module, all real: the hub nats-server (JetStream domain `hub`, leafnode listener), a
 leaf nats-server (domain `dc1`) dialling it through a test TCP proxy (tests/tcp_proxy.py, so a test can
-cut the link), the real `yeto syncer` on the hub, real `python -m learner.demo` islands: `a` on the
+cut the link), the real `yeto syncer` on the hub, real `python -m yeto.learner.demo` islands: `a` on the
 hub, `b` and `c` in the datacenter (YETO_DOMAIN=dc1, connected to the leaf node).
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from schemas import subjects as S
-from schemas.provision import CUT_KINDS, ProvisionConflict, ensure_cut_mirrors, remove_run
-from services import leaf as L
-from services.broker import Broker, free_port
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import CUT_KINDS, ProvisionConflict, ensure_cut_mirrors, remove_run
+from yeto.services import leaf as L
+from yeto.services.broker import Broker, free_port
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 from tests.tcp_proxy import TcpProxy
@@ -72,7 +72,7 @@ def _check_final(ckpt: Path, work: Path, run: str, islands, commit: dict, tape: 
 
 def test_yeto_broker_leaf_options_are_checked(tmp_path, capsys):
     """Bad leaf options exit 2 naming the option, before any server starts."""
-    from services.cli import main
+    from yeto.services.cli import main
 
     for args, word in ((["--leaf-of", "127.0.0.1:7422"], "--domain"),
                        (["--leaf-of", "127.0.0.1:7422", "--domain", "d.c"], "domain"),
@@ -99,7 +99,7 @@ def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
     procs = {}
     try:
         for name, args in cmds.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", "broker", *args], cwd=ROOT,
+            procs[name] = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", *args], cwd=ROOT,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert "yeto broker ready" in procs[name].stdout.readline()
         assert (tmp_path / "hub" / "hub.conf").exists() and (tmp_path / "dc9" / "leaf.conf").exists()
@@ -121,8 +121,8 @@ def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
 
 
 def test_island_domain_settings_are_checked():
-    from learner.config import IslandConfig
-    from schemas.errors import ConfigError
+    from yeto.learner.config import IslandConfig
+    from yeto.schemas.errors import ConfigError
 
     cfg = IslandConfig.from_env({"YETO_RUN": "r", "YETO_ISLAND": "b", "YETO_DOMAIN": "dc1"})
     assert (cfg.domain, cfg.hub_domain) == ("dc1", "hub")
@@ -133,7 +133,7 @@ def test_island_domain_settings_are_checked():
 
 
 def test_generated_configs_pass_nats_server_t(tmp_path):
-    from services.broker import check_config
+    from yeto.services.broker import check_config
 
     check_config(L.write_config(tmp_path, "hub", L.hub_config_text(leaf_port=7422)))
     check_config(L.write_config(tmp_path, "leaf", L.leaf_config_text(domain="dc7", leaf_of="hub-1:7422,hub-2:7422")))
@@ -245,7 +245,7 @@ async def test_datacenter_reads_the_local_mirror_and_rides_out_a_30s_link_cut(to
         commit = await kv_json(hub_js, run_id, "commit")
         tape = await merges(hub_js, run_id)
         # `yeto run rm --domain dc1` through the leaf node removes the datacenter's mirrors.
-        rm = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "run", "rm", run_id, "--nats",
+        rm = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "yeto.services.cli", "run", "rm", run_id, "--nats",
                                                       topo.leaf.url, "--domain", DC], capture_output=True, text=True,
                                      cwd=ROOT, timeout=60)
         assert rm.returncode == 0 and S.stream(run_id, "BCAST") in rm.stdout, rm.stdout + rm.stderr
@@ -278,7 +278,7 @@ def test_demo_two_datacenters_crosses_the_wan_once_per_cut(tmp_path):
     """`yeto demo --datacenters 2`: islands b and c in the leaf datacenter, a 2 MiB model. Every island
     ends on the final cut, and the hub sent over the leaf link at most 1.25x the cut bytes it
     broadcast (two islands each pulling from the hub would need >= 2x)."""
-    p = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--datacenters", "2", "--model-mib", "2",
+    p = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--datacenters", "2", "--model-mib", "2",
                         "--rounds", "8", "--workdir", str(tmp_path / "demo"), "--timeout", "150"],
                        capture_output=True, text=True, cwd=ROOT, timeout=190)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -13,7 +13,7 @@ import time
 import nats
 import pytest
 
-from services import leaf as L
+from yeto.services import leaf as L
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)

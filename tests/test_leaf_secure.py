@@ -23,12 +23,12 @@ import nats.errors
 import pytest
 from nats.js.errors import NotFoundError
 
-from schemas import subjects as S
-from schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
-from schemas.provision import CUT_KINDS, RunLimits, ensure_cut_mirrors, kv, kv_put, provision_run
-from services import leaf as L
-from services.auth import init_auth
-from services.broker import Broker, free_port
+from yeto.schemas import subjects as S
+from yeto.schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
+from yeto.schemas.provision import CUT_KINDS, RunLimits, ensure_cut_mirrors, kv, kv_put, provision_run
+from yeto.services import leaf as L
+from yeto.services.auth import init_auth
+from yeto.services.broker import Broker, free_port
 from tests.e2e_procs import clean_env, wait_until
 from tests.scripted import ROOT
 
@@ -185,7 +185,7 @@ async def test_islands_behind_the_leaf_read_the_hubs_kv_and_write_none(pair):
 
 
 async def test_a_kv_writer_behind_a_leaf_writes_the_hubs_bucket(tmp_path, run_id):
-    """schemas.provision.kv_put through the hub's domain from a client of the leaf node: the put goes
+    """yeto.schemas.provision.kv_put through the hub's domain from a client of the leaf node: the put goes
     as $JS.hub.API.$KV.<bucket>.<key> (a bare $KV.> never crosses a link between two domains) and lands
     in the hub's bucket. Unsecured pair: no identity a secured leaf serves may write KV."""
     hub, leaf = L.start_hub_and_leaf(tmp_path, "dc7")
@@ -232,7 +232,7 @@ async def test_the_leaf_identity_carries_only_what_islands_and_mirrors_need(pair
     send still passes the hub's check of the leaf identity. An island's hello crosses (its answer only to
     an island's inbox); a broadcast chunk (the syncer's) and a KV write do not, and nothing of them
     lands on the hub."""
-    from services.leaf_auth import link_permissions
+    from yeto.services.leaf_auth import link_permissions
 
     run, errors = pair.run, []
     seed = (pair.auth / "leaf-dc1.creds").read_text().strip()
@@ -278,7 +278,7 @@ def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
     dc1`: the leaf links with its identity over TLS and island b, connected to the leaf with its own key,
     reaches the hub's JetStream (domain hub) with what its role may ask."""
     auth = tmp_path / "auth"
-    init = subprocess.run([sys.executable, "-m", "services.cli", "auth", "init", "--run", "sec1", "--islands", "a,b",
+    init = subprocess.run([sys.executable, "-m", "yeto.services.cli", "auth", "init", "--run", "sec1", "--islands", "a,b",
                            "--out", str(auth), "--tls", "--datacenters", DC], capture_output=True, text=True,
                           cwd=ROOT, env=clean_env(), timeout=60)
     assert init.returncode == 0 and "leaf-dc1.creds" in init.stdout, init.stdout + init.stderr
@@ -288,7 +288,7 @@ def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
     procs = {}
     try:
         for name, args in cmds.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", "broker", "--auth", str(auth),
+            procs[name] = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", "--auth", str(auth),
                                             "--store-dir", str(tmp_path / name), *args], cwd=ROOT, env=clean_env(),
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             line = procs[name].stdout.readline()
@@ -315,7 +315,7 @@ def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
 
 
 def _broker(capsys, tmp_path, *args) -> tuple[int, str]:
-    from services.cli import main
+    from yeto.services.cli import main
 
     rc = main(["broker", "--port", str(free_port()), "--store-dir", str(tmp_path / "s"), *args])
     return rc, capsys.readouterr().err
@@ -357,7 +357,7 @@ def test_demo_secure_two_datacenters_ends_on_the_final_cut_with_no_violation(tmp
     (islands b and c with their own keys, linked with dc1's leaf identity over TLS): every island on the
     final cut, and neither server logged a permission violation."""
     work = tmp_path / "demo"
-    p = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--secure", "--datacenters", "2", "--rounds", "4",
+    p = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--secure", "--datacenters", "2", "--rounds", "4",
                         "--workdir", str(work), "--timeout", "110"], capture_output=True, text=True, cwd=ROOT,
                        env=clean_env(), timeout=140)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

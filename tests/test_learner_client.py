@@ -9,16 +9,16 @@ import pytest
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from learner.client import IslandClient
-from learner.errors import IslandUnhealthy, SyncerRefused
-from learner.config import ENV, IslandConfig
-from learner.steplog import StepLog
-from schemas import codec
-from schemas import subjects as S
-from schemas.conn import ConnectOptions
-from schemas.errors import ConfigError, IdError, WireError
-from schemas.layout import layout_fingerprint
-from schemas.provision import RunLimits, provision_run, remove_run
+from yeto.learner.client import IslandClient
+from yeto.learner.errors import IslandUnhealthy, SyncerRefused
+from yeto.learner.config import ENV, IslandConfig
+from yeto.learner.steplog import StepLog
+from yeto.schemas import codec
+from yeto.schemas import subjects as S
+from yeto.schemas.conn import ConnectOptions
+from yeto.schemas.errors import ConfigError, IdError, WireError
+from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.provision import RunLimits, provision_run, remove_run
 
 ISLAND = "a"
 LAYOUT = [{"name": "embed.weight", "shape": [4, 2], "dtype": "float32"},
@@ -147,7 +147,7 @@ async def test_a_newer_generation_takes_the_consumers_and_the_older_process_stop
     process of the island replaces them. An older process still alive must neither read nor ack the
     new generation's messages: it hands back what it fetched and stops (Superseded), and its close
     leaves the new generation's consumers in place."""
-    from learner.errors import Superseded
+    from yeto.learner.errors import Superseded
 
     old = await provisioned(clients, run_id, nats_url)
     new = await provisioned(clients, run_id, nats_url)
@@ -197,7 +197,7 @@ async def test_the_runs_final_record_reaches_the_island_and_a_bad_one_is_counted
     """The syncer leaves the final manifest in the state KV (`final`) as it exits a finished run; the
     client looks for it every few seconds and hands it over as a ("final", manifest) control message.
     A record that does not decode is refused, counted once however often it is read again."""
-    from learner.client import FINAL_POLL_S
+    from yeto.learner.client import FINAL_POLL_S
 
     c = await provisioned(clients, run_id, nats_url)
     assert await asyncio.to_thread(c.final_record) is None
@@ -310,7 +310,7 @@ def test_step_log_queue_is_thread_safe_and_bounded():
 
 
 async def test_check_health_raises_only_after_the_configured_failed_reconnects(tmp_path):
-    from services.broker import Broker
+    from yeto.services.broker import Broker
 
     broker = Broker(store_dir=tmp_path / "store").start()
     c = IslandClient(IslandConfig(run="r", island=ISLAND, nats=ConnectOptions(url=broker.url), max_reconnects=2,
@@ -373,7 +373,7 @@ def test_config_from_env_and_validation(monkeypatch):
 
 
 def test_cut_inbox_keeps_the_newest_notice_per_chunk_subject():
-    from learner.inbox import ChunkNotice, CutInbox
+    from yeto.learner.inbox import ChunkNotice, CutInbox
 
     def notice(fid: int, chunk: int, version: int) -> ChunkNotice:
         return ChunkNotice("bcast_chunk", f"yeto.r.bcast.{fid}.{chunk}", fid, chunk, version, 8, {})

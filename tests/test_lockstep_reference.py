@@ -1,5 +1,5 @@
 """docs/design.md §5.2: in lockstep mode a real run — nats-server, `yeto syncer --strict`, island `a` (one
-process) and island `b` (two data-parallel gloo ranks), both `python -m learner.demo` with
+process) and island `b` (two data-parallel gloo ranks), both `python -m yeto.learner.demo` with
 YETO_LOCKSTEP=1 — ends on the same parameters as an in-process streaming-DiLoCo reference with the same
 seeds, data order, inner optimizer (AdamW), outer optimizer (Nesterov SGD), α and round schedule, and
 no broker (tests/diloco_reference.py, written from the design, docs/design.md, without the learner's or the syncer's
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemas.layout import build_fragments
-from schemas.provision import remove_run
-from services.cmd_export import export
+from yeto.schemas.layout import build_fragments
+from yeto.schemas.provision import remove_run
+from yeto.services.cmd_export import export
 from tests import diloco_reference as ref
 from tests.e2e_procs import IslandProc, kv_json, tails, wait_exit
 from tests.scripted import SyncerProc, tape

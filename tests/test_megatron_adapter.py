@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_tiny as T
-from learner.adapters.megatron import EMBEDDING, MegatronAdapter, gather_full, layout_all, scatter_full
-from learner.adapters.megatron_names import strip_wrappers
-from schemas.layout import layout_fingerprint
+from yeto.learner.adapters.megatron import EMBEDDING, MegatronAdapter, gather_full, layout_all, scatter_full
+from yeto.learner.adapters.megatron_names import strip_wrappers
+from yeto.schemas.layout import layout_fingerprint
 from tests.extras import require
 
 require("swift", "megatron.core")

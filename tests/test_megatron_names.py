@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.adapters.megatron_names import (experts_module_path, global_expert_name, global_layer_name,
+from yeto.learner.adapters.megatron_names import (experts_module_path, global_expert_name, global_layer_name,
                                              strip_wrappers, tp_box)
-from schemas.errors import WireError
+from yeto.schemas.errors import WireError
 
 
 def test_wrappers_layers_and_experts():
@@ -74,7 +74,7 @@ def test_unpartitioned_and_bad_attributes():
 
 
 def test_lora_b_base_path():
-    from learner.adapters.megatron_names import lora_b_base
+    from yeto.learner.adapters.megatron_names import lora_b_base
 
     assert lora_b_base("decoder.layers.0.mlp.linear_fc1.lora_B.default.weight") == \
         "decoder.layers.0.mlp.linear_fc1.base_layer"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.syncer.config import NORM_HISTORY
-from services.syncer.rounds import Heartbeat, Merge, MergeDone, PushComplete, RoundMachine, Tick
+from yeto.services.syncer.config import NORM_HISTORY
+from yeto.services.syncer.rounds import Heartbeat, Merge, MergeDone, PushComplete, RoundMachine, Tick
 from tests.test_quarantine import GEN, launched, qpush, quarantined, valid_event
 from tests.test_rounds import dispositions, of
 
@@ -195,7 +195,7 @@ def test_a_fractional_factor_is_honoured_exactly_and_the_weights_follow_in_float
 @pytest.mark.parametrize("value", ["1", "0.5", "-3", "nan", "inf", "abc"])
 def test_bad_push_norm_factor_values_are_refused_naming_the_flag_and_value(value):
     for argv, env in ((["--push-norm-factor", value], {}), ([], {"YETO_PUSH_NORM_FACTOR": value})):
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "syncer", "--run", "r", *argv],
+        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "syncer", "--run", "r", *argv],
                               capture_output=True, text=True, timeout=60, cwd=ROOT,
                               env={**__import__("os").environ, **env})
         assert proc.returncode == 2, proc.stderr
@@ -203,7 +203,7 @@ def test_bad_push_norm_factor_values_are_refused_naming_the_flag_and_value(value
 
 
 def test_push_norm_factor_off_and_0_turn_it_off():
-    from services.cmd_syncer import _factor_or_off
+    from yeto.services.cmd_syncer import _factor_or_off
 
     assert _factor_or_off("off") == _factor_or_off("OFF") == _factor_or_off("0") == 0.0
     assert _factor_or_off("2.5") == 2.5

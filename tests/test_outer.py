@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from services.syncer.outer import outer_step_, weights_for
+from yeto.services.syncer.outer import outer_step_, weights_for
 
 
 def _reference_grad(deltas: list[torch.Tensor], tokens: list[float]) -> torch.Tensor:
@@ -150,7 +150,7 @@ def _wire_deltas(n, dtype, gen, members=3):
 
 def _run_prepared(p, m, deltas, w, bounds, chunk_numel, lr=0.7, mu=0.9):
     """As the shell merges: one OuterStep per merge, called per chunk."""
-    from services.syncer.outer import OuterStep
+    from yeto.services.syncer.outer import OuterStep
 
     step = OuterStep(w, lr, mu, delta_dtypes=[d.dtype for d in deltas], chunk_numel=chunk_numel)
     scratch = torch.empty(max(b - a for a, b in bounds))
@@ -167,7 +167,7 @@ def test_compiled_kernel_gives_its_eager_twins_bits(monkeypatch) -> None:
     two of the compiled length and a last one of another length, f32 deltas read in place from wire
     bytes (read-only) and bf16 ones; three rounds, so momentum carries over. Both agree with the SGD
     kernel (`0`) to f32 rounding."""
-    from services.syncer import outer
+    from yeto.services.syncer import outer
 
     gen = torch.Generator().manual_seed(11)
     big = outer.COMPILE_MIN_NUMEL + 7
@@ -205,7 +205,7 @@ def test_async_compile_switches_kernels_mid_merge_without_changing_a_bit(monkeyp
     """The default (async): a merge starts on the eager twin while the loop compiles in the background
     and moves to the compiled loop in the middle when it is ready; its bytes equal a merge that ran on
     the twin alone."""
-    from services.syncer import outer
+    from yeto.services.syncer import outer
 
     monkeypatch.setenv("YETO_OUTER_COMPILE", "async")
     gen = torch.Generator().manual_seed(5)
@@ -262,13 +262,13 @@ def test_a_process_done_while_the_loop_still_compiles_exits_with_its_code_not_an
     import textwrap
     from pathlib import Path
 
-    from services.syncer import outer
+    from yeto.services.syncer import outer
 
     numel = outer.COMPILE_MIN_NUMEL + random.randrange(1, 10**6)   # a key no cache holds yet
     code = textwrap.dedent(f"""
         import os, time, torch
         os.environ["YETO_OUTER_COMPILE"] = "async"
-        from services.syncer import outer
+        from yeto.services.syncer import outer
         outer.OuterStep([1.0] * 3, 0.7, 0.9, delta_dtypes=[torch.float32] * 3, chunk_numel={numel})
         time.sleep(0.3)
         print("compiling" if outer.compile_in_flight() else "compiled already", flush=True)

@@ -12,10 +12,10 @@ import pytest
 from nats.js import api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 
-from schemas import subjects as S
-from schemas.errors import ConfigError, WireError
-from schemas.ids import new_generation
-from schemas.provision import (
+from yeto.schemas import subjects as S
+from yeto.schemas.errors import ConfigError, WireError
+from yeto.schemas.ids import new_generation
+from yeto.schemas.provision import (
     ProvisionConflict,
     RunLimits,
     RunNotProvisioned,
@@ -242,7 +242,7 @@ async def test_pipeline_stores_raw_bytes_of_tensors_arrays_and_views(js, run_id)
     import numpy as np
     import torch
 
-    from schemas.publish import Pipeline
+    from yeto.schemas.publish import Pipeline
 
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
     gen = new_generation()
@@ -387,7 +387,7 @@ async def test_kv_helper_returns_the_runs_bucket(js, run_id):
 async def test_remove_run_and_cli_run_rm(js, run_id, nats_url):
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "services.cli", "run", "rm", run_id, "--nats", nats_url]
+    cmd = [sys.executable, "-m", "yeto.services.cli", "run", "rm", run_id, "--nats", nats_url]
     proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
@@ -441,7 +441,7 @@ async def test_syncer_replicas_flag_reports_a_run_provisioned_with_other_replica
     before = {n: await js.stream_info(n) for n in names}
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
     env["YETO_REPLICAS"] = "3"  # the variable, as docker-compose passes it
-    cmd = [sys.executable, "-m", "services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--small-limits",
+    cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--small-limits",
            "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 90)
@@ -464,7 +464,7 @@ async def test_syncer_replicas_flag_reports_a_run_provisioned_with_other_replica
 
 
 async def test_kv_put_writes_the_runs_bucket_once_per_call(js, run_id):
-    from schemas.provision import kv_put
+    from yeto.schemas.provision import kv_put
 
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
     ack = await kv_put(js, run_id, "state", "probe", b'{"x": 1}')

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from schemas import subjects as S
-from schemas.provision import RunLimits, provision_run, remove_run
-from schemas.publish import Pipeline, fresh_msg_id, publish_retry
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import RunLimits, provision_run, remove_run
+from yeto.schemas.publish import Pipeline, fresh_msg_id, publish_retry
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ import nats
 import pytest
 from nats.js import api
 
-from schemas.publish import Pipeline, publish_retry
-from services.broker import Broker, free_port
+from yeto.schemas.publish import Pipeline, publish_retry
+from yeto.services.broker import Broker, free_port
 
 CHUNK = 256 << 10
 N = 120
@@ -162,7 +162,7 @@ async def test_pipeline_acks_lost_to_a_hung_leader_cost_one_timeout_not_one_each
     ack waited in turn: before, 6 lost acks took the election plus 5 more timeouts."""
     import signal
 
-    from services.broker import Cluster
+    from yeto.services.broker import Cluster
 
     T, n = 3.0, 6
     with Cluster(3, store_dir=tmp_path / "c", log_dir=tmp_path) as c:
@@ -196,8 +196,8 @@ async def test_publish_retry_outlasts_a_stream_leader_election(tmp_path):
     """The leader's node dies (SIGKILL): until the others elect a new leader (seconds), every publish is
     refused at once with "no responders". publish_retry's few quick attempts used to run out before the
     election ended (PublishFailed after ~7 s of backoff): such refusals are retried for ELECTION_S."""
-    from schemas.publish import ELECTION_S
-    from services.broker import Cluster
+    from yeto.schemas.publish import ELECTION_S
+    from yeto.services.broker import Cluster
 
     with Cluster(3, store_dir=tmp_path / "c", log_dir=tmp_path) as c:
         leader, nc = await _leader_and_client(c, "ELECT")

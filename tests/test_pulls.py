@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from learner.pulls import DONE, INFLIGHT, WAITING, PendingPull, PullBook, due_round, max_due_step
-from schemas.errors import WireError
+from yeto.learner.pulls import DONE, INFLIGHT, WAITING, PendingPull, PullBook, due_round, max_due_step
+from yeto.schemas.errors import WireError
 
 ISL = "isl-a"
 GEN = "00000000000000a1"

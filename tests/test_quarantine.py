@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from services.syncer.outer import weights_for
-from services.syncer.rounds import (
+from yeto.services.syncer.outer import weights_for
+from yeto.services.syncer.rounds import (
     DISPOSITIONS, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES, Heartbeat, Hello, InitComplete, Merge, PushComplete,
     Release, RoundMachine, Tick, V0Done,
 )

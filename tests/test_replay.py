@@ -16,7 +16,7 @@ import orjson
 import pytest
 import torch
 
-from services.syncer.replay import replay, segments
+from yeto.services.syncer.replay import replay, segments
 from tests.scripted import ROOT, Heartbeater, close_run, start_run, tape, tiny_layout, wait_tape
 
 pytestmark = pytest.mark.timeout(240)  # several `yeto replay` processes; 90 s ran out on a loaded machine
@@ -25,7 +25,7 @@ LAYOUT = tiny_layout(2, 16)
 
 
 def yeto_replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "replay", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "yeto.services.cli", "replay", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
 
 
@@ -123,8 +123,8 @@ async def test_a_real_runs_tape_replays_identical_and_an_edited_one_names_the_fi
 
 def _recorded(driver_events, *, max_events=7, drop_batch=None):
     """Feed `driver_events` to a fresh machine through an InputRecorder (small batches); the tape records."""
-    from services.syncer.recording import InputRecorder
-    from services.syncer.rounds import RoundMachine
+    from yeto.services.syncer.recording import InputRecorder
+    from yeto.services.syncer.rounds import RoundMachine
     from tests.test_golden_rounds import config
 
     cfg = config()
@@ -144,7 +144,7 @@ def _recorded(driver_events, *, max_events=7, drop_batch=None):
 
 
 def _events():
-    from services.syncer.events import event_from_json
+    from yeto.services.syncer.events import event_from_json
     from tests.test_golden_rounds import normal_run
 
     return [event_from_json(s["event"]) for s in normal_run().steps]
@@ -169,7 +169,7 @@ def test_a_lost_batch_stops_the_replay_there_and_says_so():
 
 
 def test_an_exception_of_the_machine_is_recorded_and_replayed():
-    from services.syncer.events import MergeDone
+    from yeto.services.syncer.events import MergeDone
 
     events = _events()
     bogus = MergeDone(step=9, fragment=0, version=9, merge_to_broadcast_s=0.1, now=1.0)   # no such merge: raises
@@ -179,7 +179,7 @@ def test_an_exception_of_the_machine_is_recorded_and_replayed():
 
 
 def test_event_json_keeps_non_finite_floats_and_refuses_unknown_types_and_fields():
-    from services.syncer.events import PushComplete, event_from_json, event_to_json
+    from yeto.services.syncer.events import PushComplete, event_from_json, event_to_json
 
     ev = PushComplete("a", "a1" * 8, 0, 1, 1, 0, 0, 5, 5, 100, True, None, 1.5, norm=float("inf"), non_finite=0)
     js = orjson.loads(orjson.dumps(event_to_json(ev)))

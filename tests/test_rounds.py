@@ -7,8 +7,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from schemas.errors import WireError
-from services.syncer.rounds import (
+from yeto.schemas.errors import WireError
+from yeto.services.syncer.rounds import (
     HOPELESS_RESTART_S,
     CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, InitDrop, InitStore, Merge,
     MergeDone, PublishFinal,
@@ -1028,7 +1028,7 @@ def test_deterministic():
 
 
 def test_default_builder_is_schemas_build_session():
-    from schemas import layout as L
+    from yeto.schemas import layout as L
 
     layout = [{"name": "model.embed_tokens.weight", "shape": [8, 4], "dtype": "float32"},
               {"name": "model.layers.0.w", "shape": [4, 4], "dtype": "float32"},

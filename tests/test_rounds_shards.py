@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.errors import ConfigError
-from services.syncer.actions import action_from_json, action_to_json
-from services.syncer.events import event_from_json, event_to_json
-from services.syncer.rounds import (
+from yeto.schemas.errors import ConfigError
+from yeto.services.syncer.actions import action_from_json, action_to_json
+from yeto.services.syncer.events import event_from_json, event_to_json
+from yeto.services.syncer.rounds import (
     AdoptSession, CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitComplete, MemberSeen, Merge,
     MergeDone, PublishFinal, PublishPull, PublishShardFinal, PushComplete, RecordFinal, RoundMachine, SendManifest,
     SessionSeen, ShardFinal, Shutdown, SyncerConfig, Tick, V0Done, WriteMember, WriteSession,

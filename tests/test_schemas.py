@@ -12,8 +12,8 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
-from schemas import codec
-from schemas.errors import DecodeError, SchemaError, WireError
+from yeto.schemas import codec
+from yeto.schemas.errors import DecodeError, SchemaError, WireError
 
 KINDS = codec.KINDS
 # INIT chunks carry the INIT island's id and generation too (version 0 comes from one process).
@@ -62,7 +62,7 @@ def _assert_refused(kind, msg, field, *, schema_level=True, show_value=True):
 # ---------------------------------------------------------------------------------------------------- schema files
 
 def test_schema_files_are_exactly_the_kinds():
-    files = sorted(p.name for p in resources.files("schemas").joinpath("json").iterdir() if p.name.endswith(".json"))
+    files = sorted(p.name for p in resources.files("yeto.schemas").joinpath("json").iterdir() if p.name.endswith(".json"))
     assert files == sorted(f"{k}.schema.json" for k in KINDS)
     assert set(codec.CHUNK_KINDS) <= set(KINDS) and set(codec.TYPED_KINDS) <= set(KINDS)
 

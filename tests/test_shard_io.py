@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from learner.adapters.sliced_torch import SlicedTorchAdapter
-from learner.anchors import AnchorStore
-from learner.fragments import blend
-from learner.island_ranks import RankOps
-from learner.layout_map import IslandLayout, describe
-from learner.shard_io import Comm
-from schemas.dtypes import pack, q4_with_feedback, unpack
-from schemas.layout import build_session
-from schemas.chunks import chunk_plan
+from yeto.learner.adapters.sliced_torch import SlicedTorchAdapter
+from yeto.learner.anchors import AnchorStore
+from yeto.learner.fragments import blend
+from yeto.learner.island_ranks import RankOps
+from yeto.learner.layout_map import IslandLayout, describe
+from yeto.learner.shard_io import Comm
+from yeto.schemas.dtypes import pack, q4_with_feedback, unpack
+from yeto.schemas.layout import build_session
+from yeto.schemas.chunks import chunk_plan
 
 SHAPES = {"embed.weight": (30, 20), "layers.0.w": (24, 20), "layers.0.b": (24,), "layers.1.w": (20, 24),
           "layers.1.b": (20,), "final_norm.weight": (20,)}
@@ -214,7 +214,7 @@ def check(case: str, bulk: str, world: int, out_dir) -> None:
 def _spawn(case: str, bulk: str, tmp_path) -> None:
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "learner.island_ranks"])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "yeto.learner.island_ranks"])
     mp.start_processes(_worker, args=(4, str(tmp_path / "init"), str(tmp_path), case, bulk), nprocs=4, join=True,
                        start_method="forkserver")
 

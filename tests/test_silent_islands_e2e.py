@@ -1,6 +1,6 @@
 """docs/design.md §4.4, "a wedge", end to end: both islands paused (SIGSTOP) past the member timeout with a round in
 flight, then resumed. Before the fix the syncer never merged again (its loop spun on a due time in the
-past and never read the heartbeats). Real nats-server, real `yeto syncer`, two `python -m learner.demo`."""
+past and never read the heartbeats). Real nats-server, real `yeto syncer`, two `python -m yeto.learner.demo`."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from schemas.provision import remove_run
+from yeto.schemas.provision import remove_run
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
 from tests.scripted import SyncerProc, tape

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from schemas.provision import RunLimits, kv as kv_handle, provision_run
-from services.syncer.checkpoint import CheckpointDir, CheckpointState
-from services.syncer.state_store import StateStore
+from yeto.schemas.provision import RunLimits, kv as kv_handle, provision_run
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState
+from yeto.services.syncer.state_store import StateStore
 
 SESSION = {"fragments": [{"id": 0, "numel": 1000}, {"id": 1, "numel": 37}], "session_fingerprint": "s" * 64,
            "layout_fingerprint": "l" * 64}

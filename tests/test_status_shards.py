@@ -16,13 +16,13 @@ import orjson
 import pytest
 from rich.console import Console
 
-from schemas.provision import kv_put
-from services.steplog.aggregate import Aggregator
-from services.steplog.consume import SourceOptions
-from services.steplog.dashboard import Dashboard, serve_dashboard
-from services.steplog.exporter import Exporter, serve_exporter
-from services.steplog.shards import STALE_S, ShardBoard
-from services.steplog.tail import render_text, tail
+from yeto.schemas.provision import kv_put
+from yeto.services.steplog.aggregate import Aggregator
+from yeto.services.steplog.consume import SourceOptions
+from yeto.services.steplog.dashboard import Dashboard, serve_dashboard
+from yeto.services.steplog.exporter import Exporter, serve_exporter
+from yeto.services.steplog.shards import STALE_S, ShardBoard
+from yeto.services.steplog.tail import render_text, tail
 from tests.test_steplog_exporter import http_get, scrape
 from tests.test_steplog_support import provision, remove_run
 

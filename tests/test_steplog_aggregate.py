@@ -6,9 +6,9 @@ import json
 import orjson
 from hypothesis import given, settings, strategies as st
 
-from schemas import subjects as S
-from services.steplog.aggregate import Aggregator, ChartModel, feed_all, is_quorum_timeout
-from services.steplog.tail import render_text
+from yeto.schemas import subjects as S
+from yeto.services.steplog.aggregate import Aggregator, ChartModel, feed_all, is_quorum_timeout
+from yeto.services.steplog.tail import render_text
 from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, gen_of, scenario
 
 RUN = "agg_run"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.steplog.exporter import Exporter
+from yeto.services.steplog.exporter import Exporter
 from tests.test_steplog_support import add_malformed, scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _yeto_services(compose):
 
 
 def test_yeto_services_run_valid_commands_against_the_compose_nats(compose, monkeypatch):
-    from services.cli import build_parser
+    from yeto.services.cli import build_parser
 
     svcs = _yeto_services(compose)
     assert set(svcs) >= {"syncer", "exporter", "dashboard"}
@@ -83,7 +83,7 @@ def test_grafana_dashboard_queries_only_metrics_the_exporter_exposes():
 
 def test_image_recipe_installs_the_cli():
     text = (ROOT / "deploy/Dockerfile").read_text()
-    for pkg in ("schemas", "services", "learner"):
+    for pkg in ("schemas", "services", "learner", "yeto"):
         assert f"COPY {pkg} ./{pkg}" in text
     assert 'ENTRYPOINT ["yeto"]' in text and "-c constraints.txt" in text
 
@@ -93,8 +93,8 @@ def test_dashboard_page_ships_as_package_data():
     as `services.steplog = ["static/*"]` or `services = ["steplog/static/*"]`."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     page = "static/dashboard.html"
-    ok = any(Path(page).match(p) for p in data.get("services.steplog", [])) or \
-        any(Path("steplog/" + page).match(p) for p in data.get("services", []))
+    ok = any(Path(page).match(p) for p in data.get("yeto.services.steplog", [])) or \
+        any(Path("steplog/" + page).match(p) for p in data.get("yeto.services", []))
     assert ok, f"pyproject package-data does not ship services/steplog/{page}: {data}"
 
 
@@ -102,8 +102,8 @@ def test_cluster_profile_runs_three_hub_nodes_from_the_shipped_templates(compose
     """`docker compose --profile cluster up`: three NATS servers, each with its own hub-<i>.conf from
     deploy/nats/ (which pass `nats-server -t`, tests/test_broker.py), its own volume and host ports,
     and a health check; the syncer passes YETO_REPLICAS through."""
-    from services.broker import check_config
-    from services.cli import build_parser
+    from yeto.services.broker import check_config
+    from yeto.services.cli import build_parser
 
     hubs = {n: s for n, s in compose["services"].items() if "cluster" in s.get("profiles", [])}
     assert sorted(hubs) == ["hub-1", "hub-2", "hub-3"]

@@ -23,8 +23,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from services.steplog.consume import SourceOptions
-from services.steplog.dashboard import Dashboard, serve_dashboard
+from yeto.services.steplog.consume import SourceOptions
+from yeto.services.steplog.dashboard import Dashboard, serve_dashboard
 from tests.test_steplog_exporter import http_get
 from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, provision, publish_all, remove_run, scenario
 
@@ -385,7 +385,7 @@ async def test_page_with_twenty_islands(nc, run, browser):
 
 async def test_dashboard_cli_serves_the_page(run, nats_url):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "dashboard", "--run", run, "--nats", nats_url, "--port", "0",
+        sys.executable, "-m", "yeto.services.cli", "dashboard", "--run", run, "--nats", nats_url, "--port", "0",
         "--log-level", "WARNING", cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()

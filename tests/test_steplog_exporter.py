@@ -10,8 +10,8 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.steplog.consume import SourceOptions
-from services.steplog.exporter import Exporter, serve_exporter
+from yeto.services.steplog.consume import SourceOptions
+from yeto.services.steplog.exporter import Exporter, serve_exporter
 from tests.test_steplog_support import MALFORMED, add_malformed, provision, publish_all, remove_run, scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +128,7 @@ async def test_exporter_cli_serves_before_the_run_exists_then_follows_it(nc, run
     """The command as compose runs it: listening at once (Prometheus sees the target up), waiting for
     the syncer to provision the run, then following new events."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "exporter", "--run", run_id, "--nats", nats_url, "--port", "0",
+        sys.executable, "-m", "yeto.services.cli", "exporter", "--run", run_id, "--nats", nats_url, "--port", "0",
         "--log-level", "WARNING", cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     js = nc.jetstream()
     try:

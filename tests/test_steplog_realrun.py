@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.steplog.aggregate import Aggregator
-from services.steplog.consume import SourceOptions
-from services.steplog.exporter import Exporter, serve_exporter
-from services.steplog.tail import tail
+from yeto.services.steplog.aggregate import Aggregator
+from yeto.services.steplog.consume import SourceOptions
+from yeto.services.steplog.exporter import Exporter, serve_exporter
+from yeto.services.steplog.tail import tail
 from tests.test_steplog_dashboard import ARTIFACTS, Served, _until, browser  # noqa: F401  (browser: a fixture)
 from tests.test_steplog_exporter import scrape
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from schemas import codec, subjects as S
-from schemas.provision import RunLimits, provision_run, remove_run
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.provision import RunLimits, provision_run, remove_run
 
 GENS = {"a": "9f3c2a7b1e4d6c08", "b": "04b1e6d2c9a87f35"}
 T0 = 1_718_035_200.0

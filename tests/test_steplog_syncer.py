@@ -8,9 +8,9 @@ import asyncio
 
 import torch
 
-from schemas import codec, subjects as S
-from services.steplog.consume import SourceOptions
-from services.steplog.exporter import Exporter, serve_exporter
+from yeto.schemas import codec, subjects as S
+from yeto.services.steplog.consume import SourceOptions
+from yeto.services.steplog.exporter import Exporter, serve_exporter
 from tests.e2e_procs import wait_until
 from tests.scripted import close_run, start_run, tape
 from tests.test_steplog_exporter import scrape

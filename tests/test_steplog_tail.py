@@ -11,9 +11,9 @@ import orjson
 import pytest
 from rich.console import Console
 
-from services.steplog.aggregate import Aggregator
-from services.steplog.consume import SourceOptions
-from services.steplog.tail import tail
+from yeto.services.steplog.aggregate import Aggregator
+from yeto.services.steplog.consume import SourceOptions
+from yeto.services.steplog.tail import tail
 from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, provision, publish_all, remove_run, scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +108,7 @@ async def test_tail_json_cli_prints_raw_events_and_counts_malformed(nc, run, nat
     await publish_all(nc.jetstream(), msgs)
     valid = len(r.steplogs) + len(r.events)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "steplog", "tail", "--run", run, "--nats", nats_url, "--from-start",
+        sys.executable, "-m", "yeto.services.cli", "steplog", "tail", "--run", run, "--nats", nats_url, "--from-start",
         "--json", "--count", str(valid), "--timeout", "30",
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 40)

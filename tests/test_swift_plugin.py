@@ -35,7 +35,7 @@ from tests.scripted import ScriptedIsland, SyncerProc, wait_provisioned  # noqa:
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "learner" / "plugins" / "yeto_swift_plugin.py"
-CANONICAL = "learner.plugins.yeto_swift_plugin"
+CANONICAL = "yeto.learner.plugins.yeto_swift_plugin"
 
 
 def _loader(rank: int, world: int, init_file: str, out: str) -> None:
@@ -47,7 +47,7 @@ def _loader(rank: int, world: int, init_file: str, out: str) -> None:
     from swift.megatron.callbacks import megatron_callbacks_map
     from swift.utils import import_external_file, patch_dataloader_external_plugins
 
-    from learner import hybrid
+    from yeto.learner import hybrid
 
     original = base.BaseMegatronTrainer.__init__
     os.environ["YETO_CROSS_NODE_GLOO"] = "1"  # hybrid groups are installed at import, before Megatron's groups
@@ -209,7 +209,7 @@ def _island(proc: int, url: str, run: str, out: str) -> None:
     recorder = _log_recorder(cb)(trainer)
     trainer.callbacks.append(recorder)
     trainer.train(None, None)
-    from learner.adapters.megatron import MegatronAdapter, gather_full
+    from yeto.learner.adapters.megatron import MegatronAdapter, gather_full
 
     result = {"iteration": trainer.state.iteration, "steps": cb.steps, "local_step": cb.island.local_step,
               "finalized": cb.island.finalized, "final_dir": cb.final_dir, "values": gather_full(cb.adapter),

@@ -13,11 +13,11 @@ import orjson
 import pytest
 import torch
 
-from schemas import codec, subjects as S
-from schemas.chunks import digest
-from schemas.dtypes import pack
-from schemas.layout import layout_fingerprint
-from schemas.chunks import chunk_plan
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.chunks import digest
+from yeto.schemas.dtypes import pack
+from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.chunks import chunk_plan
 from tests.scripted import (LR, MU, Reference, ScriptedIsland, close_run, start_run, syncer_status, tape,
                             tiny_layout, wait_status, wait_tape)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemas.chunks import VersionDigest, chunk_plan
-from schemas.dtypes import pack
-from services.syncer.cut import BulkBytes, Cut, CutError
+from yeto.schemas.chunks import VersionDigest, chunk_plan
+from yeto.schemas.dtypes import pack
+from yeto.services.syncer.cut import BulkBytes, Cut, CutError
 
 
 def _params(n=10_007):

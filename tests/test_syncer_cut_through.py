@@ -31,12 +31,12 @@ import orjson
 import pytest
 import torch
 
-from learner.fragments import CutReader
-from schemas import codec, subjects as S
-from schemas.chunks import chunk_plan, digest
-from schemas.dtypes import pack, unpack
-from schemas.errors import WireError
-from services.syncer.checkpoint import CheckpointDir
+from yeto.learner.fragments import CutReader
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.chunks import chunk_plan, digest
+from yeto.schemas.dtypes import pack, unpack
+from yeto.schemas.errors import WireError
+from yeto.services.syncer.checkpoint import CheckpointDir
 from tests.scripted import (LR, MU, Reference, close_run, finish_on_reference, push_round, replay_segments,
                             start_run, tape, tiny_layout, wait_status, wait_tape)
 

@@ -9,8 +9,8 @@ import nats
 import pytest
 import torch
 
-from schemas import subjects as S
-from schemas.provision import remove_run
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import remove_run
 from tests.scripted import ROOT, Reference, ScriptedIsland, SyncerProc, tape, tiny_layout
 
 LR, MU = 0.7, 0.9
@@ -108,7 +108,7 @@ async def test_two_islands_complete_rounds_finalize_and_export(nats_url, run_id,
         assert all(set(m["weights"]) == {"a", "b"} for m in merges)
         # Export from the checkpoint directory: canonical names, equal to the final cut.
         out = tmp_path / "final.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "export", "--run", run_id, "--checkpoint-dir",
+        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", run_id, "--checkpoint-dir",
                                str(tmp_path / "ckpt"), "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
         from safetensors.torch import load_file

@@ -10,8 +10,8 @@ def test_init_intake_pauses_while_too_many_bytes_wait_for_the_machine_then_resum
 
     import torch
 
-    from services.syncer import receive as RX
-    from services.syncer import rounds as R
+    from yeto.services.syncer import receive as RX
+    from yeto.services.syncer import rounds as R
 
     monkeypatch.setattr(RX, "INIT_PENDING_BYTES", 8)
     monkeypatch.setattr(RX, "INIT_ROOM_WAIT_S", 0.3)

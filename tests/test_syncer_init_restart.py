@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import pytest
 
-from schemas import subjects as S
-from schemas.dtypes import pack, unpack
-from schemas.chunks import chunk_plan
+from yeto.schemas import subjects as S
+from yeto.schemas.dtypes import pack, unpack
+from yeto.schemas.chunks import chunk_plan
 from tests.scripted import (ScriptedIsland, SyncerProc, close_run, syncer_status, tape, tiny_layout, wait_provisioned,
                             wait_status, wait_tape)
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.chunks import push_digest
-from services.syncer.intake import PushLedger, PushTry, key_of
+from yeto.schemas.chunks import push_digest
+from yeto.services.syncer.intake import PushLedger, PushTry, key_of
 
 
 def chunk(i: int, *, island="a", gen="g1", fragment=0, step=1, attempt=1, try_=0, chunks=3) -> dict:

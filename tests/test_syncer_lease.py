@@ -9,9 +9,9 @@ import asyncio
 import orjson
 import pytest
 
-from schemas import subjects as S
-from schemas.provision import RunLimits, kv as kv_handle, provision_run
-from services.syncer.lease import (OWNER_TRUST, Fenced, FlagMismatch, LeaseBook, RunLease, flag_mismatches,
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import RunLimits, kv as kv_handle, provision_run
+from yeto.services.syncer.lease import (OWNER_TRUST, Fenced, FlagMismatch, LeaseBook, RunLease, flag_mismatches,
                                    lease_key)
 
 FLAGS = {"islands": 2, "fragments": 2, "sync_every": 4, "total_steps": 8, "push_dtype": "f32", "bulk_dtype": "f32",
@@ -126,9 +126,9 @@ async def test_a_released_lease_is_taken_at_once(state_kv):
 
 
 async def test_the_commit_record_refuses_a_deposed_owners_write(nc, run_id, state_kv, tmp_path):
-    from services.syncer.checkpoint import CheckpointDir
-    from services.syncer.cut import Cut
-    from services.syncer.tape import TapeWriter
+    from yeto.services.syncer.checkpoint import CheckpointDir
+    from yeto.services.syncer.cut import Cut
+    from yeto.services.syncer.tape import TapeWriter
     from collections import Counter
 
     js = nc.jetstream(timeout=10)

@@ -10,12 +10,12 @@ from collections import Counter
 
 import torch
 
-from schemas import subjects as S
-from schemas.chunks import chunk_plan
-from services.syncer import rounds as R
-from services.syncer.cut import Cut
-from services.syncer.intake import PushLedger
-from services.syncer.merge import Merger
+from yeto.schemas import subjects as S
+from yeto.schemas.chunks import chunk_plan
+from yeto.services.syncer import rounds as R
+from yeto.services.syncer.cut import Cut
+from yeto.services.syncer.intake import PushLedger
+from yeto.services.syncer.merge import Merger
 
 
 def _cut(n=3000):

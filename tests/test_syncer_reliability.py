@@ -17,8 +17,8 @@ import orjson
 import pytest
 import torch
 
-from schemas import codec, subjects as S
-from schemas.chunks import digest as chunk_digest
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.chunks import digest as chunk_digest
 from tests.scripted import (LR, MU, Heartbeater, Reference, SyncerProc, close_run, start_run, tape, tiny_layout,
                             wait_status, wait_tape)
 
@@ -214,7 +214,7 @@ async def test_resumed_syncer_without_members_asks_islands_to_say_hello_again(na
 async def test_init_chunks_that_overtake_their_hello_are_held_not_waited_for(nats_url, run_id, tmp_path):
     # regression: each INIT chunk of a generation the syncer had not seen blocked INIT intake for 10 s,
     # and a complete fragment's chunks of that generation were then refused (unknown_gen) for good
-    from schemas.dtypes import pack, unpack
+    from yeto.schemas.dtypes import pack, unpack
     from tests.scripted import ScriptedIsland, wait_provisioned
     import nats
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from schemas import subjects as S
+from yeto.schemas import subjects as S
 from tests.scripted import (LR, MU, ROOT, CutWatcher, Reference, SyncerProc, close_run, finish_on_reference,
                             push_round, snapshot_dir, start_run, syncer_status, tape, tiny_layout, wait_tape)
 
@@ -33,7 +33,7 @@ RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--total-
 
 
 def _export(ckpt, out, run) -> tuple[dict, dict]:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "export", "--run", run, "--checkpoint-dir", str(ckpt),
+    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", run, "--checkpoint-dir", str(ckpt),
                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert proc.returncode == 0, proc.stderr
     with safe_open(str(out), "pt") as f:
@@ -128,7 +128,7 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
         assert final_state["final"] and final_state["committed_step"] == 6
         # Both syncer processes' recorded inputs replay to identical actions, the second from its restore
         # inputs (the killed one's tape ends where it died).
-        rp = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
+        rp = subprocess.run([sys.executable, "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run_id],
                             capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert rp.returncode == 0, rp.stdout + rp.stderr
         segs = [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]
@@ -148,8 +148,8 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
 # start-up each on a loaded 2-core machine.
 REFUSALS = r"""
 import json, sys, threading
-from services.cli import main
-import services.syncer.service  # noqa: F401 - the heavy imports, before the cases are ready
+from yeto.services.cli import main
+import yeto.services.syncer.service  # noqa: F401 - the heavy imports, before the cases are ready
 cases = json.loads(sys.stdin.readline())
 for i, (name, argv) in enumerate(cases):
     print(f"@@case {name}", flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemas import subjects as S
+from yeto.schemas import subjects as S
 from tests.scripted import (LR, MU, Heartbeater, Reference, ScriptedIsland, close_run, start_run, syncer_status,
                             tape, tiny_layout, wait_tape)
 

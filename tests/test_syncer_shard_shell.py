@@ -18,8 +18,8 @@ import orjson
 import pytest
 import torch
 
-from schemas import subjects as S
-from schemas.provision import RunLimits, kv_put, provision_run
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import RunLimits, kv_put, provision_run
 from tests.scripted import (LR, MU, Reference, ScriptedIsland, SyncerProc, close_run, replay_segments, snapshot_dir, tape,
                             tiny_layout, wait_provisioned, wait_tape)
 
@@ -101,7 +101,7 @@ class ShardedRun:
     async def start(self, *, seed: int = 0) -> dict[int, torch.Tensor]:
         import nats
 
-        from schemas.dtypes import pack, unpack
+        from yeto.schemas.dtypes import pack, unpack
 
         self.shards[0].start()
         for name in ("a", "b"):
@@ -268,7 +268,7 @@ async def test_a_fresh_follower_refuses_when_its_shard_already_committed(nats_ur
         finally:
             follower2.stop()
     finally:
-        from schemas.provision import remove_run
+        from yeto.schemas.provision import remove_run
         await remove_run(js, run_id)
 
 

@@ -10,9 +10,9 @@ import nats
 import pytest
 from nats.js import api
 
-from schemas import subjects as S
-from schemas.errors import ConfigError
-from schemas.provision import ProvisionConflict, RunLimits, provision_run, remove_run, syncer_consumer_configs
+from yeto.schemas import subjects as S
+from yeto.schemas.errors import ConfigError
+from yeto.schemas.provision import ProvisionConflict, RunLimits, provision_run, remove_run, syncer_consumer_configs
 
 LIMITS = RunLimits.small()
 QUIET = dict(log=lambda _: None)

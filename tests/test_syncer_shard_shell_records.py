@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from services.syncer.shard_watch import ShardRecordError, parse_shard_final
+from yeto.services.syncer.shard_watch import ShardRecordError, parse_shard_final
 
 D = "ab" * 32
 

@@ -7,9 +7,9 @@ import asyncio
 import time
 from collections import Counter
 
-from schemas.provision import RunLimits, provision_run, remove_run
-from services.syncer.checkpoint import CheckpointState
-from services.syncer.tape import TapeWriter
+from yeto.schemas.provision import RunLimits, provision_run, remove_run
+from yeto.services.syncer.checkpoint import CheckpointState
+from yeto.services.syncer.tape import TapeWriter
 from tests.scripted import tape
 
 D = "cd" * 32

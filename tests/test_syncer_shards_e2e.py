@@ -1,7 +1,7 @@
 """docs/design.md §10: syncer shards end to end, every part a real process.
 
 A real nats-server (the session's), N `yeto syncer --shard K --shards N` processes, each with its own
-checkpoint directory, and two `python -m learner.demo` islands (the tiny MLP, fixed seeds), P = 4
+checkpoint directory, and two `python -m yeto.learner.demo` islands (the tiny MLP, fixed seeds), P = 4
 fragments. Nothing here goes through `yeto demo`: the test starts every process itself.
 
 - The same lockstep run (`--strict`, YETO_LOCKSTEP=1 islands) with 1, 2 and 4 shards: every island's
@@ -28,9 +28,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemas import shards as SH
-from schemas.provision import remove_run
-from services.syncer.checkpoint import CheckpointDir
+from yeto.schemas import shards as SH
+from yeto.schemas.provision import remove_run
+from yeto.services.syncer.checkpoint import CheckpointDir
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, kv_json, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc, tape_of
 
@@ -169,7 +169,7 @@ async def test_lockstep_run_with_1_2_and_4_shards_ends_bitwise_equal(nc, nats_ur
     ref = runs[0]
     want_versions = {f: LOCK_ROUNDS // P for f in range(P)}
     # Training moved the cut: it is not the INIT island's version 0 (the comparison is not vacuous).
-    from learner import demo
+    from yeto.learner import demo
 
     init = {n: p.detach() for n, p in demo.build_model(seed=demo.model_seed("a")).named_parameters()}
     assert sorted(init) == sorted(ref["cut"].tensors)

@@ -1,5 +1,5 @@
 """docs/design.md §11 end to end: two `yeto syncer` processes for one run (the HA set-up is starting the same
-command twice). Real nats-server, real syncers, two `python -m learner.demo` islands.
+command twice). Real nats-server, real syncers, two `python -m yeto.learner.demo` islands.
 
 - twin start: the second stands by (says who owns the run) and never touches it; the run finishes as
   with one syncer (before: both sat in INIT for ever, islands got `unknown_member`);
@@ -22,8 +22,8 @@ import time
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from schemas import subjects as S
-from schemas.provision import remove_run
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import remove_run
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
 from tests.scripted import ROOT, SyncerProc, tape
@@ -151,7 +151,7 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
         steps = [m["step"] for m in await merges(js, run_id)]
         # `yeto replay` holds across the takeover: both processes' inputs replay to the same actions
         replay = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "services.cli", "replay", "--nats", nats_url, "--run", run_id],
+            subprocess.run, [sys.executable, "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run_id],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
         first.stop()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import subjects as S
-from schemas.provision import remove_run
-from schemas.publish import ELECTION_S
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import remove_run
+from yeto.schemas.publish import ELECTION_S
 from tests.e2e_procs import wait_until
 from tests.scripted import SyncerProc, syncer_status, tape, wait_tape
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from learner.adapters import (
+from yeto.learner.adapters import (
     ModelAdapter,
     Shard,
     TorchModuleAdapter,
@@ -15,8 +15,8 @@ from learner.adapters import (
     gather_fragment,
     scatter_fragment,
 )
-from schemas.errors import WireError
-from schemas.layout import build_session, natural_key
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import build_session, natural_key
 
 
 class Tiny(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from learner.inbox import ChunkNotice, CutInbox, Inbox
-from learner.waiting import Arrivals, wait_until
+from yeto.learner.inbox import ChunkNotice, CutInbox, Inbox
+from yeto.learner.waiting import Arrivals, wait_until
 
 
 def test_a_waiter_wakes_on_arrival_well_before_its_poll_interval():

@@ -43,8 +43,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from schemas.errors import WireError
-from schemas.layout import canonical_layout
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import canonical_layout
 
 from ..fragments import blend
 

@@ -56,8 +56,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from schemas.errors import WireError
-from schemas.layout import canonical_layout, natural_key
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import canonical_layout, natural_key
 
 from .base import ModelAdapter, Shard, dtype_name
 from .megatron_names import (Box, experts_module_path, global_expert_name, global_layer_name, local_layer_index,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from schemas.errors import WireError
+from yeto.schemas.errors import WireError
 
 WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.")
 

@@ -23,8 +23,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from schemas.errors import WireError
-from schemas.layout import is_embedding, layer_index, natural_key
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import is_embedding, layer_index, natural_key
 
 from .base import ModelAdapter, Shard
 

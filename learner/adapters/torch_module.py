@@ -23,8 +23,8 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from schemas.errors import WireError
-from schemas.layout import natural_key
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import natural_key
 
 from ..fragments import blend_
 from .base import ModelAdapter, Shard, dtype_name

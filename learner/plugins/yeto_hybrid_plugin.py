@@ -18,7 +18,7 @@ def _install() -> bool:
 
     if get_worker_info() is not None:  # a dataloader worker: no process groups here
         return False
-    from learner import hybrid
+    from yeto.learner import hybrid
 
     return hybrid.installed() or hybrid.install_from_env()
 

@@ -78,7 +78,7 @@ def register() -> dict:
     if _in_dataloader_worker():
         return dict(_STATE)
     if not _STATE["hybrid"]:
-        from learner import hybrid
+        from yeto.learner import hybrid
 
         _STATE["hybrid"] = hybrid.install_from_env()
     if not _STATE["registered"] and "swift.megatron" in sys.modules:
@@ -149,9 +149,9 @@ def make_callback_class():
         # -- events ------------------------------------------------------------------------------
 
         def on_train_begin(self):
-            from learner.adapters.megatron import MegatronAdapter
-            from learner.config import IslandConfig
-            from learner.island import Island
+            from yeto.learner.adapters.megatron import MegatronAdapter
+            from yeto.learner.config import IslandConfig
+            from yeto.learner.island import Island
 
             t = self.trainer
             self.adapter = MegatronAdapter(t.wrapped_models, t.optimizer)
@@ -212,7 +212,7 @@ def _world_info() -> dict | None:
         return None
     from megatron.core import parallel_state as ps
 
-    from learner.hybrid import ranks_per_node
+    from yeto.learner.hybrid import ranks_per_node
 
     world = dist.get_world_size()
     return {"ranks": world, "tp": ps.get_tensor_model_parallel_world_size(),
@@ -320,9 +320,9 @@ def write_final_cut(trainer) -> str | None:
 
 # ---- at import --------------------------------------------------------------------------------------------
 
-if __name__ != "learner.plugins.yeto_swift_plugin":
+if __name__ != "yeto.learner.plugins.yeto_swift_plugin":
     # Imported by ms-swift from its path (hashed module name): do the work in the one canonical module.
-    from learner.plugins import yeto_swift_plugin as _canonical
+    from yeto.learner.plugins import yeto_swift_plugin as _canonical
 
     _canonical.register()
 else:

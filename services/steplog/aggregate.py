@@ -26,9 +26,9 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from schemas import codec, subjects as S
-from schemas.errors import WireError
-from schemas.ids import check_run
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.errors import WireError
+from yeto.schemas.ids import check_run
 
 from .shards import ShardBoard, ShardRow
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from schemas import subjects as S
+from yeto.schemas import subjects as S
 
 from .aggregate import Aggregator, Record
 
@@ -51,7 +51,7 @@ def add_source_args(parser) -> None:
 
 
 def source_options(args) -> SourceOptions:
-    from schemas.ids import check_island
+    from yeto.schemas.ids import check_island
 
     island = check_island(args.island) if args.island else None
     return SourceOptions(run=args.run, from_start=args.from_start, since_s=args.since, island=island, core=args.core)
@@ -217,12 +217,12 @@ async def subscribe(nc, opts: SourceOptions, feed: Feed, *, say: Callable[[str],
 
 async def connect(args, name: str):
     """Connect as every viewer does: reconnect forever (a dashboard outlives a broker restart)."""
-    from schemas.conn import ConnectOptions, connect as _connect
+    from yeto.schemas.conn import ConnectOptions, connect as _connect
 
     async def on_error(exc):
         log.warning("nats: %r", exc)
 
-    from schemas.conn import connect_bound_s
+    from yeto.schemas.conn import connect_bound_s
 
     # `--timeout` (tail) bounds the whole command, the wait for the broker included
     within = connect_bound_s()
@@ -260,7 +260,7 @@ def add_server_args(parser, *, port: int, port_env: str, host_env: str) -> None:
     """--port / --host / --log-level of a viewer that serves HTTP (`yeto exporter`, `yeto dashboard`)."""
     import os
 
-    from services.envflags import env_value
+    from yeto.services.envflags import env_value
 
     parser.add_argument("--port", type=int, default=env_value(port_env, int, port),
                         help=f"HTTP port (env {port_env}; 0 picks a free one)")

@@ -21,15 +21,15 @@ from typing import Awaitable, Callable
 import orjson
 import torch
 
-from schemas import codec, shards as SH, subjects as S
-from schemas.chunks import VersionDigest, chunk_header, chunk_plan
-from schemas.dtypes import pack, packed_nbytes
-from schemas.provision import kv_put
-from schemas.publish import Pipeline, publish_retry
-from services.syncer import rounds as R
-from services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
-from services.syncer.lease import Fenced
-from services.syncer.tape import TapeWriter
+from yeto.schemas import codec, shards as SH, subjects as S
+from yeto.schemas.chunks import VersionDigest, chunk_header, chunk_plan
+from yeto.schemas.dtypes import pack, packed_nbytes
+from yeto.schemas.provision import kv_put
+from yeto.schemas.publish import Pipeline, publish_retry
+from yeto.services.syncer import rounds as R
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
+from yeto.services.syncer.lease import Fenced
+from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 # Per-chunk ack wait of a broadcast (seconds): after a cluster node's death an ack can be lost without a

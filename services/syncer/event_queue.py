@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from services.syncer.events import Heartbeat, Hello
+from yeto.services.syncer.events import Heartbeat, Hello
 
 LIVENESS = (Hello, Heartbeat)
 

@@ -14,9 +14,9 @@ A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.p
 """
 from __future__ import annotations
 
-from services.syncer.actions import Done, PublishFinal, RecordFinal, SendManifest, Shutdown
-from services.syncer.events import FinalAck, FinalPublished
-from services.syncer.state import Member, Phase, _Final
+from yeto.services.syncer.actions import Done, PublishFinal, RecordFinal, SendManifest, Shutdown
+from yeto.services.syncer.events import FinalAck, FinalPublished
+from yeto.services.syncer.state import Member, Phase, _Final
 
 
 class Finalization:

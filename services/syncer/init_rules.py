@@ -24,9 +24,9 @@ A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.p
 """
 from __future__ import annotations
 
-from services.syncer.events import InitChunk, InitComplete, V0Done
-from services.syncer.actions import InitDrop, InitStore
-from services.syncer.state import Member, Phase
+from yeto.services.syncer.events import InitChunk, InitComplete, V0Done
+from yeto.services.syncer.actions import InitDrop, InitStore
+from yeto.services.syncer.state import Member, Phase
 
 
 class InitRules:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from schemas.chunks import push_digest
+from yeto.schemas.chunks import push_digest
 
 PushKey = tuple  # (island, gen, fragment, step, attempt, try)
 

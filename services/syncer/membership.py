@@ -20,10 +20,10 @@ A mixin of services/syncer/rounds.RoundMachine: it reads and writes the machine'
 """
 from __future__ import annotations
 
-from services.syncer.actions import PublishPull, WriteSession
-from services.syncer.config import UNKNOWN_MEMBER
-from services.syncer.events import Heartbeat, Hello
-from services.syncer.state import Member, Phase, default_builder
+from yeto.services.syncer.actions import PublishPull, WriteSession
+from yeto.services.syncer.config import UNKNOWN_MEMBER
+from yeto.services.syncer.events import Heartbeat, Hello
+from yeto.services.syncer.state import Member, Phase, default_builder
 
 
 class Membership:

@@ -21,16 +21,16 @@ from collections import Counter
 
 import torch
 
-from schemas import subjects as S
-from schemas.chunks import chunk_plan, digest as chunk_digest
-from services.syncer import rounds as R
-from services.syncer.checkpoint import VersionFiles
-from services.syncer.lease import Fenced
-from services.syncer.actions import action_from_json, action_to_json
-from services.syncer.cut import BroadcastStream, BulkBytes, Cut
-from services.syncer.intake import PushLedger, PushTry
-from services.syncer.outer import OuterStep, delta_dtype, delta_view
-from services.syncer.tape import TapeWriter
+from yeto.schemas import subjects as S
+from yeto.schemas.chunks import chunk_plan, digest as chunk_digest
+from yeto.services.syncer import rounds as R
+from yeto.services.syncer.checkpoint import VersionFiles
+from yeto.services.syncer.lease import Fenced
+from yeto.services.syncer.actions import action_from_json, action_to_json
+from yeto.services.syncer.cut import BroadcastStream, BulkBytes, Cut
+from yeto.services.syncer.intake import PushLedger, PushTry
+from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view
+from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 # `yeto syncer --checkpoint-writer`: where the merge writes the new version's checkpoint files: "inline"

@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from schemas.dtypes import unpack
+from yeto.schemas.dtypes import unpack
 
 
 __all__ = ["weights_for", "OuterStep", "delta_dtype", "outer_step_", "delta_view", "COMPILE_MIN_NUMEL", "MODES",

@@ -60,11 +60,11 @@ import math
 from fractions import Fraction
 from typing import Sequence
 
-from services.syncer.actions import Merge, MergeInput, Release
-from services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
-from services.syncer.events import MergeDone, PushComplete
-from services.syncer.outer import weights_for
-from services.syncer.state import Round, _Answer, lower_median
+from yeto.services.syncer.actions import Merge, MergeInput, Release
+from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
+from yeto.services.syncer.events import MergeDone, PushComplete
+from yeto.services.syncer.outer import weights_for
+from yeto.services.syncer.state import Round, _Answer, lower_median
 
 
 class Pushes:

@@ -26,17 +26,17 @@ from typing import Awaitable, Callable
 
 import torch
 
-from schemas import codec, subjects as S
-from schemas.chunks import check_chunk, chunk_plan, plan_nbytes
-from schemas.errors import WireError
-from schemas.layout import layout_fingerprint
-from services.syncer import rounds as R
-from services.syncer.cut import Cut
-from services.syncer.intake import PushLedger
-from services.syncer.intake_limit import IntakeLimits
-from services.syncer.merge import delete_push_seqs
-from services.syncer.outer import delta_view
-from services.syncer.tape import TapeWriter
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.chunks import check_chunk, chunk_plan, plan_nbytes
+from yeto.schemas.errors import WireError
+from yeto.schemas.layout import layout_fingerprint
+from yeto.services.syncer import rounds as R
+from yeto.services.syncer.cut import Cut
+from yeto.services.syncer.intake import PushLedger
+from yeto.services.syncer.intake_limit import IntakeLimits
+from yeto.services.syncer.merge import delete_push_seqs
+from yeto.services.syncer.outer import delta_view
+from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 

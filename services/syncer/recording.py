@@ -26,9 +26,9 @@ from typing import Any, Sequence
 
 import orjson
 
-from services.syncer.actions import Action, action_digest
-from services.syncer.config import SyncerConfig
-from services.syncer.events import Event, Tick, event_to_json
+from yeto.services.syncer.actions import Action, action_digest
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.events import Event, Tick, event_to_json
 
 INPUT_KIND = "input"
 MAX_BATCH_EVENTS = 500

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from services.syncer.actions import action_to_json
-from services.syncer.config import SyncerConfig
-from services.syncer.events import Event, Tick, event_from_json, event_to_json
-from services.syncer.recording import INPUT_KIND, action_signature
-from services.syncer.rounds import RoundMachine
+from yeto.services.syncer.actions import action_to_json
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.events import Event, Tick, event_from_json, event_to_json
+from yeto.services.syncer.recording import INPUT_KIND, action_signature
+from yeto.services.syncer.rounds import RoundMachine
 
 
 class TapeError(ValueError):

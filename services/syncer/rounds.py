@@ -69,26 +69,26 @@ import math
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
-from schemas.errors import ConfigError
+from yeto.schemas.errors import ConfigError
 
-from services.syncer.actions import (
+from yeto.services.syncer.actions import (
     Action, AdoptSession, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull,
     PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember,
     WriteSession,
 )
-from services.syncer.config import (
+from yeto.services.syncer.config import (
     BULK_DTYPES, DISPOSITIONS, FIRST_ATTEMPT, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES, PUSH_DTYPES, SyncerConfig,
 )
-from services.syncer.events import (
+from yeto.services.syncer.events import (
     Event, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MemberSeen, MergeDone, PushComplete,
     SessionSeen, ShardFinal, Tick, V0Done,
 )
-from services.syncer.finalize import Finalization
-from services.syncer.init_rules import InitRules
-from services.syncer.membership import Membership
-from services.syncer.pushes import Pushes
-from services.syncer.sharding import Sharding
-from services.syncer.state import Member, Phase, Round, _Final, _Slot
+from yeto.services.syncer.finalize import Finalization
+from yeto.services.syncer.init_rules import InitRules
+from yeto.services.syncer.membership import Membership
+from yeto.services.syncer.pushes import Pushes
+from yeto.services.syncer.sharding import Sharding
+from yeto.services.syncer.state import Member, Phase, Round, _Final, _Slot
 
 __all__ = [
     "SyncerConfig", "RoundMachine", "Member", "Round", "Phase",

@@ -45,23 +45,23 @@ from pathlib import Path
 
 import orjson
 
-from schemas import codec, leader_watch, shards as SH, subjects as S
-from schemas.chunks import max_chunk_bytes
-from schemas.conn import ConnectOptions, connect, server_max_payload
-from schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
-from schemas.publish import publish_retry
-from services.syncer import rounds as R
-from services.syncer.checkpoint import CheckpointDir, CheckpointError
-from services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
-from services.syncer.event_queue import EventQueue
-from services.syncer.intake import PushLedger
-from services.syncer.lease import DEFAULT_TTL_S, Fenced, FlagMismatch, RunLease, lease_key, read_key
-from services.syncer.merge import Merger
-from services.syncer.receive import Receiver
-from services.syncer.recording import INPUT_KIND, InputRecorder
-from services.syncer.state_store import StateStore
-from services.syncer.shard_watch import ShardRecordError, ShardWatch, parse_shard_final
-from services.syncer.tape import TapeWriter
+from yeto.schemas import codec, leader_watch, shards as SH, subjects as S
+from yeto.schemas.chunks import max_chunk_bytes
+from yeto.schemas.conn import ConnectOptions, connect, server_max_payload
+from yeto.schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
+from yeto.schemas.publish import publish_retry
+from yeto.services.syncer import rounds as R
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointError
+from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
+from yeto.services.syncer.event_queue import EventQueue
+from yeto.services.syncer.intake import PushLedger
+from yeto.services.syncer.lease import DEFAULT_TTL_S, Fenced, FlagMismatch, RunLease, lease_key, read_key
+from yeto.services.syncer.merge import Merger
+from yeto.services.syncer.receive import Receiver
+from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
+from yeto.services.syncer.state_store import StateStore
+from yeto.services.syncer.shard_watch import ShardRecordError, ShardWatch, parse_shard_final
+from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 

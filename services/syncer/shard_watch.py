@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import orjson
 
-from schemas import codec, shards as SH
-from schemas.errors import WireError
-from services.syncer import rounds as R
+from yeto.schemas import codec, shards as SH
+from yeto.schemas.errors import WireError
+from yeto.services.syncer import rounds as R
 
 log = logging.getLogger("yeto.syncer")
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from services.syncer.actions import AdoptSession, Done, PublishShardFinal, RecordFinal, SendManifest
-from services.syncer.events import MemberSeen, SessionSeen, ShardFinal
-from services.syncer.state import Member, Phase, _Final
+from yeto.services.syncer.actions import AdoptSession, Done, PublishShardFinal, RecordFinal, SendManifest
+from yeto.services.syncer.events import MemberSeen, SessionSeen, ShardFinal
+from yeto.services.syncer.state import Member, Phase, _Final
 
 
 class MemberRecordError(ValueError):

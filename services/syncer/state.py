@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from services.syncer.actions import Merge
-from services.syncer.config import EMA_ALPHA
+from yeto.services.syncer.actions import Merge
+from yeto.services.syncer.config import EMA_ALPHA
 
 
 class Phase(enum.StrEnum):
@@ -165,5 +165,5 @@ def lower_median(values: Sequence[float]) -> float:
 
 
 def default_builder() -> Callable[..., dict]:
-    from schemas.layout import build_session  # lazily: the machine is testable without it
+    from yeto.schemas.layout import build_session  # lazily: the machine is testable without it
     return build_session

@@ -31,11 +31,11 @@ from typing import Awaitable, Callable
 import orjson
 import torch
 
-from schemas import subjects as S
-from schemas.provision import kv_put
-from schemas.publish import Pipeline
-from schemas.stream_configs import kv_stream_name
-from services.syncer.checkpoint import CheckpointDir, CheckpointState
+from yeto.schemas import subjects as S
+from yeto.schemas.provision import kv_put
+from yeto.schemas.publish import Pipeline
+from yeto.schemas.stream_configs import kv_stream_name
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState
 
 log = logging.getLogger("yeto.syncer")
 

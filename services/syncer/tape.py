@@ -15,10 +15,10 @@ import logging
 import time
 from collections import Counter
 
-from schemas import codec, subjects as S
-from schemas.errors import WireError
-from schemas.publish import publish_retry
-from services.syncer.checkpoint import CheckpointState
+from yeto.schemas import codec, subjects as S
+from yeto.schemas.errors import WireError
+from yeto.schemas.publish import publish_retry
+from yeto.services.syncer.checkpoint import CheckpointState
 
 log = logging.getLogger("yeto.syncer")
 
