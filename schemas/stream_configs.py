@@ -188,8 +188,9 @@ def kv_configs(run: str, limits: RunLimits = RunLimits()) -> dict[str, api.KeyVa
     """The wanted KeyValueConfig of each bucket, by kind. No TTL anywhere (docs/design.md §15.6: per-key
     TTL leases misbehave in nats-py 2.16; liveness is judged from heartbeat times in the values)."""
     _check_run_id(run)
-    hist = {"members": limits.members_history, "state": limits.state_history}
-    what = {"members": "island -> generation, layout, last step, last heartbeat", "state": "session, versions, global step"}
+    hist = {"members": limits.members_history, "state": limits.state_history, "ckpt": 1}
+    what = {"members": "island -> generation, layout, last step, last heartbeat", "state": "session, versions, global step",
+            "ckpt": "the syncer's committed params and momentum (read and written by the syncer alone)"}
     return {
         kind: api.KeyValueConfig(
             bucket=S.kv_bucket(run, kind),

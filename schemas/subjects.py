@@ -26,7 +26,7 @@ PREFIX = "yeto"
 MSG_ID = "Nats-Msg-Id"
 
 STREAM_KINDS = ("CTL", "HB", "PUSH", "INIT", "BCAST", "FINAL", "STEPLOG", "EVENTS")
-KV_KINDS = ("members", "state")
+KV_KINDS = ("members", "state", "ckpt")   # ckpt: the syncer's committed params, its alone
 
 
 # The streams other identities may publish into too (an island on its own subjects of CTL, PUSH, INIT,

@@ -144,7 +144,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
         if name != init_island:
             deny_pub.append(S.init_all(run))
     elif role == "syncer":
-        pub = [S.run_all(run), S.kv_key(run, "members", ">"), S.kv_key(run, "state", ">"), f"{API}.INFO"]
+        pub = [S.run_all(run), f"{API}.INFO"] + [S.kv_key(run, k, ">") for k in S.KV_KINDS]
         for s in st.values():
             pub += [f"{API}.STREAM.CREATE.{s}", f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.PURGE.{s}",
                     f"{API}.STREAM.MSG.GET.{s}", f"{API}.STREAM.MSG.DELETE.{s}", f"{API}.DIRECT.GET.{s}",

@@ -176,6 +176,7 @@ IDENTITY_FOR = {
     "yeto run rm": "the admin identity (--nats-creds DIR/admin.creds)",
     "yeto syncer": "the syncer identity (--nats-creds DIR/syncer.creds)",
     "yeto replay": "the observer or admin identity (--nats-creds DIR/observer.creds)",
+    "yeto export": "the syncer identity (--nats-creds DIR/syncer.creds) with --from jetstream: the weights are its alone",
     "yeto steplog tail": "the observer identity (--nats-creds DIR/observer.creds)",
     "yeto exporter": "the observer identity (--nats-creds DIR/observer.creds)",
     "yeto dashboard": "the observer identity (--nats-creds DIR/observer.creds)",

@@ -10,9 +10,13 @@ for a parent directory whose sub-directories are the shards' (`yeto-data/<run>/`
 together name every fragment of the session exactly once; anything else is refused with an error
 naming the fragment and the directories, because a file mixing two sessions, or one fragment's bytes
 from two places, is not a cut of the model.
+
+`--from jetstream` reads the same cut from the run's `ckpt` KV in JetStream instead (services/export_state_kv.py): no
+checkpoint directory needed, so a run whose syncer host is gone can still be exported.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import struct
@@ -29,11 +33,13 @@ OPEN_ATTEMPTS = 20
 
 
 class ExportError(SystemExit):
-    """The checkpoint directories cannot make one cut; the message says which and why (exit 2)."""
+    """The checkpoint directories (or the state KV) cannot make one cut; the message says which and why.
+    Exit 2 for what the command line names wrongly, 1 for a state found incomplete or corrupt."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, exit_code: int = 2):
         super().__init__(f"yeto export: {text}")
         self.text = text
+        self.exit_code = exit_code
 
 
 def add_parser(sub) -> None:
@@ -46,7 +52,14 @@ def add_parser(sub) -> None:
                         "YETO_CHECKPOINT_DIR, one directory; default ./yeto-data/<run>/syncer when it exists, "
                         "else ./yeto-data/<run>)")
     p.set_defaults(env_checkpoint_dir=env)
+    p.add_argument("--from", dest="source", choices=("dir", "jetstream"), default="dir",
+                   help="where the committed cut is read: the syncer's checkpoint directories (default), or the "
+                        "run's committed state in JetStream (`yeto syncer --state-store jetstream`, the default: no "
+                        "directory needed; the syncer identity in a secured run)")
     p.add_argument("--out", required=True, help="output .safetensors file")
+    from yeto.schemas.conn import add_connect_args
+
+    add_connect_args(p, run=False)
     p.set_defaults(func=run)
 
 
@@ -74,7 +87,8 @@ def resolve_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
             if not found:
                 raise ExportError(f"{p} is no checkpoint directory (no {MANIFEST}) and none of its sub-directories is one")
         else:
-            raise ExportError(f"checkpoint directory {p} does not exist")
+            raise ExportError(f"checkpoint directory {p} does not exist (without the syncer's directory, "
+                              f"`--from jetstream --nats URL` reads the run's committed state from JetStream)")
         for d in found:
             key = os.path.realpath(d)
             if key not in seen:  # the same directory named twice (a path and its parent) is read once
@@ -87,7 +101,7 @@ def resolve_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 @dataclass
 class _Shard:
-    path: Path
+    path: Path | str   # a directory, or the state KV's label for a shard
     session: dict
     state: object  # services.syncer.checkpoint.CheckpointState
     files: dict  # fragment id -> open params file
@@ -174,7 +188,30 @@ def export(ckpt_dir: str | os.PathLike | Iterable[str | os.PathLike], out: str |
                 fh.close()
 
 
-def _write(shards: list[_Shard], out: str | os.PathLike) -> dict:
+def export_jetstream(opts, run: str, out: str | os.PathLike, progress=None) -> dict:
+    """Write the cut kept in the run's ckpt KV to `out` (services/export_state_kv.py); same result as
+    `export`, with "dirs" naming the state KV's shards."""
+    import tempfile
+
+    from yeto.services.export_state_kv import spool_state_kv
+
+    parent = Path(out).resolve().parent
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".yeto-export-") as scratch:
+        session, spooled = asyncio.run(spool_state_kv(opts, run, Path(scratch), attempts=OPEN_ATTEMPTS,
+                                                      error=ExportError, progress=progress))
+        shards = []
+        try:
+            for label, state, paths in spooled:
+                shards.append(_Shard(label, session, state, {fid: open(p, "rb") for fid, p in paths.items()}))
+            _check_together(shards, run)
+            return _write(shards, out, source="jetstream")
+        finally:
+            for sh in shards:
+                for fh in sh.files.values():
+                    fh.close()
+
+
+def _write(shards: list[_Shard], out: str | os.PathLike, source: str = "dir") -> dict:
     session = shards[0].session
     file_of = {fid: sh.files[fid] for sh in shards for fid in sh.files}
     versions = {fid: v for sh in shards for fid, v in sh.state.versions.items()}
@@ -194,7 +231,9 @@ def _write(shards: list[_Shard], out: str | os.PathLike) -> dict:
     meta = {"run": shards[0].state.run, "committed_step": str(committed_step), "final": str(final),
             "versions": orjson.dumps({str(k): v for k, v in sorted(versions.items())}).decode(),
             "session_fingerprint": session["session_fingerprint"]}
-    if len(shards) > 1:
+    if source != "dir":
+        meta["source"] = source
+    elif len(shards) > 1:
         meta["checkpoint_dirs"] = str(len(shards))
     header["__metadata__"] = meta
     hjson = orjson.dumps(header)
@@ -225,15 +264,30 @@ def default_dirs(run: str, base: str | os.PathLike = "yeto-data") -> list[Path]:
 
 
 def run(args) -> int:
-    paths = args.checkpoint_dir or ([args.env_checkpoint_dir] if getattr(args, "env_checkpoint_dir", None)
-                                    else default_dirs(args.run))
     try:
-        info = export(paths, args.out, args.run)
+        parent = Path(args.out).resolve().parent
+        if not parent.is_dir():
+            raise ExportError(f"--out {args.out}: directory {parent} does not exist")
+        if getattr(args, "source", "dir") == "jetstream":
+            if args.checkpoint_dir:
+                raise ExportError("--checkpoint-dir and --from jetstream name two sources: give one")
+            from yeto.schemas.conn import ConnectOptions
+            from yeto.services.export_state_kv import say
+
+            info = export_jetstream(ConnectOptions.from_args(args, name=f"yeto-export-{args.run}"), args.run,
+                                    args.out, progress=say)
+        else:
+            paths = args.checkpoint_dir or ([args.env_checkpoint_dir] if getattr(args, "env_checkpoint_dir", None)
+                                            else default_dirs(args.run))
+            info = export(paths, args.out, args.run)
     except ExportError as exc:
         print(exc.code, file=sys.stderr)
-        return 2
+        return exc.exit_code
     kind = "final" if info["final"] else "current"
-    where = f" from {len(info['dirs'])} checkpoint directories" if len(info["dirs"]) > 1 else ""
+    if getattr(args, "source", "dir") == "jetstream":
+        where = f" from JetStream ({len(info['dirs'])} shard{'s' if len(info['dirs']) > 1 else ''})"
+    else:
+        where = f" from {len(info['dirs'])} checkpoint directories" if len(info["dirs"]) > 1 else ""
     print(f"exported the {kind} cut of run {args.run} (step {info['committed_step']}){where}: {info['tensors']} tensors, "
           f"{info['bytes'] / 2**20:.1f} MiB -> {args.out}")
     if not info["final"] and info["final_dirs"]:

@@ -591,6 +591,41 @@ async def test_observer_reads_the_state_kv_and_publishes_nothing(provisioned):
         await syncer.close()
 
 
+async def test_only_the_syncer_reads_the_committed_weights_in_the_ckpt_kv(provisioned):
+    """The state store (services/syncer/state_store.py) keeps params and momentum in a bucket of its own: the
+    observer (promised no weights) and the islands can neither read nor write it. (The admin, which may create
+    consumers and reshape streams, is trusted with the run's bytes: README "Secured runs".)"""
+    from nats.js.api import DeliverPolicy
+
+    s = provisioned
+    run = s.runs["r1"]
+    ckpt = S.kv_bucket(run, "ckpt")
+    stream = f"KV_{ckpt}"
+    key = "ckpt.0.f0.v1.p.0"
+    syncer = await s.conn("r1", "syncer")
+    try:
+        skv = await syncer.jetstream(timeout=5).key_value(ckpt)
+        await skv.put(key, b"weights")
+        assert (await skv.get(key)).value == b"weights"   # positive control: the syncer reads it back
+        for who in ("a", "observer"):
+            err = []
+            nc = await s.conn("r1", who, err)
+            try:
+                js = nc.jetstream(timeout=REFUSED_TIMEOUT)
+                await _api_refused(err, js.get_msg(stream, subject=f"$KV.{ckpt}.{key}", direct=True),
+                                   f"$JS.API.DIRECT.GET.{stream}.$KV.{ckpt}.{key}")
+                await _api_refused(err, js.get_msg(stream, seq=1), f"$JS.API.STREAM.MSG.GET.{stream}")
+                await _api_refused(err, js.subscribe(f"$KV.{ckpt}.>", stream=stream, ordered_consumer=True,
+                                                     deliver_policy=DeliverPolicy.ALL),
+                                   f"$JS.API.CONSUMER.CREATE.{stream}")
+                await _api_refused(err, js.publish(f"$KV.{ckpt}.{key}", b"forged"), f"$KV.{ckpt}.{key}")
+            finally:
+                await nc.close()
+        assert (await skv.get(key)).value == b"weights"
+    finally:
+        await syncer.close()
+
+
 async def test_only_the_syncer_writes_the_state_kv(provisioned):
     s = provisioned
     run = s.runs["r1"]

@@ -31,7 +31,7 @@ def _frag(seed, n):
 async def store(nc, run_id):
     js = nc.jetstream(timeout=10)
     await provision_run(js, run_id, RunLimits.small())
-    kv = await kv_handle(js, run_id, "state")
+    kv = await kv_handle(js, run_id, "ckpt")
     yield StateStore(js, run_id, kv, Counter(), shard=0, chunk_bytes=256), kv
 
 

@@ -35,10 +35,10 @@ RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--total-
             "--member-timeout", "600")
 
 
-async def _kv(js, run: str) -> dict[str, object]:
-    """Every key of the state KV (listed from the bucket's stream: nats-py's kv.keys() can miss entries
-    right after connecting)."""
-    kv = await js.key_value(S.kv_bucket(run, "state"))
+async def _kv(js, run: str, kind: str = "state") -> dict[str, object]:
+    """Every key of the state (or ckpt) KV (listed from the bucket's stream: nats-py's kv.keys() can miss
+    entries right after connecting)."""
+    kv = await js.key_value(S.kv_bucket(run, kind))
     info = await js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
     out = {}
     for subject in sorted(info.state.subjects or {}):
@@ -198,9 +198,11 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         kv = await _kv(js, run_id)
         assert not {"commit", "pulls", "syncer"} & set(kv), sorted(kv)
         # each shard keeps its own committed state for a standby (docs/design.md §11): its fragment at its version
+        ckv = await _kv(js, run_id, "ckpt")   # a bucket of its own: only the syncer identity reads weights
+        assert not [key for key in kv if key.startswith("ckpt.")], sorted(kv)
         for k in (0, 1):
-            assert kv[f"ckpt.{k}.manifest"]["state"]["versions"] == {str(k): 2}
-            assert any(key.startswith(f"ckpt.{k}.f{k}.v2.p.") for key in kv), sorted(kv)
+            assert ckv[f"ckpt.{k}.manifest"]["state"]["versions"] == {str(k): 2}
+            assert any(key.startswith(f"ckpt.{k}.f{k}.v2.p.") for key in ckv), sorted(ckv)
         assert not {"lease.0", "lease.1"} & set(kv)   # each shard's lease, released at its clean exit
         for k in (0, 1):
             assert kv[f"commit.{k}"]["versions"] == {str(k): 2}

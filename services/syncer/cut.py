@@ -422,7 +422,10 @@ class Cut:
             st.final_record = {"shard_final": True, "final_step": int(a.final_step),
                                "versions": {str(k): v for k, v in sorted(versions.items())}}
             self.ckpt.commit(st, {})
-        await asyncio.to_thread(mark)
+            return st
+        st = await asyncio.to_thread(mark)
+        if self.store is not None:   # the state KV's manifest too: a standby restoring it knows the cut is out
+            await self.store.save_manifest(st)
         await self.write_shard_final_kv(int(a.final_step), versions, digests)
         log.info("final cut of fragments %s published (step %d)", sorted(versions), a.final_step)
         return digests

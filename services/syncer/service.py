@@ -129,6 +129,7 @@ class SyncerService:
         self.nc = None
         self.js = None
         self.state_kv = None
+        self.ckpt_kv = None
         self.members_kv = None
         self._tasks: list[asyncio.Task] = []
         mc = cfg.machine
@@ -269,11 +270,12 @@ class SyncerService:
             log.info("provisioned run %s: %s", self.run_id, report)
             self.state_kv = await kv_handle(self.js, self.run_id, "state")
             self.members_kv = await kv_handle(self.js, self.run_id, "members")
+            self.ckpt_kv = await kv_handle(self.js, self.run_id, "ckpt")
             self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc,
                                    shard=mc.shard if mc.sharded else None)
             self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape, shard=mc.shard, shards=mc.shards)
             if self.cfg.state_store == "jetstream":
-                self.cut.store = StateStore(self.js, self.run_id, self.state_kv, self.counters, shard=mc.shard,
+                self.cut.store = StateStore(self.js, self.run_id, self.ckpt_kv, self.counters, shard=mc.shard,
                                             chunk_bytes=mc.chunk_bytes, guard=self._guard)
             if not await self._own_the_run():
                 return 0

@@ -1,7 +1,8 @@
 """The syncer's committed state in JetStream (docs/design.md §8, §11): what a standby on another host, with an empty
 `--checkpoint-dir`, needs to continue the run — the committed params and momentum of every fragment,
-the checkpoint manifest, and the merge intents — kept in the run's `state` KV bucket (its `--replicas`),
-beside the commit record. The checkpoint directory stays the owner's working copy (resume reads it;
+the checkpoint manifest, and the merge intents — kept in the run's `ckpt` KV bucket (its `--replicas`),
+a bucket of its own because only the syncer identity may read it: islands and observers read the state KV
+(session, commit record, final manifest), and the observer is promised no weights (README "Secured runs"). The checkpoint directory stays the owner's working copy (resume reads it;
 `yeto export` can too); this is what outlives the host.
 
 Keys (per shard K; `<K>` is 0 with one shard):
@@ -74,7 +75,7 @@ class StateStore:
                 for k, piece in self._chunks(t):
                     await self.guard()
                     key = self.key(f"f{fid}", f"v{v}", kind, k)
-                    await pipe.put(S.kv_key(self.run_id, "state", key), piece.contiguous().view(torch.uint8).numpy(),
+                    await pipe.put(S.kv_key(self.run_id, "ckpt", key), piece.contiguous().view(torch.uint8).numpy(),
                                    f"kv.state.{key}")
                     self.counters["state_store.chunks"] += 1
         await pipe.flush()
@@ -86,19 +87,19 @@ class StateStore:
 
     async def save_manifest(self, state: CheckpointState) -> None:
         await self.guard()
-        await kv_put(self.js, self.run_id, "state", self.key("manifest"),
+        await kv_put(self.js, self.run_id, "ckpt", self.key("manifest"),
                      orjson.dumps({"state": orjson.loads(state.to_json()), "chunk_elems": self.chunk_elems}),
                      counters=self.counters)
 
     async def put_intent(self, fid: int, intent: dict) -> None:
         await self.guard()
-        await kv_put(self.js, self.run_id, "state", self.key("intent", f"f{fid}"), orjson.dumps(intent),
+        await kv_put(self.js, self.run_id, "ckpt", self.key("intent", f"f{fid}"), orjson.dumps(intent),
                      counters=self.counters)
 
     async def _purge(self, fid: int, version: int) -> None:
-        subject = S.kv_key(self.run_id, "state", self.key(f"f{fid}", f"v{version}", ">"))
+        subject = S.kv_key(self.run_id, "ckpt", self.key(f"f{fid}", f"v{version}", ">"))
         try:
-            await self.js.purge_stream(kv_stream_name(S.kv_bucket(self.run_id, "state")), subject=subject)
+            await self.js.purge_stream(kv_stream_name(S.kv_bucket(self.run_id, "ckpt")), subject=subject)
         except Exception as exc:  # noqa: BLE001 - a leftover costs bytes, never correctness
             self.counters["state_store.purge_error"] += 1
             log.warning("purging fragment %d version %d from the state KV failed: %r", fid, version, exc)

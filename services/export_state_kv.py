@@ -1,0 +1,176 @@
+"""`yeto export --from jetstream`: the committed cut read from JetStream, for when the syncer's host and its
+checkpoint directory are gone (docs/design.md §11).
+
+The syncer keeps each shard's committed params in the run's `ckpt` KV (services/syncer/state_store.py; the
+syncer identity alone may read it):
+`ckpt.<K>.manifest` names the versions, `ckpt.<K>.f<F>.v<N>.p.<k>` hold their bytes in chunks. This reads
+every shard's manifest, spools each fragment's params chunk by chunk into a file of a scratch directory
+(memory: one chunk), checks the spooled bytes against the version digest the manifest recorded (the same
+digest the islands checked when they installed that version; with a bf16 bulk dtype it covers only the
+bf16 rounding) and, once the run is finished, against the f32 digest of the final manifest (`final`, what
+the islands installed last: every bit), and hands the files to the directory export's writer, so both
+exports write the same file for the same cut.
+
+A running syncer purges a fragment's older chunks right after the next manifest lands: a chunk missing
+under a manifest that has since moved on starts the read over (as the directory export does when files
+go); one missing under a manifest that has not moved is an incomplete state KV and is refused, naming the key.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import orjson
+
+from yeto.schemas import subjects as S
+from yeto.schemas.stream_configs import kv_stream_name
+
+ELEM = 4   # f32
+
+
+class _Moved(Exception):
+    """A chunk the manifest named was purged by a newer commit: read again from the new manifest."""
+
+
+async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error, progress=None):
+    """(session, [(label, CheckpointState, {fragment: spooled params file})]) for every shard of `run`.
+    `error(text, code)` builds the exception to raise (the caller's ExportError)."""
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+
+    from yeto.schemas.chunks import VersionDigest, chunk_plan
+    from yeto.schemas.conn import connect, redact
+    from yeto.services.syncer.checkpoint import CheckpointError, CheckpointState
+
+    nc = await connect(opts)
+    try:
+        js = nc.jetstream(timeout=10)
+        bucket = S.kv_bucket(run, "ckpt")
+        try:
+            state_kv = await js.key_value(S.kv_bucket(run, "state"))
+            kv = await js.key_value(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            raise error(f"run {run} has no state KV ({S.kv_bucket(run, 'state')}, {bucket}) at {redact(opts.url)}: it "
+                        f"was never provisioned there, or it was removed", 2) from None
+
+        async def get(key: str, kv=kv) -> tuple[bytes | None, int]:
+            try:
+                e = await kv.get(key)
+            except KeyNotFoundError:
+                return None, 0
+            return (e.value or None), e.revision or 0
+
+        raw, _ = await get("session", state_kv)
+        if raw is None:
+            raise error(f"run {run}: its state KV holds no session (no island has started it yet)", 2)
+        session = orjson.loads(raw)
+        final_digests: dict[int, tuple[int, str]] = {}   # fragment -> (final version, its f32 digest)
+        raw, _ = await get("final", state_kv)
+        if raw is not None:
+            from yeto.schemas import codec
+
+            try:
+                fin = codec.decode("manifest", raw)
+            except Exception as exc:  # noqa: BLE001 - any decode failure: the record is not one
+                raise error(f"run {run}: state KV final is not a final manifest: {exc}", 1) from None
+            final_digests = {int(f): (int(v), fin["version_digests"][f]) for f, v in fin["versions"].items()
+                             if f in fin.get("version_digests", {})}
+        numels = {int(f["id"]): int(f["numel"]) for f in session["fragments"]}
+        for _attempt in range(attempts):
+            info = await js.stream_info(kv_stream_name(bucket), subjects_filter=S.kv_key(run, "ckpt", "ckpt.*.manifest"))
+            shard_ids = sorted(int(subj.split(".")[-2]) for subj in (info.state.subjects or {}))
+            if not shard_ids:
+                raise error(f"run {run}: its ckpt KV holds no committed state (no ckpt.<K>.manifest): the syncer ran "
+                            f"with --state-store local, or has committed nothing yet; export from its --checkpoint-dir", 2)
+            out = []
+            try:
+                for k in shard_ids:
+                    mkey = f"ckpt.{k}.manifest"
+                    raw, rev = await get(mkey)
+                    if raw is None:
+                        raise _Moved(mkey)
+                    doc = orjson.loads(raw)
+                    try:
+                        state = CheckpointState.from_json(orjson.dumps(doc["state"]))
+                    except (CheckpointError, KeyError, ValueError) as exc:
+                        raise error(f"run {run}: ckpt KV {mkey} is not a checkpoint manifest: {exc}", 1) from None
+                    elems = int(doc["chunk_elems"])
+                    files = {}
+                    for fid, v in sorted(state.versions.items()):
+                        if fid not in numels:
+                            raise error(f"run {run}: ckpt KV {mkey} names fragment {fid}, which the session "
+                                        f"(fragments 0..{len(numels) - 1}) does not have", 1)
+                        n = numels[fid]
+                        path = scratch / f"s{k}-f{fid}-v{v}.f32"
+                        with open(path, "wb") as w:
+                            for c, off in enumerate(range(0, n, elems)):
+                                key = f"ckpt.{k}.f{fid}.v{v}.p.{c}"
+                                data, _ = await get(key)
+                                want = min(elems, n - off) * ELEM
+                                if data is None:
+                                    _, now_rev = await get(mkey)
+                                    if now_rev != rev:
+                                        raise _Moved(key)
+                                    raise error(f"run {run}: ckpt KV {key} is missing under an unchanged {mkey}: the "
+                                                f"committed state of fragment {fid} version {v} is incomplete", 1)
+                                if len(data) != want:
+                                    raise error(f"run {run}: ckpt KV {key} holds {len(data)} bytes, not {want}: the "
+                                                f"committed state of fragment {fid} version {v} is corrupt", 1)
+                                w.write(data)
+                        want_digest = state.version_digests.get(fid)
+                        if want_digest is not None:
+                            got = await asyncio.to_thread(_digest, path, n, session, VersionDigest, chunk_plan)
+                            if got != want_digest:
+                                raise error(f"run {run}: fragment {fid} version {v} read from the ckpt KV has digest "
+                                            f"{got[:12]}…, its manifest {mkey} recorded {want_digest[:12]}…: corrupt "
+                                            f"state", 1)
+                        fv = final_digests.get(fid)
+                        if fv is not None and fv[0] == v:
+                            got = await asyncio.to_thread(_f32_digest, path, VersionDigest)
+                            if got != fv[1]:
+                                raise error(f"run {run}: fragment {fid} version {v} read from the ckpt KV has f32 "
+                                            f"digest {got[:12]}…, the final manifest recorded {fv[1][:12]}…: corrupt "
+                                            f"state", 1)
+                        files[fid] = path
+                        if progress is not None:
+                            progress(f"fragment {fid} version {v}: {n * ELEM / 2**20:.1f} MiB from the ckpt KV "
+                                     f"(shard {k}), digest checked")
+                    out.append((f"ckpt KV ckpt.{k}", state, files))
+                return session, out
+            except _Moved:
+                for _label, _state, files in out:
+                    for p in files.values():
+                        Path(p).unlink(missing_ok=True)
+                continue
+        raise error(f"run {run}: its committed state kept changing under the export ({attempts} tries); try again", 1)
+    finally:
+        await nc.close()
+
+
+def _digest(path: Path, numel: int, session: dict, VersionDigest, chunk_plan) -> str:
+    """The version digest of a spooled fragment, computed as the syncer does (services/syncer/cut.py
+    `bulk_digest`: sha256 over the params packed in the session's bulk dtype, in its chunk plan)."""
+    import torch
+
+    from yeto.schemas.dtypes import pack
+
+    h = VersionDigest()
+    dtype = session["bulk_dtype"]
+    with open(path, "rb") as r:
+        for s in chunk_plan(numel, dtype, session["chunk_bytes"]):
+            r.seek(s.elem_offset * ELEM)
+            t = torch.frombuffer(bytearray(r.read(s.elem_count * ELEM)), dtype=torch.float32)
+            h.update(pack(t, dtype))
+    return h.hexdigest()
+
+
+def _f32_digest(path: Path, VersionDigest) -> str:
+    h = VersionDigest()
+    with open(path, "rb") as r:
+        while block := r.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def say(text: str) -> None:
+    print(f"  {text}", file=sys.stderr, flush=True)
