@@ -92,3 +92,38 @@ async def test_restore_names_what_is_missing(store, run_id, tmp_path):
     await kv.purge("ckpt.0.f1.v0.m.0")
     with pytest.raises(RuntimeError, match=r"ckpt\.0\.f1\.v0\.m\.0 is missing .* fragment 1 is incomplete"):
         await st.restore_into(CheckpointDir(tmp_path / "b"), SESSION, {0: 1000, 1: 37})
+
+
+async def test_a_standby_keeps_the_cut_warm_and_a_takeover_fetches_only_what_is_newer(store, run_id, tmp_path):
+    """state_store.py `warm`: a standby's passes fetch each committed version once; the takeover's restore
+    moves the warm fragments into place and fetches only what was committed after the last pass."""
+    from yeto.services.syncer.state_store import WARM_DIR
+
+    st, _ = store
+    numels = {0: 1000, 1: 37}
+    chunks = {0: 1000 * 4 // 256 + 1, 1: 1}   # 256-byte chunks: 16, and one for the 37 elements
+    ckpt = CheckpointDir(tmp_path / "standby")
+    warm = CheckpointDir(ckpt.path / WARM_DIR)
+    assert await st.warm(warm, numels) == 0   # nothing committed yet
+    v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
+    assert await st.warm(warm, numels) == 2
+    assert st.counters["state_store.warm_chunks"] == 2 * (chunks[0] + chunks[1])
+    assert await st.warm(warm, numels) == 0   # a pass with nothing new fetches nothing
+    assert st.counters["state_store.warm_chunks"] == 2 * (chunks[0] + chunks[1])
+    v1 = {0: _frag(3, 1000)}
+    await st.save(_state(run_id, {0: 1, 1: 0}, 1), v1, {0: 0})
+    assert await st.warm(warm, numels) == 1
+    assert sorted(p.name for p in warm.path.iterdir()) == ["frag-0-v1.momentum", "frag-0-v1.params",
+                                                           "frag-1-v0.momentum", "frag-1-v0.params"]
+    # committed after the last pass: fragment 1 version 1 is fetched at the takeover, fragment 0 moved
+    v2 = {1: _frag(4, 37)}
+    await st.save(_state(run_id, {0: 1, 1: 1}, 2), v2, {1: 0})
+    state = await st.restore_into(ckpt, SESSION, numels, warm=warm)
+    assert state.versions == {0: 1, 1: 1}
+    assert st.counters["state_store.restored_warm"] == 1
+    assert st.counters["state_store.restore_chunks"] == 2 * chunks[1]
+    for fid, v, (p, m) in ((0, 1, v1[0]), (1, 1, v2[1])):
+        got_p, got_m = ckpt.load_fragment(fid, v, p.numel())
+        assert torch.equal(got_p, p) and torch.equal(got_m, m)
+    assert not (warm.path / "frag-0-v1.params").exists()   # moved, not copied

@@ -13,6 +13,7 @@ command twice). Real nats-server, real syncers, two `python -m yeto.learner.demo
 from __future__ import annotations
 
 import asyncio
+import re
 import os
 import signal
 import subprocess
@@ -165,6 +166,13 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
     assert "took over run" in second.output(), second.output()[-3000:]
     if dirs == "own":
         assert "from the state KV" in second.output()
+        # The standby kept the cut warm: the takeover (at once here: the owner was a dead pid on this host)
+        # fetched at most the fragment of the owner's last commit, and moved the others into place.
+        warm = re.search(r"\((\d+) of (\d+) fragments from the standby's warm copy\)", second.output())
+        assert warm and 1 <= int(warm.group(1)) >= int(warm.group(2)) - 1, second.output()[-3000:]
+        assert not (ckpt / ".standby-warm").exists()
+    else:   # a shared directory: no warm copy beside the owner's files once they are there
+        assert not (ckpt / ".standby-warm").exists() and "warm copy" not in second.output().split("took over")[-1]
     assert commit["committed_step"] == rounds
     assert sorted(set(steps)) == list(range(1, rounds + 1))
     assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, isl.values())

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 
 import orjson
 
 from yeto.schemas import shards as SH
 from yeto.services.syncer import rounds as R
-from yeto.services.syncer.checkpoint import CheckpointError
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointError
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.lease import FlagMismatch, RunLease, lease_key, read_key
 from yeto.services.syncer.recording import INPUT_KIND
+from yeto.services.syncer.state_store import WARM_DIR
 from yeto.services.syncer.shard_watch import ShardRecordError, ShardWatch, parse_shard_final
 
 log = logging.getLogger("yeto.syncer")
@@ -45,8 +47,17 @@ class Startup:
         except FlagMismatch as exc:
             raise SyncerError(f"run {self.run_id} is owned by a syncer with other run flags: {exc}") from None
         if not owner:
-            if not await self.lease.wait_for_lapse(self._run_finished):
+            warming = (asyncio.create_task(self._keep_warm())
+                       if self.cut.store is not None and not self.ckpt.exists() else None)
+            try:
+                lapsed = await self.lease.wait_for_lapse(self._run_finished)
+            finally:
+                if warming is not None:
+                    warming.cancel()
+                    await asyncio.gather(warming, return_exceptions=True)
+            if not lapsed:
                 log.info("run %s finished while this syncer stood by: nothing to do", self.run_id)
+                await asyncio.to_thread(shutil.rmtree, self.ckpt.path / WARM_DIR, True)
                 self.standby_done = True
                 return False
         commit = await self._kv_get(self.state_kv, self._key("commit"))
@@ -71,6 +82,36 @@ class Startup:
         self.cut.guard = self._guard
         return True
 
+    async def _keep_warm(self) -> None:
+        """A standby's warm copy of the committed cut (state_store.py `warm`), refreshed every half lease TTL
+        (at least every 2 s) until the takeover cancels it. Never raises: a pass that fails is tried again."""
+        warm = CheckpointDir(self.ckpt.path / WARM_DIR)
+        every = max(0.5, min(2.0, self.cfg.lease_ttl_s / 2))
+        numels = None
+        while True:
+            if self.ckpt.exists():
+                # The owner's checkpoint appeared in this directory: it is shared (a volume both mount), and the
+                # takeover continues from those files; a warm copy beside them is only disk.
+                await asyncio.to_thread(shutil.rmtree, warm.path, True)
+                return
+            try:
+                if numels is None:
+                    session = await self._kv_get(self.state_kv, "session")
+                    if session is not None:
+                        own = set(self.cfg.machine.own_fragments)
+                        numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in own}
+                if numels is not None:
+                    n = await self.cut.store.warm(warm, numels)
+                    if n:
+                        log.info("standby: %d fragment version%s fetched into the warm copy %s", n,
+                                 "s" if n > 1 else "", warm.path)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a cache: the takeover fetches what it lacks
+                self.counters["state_store.warm_error"] += 1
+                log.debug("standby: warming the cut failed: %r", exc)
+            await asyncio.sleep(every)
+
     async def _restore_from_jetstream(self) -> None:
         """A takeover on a host without the previous owner's directory: the committed state from the state
         KV into this syncer's checkpoint directory, which the resume then continues (and checks)."""
@@ -79,12 +120,18 @@ class Startup:
             raise SyncerError(f"run {self.run_id}: the state KV holds committed state but no session")
         numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in set(self.cfg.machine.own_fragments)}
         t0 = time.perf_counter()
+        warm_path = self.ckpt.path / WARM_DIR
+        before = self.counters["state_store.restored_warm"]
         try:
-            state = await self.cut.store.restore_into(self.ckpt, session, numels)
+            state = await self.cut.store.restore_into(self.ckpt, session, numels,
+                                                      warm=CheckpointDir(warm_path) if warm_path.is_dir() else None)
         except (RuntimeError, CheckpointError) as exc:
             raise SyncerError(f"run {self.run_id}: restoring the committed state from the state KV failed: {exc}") from None
-        log.warning("restored run %s's committed state (step %d, versions %s) from the state KV into %s in %.1f s",
-                    self.run_id, state.committed_step, state.versions, self.ckpt.path, time.perf_counter() - t0)
+        await asyncio.to_thread(shutil.rmtree, warm_path, True)
+        log.warning("restored run %s's committed state (step %d, versions %s) from the state KV into %s in %.1f s "
+                    "(%d of %d fragments from the standby's warm copy)", self.run_id, state.committed_step,
+                    state.versions, self.ckpt.path, time.perf_counter() - t0,
+                    self.counters["state_store.restored_warm"] - before, len(numels))
 
     async def _redo_interrupted_merges(self, state):
         """--resume: a cut-through merge the killed syncer had begun (its intent names the version after
