@@ -58,7 +58,7 @@ async def test_saved_versions_restore_bitwise_into_an_empty_directory(store, run
 
 
 async def test_a_save_torn_before_its_manifest_restores_the_previous_version(store, run_id, tmp_path):
-    st, _ = store
+    st, kv = store
     v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
     await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
 
@@ -78,6 +78,14 @@ async def test_a_save_torn_before_its_manifest_restores_the_previous_version(sto
     assert state.versions == {0: 0, 1: 0}
     got_p, _ = CheckpointDir(tmp_path / "standby").load_fragment(0, 0, 1000)
     assert torch.equal(got_p, v0[0][0])
+    # the torn version's chunks no manifest names: the next owner purges them when it starts
+    keys = set(await kv.keys())
+    assert [k for k in keys if k.startswith("ckpt.0.f0.v1.")], sorted(keys)
+    assert await st.purge_unnamed() == 1
+    keys = set(await kv.keys())
+    assert not [k for k in keys if k.startswith("ckpt.0.f0.v1.")], sorted(keys)
+    assert len([k for k in keys if k.startswith("ckpt.0.f0.v0.")]) == 2 * 16 and "ckpt.0.manifest" in keys
+    assert await st.purge_unnamed() == 0
 
 
 async def _none():

@@ -80,6 +80,8 @@ class Startup:
         # now; a resumed owner rewrites it first (the old owner's next write then fails: cut.py).
         self.cut.commit_rev, _ = await read_key(self.state_kv, self._key("commit"))
         self.cut.guard = self._guard
+        if self.cut.store is not None:   # what a save torn by the previous owner's death left (state_store.py)
+            await self.cut.store.purge_unnamed()
         return True
 
     async def _keep_warm(self) -> None:

@@ -14,7 +14,7 @@ Keys (per shard K; `<K>` is 0 with one shard):
 
 Order, as in the directory: a version's chunks, then the manifest that names it, then the previous
 version's chunks are purged; a crash in between leaves the old manifest naming complete old chunks (or a
-leftover of chunks no manifest names, purged with that fragment's next commit but one). The save runs
+leftover of chunks no manifest names, which the next owner purges when it starts: `purge_unnamed`). The save runs
 before the commit record and the seal ("durable before the seal"), under the lease's guard. A restore
 writes everything into a checkpoint directory, and the resume there checks every fragment against the
 version digests it recorded.
@@ -111,6 +111,35 @@ class StateStore:
         await self.guard()
         await kv_put(self.js, self.run_id, "ckpt", self.key("intent", f"f{fid}"), orjson.dumps(intent),
                      counters=self.counters)
+
+    async def purge_unnamed(self) -> int:
+        """A new owner's clean-up: chunks of versions the manifest does not name (a save torn by a crash
+        between its chunks and its manifest; a purge that failed) go now, not when that fragment's version
+        after next commits. Returns the versions purged; never raises (a leftover costs bytes only)."""
+        try:
+            m = await self._manifest()
+            if m is None:
+                return 0
+            state, _ = m
+            stream = kv_stream_name(S.kv_bucket(self.run_id, "ckpt"))
+            info = await self.js.stream_info(stream, subjects_filter=S.kv_key(self.run_id, "ckpt", self.key(">")))
+            found: set[tuple[int, int]] = set()
+            prefix = S.kv_key(self.run_id, "ckpt", self.key(""))
+            for subject in info.state.subjects or {}:
+                parts = subject[len(prefix):].split(".")   # f<F>, v<N>, p|m, <k>  (or manifest, intent.f<F>)
+                if len(parts) == 4 and parts[0][:1] == "f" and parts[1][:1] == "v":
+                    found.add((int(parts[0][1:]), int(parts[1][1:])))
+            torn = sorted((f, v) for f, v in found if state.versions.get(f) != v)
+            for f, v in torn:
+                await self._purge(f, v)
+            self.counters["state_store.purged_unnamed"] += len(torn)
+            if torn:
+                log.info("purged %d version(s) the ckpt KV's manifest does not name: %s", len(torn), torn)
+            return len(torn)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self.counters["state_store.purge_error"] += 1
+            log.warning("purging unnamed versions from the ckpt KV failed: %r", exc)
+            return 0
 
     async def _purge(self, fid: int, version: int) -> None:
         subject = S.kv_key(self.run_id, "ckpt", self.key(f"f{fid}", f"v{version}", ">"))
