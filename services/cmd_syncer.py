@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import logging
 import os
 import sys
@@ -142,6 +143,12 @@ def add_parser(sub) -> None:
           "this; a second `yeto syncer` for the run stands by and takes over once the owner's lease has not "
           "moved for this long (it was killed, paused or cut off; a paused owner that wakes publishes nothing "
           "more and exits 4)")
+    g.add_argument("--cover-coordinator", action="store_true",
+                   default=_env("YETO_SYNCER_COVER_COORDINATOR", "0") == "1",
+                   help="sharded, shard K > 0: also stand by for the coordinator (shard 0) in this process, with a "
+                        "warm copy of its committed state, and take its role and fragments over if its owner dies "
+                        "and no other standby is first (this host then holds both shards' params and momentum; "
+                        "needs --state-store jetstream) (env YETO_SYNCER_COVER_COORDINATOR=1)")
     g.add_argument("--state-store", default=_env("YETO_STATE_STORE", "jetstream"),
                    help="where the committed params, momentum and merge intents are kept besides --checkpoint-dir: "
                         "jetstream (the run's state KV, with its --replicas: a standby or a rescheduled syncer on "
@@ -151,6 +158,56 @@ def add_parser(sub) -> None:
           "seconds between status lines and updates of the state KV key `syncer` (phase, versions, counters)")
     g.add_argument("--log-level", default=_env("YETO_LOG_LEVEL", "INFO"))
     p.set_defaults(func=run)
+
+
+def coordinator_cover(cfg, ckpt: Path, args):
+    """The ServiceConfig of the coordinator's standby that `--cover-coordinator` runs beside this shard:
+    the same run flags as shard 0 (whose lease checks them), a checkpoint directory of its own next to this
+    shard's, its own connection name."""
+    import dataclasses
+
+    mc0 = dataclasses.replace(cfg.machine, shard=0)
+    return dataclasses.replace(cfg, machine=mc0, checkpoint_dir=ckpt.parent / f"{ckpt.name}-cover-s0",
+                               connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}-s0-cover"),
+                               standby_only=True)
+
+
+async def _with_cover(own, cover_cfg) -> int:
+    """This shard's syncer and, beside it, a standby for shard 0 (the coordinator). Each logs under its own
+    shard's label; the cover's failure never stops this shard's syncer. Exit: this shard's code, else the
+    cover's (a takeover that could not finish the run)."""
+    from yeto.schemas.provision import ProvisionError
+    from yeto.services.syncer.service import SyncerError, SyncerService
+
+    async def covering() -> int:
+        SHARD_LABEL.set(cover_cfg.machine.shard)
+        try:
+            return await SyncerService(cover_cfg).run()
+        except (SyncerError, ProvisionError) as exc:
+            logging.getLogger("yeto.syncer").error("the coordinator's cover: %s", exc)
+            return 2
+
+    SHARD_LABEL.set(own.cfg.machine.shard)
+    rc_own, rc_cover = await asyncio.gather(own.run(), asyncio.create_task(covering()))
+    return rc_own or rc_cover
+
+
+# The shard a log line comes from, for a process that runs two shards (--cover-coordinator): each one's
+# tasks and threads inherit it (asyncio copies the context into tasks and to_thread).
+SHARD_LABEL: "contextvars.ContextVar[int | None]" = contextvars.ContextVar("yeto_shard_label", default=None)
+
+
+class _ShardLabel(logging.Filter):
+    def __init__(self, shards: int, default: int):
+        super().__init__()
+        self.shards, self.default = shards, default
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from yeto.schemas import shards as SH
+
+        k = SHARD_LABEL.get()
+        record.shard_label = SH.label(self.default if k is None else k, self.shards)
+        return True
 
 
 def run(args) -> int:
@@ -168,8 +225,11 @@ def run(args) -> int:
     label = SH.label(args.shard, args.shards) if isinstance(args.shard, int) and isinstance(args.shards, int) \
         and args.shards >= 1 else ""
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(name)s " + (f"[{label}] " if label else "") + "%(levelname)s %(message)s",
+                        format="%(asctime)s %(name)s " + ("[%(shard_label)s] " if label else "") + "%(levelname)s %(message)s",
                         stream=sys.stderr)
+    if label:
+        for h in logging.getLogger().handlers:
+            h.addFilter(_ShardLabel(args.shards, args.shard))
     try:
         mc = SyncerConfig(
             run=args.run, islands=args.islands, fragments=args.fragments, sync_every=args.sync_every,
@@ -220,9 +280,20 @@ def run(args) -> int:
         print(f"yeto syncer: --push-memory-mib must be a number >= 0, got {args.push_memory_mib!r}", file=sys.stderr)
         return 2
     cfg.push_memory_bytes = int(args.push_memory_mib * (1 << 20))
+    cover = None
+    if args.cover_coordinator:
+        if not mc.sharded or mc.shard == 0:
+            print("yeto syncer: --cover-coordinator is for a follower shard (--shard K > 0 of --shards N > 1), "
+                  f"got --shard {mc.shard} --shards {mc.shards}", file=sys.stderr)
+            return 2
+        if cfg.state_store != "jetstream":
+            print("yeto syncer: --cover-coordinator needs --state-store jetstream (the coordinator's committed state "
+                  "is restored from it on this host)", file=sys.stderr)
+            return 2
+        cover = coordinator_cover(cfg, ckpt, args)
     rc = 1
     try:
-        rc = asyncio.run(SyncerService(cfg).run())
+        rc = asyncio.run(SyncerService(cfg).run() if cover is None else _with_cover(SyncerService(cfg), cover))
     except (SyncerError, ProvisionError) as exc:  # a conflicting run, replicas the server cannot place
         print(f"yeto syncer: {exc}", file=sys.stderr)
         rc = 2

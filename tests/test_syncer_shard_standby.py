@@ -129,3 +129,62 @@ async def test_a_shards_owner_killed_its_standby_on_an_empty_directory_takes_ove
         assert all(r["detail"]["fragments"] == [killed] for r in missing), missing
     finally:
         await run.close()
+
+
+async def test_a_follower_covering_the_coordinator_takes_its_role_when_it_dies(nats_url, run_id, tmp_path):
+    """`--cover-coordinator` (services/cmd_syncer.py): no dedicated standby for shard 0; shard 1's own
+    process stands by for it (warm) and, when shard 0's owner is killed -9 with a round in flight, takes the
+    coordinator's role and fragments over: the round is launched again, the run finishes (manifests, acks)
+    with the reference values, and each (fragment, version) has one digest. The cover never took the lease
+    at the start, though it started before anyone had held it for long."""
+    run = ShardedRun(nats_url, run_id, tmp_path)
+    run.shards[0].cmd = [*run.shards[0].cmd, "--lease-ttl", TTL]
+    run.shards[1].cmd = [*run.shards[1].cmd, "--lease-ttl", TTL, "--cover-coordinator"]
+    try:
+        init = await run.start(seed=5)
+        a = run.isls[0]
+        js = a.js
+        ref = Reference(init)
+        gen = torch.Generator().manual_seed(13)
+        await _play(run, ref, 1, gen)
+        await _play(run, ref, 2, gen)
+        assert await _lease_pid(js, run_id, 0) == run.shards[0].proc.pid   # the cover only stood by
+        for isl in run.isls:
+            await isl.expect_pull(3, attempt=1)
+        run.shards[0].kill()
+        t_kill = time.monotonic()
+        await _play(run, ref, 3, gen, attempt=2, timeout=60)
+        took = time.monotonic() - t_kill
+        await _play(run, ref, 4, gen)
+        cover = run.shards[1]
+        assert await _lease_pid(js, run_id, 0) == cover.proc.pid
+        out = cover.output()
+        assert "[shard 0/2]" in out and "took over run lease.0" in out and "restored run" in out, out[-3000:]
+        assert "fragments from the standby's warm copy" in out, out[-3000:]
+        manifest = await _finish_all(run, [cover])
+        print(f"coordinator killed -> its round merged again by the covering follower in {took:.1f}s")
+        assert manifest["versions"] == {"0": 2, "1": 2}
+        for fid in (0, 1):
+            _, vals, meta = await a.read_cut(fid, final=True)
+            assert meta["version_digest"] == manifest["version_digests"][str(fid)]
+            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+        commits = [(r["fragment"], r["version"], r["detail"]["version_digest"]) for r in await tape(js, run_id, "commit")]
+        assert len({(f, v, d) for f, v, d in commits}) == len({(f, v) for f, v, _ in commits}) == 6, commits
+        assert (tmp_path / "s1-cover-s0" / "checkpoint.json").exists()
+    finally:
+        await run.close()
+
+
+def test_cover_coordinator_is_refused_where_it_cannot_work(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.scripted import ROOT
+
+    base = [sys.executable, "-m", "yeto.services.cli", "syncer", "--run", "r", "--nats", "nats://127.0.0.1:1",
+            "--islands", "2", "--fragments", "2", "--checkpoint-dir", str(tmp_path), "--cover-coordinator"]
+    for extra, says in ((["--shards", "2", "--shard", "0"], "--cover-coordinator is for a follower shard"),
+                        ([], "--cover-coordinator is for a follower shard"),
+                        (["--shards", "2", "--shard", "1", "--state-store", "local"], "needs --state-store jetstream")):
+        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -182,6 +182,29 @@ class RunLease:
                 raise FlagMismatch("; ".join(bad))
         return False
 
+    async def wait_for_holder(self, finished: Callable[[], Awaitable[bool]]) -> bool:
+        """A standby that must not take a lease nobody held (`--cover-coordinator`): wait until some process
+        holds the key (True; then `wait_for_lapse`), or the run is finished (False). FlagMismatch as in
+        `acquire`."""
+        poll = max(0.05, self.book.ttl_s / 10)
+        while True:
+            if await finished():
+                return False
+            try:
+                rev, held = await self._read()
+            except Exception as exc:  # noqa: BLE001 - a broker away: look again
+                log.debug("lease read failed: %r", exc)
+                await asyncio.sleep(poll)
+                continue
+            if held:
+                self.book.saw(rev, held, time.monotonic())
+                if held.get("flags"):
+                    bad = flag_mismatches(self.flags, held["flags"])
+                    if bad:
+                        raise FlagMismatch("; ".join(bad))
+                return True
+            await asyncio.sleep(poll)
+
     def _holder_died_here(self) -> bool:
         """The holder ran on this host and its process is gone (a syncer restarted after a kill): no TTL
         to wait out. Another host's holder is judged by its revision only."""

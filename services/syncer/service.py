@@ -106,6 +106,9 @@ class ServiceConfig:
     ckpt_writer: str = "inline"
     # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes)
     push_memory_bytes: int = 1024 << 20
+    # `--cover-coordinator`'s standby for shard 0: never takes a lease nobody held, only one that lapsed
+    # (started before the coordinator, it would otherwise become it, on the wrong host)
+    standby_only: bool = False
 
 
 class SyncerService(Startup):

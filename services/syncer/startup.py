@@ -43,7 +43,15 @@ class Startup:
             self.standby_done = True
             return False
         try:
-            owner = await self.lease.acquire()
+            if self.cfg.standby_only:
+                owner = False
+                if not await self.lease.wait_for_holder(self._run_finished):
+                    log.info("run %s finished before anybody held %s: nothing to cover", self.run_id,
+                             self.lease.key)
+                    self.standby_done = True
+                    return False
+            else:
+                owner = await self.lease.acquire()
         except FlagMismatch as exc:
             raise SyncerError(f"run {self.run_id} is owned by a syncer with other run flags: {exc}") from None
         if not owner:
