@@ -1,6 +1,7 @@
 """Syncer shards: the coordinator's check of another shard's `final.<K>` record (services/syncer/
 shard_watch.parse_shard_final), pure. A record that passes fills the manifest's digests, so each way
-a record can be wrong is refused with a message naming it."""
+a record can be wrong is refused with a message naming it. And the watch itself, against a real state KV:
+a shard whose final cut is in is never reported missing."""
 from __future__ import annotations
 
 import orjson
@@ -40,3 +41,48 @@ def test_a_bad_record_is_refused_naming_what_is_wrong(value, why):
         parse_shard_final(1, value, fragments=4, shards=2)
     assert why in str(exc.value)
 
+
+
+async def test_a_shard_whose_final_cut_is_in_is_never_missing_however_it_exits(nc, run_id):
+    """The coordinator's watch (services/syncer/shard_watch.py) against a real state KV: shard 1 recorded
+    its final cut and then stopped updating its status without saying it exited (killed, or slow to exit):
+    it is not "missing". Shard 2, whose status went as quiet without a final cut, is (the control)."""
+    import asyncio
+    import time
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from yeto.schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
+    from yeto.services.syncer import rounds as R
+    from yeto.services.syncer.shard_watch import ShardWatch
+    from yeto.services.syncer.tape import TapeWriter
+    from tests.scripted import tape
+
+    js = nc.jetstream(timeout=10)
+    await provision_run(js, run_id, RunLimits.small(), shard=0, shards=3, fragments=3)
+    counters = Counter()
+    cfg = R.SyncerConfig(run=run_id, islands=2, fragments=3, sync_every=3, total_steps=6, shard=0, shards=3)
+    queue: asyncio.Queue = asyncio.Queue()
+    cut = SimpleNamespace(final_digests={})   # what the watch fills from a final record: the digests
+    watch = ShardWatch(js=js, run_id=run_id, config=cfg, state_kv=await kv_handle(js, run_id, "state"),
+                       members_kv=await kv_handle(js, run_id, "members"), queue=queue, cut=cut,
+                       tape=TapeWriter(js, run_id, counters, "t", shard=0), counters=counters,
+                       machine=lambda: None, status_every_s=0.1)
+    watch.missing_after_s = 0.5   # (15 s by default)
+    for k in (1, 2):
+        await kv_put(js, run_id, "state", f"syncer.{k}", orjson.dumps({"phase": "running", "shard": k}))
+    await kv_put(js, run_id, "state", "final.1", orjson.dumps(
+        {"shard": 1, "final_step": 6, "versions": {"1": 2}, "version_digests": {"1": D}}))
+    await watch.poll_once()
+    got = await asyncio.wait_for(queue.get(), 5)
+    assert isinstance(got, R.ShardFinal) and got.shard == 1 and cut.final_digests == {1: D}
+    deadline = time.monotonic() + 10
+    while 2 not in watch.missing and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        watch._status_t = 0.0   # poll the status records on every pass
+        await watch.poll_once()
+    assert 2 in watch.missing and "no status update" in watch.missing[2], watch.missing
+    assert 1 not in watch.missing, watch.missing
+    await watch.tape.flush()
+    reasons = [r["reason"] for r in await tape(js, run_id, "error")]
+    assert any(r.startswith("shard 2 missing") for r in reasons) and not any(r.startswith("shard 1") for r in reasons)
