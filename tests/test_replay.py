@@ -87,6 +87,11 @@ async def test_a_real_runs_tape_replays_identical_and_an_edited_one_names_the_fi
     # The export replays the same.
     res = yeto_replay("--tape", str(export))
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == last, res.stdout + res.stderr
+    # ... and without torch: the round machine and the replay are pure Python (torch made unimportable)
+    res = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
+                          "from yeto.services.cli import main; sys.exit(main(sys.argv[1:]))", "replay", "--tape",
+                          str(export)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == last, res.stdout + res.stderr
 
     # Hand-edit one event: the c_tokens of b's accepted push in round 1, attempt 2. Every earlier event
     # replays as recorded; the first difference is the Merge that weighs it.

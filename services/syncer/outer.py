@@ -84,42 +84,16 @@ def delta_view(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
     return t
 
 
+# The merge weights are pure Python: they live apart so the round machine (pushes.py) and `yeto replay`
+# never import torch.
+from yeto.services.syncer.weights import _tokens_of, weights_for  # noqa: E402,F401
+
+
 def delta_dtype(wire_dtype: str) -> torch.dtype:
     """The dtype `delta_view` usually returns for `wire_dtype` (q4 and misaligned buffers decode to f32;
     an OuterStep checks each chunk's real dtypes before it uses a compiled loop)."""
     spec = _VIEW_DTYPES.get(wire_dtype)
     return spec[0] if spec is not None else torch.float32
-
-
-def _tokens_of(member: Any) -> float:
-    # Accept plain numbers, objects with .c_tokens (rounds.MergeInput) and mappings (decoded JSON).
-    if isinstance(member, (int, float)):
-        value = member
-    elif hasattr(member, "c_tokens"):
-        value = member.c_tokens
-    else:
-        value = member["c_tokens"]
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"c_tokens must be a finite number >= 0, got {value!r}")
-    return value
-
-
-def weights_for(members: Sequence[Any], equal_weights: bool) -> list[float]:
-    """Normalized merge weights (sum 1) in the order of `members`.
-
-    wᵢ = c_tokens of member i, or 1 for every member with `equal_weights`. If every member reports
-    0 tokens (an island that counts no tokens, or pushes right after a reset) token weighting is
-    meaningless and would divide by zero, so the weights fall back to equal.
-    """
-    n = len(members)
-    if n == 0:
-        raise ValueError("weights_for needs at least one member")
-    tokens = [_tokens_of(m) for m in members]
-    total = math.fsum(tokens)
-    if equal_weights or total == 0.0:
-        return [1.0 / n] * n
-    return [t / total for t in tokens]
 
 
 def _check_hyper(weights: Sequence[float], lr: float, mu: float) -> float:

@@ -2,7 +2,7 @@
 
 A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
 
-- **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (outer.weights_for).
+- **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (weights.weights_for).
   A claim is bounded before it weighs (`max_token_factor` F, default 4). The syncer cannot check a claim
   (tokens per step differ per island, and c_steps is claimed too), but it can refuse to let one island's
   word outweigh the others'. Among the round's positive claims (claims of 0 take no part, so an island
@@ -63,7 +63,7 @@ from typing import Sequence
 from yeto.services.syncer.actions import Merge, MergeInput, Release
 from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
 from yeto.services.syncer.events import MergeDone, PushComplete
-from yeto.services.syncer.outer import weights_for
+from yeto.services.syncer.weights import weights_for
 from yeto.services.syncer.state import Round, _Answer, lower_median
 
 
