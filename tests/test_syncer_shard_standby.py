@@ -77,6 +77,19 @@ async def _finish_all(run: TwinShards, procs: list[SyncerProc]) -> dict:
     return manifests["a"]
 
 
+async def _final_cut_is_the_reference(a, ref: Reference, manifest: dict, js, run_id: str) -> None:
+    """The final cut (versions 2 of both fragments) equals the independent reference, its digests are the
+    manifest's, and every (fragment, version) 0..2 was committed with one digest."""
+    assert manifest["versions"] == {"0": 2, "1": 2}
+    for fid in (0, 1):
+        _, vals, meta = await a.read_cut(fid, final=True)
+        assert meta["version_digest"] == manifest["version_digests"][str(fid)]
+        torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
+    commits = [(r["fragment"], r["version"], r["detail"]["version_digest"]) for r in await tape(js, run_id, "commit")]
+    assert sorted({(f, v) for f, v, _ in commits}) == sorted((f, v) for f in (0, 1) for v in (0, 1, 2))
+    assert len({(f, v, d) for f, v, d in commits}) == 6, commits   # one digest per version
+
+
 @pytest.mark.parametrize("killed", [1, 0], ids=["follower", "coordinator"])
 async def test_a_shards_owner_killed_its_standby_on_an_empty_directory_takes_over(nats_url, run_id, tmp_path, killed):
     run = TwinShards(nats_url, run_id, tmp_path)
@@ -111,14 +124,7 @@ async def test_a_shards_owner_killed_its_standby_on_an_empty_directory_takes_ove
         other_owner, other_standby = owners[1 - killed]
         manifest = await _finish_all(run, [standby, other_owner, other_standby])
         print(f"shard {killed}: kill -> its round merged again by the standby in {took:.1f}s")
-        assert manifest["versions"] == {"0": 2, "1": 2}
-        for fid in (0, 1):
-            _, vals, meta = await a.read_cut(fid, final=True)
-            assert meta["version_digest"] == manifest["version_digests"][str(fid)]
-            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
-        commits = [(r["fragment"], r["version"], r["detail"]["version_digest"]) for r in await tape(js, run_id, "commit")]
-        assert sorted({(f, v) for f, v, _ in commits}) == sorted((f, v) for f in (0, 1) for v in (0, 1, 2))
-        assert len({(f, v, d) for f, v, d in commits}) == 6, commits   # one digest per version
+        await _final_cut_is_the_reference(a, ref, manifest, js, run_id)
         # the standby of the shard nobody killed stood by to the end and wrote nothing
         assert "finished while this syncer stood by" in other_standby.output(), other_standby.output()[-3000:]
         standby_dir = run.ckpt[1 - killed] if other_standby in run.shards else tmp_path / f"s{1 - killed}-twin"
@@ -163,13 +169,7 @@ async def test_a_follower_covering_the_coordinator_takes_its_role_when_it_dies(n
         assert "fragments from the standby's warm copy" in out, out[-3000:]
         manifest = await _finish_all(run, [cover])
         print(f"coordinator killed -> its round merged again by the covering follower in {took:.1f}s")
-        assert manifest["versions"] == {"0": 2, "1": 2}
-        for fid in (0, 1):
-            _, vals, meta = await a.read_cut(fid, final=True)
-            assert meta["version_digest"] == manifest["version_digests"][str(fid)]
-            torch.testing.assert_close(vals, ref.value(fid), rtol=1e-6, atol=1e-6)
-        commits = [(r["fragment"], r["version"], r["detail"]["version_digest"]) for r in await tape(js, run_id, "commit")]
-        assert len({(f, v, d) for f, v, d in commits}) == len({(f, v) for f, v, _ in commits}) == 6, commits
+        await _final_cut_is_the_reference(a, ref, manifest, js, run_id)
         assert (tmp_path / "s1-cover-s0" / "checkpoint.json").exists()
     finally:
         await run.close()

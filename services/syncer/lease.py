@@ -119,6 +119,9 @@ def lease_key(shard: int, shards: int) -> str:
 _OPEN: set[str] = set()
 
 
+_FINISHED = object()   # RunLease._poll_once: the run is over
+
+
 class RunLease:
     """The lease's I/O shell on the run's state KV (nats-py KeyValue). `close()` when its syncer ends."""
 
@@ -186,16 +189,11 @@ class RunLease:
         """A standby that must not take a lease nobody held (`--cover-coordinator`): wait until some process
         holds the key (True; then `wait_for_lapse`), or the run is finished (False). FlagMismatch as in
         `acquire`."""
-        poll = max(0.05, self.book.ttl_s / 10)
         while True:
-            if await finished():
+            got = await self._poll_once(finished)
+            if got is _FINISHED:
                 return False
-            try:
-                rev, held = await self._read()
-            except Exception as exc:  # noqa: BLE001 - a broker away: look again
-                log.debug("lease read failed: %r", exc)
-                await asyncio.sleep(poll)
-                continue
+            rev, held = got if got is not None else (0, None)
             if held:
                 self.book.saw(rev, held, time.monotonic())
                 if held.get("flags"):
@@ -203,7 +201,22 @@ class RunLease:
                     if bad:
                         raise FlagMismatch("; ".join(bad))
                 return True
-            await asyncio.sleep(poll)
+            await asyncio.sleep(self._poll_s)
+
+    @property
+    def _poll_s(self) -> float:
+        return max(0.05, self.book.ttl_s / 10)
+
+    async def _poll_once(self, finished: Callable[[], Awaitable[bool]]):
+        """_FINISHED when the run is finished; None after a failed read (a broker away: the caller sleeps
+        and looks again, its clock running on); else the key as read, (revision, record)."""
+        if await finished():
+            return _FINISHED
+        try:
+            return await self._read()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.debug("lease read failed: %r", exc)
+            return None
 
     def _holder_died_here(self) -> bool:
         """The holder ran on this host and its process is gone (a syncer restarted after a kill): no TTL
@@ -229,16 +242,14 @@ class RunLease:
                     "lease (TTL %.0f s) lapses", self.label, self.key, h.get("owner", "?"), h.get("host", "?"),
                     h.get("pid", "?"), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("since", 0))),
                     self.book.ttl_s)
-        poll = max(0.05, self.book.ttl_s / 10)
         while True:
-            if await finished():
+            got = await self._poll_once(finished)
+            if got is _FINISHED:
                 return False
-            try:
-                rev, held = await self._read()
-            except Exception as exc:  # noqa: BLE001 - a broker away: look again (the clock keeps running)
-                log.debug("lease read failed: %r", exc)
-                await asyncio.sleep(poll)
+            if got is None:
+                await asyncio.sleep(self._poll_s)
                 continue
+            rev, held = got
             now = time.monotonic()
             before = self.book.holder.get("owner")
             self.book.saw(rev, held, now)
@@ -253,7 +264,7 @@ class RunLease:
                         return True
                 except Exception as exc:  # noqa: BLE001
                     log.debug("lease takeover write failed: %r", exc)
-            await asyncio.sleep(poll)
+            await asyncio.sleep(self._poll_s)
 
     def valid(self) -> bool:
         return self.book.valid(time.monotonic())
