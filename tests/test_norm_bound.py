@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def push(m, island, step, *, norm=1.0, tokens=100, c_steps=5, now=None, non_finite=0):
     r = m.rounds[step]
     return PushComplete(island, GEN[island], r.fragment, step, r.attempt, 0, m.versions[r.fragment], 10, c_steps,
-                        tokens, True, None, now if now is not None else m._now, norm=norm, non_finite=non_finite)
+                        tokens, True, None, now if now is not None else m.state.now, norm=norm, non_finite=non_finite)
 
 
 def run_rounds(m, rounds, islands=("a", "b")):
@@ -85,7 +85,7 @@ def test_a_sudden_jump_after_honest_rounds_is_caught_by_the_history():
     m = launched(islands=("a", "b"), total_steps=4)
     _, qs = run_rounds(m, [{"a": 1.0, "b": 1.0}] * 3 + [{"a": 1.0, "b": 4.5}])
     assert [q["island"] for q in qs] == ["b"] and qs[0]["detail"]["quarantine"]["reference"] == 1.0
-    assert m._accepted_norms[0]["b"] == [1.0, 1.0, 1.0]          # a quarantined norm never enters the history
+    assert m.state.accepted_norms[0]["b"] == [1.0, 1.0, 1.0]          # a quarantined norm never enters the history
 
 
 def test_an_attacker_cannot_ratchet_the_reference_up_over_rounds():
@@ -99,7 +99,7 @@ def test_an_attacker_cannot_ratchet_the_reference_up_over_rounds():
             merged_b.append(limit * 0.99)
         limit *= 1.5                                            # tries ever larger pushes
     assert merged_b and max(merged_b) <= 4.0
-    assert all(v <= 4.0 for v in m._accepted_norms[0]["b"]) and len(m._accepted_norms[0]["b"]) <= NORM_HISTORY
+    assert all(v <= 4.0 for v in m.state.accepted_norms[0]["b"]) and len(m.state.accepted_norms[0]["b"]) <= NORM_HISTORY
 
 
 def run_rounds_from(m, step, norms):
@@ -139,7 +139,7 @@ def test_a_restored_machine_starts_with_no_history_and_judges_from_its_rounds_ow
     run_rounds(m, [{"a": 1.0, "b": 1.0}])
     r = RoundMachine.restore(m.config, m.session, m.versions, m.committed_step,
                              {i: mm.record() for i, mm in m.members.items()}, now=20.0)
-    assert not r.__dict__.get("_accepted_norms")
+    assert not r.state.accepted_norms
     for isl in ("a", "b"):
         r.handle(Heartbeat(isl, GEN[isl], 8, 1.0, 20.0))
     r.handle(Tick(25.0))

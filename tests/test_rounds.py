@@ -225,7 +225,7 @@ def test_init_of_an_unseen_generation_is_held_and_replayed_at_its_hello():
     m.handle(InitComplete("a", GEN["a"], 0, 1.0))
     # A2's chunks overtook its hello (INIT and CTL are separate consumers)
     assert m.handle(InitComplete("a", A2, 0, 2.0)) == [] and m.handle(InitComplete("a", A2, 1, 2.1)) == []
-    assert m.counters["init.held"] == 2 and not m._initialized - {0}
+    assert m.counters["init.held"] == 2 and not m.state.initialized - {0}
     acts = m.handle(hello("a", gen=A2, now=3.0))                   # clears GEN[a]'s fragment 0, replays A2's
     assert m.counters["init.restart"] == 1 and m.counters["init.replayed"] == 2
     assert of(acts, CommitV0) == [CommitV0((0, 1))]
@@ -238,12 +238,12 @@ def test_held_init_of_a_generation_that_is_retired_or_late_never_counts():
     m.handle(hello("b"))
     m.handle(InitComplete("a", A2, 0, 1.0))                       # held: A2 unseen
     m.handle(hello("a", gen=A2, now=2.0))                          # replayed: fragment 0 from A2
-    assert m._initialized == {0}
+    assert m.state.initialized == {0}
     m.handle(hello("a", gen=A3, now=3.0))                          # restarts again: A2 is retired
-    assert m._initialized == set() and m.counters["init.restart"] == 2
+    assert m.state.initialized == set() and m.counters["init.restart"] == 2
     for f in (0, 1):                                               # A2's late completions: ignored
         assert not of(m.handle(InitComplete("a", A2, f, 4.0)), CommitV0)
-    assert m.counters["ignored.init_stale_gen"] == 2 and m._initialized == set()
+    assert m.counters["ignored.init_stale_gen"] == 2 and m.state.initialized == set()
     assert m.handle(hello("a", gen=A2, now=4.5)) == []             # a replay of a retired hello changes nothing
     assert of(m.handle(InitComplete("a", A3, 0, 5.0)) + m.handle(InitComplete("a", A3, 1, 5.0)), CommitV0)
     # once version 0 is being committed, a new generation does not touch INIT, and its INIT is late
@@ -267,10 +267,10 @@ def test_init_chunks_of_an_unseen_generation_are_held_never_waited_for_then_repl
     m.handle(hello("a"))
     m.handle(hello("b"))
     acts = chunks(m, GEN["a"], 0, range(3))
-    assert of(acts, InitStore) == [InitStore(GEN["a"], 0, k) for k in range(3)] and m._initialized == {0}
+    assert of(acts, InitStore) == [InitStore(GEN["a"], 0, k) for k in range(3)] and m.state.initialized == {0}
     # A2's chunks overtake its hello: held (no store, no drop), fragment 0 of GEN[a] stays complete
     acts = chunks(m, A2, 0, range(3)) + chunks(m, A2, 1, [0, 1])
-    assert not of(acts, InitStore) and not of(acts, InitDrop) and m._initialized == {0}
+    assert not of(acts, InitStore) and not of(acts, InitDrop) and m.state.initialized == {0}
     assert m.counters["init.held_chunk"] == 5
     assert of(chunks(m, A2, 0, [1]), InitDrop) == [InitDrop(A2, 0, 1, "duplicate")]   # a resend while held
     # a chunk of the current generation is still taken at once: intake is not blocked
@@ -278,7 +278,7 @@ def test_init_chunks_of_an_unseen_generation_are_held_never_waited_for_then_repl
     acts = m.handle(hello("a", gen=A2, now=2.0))             # INIT restarts with A2, its held chunks replayed
     assert of(acts, InitStore) == [InitStore(A2, 0, 0), InitStore(A2, 0, 1), InitStore(A2, 0, 2),
                                    InitStore(A2, 1, 0), InitStore(A2, 1, 1)]
-    assert m._initialized == {0} and not of(acts, CommitV0)
+    assert m.state.initialized == {0} and not of(acts, CommitV0)
     # GEN[a]'s late chunk is refused as stale: counted, taped with its code, its bytes freed, no error message
     acts = chunks(m, GEN["a"], 1, [2])
     assert of(acts, InitDrop) == [InitDrop(GEN["a"], 1, 2, "stale_gen")] and not of(acts, SendError)
@@ -861,7 +861,7 @@ def test_known_island_back_during_finalization_gets_the_manifest():
     (fin,) = of(acts, PublishFinal)
     assert fin.record["targets"] == {"b": GEN["b"]}
     acts = m.handle(Heartbeat("a", GEN["a"], 2, 0.1, 5.8))      # a is back before the cut is out
-    assert not of(acts, SendManifest) and m._final.targets == {"a": GEN["a"], "b": GEN["b"]}
+    assert not of(acts, SendManifest) and m.state.final.targets == {"a": GEN["a"], "b": GEN["b"]}
     acts = publish_final(m, now=6.0)
     assert {(x.island, x.gen) for x in of(acts, SendManifest)} == {("a", GEN["a"]), ("b", GEN["b"])}
     m.handle(FinalAck("b", GEN["b"], 1, 6.5))

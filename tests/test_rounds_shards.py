@@ -202,11 +202,11 @@ def test_a_shards_rounds_are_paced_n_rounds_apart():
     c.start(now=0.0)
     c.feed(0, Heartbeat("a", GEN["a"], 0, 1.0, 0.0))
     f = c.m[1]
-    t, live = f._can_launch_now()
-    assert t == 2 and f._launch_time(t, live) == 2.0
+    t, live = f.round_rules.can_launch_now()
+    assert t == 2 and f.round_rules.launch_time(t, live) == 2.0
     assert not of(f.handle(Tick(1.9)), PublishPull)
     assert [a.pull["step"] for a in of(f.handle(Tick(2.0)), PublishPull)] == [2]
-    assert f._last_launch_step == 2 and f.next_step == 4
+    assert f.state.last_launch_step == 2 and f.next_step == 4
 
 
 def test_events_a_shard_does_not_own_change_nothing():
@@ -244,7 +244,7 @@ def test_members_read_before_the_session_are_admitted_when_it_comes():
     assert of(acts, AdoptSession) and sorted(f.members) == ["a", "b"] and f.phase == "init"
     # INIT of its own fragments only
     f.handle(InitComplete("a", GEN["a"], 0, 0.15))
-    assert f.counters["rejected.bad_fragment"] == 1 and not f._initialized
+    assert f.counters["rejected.bad_fragment"] == 1 and not f.state.initialized
     acts = f.handle(InitComplete("a", GEN["a"], 1, 0.2)) + f.handle(InitComplete("a", GEN["a"], 3, 0.2))
     assert of(acts, CommitV0)[0].fragments == (1, 3)
 
@@ -256,10 +256,10 @@ def test_shard_final_records_that_do_not_fit_are_refused():
     for ev in (ShardFinal(5, 4, {"1": 1, "3": 1}, 1.0), ShardFinal(1, 3, {"1": 1, "3": 1}, 1.0),
                ShardFinal(1, 4, {"0": 1, "1": 1}, 1.0), ShardFinal(1, 4, {"x": 1}, 1.0)):
         co.handle(ev)
-    assert co.counters["rejected.shard_final"] == 4 and not co._shard_finals
+    assert co.counters["rejected.shard_final"] == 4 and not co.state.shard_finals
     co.handle(ShardFinal(1, 4, {"1": 1, "3": 1}, 1.0))
     co.handle(ShardFinal(1, 4, {"1": 1, "3": 1}, 1.0))
-    assert co.counters["ignored.shard_final_duplicate"] == 1 and co._shard_finals == {1: {1: 1, 3: 1}}
+    assert co.counters["ignored.shard_final_duplicate"] == 1 and co.state.shard_finals == {1: {1: 1, 3: 1}}
 
 
 def test_restore_per_shard_own_versions_and_final_records():

@@ -1,6 +1,6 @@
 """Finalization: the final cut, manifests, acks, the end of the run (a part of `RoundMachine`).
 
-A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
+A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
 
 - **Finalization** is decided here, carried out by the shell: once every step is committed the
   machine emits one `PublishFinal` (the f32 cut; never a second one), and only after its
@@ -16,79 +16,80 @@ from __future__ import annotations
 
 from yeto.services.syncer.actions import Done, PublishFinal, RecordFinal, SendManifest, Shutdown
 from yeto.services.syncer.events import FinalAck, FinalPublished
+from yeto.services.syncer.machine_state import Part
 from yeto.services.syncer.state import Member, Phase, _Final
 
 
-class Finalization:
-    def _start_final(self, now: float) -> None:
-        targets = {m.island: m.gen for m in self._live()}
-        f = self._final = _Final(final_step=self.committed_step, started_at=now, targets=targets,
-                                 versions=dict(self.versions))
-        self.phase = Phase.FINALIZING
-        self._emit(PublishFinal(f.final_step, dict(f.versions), f.record()))
-        self._tape("final", now, step=self.committed_step, reason="final cut publishing",
-                   detail={"versions": {str(k): v for k, v in self.versions.items()},
+class Finalization(Part):
+    def start_final(self, now: float) -> None:
+        targets = {m.island: m.gen for m in self.s.live()}
+        f = self.s.final = _Final(final_step=self.s.committed_step, started_at=now, targets=targets,
+                                  versions=dict(self.s.versions))
+        self.s.enter(Phase.FINALIZING, "every step committed: final cut")
+        self.out.emit(PublishFinal(f.final_step, dict(f.versions), f.record()))
+        self.out.tape("final", now, step=self.s.committed_step, reason="final cut publishing",
+                      detail={"versions": {str(k): v for k, v in self.s.versions.items()},
                            "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
 
-    def _on_final_published(self, ev: FinalPublished, now: float) -> None:
+    def on_final_published(self, ev: FinalPublished, now: float) -> None:
         if self.config.sharded:
-            self._shard_final_published(now)   # services/syncer/sharding.py
+            self.machine.sharding.shard_final_published(now)   # services/syncer/sharding.py
             return
-        f = self._final
+        f = self.s.final
         if f is None or f.cut_out:
             raise ValueError("FinalPublished without an outstanding PublishFinal")
         f.cut_out = True
-        self._emit(RecordFinal(f.record()))
-        self._tape("final", now, step=f.final_step, reason="final cut published",
-                   detail={"targets": [{"island": i, "gen": g} for i, g in sorted(f.targets.items())]})
+        self.out.emit(RecordFinal(f.record()))
+        self.out.tape("final", now, step=f.final_step, reason="final cut published",
+                      detail={"targets": [{"island": i, "gen": g} for i, g in sorted(f.targets.items())]})
         for island, gen in sorted(f.targets.items()):
             if island not in f.acked:
-                self._emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
+                self.out.emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
         if not f.targets or f.acked >= set(f.targets):
-            self._finish(True, now)
+            self.finish(True, now)
 
-    def _final_target(self, m: Member, now: float) -> None:
+    def final_target(self, m: Member, now: float) -> None:
         """A known island heard from during finalization with a generation that is not the target:
         it must install the final cut and ack (once the cut is out, it gets the manifest now)."""
-        f = self._final
+        f = self.s.final
         if m.island in f.acked:
             return
         f.targets[m.island] = m.gen
-        self.counters["final.target_added"] += 1
-        self._tape("final", now, step=f.final_step, island=m.island, gen=m.gen,
-                   reason="manifest target: a known island came back during finalization")
+        self.s.counters["final.target_added"] += 1
+        self.out.tape("final", now, step=f.final_step, island=m.island, gen=m.gen,
+                      reason="manifest target: a known island came back during finalization")
         if f.cut_out:
-            self._emit(RecordFinal(f.record()))
-            self._emit(SendManifest(m.island, m.gen, f.final_step, dict(f.versions)))
+            self.out.emit(RecordFinal(f.record()))
+            self.out.emit(SendManifest(m.island, m.gen, f.final_step, dict(f.versions)))
 
-    def _on_final_ack(self, ev: FinalAck, now: float) -> None:
+    def on_final_ack(self, ev: FinalAck, now: float) -> None:
         if not self.config.coordinator:
-            self.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes acks (sharding.py)
+            self.s.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes acks (sharding.py)
             return
-        f = self._final
+        f = self.s.final
         if f is None or not f.cut_out or f.targets.get(ev.island) != ev.gen or ev.final_step != f.final_step:
-            self.counters["rejected.final_ack"] += 1
-            self._tape("error", now, island=ev.island, gen=ev.gen,
-                       reason=f"final ack for step {ev.final_step} ignored: not a target of the final cut")
+            self.s.counters["rejected.final_ack"] += 1
+            self.out.tape("error", now, island=ev.island, gen=ev.gen,
+                          reason=f"final ack for step {ev.final_step} ignored: not a target of the final cut")
             return
         if ev.island in f.acked:
-            self.counters["ignored.final_ack_duplicate"] += 1
+            self.s.counters["ignored.final_ack_duplicate"] += 1
             return
         f.acked.add(ev.island)
-        self.counters["final.ack"] += 1
+        self.s.counters["final.ack"] += 1
         if f.acked == set(f.targets):
-            self._finish(True, now)
+            self.finish(True, now)
         else:
-            self._emit(RecordFinal(f.record()))
+            self.out.emit(RecordFinal(f.record()))
 
-    def _finish(self, ok: bool, now: float) -> None:
-        f = self._final
+    def finish(self, ok: bool, now: float) -> None:
+        f = self.s.final
         for island in sorted(f.acked):
-            self._emit(Shutdown(island, f.targets[island], "final"))
+            self.out.emit(Shutdown(island, f.targets[island], "final"))
         missing = tuple(sorted(set(f.targets) - f.acked))
         if f.cut_out:
-            self._emit(RecordFinal(f.record(finished=True)))
-        self._tape("final", now, step=f.final_step,
-                   reason="all targets acked" if ok else f"final timeout: no ack from {', '.join(missing)}")
-        self._emit(Done(ok, missing))
-        self.phase = Phase.DONE
+            self.out.emit(RecordFinal(f.record(finished=True)))
+        self.out.tape("final", now, step=f.final_step,
+                      reason="all targets acked" if ok else f"final timeout: no ack from {', '.join(missing)}")
+        self.out.emit(Done(ok, missing))
+        self.s.enter(Phase.DONE, "all targets acked" if ok else "final timeout")

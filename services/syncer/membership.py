@@ -1,7 +1,7 @@
 """Hellos, the session pin, members and their generations, heartbeats (a part of `RoundMachine`).
 
-A mixin of services/syncer/rounds.RoundMachine: it reads and writes the machine's state (declared in
-`RoundMachine.__init__`) and emits through its helpers; it holds no state of its own.
+A rule part of services/syncer/rounds.RoundMachine (services/syncer/machine_state.py, `Part`): it reads
+and writes the machine's `MachineState` and emits through its `Output`; it holds no state of its own.
 
 - **init_island named**: hellos from other islands are *queued* (not refused, not admitted) until the
   INIT island's hello pins the session; then they are re-examined in arrival order. A dtype mismatch
@@ -20,61 +20,72 @@ A mixin of services/syncer/rounds.RoundMachine: it reads and writes the machine'
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from yeto.services.syncer.actions import PublishPull, WriteSession
-from yeto.services.syncer.config import UNKNOWN_MEMBER
+from yeto.services.syncer.config import UNKNOWN_MEMBER, SyncerConfig
 from yeto.services.syncer.events import Heartbeat, Hello
+from yeto.services.syncer.machine_state import MachineState, Output, Part
 from yeto.services.syncer.state import Member, Phase, default_builder
 
+if TYPE_CHECKING:
+    from yeto.services.syncer.rounds import RoundMachine
 
-class Membership:
-    def _on_hello(self, ev: Hello, now: float) -> None:
+
+class Membership(Part):
+    def __init__(self, state: MachineState, config: SyncerConfig, out: Output, machine: "RoundMachine", *,
+                 session_builder: Callable[..., dict] | None = None):
+        super().__init__(state, config, out, machine)
+        self.builder = session_builder     # builds the session from the INIT island's hello (tests pass a stub)
+
+    def on_hello(self, ev: Hello, now: float) -> None:
         cfg = self.config
         if not self.config.coordinator:
-            self.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes these (sharding.py)
+            self.s.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes these (sharding.py)
             return
-        m = self.members.get(ev.island)
+        m = self.s.members.get(ev.island)
         if m is not None and ev.gen in m.retired_gens:
-            self.counters["ignored.hello_stale_gen"] += 1
+            self.s.counters["ignored.hello_stale_gen"] += 1
             return
         if m is not None and ev.gen == m.gen:
-            self.counters["ignored.hello_duplicate"] += 1
+            self.s.counters["ignored.hello_duplicate"] += 1
             return
         for key, flag in (("push_dtype", "--push-dtype"), ("bulk_dtype", "--bulk-dtype")):
             asked = getattr(ev, key)
             if asked != "auto" and asked != getattr(cfg, key):
-                self._reject(ev.island, ev.gen, "dtype_mismatch",
-                             f"hello asks {key} {asked!r}, the session uses {getattr(cfg, key)!r} ({flag})",
-                             now, fatal=True, field=key)
+                self.out.reject(ev.island, ev.gen, "dtype_mismatch",
+                                f"hello asks {key} {asked!r}, the session uses {getattr(cfg, key)!r} ({flag})",
+                                now, fatal=True, field=key)
                 return
-        if self.phase == Phase.FINALIZING and m is None:
-            self._reject(ev.island, ev.gen, "run_finishing",
-                         f"run is finalizing at step {self._final.final_step}; no rounds left to join",
-                         now, fatal=True)
+        if self.s.phase == Phase.FINALIZING and m is None:
+            self.out.reject(ev.island, ev.gen, "run_finishing",
+                            f"run is finalizing at step {self.s.final.final_step}; no rounds left to join",
+                            now, fatal=True)
             return
-        if self.session is None:
+        if self.s.session is None:
             if cfg.init_island is not None and ev.island != cfg.init_island:
-                self._queued[ev.island] = ev      # a newer generation replaces the queued one
-                self.counters["hello.queued"] += 1
+                self.s.queued[ev.island] = ev      # a newer generation replaces the queued one
+                self.s.counters["hello.queued"] += 1
                 return
             if self._pin(ev, now):
                 self._admit(ev, now)
-                queued, self._queued = self._queued, {}
+                queued, self.s.queued = self.s.queued, {}
                 for q in queued.values():
-                    self._on_hello(q, now)
+                    self.on_hello(q, now)
             return
-        if ev.layout_fingerprint != self._layout_fp:
-            self._reject(ev.island, ev.gen, "layout_mismatch",
-                         f"layout_fingerprint {ev.layout_fingerprint} differs from the session's {self._layout_fp}",
-                         now, fatal=True, field="layout_fingerprint")
+        if ev.layout_fingerprint != self.s.layout_fp:
+            self.out.reject(ev.island, ev.gen, "layout_mismatch",
+                            f"layout_fingerprint {ev.layout_fingerprint} differs from the session's {self.s.layout_fp}",
+                            now, fatal=True, field="layout_fingerprint")
             return
         if m is None:
             self._admit(ev, now)
         else:
-            self._new_generation(m, ev.gen, now)
+            self.new_generation(m, ev.gen, now)
 
     def _pin(self, ev: Hello, now: float) -> bool:
         cfg = self.config
-        builder = self._builder or default_builder()
+        builder = self.builder or default_builder()
         try:
             session = builder(
                 list(ev.layout), cfg.fragments, run=cfg.run, push_dtype=cfg.push_dtype,
@@ -85,42 +96,42 @@ class Membership:
             code = getattr(exc, "code", "bad_layout")
             # a generic code says nothing to the island; "config": the layout does not fit --fragments
             code = "bad_layout" if code in (None, "invalid", "config") else code
-            self._reject(ev.island, ev.gen, code, f"layout refused: {exc}", now, fatal=True,
-                         field=getattr(exc, "field", None) or "layout")
+            self.out.reject(ev.island, ev.gen, code, f"layout refused: {exc}", now, fatal=True,
+                            field=getattr(exc, "field", None) or "layout")
             return False
         fp = session.get("layout_fingerprint", ev.layout_fingerprint)
         if fp != ev.layout_fingerprint:
-            self._reject(ev.island, ev.gen, "layout_mismatch",
-                         f"layout_fingerprint {ev.layout_fingerprint} is not the layout's fingerprint {fp}",
-                         now, fatal=True, field="layout_fingerprint")
+            self.out.reject(ev.island, ev.gen, "layout_mismatch",
+                            f"layout_fingerprint {ev.layout_fingerprint} is not the layout's fingerprint {fp}",
+                            now, fatal=True, field="layout_fingerprint")
             return False
         if len(session.get("fragments", ())) != cfg.fragments:
-            self._reject(ev.island, ev.gen, "bad_layout",
-                         f"layout gives {len(session.get('fragments', ()))} fragments, --fragments is {cfg.fragments}",
-                         now, fatal=True, field="layout")
+            self.out.reject(ev.island, ev.gen, "bad_layout",
+                            f"layout gives {len(session.get('fragments', ()))} fragments, --fragments is {cfg.fragments}",
+                            now, fatal=True, field="layout")
             return False
-        self.session = session
-        self.init_island = ev.island
-        self._layout_fp = fp
-        self.phase = Phase.INIT
-        self._emit(WriteSession(session))
-        self._tape("session", now, island=ev.island, gen=ev.gen,
-                   reason=f"session pinned by {ev.island}, the INIT island",
-                   detail={"session_fingerprint": session.get("session_fingerprint"), "layout_fingerprint": fp})
+        self.s.session = session
+        self.s.init_island = ev.island
+        self.s.layout_fp = fp
+        self.s.enter(Phase.INIT, "session pinned")
+        self.out.emit(WriteSession(session))
+        self.out.tape("session", now, island=ev.island, gen=ev.gen,
+                      reason=f"session pinned by {ev.island}, the INIT island",
+                      detail={"session_fingerprint": session.get("session_fingerprint"), "layout_fingerprint": fp})
         return True
 
     def _admit(self, ev: Hello, now: float) -> None:
         m = Member(island=ev.island, gen=ev.gen, layout_fingerprint=ev.layout_fingerprint,
                    admitted_at=now, last_heartbeat=now, reported_at=now)
-        if self.phase in (Phase.RUNNING, Phase.FINALIZING):
-            m.ref_step, m.ref_local = self._next_step - 1, 0.0
-        self.members[ev.island] = m
-        self.counters["join"] += 1
-        self._write_member(m)
-        self._tape("join", now, island=ev.island, gen=ev.gen, reason="admitted")
-        self._replay_held_init(m, now)
+        if self.s.phase in (Phase.RUNNING, Phase.FINALIZING):
+            m.ref_step, m.ref_local = self.s.next_step - 1, 0.0
+        self.s.members[ev.island] = m
+        self.s.counters["join"] += 1
+        self.out.write_member(m)
+        self.out.tape("join", now, island=ev.island, gen=ev.gen, reason="admitted")
+        self.machine.init_rules.replay_held(m, now)
 
-    def _new_generation(self, m: Member, gen: str, now: float, *, mirrored: bool = False) -> None:
+    def new_generation(self, m: Member, gen: str, now: float, *, mirrored: bool = False) -> None:
         """A new process of a member (`mirrored`: a follower shard read it from the members KV; the
         coordinator wrote and taped it already)."""
         old = m.gen
@@ -128,71 +139,71 @@ class Membership:
         m.gen, m.live = gen, True
         m.admitted_at = m.last_heartbeat = m.reported_at = now
         m.reported_step, m._hb_step, m._hb_at = 0, None, None   # local steps restart with the process
-        if self.phase in (Phase.RUNNING, Phase.FINALIZING):
-            m.ref_step, m.ref_local = self._next_step - 1, 0.0
-        self.counters["join.new_gen"] += 1
+        if self.s.phase in (Phase.RUNNING, Phase.FINALIZING):
+            m.ref_step, m.ref_local = self.s.next_step - 1, 0.0
+        self.s.counters["join.new_gen"] += 1
         if not mirrored:
-            self._write_member(m)
-            self._tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
-        if m.island == self.init_island and self.phase == Phase.INIT:
+            self.out.write_member(m)
+            self.out.tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
+        if m.island == self.s.init_island and self.s.phase == Phase.INIT:
             # The new process sends every fragment again; what the old one sent must not be mixed in.
-            dropped = sorted(self._initialized)
-            self._initialized.clear()
-            self._init_chunks.clear()
-            self._held_init.pop(old, None)
-            self._drop_held_chunks(old, "generation retired")
-            self.counters["init.restart"] += 1
-            self._tape("session", now, island=m.island, gen=m.gen,
-                       reason=f"INIT restarts with the INIT island's new generation {m.gen} (was {old})",
-                       detail={"dropped_fragments": dropped})
-            self._replay_held_init(m, now)
+            dropped = sorted(self.s.initialized)
+            self.s.initialized.clear()
+            self.s.init_chunks.clear()
+            self.s.held_init.pop(old, None)
+            self.machine.init_rules.drop_held_chunks(old, "generation retired")
+            self.s.counters["init.restart"] += 1
+            self.out.tape("session", now, island=m.island, gen=m.gen,
+                          reason=f"INIT restarts with the INIT island's new generation {m.gen} (was {old})",
+                          detail={"dropped_fragments": dropped})
+            self.machine.init_rules.replay_held(m, now)
         # rebind unanswered slots; an answered slot keeps the old generation's accepted push
-        for step in sorted(self.rounds):
-            r = self.rounds[step]
+        for step in sorted(self.s.rounds):
+            r = self.s.rounds[step]
             slot = r.slots.get(m.island)
             if r.accepting and slot is not None and slot.answer is None and slot.gen != m.gen:
                 slot.gen, slot.refused = m.gen, None   # the new generation answers afresh
                 r.seq += 1
-                self.counters["pull.rebound"] += 1
-                self._emit(PublishPull(r.pull()))
-        if self._final is not None:
+                self.s.counters["pull.rebound"] += 1
+                self.out.emit(PublishPull(r.pull()))
+        if self.s.final is not None:
             # A new process trains on unless it installs the final cut: it becomes the target, even
             # if its previous generation had acked.
-            self._final.acked.discard(m.island)
-            self._final_target(m, now)
+            self.s.final.acked.discard(m.island)
+            self.machine.finalization.final_target(m, now)
 
-    def _on_heartbeat(self, ev: Heartbeat, now: float) -> None:
+    def on_heartbeat(self, ev: Heartbeat, now: float) -> None:
         if not self.config.coordinator:
-            self.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes these (sharding.py)
+            self.s.counters["ignored.not_owner"] += 1   # sharded: only shard 0 takes these (sharding.py)
             return
-        m = self.members.get(ev.island)
+        m = self.s.members.get(ev.island)
         if m is None or (ev.gen != m.gen and ev.gen not in m.retired_gens):
             # The syncer has no record of this generation (e.g. a resumed syncer whose members KV
             # missed it, or a hello lost with a killed syncer): the island trains, pushes nothing
             # useful and is never asked. Tell it to say hello again.
-            self.counters["heartbeat.unknown"] += 1
+            self.s.counters["heartbeat.unknown"] += 1
             self._ask_hello(ev.island, ev.gen, now)
             return
         if ev.gen != m.gen:
-            self.counters["ignored.heartbeat_stale_gen"] += 1
+            self.s.counters["ignored.heartbeat_stale_gen"] += 1
             return
         m.last_heartbeat = now
         m.observe_heartbeat(int(ev.local_step), ev.step_time_s, now)
         if not m.live:
             m.live = True
-            self.counters["join.resumed"] += 1
-            self._tape("join", now, island=m.island, gen=m.gen, reason="heartbeat resumed")
-        self._write_member(m)
-        f = self._final
+            self.s.counters["join.resumed"] += 1
+            self.out.tape("join", now, island=m.island, gen=m.gen, reason="heartbeat resumed")
+        self.out.write_member(m)
+        f = self.s.final
         if f is not None and f.targets.get(m.island) != m.gen:
-            self._final_target(m, now)
+            self.machine.finalization.final_target(m, now)
 
     def _ask_hello(self, island: str, gen: str, now: float) -> None:
         # Once per member timeout per generation: heartbeats come every few seconds, errors need not.
-        last = self._hello_asked.get((island, gen))
+        last = self.s.hello_asked.get((island, gen))
         if last is not None and now - last < self.config.member_timeout_s:
             return
-        self._hello_asked[(island, gen)] = now
-        self._reject(island, gen, UNKNOWN_MEMBER,
-                     f"island {island!r} generation {gen} is not a member of run {self.config.run} (the syncer has no "
-                     f"record of it, e.g. after a restart): send hello again", now, fatal=False, field="gen")
+        self.s.hello_asked[(island, gen)] = now
+        self.out.reject(island, gen, UNKNOWN_MEMBER,
+                        f"island {island!r} generation {gen} is not a member of run {self.config.run} (the syncer has no "
+                        f"record of it, e.g. after a restart): send hello again", now, fatal=False, field="gen")

@@ -1,6 +1,6 @@
 """Push dispositions, quarantine, quorum, merge weights and the Merge action (a part of `RoundMachine`).
 
-A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
+A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
 
 - **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (weights.weights_for).
   A claim is bounded before it weighs (`max_token_factor` F, default 4). The syncer cannot check a claim
@@ -63,19 +63,20 @@ from typing import Sequence
 from yeto.services.syncer.actions import Merge, MergeInput, Release
 from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
 from yeto.services.syncer.events import MergeDone, PushComplete
+from yeto.services.syncer.machine_state import Part
 from yeto.services.syncer.weights import weights_for
 from yeto.services.syncer.state import Round, _Answer, lower_median
 
 
-class Pushes:
-    def _on_push(self, ev: PushComplete, now: float) -> None:
+class Pushes(Part):
+    def on_push(self, ev: PushComplete, now: float) -> None:
         quarantine = None
         quarantined_now = False
-        m = self.members.get(ev.island)
+        m = self.s.members.get(ev.island)
         if m is not None and ev.gen == m.gen:
             m.observe_push(int(ev.local_step), now)
-        r = self.rounds.get(ev.step)
-        current = self.versions.get(ev.fragment)
+        r = self.s.rounds.get(ev.step)
+        current = self.s.versions.get(ev.fragment)
         disposition, reason = None, None
         if r is None:
             disposition, reason = "out_of_round", f"no round in flight for step {ev.step}"
@@ -105,7 +106,7 @@ class Pushes:
                 disposition, reason = "quarantined", f"try {ev.try_} was quarantined already this attempt"
             elif (quarantine := self._quarantine_rule(ev)) is not None:
                 disposition, reason = "quarantined", quarantine.pop("reason")
-                self.counters[f"quarantine.{quarantine['rule']}"] += 1
+                self.s.counters[f"quarantine.{quarantine['rule']}"] += 1
                 slot.quarantined.add((ev.gen, ev.try_))
                 quarantined_now = True
             else:
@@ -122,23 +123,23 @@ class Pushes:
                 slot.refused = disposition
             if quarantined_now:
                 self._excuse(r, now)
-        self.counters[f"disposition.{disposition}"] += 1
+        self.s.counters[f"disposition.{disposition}"] += 1
         staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
         detail = {"staleness": staleness, "local_step": ev.local_step}
         if quarantine is not None:
             detail["quarantine"] = quarantine
-        self._tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
-                   gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
-                   detail=detail, **{"try": ev.try_})
+        self.out.tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
+                      gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
+                      detail=detail, **{"try": ev.try_})
         if disposition != "accepted" and not self._is_pending_merge_input(ev):
-            self._emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
+            self.out.emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
         if disposition == "stale_base":
-            self._rebroadcast(ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale base_version "
-                                                f"{ev.base_version} (current {current})")
+            self.machine.round_rules.rebroadcast(ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale "
+                                                 f"base_version {ev.base_version} (current {current})")
 
     def _quarantine_rule(self, ev: PushComplete) -> dict | None:
         """The rule a push breaks on its own (NaN/Inf, `max_push_norm`), with its figure and limit, or None.
-        The outlier rule needs the round's other pushes: `_screen_outliers` judges it at completion."""
+        The outlier rule needs the round's other pushes: `screen_outliers` judges it at completion."""
         if ev.non_finite or (ev.norm is not None and not math.isfinite(ev.norm)):
             return {"rule": "non_finite", "non_finite": int(ev.non_finite), "limit": 0,
                     "reason": f"quarantined: {ev.non_finite} non-finite values (NaN/Inf) in the push"}
@@ -148,7 +149,7 @@ class Pushes:
                     "reason": f"quarantined: push norm {ev.norm:.6g} exceeds --max-push-norm {limit:.6g}"}
         return None
 
-    def _screen_outliers(self, r: Round, now: float) -> bool:
+    def screen_outliers(self, r: Round, now: float) -> bool:
         """Before a round completes: the rules that judge a push against others (the outlier rule, then the
         norm bound). Returns True if they removed any push (the round does not complete now; it goes on
         as if those members had not answered, each excused from the attempt's quorum)."""
@@ -183,13 +184,10 @@ class Pushes:
 
     def _norm_history(self) -> dict[int, dict[str, list[float]]]:
         """fragment -> island -> the norms of its last NORM_HISTORY merged pushes of that fragment (oldest
-        first). Kept by the machine, not the checkpoint: a machine made by `restore` (--resume) starts with
-        none, and its first rounds judge against their own pushes, as a run's first rounds do. (Created
-        here on first use: the machine's constructor belongs to rounds.py.)"""
-        hist = self.__dict__.get("_accepted_norms")
-        if hist is None:
-            hist = self._accepted_norms = {}
-        return hist
+        first): `MachineState.accepted_norms`. Kept by the machine, not the checkpoint: a machine made by
+        `restore` (--resume) starts with none, and its first rounds judge against their own pushes, as a
+        run's first rounds do."""
+        return self.s.accepted_norms
 
     def _norm_reference(self, r: Round) -> tuple[float, int] | None:
         """(reference norm, islands it came from) for round r's fragment, or None (fewer than
@@ -238,7 +236,7 @@ class Pushes:
             limit = factor * reference
             basis = (f"the lower median of this attempt's {sources} pushes: every one exceeded the history's "
                      f"limit {factor * ref[0]:.6g}")
-            self.counters["norm_bound.history_stale"] += 1
+            self.s.counters["norm_bound.history_stale"] += 1
         removed = False
         for island, slot in sorted(r.slots.items()):
             a = slot.answer
@@ -259,12 +257,12 @@ class Pushes:
         a = slot.answer
         slot.answer, slot.refused = None, "quarantined"
         slot.quarantined.add((a.gen, a.try_))
-        self.counters["disposition.quarantined"] += 1
-        self.counters[f"quarantine.{rule['rule']}"] += 1
-        self._tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
-                   gen=a.gen, disposition="quarantined", base_version=a.base_version, reason=reason,
-                   detail={"local_step": a.local_step, "quarantine": rule}, **{"try": a.try_})
-        self._emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
+        self.s.counters["disposition.quarantined"] += 1
+        self.s.counters[f"quarantine.{rule['rule']}"] += 1
+        self.out.tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
+                      gen=a.gen, disposition="quarantined", base_version=a.base_version, reason=reason,
+                      detail={"local_step": a.local_step, "quarantine": rule}, **{"try": a.try_})
+        self.out.emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
         self._excuse(r, now)
         if r.answered < r.quorum:
             r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
@@ -295,7 +293,7 @@ class Pushes:
 
     def _is_pending_merge_input(self, ev: PushComplete) -> bool:
         # a re-delivered copy of an accepted push has the same identity as the one the merge reads
-        r = self.rounds.get(ev.step)
+        r = self.s.rounds.get(ev.step)
         if r is None or r.fragment != ev.fragment or r.attempt != ev.attempt:
             return False
         slot = r.slots.get(ev.island)
@@ -304,14 +302,14 @@ class Pushes:
     def _reach_quorum(self, r: Round, now: float) -> None:
         cfg = self.config
         r.quorum_at = now
-        times = [self.members[i].ema_step_s for i in r.slots if i in self.members and self.members[i].ema_step_s]
+        times = [self.s.members[i].ema_step_s for i in r.slots if i in self.s.members and self.s.members[i].ema_step_s]
         step_time = max(times) if times else 0.0
-        raw = cfg.grace_gamma * (cfg.tau * step_time - (now - r.launched_at) - self._last_sync_cost_s)
+        raw = cfg.grace_gamma * (cfg.tau * step_time - (now - r.launched_at) - self.s.last_sync_cost_s)
         r.grace_s = min(max(raw, 0.0), cfg.grace_ms / 1000.0)
 
     # -- merges ------------------------------------------------------------------------------------
 
-    def _complete(self, r: Round, now: float) -> None:
+    def complete(self, r: Round, now: float) -> None:
         r.complete_at = now
         answers = [(i, s.answer) for i, s in sorted(r.slots.items()) if s.answer is not None]
         self._remember_norms(r, answers)
@@ -328,7 +326,7 @@ class Pushes:
             detail["norms"] = norms   # what an operator sizes --max-push-norm / --outlier-factor from
         if clamp:
             detail["token_clamp"] = clamp
-        version = self.versions[r.fragment] + 1
+        version = self.s.versions[r.fragment] + 1
         record = {
             "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
             "base_version": r.base_version, "version": version, "expected": r.members(),
@@ -343,21 +341,21 @@ class Pushes:
                         base_version=r.base_version, members=inputs,
                         record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at)
 
-    def _on_merge_done(self, ev: MergeDone, now: float) -> None:
-        r = self.rounds.get(ev.step)
-        if self._merging is None or ev.step != self._merging or r is None:
-            raise ValueError(f"MergeDone for step {ev.step} but the outstanding merge is step {self._merging}")
+    def on_merge_done(self, ev: MergeDone, now: float) -> None:
+        r = self.s.rounds.get(ev.step)
+        if self.s.merging is None or ev.step != self.s.merging or r is None:
+            raise ValueError(f"MergeDone for step {ev.step} but the outstanding merge is step {self.s.merging}")
         if ev.fragment != r.fragment or ev.version != r.merge.version:
             raise ValueError(f"MergeDone(step {ev.step}, fragment {ev.fragment}, version {ev.version}) does not match "
                              f"Merge(fragment {r.fragment}, version {r.merge.version})")
-        del self.rounds[ev.step]
-        self._merging = None
-        self.versions[r.fragment] = ev.version
-        self.committed_step = ev.step
+        del self.s.rounds[ev.step]
+        self.s.merging = None
+        self.s.versions[r.fragment] = ev.version
+        self.s.committed_step = ev.step
         # Adaptive grace subtracts the last *whole* sync (merge + checkpoint + broadcast): the time from
         # the Merge action to its MergeDone covers all of it, whatever part of it the shell measured.
-        self._last_sync_cost_s = max(0.0, float(ev.merge_to_broadcast_s), now - r.merge_at if r.merge_at is not None else 0.0)
-        self.counters["merge"] += 1
+        self.s.last_sync_cost_s = max(0.0, float(ev.merge_to_broadcast_s), now - r.merge_at if r.merge_at is not None else 0.0)
+        self.s.counters["merge"] += 1
         # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
 
     def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int | float], dict[str, dict]]:
@@ -385,7 +383,7 @@ class Pushes:
             if c > limit:
                 u = limit.numerator if limit.denominator == 1 else float(limit)
                 clamp[island] = {"claimed": c, "used": u, "limit": u}
-                self.counters["tokens.clamped"] += 1
+                self.s.counters["tokens.clamped"] += 1
                 used.append(u)
             else:
                 used.append(c)

@@ -1,6 +1,6 @@
 """Shards: the rules a sharded machine adds (a part of `RoundMachine`; schemas/shards.py says who owns what).
 
-A mixin of services/syncer/rounds.RoundMachine (see services/syncer/membership.py). With one shard
+A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membership.py). With one shard
 (`config.shards == 1`) none of this runs and the machine behaves exactly as it always did.
 
 - **Every shard** runs the rounds of its own fragments (round t belongs to shard ((t-1) mod P) mod N),
@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 from yeto.services.syncer.actions import AdoptSession, Done, PublishShardFinal, RecordFinal, SendManifest
 from yeto.services.syncer.events import MemberSeen, SessionSeen, ShardFinal
+from yeto.services.syncer.machine_state import Part
 from yeto.services.syncer.state import Member, Phase, _Final
 
 
@@ -67,78 +68,78 @@ def _member_fields(record: Mapping[str, Any]) -> dict:
     return out
 
 
-class Sharding:
+class Sharding(Part):
     # -- followers: the coordinator's records -------------------------------------------------------
 
-    def _on_session_seen(self, ev: SessionSeen, now: float) -> None:
+    def on_session_seen(self, ev: SessionSeen, now: float) -> None:
         if self.config.coordinator:
-            self.counters["ignored.not_owner"] += 1
+            self.s.counters["ignored.not_owner"] += 1
             return
-        if self.session is not None:
-            if ev.session.get("session_fingerprint") != self.session.get("session_fingerprint"):
-                self.counters["rejected.session_changed"] += 1
-                self._tape("error", now, reason="the state KV's session differs from the one this shard pinned; ignored",
-                           detail={"code": "session_changed", "seen": ev.session.get("session_fingerprint")})
+        if self.s.session is not None:
+            if ev.session.get("session_fingerprint") != self.s.session.get("session_fingerprint"):
+                self.s.counters["rejected.session_changed"] += 1
+                self.out.tape("error", now, reason="the state KV's session differs from the one this shard pinned; ignored",
+                              detail={"code": "session_changed", "seen": ev.session.get("session_fingerprint")})
             return
         frags = ev.session.get("fragments")
         if not isinstance(frags, list) or len(frags) != self.config.fragments:
-            self.counters["rejected.session_record"] += 1
-            self._tape("error", now, reason=f"session record with {len(frags) if isinstance(frags, list) else frags!r} "
+            self.s.counters["rejected.session_record"] += 1
+            self.out.tape("error", now, reason=f"session record with {len(frags) if isinstance(frags, list) else frags!r} "
                                             f"fragments, --fragments is {self.config.fragments}: ignored",
-                       detail={"code": "bad_layout", "field": "fragments"})
+                          detail={"code": "bad_layout", "field": "fragments"})
             return
-        self.session = dict(ev.session)
-        self.init_island = self.session.get("init_island")
-        self._layout_fp = self.session.get("layout_fingerprint")
-        self.phase = Phase.INIT
-        self._emit(AdoptSession(dict(self.session)))
+        self.s.session = dict(ev.session)
+        self.s.init_island = self.s.session.get("init_island")
+        self.s.layout_fp = self.s.session.get("layout_fingerprint")
+        self.s.enter(Phase.INIT, "follower: session seen")
+        self.out.emit(AdoptSession(dict(self.s.session)))
         # Members read before the session (the records are polled apart) were not admitted: do it now.
-        for island in sorted(self._unpinned_members):
-            self._on_member_seen(MemberSeen(island, self._unpinned_members[island], now), now)
-        self._unpinned_members.clear()
+        for island in sorted(self.s.unpinned_members):
+            self.on_member_seen(MemberSeen(island, self.s.unpinned_members[island], now), now)
+        self.s.unpinned_members.clear()
 
-    def _on_member_seen(self, ev: MemberSeen, now: float) -> None:
+    def on_member_seen(self, ev: MemberSeen, now: float) -> None:
         if self.config.coordinator:
-            self.counters["ignored.not_owner"] += 1
+            self.s.counters["ignored.not_owner"] += 1
             return
         try:
             rec = _member_fields(ev.record)
         except MemberRecordError as exc:
-            self.counters["rejected.member_record"] += 1
-            self._tape("error", now, island=ev.island, reason=f"members record of {ev.island!r} ignored: {exc}",
-                       detail={"code": "invalid", "field": "members"})
+            self.s.counters["rejected.member_record"] += 1
+            self.out.tape("error", now, island=ev.island, reason=f"members record of {ev.island!r} ignored: {exc}",
+                          detail={"code": "invalid", "field": "members"})
             return
-        if self.session is None:
-            self._unpinned_members[ev.island] = dict(ev.record)
+        if self.s.session is None:
+            self.s.unpinned_members[ev.island] = dict(ev.record)
             return
-        if rec["layout_fingerprint"] not in (None, self._layout_fp):
-            self.counters["rejected.member_record"] += 1
-            self._tape("error", now, island=ev.island, reason=f"members record of {ev.island!r} has another layout; ignored",
-                       detail={"code": "layout_mismatch", "field": "layout_fingerprint"})
+        if rec["layout_fingerprint"] not in (None, self.s.layout_fp):
+            self.s.counters["rejected.member_record"] += 1
+            self.out.tape("error", now, island=ev.island, reason=f"members record of {ev.island!r} has another layout; ignored",
+                          detail={"code": "layout_mismatch", "field": "layout_fingerprint"})
             return
-        m = self.members.get(ev.island)
+        m = self.s.members.get(ev.island)
         if m is not None and rec["gen"] in m.retired_gens:
-            self.counters["ignored.member_stale_gen"] += 1
+            self.s.counters["ignored.member_stale_gen"] += 1
             return
         if m is None:
-            m = Member(island=ev.island, gen=rec["gen"], layout_fingerprint=self._layout_fp,
+            m = Member(island=ev.island, gen=rec["gen"], layout_fingerprint=self.s.layout_fp,
                        admitted_at=rec["admitted_at"] if rec["admitted_at"] is not None else now,
                        last_heartbeat=now, reported_at=now)
-            if self.phase in (Phase.RUNNING, Phase.FINALIZING):
-                m.ref_step, m.ref_local = self._next_step - 1, 0.0
-            self.members[ev.island] = m
-            self.counters["join.mirrored"] += 1
+            if self.s.phase in (Phase.RUNNING, Phase.FINALIZING):
+                m.ref_step, m.ref_local = self.s.next_step - 1, 0.0
+            self.s.members[ev.island] = m
+            self.s.counters["join.mirrored"] += 1
             self._mirror_progress(m, rec, now)
-            self._replay_held_init(m, now)
+            self.machine.init_rules.replay_held(m, now)
         elif rec["gen"] != m.gen:
-            self._new_generation(m, rec["gen"], now, mirrored=True)
+            self.machine.membership.new_generation(m, rec["gen"], now, mirrored=True)
             self._mirror_progress(m, rec, now)
         else:
             self._mirror_progress(m, rec, now)
 
     def _mirror_progress(self, m: Member, rec: dict, now: float) -> None:
         if m.live != rec["live"]:
-            self.counters["leave.mirrored" if m.live else "join.resumed_mirrored"] += 1
+            self.s.counters["leave.mirrored" if m.live else "join.resumed_mirrored"] += 1
         m.live = rec["live"]
         m.last_heartbeat = now        # unused by a follower (it never judges liveness)
         if rec["last_step"] is not None:
@@ -151,41 +152,42 @@ class Sharding:
 
     # -- finalization across shards -----------------------------------------------------------------
 
-    def _own_rounds_done(self) -> bool:
-        return self._next_step > self.config.total_steps and not self.rounds
+    def own_rounds_done(self) -> bool:
+        return self.s.next_step > self.config.total_steps and not self.s.rounds
 
-    def _start_shard_final(self, now: float) -> None:
+    def start_shard_final(self, now: float) -> None:
         cfg = self.config
-        self._own_final_started = True
+        self.s.own_final_started = True
         if not cfg.coordinator:
-            self.phase = Phase.FINALIZING     # nothing left to launch; a follower only publishes its cut
-        self._emit(PublishShardFinal(cfg.total_steps, dict(self.versions)))
-        self._tape("final", now, step=cfg.total_steps, reason=f"shard {cfg.shard}/{cfg.shards}: final cut publishing",
-                   detail={"versions": {str(k): v for k, v in sorted(self.versions.items())}, "shard": cfg.shard})
+            # nothing left to launch; a follower only publishes its cut
+            self.s.enter(Phase.FINALIZING, "follower: own rounds committed")
+        self.out.emit(PublishShardFinal(cfg.total_steps, dict(self.s.versions)))
+        self.out.tape("final", now, step=cfg.total_steps, reason=f"shard {cfg.shard}/{cfg.shards}: final cut publishing",
+                      detail={"versions": {str(k): v for k, v in sorted(self.s.versions.items())}, "shard": cfg.shard})
 
-    def _shard_final_published(self, now: float) -> None:
+    def shard_final_published(self, now: float) -> None:
         cfg = self.config
-        if not self._own_final_started or self._own_final_out:
+        if not self.s.own_final_started or self.s.own_final_out:
             raise ValueError("FinalPublished without an outstanding PublishShardFinal")
-        self._own_final_out = True
-        self._tape("final", now, step=cfg.total_steps, reason=f"shard {cfg.shard}/{cfg.shards}: final cut published",
-                   detail={"shard": cfg.shard})
+        self.s.own_final_out = True
+        self.out.tape("final", now, step=cfg.total_steps, reason=f"shard {cfg.shard}/{cfg.shards}: final cut published",
+                      detail={"shard": cfg.shard})
         if cfg.coordinator:
-            self._shard_finals[cfg.shard] = dict(self.versions)
+            self.s.shard_finals[cfg.shard] = dict(self.s.versions)
         else:
-            self._emit(Done(True, ()))
-            self.phase = Phase.DONE
+            self.out.emit(Done(True, ()))
+            self.s.enter(Phase.DONE, "follower: own final cut out")
 
-    def _on_shard_final(self, ev: ShardFinal, now: float) -> None:
+    def on_shard_final(self, ev: ShardFinal, now: float) -> None:
         cfg = self.config
         if not cfg.coordinator:
-            self.counters["ignored.not_owner"] += 1
+            self.s.counters["ignored.not_owner"] += 1
             return
         versions, why = None, None
         if not isinstance(ev.shard, int) or not 0 < ev.shard < cfg.shards:
             why = f"shard {ev.shard!r} is not one of 1..{cfg.shards - 1}"
-        elif ev.shard in self._shard_finals:
-            self.counters["ignored.shard_final_duplicate"] += 1
+        elif ev.shard in self.s.shard_finals:
+            self.s.counters["ignored.shard_final_duplicate"] += 1
             return
         elif ev.final_step != cfg.total_steps:
             why = f"final_step {ev.final_step!r}, --total-steps is {cfg.total_steps}"
@@ -199,30 +201,30 @@ class Sharding:
                 if sorted(versions) != want or any(v < 0 for v in versions.values()):
                     why = f"versions of fragments {sorted(versions)}, shard {ev.shard} owns {want}"
         if why is not None:
-            self.counters["rejected.shard_final"] += 1
-            self._tape("error", now, reason=f"final record of shard {ev.shard!r} ignored: {why}",
-                       detail={"code": "invalid", "field": "final"})
+            self.s.counters["rejected.shard_final"] += 1
+            self.out.tape("error", now, reason=f"final record of shard {ev.shard!r} ignored: {why}",
+                          detail={"code": "invalid", "field": "final"})
             return
-        self._shard_finals[ev.shard] = versions
-        self.counters["final.shard"] += 1
-        self._tape("final", now, step=cfg.total_steps, reason=f"shard {ev.shard}/{cfg.shards}: final cut in",
-                   detail={"shard": ev.shard, "versions": {str(k): v for k, v in sorted(versions.items())},
-                           "shards_in": sorted(self._shard_finals)})
+        self.s.shard_finals[ev.shard] = versions
+        self.s.counters["final.shard"] += 1
+        self.out.tape("final", now, step=cfg.total_steps, reason=f"shard {ev.shard}/{cfg.shards}: final cut in",
+                      detail={"shard": ev.shard, "versions": {str(k): v for k, v in sorted(versions.items())},
+                           "shards_in": sorted(self.s.shard_finals)})
 
-    def _start_manifests(self, now: float) -> None:
+    def start_manifests(self, now: float) -> None:
         """Every shard's final cut is out: freeze the live members as targets and send the manifests."""
         versions: dict[int, int] = {}
-        for v in self._shard_finals.values():
+        for v in self.s.shard_finals.values():
             versions.update(v)
-        targets = {m.island: m.gen for m in self._live()}
-        f = self._final = _Final(final_step=self.config.total_steps, started_at=now, targets=targets,
-                                 versions=dict(sorted(versions.items())), cut_out=True)
-        self.phase = Phase.FINALIZING
-        self._emit(RecordFinal(f.record()))
-        self._tape("final", now, step=f.final_step, reason="final cut published by every shard",
-                   detail={"versions": {str(k): v for k, v in f.versions.items()},
+        targets = {m.island: m.gen for m in self.s.live()}
+        f = self.s.final = _Final(final_step=self.config.total_steps, started_at=now, targets=targets,
+                                  versions=dict(sorted(versions.items())), cut_out=True)
+        self.s.enter(Phase.FINALIZING, "every shard's final cut is out")
+        self.out.emit(RecordFinal(f.record()))
+        self.out.tape("final", now, step=f.final_step, reason="final cut published by every shard",
+                      detail={"versions": {str(k): v for k, v in f.versions.items()},
                            "targets": [{"island": i, "gen": g} for i, g in sorted(targets.items())]})
         for island, gen in sorted(targets.items()):
-            self._emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
+            self.out.emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
         if not targets:
-            self._finish(True, now)
+            self.machine.finalization.finish(True, now)

@@ -1,7 +1,8 @@
-"""The round machine's state: its phase, members (with the progress and step-time estimates pacing uses),
-rounds in flight with their slots and answers, and the finalization in progress. Plain data with the
-small rules that belong to one piece of it (a member's EMA step time, a round's pull); the machine
-(services/syncer/rounds.py) owns the decisions.
+"""What the round machine's state is made of: its phase, members (with the progress and step-time estimates
+pacing uses), rounds in flight with their slots and answers, and the finalization in progress. Plain data
+with the small rules that belong to one piece of it (a member's EMA step time, a round's pull); the state
+as a whole is services/syncer/machine_state.MachineState, and the machine (services/syncer/rounds.py and
+its rule parts) owns the decisions.
 
 - **EMA step time**: from heartbeats: their `step_time_s` when given (> 0), else derived from two
   heartbeats (Δtime / Δlocal_step). Pushes update progress only (their arrival lags their local step
