@@ -32,6 +32,8 @@ from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, clean_env, kv_json, tai
 from tests.scripted import ROOT, SyncerProc
 from tests.test_steplog_exporter import scrape
 
+pytestmark = pytest.mark.e2e
+
 GEN = "0123456789abcdef"
 
 

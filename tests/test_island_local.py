@@ -27,6 +27,8 @@ from yeto.schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
 from yeto.schemas.layout import build_session
 from yeto.schemas.provision import RunLimits, kv, provision_run, remove_run
 
+pytestmark = pytest.mark.e2e
+
 CHUNK_BYTES = 1024
 ISLAND = "a"
 

@@ -25,6 +25,8 @@ from yeto.services.broker import Broker
 from tests.test_island_local import (CHUNK_BYTES, ISLAND, Syncer, anchor_flat, assemble_push, boundary, env,  # noqa: F401
                                      frag_values, net, publish_v, started, steplog_lines, until)
 
+pytestmark = pytest.mark.e2e
+
 
 async def _streams_back(js, run: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
