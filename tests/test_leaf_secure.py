@@ -1,4 +1,4 @@
-"""Issue 25 item 3: secured leaf links. A hub and a leaf node of datacenter dc1, both real nats-servers
+"""docs/design.md §12: secured leaf links. A hub and a leaf node of datacenter dc1, both real nats-servers
 serving one `yeto auth init --tls --datacenters dc1` directory (services/leaf_auth.py): the leaf dials
 the hub with dc1's leaf identity over TLS, and serves islands a, b and c their own keys.
 
