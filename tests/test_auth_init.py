@@ -2,8 +2,6 @@
 the generated config served by a real nats-server (with TLS, and reloaded after adding an island)."""
 from __future__ import annotations
 
-import json
-import os
 import signal
 import stat
 import subprocess
@@ -11,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import nats
 import nkeys
 import pytest
 

@@ -60,7 +60,6 @@ def test_compose_file_mounts_the_shipped_config():
 @pytest.mark.e2e
 def test_yeto_broker_prints_url_and_stops_on_sigterm(tmp_path):
     import signal
-    import time
 
     from yeto.services.broker import free_port
 

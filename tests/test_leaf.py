@@ -21,7 +21,7 @@ from yeto.schemas import subjects as S
 from yeto.schemas.provision import CUT_KINDS, ProvisionConflict, ensure_cut_mirrors, remove_run
 from yeto.services import leaf as L
 from yeto.services.broker import Broker, free_port
-from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
+from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 from tests.tcp_proxy import TcpProxy
 

@@ -15,7 +15,7 @@ import pytest
 
 from yeto.services.syncer.config import NORM_HISTORY
 from yeto.services.syncer.rounds import Heartbeat, Merge, MergeDone, PushComplete, RoundMachine, Tick
-from tests.test_quarantine import GEN, launched, qpush, quarantined, valid_event
+from tests.test_quarantine import GEN, launched, quarantined, valid_event
 from tests.test_rounds import dispositions, of
 
 ROOT = Path(__file__).resolve().parents[1]
