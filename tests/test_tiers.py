@@ -1,8 +1,9 @@
 """The test tiers (README "Tests"): tests/conftest.py marks every test `pure` or `e2e`, and a pure test that
-starts a process or connects to a NATS server fails, even when it swallows the refusal or skips on it.
+starts a process or connects to a NATS server fails, even when it swallows the refusal or skips on it; CI
+lints with ruff before the tests.
 
-Runs pytest in a child process on a scratch test directory that uses this repository's conftest.py and
-marker configuration, so a broken guard shows up as a test that passes there."""
+The e2e tests run pytest in a child process on a scratch test directory that uses this repository's
+conftest.py and marker configuration, so a broken guard shows up as a test that passes there."""
 from __future__ import annotations
 
 import shutil
@@ -13,8 +14,6 @@ import tomllib
 import pytest
 
 from tests.scripted import ROOT
-
-pytestmark = pytest.mark.e2e
 
 SCRATCH_TESTS = '''
 import subprocess
@@ -77,6 +76,7 @@ def _pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
                            "-rA", *args], cwd=tmp_path, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.e2e
 def test_pure_tests_that_start_processes_or_connect_fail_and_the_rest_pass(tmp_path):
     _scratch(tmp_path, SCRATCH_TESTS)
     proc = _pytest(tmp_path, "-m", "pure")
@@ -92,6 +92,7 @@ def test_pure_tests_that_start_processes_or_connect_fail_and_the_rest_pass(tmp_p
     assert "4 failed, 1 passed, 2 deselected" in out, out
 
 
+@pytest.mark.e2e
 def test_every_test_gets_exactly_one_tier_and_soak_is_e2e(tmp_path):
     _scratch(tmp_path, SCRATCH_TESTS + '''
 
@@ -109,6 +110,7 @@ def test_soak():
     assert "no tests collected (8 deselected)" in neither.stdout, neither.stdout
 
 
+@pytest.mark.e2e
 def test_a_pure_mark_on_a_broker_test_is_refused(tmp_path):
     _scratch(tmp_path, '''
 import pytest
@@ -121,3 +123,29 @@ def test_claims_pure(nats_url):
     proc = _pytest(tmp_path, "--collect-only")
     assert proc.returncode != 0
     assert "marked pure but marked e2e/soak or uses a broker fixture" in proc.stdout + proc.stderr, proc.stdout
+
+
+def test_the_markers_are_registered_strictly_and_documented():
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "--strict-markers" in ini["addopts"].split()
+    names = {m.split(":", 1)[0] for m in ini["markers"]}
+    assert names == {"pure", "e2e", "soak"}
+    readme = (ROOT / "README.md").read_text()
+    assert "`./run test -m pure`" in readme
+    for name in names:
+        assert f"| `{name}` |" in readme, f"README's tier table lacks {name}"
+
+
+def _commands(path):
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_ci_runs_ruff_before_the_tests():
+    ci = _commands(ROOT / ".ci" / "run")
+    assert "./run lint" in ci and ci[-1] == "exec ./run test"
+    assert ci.index("./run lint") < ci.index("exec ./run test")
+    run = (ROOT / "run").read_text()
+    assert 'exec "$VENV/bin/ruff" check . "$@"' in run
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(r.startswith("ruff") for r in project["project"]["optional-dependencies"]["test"])
+    assert project["tool"]["ruff"]["lint"]["select"]
