@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import uuid
 
 import pytest
@@ -132,12 +133,17 @@ class PureTestStartedProcess(RuntimeError):
 class _PureGuard:
     """While a pure test's fixtures are set up and while it runs, starting a process (subprocess, asyncio
     subprocesses, multiprocessing and torch.multiprocessing, fork) or connecting to a NATS server raises and is
-    recorded; a recorded attempt fails the test even when the test swallowed the exception."""
+    recorded; a recorded attempt fails the test even when the test swallowed the exception.
+
+    Threads that were already running when the guard went up (an earlier e2e test's torch.compile workers,
+    xdist's I/O threads) pass through: what they start is not this test's doing. The test's own thread and
+    every thread started while it runs are guarded."""
 
     def __init__(self, nodeid: str):
         self.nodeid = nodeid
         self.seen: list[str] = []
         self._undo: list = []
+        self._earlier = set(threading.enumerate()) - {threading.current_thread()}
 
     def _block(self, owner, name: str, what: str, is_async: bool = False) -> None:
         orig = getattr(owner, name, None)
@@ -152,9 +158,13 @@ class _PureGuard:
 
         if is_async:
             async def blocked(*a, **kw):
+                if threading.current_thread() in guard._earlier:
+                    return await orig(*a, **kw)
                 raise refuse()
         else:
             def blocked(*a, **kw):
+                if threading.current_thread() in guard._earlier:
+                    return orig(*a, **kw)
                 raise refuse()
         setattr(owner, name, blocked)
         self._undo.append((owner, name, orig))

@@ -111,6 +111,50 @@ def test_soak():
 
 
 @pytest.mark.e2e
+def test_a_thread_the_pure_test_starts_is_guarded_one_running_before_it_is_not(tmp_path):
+    _scratch(tmp_path, '''
+import subprocess
+import sys
+import threading
+
+import pytest
+
+go = threading.Event()
+results = []
+threads = []
+
+
+def _later():
+    go.wait(30)
+    results.append(subprocess.run([sys.executable, "-c", "pass"]).returncode)
+
+
+@pytest.mark.e2e
+def test_e2e_leaves_a_thread_behind():
+    threads.append(threading.Thread(target=_later, daemon=True))
+    threads[0].start()
+
+
+def test_pure_while_an_earlier_thread_starts_a_process():
+    go.set()
+    threads[0].join(30)
+    assert results == [0]
+
+
+def test_pure_whose_own_thread_starts_a_process():
+    t = threading.Thread(target=lambda: subprocess.run([sys.executable, "-c", "pass"]))
+    t.start()
+    t.join()
+''')
+    proc = _pytest(tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "PASSED test_scratch.py::test_e2e_leaves_a_thread_behind" in out, out
+    assert "PASSED test_scratch.py::test_pure_while_an_earlier_thread_starts_a_process" in out, out
+    assert "FAILED test_scratch.py::test_pure_whose_own_thread_starts_a_process" in out, out
+    assert "1 failed, 2 passed" in out, out
+
+
+@pytest.mark.e2e
 def test_a_pure_mark_on_a_broker_test_is_refused(tmp_path):
     _scratch(tmp_path, '''
 import pytest
