@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Goodput benchmark: what streaming sync costs an island's training loop (issue 27 item 1).
+"""Goodput benchmark: what streaming sync costs an island's training loop.
 
     python bench/goodput.py [--islands 2] [--size-mib 256] [--fragments 4] [--step-s 0.25]
                             [--sync-every 32] [--steps 160] [--warmup 24]

@@ -107,7 +107,7 @@ CATS = [
     Cat("push_unknown_fragment", "syncer", 3, 1), Cat("push_bad_digest", "syncer", 4, 1, "disposition"),
     Cat("push_truncated", "syncer", 4, 1, "disposition"), Cat("push_oversize", "syncer", 3, 1, "disposition"), Cat("push_overlap", "syncer", 3, 1, "disposition"),
     Cat("push_nan_inf", "syncer", 4, 1, "disposition"), Cat("push_wrong_dtype", "syncer", 2, 1, "disposition"), Cat("push_bad_push_digest", "syncer", 3, 1, "disposition"),
-    Cat("push_stale_step", "syncer", 3, 1, "disposition"), Cat("push_future_step", "syncer", 3, 1, "disposition"), 
+    Cat("push_stale_step", "syncer", 3, 1, "disposition"), Cat("push_future_step", "syncer", 3, 1, "disposition"),
     # pushes for the round in flight: observed (see Hostile.push_try)
     Cat("push_stale_attempt", "observed", 2, 0, "disposition"), Cat("push_future_attempt", "observed", 2, 0, "disposition"),
     Cat("push_forged_gen", "observed", 3, 0, "disposition"), Cat("push_future_base", "observed", 2, 0, "disposition"),

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{what}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
-    except Exception as exc:  # noqa: BLE001 - re-raised unless a permission denial explains it
+    except Exception:  # noqa: BLE001 - re-raised unless a permission denial explains it
         from yeto.schemas.conn import DENIED
 
         if args.debug or not DENIED:

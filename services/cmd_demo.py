@@ -258,8 +258,8 @@ def run(args) -> int:
                                            env=dict(env, **ident("syncer")))
             logs[name] = []
             pumps.append(_pump(procs[name], f"[{name}]", logs[name],
-                               lambda l: " -> version " in l or "final cut" in l or "ERROR" in l or "finished" in l
-                               or "session pinned" in l or "missing" in l))
+                               lambda line: " -> version " in line or "final cut" in line or "ERROR" in line
+                               or "finished" in line or "session pinned" in line or "missing" in line))
         for name, ranks, island_url, domain in islands:
             cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors"), "--model-mib", str(args.model_mib)]
@@ -269,7 +269,8 @@ def run(args) -> int:
             procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e)
             logs[name] = []
             pumps.append(_pump(procs[name], f"[island {name}]", logs[name],
-                               lambda l: l.startswith("[") or "Error" in l or "Traceback" in l or "RESULT {" in l))
+                               lambda line: line.startswith("[") or "Error" in line or "Traceback" in line
+                               or "RESULT {" in line))
         deadline = time.monotonic() + args.timeout
         for name, p in procs.items():
             left = max(1.0, deadline - time.monotonic())

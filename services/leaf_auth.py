@@ -1,4 +1,4 @@
-"""Secured leaf links (issue 25 item 3): the leaf-node identity of each island datacenter and the
+"""Secured leaf links (docs/design.md §12): the leaf-node identity of each island datacenter and the
 permissions on both ends of its link. Pure; services/auth.py renders and writes them.
 
 `yeto auth init --datacenters dc1,dc2` issues one nkey identity per datacenter, `leaf-<dc>` (its seed in

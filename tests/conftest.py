@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import uuid
 
 import pytest
@@ -84,15 +85,125 @@ def demo_run(nats_url, tmp_path_factory):
     return {"run": run, "summary": summary, "workdir": work, "output": out, "seconds": time.monotonic() - t0}
 
 
+# Test tiers (README "Tests"): every test is `pure` or `e2e`; `soak` marks the long chaos and hostile runs,
+# which are e2e too.
+#   pure  in-process logic: no nats-server, no subprocess, no multi-process torch.distributed.
+#   e2e   starts (or connects to) a nats-server and/or other processes.
+# A test is e2e when it says so (`@pytest.mark.e2e`, a module's `pytestmark`, or `soak`) or when it uses, directly
+# or through other fixtures, one of the fixtures below; every other test is pure. The classification is checked
+# as the tests run: a pure test that starts a process or connects to a broker fails (`_PureGuard`), so a test
+# that starts its own processes and lacks the mark cannot pass as pure.
+_E2E_FIXTURES = frozenset({"nats_url", "nc", "demo_run"})
+
+
+def _tier(item) -> str:
+    marks = {m.name for m in item.iter_markers()}
+    if "pure" in marks and (marks & {"e2e", "soak"} or _E2E_FIXTURES & set(item.fixturenames)):
+        raise pytest.UsageError(f"{item.nodeid}: marked pure but marked e2e/soak or uses a broker fixture")
+    if "pure" in marks:
+        return "pure"
+    if marks & {"e2e", "soak"} or _E2E_FIXTURES & set(item.fixturenames):
+        return "e2e"
+    return "pure"
+
+
 # Under pytest-xdist (`./run test` runs YETO_TEST_WORKERS workers, `--dist loadgroup`) one test file runs
 # on one worker, so its module-scoped brokers, runs and secured servers start once; the files that
 # read the session's one demo run (`demo_run`) share a worker so that the demo runs once.
 _SHARED_GROUPS = {"test_demo.py": "demo_run", "test_steplog_realrun.py": "demo_run"}
 
 
+# tryfirst: the tier marks must be on the items before pytest's own `-m` deselection runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(name, name)))
+        tier = _tier(item)
+        if not item.get_closest_marker(tier):
+            item.add_marker(getattr(pytest.mark, tier))
+        if xdist:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(name, name)))
+
+
+class PureTestStartedProcess(RuntimeError):
+    pass
+
+
+class _PureGuard:
+    """While a pure test's fixtures are set up and while it runs, starting a process (subprocess, asyncio
+    subprocesses, multiprocessing and torch.multiprocessing, fork) or connecting to a NATS server raises and is
+    recorded; a recorded attempt fails the test even when the test swallowed the exception.
+
+    Threads that were already running when the guard went up (an earlier e2e test's torch.compile workers,
+    xdist's I/O threads) pass through: what they start is not this test's doing. The test's own thread and
+    every thread started while it runs are guarded."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid
+        self.seen: list[str] = []
+        self._undo: list = []
+        self._earlier = set(threading.enumerate()) - {threading.current_thread()}
+
+    def _block(self, owner, name: str, what: str, is_async: bool = False) -> None:
+        orig = getattr(owner, name, None)
+        if orig is None:
+            return
+        guard = self
+
+        def refuse():
+            guard.seen.append(what)
+            return PureTestStartedProcess(f"{guard.nodeid} is marked pure but {what}: mark it e2e "
+                                          f"(`@pytest.mark.e2e`; README \"Tests\")")
+
+        if is_async:
+            async def blocked(*a, **kw):
+                if threading.current_thread() in guard._earlier:
+                    return await orig(*a, **kw)
+                raise refuse()
+        else:
+            def blocked(*a, **kw):
+                if threading.current_thread() in guard._earlier:
+                    return orig(*a, **kw)
+                raise refuse()
+        setattr(owner, name, blocked)
+        self._undo.append((owner, name, orig))
+
+    def __enter__(self):
+        import multiprocessing.process
+        import nats.aio.client
+
+        self._block(subprocess.Popen, "__init__", "started a subprocess")
+        self._block(multiprocessing.process.BaseProcess, "start", "started a multiprocessing process")
+        for fn in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+            self._block(os, fn, f"called os.{fn}")
+        self._block(nats.aio.client.Client, "connect", "connected to a NATS server", is_async=True)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+        self._undo.clear()
+
+
+def _guarded_phase(item):
+    if item.get_closest_marker("pure") is None:
+        return (yield)
+    with _PureGuard(item.nodeid) as guard:
+        try:
+            return (yield)
+        finally:
+            # Also when the test failed or skipped on the refusal (a "not available here" skip must not hide it).
+            if guard.seen:
+                raise PureTestStartedProcess(f"{item.nodeid} is marked pure but {'; '.join(guard.seen)}: "
+                                             "mark it e2e")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded_phase(item))

@@ -2,8 +2,6 @@
 the generated config served by a real nats-server (with TLS, and reloaded after adding an island)."""
 from __future__ import annotations
 
-import json
-import os
 import signal
 import stat
 import subprocess
@@ -11,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import nats
 import nkeys
 import pytest
 
@@ -39,6 +36,7 @@ def public_of(creds: Path) -> str:
         kp.wipe()
 
 
+@pytest.mark.e2e
 def test_init_writes_one_private_identity_per_process_and_a_valid_config(tmp_path):
     out = tmp_path / "auth"
     r = yeto_auth("--run", "prod1", "--islands", "a,b", "--out", str(out), "--tls", "--hosts",
@@ -81,6 +79,7 @@ def test_init_writes_one_private_identity_per_process_and_a_valid_config(tmp_pat
     assert write_server_config([out], tmp_path / "again.conf").read_text() == conf_file.read_text()
 
 
+@pytest.mark.e2e
 def test_connect_options_hand_the_seed_to_nats_py_with_its_own_inbox(tmp_path):
     out = tmp_path / "auth"
     assert yeto_auth("--run", "r", "--islands", "a", "--out", str(out)).returncode == 0
@@ -105,6 +104,7 @@ def test_connect_options_hand_the_seed_to_nats_py_with_its_own_inbox(tmp_path):
     (("--islands", "a", "--tls", "--hosts", ","), "--hosts: give at least one"),
     (("--islands", "a", "--run", "a.b"), "--run:"),
 ])
+@pytest.mark.e2e
 def test_bad_input_is_refused_naming_the_flag_and_value(tmp_path, args, says):
     out = tmp_path / "auth"
     r = yeto_auth("--run", "r", "--out", str(out), *args)
@@ -114,6 +114,7 @@ def test_bad_input_is_refused_naming_the_flag_and_value(tmp_path, args, says):
     assert not out.exists() or not any(out.iterdir())  # nothing half-written
 
 
+@pytest.mark.e2e
 def test_rerun_adds_islands_and_keeps_every_existing_identity(tmp_path):
     out = tmp_path / "auth"
     assert yeto_auth("--run", "r", "--islands", "a,b", "--out", str(out), "--tls").returncode == 0
@@ -152,6 +153,7 @@ async def _connect_within(opts, timeout: float = 20.0):
             time.sleep(0.2)
 
 
+@pytest.mark.e2e
 async def test_a_running_broker_reloaded_with_a_new_island_keeps_the_old_ones_and_rotates_one(tmp_path):
     """How to add an island to a live run: `yeto auth init` again, reload (SIGHUP). The new island gets
     in; island a's open connection and its key keep working. Rotating b: remove b.creds, `yeto auth
@@ -314,6 +316,7 @@ def test_every_key_subscribes_only_to_its_own_inbox():
         assert not _may(perms, "subscribe", "_INBOX_UKEY2.x.y") and not _may(perms, "subscribe", "_INBOX.x")
 
 
+@pytest.mark.e2e
 def test_served_dir_points_tls_at_the_containers_mount(tmp_path):
     from yeto.services.auth import server_config_text
 

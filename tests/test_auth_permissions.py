@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import subprocess
 import sys
 import time
@@ -31,6 +29,8 @@ from yeto.services.broker import Broker
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, clean_env, kv_json, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 from tests.test_steplog_exporter import scrape
+
+pytestmark = pytest.mark.e2e
 
 GEN = "0123456789abcdef"
 

@@ -50,6 +50,7 @@ def test_staleness_counts_versions_committed_beyond_the_one_installed():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_smoke_run_prints_both_passes_and_the_last_line(tmp_path):
     out = subprocess.run([sys.executable, str(GOODPUT), "--size-mib", "4", "--steps", "48", "--warmup", "8",
                           "--step-s", "0.05", "--workdir", str(tmp_path)],

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(300)]
 
 
 def test_hostile_quick_rejects_every_bad_message_and_the_run_ends_on_the_final_cut(nats_url, tmp_path):

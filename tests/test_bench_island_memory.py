@@ -34,6 +34,7 @@ def _load():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("anchors", ["files", "memory"])
+@pytest.mark.e2e
 def test_smoke_run_prints_a_line_per_size_and_the_slope_last(anchors):
     proc = subprocess.run([sys.executable, str(BENCH), "--sizes", "2,4", "--fragments", "2", "--anchors", anchors],
                           capture_output=True, text=True, timeout=140, cwd=ROOT)

@@ -35,6 +35,7 @@ def _load():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype,decode,kernel", [("f32", "view", "sgd"), ("bf16", "view", "fused"),
                                                  ("f32", "unpack", "fused"), ("bf16", "view", "sgd")])
+@pytest.mark.e2e
 def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decode, kernel):
     proc = subprocess.run([sys.executable, str(MERGE), "--size-mb", "4", "--members", "3", "--chunk-kb", "64",
                            "--repeat", "1", "--push-dtype", dtype, "--decode", decode, "--kernel", kernel],

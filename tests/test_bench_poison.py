@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(240)]
 
 LINE = re.compile(r"poison kind=(\w+) clean=(\S+) poisoned=(\S+) ratio=(\S+) quarantined=(\d+) clamped=(\d+) "
                   r"merges=(\d+) committed=(\S+) rules=(\{.*?\})")

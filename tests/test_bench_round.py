@@ -41,6 +41,7 @@ def _load():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_agree():
     proc = subprocess.run([sys.executable, str(ROUND), "--size-mib", "2", "--rounds", "2", "--allreduce-repeat", "2"],
                           capture_output=True, text=True, timeout=110, cwd=ROOT)

@@ -14,12 +14,14 @@ from yeto.services.broker import Broker, check_config, default_config_path, nats
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_shipped_config_is_valid_and_allows_8mib():
     check_config(default_config_path())
     text = default_config_path().read_text()
     assert "max_payload: 8MB" in text
 
 
+@pytest.mark.e2e
 async def test_embedded_broker_announces_8mib_and_jetstream(tmp_path):
     with Broker(store_dir=tmp_path) as b:
         nc = await nats.connect(b.url)
@@ -33,6 +35,7 @@ async def test_embedded_broker_announces_8mib_and_jetstream(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.e2e
 def test_compose_file_mounts_the_shipped_config():
     from tests.test_broker_auth import compose_interpolate
 
@@ -54,9 +57,9 @@ def test_compose_file_mounts_the_shipped_config():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.e2e
 def test_yeto_broker_prints_url_and_stops_on_sigterm(tmp_path):
     import signal
-    import time
 
     from yeto.services.broker import free_port
 
@@ -81,10 +84,12 @@ NATS_DEPLOY = ROOT / "deploy" / "nats"
 
 
 @pytest.mark.parametrize("name", ["hub-1.conf", "hub-2.conf", "hub-3.conf", "leaf.conf"])
+@pytest.mark.e2e
 def test_deploy_templates_pass_the_servers_own_config_test(name):
     check_config(NATS_DEPLOY / name)
 
 
+@pytest.mark.e2e
 def test_check_config_reports_the_servers_words(tmp_path):
     bad = tmp_path / "bad.conf"
     bad.write_text("jetstream { domain: two words }\n")
@@ -119,6 +124,7 @@ def test_hub_templates_form_one_cluster_and_the_leaf_dials_out():
     assert domain != "hub" and "max_payload: 8MB" in leaf
 
 
+@pytest.mark.e2e
 def test_hub_and_leaf_templates_run_as_a_cluster_with_a_leaf_node(tmp_path):
     """The templates as shipped, with only host names, ports and store directories made local: the
     three hubs elect a JetStream meta leader, and the leaf node connects out to them with its own

@@ -77,11 +77,13 @@ def _opts(b, name: str, ca: str | None = "default") -> ConnectOptions:
     return ConnectOptions(url=b.url, creds=str(b.auth / f"{name}.creds"), tls_ca=b.ca if ca == "default" else ca)
 
 
+@pytest.mark.e2e
 def test_ready_line_says_tls_and_where_the_ca_is(secured):
     assert f"tls://127.0.0.1:{secured.port}" in secured.ready, secured.ready
     assert f"--tls-ca {secured.ca}" in secured.ready and "run r" in secured.ready, secured.ready
 
 
+@pytest.mark.e2e
 async def test_anonymous_is_refused_and_an_island_identity_connects(secured):
     tls = ssl.create_default_context(cafile=secured.ca)
     with pytest.raises(Exception) as anon:
@@ -98,6 +100,7 @@ async def test_anonymous_is_refused_and_an_island_identity_connects(secured):
         await nc.close()
 
 
+@pytest.mark.e2e
 async def test_clients_verify_the_server_with_the_runs_ca(secured, tmp_path):
     other = tmp_path / "other"
     init_auth("r", ["a"], other, tls=True)  # another CA: the server's certificate is not signed by it
@@ -111,6 +114,7 @@ async def test_clients_verify_the_server_with_the_runs_ca(secured, tmp_path):
     await nc.close()
 
 
+@pytest.mark.e2e
 async def test_sighup_reloads_the_auth_dir_a_new_island_gets_in(secured):
     """Adding an island to a live run: `yeto auth init` again with island c, SIGHUP to `yeto broker`.
     Before the reload c's new key is refused; after it c connects, and island a's connection opened
@@ -162,6 +166,7 @@ def test_is_loopback(host, loopback):
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.e2e
 def test_a_broker_beyond_loopback_without_auth_refuses_to_start(tmp_path, how):
     port = free_port()
     args = ["--port", str(port), "--store-dir", str(tmp_path / "s")]
@@ -179,6 +184,7 @@ def test_a_broker_beyond_loopback_without_auth_refuses_to_start(tmp_path, how):
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.e2e
 async def test_insecure_lets_an_open_broker_listen_beyond_loopback(tmp_path, how):
     port = free_port()
     args = ["--host", "0.0.0.0", "--port", str(port), "--store-dir", str(tmp_path / "s")]
@@ -196,6 +202,7 @@ async def test_insecure_lets_an_open_broker_listen_beyond_loopback(tmp_path, how
         assert b.stop() == 0
 
 
+@pytest.mark.e2e
 def test_auth_that_is_not_an_auth_dir_is_refused(tmp_path):
     for bad, says in ((tmp_path / "missing", "is not a directory"), (tmp_path, "identities.json")):
         proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "broker", "--auth", str(bad),
@@ -207,6 +214,7 @@ def test_auth_that_is_not_an_auth_dir_is_refused(tmp_path):
 # ---- a secured cluster ---------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 async def test_auth_with_a_cluster_keeps_routes_on_loopback(tmp_path):
     """--auth --cluster 2 --host 0.0.0.0: every node serves the identities and TLS, clients may come
     from anywhere, but the routes (which carry no client authorization) listen on loopback only."""
@@ -289,6 +297,7 @@ def test_compose_without_auth_is_the_open_broker_and_no_credentials():
         assert env["YETO_NATS_CREDS"] == "" and env["YETO_TLS_CA"] == "", name  # empty: no credentials (conn.py)
 
 
+@pytest.mark.e2e
 async def test_compose_with_yeto_broker_auth_serves_the_mounted_dir_with_tls(tmp_path):
     """YETO_BROKER_AUTH=DIR: the nats service's config, with its mounts laid out as the container sees
     them (only the /etc/nats prefix moved under tmp), passes nats-server's own test and serves DIR:

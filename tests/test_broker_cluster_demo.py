@@ -24,6 +24,8 @@ from tests.scripted import ROOT
 from tests.test_broker_nodes import _ready
 from tests.test_broker_supervisor import _children
 
+pytestmark = pytest.mark.e2e
+
 RUN = "clusterdemo"
 
 

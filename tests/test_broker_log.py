@@ -18,7 +18,7 @@ from yeto.services.broker import free_port, free_port_block
 from tests.scripted import ROOT
 from tests.test_broker_nodes import _ready
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def _broker(tmp_path, *args: str, name: str = "broker") -> tuple[subprocess.Popen, str]:

@@ -95,6 +95,7 @@ def _stop(procs) -> None:
             p.wait()
 
 
+@pytest.mark.e2e
 def test_three_nodes_started_one_by_one_form_a_cluster_and_one_restarted_by_hand_rejoins(tmp_path):
     port = free_port_block(3)
     common = ("--port", str(port), "--cluster-port", str(free_port_block(3)), "--http-port", str(free_port_block(3)),
@@ -121,6 +122,7 @@ def test_three_nodes_started_one_by_one_form_a_cluster_and_one_restarted_by_hand
         _stop(procs.values())
 
 
+@pytest.mark.e2e
 def test_peers_give_each_node_its_own_hosts_ports(tmp_path):
     """One node per "host": every node the same --cluster and --peers, its own --port and --http-port (on
     loopback here, so the ports differ)."""

@@ -79,6 +79,7 @@ async def _publish(js, subject: str, data: bytes, within: float = 45.0) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.e2e
 def test_yeto_broker_cluster_restarts_a_killed_node_and_keeps_serving(tmp_path):
     port, route, mon = free_port_block(3), free_port_block(3), free_port_block(3)
     log = tmp_path / "broker.out"

@@ -18,6 +18,8 @@ from tests.scripted import ROOT
 sys.path.insert(0, str(ROOT / "bench"))
 from chaos import ALL_KINDS, END_KINDS, group_members  # noqa: E402
 
+pytestmark = pytest.mark.soak
+
 LAST = re.compile(r"^chaos rounds=(\d+) kills=(\d+) lost=(\d+) double=(\d+) final_equal=(true|false) goodput=(\S+)$")
 
 

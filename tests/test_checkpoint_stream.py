@@ -167,6 +167,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("stage,thread", [("half", False), ("half", True), ("before_fsync", False),
                                           ("before_fsync", True), ("before_manifest", False)])
+@pytest.mark.e2e
 def test_sigkill_while_streaming_leaves_the_old_version_and_the_next_commit_deletes_the_leftovers(
         tmp_path, stage, thread):
     chunk = 40_000

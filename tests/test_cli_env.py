@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from yeto.services.cli import build_parser
 from yeto.services.cmd_syncer import bad_env_values
 from tests.scripted import ROOT
@@ -20,12 +22,14 @@ def _yeto(*argv: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, **env})
 
 
+@pytest.mark.e2e
 def test_a_bad_syncer_variable_breaks_no_other_command():
     proc = _yeto("export", "--help", YETO_FRAGMENTS="four")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_yeto_syncer_refuses_a_variable_that_does_not_parse_naming_it_and_its_value():
     # the broker address is a closed port: the refusal must come before any connection attempt
     proc = _yeto("syncer", "--run", "r", "--nats", "nats://127.0.0.1:9", YETO_FRAGMENTS="four", YETO_ISLANDS="2.5")
@@ -46,6 +50,7 @@ def test_a_good_variable_is_the_default_and_a_flag_given_overrides_a_bad_one(mon
     assert args.fragments == 2 and bad_env_values(args) == []
 
 
+@pytest.mark.e2e
 def test_the_dtype_variables_the_islands_share_take_auto_and_name_themselves_when_bad(monkeypatch):
     # README's island table gives YETO_PUSH_DTYPE=auto as the default; one environment for both sides works
     monkeypatch.setenv("YETO_PUSH_DTYPE", "auto")
@@ -59,6 +64,7 @@ def test_the_dtype_variables_the_islands_share_take_auto_and_name_themselves_whe
     assert "YETO_PUSH_DTYPE='fp8' in the environment: must be one of f32, bf16, q4" in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
 def test_every_commands_variables_are_reported_by_that_command_alone():
     # YETO_BROKER_PORT was int()-ed while the parsers were built: every command died on it
     proc = _yeto("export", "--help", YETO_BROKER_PORT="abc", YETO_DASHBOARD_PORT="x")

@@ -23,7 +23,7 @@ import pytest
 from yeto.services.broker import Broker, free_port
 from tests.scripted import ROOT
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 def _env(**extra: str) -> dict:

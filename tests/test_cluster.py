@@ -24,6 +24,8 @@ from yeto.services.broker import Cluster, free_port_block
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def cluster(tmp_path):

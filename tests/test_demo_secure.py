@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 8
 
@@ -50,7 +52,7 @@ def test_secure_demo_ends_on_the_final_cut_like_the_open_one(secure_demo):
 @pytest.mark.timeout(300)
 def test_secure_demo_ran_through_tls_with_no_permission_violation(secure_demo):
     work, out = secure_demo["work"], secure_demo["out"]
-    assert f"NATS tls://127.0.0.1:" in out and f"identities and CA in {work / 'auth'}" in out
+    assert "NATS tls://127.0.0.1:" in out and f"identities and CA in {work / 'auth'}" in out
     auth = work / "auth"
     for name in ("syncer", "a", "b", "observer", "admin"):
         assert (auth / f"{name}.creds").stat().st_mode & 0o777 == 0o600

@@ -109,6 +109,7 @@ async def test_rounds_merged_once_and_the_state_kv_per_shard(sharded_demo, nc):
     assert board.missing(time.time()) == []
 
 
+@pytest.mark.e2e
 def test_more_shards_than_fragments_is_refused():
     for extra, why in ((["--syncer-shards", "5", "--fragments", "4"], "--syncer-shards 5 exceeds --fragments 4"),
                        (["--syncer-shards", "0"], "--syncer-shards must be an integer >= 1")):

@@ -3,7 +3,9 @@
 services/, learner/, bench/, tests/, deploy/, README.md and docs/ must name a section heading of
 docs/design.md (`## N. ...` or `### N.M ...`). Citations of the design documents that are not in the
 repository (the old design file and its NATS notes) must be gone. docs/README.md's feature map must
-name files that exist. No broker, no torch: a text scan."""
+name files that exist, and list every tests/test_*.py (a feature's tests are found there by file name).
+Code carries no issue numbers: a comment or docstring says what the code does or cites the design, since
+an issue tracker's numbers mean nothing to a reader of the repository. No broker, no torch: a text scan."""
 from __future__ import annotations
 
 import re
@@ -22,6 +24,13 @@ HEADING = re.compile(r"^#{2,4}\s+(\d+(?:\.\d+)*)\.?\s", re.M)
 # Documents that are not in the repository. Built from pieces so this file does not match itself.
 GONE = [re.compile(p) for p in ("DESIGN" + r"\s*§", "DESIGN" + r"\.md", "NATS" + "-NOTES")]
 SELF = Path(__file__).resolve()
+# Code (not the docs, which may tell the history): the packages, the benchmarks, the tests, the deployment
+# files and the top-level scripts and configuration.
+CODE_DIRS = ("schemas", "services", "learner", "bench", "tests", "deploy", "yeto")
+CODE_FILES = ("run", ".ci/run", "pyproject.toml", "docker-compose.yml", "constraints.txt")
+CODE_SUFFIXES = SUFFIXES - {".md"}
+# "issue 25", "Issue 25 item 3", "issues 14 and 15", "issue #7", "issue-5", "gh-12", "PR #3".
+ISSUE_TAG = re.compile(r"\bissues?[\s#-]*\d+|\bgh-\d+|\bPR\s*#\d+", re.I)
 
 
 def sections() -> set[str]:
@@ -93,10 +102,52 @@ def test_the_citation_pattern():
     assert secs("docs/design.md") == []
 
 
-def test_feature_map_names_existing_files():
+def feature_map() -> list[str]:
+    """The rows of docs/README.md's feature map."""
     text = (ROOT / "docs" / "README.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ") and "`" in line]
     assert len(table) > 20
+    return table
+
+
+def test_feature_map_names_existing_files():
+    table = feature_map()
     paths = [p for line in table for p in re.findall(r"`([^`\s]+)`", line) if "/" in p]
     missing = [p for p in paths if not (ROOT / p).exists()]
     assert not missing, f"docs/README.md names files that do not exist: {missing}"
+
+
+def test_feature_map_lists_every_test_file():
+    named = {p for line in feature_map() for p in re.findall(r"`(tests/test_[^`\s]+\.py)`", line)}
+    files = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+    assert len(files) > 90 and len(named) > 90
+    missing = sorted(files - named)
+    assert not missing, "tests/ files that docs/README.md's feature map does not list under a feature:\n" + \
+        "\n".join(missing)
+
+
+def code_files():
+    for d in CODE_DIRS:
+        for p in sorted((ROOT / d).rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix in CODE_SUFFIXES:
+                yield p
+    for name in CODE_FILES:
+        yield ROOT / name
+
+
+def test_no_issue_numbers_in_the_code():
+    files = [p for p in code_files() if p.resolve() != SELF]
+    assert len(files) > 200, "the scan finds the code"
+    bad = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in files for n, line in _lines(p)
+           if ISSUE_TAG.search(line)]
+    assert not bad, ("issue numbers in the code: say what the code does, or cite docs/design.md §N:\n"
+                     + "\n".join(bad))
+
+
+def test_the_issue_tag_pattern():
+    for tagged in ("(issue 25 item 3)", "Issue 27 item 1: goodput", "issues 14 and 15", "see issue #7",
+                   "the issue-5 path", "gh-12", "PR #3"):
+        assert ISSUE_TAG.search(tagged), tagged
+    for clean in ("re-issues a version", "a version re-issued after a redo", "issue_token(5)", "reissue[1] = 4",
+                  "the issuer_name(ca)", "# 5 ranks", "issue one identity per island"):
+        assert not ISSUE_TAG.search(clean), clean

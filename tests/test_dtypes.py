@@ -417,6 +417,7 @@ def test_dtype_names_are_defined_once_and_the_json_schemas_agree():
         assert codec.load_schema(kind)["$defs"]["bulk_wire_dtype"]["enum"] == list(BULK_DTYPES), kind
 
 
+@pytest.mark.e2e
 def test_importing_the_dtype_names_does_not_import_torch():
     """The CLI, the step-log consumers and bench/wire.py read the names and the chunk plan; torch costs them seconds."""
     import subprocess

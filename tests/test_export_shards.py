@@ -106,6 +106,7 @@ def test_shard_dirs_export_equal_to_the_single_directory(tmp_path, cut, n):
             assert got[t["name"]] == flat[t["offset"]: t["offset"] + t["numel"]].numpy().tobytes()
 
 
+@pytest.mark.e2e
 def test_cli_repeated_dirs_parent_dir_and_the_default(tmp_path, cut):
     sess, frags, (want, _) = cut
     parent = tmp_path / "yeto-data" / RUN  # where `yeto demo` and the default --checkpoint-dir put them

@@ -27,6 +27,8 @@ from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_j
                              wait_until)
 from tests.scripted import SyncerProc, tape, wait_provisioned
 
+pytestmark = pytest.mark.e2e
+
 H, P = 4, 2
 MEMBER_TIMEOUT = 8.0
 

@@ -121,6 +121,7 @@ print(json.dumps({"loaded": loaded, "installed": hybrid.installed(),
 
 
 @pytest.mark.parametrize("enable", ["1", "0"])
+@pytest.mark.e2e
 def test_hybrid_plugin_file_installs_only_when_asked(tmp_path, enable):
     """learner/plugins/yeto_hybrid_plugin.py, loaded the way ms-swift loads --external_plugins, installs
     the hybrid groups with YETO_CROSS_NODE_GLOO=1 (then every new group is decided and recorded) and
@@ -459,10 +460,12 @@ def _start(fn, world: int, tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_hybrid_groups_four_ranks_two_nodes(tmp_path):
     _start(_four_ranks, 4, tmp_path)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_hybrid_groups_eight_ranks_megatron_layout(tmp_path):
     _start(_eight_ranks, 8, tmp_path)

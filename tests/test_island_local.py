@@ -27,6 +27,8 @@ from yeto.schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
 from yeto.schemas.layout import build_session
 from yeto.schemas.provision import RunLimits, kv, provision_run, remove_run
 
+pytestmark = pytest.mark.e2e
+
 CHUNK_BYTES = 1024
 ISLAND = "a"
 
@@ -845,8 +847,6 @@ async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_an
     assert r0["states"] == r1["states"] and len(r0["states"]) >= 3  # replicas equal after every boundary
     assert r0["finalized"] and r1["finalized"] and r0["gen"] == r1["gen"] == gen
     assert r0["applies"] == 5  # v0 of both fragments, v1 of fragment 1, the final cut of both
-    model = net(0)
-    adapter = TorchModuleAdapter(model)
     for fid, frag in enumerate(session["fragments"]):
         for r in (r0, r1):
             for t in frag["tensors"]:

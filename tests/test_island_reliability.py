@@ -25,6 +25,8 @@ from yeto.services.broker import Broker
 from tests.test_island_local import (CHUNK_BYTES, ISLAND, Syncer, anchor_flat, assemble_push, boundary, env,  # noqa: F401
                                      frag_values, net, publish_v, started, steplog_lines, until)
 
+pytestmark = pytest.mark.e2e
+
 
 async def _streams_back(js, run: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -123,7 +125,7 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
 
 # ---- hostile messages toward the island (docs/design.md §5.5) -------------------------------------
 
-async def test_forged_manifests_do_not_stop_or_crash_the_island(env):
+async def test_forged_manifests_do_not_stop_or_crash_the_island(env):  # noqa: F811 - the env fixture, imported
     """A manifest naming a fragment the session does not have raised ProtocolError (the island
     exited); one not backed by a final cut on FINAL stopped training and waited `final_timeout_s`
     for it, then raised. Both are refused and counted now, and training goes on; the real manifest
@@ -163,7 +165,7 @@ async def test_forged_manifests_do_not_stop_or_crash_the_island(env):
         assert torch.equal(frag_values(island, fid), final[fid])
 
 
-async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(env):
+async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(env):  # noqa: F811 - the env fixture, imported
     """A FINAL chunk carrying the manifest's version with another digest raised ProtocolError in the
     middle of finalization; it is refused and counted now, and the real chunk (a new message on the
     subject) is installed."""
@@ -193,7 +195,7 @@ async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(
         assert torch.equal(frag_values(island, fid), final[fid])
 
 
-async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(env):
+async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(env):  # noqa: F811 - the env fixture, imported
     island, session, syncer = env(net())
     await started(env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
@@ -228,7 +230,7 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
     assert sum(e["rejected"] for e in steplog_lines(island)) >= 4 and island.counters["rejected.invalid"] >= 4
 
 
-async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(env):
+async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(env):  # noqa: F811 - the env fixture, imported
     """Regression found by bench/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
     version 7955 (valid chunk digest) started a reading that waited for ever for that version's
     chunk 1; the notice inbox kept the highest version per subject, so the real v1 that then

@@ -17,7 +17,7 @@ async def _notices(island, n: int, what: str) -> None:
     await until(lambda: len(island.client.bcast) >= n, what=what)
 
 
-async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(env):
+async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(env):  # noqa: F811 - the env fixture, imported
     """Fragment 1 (4 chunks): v1's chunks 0-1 landed and were staged; chunk 2 still holds v0 (the
     syncer is between two publishes), so the reading waits there. A corrupted chunk then replaces the
     seal (chunk 3), claiming a version far ahead. It is refused and counted at the next boundary, not
@@ -47,7 +47,7 @@ async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(e
     assert island.counters["rejected.digest_mismatch"] == 1
 
 
-async def test_every_bad_chunk_of_one_fragment_is_counted_not_only_the_first_a_reading_meets(env):
+async def test_every_bad_chunk_of_one_fragment_is_counted_not_only_the_first_a_reading_meets(env):  # noqa: F811 - the env fixture, imported
     """Two corrupted chunks land on fragment 1 (4 chunks) together: chunk 1 and chunk 3. The reading
     is refused at chunk 1; chunk 3 is refused and counted at the same boundary (it used to be looked
     at only by a later reading, and never if a real chunk overwrote it first)."""
@@ -92,7 +92,7 @@ def _count_fetches(island, on_first=None) -> dict:
     return calls
 
 
-async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_one_by_one(env):
+async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_one_by_one(env):  # noqa: F811 - the env fixture, imported
     """Only v1's chunk 0 has landed when the reading starts; chunks 1-3 land during its first fetch
     (the syncer publishing as the island reads). The reading takes the new notices before its next
     batch and fetches the three in one request (it used to see only the notices it started with, and
@@ -119,7 +119,7 @@ async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_o
     assert calls == {"now": [1, 3], "ahead": []}
 
 
-async def test_the_next_batch_is_fetched_while_the_one_before_is_checked(env):
+async def test_the_next_batch_is_fetched_while_the_one_before_is_checked(env):  # noqa: F811 - the env fixture, imported
     """A version that has landed whole, one chunk per batch: the first batch is fetched and waited
     for, each later one was fetched ahead while the batch before it was checked and staged; the
     version installed is the one published, bit for bit. A reading refused at a corrupted chunk

@@ -22,6 +22,8 @@ from yeto.schemas import leader_watch
 from yeto.schemas.publish import Pipeline, publish_retry
 from yeto.services.broker import Cluster
 
+pytestmark = pytest.mark.e2e
+
 RUN = "lw"
 STREAM = f"YETO_{RUN}_BCAST"     # a name the watch of run "lw" follows
 ACK_TIMEOUT_S = 30.0

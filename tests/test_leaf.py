@@ -21,7 +21,7 @@ from yeto.schemas import subjects as S
 from yeto.schemas.provision import CUT_KINDS, ProvisionConflict, ensure_cut_mirrors, remove_run
 from yeto.services import leaf as L
 from yeto.services.broker import Broker, free_port
-from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
+from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
 from tests.scripted import ROOT, SyncerProc
 from tests.tcp_proxy import TcpProxy
 
@@ -87,6 +87,7 @@ def test_yeto_broker_leaf_options_are_checked(tmp_path, capsys):
         assert rc == 2 and word in err, (args, rc, err)
 
 
+@pytest.mark.e2e
 def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
     """`yeto broker --leaf-port P` (domain hub) and `yeto broker --leaf-of 127.0.0.1:P --domain dc9`:
     the leaf links to the hub (the hub's /leafz lists it), each answers JetStream in its own domain,
@@ -132,6 +133,7 @@ def test_island_domain_settings_are_checked():
         assert ei.value.field == field, ei.value
 
 
+@pytest.mark.e2e
 def test_generated_configs_pass_nats_server_t(tmp_path):
     from yeto.services.broker import check_config
 
@@ -139,6 +141,7 @@ def test_generated_configs_pass_nats_server_t(tmp_path):
     check_config(L.write_config(tmp_path, "leaf", L.leaf_config_text(domain="dc7", leaf_of="hub-1:7422,hub-2:7422")))
 
 
+@pytest.mark.e2e
 async def test_mirror_conflict_is_reported_and_left_alone(topo, run_id):
     """A stream of the mirror's name in the datacenter that is not that mirror: reported, unchanged."""
     from nats.js import api
@@ -174,6 +177,7 @@ async def _committed(js, run: str) -> int:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 async def test_datacenter_reads_the_local_mirror_and_rides_out_a_30s_link_cut(topo, run_id, tmp_path):
     """Islands b and c in dc1 create the run's mirrors of BCAST and FINAL in their domain and read the
     cut from them: while they train, the mirror (not the hub's stream) carries their two ordered
@@ -274,6 +278,7 @@ async def _same_last(js, run: str, last_seq: int) -> bool:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.e2e
 def test_demo_two_datacenters_crosses_the_wan_once_per_cut(tmp_path):
     """`yeto demo --datacenters 2`: islands b and c in the leaf datacenter, a 2 MiB model. Every island
     ends on the final cut, and the hub sent over the leaf link at most 1.25x the cut bytes it

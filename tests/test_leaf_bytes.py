@@ -16,7 +16,7 @@ import pytest
 from yeto.services import leaf as L
 from tests.tcp_proxy import TcpProxy
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 PAYLOAD = b"w" * 100_000
 N = 40   # 4 MB per leg

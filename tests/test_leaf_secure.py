@@ -1,4 +1,4 @@
-"""Issue 25 item 3: secured leaf links. A hub and a leaf node of datacenter dc1, both real nats-servers
+"""docs/design.md §12: secured leaf links. A hub and a leaf node of datacenter dc1, both real nats-servers
 serving one `yeto auth init --tls --datacenters dc1` directory (services/leaf_auth.py): the leaf dials
 the hub with dc1's leaf identity over TLS, and serves islands a, b and c their own keys.
 
@@ -107,6 +107,7 @@ async def _no_msg(js, stream: str, subject: str) -> bool:
     return False
 
 
+@pytest.mark.e2e
 async def test_island_b_behind_the_leaf_reaches_the_hub_as_itself_and_never_as_island_a(pair):
     run, errors = pair.run, []
     b = await pair.conn("leaf", "b", errors)
@@ -138,6 +139,7 @@ async def test_island_b_behind_the_leaf_reaches_the_hub_as_itself_and_never_as_i
         await hub.close()
 
 
+@pytest.mark.e2e
 async def test_the_datacenter_mirrors_bcast_through_the_link(pair):
     """Island c creates dc1's mirrors of BCAST and FINAL (in the leaf's own domain, sourced through
     $JS.hub.API); a chunk the syncer broadcasts on the hub reaches the mirror, and c reads it there.
@@ -166,6 +168,7 @@ async def test_the_datacenter_mirrors_bcast_through_the_link(pair):
         await hub.close()
 
 
+@pytest.mark.e2e
 async def test_islands_behind_the_leaf_read_the_hubs_kv_and_write_none(pair):
     """The state KV through the hub's domain: island b on the leaf reads what the syncer wrote on the
     hub; a write (islands write no KV key anywhere) is refused at the leaf, as at the hub."""
@@ -184,6 +187,7 @@ async def test_islands_behind_the_leaf_read_the_hubs_kv_and_write_none(pair):
         await hub.close()
 
 
+@pytest.mark.e2e
 async def test_a_kv_writer_behind_a_leaf_writes_the_hubs_bucket(tmp_path, run_id):
     """yeto.schemas.provision.kv_put through the hub's domain from a client of the leaf node: the put goes
     as $JS.hub.API.$KV.<bucket>.<key> (a bare $KV.> never crosses a link between two domains) and lands
@@ -206,6 +210,7 @@ async def test_a_kv_writer_behind_a_leaf_writes_the_hubs_bucket(tmp_path, run_id
 
 
 @pytest.mark.parametrize("who", [None, "b"])
+@pytest.mark.e2e
 def test_a_leaf_without_a_leaf_identity_is_refused_by_the_hub(pair, tmp_path, who):
     """A leaf node that dials the hub's leaf port over TLS with no key, or with an island's key (a client
     identity, not a leaf one), is refused: the hub keeps its one link, dc1's."""
@@ -227,6 +232,7 @@ def test_a_leaf_without_a_leaf_identity_is_refused_by_the_hub(pair, tmp_path, wh
         rogue.stop()
 
 
+@pytest.mark.e2e
 async def test_the_leaf_identity_carries_only_what_islands_and_mirrors_need(pair, tmp_path):
     """A leaf node that holds dc1's key but serves anyone (its own config, no users): what its clients
     send still passes the hub's check of the leaf identity. An island's hello crosses (its answer only to
@@ -273,6 +279,7 @@ async def test_the_leaf_identity_carries_only_what_islands_and_mirrors_need(pair
                 and "push" not in x]
 
 
+@pytest.mark.e2e
 def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
     """`yeto broker --auth DIR --leaf-port P` and `yeto broker --auth DIR --leaf-of 127.0.0.1:P --domain
     dc1`: the leaf links with its identity over TLS and island b, connected to the leaf with its own key,
@@ -339,6 +346,7 @@ def test_bad_secured_leaf_options_exit_2_naming_flag_and_value(tmp_path, capsys)
         assert rc == 2 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), (args, rc, err)
 
 
+@pytest.mark.e2e
 def test_bad_datacenters_exit_2_naming_flag_and_value(tmp_path):
     from tests.test_auth_init import yeto_auth
 
@@ -352,6 +360,7 @@ def test_bad_datacenters_exit_2_naming_flag_and_value(tmp_path):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.e2e
 def test_demo_secure_two_datacenters_ends_on_the_final_cut_with_no_violation(tmp_path):
     """`yeto demo --secure --datacenters 2`: a secured hub (syncer, island a) and dc1's secured leaf
     (islands b and c with their own keys, linked with dc1's leaf identity over TLS): every island on the

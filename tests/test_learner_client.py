@@ -309,6 +309,7 @@ def test_step_log_queue_is_thread_safe_and_bounded():
     assert len(log.pop_all()) == 50 and len(log) == 0
 
 
+@pytest.mark.e2e
 async def test_check_health_raises_only_after_the_configured_failed_reconnects(tmp_path):
     from yeto.services.broker import Broker
 

@@ -22,6 +22,8 @@ from yeto.learner.adapters.megatron_names import strip_wrappers
 from yeto.schemas.layout import layout_fingerprint
 from tests.extras import require
 
+pytestmark = pytest.mark.e2e
+
 require("swift", "megatron.core")
 
 FC1 = "decoder.layers.0.mlp.linear_fc1.weight"

@@ -15,7 +15,7 @@ import pytest
 
 from yeto.services.syncer.config import NORM_HISTORY
 from yeto.services.syncer.rounds import Heartbeat, Merge, MergeDone, PushComplete, RoundMachine, Tick
-from tests.test_quarantine import GEN, launched, qpush, quarantined, valid_event
+from tests.test_quarantine import GEN, launched, quarantined, valid_event
 from tests.test_rounds import dispositions, of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,6 +193,7 @@ def test_a_fractional_factor_is_honoured_exactly_and_the_weights_follow_in_float
 # ---- the flag -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["1", "0.5", "-3", "nan", "inf", "abc"])
+@pytest.mark.e2e
 def test_bad_push_norm_factor_values_are_refused_naming_the_flag_and_value(value):
     for argv, env in ((["--push-norm-factor", value], {}), ([], {"YETO_PUSH_NORM_FACTOR": value})):
         proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "syncer", "--run", "r", *argv],

@@ -160,6 +160,7 @@ def _run_prepared(p, m, deltas, w, bounds, chunk_numel, lr=0.7, mu=0.9):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_compiled_kernel_gives_its_eager_twins_bits(monkeypatch) -> None:
     """YETO_OUTER_COMPILE=sync: the torch.compile'd loop (static shapes, compiled for the merge's chunk
     length) and the eager twin that runs wherever it is not compiled compute the same bits, so which
@@ -201,6 +202,7 @@ def test_compiled_kernel_gives_its_eager_twins_bits(monkeypatch) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_async_compile_switches_kernels_mid_merge_without_changing_a_bit(monkeypatch) -> None:
     """The default (async): a merge starts on the eager twin while the loop compiles in the background
     and moves to the compiled loop in the middle when it is ready; its bytes equal a merge that ran on
@@ -251,6 +253,7 @@ def test_kernel_setting_is_checked(monkeypatch) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.e2e
 def test_a_process_done_while_the_loop_still_compiles_exits_with_its_code_not_an_abort() -> None:
     """A daemon thread compiling the merge loop (YETO_OUTER_COMPILE=async) is inside C++: an interpreter
     finalizing around it aborted a syncer that ended a short run ("terminate called without an active

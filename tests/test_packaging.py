@@ -32,6 +32,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.e2e
 def test_wheel_holds_only_the_yeto_namespace(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
                           "-w", str(tmp_path), "-q"], capture_output=True, text=True, timeout=230)

@@ -20,6 +20,8 @@ from nats.js import api
 from yeto.schemas.publish import Pipeline, publish_retry
 from yeto.services.broker import Broker, free_port
 
+pytestmark = pytest.mark.e2e
+
 CHUNK = 256 << 10
 N = 120
 # The broadcast's own timeout: a regression waits this long per lost ack.

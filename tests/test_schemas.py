@@ -3,7 +3,6 @@ messages with an error that names the field and the value. jsonschema (a second,
 must agree with the codec (fastjsonschema) on every schema-level verdict."""
 from __future__ import annotations
 
-import copy
 import json
 from importlib import resources
 

@@ -227,6 +227,7 @@ def test_single_process_is_the_degenerate_case(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_tp2_dp2_scatter_and_gather_equal_a_full_broadcast(tmp_path):
     _spawn("tp2dp2", "bf16", tmp_path)
     check("tp2dp2", "bf16", 4, tmp_path)
@@ -241,6 +242,7 @@ def test_tp2_dp2_scatter_and_gather_equal_a_full_broadcast(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_tp2_pp2_scatter_and_gather_equal_a_full_broadcast(tmp_path):
     _spawn("tp2pp2", "f32", tmp_path)
     check("tp2pp2", "f32", 4, tmp_path)

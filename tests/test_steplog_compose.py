@@ -98,6 +98,7 @@ def test_dashboard_page_ships_as_package_data():
     assert ok, f"pyproject package-data does not ship services/steplog/{page}: {data}"
 
 
+@pytest.mark.e2e
 def test_cluster_profile_runs_three_hub_nodes_from_the_shipped_templates(compose, monkeypatch):
     """`docker compose --profile cluster up`: three NATS servers, each with its own hub-<i>.conf from
     deploy/nats/ (which pass `nats-server -t`, tests/test_broker.py), its own volume and host ports,

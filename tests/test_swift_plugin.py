@@ -33,6 +33,8 @@ import megatron_tiny as T  # noqa: E402
 from tests.e2e_procs import join_ranks_and_syncer, rank_processes  # noqa: E402
 from tests.scripted import ScriptedIsland, SyncerProc, wait_provisioned  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "learner" / "plugins" / "yeto_swift_plugin.py"
 CANONICAL = "yeto.learner.plugins.yeto_swift_plugin"

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import nats
-import pytest
 import torch
 
 from yeto.schemas import subjects as S

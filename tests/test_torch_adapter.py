@@ -221,6 +221,7 @@ def _dp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_two_gloo_ranks_owner_writes_a_fragment_and_sync_replicas_makes_them_identical(tmp_path):
     mp.spawn(_dp_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")

@@ -53,6 +53,10 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotations only: torch is imported where it is used, not when the plugin file loads
+    import torch
 
 log = logging.getLogger("yeto.swift")
 
