@@ -175,6 +175,7 @@ async def test_a_follower_covering_the_coordinator_takes_its_role_when_it_dies(n
         await run.close()
 
 
+@pytest.mark.e2e   # runs `yeto syncer` (a process)
 def test_cover_coordinator_is_refused_where_it_cannot_work(tmp_path):
     import subprocess
     import sys
