@@ -16,7 +16,7 @@ feeds the machine events (a step done, what the inboxes hold, a version read who
 carries out the operations it returns with the parts that do I/O — `island_wire.IslandWire` (reading
 BCAST / FINAL into the ranks' staging with `fragments.CutReader`, exporting INIT and pushes),
 `client.IslandClient` (the NATS thread and its inboxes) and `island_ranks.RankOps` (each rank's
-share of a collective step, over `shard_io`). A `Wait` the machine asks for is one call of
+share of a collective step, over `piece_io`). A `Wait` the machine asks for is one call of
 `waiting.wait_until` on the client's arrivals (a message, a push's acks, a reconnect) with a short
 poll as fallback. The layout of the island's pieces is `layout_map`.
 
@@ -90,7 +90,7 @@ from .island_ranks import RankOps
 from .island_wire import IslandWire, progress_bar
 from .layout_map import IslandLayout, describe
 from .pulls import PullBook
-from .shard_io import Comm
+from .piece_io import Comm
 from .waiting import POLL_S, wait_until
 
 # After the final ack, re-send it this often until the shutdown comes (see boundary.Rules).

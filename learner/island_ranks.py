@@ -27,7 +27,7 @@ from yeto.schemas.chunks import ChunkSpan, chunk_plan
 
 from .anchors import AnchorStore
 from .layout_map import FragmentMap, IslandLayout
-from .shard_io import Comm, PieceReads, gather_chunk, scatter_chunk
+from .piece_io import Comm, PieceReads, gather_chunk, scatter_chunk
 
 XFER = {"f32": torch.float32, "bf16": torch.bfloat16}
 

@@ -21,7 +21,7 @@ Contract for sharded adapters (multi-rank islands: TP/PP/EP, distributed optimiz
   tensor (e.g. the distributed optimizer's all-gather of owned main_param ranges over its
   data-parallel group).
 
-How the island uses it (learner/island.py, learner/shard_io.py): at start every rank's shards are
+How the island uses it (learner/island.py, learner/piece_io.py): at start every rank's shards are
 gathered once over the island group (`layout_map.describe`: name, global shape, box, owner, and the
 partition dim / offset / expert derived from them) and checked — the owners must tile every tensor
 exactly once, else a WireError names the tensor and the ranks. An applied version reaches every
@@ -33,7 +33,7 @@ the sync rank chunk by chunk. The island group must carry CPU tensors (gloo, or 
 `gather_fragment` / `scatter_fragment` move one session fragment between the model and a flat f32
 tensor in the fragment's layout order (the session record's `tensors` [{name, shape, offset, numel}]).
 They handle adapters whose shards are whole on this rank (a single process, tests); the island itself
-moves fragments chunk by chunk through `learner.shard_io`, for whole and sharded pieces alike.
+moves fragments chunk by chunk through `learner.piece_io`, for whole and sharded pieces alike.
 """
 from __future__ import annotations
 

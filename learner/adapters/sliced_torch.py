@@ -1,6 +1,6 @@
 """A plain-torch *sharded* adapter: each rank holds boxes of a model's tensors, as Megatron's TP/PP/DP
 would cut them, without Megatron. It is the reference implementation of the sharded-adapter contract
-(`base.py`) for tests and benchmarks (tests/test_shard_io.py, tests/test_island_sharded.py,
+(`base.py`) for tests and benchmarks (tests/test_piece_io.py, tests/test_island_pieces.py,
 bench/island_memory.py), and the simplest example for a new framework's adapter.
 
 `SlicedTorchAdapter.build(shapes, tp=, tp_rank=, pp=, pp_rank=, dp_rank=, values=)`:

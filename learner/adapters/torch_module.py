@@ -12,7 +12,7 @@
   `dist.group.WORLD` for the default group; None means a single replica). Every replica holds the
   whole model; rank 0 of the group is the owner: its values are read for pushes and INIT. The island
   writes applied versions on every replica (each receives its values point to point, see
-  learner/shard_io.py). `sync_replicas(names)` remains for callers that want to copy the owner's
+  learner/piece_io.py). `sync_replicas(names)` remains for callers that want to copy the owner's
   values to the replicas themselves: it broadcasts those tensors' bytes from the owner over the group
   in bounded buckets of host memory (gloo-friendly: device tensors go through host copies).
 """

@@ -1,4 +1,4 @@
-"""Per-rank scatter and gather (learner/shard_io.py, learner/island_ranks.py) on real gloo ranks.
+"""Per-rank scatter and gather (learner/piece_io.py, learner/island_ranks.py) on real gloo ranks.
 
 Four processes hold a small model cut like Megatron would cut it (TP=2×DP=2, TP=2×PP=2; boxes along
 rows, along columns, 1-D splits, replicated tensors, tensors on one pipeline stage only), built with
@@ -26,7 +26,7 @@ from yeto.learner.anchors import AnchorStore
 from yeto.learner.fragments import blend
 from yeto.learner.island_ranks import RankOps
 from yeto.learner.layout_map import IslandLayout, describe
-from yeto.learner.shard_io import Comm
+from yeto.learner.piece_io import Comm
 from yeto.schemas.dtypes import pack, q4_with_feedback, unpack
 from yeto.schemas.layout import build_session
 from yeto.schemas.chunks import chunk_plan
