@@ -115,6 +115,23 @@ _SHARED_GROUPS = {"test_demo.py": "demo_run", "test_steplog_realrun.py": "demo_r
 
 # tryfirst: the tier marks must be on the items before pytest's own `-m` deselection runs.
 @pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # Compiled merge loops (services/syncer/compile_cache.py) go to one directory of this test session,
+    # shared by its xdist workers (they inherit this environment) and the syncers they start, never to
+    # the user's ~/.cache; a test that wants a cold compile sets its own YETO_COMPILE_CACHE.
+    if "YETO_COMPILE_CACHE" not in os.environ:
+        import tempfile
+
+        config._yeto_compile_cache = tempfile.mkdtemp(prefix="yeto-test-compile-")
+        os.environ["YETO_COMPILE_CACHE"] = config._yeto_compile_cache
+
+
+def pytest_unconfigure(config):
+    d = getattr(config, "_yeto_compile_cache", None)
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:

@@ -285,3 +285,77 @@ def test_a_process_done_while_the_loop_still_compiles_exits_with_its_code_not_an
     assert p.returncode == 7, (p.returncode, p.stdout, p.stderr[-3000:])
     assert "compiling" in p.stdout and "no compile in flight" not in p.stdout
     assert "terminate called" not in p.stderr
+
+
+def test_compile_cache_key_names_everything_the_loop_depends_on(monkeypatch, tmp_path) -> None:
+    """The package's file name changes with the loop's source, the dtypes, the chunk length and the
+    CPU's flags; `0` keeps nothing; the default follows XDG_CACHE_HOME."""
+    from yeto.services.syncer import compile_cache
+
+    monkeypatch.setenv("YETO_COMPILE_CACHE", str(tmp_path))
+    base = compile_cache.package_path("src", ("torch.float32",) * 2, 1 << 18)
+    assert base is not None and base.startswith(str(tmp_path)) and base.endswith(".pt2")
+    others = {compile_cache.package_path("src2", ("torch.float32",) * 2, 1 << 18),
+              compile_cache.package_path("src", ("torch.float32",) * 3, 1 << 18),
+              compile_cache.package_path("src", ("torch.bfloat16",) * 2, 1 << 18),
+              compile_cache.package_path("src", ("torch.float32",) * 2, (1 << 18) + 1)}
+    assert base not in others and len(others) == 4
+    monkeypatch.setattr(compile_cache, "_cpu_fingerprint", lambda: "another CPU")
+    assert compile_cache.package_path("src", ("torch.float32",) * 2, 1 << 18) != base
+    assert compile_cache.temp_path(base).endswith(".pt2") and compile_cache.temp_path(base) != base
+    for off in ("0", "off"):
+        monkeypatch.setenv("YETO_COMPILE_CACHE", off)
+        assert compile_cache.package_path("src", ("torch.float32",) * 2, 1 << 18) is None
+    monkeypatch.delenv("YETO_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.cache_dir() == str(tmp_path / "xdg" / "yeto" / "outer")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.e2e
+def test_a_second_start_loads_the_checked_loop_and_a_damaged_one_is_rebuilt(monkeypatch, tmp_path, caplog) -> None:
+    """YETO_COMPILE_CACHE: the first build keeps its package once it matched the eager twin; a new
+    process (a second `yeto syncer` start) loads it instead of compiling, and `prewarm` (what the syncer
+    calls once its session is pinned) has it ready before the first merge, whose first chunk then runs
+    on the compiled loop. A damaged file is removed and rebuilt, never used."""
+    import logging
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from yeto.services.syncer import outer
+
+    monkeypatch.setenv("YETO_COMPILE_CACHE", str(tmp_path))
+    numel = outer.COMPILE_MIN_NUMEL + 29          # a key no other test builds
+    key = (("torch.float32",) * 2, numel)
+    if outer._CompiledKernels.compile(key) is None:
+        pytest.skip("no compiled loop here (no C++ compiler?): nothing is cached")
+    kept = sorted(tmp_path.iterdir())
+    assert len(kept) == 1 and kept[0].suffix == ".pt2" and ".tmp" not in kept[0].name, kept
+
+    code = textwrap.dedent(f"""
+        import logging, sys, time, torch
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        from yeto.services.syncer import outer
+        t0 = time.perf_counter()
+        assert outer.prewarm("f32", {numel}, 2)
+        while ({key!r}) not in outer._COMPILED._ready:
+            time.sleep(0.01)
+        step = outer.OuterStep([1.0, 3.0], 0.7, 0.9, delta_dtypes=[torch.float32] * 2, chunk_numel={numel})
+        d = [torch.randn({numel}) for _ in range(2)]
+        print("first chunk compiled:", step.kernel_for({numel}, d) is not None, flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "loaded from" in p.stdout and "built with" not in p.stdout, p.stdout
+    assert "first chunk compiled: True" in p.stdout, p.stdout
+
+    kept[0].write_bytes(b"not a package")
+    with caplog.at_level(logging.INFO, logger="yeto.services.syncer.outer"):
+        fn = outer._CompiledKernels.compile(key)
+    assert fn is not None
+    text = caplog.text
+    assert "removed" in text and "built with AOTInductor" in text, text
+    assert kept[0].read_bytes()[:2] == b"PK"   # a package (zip) again, checked before it was kept

@@ -29,7 +29,7 @@ from yeto.services.syncer.lease import Fenced
 from yeto.services.syncer.actions import action_from_json, action_to_json
 from yeto.services.syncer.cut import BroadcastStream, BulkBytes, Cut
 from yeto.services.syncer.intake import PushLedger, PushTry
-from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view
+from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view, prewarm
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -74,6 +74,18 @@ class Merger:
         self.lr, self.momentum = lr, momentum
         self.attempts = attempts          # step -> highest attempt published (the shell keeps it current)
         self.broadcast, self.ckpt_writer = broadcast, ckpt_writer
+
+    def prewarm(self, members: int) -> None:
+        """Have the outer-step loop for a merge of `members` pushes built (or loaded from the compile
+        cache) in the background once the session is known, so the first merge uses it (outer.prewarm;
+        another member count, a merge with islands missing, is built when first needed)."""
+        s = self.cut.session
+        if s is None:
+            return
+        for n in sorted({chunk_plan(fr.numel, s["push_dtype"], s["chunk_bytes"])[0].elem_count
+                         for fr in self.cut.frags.values()}):
+            if prewarm(s["push_dtype"], n, members):
+                log.info("outer step: loop for %d members x %d values prepared at start", members, n)
 
     async def _read_push_chunk(self, t: PushTry, k: int, dtype: str, count: int) -> torch.Tensor:
         """Chunk k of push try t: the bytes intake kept (checked against the chunk digest there), else

@@ -17,8 +17,9 @@ never changes a single bit of the result.
 one setting, and a resumed syncer must get the same one, or a re-merged round may differ in the last
 bit):
 - `async` (default): the step as one loop, compiled on CPU (AOTInductor, else `torch.compile`) in a
-  background thread the first
-  time a merge needs it (per member count, delta dtype and chunk length: seconds, once per process),
+  background thread as soon as the syncer's session is pinned (`prewarm`, for the expected member
+  count), else the first time a merge needs it (per member count, delta dtype and chunk length: about
+  a minute of one core, once per process, and once per host with the compile cache, compile_cache.py),
   checked bitwise against its eager twin, and used from then on; until then, and wherever it is not
   compiled (no C++ compiler, tensors not on CPU, a chunk under COMPILE_MIN_NUMEL elements or of
   another length, e.g. a fragment's last chunk), the eager twin computes the same bits. The loop
@@ -47,10 +48,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from yeto.schemas.dtypes import unpack
+from yeto.services.syncer import compile_cache
 
 
 __all__ = ["weights_for", "OuterStep", "delta_dtype", "outer_step_", "delta_view", "COMPILE_MIN_NUMEL", "MODES",
-           "compile_in_flight", "exit_now_if_compiling"]
+           "compile_in_flight", "exit_now_if_compiling", "prewarm"]
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +356,8 @@ class _CompiledKernels:
     @staticmethod
     def compile(key: tuple) -> Callable | None:
         """Build the loop (AOTInductor, else torch.compile), run it once and check it against the eager
-        twin on random chunks at odd offsets (where the work happens)."""
+        twin on random chunks at odd offsets (where the work happens). A package kept by an earlier
+        start (compile_cache.py) is loaded and checked the same way; it is written only once checked."""
         import time
 
         dtypes, numel = key
@@ -366,49 +369,103 @@ class _CompiledKernels:
                for k in dtypes]
         coefs = -torch.rand(len(dtypes), generator=gen)
         mu_lr = torch.tensor([0.9, -0.7])
-        fn, how, errors = None, "", []
-        for how, build in (("AOTInductor", _build_aoti), ("torch.compile", _build_dynamo)):
+
+        def differs(cand: Callable) -> str | None:
+            out, twin = base.clone(), base.clone()
+            cand(out[1:numel + 1], out[numel + 5:2 * numel + 5], coefs, mu_lr, *dts)
+            _eager_step_(twin[1:numel + 1], twin[numel + 5:2 * numel + 5], coefs, mu_lr, dts, None)
+            if torch.equal(out, twin):
+                return None
+            return f"differs from the eager twin by up to {(out - twin).abs().max().item():.3g}"
+
+        cached = compile_cache.package_path(_LOOP_SOURCE, dtypes, numel) if _LOOP_SOURCE else None
+        if cached is not None and os.path.exists(cached):
             try:
-                cand = build(numel, dtypes)
-                out, twin = base.clone(), base.clone()
-                cand(out[1:numel + 1], out[numel + 5:2 * numel + 5], coefs, mu_lr, *dts)
-                _eager_step_(twin[1:numel + 1], twin[numel + 5:2 * numel + 5], coefs, mu_lr, dts, None)
-                if not torch.equal(out, twin):
-                    errors.append(f"{how}: differs from the eager twin by up to {(out - twin).abs().max().item():.3g}")
+                fn = _load_aoti(cached)
+                why = differs(fn)
+            except Exception as exc:  # a damaged or foreign file: rebuilt below
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if why is None:
+                log.info("outer step: fused loop for %d members (%s) x %d values loaded from %s and checked in %.2fs",
+                         len(dtypes), ",".join(dtypes), numel, cached, time.perf_counter() - t0)
+                return fn
+            compile_cache.discard(cached, log.warning, why)
+
+        fn, how, errors = None, "", []
+        tmp = None
+        for how in ("AOTInductor", "torch.compile"):
+            try:
+                if how == "AOTInductor":
+                    tmp = compile_cache.temp_path(cached) if cached is not None else None
+                    cand = _build_aoti(numel, dtypes, tmp)
+                else:
+                    cand = _build_dynamo(numel, dtypes)
+                why = differs(cand)
+                if why is not None:
+                    errors.append(f"{how}: {why}")
                     continue
                 fn = cand
                 break
             except Exception as exc:  # no compiler, unsupported platform: the next way, or the eager twin
                 errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if tmp is not None:
+            try:
+                if fn is not None and how == "AOTInductor":
+                    compile_cache.keep(tmp, cached)
+                else:
+                    os.unlink(tmp)
+            except OSError as exc:   # a read-only or full cache costs the next start a compile, nothing more
+                log.warning("outer step: could not keep the compiled loop in %s: %s", cached, exc)
         if fn is None:
             log.warning("outer step: no compiled loop for %d members (%s) x %d values (%s); its eager twin is used",
                         len(dtypes), ",".join(dtypes), numel, "; ".join(errors))
             return None
-        log.info("outer step: fused loop for %d members (%s) x %d values built with %s and checked in %.1fs",
-                 len(dtypes), ",".join(dtypes), numel, how, time.perf_counter() - t0)
+        log.info("outer step: fused loop for %d members (%s) x %d values built with %s and checked in %.1fs%s",
+                 len(dtypes), ",".join(dtypes), numel, how, time.perf_counter() - t0,
+                 f" (kept in {cached})" if cached is not None and how == "AOTInductor" else "")
         return fn
 
 
-def _build_aoti(numel: int, dtypes: tuple[str, ...]) -> Callable:
+class _Step(torch.nn.Module):
+    """The loop as the module AOTInductor exports (its source is part of the compile cache's key)."""
+
+    def forward(self, params, momentum, coefs, mu_lr, *deltas):
+        _fused_step_(params, momentum, coefs, mu_lr, *deltas)
+        return ()
+
+
+def _loop_source() -> str:
+    # What the compiled code depends on in this file; a change to either gives new cache keys.
+    import inspect
+
+    try:
+        return inspect.getsource(_fused_step_) + inspect.getsource(_Step)
+    except (OSError, TypeError):   # no source on disk (a frozen install): keep no packages
+        return ""
+
+
+def _build_aoti(numel: int, dtypes: tuple[str, ...], package_path: str | None = None) -> Callable:
     """The loop exported and compiled ahead of time (AOTInductor): the cheapest call measured (no
     dynamo frame, guards or autograd wrappers: bench/README.md, ~0.1 of a plain add better than
     torch.compile at 1 MiB chunks). It checks nothing about its inputs at run time, so OuterStep calls
-    it only for contiguous CPU chunks of exactly `numel` values and the compiled dtypes."""
+    it only for contiguous CPU chunks of exactly `numel` values and the compiled dtypes. The package is
+    written to `package_path` when given (compile_cache.py keeps it once checked)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1   # no pool of compile worker processes (memory, orphans on kill)
-
-    class Step(torch.nn.Module):
-        def forward(self, params, momentum, coefs, mu_lr, *deltas):
-            _fused_step_(params, momentum, coefs, mu_lr, *deltas)
-            return ()
-
     example = (torch.zeros(numel), torch.zeros(numel), torch.zeros(len(dtypes)), torch.zeros(2),
                *[torch.zeros(numel, dtype=getattr(torch, k.split(".")[-1])) for k in dtypes])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(Step(), example)
-        model = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(program))
+        program = torch.export.export(_Step(), example)
+        path = torch._inductor.aoti_compile_and_package(program, package_path=package_path)
+    return _load_aoti(path)
+
+
+def _load_aoti(path: str) -> Callable:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch._inductor.aoti_load_package(path)
     run = getattr(getattr(model, "loader", None), "boxed_run", None)
     if run is None:
         return model
@@ -435,6 +492,18 @@ def _build_dynamo(numel: int, dtypes: tuple[str, ...]) -> Callable:
 
 
 _COMPILED = _CompiledKernels()
+_LOOP_SOURCE = _loop_source()
+
+
+def prewarm(wire_dtype: str, chunk_numel: int, members: int) -> bool:
+    """Start building (or loading from compile_cache.py) the loop that a merge of `members` pushes of
+    `wire_dtype` chunks of `chunk_numel` values will use, in the background, as soon as the syncer knows
+    its session: the first merge then finds it ready instead of starting its compile. False where no
+    compiled loop would be used (YETO_OUTER_COMPILE=0, chunks under COMPILE_MIN_NUMEL)."""
+    if _COMPILED.mode() == "0" or chunk_numel < COMPILE_MIN_NUMEL or members < 1:
+        return False
+    _COMPILED.prepare((str(delta_dtype(wire_dtype)),) * int(members), int(chunk_numel), wait=False)
+    return True
 
 
 def compile_in_flight() -> bool:

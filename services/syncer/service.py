@@ -226,6 +226,8 @@ class SyncerService(Startup):
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
                                      self._do)
             self.merger = self._new_merger()
+            if self.cut.session is not None:   # resumed: the merge loop is known now (outer.prewarm)
+                self.merger.prewarm(mc.islands)
             rx = self.receiver
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
@@ -441,12 +443,16 @@ class SyncerService(Startup):
             await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
             log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                      len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
+            if self.merger is not None:   # else the prewarm after its creation covers it
+                self.merger.prewarm(self.cfg.machine.islands)
         elif isinstance(a, R.AdoptSession):
             # A follower takes the session the coordinator pinned (the state KV already holds it).
             self.cut.set_session(a.session)
             await asyncio.to_thread(self.ckpt.write_session, a.session)
             log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
                      len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
+            if self.merger is not None:   # else the prewarm after its creation covers it
+                self.merger.prewarm(self.cfg.machine.islands)
         elif isinstance(a, R.PublishShardFinal):
             self._spawn(self._publish_shard_final(a))
         elif isinstance(a, R.WriteMember):

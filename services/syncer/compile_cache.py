@@ -1,0 +1,102 @@
+"""Where a compiled merge loop is kept between syncer starts (`YETO_COMPILE_CACHE`).
+
+Compiling the fused outer-step loop with AOTInductor takes ~40 s of one core on a small host, once per
+(member count, delta dtype, chunk length). Without a cache every `yeto syncer` start paid it again, and a
+run shorter than that never used the compiled loop. The package it builds (`.pt2`) is kept here and a
+later start loads it in well under a second.
+
+A package is kept only after it passed the bitwise check against the eager twin (outer.py), and it is
+checked again every time it is loaded, so a stale or damaged file costs a rebuild, never a wrong bit.
+The key holds everything the compiled code depends on: the loop's source, torch and Python versions, the
+machine and its CPU's vector extensions (a package built with AVX-512 must never load on a host without
+it: that is SIGILL, not an exception), the delta dtypes and the chunk length.
+
+`YETO_COMPILE_CACHE`: a directory (default `$XDG_CACHE_HOME/yeto/outer`, else `~/.cache/yeto/outer`);
+`0`/`off` keeps nothing on disk. Several syncers (shards of one host) may share it: each writes its own
+temporary file and renames it into place, and any complete file is a valid one.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from typing import Callable
+
+FORMAT = 1   # bump when the package's calling convention changes (outer.py's Step module)
+_OFF = ("0", "off", "no", "false", "none")
+
+
+def cache_dir() -> str | None:
+    """The cache directory from the environment, or None when it is switched off."""
+    v = os.environ.get("YETO_COMPILE_CACHE", "").strip()
+    if v.lower() in _OFF:
+        return None
+    if v:
+        return os.path.abspath(os.path.expanduser(v))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "yeto", "outer")
+
+
+def _cpu_fingerprint() -> str:
+    # torch's own view of the ISA it dispatches to, plus the kernel's list of CPU flags: two hosts that
+    # share a home directory get separate packages unless their CPUs offer the same instructions.
+    import torch
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    break
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()}|{platform.machine()}|{flags}"
+
+
+def package_path(source: str, dtypes: tuple[str, ...], numel: int) -> str | None:
+    """The file that holds (or will hold) the package for this loop `source`, or None when caching is off."""
+    d = cache_dir()
+    if d is None:
+        return None
+    import torch
+
+    key = "\n".join([str(FORMAT), torch.__version__, sys.version.split()[0], platform.system(), _cpu_fingerprint(),
+                     ",".join(dtypes), str(numel), source])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return os.path.join(d, f"outer-{len(dtypes)}x{'-'.join(k.split('.')[-1] for k in dtypes)}-{numel}-{digest}.pt2")
+
+
+def temp_path(path: str) -> str:
+    """A file beside `path` that only this process and thread writes (renamed into place by `keep`)."""
+    import threading
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # AOTInductor wants a name ending in .pt2
+    return f"{path[:-4]}.{os.getpid()}-{threading.get_ident()}.tmp.pt2"
+
+
+def keep(tmp: str, path: str) -> None:
+    """Move a checked package into place (atomic on one filesystem), and remove what builds killed
+    mid-compile left behind (temporary files over an hour old: a compile takes about a minute)."""
+    import glob
+    import time
+
+    os.replace(tmp, path)
+    for stale in glob.glob(os.path.join(os.path.dirname(path), "outer-*.tmp.pt2")):
+        try:
+            if time.time() - os.stat(stale).st_mtime > 3600:
+                os.unlink(stale)
+        except OSError:
+            pass
+
+
+def discard(path: str, log_warning: Callable[[str], None] | None = None, why: str = "") -> None:
+    """Remove a package that failed to load or to match its twin; the caller rebuilds it."""
+    try:
+        os.unlink(path)
+    except OSError:
+        return
+    if log_warning is not None:
+        log_warning(f"outer step: cached loop {path} removed ({why}); rebuilding it")
