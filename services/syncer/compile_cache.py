@@ -100,3 +100,113 @@ def discard(path: str, log_warning: Callable[[str], None] | None = None, why: st
         return
     if log_warning is not None:
         log_warning(f"outer step: cached loop {path} removed ({why}); rebuilding it")
+
+
+# ---- building in a helper process -------------------------------------------------------------------
+#
+# The syncer does not compile in its own process when a cache directory is set: a helper process
+# (`python -m yeto.services.syncer.compile_cache PATH NUMEL DTYPE...`, its own session) builds, checks and
+# keeps the package, and the syncer loads it when it appears. A syncer that finishes a short run, or is
+# killed, before the compile is done still leaves the package for its next start (a compile thread in
+# the syncer died with it), and no compile is in flight inside the syncer when it exits. One builder per
+# package: a lock file beside it names the builder's host and pid; shards of one host wait for the same
+# builder.
+
+LOCK_STALE_S = 1800.0   # a lock older than this is a builder that died without removing it
+
+
+def _lock_alive(lock: str) -> bool:
+    import socket
+    import time
+
+    try:
+        with open(lock, encoding="ascii") as f:
+            host, _, pid = f.read().strip().partition(" ")
+        age = time.time() - os.stat(lock).st_mtime
+    except (OSError, ValueError):
+        return False
+    if age > LOCK_STALE_S:
+        return False
+    if host != socket.gethostname():   # another host's builder (a shared home directory): trust it
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _take_lock(lock: str) -> bool:
+    import socket
+
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _lock_alive(lock):
+                return False
+            try:   # a dead builder's lock
+                os.unlink(lock)
+            except OSError:
+                pass
+            continue
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}")
+        return True
+    return False
+
+
+def build_elsewhere(path: str, dtypes: tuple[str, ...], numel: int, log, timeout_s: float = 1800.0) -> None:
+    """Have a helper process build the package at `path` (unless one already is) and wait until it is
+    there or the builder gave up (then the caller builds in process or uses the eager twin)."""
+    import subprocess
+    import time
+
+    import yeto
+
+    lock = path + ".lock"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    proc = None
+    if not _lock_alive(lock):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(yeto.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        with open(path[:-4] + ".log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "yeto.services.syncer.compile_cache", path, str(numel),
+                                     *dtypes], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        log.info("outer step: building the loop for %d members x %d values in helper process %d (log %s)",
+                 len(dtypes), numel, proc.pid, path[:-4] + ".log")
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        if (proc is None or proc.poll() is not None) and not _lock_alive(lock):
+            break   # no builder left (ours finished or lost the lock to one that is done too)
+        time.sleep(0.25)
+    if proc is not None and proc.poll() is None and not os.path.exists(path):
+        log.warning("outer step: the helper process %d has not built %s in %.0f s", proc.pid, path, timeout_s)
+
+
+def _main(argv: list[str]) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path, numel, dtypes = argv[0], int(argv[1]), tuple(argv[2:])
+    lock = path + ".lock"
+    if not _take_lock(lock):
+        return 0   # another builder holds it; the waiting syncers wait for that one
+    try:
+        from yeto.services.syncer.outer import _CompiledKernels, _LOOP_SOURCE
+
+        if package_path(_LOOP_SOURCE, dtypes, numel) != path:   # another torch or source than the asker's
+            print(f"compile_cache: {path} is not this interpreter's package for {dtypes} x {numel}", file=sys.stderr)
+            return 2
+        fn = _CompiledKernels.compile((dtypes, numel), here=True)
+        return 0 if fn is not None and os.path.exists(path) else 1
+    finally:
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

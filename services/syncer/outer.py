@@ -289,6 +289,7 @@ def _eager_step_(params, momentum, coefs, mu_lr, deltas, out) -> None:
 
 
 COMPILE_MIN_NUMEL = 1 << 16   # 256 KiB of f32: smaller chunks gain nothing from a compiled loop
+LOAD_WAIT_S = 60.0            # the longest a merge waits for a cached loop to load (seconds, measured)
 MODES = ("0", "async", "sync")
 
 
@@ -327,6 +328,12 @@ class _CompiledKernels:
                 self._pending[key] = th
                 th.start()
             th = self._pending.get(key)
+        if th is not None and not wait and _LOOP_SOURCE:
+            # A package on disk is loaded and checked in seconds: the merge waits for that rather than
+            # start on the twin, so a second start merges compiled from its first round.
+            path = compile_cache.package_path(_LOOP_SOURCE, dtypes, numel)
+            if path is not None and os.path.exists(path):
+                th.join(timeout=LOAD_WAIT_S)
         if wait and th is not None:
             th.join()
         ready = self._ready
@@ -354,10 +361,11 @@ class _CompiledKernels:
             self._pending.pop(key, None)
 
     @staticmethod
-    def compile(key: tuple) -> Callable | None:
+    def compile(key: tuple, *, here: bool = False) -> Callable | None:
         """Build the loop (AOTInductor, else torch.compile), run it once and check it against the eager
-        twin on random chunks at odd offsets (where the work happens). A package kept by an earlier
-        start (compile_cache.py) is loaded and checked the same way; it is written only once checked."""
+        twin on random chunks at odd offsets (where the work happens). With a compile cache
+        (compile_cache.py) the package is built by a helper process unless `here` (that process),
+        kept once checked, and loaded and checked the same way by every later start."""
         import time
 
         dtypes, numel = key
@@ -379,11 +387,17 @@ class _CompiledKernels:
             return f"differs from the eager twin by up to {(out - twin).abs().max().item():.3g}"
 
         cached = compile_cache.package_path(_LOOP_SOURCE, dtypes, numel) if _LOOP_SOURCE else None
-        if cached is not None and os.path.exists(cached):
+        for _ in range(2):   # a damaged or foreign package is removed and built once more
+            if cached is None:
+                break
+            if not here and not os.path.exists(cached):
+                compile_cache.build_elsewhere(cached, dtypes, numel, log)   # waits; if it fails: built here below
+            if not os.path.exists(cached):
+                break
             try:
                 fn = _load_aoti(cached)
                 why = differs(fn)
-            except Exception as exc:  # a damaged or foreign file: rebuilt below
+            except Exception as exc:  # a damaged or foreign file
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if why is None:
                 log.info("outer step: fused loop for %d members (%s) x %d values loaded from %s and checked in %.2fs",
