@@ -378,3 +378,29 @@ def test_a_second_start_loads_the_checked_loop_and_a_damaged_one_is_rebuilt(monk
     text = caplog.text
     assert "removed" in text and "helper process" in text and "loaded from" in text, text
     assert kept[0].read_bytes()[:2] == b"PK"   # a package (zip) again, checked before it was kept
+
+
+def test_a_dead_builders_lock_is_taken_over_and_a_live_one_is_waited_for(tmp_path) -> None:
+    """One helper process builds a package; its lock names host and pid. A lock whose pid is gone (a
+    builder killed -9) or that is older than LOCK_STALE_S is taken over; a live one, or another host's,
+    is not."""
+    import os
+    import socket
+
+    from yeto.services.syncer import compile_cache
+
+    lock = str(tmp_path / "outer-x.pt2.lock")
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead_pid = int(f.read())   # pids are below pid_max: never a live process
+    with open(lock, "w") as f:
+        f.write(f"{socket.gethostname()} {dead_pid}")
+    assert not compile_cache._lock_alive(lock)
+    assert compile_cache._take_lock(lock)
+    assert open(lock).read() == f"{socket.gethostname()} {os.getpid()}"
+    assert compile_cache._lock_alive(lock) and not compile_cache._take_lock(lock)   # ours: live
+    with open(lock, "w") as f:
+        f.write(f"another-host {dead_pid}")
+    assert compile_cache._lock_alive(lock)      # a pid on another host cannot be checked from here
+    old = os.stat(lock).st_mtime - compile_cache.LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    assert not compile_cache._lock_alive(lock) and compile_cache._take_lock(lock)
