@@ -223,13 +223,12 @@ def tails(children, lines: int = 25) -> str:
     return "\n".join(f"--- {name} ---\n{c.tail(lines)}" for name, c in _named(children).items())
 
 
-def _outcome(kids: dict[str, Child], check: bool) -> dict[str, int]:
-    rcs = {name: c.proc.poll() for name, c in kids.items()}
-    if check:
-        for name, rc in rcs.items():
-            if rc != 0:
-                raise kids[name].failure(f"exited with {rc}")
-    return rcs
+def _check(kids: dict[str, Child]) -> None:
+    """The first child that exited non-zero fails the wait at once: the others may be waiting for it."""
+    for c in kids.values():
+        rc = c.proc.poll()
+        if rc is not None and rc != 0:
+            raise c.failure(f"exited with {rc}")
 
 
 def _still_running(kids: dict[str, Child], timeout: float, lines: int) -> ChildFailed:
@@ -240,18 +239,23 @@ def _still_running(kids: dict[str, Child], timeout: float, lines: int) -> ChildF
 def wait_all(children, timeout: float, *, check: bool = True, watch: "RssWatch | None" = None,
              lines: int = 25) -> dict[str, int]:
     """Wait until every child (a list, or a dict name -> Child) exited; their exit statuses by name.
-    `check`: a non-zero exit raises ChildFailed naming that child with its log's tail. A child still
+    `check`: a non-zero exit raises ChildFailed at once, naming that child with its log's tail (the others
+    may be waiting for it: a syncer that refused its flags leaves its islands waiting for a session). A child still
     running at `timeout` raises ChildFailed naming who with every log's tail. `watch` is polled while
     waiting (its peaks then include the last moments of a short process)."""
     kids = _named(children)
     deadline = time.monotonic() + timeout
     while any(c.proc.poll() is None for c in kids.values()):
+        if check:
+            _check(kids)
         if watch is not None:
             watch.poll()
         if time.monotonic() > deadline:
             raise _still_running(kids, timeout, lines)
         time.sleep(0.1)
-    return _outcome(kids, check)
+    if check:
+        _check(kids)
+    return {name: c.proc.poll() for name, c in kids.items()}
 
 
 async def wait_all_async(children, timeout: float, *, check: bool = False, lines: int = 25) -> dict[str, int]:
@@ -259,10 +263,14 @@ async def wait_all_async(children, timeout: float, *, check: bool = False, lines
     kids = _named(children)
     deadline = time.monotonic() + timeout
     while any(c.proc.poll() is None for c in kids.values()):
+        if check:
+            _check(kids)
         if time.monotonic() > deadline:
             raise _still_running(kids, timeout, lines)
         await asyncio.sleep(0.1)
-    return _outcome(kids, check)
+    if check:
+        _check(kids)
+    return {name: c.proc.poll() for name, c in kids.items()}
 
 
 def stop_all(children, grace: float = 5.0) -> None:

@@ -47,10 +47,14 @@ def test_a_child_that_dies_early_is_named_with_its_log_tail(tmp_path):
 def test_wait_all_names_the_failed_child_and_the_one_still_running(tmp_path):
     ok = py("fine", "print('done')", tmp_path).start()
     bad = py("broken", "raise SystemExit('no session record')", tmp_path).start()
-    with pytest.raises(ChildFailed) as err:
-        wait_all([ok, bad], timeout=30)
+    waiting = py("waiting", "import time; time.sleep(60)", tmp_path).start()
+    t0 = time.monotonic()
+    with pytest.raises(ChildFailed) as err:  # at once, not after the one still waiting for it
+        wait_all([ok, bad, waiting], timeout=50)
+    assert time.monotonic() - t0 < 30
     assert "broken exited with 1" in str(err.value) and "no session record" in str(err.value)
-    assert wait_all([ok, bad], timeout=5, check=False) == {"fine": 0, "broken": 1}
+    waiting.stop(grace=1)
+    assert wait_all([ok, bad, waiting], timeout=5, check=False) == {"fine": 0, "broken": 1, "waiting": -signal.SIGTERM}
 
     slow = py("slow", "import time; print('still here'); time.sleep(60)", tmp_path).start()
     try:
