@@ -114,13 +114,23 @@ class Child:
     # ---- its output
 
     def output(self) -> str:
+        """The whole log: every life of the process."""
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def this_life(self) -> str:
+        """What the process printed since its last start (a log reused by a later run or a restart holds more)."""
+        if not self.log.exists():
+            return ""
+        with open(self.log, "rb") as f:
+            f.seek(self._start_offset)
+            return f.read().decode(errors="replace")
+
     def tail(self, lines: int = 25) -> str:
-        return "\n".join(self.output().splitlines()[-lines:])
+        return "\n".join(self.this_life().splitlines()[-lines:])
 
     def result(self) -> dict | None:
-        return result_line(self.output())
+        """Its `RESULT {json}` line of this life (see `result_line`)."""
+        return result_line(self.this_life())
 
     def failure(self, what: str, lines: int = 25) -> ChildFailed:
         return ChildFailed(f"{self.label} {what}; its log ({self.log}) ends:\n{self.tail(lines)}")
@@ -131,11 +141,9 @@ class Child:
         deadline = time.monotonic() + timeout
         while True:
             exited = self.proc.poll()
-            with open(self.log, "rb") as f:
-                f.seek(self._start_offset)
-                for raw in f.read().decode(errors="replace").splitlines():
-                    if text in raw:
-                        return raw
+            for raw in self.this_life().splitlines():
+                if text in raw:
+                    return raw
             if exited is not None:
                 raise self.failure(f"exited with {exited} before printing {text!r}")
             if time.monotonic() > deadline:

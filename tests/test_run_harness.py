@@ -116,6 +116,7 @@ def test_a_restart_appends_to_the_log_and_waits_on_its_own_lines(tmp_path):
     with pytest.raises(ChildFailed):  # the first life's `ready` does not count for the second
         c.wait_line("ready", timeout=10)
     assert c.output().splitlines() == ["ready", "second life"]
+    assert c.tail() == "second life" and c.result() is None
     c.stop()
 
 
