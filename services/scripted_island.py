@@ -24,6 +24,7 @@ from yeto.schemas.provision import ensure_island_consumers
 
 
 def tiny_layout(layers: int = 4, d: int = 16) -> list[dict]:
+    """A small f32 layout (an embedding and `layers` square layers with biases) for a scripted run."""
     lay = [{"name": "embed.weight", "shape": [10, d], "dtype": "float32"}]
     for i in range(layers):
         lay.append({"name": f"layers.{i}.w", "shape": [d, d], "dtype": "float32"})
