@@ -69,7 +69,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import orjson  # noqa: E402
 
-from yeto.services.run_harness import clean_env  # noqa: E402
+from yeto.services.run_harness import clean_env, read_tape  # noqa: E402
 
 # the run's processes: soak/chaos_procs.py, beside this script (its directory is on sys.path)
 from chaos_procs import BrokerChild, Child, IslandChild, group_members, log  # noqa: E402,F401  (group_members: tests)
@@ -452,26 +452,14 @@ class Chaos:
                 log(self.t0, f"CRASH: {syncer.name} exited {rc} without being killed:\n{tail}")
 
     async def _read_tape(self, nc) -> list[dict]:
-        from yeto.schemas import subjects as S
-
         js = nc.jetstream(timeout=10)
-        out = []
-        for _ in range(3):
+        for _ in range(3):  # the broker may have been restarted a moment ago
             try:
-                info = await js.stream_info(S.stream(self.run, "EVENTS"))
-                break
+                return await read_tape(js, self.run)
             except Exception as exc:
                 log(self.t0, f"reading the tape: {exc!r}; retrying")
                 await asyncio.sleep(2)
-        else:
-            return out
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                m = await js.get_msg(S.stream(self.run, "EVENTS"), seq=seq)
-            except Exception:
-                continue
-            out.append(orjson.loads(m.data))
-        return out
+        return []
 
     def _verdict(self, recs: list[dict], wall: float, left: dict, timed_out: bool) -> dict:
         return verdict(self, recs, wall, left, timed_out)

@@ -57,7 +57,8 @@ import orjson  # noqa: E402
 import torch  # noqa: E402
 
 from yeto.schemas import codec, subjects as S  # noqa: E402
-from yeto.services.run_harness import Child, clean_env, stop_all, vm_rss  # noqa: E402
+from yeto.services.run_harness import Child, clean_env, read_tape, stop_all, vm_rss  # noqa: E402
+from yeto.services.run_harness import kv_json as state_record  # noqa: E402
 
 # the messages of the attack: soak/hostile_messages.py, beside this script (its directory is on sys.path)
 from hostile_messages import CATS, ISLANDS, Hostile  # noqa: E402
@@ -117,26 +118,14 @@ class Procs:
 # ---- the attack --------------------------------------------------------------------------------------
 
 async def kv_json(js, run: str, key: str) -> dict | None:
-    from nats.js.errors import KeyNotFoundError, NotFoundError
-
+    """A state KV record; None also before the run's bucket exists or while the broker does not answer."""
     try:
-        kv = await js.key_value(S.kv_bucket(run, "state"))
-        e = await kv.get(key)
-    except (KeyNotFoundError, NotFoundError, Exception):
+        return await state_record(js, run, key)
+    except Exception:
         return None
-    return orjson.loads(e.value) if e is not None and e.value else None
 
 
-async def tape(js, run: str) -> list[dict]:
-    info = await js.stream_info(S.stream(run, "EVENTS"))
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            m = await js.get_msg(S.stream(run, "EVENTS"), seq=seq)
-        except Exception:
-            continue
-        out.append(orjson.loads(m.data))
-    return out
+tape = read_tape  # every record of the run's EVENTS tape
 
 
 def attribute(rec: dict, real_gens: set[str]) -> str | None:
