@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from bench.round import vm_hwm  # noqa: E402  (peak RSS as every bench reads it)
+# processes and peak RSS as every bench runs and reads them
+from yeto.services.run_harness import (  # noqa: E402
+    Child, ChildFailed, RssWatch, clean_env, read_tape, stop_all, wait_all,
+)
 
 MiB = 1 << 20
 LAYERS = 8
@@ -98,22 +100,6 @@ def worker(args) -> int:
 # ------------------------------------------------------------------------------------------ the driver
 
 
-def wait_all(procs: dict[str, subprocess.Popen], timeout: float, work: Path, peak: dict[str, int]) -> None:
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs.values()):
-        for name, p in procs.items():
-            v = vm_hwm(p.pid) if p.poll() is None else None
-            if v:
-                peak[name] = max(peak.get(name, 0), v)
-        if time.monotonic() > deadline:
-            raise SystemExit(f"goodput bench: still running after {timeout:.0f}s (logs in {work})")
-        time.sleep(0.5)
-    for name, p in procs.items():
-        if p.returncode != 0:
-            tail = (work / f"{name}.log").read_text(errors="replace")[-3000:]
-            raise SystemExit(f"goodput bench: {name} exited with {p.returncode}; its log ends:\n{tail}")
-
-
 def rate(times: list[float], warmup: int, tail: int) -> float:
     """Steps per second between step `warmup` and the step `tail` steps before the end."""
     end = len(times) - 1 - tail
@@ -142,23 +128,10 @@ def staleness(steplog_lines: list[str], merges: list[dict]) -> list[int]:
 
 async def read_merges(url: str, run: str) -> list[dict]:
     import nats
-    import orjson
-
-    from yeto.schemas import subjects as S
 
     nc = await nats.connect(url)
     try:
-        js = nc.jetstream()
-        info = await js.stream_info(S.stream(run, "EVENTS"))
-        out = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                rec = orjson.loads((await js.get_msg(S.stream(run, "EVENTS"), seq=seq)).data)
-            except Exception:  # a gap (none expected): skip it
-                continue
-            if rec.get("kind") == "merge":
-                out.append(rec)
-        return out
+        return await read_tape(nc.jetstream(), run, "merge")
     finally:
         await nc.close()
 
@@ -168,44 +141,37 @@ def rounds_for(args) -> int:
     return max(1, args.steps * args.fragments // args.sync_every)
 
 
-def one_pass(args, url: str | None, work: Path, sync: bool, peak: dict[str, int]) -> tuple[dict, str | None]:
+def one_pass(args, url: str | None, work: Path, sync: bool, watch: RssWatch) -> tuple[dict, str | None]:
     run = f"bench_goodput_{uuid.uuid4().hex[:8]}"
     names = [f"i{k}" for k in range(args.islands)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env.update(PYTHONUNBUFFERED="1", YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = clean_env(YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     tag = "sync" if sync else "alone"
-    procs: dict[str, subprocess.Popen] = {}
-    logs = []
+    procs: dict[str, Child] = {}
     try:
         if sync:
-            log = open(work / f"{tag}-syncer.log", "ab")
-            logs.append(log)
-            procs[f"{tag}-syncer"] = subprocess.Popen(
-                [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands",
+            procs[f"{tag}-syncer"] = Child(
+                f"{tag}-syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands",
                  str(args.islands), "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
                  "--total-steps", str(rounds_for(args)), "--init-island", names[0],
                  "--checkpoint-dir", str(work / f"{tag}-ckpt"), "--status-every", "30"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+                work / f"{tag}-syncer.log", cwd=ROOT, env=env).start()
         for name in names:
-            log = open(work / f"{tag}-{name}.log", "ab")
-            logs.append(log)
             e = dict(env)
             if sync:
                 e.update(YETO_NATS=url, YETO_DILOCO_STEP_LOG=str(work / f"{tag}-steplog-{name}.jsonl"))
-            procs[f"{tag}-{name}"] = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "worker", "--island", name, "--run", run,
+            procs[f"{tag}-{name}"] = Child(
+                f"{tag}-{name}", [sys.executable, str(Path(__file__).resolve()), "worker", "--island", name, "--run", run,
                  "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--step-s", str(args.step_s),
                  "--sync-every", str(args.sync_every), "--out", str(work / f"{tag}-{name}.json")]
                 + (["--sync"] if sync else []),
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e, start_new_session=True)
-        wait_all(procs, args.timeout, work, peak)
+                work / f"{tag}-{name}.log", cwd=ROOT, env=e).start()
+        watch.add_children(procs.values())
+        try:
+            wait_all(procs, args.timeout, watch=watch, lines=40)
+        except ChildFailed as err:
+            raise SystemExit(f"goodput bench: {err} (logs in {work})")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_all(procs, grace=0)
     results = {n: json.loads((work / f"{tag}-{n}.json").read_text()) for n in names}
     return results, run if sync else None
 
@@ -247,15 +213,15 @@ def main(argv: list[str] | None = None) -> int:
 
         broker = Broker(store_dir=work / "broker").start()
         url = broker.url
-    peak: dict[str, int] = {}
     try:
-        t0 = time.monotonic()
-        synced, run = one_pass(args, url, work, True, peak)
-        t_sync = time.monotonic() - t0
-        merges = asyncio.run(read_merges(url, run))
-        t0 = time.monotonic()
-        alone, _ = one_pass(args, None, work, False, peak)
-        t_alone = time.monotonic() - t0
+        with RssWatch(every_s=0.5) as watch:
+            t0 = time.monotonic()
+            synced, run = one_pass(args, url, work, True, watch)
+            t_sync = time.monotonic() - t0
+            merges = asyncio.run(read_merges(url, run))
+            t0 = time.monotonic()
+            alone, _ = one_pass(args, None, work, False, watch)
+            t_alone = time.monotonic() - t0
     finally:
         if broker is not None:
             broker.stop()
@@ -273,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(merges)} merges; boundary() median {statistics.median(boundary):.3f}s, p90 "
           f"{boundary[int(0.9 * (len(boundary) - 1))]:.3f}s, max {boundary[-1]:.3f}s")
     print(f"alone pass {t_alone:.0f}s: steps/s per island {', '.join(f'{n} {v:.3f}' for n, v in alone_rates.items())}")
-    print("peak RSS MiB: " + ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(peak.items())))
+    print("peak RSS MiB: " + ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(watch.peak.items())))
     ratio = statistics.median(sync_rates.values()) / statistics.median(alone_rates.values())
     st = statistics.median(stale) if stale else float("nan")
     print(f"goodput ratio={ratio:.3f} staleness={st:g} sync_steps_per_s={statistics.median(sync_rates.values()):.3f} "

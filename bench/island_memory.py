@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
+
+# processes and /proc readings as every bench runs and reads them
+from yeto.services.run_harness import Child, vm_hwm, vm_rss  # noqa: E402
 
 MiB = 1 << 20
 TENSOR_BYTES = 8 * MiB
@@ -84,20 +86,12 @@ def parse_sizes(text: str) -> list[float]:
 # --------------------------------------------------------------------------- kernel accounting
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def rss() -> int:
-    return _status("VmRSS")
+    return vm_rss("self")
 
 
 def hwm() -> int:
-    return _status("VmHWM")
+    return vm_hwm("self")
 
 
 def reset_hwm() -> bool:
@@ -218,29 +212,22 @@ def one_size(size: float, args, url: str, work: Path) -> dict:
     run = f"bench_isl_{uuid.uuid4().hex[:8]}"
     d = work / run
     d.mkdir(parents=True)
-    log = open(d / "syncer.log", "wb")
-    syncer = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
-                               "--islands", "1", "--fragments", str(args.fragments), "--sync-every",
-                               str(args.fragments), "--total-steps", "1", "--init-island", ISLAND,
-                               "--bulk-dtype", "f32", "--push-dtype", "f32", "--chunk-bytes", str(args.chunk_kb * 1024),
-                               "--checkpoint-dir", str(d / "ckpt"), "--small-limits", "--status-every", "5"],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    syncer = Child("syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
+                              "--islands", "1", "--fragments", str(args.fragments), "--sync-every",
+                              str(args.fragments), "--total-steps", "1", "--init-island", ISLAND,
+                              "--bulk-dtype", "f32", "--push-dtype", "f32", "--chunk-bytes", str(args.chunk_kb * 1024),
+                              "--checkpoint-dir", str(d / "ckpt"), "--small-limits", "--status-every", "5"],
+                   d / "syncer.log", cwd=ROOT).start()
     try:
         cfg = {"size": size, "run": run, "url": url, "pg": str(d / "pg"), "out": str(d), "anchors": args.anchors,
                "anchor_dir": str(d / "anchors"), "verbose": args.verbose}
         mp.start_processes(_rank, args=(args.ranks, cfg), nprocs=args.ranks, join=True, start_method="spawn")
         results = [json.loads((d / f"rank{r}.json").read_text()) for r in range(args.ranks)]
     except BaseException:
-        log.flush()
-        sys.stderr.write((d / "syncer.log").read_text(errors="replace")[-3000:])
+        sys.stderr.write(syncer.tail(40) + "\n")
         raise
     finally:
-        syncer.terminate()
-        try:
-            syncer.wait(20)
-        except subprocess.TimeoutExpired:
-            syncer.kill()
-        log.close()
+        syncer.stop(grace=20)
         try:
             _remove_run(url, run)
         except Exception as exc:  # noqa: BLE001 - cleanup only

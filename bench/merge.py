@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ import torch  # noqa: E402
 
 from yeto.schemas.dtypes import pack, unpack  # noqa: E402
 from yeto.schemas.chunks import chunk_plan  # noqa: E402
+from yeto.services.run_harness import peak_rss_self  # noqa: E402  (peak RSS as every bench reads it)
 from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view, weights_for  # noqa: E402
 
 MiB = 1 << 20
@@ -144,7 +144,7 @@ def kernel_used(cfg: Config, spans) -> str:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_self() / MiB
 
 
 def run(cfg: Config, out=print) -> float:

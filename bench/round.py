@@ -62,9 +62,7 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -78,6 +76,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: E402  (no torch import)
+# processes, ports and peak RSS as every bench runs and reads them
+from yeto.services.run_harness import Child, ChildFailed, RssWatch, clean_env, free_port, stop_all, vm_hwm, wait_all  # noqa: E402
 
 MiB = 1 << 20
 STAGES = ("push", "members", "merge", "checkpoint", "broadcast", "apply")
@@ -265,52 +265,6 @@ class Observer:
         await nc.drain()
 
 
-# --------------------------------------------------------------------------- peak RSS
-
-
-def vm_hwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class RssWatch:
-    """Peak RSS of named processes: their VmHWM, read every 0.5 s while they live."""
-
-    def __init__(self):
-        self.pids: dict[str, int] = {}
-        self.peak: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def add(self, name: str, pid: int):
-        self.pids[name] = pid
-
-    def _poll(self):
-        for name, pid in list(self.pids.items()):
-            v = vm_hwm(pid)
-            if v:
-                self.peak[name] = max(self.peak.get(name, 0), v)
-
-    def _run(self):
-        while not self._stop.wait(0.5):
-            self._poll()
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._poll()
-        self._stop.set()
-        self._t.join()
-
-
 # --------------------------------------------------------------------------- the peer: gloo all_reduce
 
 
@@ -338,12 +292,6 @@ def _allreduce_rank(rank: int, world: int, port: int, numel: int, repeat: int, o
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def allreduce(world: int, numel: int, repeat: int, work: Path) -> dict:
     import torch.multiprocessing as mp
 
@@ -367,55 +315,39 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
     names = [f"i{k}" for k in range(args.islands)]
     total = args.warmup + args.rounds
     rounds = {t: RoundObs(step=t) for t in range(1, total + 1)}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env.update(PYTHONUNBUFFERED="1", YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    procs: dict[str, subprocess.Popen] = {}
-    logs = []
+    env = clean_env(YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs: dict[str, Child] = {}
     info: dict = {"run": run}
     with Observer(url, run, rounds) as obs:
         try:
-            log = open(work / "syncer.log", "ab")
-            logs.append(log)
-            procs["syncer"] = subprocess.Popen(
-                [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
+            procs["syncer"] = Child(
+                "syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                  "--islands", str(args.islands), "--fragments", "1", "--sync-every", "1", "--total-steps", str(total),
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30",
                  "--push-memory-mib", str(args.push_memory_mib)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                work / "syncer.log", cwd=ROOT,
                 env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
-                         YETO_BROADCAST=args.broadcast),
-                start_new_session=True)
+                         YETO_BROADCAST=args.broadcast)).start()
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
-                log = open(work / f"island-{name}.log", "ab")
-                logs.append(log)
                 e = dict(env, YETO_NATS=url, YETO_LOCKSTEP="1", YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"),
                          YETO_LOCKSTEP_TIMEOUT="900", YETO_PUSH_TIMEOUT="900", YETO_SESSION_TIMEOUT="300")
                 if args.fetch_batch_mib:
                     e["YETO_FETCH_BATCH_BYTES"] = str(int(args.fetch_batch_mib * MiB))
-                procs[name] = subprocess.Popen(
+                procs[name] = Child(
+                    f"island {name}",
                     [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name, "--model-mib",
                      str(args.size_mib), "--step-delay", "0", "--out", str(work / f"final-{name}.safetensors")],
-                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e, start_new_session=True)
+                    work / f"island-{name}.log", cwd=ROOT, env=e).start()
                 rss.add(f"island {name}", procs[name].pid)
-            deadline = time.monotonic() + args.timeout
-            for name, p in procs.items():
-                try:
-                    rc = p.wait(max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise SystemExit(f"round bench: {name} still running after {args.timeout}s (logs in {work})")
-                if rc != 0:
-                    tail = (work / (f"island-{name}.log" if name != "syncer" else "syncer.log")).read_text(errors="replace")
-                    raise SystemExit(f"round bench: {name} exited with {rc}; its log ends:\n{tail[-3000:]}")
+            try:
+                wait_all(procs, args.timeout, lines=40)
+            except ChildFailed as err:
+                raise SystemExit(f"round bench: {err}")
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for f in logs:
-                f.close()
+            stop_all(procs, grace=0)
     info["observer_errors"] = obs.errors
     info["fragment_bytes"] = obs.bcast_bytes
     for name in names:

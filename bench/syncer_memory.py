@@ -11,7 +11,7 @@ the other (never both at once, so neither shares the CPU or the page cache with 
 
 The workload: a model of `--size-mib` MiB of f32 parameters (16 equal tensors, P = 4 fragments of
 size/4 each), `--strict`, H = P (every island step answers one round), f32 push and bulk, and two
-scripted islands in this process (tests/scripted.ScriptedIsland: they speak only the wire protocol,
+scripted islands in this process (services/scripted_island.py: they speak only the wire protocol,
 no torch model, so a 1 GiB run fits beside the syncers on a small machine): island i0 sends INIT, both
 answer every round's pull with a delta (the same seeded values for both), and both ack the manifest.
 The syncers do everything a real run asks of them: INIT, version 0, every merge with the outer step,
@@ -41,10 +41,8 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -52,6 +50,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
+
+# processes and peak RSS as every bench runs and reads them; phase_peaks is this bench's too (its tests use it)
+from yeto.services.run_harness import Child, RssWatch, clean_env, phase_peaks, vm_rss  # noqa: E402, F401
 
 MiB = 1 << 20
 P = 4
@@ -83,20 +84,6 @@ def shard_ratio(shard_growths: dict[str, int], single_growth: int) -> float:
     return max(shard_growths.values()) / single_growth
 
 
-def phase_peaks(series: list[tuple[float, int]], marks: list[tuple[str, float]]) -> dict[str, int]:
-    """The highest sample of each phase; phase i spans [marks[i], marks[i+1]), the last one to the
-    end. Samples before the first mark count for none; a phase without a sample is 0."""
-    out = {name: 0 for name, _ in marks}
-    for t, v in series:
-        phase = None
-        for name, start in marks:
-            if t >= start:
-                phase = name
-        if phase is not None:
-            out[phase] = max(out[phase], v)
-    return out
-
-
 def merge_figures(merges: list[dict]) -> dict:
     """Medians over the rounds' merge records: the merge loop and the commit path (seconds)."""
     if not merges:
@@ -105,72 +92,6 @@ def merge_figures(merges: list[dict]) -> dict:
     path = [float(m["detail"]["merge_s"]) + sum(float(m["detail"].get(k, 0.0)) for k in
                                                  ("checkpoint_s", "commit_kv_s", "broadcast_s")) for m in merges]
     return {"merge_loop": statistics.median(loop), "commit_path": statistics.median(path), "rounds": len(merges)}
-
-
-# --------------------------------------------------------------------------- process memory
-
-
-def _status_kb(pid: int, field: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def vm_hwm(pid: int) -> int | None:
-    return _status_kb(pid, "VmHWM")
-
-
-def vm_rss(pid: int) -> int | None:
-    return _status_kb(pid, "VmRSS")
-
-
-class PeakWatch:
-    """Peak RSS (VmHWM) of named processes, read every 0.1 s while they live: the kernel's high-water
-    mark is exact, only what happens in a process's last 0.1 s may be missed (the status record's
-    `rss_bytes`, written at exit, covers that where the syncer writes it). VmRSS is kept as a time
-    series too, to tell in which phase of the run the peak came (`phase_peaks`)."""
-
-    def __init__(self):
-        self.pids: dict[str, int] = {}
-        self.peak: dict[str, int] = {}
-        self.series: dict[str, list[tuple[float, int]]] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def add(self, name: str, pid: int) -> None:
-        self.pids[name] = pid
-
-    def poll(self) -> None:
-        for name, pid in list(self.pids.items()):
-            v = vm_hwm(pid)
-            if v:
-                self.peak[name] = max(self.peak.get(name, 0), v)
-            r = vm_rss(pid)
-            if r:
-                self.series.setdefault(name, []).append((time.time(), r))
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            self.poll()
-
-    def phase_peaks(self, name: str, marks: list[tuple[str, float]]) -> dict[str, int]:
-        """The highest VmRSS sampled in each phase: phase i runs from marks[i] to marks[i+1] (the
-        last to the end of the series)."""
-        return phase_peaks(self.series.get(name, []), marks)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.poll()
-        self._stop.set()
-        self._t.join()
 
 
 # --------------------------------------------------------------------------- one configuration
@@ -195,43 +116,39 @@ async def _status_records(js, run: str, n: int) -> dict[int, dict]:
     return out
 
 
-async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> dict:
+async def run_config(args, url: str, n: int, work: Path, watch: RssWatch) -> dict:
     """One run with `n` syncer processes; returns their names, baselines, peaks, merge figures."""
     import nats
     import torch
 
     from yeto.schemas.provision import remove_run
-    from tests.scripted import ScriptedIsland, tape_of, wait_provisioned
+    from yeto.services.run_harness import tape_of, wait_provisioned
+    from yeto.services.scripted_island import ScriptedIsland
 
     run = f"bench_shmem{n}_{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = clean_env(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     names = ["syncer"] if n == 1 else [f"shard {k}" for k in range(n)]
-    procs: dict[str, subprocess.Popen] = {}
-    logs = []
+    procs: dict[str, Child] = {}
     isls: list[ScriptedIsland] = []
     layout = layout_for(args.size_mib)
     try:
         for k, name in enumerate(names):
-            log = open(work / f"syncer-s{k}.log", "ab")
-            logs.append(log)
             flags = [] if n == 1 else ["--shard", str(k), "--shards", str(n)]
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands", "2",
+            procs[name] = Child(
+                name, [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands", "2",
                  "--fragments", str(P), "--sync-every", str(P), "--total-steps", str(args.rounds), "--strict",
                  "--init-island", ISLANDS[0], "--push-dtype", "f32", "--bulk-dtype", "f32",
                  "--chunk-bytes", str(int(args.chunk_mib * MiB)), "--checkpoint-dir", str(work / f"syncer-s{k}"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300",
                  "--status-every", "1", *flags],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+                work / f"syncer-s{k}.log", cwd=ROOT, env=env).start()
             watch.add(f"{name} ({n} shard{'s' if n > 1 else ''})", procs[name].pid)
 
         def check_alive():
             for name, p in procs.items():
                 if p.poll() is not None:
-                    tail = (work / f"syncer-s{names.index(name)}.log").read_text(errors="replace")[-3000:]
-                    raise SystemExit(f"syncer memory bench: {name} exited with {p.returncode}; its log ends:\n{tail}")
+                    raise SystemExit(f"syncer memory bench: {p.failure(f'exited with {p.returncode}', 40)}")
 
         for name in ISLANDS:
             isls.append(ScriptedIsland(await nats.connect(url, max_reconnect_attempts=-1), run, name, layout))
@@ -292,11 +209,8 @@ async def run_config(args, url: str, n: int, work: Path, watch: PeakWatch) -> di
         raise
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+            p.kill()
+            p.close_log()
         for isl in isls:
             await isl.nc.close()
     peaks, by_phase = {}, {}
@@ -325,7 +239,7 @@ def fmt_config(r: dict, rounds: int) -> str:
             f"{r['rounds_s'] / rounds:.2f} s per round; INIT {r['init_s']:.1f} s")
 
 
-async def _main(args, url: str, work: Path, watch: PeakWatch) -> list[dict]:
+async def _main(args, url: str, work: Path, watch: RssWatch) -> list[dict]:
     out = []
     for n in (1, args.shards):
         r = await run_config(args, url, n, work / f"shards{n}", watch)
@@ -351,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     broker = None
     url = args.nats
     try:
-        with PeakWatch() as watch:
+        with RssWatch() as watch:
             watch.add("bench (scripted islands)", os.getpid())
             if url is None:
                 from yeto.services.broker import Broker

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import resource
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from yeto.schemas.chunks import max_chunk_bytes  # noqa: E402
 from yeto.schemas.conn import server_max_payload  # noqa: E402
 from yeto.schemas.provision import RunLimits, kv as kv_handle, provision_run  # noqa: E402
 from yeto.services.broker import Broker  # noqa: E402
+from yeto.services.run_harness import peak_rss_self  # noqa: E402  (peak RSS as every bench reads it)
 from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState  # noqa: E402
 from yeto.services.syncer.state_store import WARM_DIR, StateStore  # noqa: E402
 
@@ -77,7 +77,7 @@ async def main(args) -> None:
                             pass
             file_read = time.perf_counter() - t0
             await nc.close()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_self() / (1 << 20)
     print(f"takeover restore cold_s={cold:.2f} warm_s={warm:.2f} speedup={cold / warm:.1f} "
           f"file_read_s={file_read:.2f} rss_mib={rss:.0f} (P={args.fragments} x {args.size_mib} MiB, "
           f"params + momentum)")

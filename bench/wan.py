@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,48 +31,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from yeto.services.leaf import start_hub_and_leaf, wan_figures  # noqa: E402
+from yeto.services.run_harness import Child, ChildFailed, clean_env, stop_all, wait_all  # noqa: E402
 
 
 def one_run(n: int, args, work: Path, naive: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     hub, leaf = start_hub_and_leaf(work, "dc1")
     run = f"wan{n}{'n' if naive else ''}-{int(time.time())}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env.update(PYTHONUNBUFFERED="1", YETO_RUN=run, YETO_PROGRESS="0", PYTHONPATH=str(ROOT))
-    procs: dict[str, subprocess.Popen] = {}
-    logs = []
+    env = clean_env(YETO_RUN=run, YETO_PROGRESS="0", PYTHONPATH=str(ROOT))
+    procs: dict[str, Child] = {}
     t0 = time.monotonic()
     try:
         names = [f"i{k}" for k in range(n)]
-        log = open(work / "syncer.log", "ab")
-        logs.append(log)
-        procs["syncer"] = subprocess.Popen(
-            [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", hub.url, "--run", run, "--islands", str(n),
+        procs["syncer"] = Child(
+            "syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", hub.url, "--run", run, "--islands", str(n),
              "--fragments", "2", "--sync-every", "8", "--total-steps", str(args.rounds), "--init-island", names[0],
              "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--quorum-timeout", "60",
              "--member-timeout", "60", "--final-timeout", "60"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+            work / "syncer.log", cwd=ROOT, env=env).start()
         for name in names:
-            log = open(work / f"island-{name}.log", "ab")
-            logs.append(log)
             e = dict(env, YETO_NATS=leaf.url, YETO_ISLAND=name, YETO_DOMAIN="hub" if naive else "dc1")
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name, "--model-mib",
-                 str(args.model_mib), "--step-delay", "0.02"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=e)
-        deadline = time.monotonic() + args.timeout
-        for name, p in procs.items():
-            rc = p.wait(max(1.0, deadline - time.monotonic()))
-            if rc != 0:
-                raise SystemExit(f"wan: {name} exited with {rc} (logs in {work})")
+            procs[name] = Child(
+                f"island {name}", [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name,
+                                   "--model-mib", str(args.model_mib), "--step-delay", "0.02"],
+                work / f"island-{name}.log", cwd=ROOT, env=e).start()
+        try:
+            wait_all(procs, args.timeout, lines=40)
+        except ChildFailed as err:
+            raise SystemExit(f"wan: {err}")
         figures = asyncio.run(wan_figures(hub, run))
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_all(procs, grace=0)
         leaf.stop()
         hub.stop()
     bpc = figures["hub_to_dc_bytes"] / figures["bcast_bytes"]

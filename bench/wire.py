@@ -50,6 +50,7 @@ from yeto.schemas import subjects as S  # noqa: E402
 from yeto.schemas.chunks import ChunkSpan, VersionDigest, check_chunk, chunk_header, chunk_plan, max_chunk_bytes  # noqa: E402
 from yeto.schemas.errors import WireError  # noqa: E402
 from yeto.schemas.publish import Pipeline  # noqa: E402
+from yeto.services.run_harness import peak_rss_self, vm_hwm  # noqa: E402  (peak RSS as every bench reads it)
 
 MiB = 1 << 20
 WIRE_DTYPE = "f32"  # the fragment is f32 values, as a broadcast in the default bulk dtype
@@ -116,14 +117,7 @@ def mbps(nbytes: int, seconds: float) -> float:
 
 def _peak_rss_mb() -> float:
     """Peak resident set of this process (VmHWM; ru_maxrss as fallback), MiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (vm_hwm("self") or peak_rss_self()) / MiB
 
 
 def _cpu_s() -> float:
@@ -606,13 +600,8 @@ def _server_cpu_s(pid: int | None) -> tuple[float, float] | None:
 
 
 def _server_hwm_mb(pid: int | None) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, TypeError):
-        pass
-    return float("nan")
+    hwm = vm_hwm(pid) if pid else None
+    return hwm / MiB if hwm else float("nan")
 
 
 def run_jetstream(url: str, cfg: Config, seed: int, mode: str = "both", server_pid: int | None = None, stream: str | None = None) -> dict:

@@ -11,7 +11,7 @@ names) to `--out` and prints one JSON line with its mean loss over the last 10 s
 
 `python -m yeto.learner.demo eval --weights FILE` prints the held-out loss of a safetensors file.
 
-Fault injector (tests and bench/hostile.py --poison only, never a real run): `YETO_DEMO_POISON=KIND` makes
+Fault injector (tests and soak/hostile.py --poison only, never a real run): `YETO_DEMO_POISON=KIND` makes
 this island a compromised one. Its training is honest; what it pushes is not: `plus50` adds 50 to every
 value of every pushed delta, `nan` makes every pushed value NaN, `norm5x` pushes 5 x its true delta, and
 `tokens` claims c_tokens = 2^53-1 on every push (its delta honest). See `poison_island`.
@@ -225,7 +225,7 @@ def _spawn_rank(rank, world, args):
     # Leave without running the interpreter's and C++'s exit-time destructors: even after the barrier
     # and destroy_process_group above, a rank still died in them now and then with SIGABRT
     # ("terminate called without an active exception": a joinable C++ thread destroyed at exit), once
-    # in bench/chaos.py --cluster 3 after its RESULT line, so the island exited 1 with its work done.
+    # in soak/chaos.py --cluster 3 after its RESULT line, so the island exited 1 with its work done.
     # Everything this rank writes is flushed first; mp.spawn reads exit code 0 as success.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -21,7 +21,8 @@ directories WORK/syncer-s<K>; README "Syncer shards"); the demo waits for every 
 final cut it checks the islands against is exported from all their directories together. N may not
 exceed `--fragments` (a shard would own no fragment).
 
-The islands run `python -m yeto.learner.demo` (this package never imports the learner).
+The islands run `python -m yeto.learner.demo` (this package never imports the learner). Every process logs to
+WORK/<name>.log (services/run_harness.py); the demo echoes the lines worth watching.
 """
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from yeto.schemas.dtypes import PUSH_DTYPES
+from yeto.services.run_harness import read_jsonl
 
 
 def add_parser(sub) -> None:
@@ -67,55 +68,29 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _pump(proc: subprocess.Popen, prefix: str, sink: list[str], show) -> threading.Thread:
-    def go():
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            sink.append(line)
-            if show(line):
-                print(f"{prefix} {line}", flush=True)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
-
-
 async def _count_merges(url: str, run: str, ident: dict[str, str] | None = None) -> int:
-    import orjson
-
-    from yeto.schemas import subjects as S
     from yeto.schemas.conn import ConnectOptions, connect
+    from yeto.services.run_harness import read_tape
 
     ident = ident or {}  # a secured demo reads the tape as its observer
     nc = await connect(ConnectOptions(url=url, creds=ident.get("YETO_NATS_CREDS"), tls_ca=ident.get("YETO_TLS_CA")))
     try:
-        js = nc.jetstream()
-        info = await js.stream_info(S.stream(run, "EVENTS"))
-        n = 0
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                m = await js.get_msg(S.stream(run, "EVENTS"), seq=seq)
-            except Exception:
-                continue
-            if orjson.loads(m.data).get("kind") == "merge":
-                n += 1
-        return n
+        return len(await read_tape(nc.jetstream(), run, "merge"))
     finally:
         await nc.close()
 
 
-def _result(lines: list[str]) -> dict | None:
-    """An island's `RESULT {json}` line. Ranks of one island share its stdout, so another rank's
-    output may sit on the same line before or after the JSON object: decode just the object."""
-    for line in lines:
-        i = line.find("RESULT {")
-        if i >= 0:
-            return json.JSONDecoder().raw_decode(line, i + len("RESULT "))[0]
-    return None
+def _syncer_line(line: str) -> bool:
+    return (" -> version " in line or "final cut" in line or "ERROR" in line or "finished" in line
+            or "session pinned" in line or "missing" in line)
+
+
+def _island_line(line: str) -> bool:
+    return line.startswith("[") or "Error" in line or "Traceback" in line or "RESULT {" in line
 
 
 def _overhead(path: Path) -> dict:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_jsonl(path)
     if len(rows) < 3:
         return {"steps": len(rows)}
     span = rows[-1]["t"] - rows[0]["t"]
@@ -189,6 +164,7 @@ def run(args) -> int:
 
     from yeto.services.broker import Broker, Cluster
     from yeto.services.cmd_export import export
+    from yeto.services.run_harness import Child, ChildFailed, stop_all, wait_all
 
     why = check_shards(args.syncer_shards, args.fragments)
     if why:
@@ -234,13 +210,11 @@ def run(args) -> int:
     print(f"yeto demo: run {run_id}, NATS {url}, files in {work}"
           + (f", identities and CA in {secure.dir}" if secure else ""), flush=True)
     env = dict(os.environ, YETO_NATS=url, YETO_RUN=run_id, PYTHONUNBUFFERED="1")
-    procs: dict[str, subprocess.Popen] = {}
-    logs: dict[str, list[str]] = {}
+    procs: dict[str, Child] = {}
     t0 = time.monotonic()
     shards = args.syncer_shards
     syncers = syncer_names(shards)
     try:
-        pumps = []
         for k, name in enumerate(syncers):
             # every shard the same run flags, its own --shard and checkpoint directory (README "Syncer shards")
             syncer_cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
@@ -254,38 +228,27 @@ def run(args) -> int:
                 syncer_cmd += ["--shard", str(k), "--shards", str(shards)]
             if secure:  # only the INIT island of the auth directory may publish the initial weights
                 syncer_cmd += ["--init-island", secure.ISLANDS[0]]
-            procs[name] = subprocess.Popen(syncer_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           env=dict(env, **ident("syncer")))
-            logs[name] = []
-            pumps.append(_pump(procs[name], f"[{name}]", logs[name],
-                               lambda line: " -> version " in line or "final cut" in line or "ERROR" in line
-                               or "finished" in line or "session pinned" in line or "missing" in line))
+            # group=False: a Ctrl-C on the demo reaches its children too
+            procs[name] = Child(name, syncer_cmd, work / f"{name}.log", env=dict(env, **ident("syncer")),
+                                group=False).start()
+            procs[name].follow(_syncer_line, f"[{name}]")
         for name, ranks, island_url, domain in islands:
             cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors"), "--model-mib", str(args.model_mib)]
             e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"), **ident(name))
             if domain:  # an island of the datacenter: connected to its leaf node
                 e.update(YETO_NATS=island_url, YETO_DOMAIN=domain)
-            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e)
-            logs[name] = []
-            pumps.append(_pump(procs[name], f"[island {name}]", logs[name],
-                               lambda line: line.startswith("[") or "Error" in line or "Traceback" in line
-                               or "RESULT {" in line))
-        deadline = time.monotonic() + args.timeout
-        for name, p in procs.items():
-            left = max(1.0, deadline - time.monotonic())
-            try:
-                rc = p.wait(left)
-            except subprocess.TimeoutExpired:
-                print(f"yeto demo: {name} did not finish within {args.timeout:.0f}s", file=sys.stderr)
-                return 1
-            if rc != 0:
-                print(f"yeto demo: {name} exited with {rc}; last lines:\n" + "\n".join(logs[name][-30:]), file=sys.stderr)
-                return 1
-        for t in pumps:  # every process exited: its pipe ends, and its pump with it
-            t.join(5)
+            procs[name] = Child(name, cmd, work / f"island-{name}.log", env=e, group=False).start()
+            procs[name].follow(_island_line, f"[island {name}]")
+        try:
+            wait_all(procs, args.timeout, lines=30)
+        except ChildFailed as err:
+            print(f"yeto demo: {err}", file=sys.stderr)
+            return 1
+        for p in procs.values():  # every process exited: its follower reads the log to its end
+            p.join_followers()
         names = [i[0] for i in islands]
-        results = {name: _result(logs[name]) for name in names}
+        results = {name: procs[name].result() for name in names}
         missing = [name for name, r in results.items() if r is None]
         if missing:
             print(f"yeto demo: no RESULT line from island(s) {', '.join(missing)}", file=sys.stderr)
@@ -330,13 +293,7 @@ def run(args) -> int:
         print(json.dumps(summary), flush=True)
         return 0 if diff == 0.0 and rounds == args.rounds else 1
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_all(procs)
         if leaf_node is not None:
             leaf_node.stop()
         if broker is not None:

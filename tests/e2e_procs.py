@@ -1,6 +1,6 @@
 """Real processes for the learner end-to-end tests: `python -m yeto.learner.demo` islands next to the real
-`yeto syncer` (tests.scripted.SyncerProc), plus small readers of what a run leaves behind (step-log
-files, RESULT lines, the state KV, the EVENTS tape).
+`yeto syncer` (tests.scripted.SyncerProc), both services/run_harness.py Children, plus small readers of what
+a run leaves behind (step-log files, RESULT lines, the state KV, the EVENTS tape).
 
 Each island runs in its own session (process group), so a test can SIGKILL a whole data-parallel
 island — the launcher and every gloo rank — at once, as a crashed node would die.
@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import orjson
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
-from yeto.schemas import subjects as S
+from yeto.services.run_harness import (  # noqa: F401  (kv_json, clean_env, tails: the tests' names for them)
+    Child, ChildFailed, clean_env, kv_json, read_jsonl, tails, wait_all_async,
+)
 from tests.scripted import ROOT, tape
 
 # Fail fast instead of hanging for the production defaults (600 s) when a run goes wrong.
@@ -39,16 +36,9 @@ ISLAND_TIMEOUTS = {
 SYNCER_TIMEOUTS = ("--quorum-timeout", "60", "--member-timeout", "20", "--final-timeout", "60")
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without any YETO_* variable of the test runner's shell, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-class IslandProc:
-    """One `python -m yeto.learner.demo` island (all its ranks), logging to files under `work`.
+class IslandProc(Child):
+    """One `python -m yeto.learner.demo` island (all its ranks, one process group), logging to files under
+    `work`.
 
     `tag` names this process's files (a restarted island gets a new tag, so each generation has its
     own log and step-log file)."""
@@ -57,90 +47,32 @@ class IslandProc:
                  env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
         self.island = island
         self.tag = tag or island
-        self.log = work / f"island-{self.tag}.log"
         self.steplog = work / f"steplog-{self.tag}.jsonl"
         self.out = work / f"island-{self.tag}.safetensors"
-        self.cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
-                    "--out", str(self.out), *args]
-        self.env = clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island,
-                             YETO_DILOCO_STEP_LOG=str(self.steplog), **ISLAND_TIMEOUTS, **(env or {}))
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "IslandProc":
-        self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
-                                     start_new_session=True)
-        return self
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
+        super().__init__(
+            f"island {self.tag}",
+            [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+             "--out", str(self.out), *args],
+            work / f"island-{self.tag}.log", cwd=ROOT, group=True,
+            env=clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island,
+                          YETO_DILOCO_STEP_LOG=str(self.steplog), **ISLAND_TIMEOUTS, **(env or {})))
 
     def kill_group(self) -> None:
         """SIGKILL the launcher and every rank (one process group), then reap the launcher."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(5)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        # ranks may outlive the launcher: clear the whole group
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait()
-        self._logf.close()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def result(self) -> dict | None:
-        """The island's `RESULT {json}` line (decoded), or None. Ranks share the log file, so another
-        rank's output may share the line: decode just the JSON object after the marker."""
-        for line in self.output().splitlines():
-            i = line.find("RESULT {")
-            if i >= 0:
-                return json.JSONDecoder().raw_decode(line, i + len("RESULT "))[0]
-        return None
+        self.kill()
 
     def steplog_rows(self) -> list[dict]:
         """The step-log file's events; a torn last line (SIGKILL mid-write) is left out."""
-        if not self.steplog.exists():
-            return []
-        rows = []
-        for line in self.steplog.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
+        return read_jsonl(self.steplog)
 
 
 async def wait_exit(procs: dict, timeout: float) -> dict[str, int]:
     """Wait (without blocking the event loop) until every process (IslandProc or SyncerProc) exited;
     their return codes. On timeout, fails naming who is still running with the tail of their output."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rcs = {name: p.proc.poll() for name, p in procs.items()}
-        if all(rc is not None for rc in rcs.values()):
-            return rcs
-        await asyncio.sleep(0.1)
-    running = [n for n, p in procs.items() if p.proc.poll() is None]
-    raise AssertionError(f"still running after {timeout:.0f}s: {running}\n" + tails(procs))
-
-
-def tails(procs: dict, lines: int = 25) -> str:
-    return "\n".join(f"--- {name} ---\n" + "\n".join(p.output().splitlines()[-lines:]) for name, p in procs.items())
+    try:
+        return await wait_all_async(procs, timeout)
+    except ChildFailed as e:
+        raise AssertionError(str(e)) from None
 
 
 def assert_islands_hold_the_final_cut(ckpt: Path, out: Path, run: str, islands) -> None:
@@ -160,16 +92,6 @@ def assert_islands_hold_the_final_cut(ckpt: Path, out: Path, run: str, islands) 
             assert torch.equal(saved[n], value), (isl.island, n)
         res = isl.result()
         assert res is not None and res["counters"]["rejected"] == 0, isl.output()[-3000:]
-
-
-async def kv_json(js, run: str, key: str) -> dict | None:
-    """A JSON record of the run's `state` KV (session, commit, syncer), or None."""
-    kv = await js.key_value(S.kv_bucket(run, "state"))
-    try:
-        e = await kv.get(key)
-    except KeyNotFoundError:
-        return None
-    return orjson.loads(e.value) if e is not None and e.value else None
 
 
 async def merges(js, run: str) -> list[dict]:

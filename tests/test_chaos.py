@@ -1,4 +1,4 @@
-"""docs/design.md §14: `bench/chaos.py` in CI size. A real run (own nats-server, the syncer, 4 islands, island
+"""docs/design.md §14: `soak/chaos.py` in CI size. A real run (own nats-server, the syncer, 4 islands, island
 b with 2 gloo ranks) in which islands, the syncer and the broker are SIGKILLed at every kind of moment the
 harness knows (INIT, after a pull, mid-push, mid-merge, mid-broadcast, the broker mid-push and
 mid-broadcast, the final cut) and restarted; one kill of each kind. It must lose no round, double
@@ -15,7 +15,7 @@ import pytest
 
 from tests.scripted import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "soak"))
 from chaos import ALL_KINDS, END_KINDS, group_members  # noqa: E402
 
 pytestmark = pytest.mark.soak
@@ -33,13 +33,13 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
     out_json = tmp_path / "chaos.json"
     # seed 3 kills the 2-rank island b mid-push and picks syncer-final as the final-cut kill (the full
     # soak, seed 1, takes an island down during the final cut)
-    cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--rounds", str(rounds), "--kills-per-kind", "1",
+    cmd = [sys.executable, str(ROOT / "soak" / "chaos.py"), "--rounds", str(rounds), "--kills-per-kind", "1",
            "--first-kill-after", "2", "--gap-min", "1", "--gap-max", "2", "--seed", "3", "--no-baseline", "--quorum-timeout", "30",
            # 50 ms of simulated compute per inner step, not the soak's 20: four islands stepping flat out
            # took a quarter of the run's CPU, which the killed parts' restarts (torch imports) need on 2 cores
            "--step-delay", "0.05",
            # a restarted 2-rank island needs up to ~60 s to be admitted on a loaded 2-core machine; with the
-           # soak's 20 s the run can go on without it and finish before it is back (reported in bench/README)
+           # soak's 20 s the run can go on without it and finish before it is back (soak/README.md, "The suite's form")
            "--member-timeout", "90",
            "--progress-every", "30", "--timeout", "330", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -49,7 +49,7 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
     assert m, f"no summary line (rc {proc.returncode}):\n{out[-6000:]}"
     n, kills, lost, double, final_equal, goodput = m.groups()
     res = json.loads(out_json.read_text())["chaos"]
-    tail = f"\n--- bench/chaos.py output (tail) ---\n{out[-8000:]}"  # a string, so pytest prints it whole
+    tail = f"\n--- soak/chaos.py output (tail) ---\n{out[-8000:]}"  # a string, so pytest prints it whole
 
     # every kind of death happened, each at least once, and all but the final-cut one mid-run
     fired = set(res["recovery"])
@@ -74,11 +74,11 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_chaos_standby_owner_killed_never_restarted_loses_nothing(tmp_path):
-    """docs/design.md §11: `bench/chaos.py --standby`: two syncers, each its own empty checkpoint directory (two hosts);
+    """docs/design.md §11: `soak/chaos.py --standby`: two syncers, each its own empty checkpoint directory (two hosts);
     every syncer kill takes the owner, which is never restarted: its standby takes over from the state KV
     (a new standby starts). Nothing lost, nothing doubled, every island on the final cut."""
     out_json = tmp_path / "chaos.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--standby", "--rounds", "30", "--kills-per-kind", "1",
+    cmd = [sys.executable, str(ROOT / "soak" / "chaos.py"), "--standby", "--rounds", "30", "--kills-per-kind", "1",
            "--kinds", "syncer-mid-merge,syncer-mid-broadcast,syncer-final", "--first-kill-after", "3",
            "--gap-min", "3", "--gap-max", "5", "--seed", "2", "--no-baseline", "--quorum-timeout", "30",
            "--step-delay", "0.05", "--member-timeout", "90", "--progress-every", "30", "--timeout", "330",
@@ -90,7 +90,7 @@ def test_chaos_standby_owner_killed_never_restarted_loses_nothing(tmp_path):
     assert m, f"no summary line (rc {proc.returncode}):\n{out[-6000:]}"
     n, kills, lost, double, final_equal, _ = m.groups()
     res = json.loads(out_json.read_text())["chaos"]
-    tail = f"\n--- bench/chaos.py output (tail) ---\n{out[-8000:]}"
+    tail = f"\n--- soak/chaos.py output (tail) ---\n{out[-8000:]}"
     assert set(res["recovery"]) >= {"syncer-mid-merge", "syncer-mid-broadcast"}, tail
     assert int(kills) >= 2 and int(n) == 30, tail
     assert (int(lost), int(double)) == (0, 0), tail

@@ -1,6 +1,6 @@
 """The design lives in the repository (docs/design.md) and the code cites it by section: every
 `docs/design.md §N` (or `§N.M`; a list such as `§3.6, §5.4` or `§4 and §5` counts each) in schemas/,
-services/, learner/, bench/, tests/, deploy/, README.md and docs/ must name a section heading of
+services/, learner/, bench/, soak/, tests/, deploy/, README.md and docs/ must name a section heading of
 docs/design.md (`## N. ...` or `### N.M ...`). Citations of the design documents that are not in the
 repository (the old design file and its NATS notes) must be gone. docs/README.md's feature map must
 name files that exist, and list every tests/test_*.py (a feature's tests are found there by file name).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
-SCANNED_DIRS = ("schemas", "services", "learner", "bench", "tests", "deploy", "docs")
+SCANNED_DIRS = ("schemas", "services", "learner", "bench", "soak", "tests", "deploy", "docs")
 SCANNED_FILES = ("README.md",)
 SUFFIXES = {".py", ".md", ".conf", ".json", ".yml", ".yaml", ".html", ".txt", ".toml", ".cfg", ""}
 
@@ -26,7 +26,7 @@ GONE = [re.compile(p) for p in ("DESIGN" + r"\s*§", "DESIGN" + r"\.md", "NATS" 
 SELF = Path(__file__).resolve()
 # Code (not the docs, which may tell the history): the packages, the benchmarks, the tests, the deployment
 # files and the top-level scripts and configuration.
-CODE_DIRS = ("schemas", "services", "learner", "bench", "tests", "deploy", "yeto")
+CODE_DIRS = ("schemas", "services", "learner", "bench", "soak", "tests", "deploy", "yeto")
 CODE_FILES = ("run", ".ci/run", "pyproject.toml", "docker-compose.yml", "constraints.txt")
 CODE_SUFFIXES = SUFFIXES - {".md"}
 # "issue 25", "Issue 25 item 3", "issues 14 and 15", "issue #7", "issue-5", "gh-12", "PR #3".

@@ -470,7 +470,7 @@ def test_a_chunk_index_beyond_the_plan_is_refused_not_an_index_error():
 
 
 def test_a_forged_chunk_0_from_far_ahead_does_not_hold_the_real_version_once_overwritten():
-    # Regression (bench/hostile.py, seed 6): a well-framed chunk 0 claiming v7955 started a reading that
+    # Regression (soak/hostile.py, seed 6): a well-framed chunk 0 claiming v7955 started a reading that
     # waited for its chunk 1 for ever ("not_yet"); the real v1 that overwrote chunk 0 was never read.
     r = CutReader(S)
     forged = bcast_chunks(0, 7955, vec(N0, 9), vdigest="7" * 64)

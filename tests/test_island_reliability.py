@@ -231,7 +231,7 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
 
 
 async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(env):  # noqa: F811 - the env fixture, imported
-    """Regression found by bench/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
+    """Regression found by soak/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
     version 7955 (valid chunk digest) started a reading that waited for ever for that version's
     chunk 1; the notice inbox kept the highest version per subject, so the real v1 that then
     overwrote chunk 0 was never read. Pushes went stale and the run stalled."""

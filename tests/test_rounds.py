@@ -513,7 +513,7 @@ def test_restart_below_quorum_discards_and_recaptures():
 
 
 def test_round_whose_quorum_is_out_of_reach_restarts_early_not_at_the_deadline():
-    # bench/chaos.py: after a broker restart every island answered with a base two versions behind; each
+    # soak/chaos.py: after a broker restart every island answered with a base two versions behind; each
     # push was refused stale_base and the round sat below quorum for the whole quorum timeout (60 s).
     m = nonstrict(quorum=1, fragments=1, sync_every=4, max_base_lag=0, total_steps=6, quorum_timeout_s=100.0)
     r = launch_first(m)
@@ -537,7 +537,7 @@ def test_round_whose_quorum_is_out_of_reach_restarts_early_not_at_the_deadline()
 
 
 def test_member_that_leaves_mid_round_does_not_hold_it_until_the_deadline():
-    # bench/chaos.py: the live members had answered, b had left, yet the round waited its 60 s deadline.
+    # soak/chaos.py: the live members had answered, b had left, yet the round waited its 60 s deadline.
     m = nonstrict(quorum=None, fragments=1, sync_every=4, member_timeout_s=20.0, quorum_timeout_s=100.0)
     launch_first(m)
     m.handle(push(m, "a", 1, now=5.0))

@@ -107,7 +107,7 @@ def test_every_incomplete_try_dropped_at_a_commit_is_reported_once():
         led.pop_round(frag, step)
     (d,) = led.pop_dropped()
     assert d.key == key_of(chunk(0, island="d")) and "swept" in d.reason and led.pop_swept() == [40]
-    # rounds may commit several a second (bench/hostile.py --seed 5: a try's last chunk came two commits
+    # rounds may commit several a second (soak/hostile.py --seed 5: a try's last chunk came two commits
     # after its first, opened a second try and was taped twice): a tombstone outlives many commits
     for step in range(4, 40):
         feed(led, [chunk(i, step=step, fragment=step % 2) for i in range(3)], 100 * step)
@@ -127,7 +127,7 @@ def test_every_incomplete_try_dropped_at_a_commit_is_reported_once():
 
 def test_a_chunk_whose_try_was_dropped_after_its_closed_check_opens_no_second_try():
     # The shell asks `closed`, then awaits (a bad chunk's rejection is taped) before `add`; a commit in
-    # between dropped the try. A second try opened there was swept and taped again (bench/hostile.py).
+    # between dropped the try. A second try opened there was swept and taped again (soak/hostile.py).
     led = PushLedger()
     feed(led, [chunk(0), chunk(1)])
     last = chunk(2)

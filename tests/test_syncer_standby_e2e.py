@@ -32,7 +32,7 @@ from tests.scripted import ROOT, SyncerProc, tape
 H, P = 4, 2
 TTL = "2"
 # Rounds of the kill and pause runs; the soak figure is 600 (YETO_TEST_STANDBY_ROUNDS=600, about 3 min
-# a run here: bench/README.md "A standby that takes over")
+# a run here: soak/README.md, "A standby that takes over")
 ROUNDS = int(os.environ.get("YETO_TEST_STANDBY_ROUNDS", "60"))
 
 

@@ -33,7 +33,7 @@ from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 # Per-chunk ack wait of a broadcast (seconds): after a cluster node's death an ack can be lost without a
-# reconnect; each lost wait stalls the round (30 s, nats-py's default, was seen in bench/chaos.py --cluster).
+# reconnect; each lost wait stalls the round (30 s, nats-py's default, was seen in soak/chaos.py --cluster).
 BCAST_ACK_S = 10.0
 # Control publishes (pulls, errors, shutdown, manifests) ride out a cluster leader election (seconds;
 # publish_retry's default 8 attempts last about 7 s): a PublishFailed here stops the syncer.

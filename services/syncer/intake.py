@@ -130,7 +130,7 @@ class PushLedger:
         key = key_of(meta)
         # `closed` was asked before the shell awaited (a bad chunk's rejection is taped first), and a
         # commit may have dropped this try meanwhile: re-checked here, or the chunk would open a second
-        # try, swept and taped a second time (bench/hostile.py, a CI run: 5 records for 4 overlap tries).
+        # try, swept and taped a second time (soak/hostile.py, a CI run: 5 records for 4 overlap tries).
         if key in self.released or key in self._tombstones:
             return None
         t = self.tries.get(key)

@@ -36,7 +36,7 @@ A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membersh
     quarantined norm never enters), and one island of two (or a minority) can never raise a lower
     median — it can only lower it, which shrinks what the others may push (training slows) but never
     lets a large push in. Honest pushes are untouched while they stay within K x the others' (the
-    demo's runs peak near 1.5: bench/hostile.py --poison prints `max_norm_ratio`); an island whose
+    demo's runs peak near 1.5: soak/hostile.py --poison prints `max_norm_ratio`); an island whose
     pushes are honestly more than K x larger (more than K x faster, say) is quarantined: raise K or
     turn the bound off (`--push-norm-factor off`). When *every* push of an attempt (two or more) exceeds
     the history's limit, the history is stale (islands that trained unsynced through a broker outage

@@ -34,7 +34,7 @@ class RoundRules(Part):
             self.machine.pushes.complete(r, now)
             return
         # Quorum out of reach (pushes refused as stale after a broker restart, a member gone): waiting for
-        # the deadline only wastes a quorum timeout (60 s per such round was measured by bench/chaos.py).
+        # the deadline only wastes a quorum timeout (60 s per such round was measured by soak/chaos.py).
         # Restart soon instead, leaving a moment for the re-broadcast that the refusals triggered to land
         # before the new pull (islands apply broadcasts before answering pulls). Re-judged at every event:
         # a member that comes back makes the attempt hopeful again.

@@ -1,4 +1,4 @@
-"""docs/design.md §9: `bench/hostile.py --poison all` as a test — with the syncer's default flags, a
+"""docs/design.md §9: `soak/hostile.py --poison all` as a test — with the syncer's default flags, a
 2-island run (the session's nats-server, the real `yeto syncer`, islands a and b as `python -m yeto.learner.demo`)
 whose island a is compromised (learner/demo.py's YETO_DEMO_POISON: +50 on every pushed value, NaN pushes,
 5 x its delta's norm, a 2^53-1 token claim) ends with a final eval loss within 10 x of a clean run's, run
@@ -23,7 +23,7 @@ LINE = re.compile(r"poison kind=(\w+) clean=(\S+) poisoned=(\S+) ratio=(\S+) qua
 
 
 def test_a_compromised_island_is_bounded_by_the_default_flags(nats_url, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hostile.py"), "--poison", "all", "--rounds", "24",
+    proc = subprocess.run([sys.executable, str(ROOT / "soak" / "hostile.py"), "--poison", "all", "--rounds", "24",
                            "--step-delay", "0.02", "--timeout", "180", "--nats", nats_url, "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=220, cwd=ROOT)
     out = proc.stdout + proc.stderr

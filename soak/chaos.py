@@ -2,7 +2,7 @@
 """Chaos soak: SIGKILL islands, the syncer and the broker at chosen moments of a real run, restart them,
 and check from what the run leaves behind that nothing was lost, doubled or torn.
 
-    python bench/chaos.py [--rounds 200] [--islands 4] [--seed 1] [--quick] [--no-baseline] [--workdir DIR]
+    python soak/chaos.py [--rounds 200] [--islands 4] [--seed 1] [--quick] [--no-baseline] [--workdir DIR]
 
 Everything is a real process: the embedded nats-server (services.broker.Broker, own port and store
 dir), the syncer (`python -m yeto.services.cli syncer`, restarted with `--resume`), and N islands
@@ -55,15 +55,12 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,283 +69,17 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import orjson  # noqa: E402
 
+from yeto.services.run_harness import clean_env, read_tape  # noqa: E402
+
+# the run's processes: soak/chaos_procs.py, beside this script (its directory is on sys.path)
+from chaos_procs import BrokerChild, Child, IslandChild, group_members, log  # noqa: E402,F401  (group_members: tests)
+from chaos_checks import Kill, Watch, score_dir, verdict  # noqa: E402
+
 MID_KINDS = ("island-after-pull", "island-mid-push", "syncer-mid-merge", "syncer-mid-broadcast",
              "broker-mid-broadcast", "broker-mid-push")
 START_KINDS = ("island-init",)
 END_KINDS = ("syncer-final", "island-final")
 ALL_KINDS = START_KINDS + MID_KINDS + END_KINDS
-
-# The islands fail fast instead of waiting out production defaults when a run goes wrong; reconnects
-# are quick and patient enough to outlast a broker restart.
-ISLAND_ENV = {
-    "YETO_SESSION_TIMEOUT": "120", "YETO_LOCKSTEP_TIMEOUT": "120", "YETO_FINAL_TIMEOUT": "120",
-    "YETO_SHUTDOWN_TIMEOUT": "30", "YETO_INIT_V0_TIMEOUT": "120", "YETO_PUSH_TIMEOUT": "30",
-    "YETO_PROGRESS": "0", "YETO_RECONNECT_WAIT_S": "0.5", "YETO_MAX_RECONNECTS": "600",
-}
-
-
-def log(t0: float, msg: str) -> None:
-    print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, read from /proc: a zombie still answers
-    kill(pid, 0), and nobody may reap the orphaned ranks of a killed island in a container."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
-            out.append(int(d))
-    return out
-
-
-class Child:
-    """One process group we started: an island (all ranks), the syncer, or nats-server."""
-
-    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.name, self.cmd, self.log_path, self.env = name, cmd, log_path, env
-        self.proc: subprocess.Popen | None = None
-        self.killed = False
-
-    def start(self) -> "Child":
-        self._logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
-                                     start_new_session=True)
-        return self
-
-    @property
-    def pgid(self) -> int:
-        return self.proc.pid
-
-    def sigkill(self) -> None:
-        self.killed = True
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def reap(self) -> int | None:
-        return self.proc.poll()
-
-    def left(self) -> list[int]:
-        return group_members(self.pgid)
-
-    def clear(self) -> None:
-        """Whatever of the group still runs dies now (cleanup only; `left` is read before)."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._logf.close()
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-
-class IslandChild(Child):
-    def __init__(self, url: str, run: str, island: str, work: Path, tag: str, ranks: int, step_delay: float,
-                 restarted: bool):
-        self.island, self.tag, self.ranks = island, tag, ranks
-        self.steplog = work / f"steplog-{tag}.jsonl"
-        self.out = work / f"island-{tag}.safetensors"
-        env = clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island, YETO_DILOCO_STEP_LOG=str(self.steplog),
-                        **ISLAND_ENV)
-        if restarted:  # a restarted island installs the current cut before its first step
-            env["YETO_DILOCO_INITIAL_CUT_TIMEOUT"] = "30"
-        cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
-               "--step-delay", str(step_delay), "--out", str(self.out)]
-        super().__init__(f"island-{tag}", cmd, work / f"island-{tag}.log", env)
-
-    def result(self) -> dict | None:
-        for line in self.output().splitlines():
-            i = line.find("RESULT {")
-            if i >= 0:
-                return json.JSONDecoder().raw_decode(line, i + len("RESULT "))[0]
-        return None
-
-    def rows(self) -> list[dict]:
-        if not self.steplog.exists():
-            return []
-        rows = []
-        for line in self.steplog.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a torn last line (SIGKILL mid-write)
-                continue
-        return rows
-
-
-class BrokerChild:
-    """The broker: one nats-server, or with `--cluster N` N of them joined by routes (services.broker.Cluster).
-
-    One server: a kill is SIGKILL, a restart reuses its port and store. A cluster: a kill takes down one
-    node (the leader of the stream the moment is about, when known: the PUSH stream's for broker-mid-push,
-    BCAST's for broker-mid-broadcast), the restart brings that node back with its store; clients hold
-    the whole URL list and ride over to a live node.
-    """
-
-    def __init__(self, work: Path, port: int, cluster: int = 0):
-        self.store, self.port, self.log_path = work / "jetstream", port, work / "nats-server.log"
-        self.cluster_n = cluster
-        self.broker = None
-        self.cluster = None
-        self.dead: int | None = None      # the cluster node killed last (restarted by `start`)
-        self.leaders: dict[str, str] = {}  # stream kind -> leader server name, polled by the monitor
-        self.pgids: list[int] = []
-
-    def start(self) -> None:
-        from yeto.services.broker import Broker, Cluster
-
-        if self.cluster_n:
-            if self.cluster is None:
-                self.cluster = Cluster(self.cluster_n, self.port, self.store, log_dir=self.store.parent)
-                self.cluster.start(timeout=60)
-                self.pgids.extend(b.proc.pid for b in self.cluster.nodes)
-            elif self.dead is not None:
-                self.cluster.start_node(self.dead, timeout=60)
-                self.pgids.append(self.cluster.nodes[self.dead].proc.pid)
-                self.dead = None
-            return
-        self.broker = Broker(port=self.port, store_dir=self.store, log_file=self.log_path).start(timeout=60)
-        self.pgids.append(self.broker.proc.pid)
-
-    @property
-    def url(self) -> str:
-        return self.cluster.url if self.cluster is not None else f"nats://127.0.0.1:{self.port}"
-
-    def sigkill(self, stream: str | None = None, rng: random.Random | None = None) -> str:
-        """Kill the broker (one node of a cluster); return which server died."""
-        if self.cluster is not None:
-            leader = self.leaders.get(stream or "")
-            alive = self.cluster.alive()
-            i = self.cluster.index_of(leader) if leader else (rng or random).choice(alive)
-            if i not in alive:
-                i = (rng or random).choice(alive)
-            self.dead = i
-            proc = self.cluster.nodes[i].proc
-            name = self.cluster.server_name(i) + (f" (leader of {stream})" if leader else "")
-        else:
-            proc, name = self.broker.proc, "nats-server"
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return name
-
-    def wait_dead(self, timeout: float) -> None:
-        proc = self.cluster.nodes[self.dead].proc if self.cluster is not None else self.broker.proc
-        proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-        if self.broker is not None:
-            self.broker.stop()
-
-
-@dataclass
-class Kill:
-    kind: str
-    target: str                      # island id, "syncer" or "broker"
-    after_step: int                  # armed once this many rounds are committed (mid-run kinds)
-    restart_delay: float
-    fired_at: float | None = None
-    what: str = ""
-    on_target: bool = True
-    restarted_at: float | None = None
-    recovered_at: float | None = None
-    killed_gen: str | None = None
-    committed_at_kill: int = 0
-    victim: object = None            # the process killed (--standby: the owner then, whoever owns now)
-
-
-@dataclass
-class Watch:
-    """What the monitor has seen on `yeto.<run>.>` (live; messages published while the broker is down
-    are not seen, which only delays a trigger)."""
-    committed: int = 0
-    merges: dict = field(default_factory=lambda: defaultdict(list))        # step -> merge records
-    commits: dict = field(default_factory=lambda: defaultdict(set))        # (f, v) -> digests (tape)
-    bcast_digests: dict = field(default_factory=lambda: defaultdict(set))  # (f, v) -> version digests of its seals
-    bcast_seen: set = field(default_factory=set)                           # (f, v) with a chunk seen
-    pull_members: dict = field(default_factory=dict)                        # (step, attempt) -> n members
-    accepted: dict = field(default_factory=lambda: defaultdict(set))       # (step, attempt) -> islands
-    gens: dict = field(default_factory=dict)                                # island -> newest gen seen
-    final_seen: bool = False
-    init_seen: bool = False
-
-
-def useful_work(recs: list[dict], steplogs: list[list[dict]], fragments: int) -> tuple[int, float]:
-    """(useful island-steps, training span in seconds) of one run, from its tape and step logs.
-
-    A step is useful when it reached the model: per island process (island, gen), the steps from its
-    first complete cut (steps before it are overwritten by that cut) to the local step of its last push
-    that a committed round merged (later steps died with the process or ended under the final cut).
-    Steps taken while the syncer or the broker is down count: the next push carries them (islands never
-    wait for a round). The span runs from version 0's commit to the last merge, so both runs are
-    measured over training only, not over process start-up."""
-    accepted, merges = {}, {}
-    t_v0 = t_last = None
-    for r in recs:
-        k = r.get("kind")
-        if k == "disposition" and r.get("disposition") == "accepted":
-            accepted[(r["step"], r["attempt"], r["island"], r["gen"])] = r.get("detail", {}).get("local_step")
-        elif k == "merge":
-            merges.setdefault(r["step"], r)
-            t_last = r["t"] if t_last is None else max(t_last, r["t"])
-        elif k == "session" and r.get("reason") == "version 0 committed" and t_v0 is None:
-            t_v0 = r["t"]
-    last: dict[tuple[str, str], int] = defaultdict(int)
-    for t, m in merges.items():
-        for who in m.get("responded", []):
-            ls = accepted.get((t, m["attempt"], who["island"], who["gen"]))
-            if ls is not None:
-                last[(who["island"], who["gen"])] = max(last[(who["island"], who["gen"])], ls)
-    first: dict[tuple[str, str], int] = {}
-    for rows in steplogs:
-        for row in rows:
-            if len(row.get("versions", {})) == fragments:
-                first.setdefault((row["island"], row["gen"]), row["step"] - 1)
-                break
-    steps = sum(max(0, ls - first.get(key, 0)) for key, ls in last.items())
-    span = (t_last - t_v0) if t_v0 is not None and t_last is not None else 0.0
-    return steps, span
-
-
-def score_dir(work: Path, fragments: int) -> tuple[int, float]:
-    """useful_work() of a finished run's directory (tape.jsonl and steplog-*.jsonl)."""
-    recs = [orjson.loads(line) for line in (work / "tape.jsonl").read_bytes().splitlines() if line.strip()]
-    logs = []
-    for f in sorted(work.glob("steplog-*.jsonl")):
-        rows = []
-        for line in f.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        logs.append(rows)
-    return useful_work(recs, logs, fragments)
-
 
 class Chaos:
     def __init__(self, args, *, faults: bool, work: Path, t0: float):
@@ -721,126 +452,17 @@ class Chaos:
                 log(self.t0, f"CRASH: {syncer.name} exited {rc} without being killed:\n{tail}")
 
     async def _read_tape(self, nc) -> list[dict]:
-        from yeto.schemas import subjects as S
-
         js = nc.jetstream(timeout=10)
-        out = []
-        for _ in range(3):
+        for _ in range(3):  # the broker may have been restarted a moment ago
             try:
-                info = await js.stream_info(S.stream(self.run, "EVENTS"))
-                break
+                return await read_tape(js, self.run)
             except Exception as exc:
                 log(self.t0, f"reading the tape: {exc!r}; retrying")
                 await asyncio.sleep(2)
-        else:
-            return out
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                m = await js.get_msg(S.stream(self.run, "EVENTS"), seq=seq)
-            except Exception:
-                continue
-            out.append(orjson.loads(m.data))
-        return out
-
-    # ---- checks -----------------------------------------------------------------------------------------
+        return []
 
     def _verdict(self, recs: list[dict], wall: float, left: dict, timed_out: bool) -> dict:
-        a = self.args
-        P, T = a.fragments, a.rounds
-        merges = defaultdict(list)
-        commits = defaultdict(set)
-        accepted = {}
-        for r in recs:
-            if r.get("kind") == "merge":
-                merges[r["step"]].append(r)
-            elif r.get("kind") == "commit":
-                commits[(r["fragment"], r["version"])].add(r.get("detail", {}).get("version_digest"))
-            elif r.get("kind") == "disposition" and r.get("disposition") == "accepted":
-                accepted[(r["step"], r["attempt"], r["island"], r["gen"])] = r.get("detail", {}).get("local_step")
-        # export the checkpoint: the final cut
-        final_path = self.work / "final-cut.safetensors"
-        ex = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", self.run, "--checkpoint-dir",
-                             str(self.dirs[self.syncer.name]), "--out", str(final_path)], capture_output=True, text=True,
-                            cwd=ROOT, env=clean_env())
-        final, meta = None, {}
-        if ex.returncode == 0:
-            from safetensors import safe_open
-
-            with safe_open(str(final_path), "pt") as f:
-                final = {k: f.get_tensor(k) for k in f.keys()}
-                meta = f.metadata() or {}
-        else:
-            log(self.t0, f"export failed: {ex.stderr.strip()[-500:]}")
-        versions = {int(k): v for k, v in orjson.loads(meta.get("versions", "{}")).items()}
-        # lost: a round without its merge or commit record; versions short of T/P
-        lost_rounds, count = [], defaultdict(int)
-        for t in range(1, T + 1):
-            f = (t - 1) % P
-            count[f] += 1
-            if not merges.get(t) or (f, count[f]) not in commits:
-                lost_rounds.append(t)
-        short = sum(max(0, T // P + (1 if f < T % P else 0) - versions.get(f, 0)) for f in range(P))
-        # a round missing from the tape is usually also a version short in the cut: count each once
-        lost = max(len(lost_rounds), short)
-        # double: a round merged twice, a version with two digests (tape or BCAST)
-        double_rounds = [t for t, ms in merges.items() if len(ms) > 1]
-        double_versions = sorted({fv for fv, d in commits.items() if len(d) > 1}
-                                 | {fv for fv, d in self.watch.bcast_digests.items() if len(d) > 1})
-        double = len(double_rounds) + len(double_versions)
-        # islands: applies at most once per version, never a version that was not committed
-        bad_apply = []
-        islands_ok = {}
-        for c in (c for c in self.children if isinstance(c, IslandChild)):
-            rows = c.rows()
-            prev: dict[str, int] = {}
-            changes = applies = 0
-            why = None
-            for row in rows:
-                applies += row.get("applies", 0)
-                for fk, v in row.get("versions", {}).items():
-                    if fk in prev and v < prev[fk]:
-                        why = f"fragment {fk} went back from version {prev[fk]} to {v} at step {row['step']}"
-                    if prev.get(fk) != v:
-                        changes += 1
-                    if v > versions.get(int(fk), -1) and final is not None:
-                        why = f"fragment {fk} version {v} at step {row['step']} was never committed"
-                    prev[fk] = v
-            if c.result() is not None and rows:
-                # the last boundary installed the final cut: up to one apply per fragment, no version change
-                applies -= min(P, rows[-1].get("applies", 0))
-            if applies > changes and why is None:
-                why = f"{applies} applies for {changes} version changes (a version applied twice)"
-            if why:
-                bad_apply.append(f"{c.name}: {why}")
-        # final_equal: every island's last process saved the exported final cut, bit for bit
-        import torch
-        from safetensors.torch import load_file
-
-        final_equal = final is not None and meta.get("final") == "True"
-        for island, c in self.current.items():
-            ok = c.reap() == 0 and c.out.exists() and final is not None
-            if ok:
-                mine = load_file(str(c.out))
-                ok = sorted(mine) == sorted(final) and all(torch.equal(mine[k], v) for k, v in final.items())
-            islands_ok[island] = ok
-            final_equal = final_equal and ok
-        useful_steps, span = useful_work(recs, [c.rows() for c in self.children if isinstance(c, IslandChild)], P)
-        rec_by_kind = defaultdict(list)
-        for k in self.kills:
-            if k.fired_at is not None:
-                rec_by_kind[k.kind].append(None if k.recovered_at is None else k.recovered_at - k.fired_at)
-        return {
-            "run": self.run, "wall_s": wall, "committed": int(meta.get("committed_step", 0) or 0),
-            "kills": sum(1 for k in self.kills if k.fired_at is not None), "planned": len(self.kills),
-            "off_target": [f"{k.kind}: {k.what}" for k in self.kills if k.fired_at is not None and not k.on_target],
-            "lost": lost, "lost_rounds": lost_rounds, "short_versions": short, "double": double,
-            "double_rounds": double_rounds, "double_versions": double_versions, "bad_apply": bad_apply,
-            "final_equal": final_equal, "islands_equal": islands_ok, "left": left, "crashes": self.crashes,
-            "syncer_rcs": self.syncer_rcs, "timed_out": timed_out, "useful_steps": useful_steps,
-            "train_s": span, "goodput": useful_steps / span if span > 0 else 0.0, "recovery": dict(rec_by_kind),
-            "final_versions": versions, "pgids": {c.name: c.pgid for c in self.children} | {
-                f"nats-server-{i}": g for i, g in enumerate(self.broker.pgids)},
-        }
+        return verdict(self, recs, wall, left, timed_out)
 
 
 def _fmt_recovery(rec: dict) -> list[str]:
@@ -859,7 +481,7 @@ def _fmt_recovery(rec: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/chaos.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="soak/chaos.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=None, help="global rounds to commit (default 200; 40 with --quick)")
     p.add_argument("--islands", type=int, default=4, help="islands; island b has 2 gloo ranks (default %(default)s)")

@@ -1,4 +1,4 @@
-"""docs/design.md §14: `bench/hostile.py --quick` as a test — a real run (the session's nats-server, the real syncer,
+"""docs/design.md §14: `soak/hostile.py --quick` as a test — a real run (the session's nats-server, the real syncer,
 islands a and b as `python -m yeto.learner.demo` processes) under a seeded flood of malformed and hostile messages.
 
 The bench's last line must say: no crash, every island equal to the final cut bitwise, and exactly as many
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.soak, pytest.mark.timeout(300)]
 def test_hostile_quick_rejects_every_bad_message_and_the_run_ends_on_the_final_cut(nats_url, tmp_path):
     # Seed 6 once left both islands on an old version (a forged far-future chunk 0, overwritten before an
     # island read it; fixed in the cut reader): it includes forged chunks on the real BCAST subjects.
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hostile.py"), "--quick", "--seed", "6",
+    proc = subprocess.run([sys.executable, str(ROOT / "soak" / "hostile.py"), "--quick", "--seed", "6",
                            "--nats", nats_url, "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=280, cwd=ROOT)
     out = proc.stdout + proc.stderr
