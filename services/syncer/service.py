@@ -535,7 +535,9 @@ class SyncerService(Startup):
         f32 bytes of the fragments this syncer owns (the session must be set)."""
         if self.cfg.push_memory_bytes is not None:
             return self.cfg.push_memory_bytes
-        return auto_push_memory_bytes(sum(f.numel for f in self.cut.frags.values()))
+        budget = auto_push_memory_bytes(sum(f.numel for f in self.cut.frags.values()))
+        log.info("push memory (auto): %.0f MiB of pushes kept from intake to the merge", budget / (1 << 20))
+        return budget
 
     def _mem(self, phase: str) -> None:
         """`YETO_MEM_TRACE`: RSS and the big allocations this shell knows of (services/syncer/memtrace.py)."""
