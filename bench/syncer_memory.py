@@ -27,9 +27,14 @@ process is printed (the bench process holds the scripted islands).
 Merge time per round, per configuration, from the `merge` records of the run's EVENTS tape (each
 round's detail, measured inside the syncer that merged it): the median merge loop (`merge_s`: fetch
 pushes, outer step, pack + hash of the new version) and the median commit path (merge loop +
-checkpoint files + state KV commit record + broadcast), and the wall time of the rounds (first pull to
+checkpoint files + state KV commit record + broadcast), the push chunks the merges took from memory
+(kept at intake, `--push-memory-mib`) and read back from PUSH, and the wall time of the rounds (first pull to
 the manifest at both islands) per round: with shards the rounds of different fragments merge in
 different processes, and overlap.
+
+The syncers get no YETO_* variable from the bench's environment; `--syncer-env K=V` (repeatable) gives
+them one, e.g. `--syncer-env YETO_PUSH_MEMORY_MIB=1024` or `--syncer-env YETO_MEM_TRACE=1` (its lines,
+RSS at each phase, land in the syncer logs: add `--keep`).
 
 Last line: `syncer shard_rss_ratio=<x>`: the largest shard's growth over the single syncer's (ideal
 1/N = 0.25 for 4 shards; the goal is <= 0.35).
