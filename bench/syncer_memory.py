@@ -2,6 +2,7 @@
 """Syncer memory benchmark: one syncer vs N syncer shards on the same run shape (docs/design.md §10).
 
     python bench/syncer_memory.py [--size-mib 1024] [--rounds 8] [--shards 4] [--chunk-mib 1] [--keep]
+                                  [--syncer-env K=V ...]
 
 One invocation runs the same workload twice against one embedded nats-server (or `--nats`), one after
 the other (never both at once, so neither shares the CPU or the page cache with the other):
@@ -26,9 +27,14 @@ process is printed (the bench process holds the scripted islands).
 Merge time per round, per configuration, from the `merge` records of the run's EVENTS tape (each
 round's detail, measured inside the syncer that merged it): the median merge loop (`merge_s`: fetch
 pushes, outer step, pack + hash of the new version) and the median commit path (merge loop +
-checkpoint files + state KV commit record + broadcast), and the wall time of the rounds (first pull to
+checkpoint files + state KV commit record + broadcast), the push chunks the merges took from memory
+(kept at intake, `--push-memory-mib`) and read back from PUSH, and the wall time of the rounds (first pull to
 the manifest at both islands) per round: with shards the rounds of different fragments merge in
 different processes, and overlap.
+
+The syncers get no YETO_* variable from the bench's environment; `--syncer-env K=V` (repeatable) gives
+them one, e.g. `--syncer-env YETO_PUSH_MEMORY_MIB=1024` or `--syncer-env YETO_MEM_TRACE=1` (its lines,
+RSS at each phase, land in the syncer logs: add `--keep`).
 
 Last line: `syncer shard_rss_ratio=<x>`: the largest shard's growth over the single syncer's (ideal
 1/N = 0.25 for 4 shards; the goal is <= 0.35).
@@ -70,6 +76,14 @@ def layout_for(size_mib: float) -> list[dict]:
     return [{"name": f"layers.{i}.w", "shape": [rows, COLS], "dtype": "float32"} for i in range(TENSORS)]
 
 
+def env_pair(text: str) -> tuple[str, str]:
+    """`--syncer-env K=V` -> (K, V)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or not key.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return key, value
+
+
 def growth(peak: int, baseline: int) -> int:
     return max(0, peak - baseline)
 
@@ -91,7 +105,10 @@ def merge_figures(merges: list[dict]) -> dict:
     loop = [float(m["detail"]["merge_s"]) for m in merges]
     path = [float(m["detail"]["merge_s"]) + sum(float(m["detail"].get(k, 0.0)) for k in
                                                  ("checkpoint_s", "commit_kv_s", "broadcast_s")) for m in merges]
-    return {"merge_loop": statistics.median(loop), "commit_path": statistics.median(path), "rounds": len(merges)}
+    return {"merge_loop": statistics.median(loop), "commit_path": statistics.median(path), "rounds": len(merges),
+            # push chunks the merges took from memory (kept at intake) and read back from PUSH
+            "held": sum(int(m["detail"].get("push_chunks_held", 0)) for m in merges),
+            "read": sum(int(m["detail"].get("push_chunks_read", 0)) for m in merges)}
 
 
 # --------------------------------------------------------------------------- one configuration
@@ -128,6 +145,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: RssWatch) -> dic
     run = f"bench_shmem{n}_{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True)
     env = clean_env(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(dict(args.syncer_env))   # --syncer-env: the one way to give the syncers YETO_* variables
     names = ["syncer"] if n == 1 else [f"shard {k}" for k in range(n)]
     procs: dict[str, Child] = {}
     isls: list[ScriptedIsland] = []
@@ -235,7 +253,8 @@ def fmt_config(r: dict, rounds: int) -> str:
     return (f"[{label}] {mem}\n"
             f"[{label}] RSS growth by phase (MiB, VmRSS sampled every 0.1 s): {phases}\n"
             f"[{label}] merge per round: median merge loop {m['merge_loop']:.3f} s, median commit path "
-            f"{m['commit_path']:.3f} s ({m['rounds']} merge records); rounds wall {r['rounds_s']:.1f} s = "
+            f"{m['commit_path']:.3f} s ({m['rounds']} merge records; push chunks {m['held']} kept in memory, "
+            f"{m['read']} read back); rounds wall {r['rounds_s']:.1f} s = "
             f"{r['rounds_s'] / rounds:.2f} s per round; INIT {r['init_s']:.1f} s")
 
 
@@ -257,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=900, help="seconds one configuration's run may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
+    p.add_argument("--syncer-env", action="append", type=env_pair, default=[], metavar="K=V",
+                   help="an environment variable for every syncer this bench starts (repeatable; the bench "
+                        "strips YETO_* from its own environment for them, so this is how to set e.g. "
+                        "YETO_PUSH_MEMORY_MIB=1024 or YETO_MEM_TRACE=1, whose lines land in the syncer logs: --keep)")
     args = p.parse_args(argv)
     if args.size_mib <= 0 or args.rounds < 1 or not 2 <= args.shards <= P or args.chunk_mib <= 0:
         p.error(f"--size-mib and --chunk-mib must be > 0, --rounds >= 1, --shards in 2..{P}")

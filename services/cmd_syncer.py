@@ -44,6 +44,19 @@ def _factor_or_off(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number > 1, or 0 or off for off, got {text!r}") from None
 
 
+def _mib_or_auto(text) -> float | None:
+    """--push-memory-mib's value: MiB (a number >= 0), or "auto" (None: sized by the fragments owned)."""
+    if text is None or str(text).strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0 or auto, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0 or auto, got {text!r}")
+    return value
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "syncer", help="run the syncer of a run",
@@ -123,9 +136,11 @@ def add_parser(sub) -> None:
                         "cache right after its outer step; the commit fsyncs once), thread (the same on a writer "
                         "thread beside the merge: for hosts with idle cores), whole (all at the commit) "
                         "(env YETO_CHECKPOINT_WRITER; default %(default)s)")
-    _flag(g, "--push-memory-mib", "YETO_PUSH_MEMORY_MIB", float, 1024.0,
-          "MiB of pushes kept in memory from their arrival to their merge (first come, first kept); the merge "
-          "reads the rest back from the PUSH stream, one direct get per chunk. 0 reads every chunk back")
+    g.add_argument("--push-memory-mib", type=_mib_or_auto, default=env_value("YETO_PUSH_MEMORY_MIB", _mib_or_auto, "auto"),
+                   help="MiB of pushes kept in memory from their arrival to their merge (first come, first kept); the merge "
+                        "reads the rest back from the PUSH stream, one direct get per chunk. 0 reads every chunk back. auto: "
+                        "half the f32 bytes of the fragments this syncer owns (with --shards N, its own share), at "
+                        "least 64 and at most 1024 MiB (env YETO_PUSH_MEMORY_MIB; default auto)")
     g.add_argument("--resume", action="store_true", default=_env("YETO_RESUME", "0") == "1",
                    help="continue from the checkpoint directory and the durable consumers (env YETO_RESUME=1). "
                         "A run killed mid-round continues with the round in flight (a new attempt; a merge whose chunks "
@@ -276,10 +291,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     cfg.state_store = args.state_store
-    if not (args.push_memory_mib >= 0):
-        print(f"yeto syncer: --push-memory-mib must be a number >= 0, got {args.push_memory_mib!r}", file=sys.stderr)
-        return 2
-    cfg.push_memory_bytes = int(args.push_memory_mib * (1 << 20))
+    cfg.push_memory_bytes = None if args.push_memory_mib is None else int(args.push_memory_mib * (1 << 20))
     cover = None
     if args.cover_coordinator:
         if not mc.sharded or mc.shard == 0:

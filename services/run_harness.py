@@ -35,10 +35,14 @@ class ChildFailed(RuntimeError):
     """A child exited (or not) other than expected; the message names it and ends with its log's tail."""
 
 
+HOST_ENV = ("YETO_COMPILE_CACHE",)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """os.environ without any YETO_* variable of the caller's shell (a child reads only what it is given),
     unbuffered Python output (a log shows what a child did up to the moment it died), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    # YETO_COMPILE_CACHE is where this host keeps compiled merge loops, not a setting of the run: kept
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_") or k in HOST_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

@@ -22,7 +22,8 @@ LAST = re.compile(r"^syncer shard_rss_ratio=(?P<x>[-+0-9.eE]+|nan|inf)$")
 MEM = r"peak (?P<peak>\d+) MiB \(baseline (?P<base>\d+), growth (?P<growth>\d+)\)"
 CONFIG_MEM = re.compile(r"^\[(?P<label>1 shard|4 shards)\] (?P<rest>.*peak \d+ MiB.*)$", re.M)
 MERGE = re.compile(r"^\[(?P<label>1 shard|4 shards)\] merge per round: median merge loop (?P<loop>[0-9.]+) s, median "
-                   r"commit path (?P<path>[0-9.]+) s \((?P<n>\d+) merge records\); rounds wall [0-9.]+ s = "
+                   r"commit path (?P<path>[0-9.]+) s \((?P<n>\d+) merge records; push chunks (?P<held>\d+) kept in memory, "
+                   r"(?P<read>\d+) read back\); rounds wall [0-9.]+ s = "
                    r"(?P<per>[0-9.]+) s per round", re.M)
 PEAKS = re.compile(r"^peak RSS (?P<rest>.*); wall [0-9.]+ s", re.M)
 SUMMARY = re.compile(r"^merge time per round: 1 shard (?P<one>[0-9.]+) s .*, 4 shards (?P<four>[0-9.]+) s", re.M)
@@ -82,6 +83,8 @@ def test_syncer_memory_smoke_prints_every_process_and_the_ratio_last():
     assert set(merges) == {"1 shard", "4 shards"}, out
     for label, m in merges.items():
         assert int(m["n"]) == 4 and float(m["loop"]) > 0 and float(m["path"]) >= float(m["loop"]), (label, out)
+        # a 4 MiB model: each fragment (1 MiB) is one chunk: 4 rounds x 2 members, each chunk kept or read back once
+        assert int(m["held"]) + int(m["read"]) == 8, (label, out)
     s = SUMMARY.search(out)
     assert s and float(s["one"]) == float(merges["1 shard"]["loop"]) and float(s["four"]) == float(merges["4 shards"]["loop"])
 
@@ -117,8 +120,14 @@ def test_ratio_phases_and_merge_figures():
     series = [(0.5, 999), (1.0, 10), (1.5, 30), (2.0, 20), (3.5, 5)]
     assert bench.phase_peaks(series, [("a", 1.0), ("b", 2.0), ("c", 3.0)]) == {"a": 30, "b": 20, "c": 5}
     assert bench.phase_peaks([], [("a", 1.0)]) == {"a": 0}
-    recs = [{"detail": {"merge_s": s, "checkpoint_s": 0.1, "commit_kv_s": 0.01, "broadcast_s": 0.2}} for s in (0.5, 0.3, 0.9)]
+    recs = [{"detail": {"merge_s": s, "checkpoint_s": 0.1, "commit_kv_s": 0.01, "broadcast_s": 0.2,
+                        "push_chunks_held": 3, "push_chunks_read": 1}} for s in (0.5, 0.3, 0.9)]
     figs = bench.merge_figures(recs)
     assert figs["merge_loop"] == 0.5 and figs["commit_path"] == pytest.approx(0.81) and figs["rounds"] == 3
+    assert figs["held"] == 9 and figs["read"] == 3
+    assert bench.env_pair("YETO_MEM_TRACE=1") == ("YETO_MEM_TRACE", "1") and bench.env_pair("A=") == ("A", "")
+    for bad in ("YETO_MEM_TRACE", "=1", "A B=1"):
+        with pytest.raises(Exception, match="expected NAME=VALUE"):
+            bench.env_pair(bad)
     with pytest.raises(ValueError, match="no merge record"):
         bench.merge_figures([])

@@ -78,3 +78,16 @@ def test_every_commands_variables_are_reported_by_that_command_alone():
     # the flag given wins over its broken variable
     proc = _yeto("broker", "--port", "4222", "--cluster", "-1", YETO_BROKER_PORT="abc")
     assert proc.returncode == 2 and "--cluster must be 0" in proc.stderr, proc.stderr
+
+
+def test_push_memory_is_auto_by_default_a_number_when_given_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.delenv("YETO_PUSH_MEMORY_MIB", raising=False)
+    args = build_parser().parse_args(["syncer", "--run", "r"])
+    assert args.push_memory_mib is None                               # auto: sized by the fragments owned
+    assert build_parser().parse_args(["syncer", "--run", "r", "--push-memory-mib", "0"]).push_memory_mib == 0.0
+    assert build_parser().parse_args(["syncer", "--run", "r", "--push-memory-mib", "AUTO"]).push_memory_mib is None
+    monkeypatch.setenv("YETO_PUSH_MEMORY_MIB", "512")
+    assert build_parser().parse_args(["syncer", "--run", "r"]).push_memory_mib == 512.0
+    monkeypatch.setenv("YETO_PUSH_MEMORY_MIB", "-3")
+    bad = bad_env_values(build_parser().parse_args(["syncer", "--run", "r"]))
+    assert len(bad) == 1 and "YETO_PUSH_MEMORY_MIB='-3'" in bad[0] and "or auto" in bad[0], bad

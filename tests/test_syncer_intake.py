@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yeto.schemas.chunks import push_digest
-from yeto.services.syncer.intake import PushLedger, PushTry, key_of
+from yeto.services.syncer.intake import PushLedger, PushTry, auto_push_memory_bytes, key_of
 
 
 def chunk(i: int, *, island="a", gen="g1", fragment=0, step=1, attempt=1, try_=0, chunks=3) -> dict:
@@ -343,3 +343,16 @@ def test_an_invalid_or_released_try_holds_nothing_and_no_budget_keeps_nothing():
     assert t.held == {} and none.take(t, 0) is None and none.held_bytes == 0
     with pytest.raises(ValueError, match="hold_bytes must be >= 0, got -1"):
         PushLedger(hold_bytes=-1)
+
+
+def test_auto_push_memory_is_half_the_own_fragments_f32_bytes_within_its_floor_and_cap():
+    MiB = 1 << 20
+    # 1 GiB of f32 parameters (256 Mi of them): one syncer owns all, each of 4 shards one 256 MiB fragment
+    assert auto_push_memory_bytes(256 * MiB) == 512 * MiB            # 1 syncer: 1 GiB / 2
+    assert auto_push_memory_bytes(64 * MiB) == 128 * MiB             # a shard of 4: 256 MiB / 2
+    assert auto_push_memory_bytes(2 * 64 * MiB) == 256 * MiB         # a shard owning two such fragments
+    assert auto_push_memory_bytes(1000) == 64 * MiB                  # a small model: every push kept
+    assert auto_push_memory_bytes(0) == 64 * MiB
+    assert auto_push_memory_bytes(16 * 1024 * MiB) == 1024 * MiB     # 64 GiB of f32: capped
+    with pytest.raises(ValueError, match="own_numel must be >= 0"):
+        auto_push_memory_bytes(-1)

@@ -22,6 +22,21 @@ from yeto.schemas.chunks import push_digest
 
 PushKey = tuple  # (island, gen, fragment, step, attempt, try)
 
+# `yeto syncer --push-memory-mib auto` (the default): the pushes kept from intake to the merge are sized
+# by the fragments this syncer owns, so N shards divide this memory as they divide the fragments
+# (docs/design.md §10): 1/PUSH_MEMORY_AUTO_SHARE of their f32 bytes (half), never under
+# PUSH_MEMORY_AUTO_MIN (a small model keeps every push) and never over PUSH_MEMORY_AUTO_MAX.
+PUSH_MEMORY_AUTO_SHARE = 2
+PUSH_MEMORY_AUTO_MIN = 64 << 20
+PUSH_MEMORY_AUTO_MAX = 1024 << 20
+
+
+def auto_push_memory_bytes(own_numel: int) -> int:
+    """`--push-memory-mib auto`: the push bytes kept in memory for a syncer owning `own_numel` parameters."""
+    if own_numel < 0:
+        raise ValueError(f"own_numel must be >= 0, got {own_numel!r}")
+    return int(min(PUSH_MEMORY_AUTO_MAX, max(PUSH_MEMORY_AUTO_MIN, own_numel * 4 // PUSH_MEMORY_AUTO_SHARE)))
+
 
 @dataclass
 class PushTry:

@@ -40,7 +40,7 @@ from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
 
-INIT_PENDING_BYTES = 64 << 20   # INIT chunk bytes waiting for the machine's InitStore/InitDrop before intake pauses
+INIT_PENDING_BYTES = 16 << 20   # INIT chunk bytes waiting for the machine's InitStore/InitDrop before intake pauses
 DELETE_IN_FLIGHT = 32          # refused push chunks deleted at once (off intake's path)
 INIT_ROOM_WAIT_S = 5.0          # the longest one chunk waits for room (well under the INIT consumer's 60 s ack wait)
 

@@ -54,9 +54,10 @@ from yeto.services.syncer import rounds as R
 from yeto.services.syncer.checkpoint import CheckpointDir
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
 from yeto.services.syncer.event_queue import EventQueue
-from yeto.services.syncer.intake import PushLedger
+from yeto.services.syncer.intake import PushLedger, auto_push_memory_bytes
 from yeto.services.syncer.lease import DEFAULT_TTL_S, Fenced, RunLease
 from yeto.services.syncer.shard_watch import ShardWatch
+from yeto.services.syncer import memtrace
 from yeto.services.syncer.merge import Merger
 from yeto.services.syncer.receive import Receiver
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
@@ -68,6 +69,10 @@ log = logging.getLogger("yeto.syncer")
 
 FETCH_BATCH = 64            # messages per fetch; chunk payloads <= 8 MiB keeps a batch well under 32 MiB (docs/design.md §15.4)
 PUSH_FETCH_BATCH = 8
+# INIT chunks per fetch: a fetched batch sits in the client beside the bytes waiting for the machine
+# (receive.INIT_PENDING_BYTES), so with 1 MiB chunks 64 of them were a fixed 64 MiB more per process
+# during INIT (docs/design.md §10)
+INIT_FETCH_BATCH = 8
 MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's next wake-up is already past
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
 
@@ -104,8 +109,9 @@ class ServiceConfig:
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
     broadcast: str = "cut-through"
     ckpt_writer: str = "inline"
-    # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes)
-    push_memory_bytes: int = 1024 << 20
+    # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes);
+    # None = auto, sized by this syncer's own fragments once the session is known (intake.auto_push_memory_bytes)
+    push_memory_bytes: int | None = None
     # `--cover-coordinator`'s standby for shard 0: never takes a lease nobody held, only one that lapsed
     # (started before the coordinator, it would otherwise become it, on the wrong host)
     standby_only: bool = False
@@ -118,7 +124,7 @@ class SyncerService(Startup):
         self.counters: Counter = Counter()
         self.machine: R.RoundMachine | None = None
         self.ckpt = CheckpointDir(cfg.checkpoint_dir)
-        self.ledger = PushLedger(hold_bytes=cfg.push_memory_bytes)
+        self.ledger = PushLedger(hold_bytes=cfg.push_memory_bytes or 0)   # auto: set with the session
         # Built once connected: the tape writer, the global model (cut), then intake and merge.
         self.tape: TapeWriter | None = None
         self.cut: Cut | None = None
@@ -153,6 +159,7 @@ class SyncerService(Startup):
     # ---- lifecycle --------------------------------------------------------------------------------
 
     async def run(self) -> int:
+        memtrace.start()
         try:
             return await self._run()
         except Fenced as exc:
@@ -234,7 +241,7 @@ class SyncerService(Startup):
             ready = None if mc.coordinator else (lambda: self.cut.session is not None)
             self._tasks += [
                 asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
-                                               rx.on_init, FETCH_BATCH, ready=ready)),
+                                               rx.on_init, INIT_FETCH_BATCH, ready=ready)),
                 asyncio.create_task(rx.consume("PUSH", SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
                                                rx.on_push, PUSH_FETCH_BATCH, ready=ready)),
             ]
@@ -439,8 +446,10 @@ class SyncerService(Startup):
         await self._guard()   # a deposed owner carries out nothing (lease.py)
         if isinstance(a, R.WriteSession):
             self.cut.set_session(a.session)
+            self.ledger.hold_bytes = self.push_budget()
             await asyncio.to_thread(self.ckpt.write_session, a.session)
             await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
+            self._mem("session pinned")
             log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                      len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
             if self.merger is not None:   # else the prewarm after its creation covers it
@@ -448,7 +457,9 @@ class SyncerService(Startup):
         elif isinstance(a, R.AdoptSession):
             # A follower takes the session the coordinator pinned (the state KV already holds it).
             self.cut.set_session(a.session)
+            self.ledger.hold_bytes = self.push_budget()
             await asyncio.to_thread(self.ckpt.write_session, a.session)
+            self._mem("session adopted")
             log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
                      len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
             if self.merger is not None:   # else the prewarm after its creation covers it
@@ -480,6 +491,8 @@ class SyncerService(Startup):
                 log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
         elif isinstance(a, R.InitStore):
             self.receiver.store_init(a)
+            if a.chunk == 0:
+                self._mem(f"INIT fragment {a.fragment} begins")
         elif isinstance(a, R.InitDrop):
             self.receiver.drop_init(a)
         elif isinstance(a, R.Release):
@@ -523,21 +536,47 @@ class SyncerService(Startup):
 
     # Long actions run as tasks and feed their completion back as an event (intake never stops).
 
+    def push_budget(self) -> int:
+        """The push bytes kept from intake to the merge: `--push-memory-mib`, or with `auto` a share of the
+        f32 bytes of the fragments this syncer owns (the session must be set)."""
+        if self.cfg.push_memory_bytes is not None:
+            return self.cfg.push_memory_bytes
+        budget = auto_push_memory_bytes(sum(f.numel for f in self.cut.frags.values()))
+        log.info("push memory (auto): %.0f MiB of pushes kept from intake to the merge", budget / (1 << 20))
+        return budget
+
+    def _mem(self, phase: str) -> None:
+        """`YETO_MEM_TRACE`: RSS and the big allocations this shell knows of (services/syncer/memtrace.py)."""
+        if not memtrace.enabled():
+            return
+        frags = self.cut.frags.values() if self.cut is not None else ()
+        memtrace.mark(phase, fragments=sum(f.params.numel() * 8 for f in frags if f.params is not None),
+                      pushes_held=self.ledger.held_bytes,
+                      init_pending=self.receiver.init_pending_bytes if self.receiver is not None else 0)
+
     async def _merge(self, a: R.Merge) -> None:
+        self._mem(f"merge step {a.step} begins")
         done, seqs = await self.merger.merge(a)
+        self._mem(f"merge step {a.step} committed")
         await self.queue.put(done)
         await self.merger.cleanup(a.fragment, seqs)
 
     async def _commit_v0(self, a: R.CommitV0) -> None:
+        self._mem("INIT in, version 0 begins")
         await self.cut.commit_v0(a, self._attempts_seen)
+        self._mem("version 0 committed")
         await self.queue.put(R.V0Done(now=time.time()))
 
     async def _publish_shard_final(self, a: R.PublishShardFinal) -> None:
+        self._mem("final cut begins")
         await self.cut.publish_shard_final(a)
+        self._mem("final cut published")
         await self.queue.put(R.FinalPublished(now=time.time()))
 
     async def _publish_final(self, a: R.PublishFinal) -> None:
+        self._mem("final cut begins")
         await self.cut.publish_final(a)
+        self._mem("final cut published")
         await self.queue.put(R.FinalPublished(now=time.time()))
 
     async def _write_pulls_record(self) -> None:

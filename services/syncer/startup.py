@@ -213,7 +213,7 @@ class Startup:
                     f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
                     f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
             self.cut.set_session(session)
-            self.ledger = PushLedger(committed_step=state.committed_step, hold_bytes=self.cfg.push_memory_bytes)
+            self.ledger = PushLedger(committed_step=state.committed_step, hold_bytes=self.push_budget())
             for fid, fr in self.cut.frags.items():
                 try:
                     fr.params, fr.momentum = self.ckpt.load_fragment(fid, state.versions[fid], fr.numel)
