@@ -11,6 +11,7 @@ import torch
 from yeto.schemas import subjects as S
 from yeto.schemas.provision import remove_run
 from tests.scripted import ROOT, Reference, ScriptedIsland, SyncerProc, tape, tiny_layout
+from yeto.services.run_harness import wait_provisioned
 
 LR, MU = 0.7, 0.9
 
@@ -24,21 +25,10 @@ async def _islands(nats_url, run, names, layout=None):
     return out
 
 
-async def _wait_provisioned(js, run, timeout=20):
-    for _ in range(int(timeout * 10)):
-        try:
-            await js.stream_info(S.stream(run, "CTL"))
-            await js.key_value(S.kv_bucket(run, "state"))
-            return
-        except Exception:
-            await asyncio.sleep(0.1)
-    raise TimeoutError("run never provisioned")
-
-
 async def _setup(nats_url, run, names, tmp_path, *syncer_args, layout=None):
     syncer = SyncerProc(nats_url, run, tmp_path / "ckpt", *syncer_args).start()
     isls = await _islands(nats_url, run, names, layout)
-    await _wait_provisioned(isls[0].js, run)
+    await wait_provisioned(isls[0].js, run, timeout=20)
     for isl in isls:
         await isl.connect_consumer()
     for isl in isls:
