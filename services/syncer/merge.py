@@ -35,7 +35,8 @@ from yeto.services.syncer.tape import TapeWriter
 log = logging.getLogger("yeto.syncer")
 # `yeto syncer --checkpoint-writer`: where the merge writes the new version's checkpoint files: "inline"
 # (in the outer step's thread hop, right after it), "thread" (a writer thread of its own beside the
-# merge) or "whole" (not streamed: the commit writes them whole). See bench/README.md.
+# merge) or "whole" (not streamed: the commit writes them whole). Measured with bench/round.py
+# `--checkpoint-writer` (the comparison is in bench/README.md's git history): inline is the default.
 CKPT_WRITERS = ("inline", "thread", "whole")
 # `yeto syncer --broadcast`: when a new version's chunks go to BCAST. "cut-through": each as soon as it is
 # merged; "with-commit": all after the merge loop, while the version is made durable (the checkpoint's

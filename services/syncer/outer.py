@@ -29,8 +29,8 @@ bit):
 - `sync`: the same, but the merge waits for the compile instead of starting on the twin.
 - `0`: eager torch ops, the SGD form op for op (`add_(x, alpha=a)`: a fused multiply-add on CPU),
   ~M+4 passes over a chunk, in cache for 1 MiB chunks; differs from the fused loop by at most a
-  rounding per op. The default until measured slower than the compiled loop (bench/README.md,
-  bench/merge.py: ~0.5 of a plain in-place add against ~0.65-0.75 once the per-call overhead was cut).
+  rounding per op. The default until measured slower than the compiled loop (bench/merge.py, figures
+  in bench/README.md: 0.39 of a plain in-place add against 0.81-0.83 for the compiled loop).
 
 `delta_view` decodes a push chunk's wire bytes for the merge without a copy (f32 and bf16 are read in
 place; outer_step_ upcasts bf16 exactly): copying every chunk into fresh memory cost more than the
@@ -460,8 +460,8 @@ def _loop_source() -> str:
 
 def _build_aoti(numel: int, dtypes: tuple[str, ...], package_path: str | None = None) -> Callable:
     """The loop exported and compiled ahead of time (AOTInductor): the cheapest call measured (no
-    dynamo frame, guards or autograd wrappers: bench/README.md, ~0.1 of a plain add better than
-    torch.compile at 1 MiB chunks). It checks nothing about its inputs at run time, so OuterStep calls
+    dynamo frame, guards or autograd wrappers: measured ~0.1 of a plain add better than torch.compile
+    at 1 MiB chunks with bench/merge.py; that comparison is in bench/README.md's git history). It checks nothing about its inputs at run time, so OuterStep calls
     it only for contiguous CPU chunks of exactly `numel` values and the compiled dtypes. The package is
     written to `package_path` when given (compile_cache.py keeps it once checked)."""
     import torch._inductor.config as inductor_config
