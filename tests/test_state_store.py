@@ -135,3 +135,33 @@ async def test_a_standby_keeps_the_cut_warm_and_a_takeover_fetches_only_what_is_
         got_p, got_m = ckpt.load_fragment(fid, v, p.numel())
         assert torch.equal(got_p, p) and torch.equal(got_m, m)
     assert not (warm.path / "frag-0-v1.params").exists()   # moved, not copied
+
+
+async def test_a_torn_save_then_other_bytes_for_the_same_version_restores_the_second(store, run_id, tmp_path):
+    """A save torn by a crash put some chunks of version 1; the version could not be redone, so its round ran
+    again and gave version 1 other bytes. The second save puts the same keys: a restore must get its bytes
+    (per-save Nats-Msg-Ids; with one id per key JetStream's duplicate window kept the first bytes)."""
+    st, kv = store
+    v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
+    calls = 0
+
+    async def dies_after_a_few_chunks():
+        nonlocal calls
+        calls += 1
+        if calls > 5:
+            raise RuntimeError("killed")
+
+    torn = _frag(7, 1000)
+    st.guard = dies_after_a_few_chunks
+    with pytest.raises(RuntimeError, match="killed"):
+        await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: torn}, {0: 0})
+    st.guard = _none
+    again = _frag(8, 1000)
+    await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: again}, {0: 0})
+    other_host = CheckpointDir(tmp_path / "standby")
+    state = await st.restore_into(other_host, SESSION, {0: 1000, 1: 37})
+    assert state.versions == {0: 1, 1: 0}
+    got_p, got_m = other_host.load_fragment(0, 1, 1000)
+    assert torch.equal(got_p, again[0]) and torch.equal(got_m, again[1])
+    assert not torch.equal(got_p[:64], torn[0][:64])   # the torn save did reach the first chunks

@@ -75,7 +75,9 @@ async def _owner_first(js, run, one, two):
 @pytest.mark.timeout(240)
 async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_finishes(nc, nats_url, run_id, tmp_path):
     js = nc.jetstream()
-    rounds = 24
+    # 60 rounds of 0.1 s steps: the run must still be going when the odd syncer below has started (a few
+    # seconds of imports under load); with 24 it had sometimes finished, and a finished run is "nothing to do"
+    rounds = 60
     first = _syncer(nats_url, run_id, tmp_path / "s1", rounds, tmp_path / "s1.log").start()
     await asyncio.sleep(1.0)
     second = _syncer(nats_url, run_id, tmp_path / "s2", rounds, tmp_path / "s2.log").start()

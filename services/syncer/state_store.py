@@ -85,6 +85,10 @@ class StateStore:
         Returns the seconds it took (the commit's `state_store_s`)."""
         t0 = time.perf_counter()
         pipe = Pipeline(self.js, timeout=10.0, counters=self.counters)
+        # Per save in the Nats-Msg-Id: a save torn by a crash and a later save that gives the same version
+        # other bytes (its merge could not be redone, so the round ran again) put the same keys, and
+        # JetStream's duplicate window would otherwise drop the second put and keep the first bytes.
+        attempt = time.time_ns()
         for fid, (params, momentum) in sorted(frags.items()):
             v = state.versions[fid]
             for kind, t in (("p", params), ("m", momentum)):
@@ -92,7 +96,7 @@ class StateStore:
                     await self.guard()
                     key = self.key(f"f{fid}", f"v{v}", kind, k)
                     await pipe.put(S.kv_key(self.run_id, "ckpt", key), piece.contiguous().view(torch.uint8).numpy(),
-                                   f"kv.state.{key}")
+                                   f"kv.state.{key}.{attempt}")
                     self.counters["state_store.chunks"] += 1
         await pipe.flush()
         await self.save_manifest(state)
