@@ -353,18 +353,14 @@ class Hostile:
             buf = os.urandom(16)
             meta = self.init_meta(rnd.choice([isl] + [i for i in ISLANDS if i != self.init_island]), gen, f, 0, buf)
             return Unit(cat, [Msg(S.init(run, f), buf, {codec.CHUNK_HEADER: orjson.dumps(meta).decode()})])
-        if cat == "init_bad_digest":
+        if cat in ("init_bad_digest", "init_unknown_gen"):
+            # a well-formed first INIT chunk from the INIT island; bad_digest then lies about its digest
             f = rnd.randrange(len(self.frags))
             span = chunk_plan(self.frags[f], self.bulk_dtype, self.cb)[0]
             buf = pack(torch.randn(span.elem_count), self.bulk_dtype).numpy().tobytes()
             meta = self.init_meta(self.init_island, gen, f, 0, buf, span=span)
-            meta["digest"] = "%016x" % rnd.getrandbits(64)
-            return Unit(cat, [Msg(S.init(run, f), buf, {codec.CHUNK_HEADER: orjson.dumps(meta).decode()})])
-        if cat == "init_unknown_gen":
-            f = rnd.randrange(len(self.frags))
-            span = chunk_plan(self.frags[f], self.bulk_dtype, self.cb)[0]
-            buf = pack(torch.randn(span.elem_count), self.bulk_dtype).numpy().tobytes()
-            meta = self.init_meta(self.init_island, gen, f, 0, buf, span=span)
+            if cat == "init_bad_digest":
+                meta["digest"] = "%016x" % rnd.getrandbits(64)
             return Unit(cat, [Msg(S.init(run, f), buf, {codec.CHUNK_HEADER: orjson.dumps(meta).decode()})])
         # ---- towards the islands
         if cat == "pull_bad_json":

@@ -353,7 +353,7 @@ def test_a_second_start_loads_the_checked_loop_and_a_damaged_one_is_rebuilt(monk
         time.sleep(0.5)
     kept = sorted(tmp_path.glob("*.pt2"))
     logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
-    if not kept and ("no compiled loop" in logs or "Error" in logs):
+    if not kept and "no compiled loop" in logs:   # the builder's own verdict: neither way compiles here
         pytest.skip(f"no compiled loop here (no C++ compiler?): {logs[-500:]}")
     assert len(kept) == 1 and ".tmp" not in kept[0].name, (sorted(tmp_path.iterdir()), logs[-2000:])
     assert "built with AOTInductor" in logs and not list(tmp_path.glob("*.lock")), logs[-2000:]

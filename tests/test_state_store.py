@@ -27,6 +27,19 @@ def _frag(seed, n):
     return torch.randn(n, generator=g), torch.randn(n, generator=g)
 
 
+def _dies_after_chunks(n):
+    """A lease guard that lets `n` chunk puts through and then raises, as a kill mid-save would stop it."""
+    calls = 0
+
+    async def guard():
+        nonlocal calls
+        calls += 1
+        if calls > n:
+            raise RuntimeError("killed")
+
+    return guard
+
+
 @pytest.fixture
 async def store(nc, run_id):
     js = nc.jetstream(timeout=10)
@@ -62,15 +75,7 @@ async def test_a_save_torn_before_its_manifest_restores_the_previous_version(sto
     v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
     await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
 
-    calls = 0
-
-    async def dies_after_a_few_chunks():
-        nonlocal calls
-        calls += 1
-        if calls > 5:
-            raise RuntimeError("killed")
-
-    st.guard = dies_after_a_few_chunks
+    st.guard = _dies_after_chunks(5)
     with pytest.raises(RuntimeError, match="killed"):
         await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: _frag(9, 1000)}, {0: 0})
     st.guard = _none
@@ -144,16 +149,8 @@ async def test_a_torn_save_then_other_bytes_for_the_same_version_restores_the_se
     st, kv = store
     v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
     await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
-    calls = 0
-
-    async def dies_after_a_few_chunks():
-        nonlocal calls
-        calls += 1
-        if calls > 5:
-            raise RuntimeError("killed")
-
     torn = _frag(7, 1000)
-    st.guard = dies_after_a_few_chunks
+    st.guard = _dies_after_chunks(5)
     with pytest.raises(RuntimeError, match="killed"):
         await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: torn}, {0: 0})
     st.guard = _none

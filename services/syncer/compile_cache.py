@@ -17,6 +17,7 @@ temporary file and renames it into place, and any complete file is a valid one.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -38,6 +39,7 @@ def cache_dir() -> str | None:
     return os.path.join(base, "yeto", "outer")
 
 
+@functools.lru_cache(maxsize=1)   # read once: a merge looks up its package path every time it prepares
 def _cpu_fingerprint() -> str:
     # torch's own view of the ISA it dispatches to, plus the kernel's list of CPU flags: two hosts that
     # share a home directory get separate packages unless their CPUs offer the same instructions.

@@ -445,25 +445,19 @@ class SyncerService(Startup):
     async def _do(self, a) -> None:
         await self._guard()   # a deposed owner carries out nothing (lease.py)
         if isinstance(a, R.WriteSession):
-            self.cut.set_session(a.session)
-            self.ledger.hold_bytes = self.push_budget()
+            self._take_session(a.session)
             await asyncio.to_thread(self.ckpt.write_session, a.session)
             await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
             self._mem("session pinned")
             log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                      len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
-            if self.merger is not None:   # else the prewarm after its creation covers it
-                self.merger.prewarm(self.cfg.machine.islands)
         elif isinstance(a, R.AdoptSession):
             # A follower takes the session the coordinator pinned (the state KV already holds it).
-            self.cut.set_session(a.session)
-            self.ledger.hold_bytes = self.push_budget()
+            self._take_session(a.session)
             await asyncio.to_thread(self.ckpt.write_session, a.session)
             self._mem("session adopted")
             log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
                      len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
-            if self.merger is not None:   # else the prewarm after its creation covers it
-                self.merger.prewarm(self.cfg.machine.islands)
         elif isinstance(a, R.PublishShardFinal):
             self._spawn(self._publish_shard_final(a))
         elif isinstance(a, R.WriteMember):
@@ -535,6 +529,14 @@ class SyncerService(Startup):
         self._tasks.append(asyncio.create_task(wrapped()))
 
     # Long actions run as tasks and feed their completion back as an event (intake never stops).
+
+    def _take_session(self, session: dict) -> None:
+        """A session pinned or adopted: this syncer's fragments, its push budget, and its merge loop started
+        (a resume does the same in Startup and after the merger exists)."""
+        self.cut.set_session(session)
+        self.ledger.hold_bytes = self.push_budget()
+        if self.merger is not None:   # else the prewarm right after its creation covers it
+            self.merger.prewarm(self.cfg.machine.islands)
 
     def push_budget(self) -> int:
         """The push bytes kept from intake to the merge: `--push-memory-mib`, or with `auto` a share of the
