@@ -81,6 +81,7 @@ from yeto.schemas.layout import layout_fingerprint
 from . import boundary_ops as O
 from .adapters import ModelAdapter
 from .anchors import AnchorStore
+from .background import SyncWorker
 from .boundary import Boundary, LockstepTimeout, Rules
 from .client import IslandClient
 from .config import IslandConfig
@@ -141,6 +142,7 @@ class Island:
         self.frags: dict[int, dict] = {}
         self.machine: Boundary | None = None  # sync rank: what to do, and when
         self.wire: IslandWire | None = None  # sync rank: reading cuts, exporting
+        self.worker: SyncWorker | None = None  # single process: reads cuts and sends pushes off the training thread
         self._rank_state: SyncState | None = None  # the other ranks' view of the versions installed
         self.local_step = 0
         self.should_stop = False
@@ -200,6 +202,7 @@ class Island:
         if self._closed:
             return
         self._closed = True
+        self._stop_worker()
         if self.client is not None:
             self.client.close()
         self.store.close()
@@ -237,8 +240,7 @@ class Island:
             c.update(self.machine.counters)
             c.update({f"pull.{k}": v for k, v in self.machine.book.counters.items()})
         if self.wire is not None:
-            c.update(self.wire.counters)
-            c.update({f"bcast.{k}": v for k, v in self.wire.reader.counters.items()})
+            c.update(self.wire.counters_now())
         if self.client is not None:
             c.update(self.client.counters)
             c["steplog_dropped"] = self.client.steplog.dropped
@@ -347,6 +349,9 @@ class Island:
             self._bar = progress_bar(len(self.frags), f"cut {cfg.island}", cfg.progress, unit="frag")
         dec = self._drive(O.Begin(time.monotonic(), final, final_error, committed))
         self.wire.take_stats()  # counted; the first step-log event counts from the first step
+        if cfg.background and self.world == 1 and not cfg.lockstep and final is None and not dec.get("stop"):
+            # From the first step on, cuts are read and pushes sent off the training thread (learner/background.py).
+            self.worker = self.wire.worker = SyncWorker(self.wire, name=f"yeto-sync-{cfg.island}")
         return dec
 
     def _check_session(self, session: dict, fp: str) -> None:
@@ -405,8 +410,11 @@ class Island:
                 return O.ManifestChecked(w.final_heads(op.fragments))
             case O.ReadBroadcasts():
                 t = time.perf_counter()
-                applied = w.read_broadcasts(self._commit)
-                w.stats.apply_s += time.perf_counter() - t
+                if self.worker is not None:
+                    applied = self.worker.take_ready(self._commit)
+                else:
+                    applied = w.read_broadcasts(self._commit)
+                w.add_time(apply_s=time.perf_counter() - t)
                 return O.BroadcastsRead(applied, now())
             case O.TakePulls():
                 return O.Pulls(c.pulls.drain())
@@ -415,15 +423,16 @@ class Island:
             case O.Push():
                 t = time.perf_counter()
                 error = w.push(op)
-                w.stats.export_s += time.perf_counter() - t
+                w.add_time(export_s=time.perf_counter() - t)
                 return O.PushHanded(error)
             case O.BeginFinal():
+                self._stop_worker()  # the final cut is read here, on the training thread
                 w.begin_final(op.final_step, op.want)
                 self._bar = progress_bar(len(op.want), f"final {self.config.island}", self.config.progress, unit="frag")
             case O.ReadFinal():
                 t = time.perf_counter()
                 completed, progressed = w.read_final(self._commit)
-                w.stats.apply_s += time.perf_counter() - t
+                w.add_time(apply_s=time.perf_counter() - t)
                 return O.FinalRead(completed, progressed, now())
             case O.Wait():
                 wait_until(lambda: w.has_input(op.on), min(op.deadline, now() + POLL_S), arrivals=c.arrivals)
@@ -440,6 +449,11 @@ class Island:
             case _:
                 raise RuntimeError(f"unknown boundary operation {op!r}")
         return None
+
+    def _stop_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = self.wire.worker = None
 
     def _commit(self, fid: int, version: int, digest: str) -> None:
         """A version read whole: the machine says how, every rank installs it."""

@@ -99,6 +99,18 @@ class RankOps:
         """op: fid, dtype (wire), purpose ("push" or "init"). On rank 0 yields (span, packed bytes)
         per chunk in order; the others yield nothing. Every rank must exhaust it (rank 0 does so even
         when it stops publishing, so the others are never left waiting in a gather)."""
+        return self.pack(op, self._values(op))
+
+    def snapshot(self, op: Mapping) -> list[tuple[ChunkSpan, torch.Tensor]]:
+        """A single process's export values as of now, unpacked (f32 per chunk: d = local − anchor,
+        q4 plus the residual): what a push must take at its boundary; `pack` may run later, on
+        another thread, while the parameters and anchors move on."""
+        if self.comm.world != 1:
+            raise RuntimeError("an export snapshot is for a single-process island (the gather is collective)")
+        return list(self._values(op))
+
+    def _values(self, op: Mapping) -> Iterator[tuple[ChunkSpan, torch.Tensor | None]]:
+        """(span, the owners' values gathered on rank 0, float32; None on the other ranks) per chunk."""
         fid, dtype, purpose = op["fid"], op["dtype"], op["purpose"]
         fm = self.maps[fid]
         reads = PieceReads(self.adapter, fm, self.rank)
@@ -116,22 +128,31 @@ class RankOps:
                 d += self.store.residual(fid, name, run.lo, run.hi)
             return d
 
-        def keep_residual(run, values):
-            self.store.stage_residual(fid, run.piece.name, run.lo, values)
-
         try:
             for s in self.spans(fid, dtype):
                 reads.advance(s.elem_offset, s.elem_count)
-                y = gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, source)
-                packed = pack(y, dtype) if y is not None else None
-                if q4:  # error feedback: r' = y − q4(y), back to the owners of each value
-                    r = y - unpack(packed, "q4", s.elem_count) if y is not None else None
-                    scatter_chunk(self.comm, fm, s.elem_offset, s.elem_count, r, keep_residual, owned=True,
-                                  purpose="gather")
-                if packed is not None:
-                    yield s, packed
+                yield s, gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, source)
         finally:
             reads.close()
+
+    def pack(self, op: Mapping, values) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
+        """Each chunk of `values` packed in the wire dtype (rank 0); q4 also hands each owner its new
+        residual r' = y − q4(y) (error feedback). Every rank exhausts it (the q4 scatter is collective)."""
+        fid, dtype = op["fid"], op["dtype"]
+        fm = self.maps[fid]
+        q4 = op["purpose"] == "push" and dtype == "q4"
+
+        def keep_residual(run, values):
+            self.store.stage_residual(fid, run.piece.name, run.lo, values)
+
+        for s, y in values:
+            packed = pack(y, dtype) if y is not None else None
+            if q4:
+                r = y - unpack(packed, "q4", s.elem_count) if y is not None else None
+                scatter_chunk(self.comm, fm, s.elem_offset, s.elem_count, r, keep_residual, owned=True,
+                              purpose="gather")
+            if packed is not None:
+                yield s, packed
 
     def residual(self, op: Mapping) -> None:
         """op: fid, keep (the push got through)."""

@@ -91,28 +91,55 @@ class IslandWire:
         self._final_step: int | None = None
         self._final_dirty: set[int] = set()
         self._final_got: set[int] = set()
+        # A single-process island's worker thread (learner.background): it reads cuts and sends pushes;
+        # versions it read whole wait in `ready` {fragment: (version, digest)} for the next boundary.
+        self.worker = None
+        self.ready: dict[int, tuple[int, str]] = {}
+        self._stats_lock = threading.Lock()   # the worker counts into the stats the boundary takes
 
     def has_input(self, kinds) -> bool:
         """Something a waiting boundary would read now: "control", "pulls", "bcast", "final" (in the
         client's inboxes), "pushes" (a push's outcome)."""
         c = self.client
         inboxes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
+        if self.worker is not None and "bcast" in kinds:
+            inboxes["bcast"] = self.ready   # the worker drains the notices; what it read whole is the news
         return any(len(inboxes[k]) for k in kinds if k in inboxes) or \
             ("pushes" in kinds and any(h.done() for _, h in self._pushing.values()))
 
     def _reject(self, what: str, exc: Exception) -> None:
-        self.stats.rejected += 1
-        self.counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
+        with self._stats_lock:
+            self.stats.rejected += 1
+            self.counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
         log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
 
     def _bytes_in(self, n: int) -> None:
-        self.stats.bytes_in += n
+        with self._stats_lock:
+            self.stats.bytes_in += n
+
+    def add_time(self, export_s: float = 0.0, apply_s: float = 0.0) -> None:
+        with self._stats_lock:
+            self.stats.export_s += export_s
+            self.stats.apply_s += apply_s
 
     def take_stats(self) -> WireStats:
         """What the wire did since the last call (counted into `counters`), for a step-log event."""
-        stats, self.stats = self.stats, WireStats()
-        self.counters.update({"bytes_in": stats.bytes_in, "rejected": stats.rejected})
+        with self._stats_lock:
+            stats, self.stats = self.stats, WireStats()
+            self.counters.update({"bytes_in": stats.bytes_in, "rejected": stats.rejected})
         return stats
+
+    def counters_now(self) -> Counter:
+        """A copy of `counters` and the BCAST reader's (prefixed bcast.), taken while the worker may count."""
+        with self._stats_lock:
+            for _ in range(10):
+                try:
+                    out = Counter(self.counters)
+                    out.update({f"bcast.{k}": v for k, v in self.reader.counters.items()})
+                    return out
+                except RuntimeError:   # the worker's reader added a key mid-copy: copy again
+                    continue
+        return out
 
     def stream_init(self) -> None:
         """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module
@@ -192,6 +219,8 @@ class IslandWire:
         if not self.client.connected:
             return applied  # a request now would only wait out its timeout: fetch after the reconnect
         for fid in sorted(self._dirty):
+            if fid in self.ready:
+                continue   # its staging holds a version waiting for the boundary: read after that (dirty)
             examined: set[int] = set()
             res = self._read_fragment(self.reader, "BCAST", fid, examined)
             if res == "transient":
@@ -211,6 +240,14 @@ class IslandWire:
             self._noticed.pop(fid, None)
             self._dirty.discard(fid)
         return applied
+
+    def park(self, fid: int, version: int, digest: str) -> None:
+        """The worker's `commit`: a version read whole waits in `ready` for the boundary to install it."""
+        self.ready[fid] = (version, digest)
+
+    def unread(self) -> bool:
+        """Fragments with notices not read through yet (not counting the ones waiting in `ready`)."""
+        return any(f not in self.ready for f in self._dirty)
 
     def _take_notices(self) -> None:
         """Take the BCAST notices that arrived: mark their fragments dirty and note which chunk holds
@@ -398,6 +435,8 @@ class IslandWire:
         """Drop the fragment's staging on the ranks, and the reader's position with it (both always
         describe the same chunks)."""
         reader.forget(fid)
+        if fid in self.ready:
+            return   # no reading: a version read whole waits in that staging for the boundary
         if self._staged.pop(fid, None) is not None:
             self._lead({"op": "abort", "fid": fid})
 
@@ -405,6 +444,7 @@ class IslandWire:
         """Every rank installs the version staged (the machine chose the mode)."""
         self._lead({"op": "commit", "fid": op.fragment, "version": op.version, "digest": op.digest, "mode": op.mode})
         self._staged.pop(op.fragment, None)
+        self.ready.pop(op.fragment, None)
 
     # ---- pushes ---------------------------------------------------------------------------------
 
@@ -449,9 +489,8 @@ class IslandWire:
                 "local_step": op.local_step, "c_steps": op.c_steps, "c_tokens": op.c_tokens, "dtype": dtype}
         subject = S.push(run, island, fid)
         digests: list[str] = []
-        chunks = self._lead({"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"})
 
-        def items():
+        def items(chunks):
             for s, packed in chunks:
                 payload = as_bytes_view(packed)
                 meta = dict(base, **chunk_header(spans, s.index, payload))
@@ -461,8 +500,17 @@ class IslandWire:
                 yield (subject, payload, S.push_msg_id(island, gen, fid, p.step, p.attempt, p.try_, s.index),
                        {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
 
+        export = {"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"}
+        if self.worker is not None:
+            # The boundary takes the values as of this step; packing and sending them is the worker's
+            # (learner.background), whose handle `reap` reads like any other push's.
+            snap = self.ops.snapshot(export)
+            return self.worker.submit_push(lambda: self.client.publish_stream(
+                items(self.ops.pack(export, snap)), timeout=self.config.push_timeout_s, detach=True))
+        chunks = self._lead(export)
+
         try:
-            return self.client.publish_stream(items(), timeout=self.config.push_timeout_s, detach=True)
+            return self.client.publish_stream(items(chunks), timeout=self.config.push_timeout_s, detach=True)
         except BaseException:
             for _ in chunks:  # a failed push still completes the gather the other ranks are in
                 pass
@@ -499,7 +547,8 @@ class IslandWire:
 
     def begin_final(self, final_step: int, want: dict) -> None:
         """Read exactly `want` {fragment: (version, digest)} (f32) from FINAL from now on."""
-        for fid in list(self._staged):  # a broadcast half-read is moot now
+        self.ready.clear()
+        for fid in list(self._staged):  # a broadcast half-read, or read whole and not installed, is moot now
             self._abort_staging(fid, self.reader)
         self._final = CutReader(self.session, dtype="f32", fixed=True)
         for fid, (v, d) in want.items():

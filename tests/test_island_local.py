@@ -163,7 +163,9 @@ async def env(nc, run_id, nats_url, tmp_path):
                                 created=time.time())
         kw = dict(heartbeat_s=0.5, progress=False, session_timeout_s=20, lockstep_timeout_s=20, final_timeout_s=20,
                   shutdown_timeout_s=10, push_timeout_s=20, fetch_timeout_s=10, connect_timeout_s=10,
-                  step_log=str(tmp_path / f"steplog-{len(made)}.jsonl"))
+                  step_log=str(tmp_path / f"steplog-{len(made)}.jsonl"),
+                  # these tests read what one boundary does; the worker thread's own tests pass background=True
+                  background=False)
         kw.update(cfg)
         island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url), **kw),
                         anchor_dir=store_dir)  # the keyword; cfg's anchor_dir is YETO_ANCHOR_DIR's field
@@ -205,6 +207,10 @@ async def publish_v(syncer: Syncer, island: Island, version: int, values: dict[i
     """Broadcast a version of each fragment given and wait until the island holds the notices."""
     before = len(island.client.bcast)
     digests = {fid: await syncer.bcast(fid, version, v, **kw) for fid, v in values.items()}
+    if island.worker is not None:   # the worker drains the notices: wait until it has read the versions whole
+        await until(lambda: all(island.wire.ready.get(f, (None,))[0] == version for f in values),
+                    what="versions read whole by the sync worker")
+        return digests
     n = sum(syncer.bcast_chunks(fid) for fid in values)
     await until(lambda: len(island.client.bcast) >= before + n, what="broadcast notices")
     return digests
@@ -722,7 +728,8 @@ async def test_a_push_waits_while_disconnected_and_goes_out_after_the_reconnect(
         await (await kv(js, run, "state")).put("session", codec.encode("session", session))
         island = Island(adapter, IslandConfig(run=run, island=ISLAND, nats=ConnectOptions(url=broker.url),
                                               reconnect_wait_s=0.2, max_reconnects=-1, progress=False,
-                                              push_timeout_s=20, connect_timeout_s=10, heartbeat_s=0.5))
+                                              push_timeout_s=20, connect_timeout_s=10, heartbeat_s=0.5,
+                                              background=False))  # one boundary pushes and reaps (see the env fixture)
         await asyncio.to_thread(island.start)
         syncer = Syncer(js, run, session)
         v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}

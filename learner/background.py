@@ -1,0 +1,156 @@
+"""The sync work a single-process island does off its training thread (docs/design.md §5.5).
+
+At a boundary the training loop waits for whatever the boundary does. Reading a landed version (fetch,
+chunk checks, the copy into staging) and publishing a push (packing, the wire's flow control, acks)
+take far longer than the two things only the boundary can do: take the push's snapshot (d = local −
+anchor, as of this step) and install a staged version into the parameters (overwrite or blend). A
+`SyncWorker` is one thread that does the rest while the loop trains:
+
+* **Reading**: whenever cut notices arrive, it runs the wire's BCAST reading
+  (`IslandWire.read_broadcasts`). A version that completes (every chunk passed, the version digest
+  matched) is *parked*, staged whole, not installed: the next boundary installs it (`take_ready`,
+  the boundary machine decides how), and until then that fragment is not read again (its staging
+  holds the version waiting), whatever lands for it meanwhile.
+* **Pushing**: the boundary hands over the snapshot (`submit_push`); the worker packs it in the
+  session's push dtype and publishes it; the boundary after the acks reaps the outcome as it does
+  for a push published at the boundary (`PublishHandle`).
+
+One lock keeps every reading of the wire (the worker's, the final cut's on the training thread)
+one at a time; installing a parked version does not take it (the worker never touches a parked
+fragment). An error the worker meets that the wire does not count and retry is raised at the next
+boundary. The final cut, lockstep mode and islands of several ranks (every rank's staging is a
+collective the training thread's group runs in order) read on the training thread, as before.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Callable
+
+from .inbox import PublishHandle
+
+log = logging.getLogger("yeto.island")
+
+# A reading left fragments unread (a fetch failed, or a version still arriving with no new notice
+# yet): read them again after this long, as the boundary after a step did before.
+RETRY_S = 0.5
+POLL_S = 0.05  # wake to look at the inbox at least this often (its flag is the training thread's)
+
+
+class SyncWorker:
+    def __init__(self, wire, *, name: str = "yeto-sync"):
+        self.wire = wire
+        self.lock = threading.Lock()   # one reading of the wire at a time
+        self._pushes: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._retry_at: float | None = None
+        self.busy_s = 0.0   # seconds spent reading and pushing (the step log's `background_s`)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- the training thread's side ---------------------------------------------------------------
+
+    def raise_error(self) -> None:
+        """Raise what the worker met that was not the wire's to count and retry (once)."""
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def take_ready(self, commit: Callable[[int, int, str], None]) -> list[int]:
+        """Install the versions parked since the last boundary (`commit` each, in fragment order);
+        the fragments installed."""
+        self.raise_error()
+        done = []
+        for fid in sorted(self.wire.ready):
+            version, digest = self.wire.ready[fid]
+            commit(fid, version, digest)
+            done.append(fid)
+        if done:
+            self.kick()   # what landed for them while they were parked is read now
+        return done
+
+    def submit_push(self, publish: Callable[[], PublishHandle]) -> PublishHandle:
+        """Run `publish` (pack and send a snapshot) on the worker; its outcome is the handle's."""
+        handle = PublishHandle(concurrent.futures.Future(), 0)
+        self._pushes.append((publish, handle))
+        self.kick()
+        return handle
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the job in hand and stop; reading goes back to the training thread. A push not
+        started yet fails (its pull is answered again at a later boundary)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        with self.lock:   # a reading still in hand (a fetch outlived the join) ends before the caller reads
+            pass
+        while self._pushes:
+            _, handle = self._pushes.popleft()
+            handle.future.set_exception(ConnectionError("the island's sync worker stopped before this push"))
+
+    # ---- the worker ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        w = self.wire
+        while not self._stopping:
+            try:
+                if self._pushes:
+                    self._push(*self._pushes.popleft())
+                    continue
+                due = self._retry_at is not None and time.monotonic() >= self._retry_at
+                if len(w.client.bcast) or due or self._wake.is_set():
+                    self._wake.clear()
+                    self._read()
+                    continue
+                self._wake.wait(POLL_S)
+            except BaseException as exc:   # noqa: BLE001 - handed to the training thread
+                log.error("island %s: sync worker: %r", w.config.island, exc)
+                self._error = exc
+                self._wake.wait(1.0)
+
+    def _read(self) -> None:
+        t = time.perf_counter()
+        with self.lock:
+            if self._stopping:
+                return
+            self.wire.read_broadcasts(self.wire.park)
+            left = self.wire.unread()
+        self.busy_s += time.perf_counter() - t
+        if self.wire.ready:
+            self.wire.client.arrivals.notify()   # a boundary waiting for a version looks again
+        self._retry_at = time.monotonic() + RETRY_S if left else None
+
+    def _push(self, publish: Callable[[], PublishHandle], handle: PublishHandle) -> None:
+        t = time.perf_counter()
+        try:
+            inner = publish()
+        except BaseException as exc:   # noqa: BLE001 - the push's outcome, reaped at a boundary
+            handle.future.set_exception(exc)
+            return
+        finally:
+            self.busy_s += time.perf_counter() - t
+        handle.nbytes = inner.nbytes
+
+        def settle(f: concurrent.futures.Future) -> None:
+            if f.cancelled():
+                handle.future.cancel()
+            elif f.exception() is not None:
+                handle.future.set_exception(f.exception())
+            else:
+                handle.future.set_result(None)
+            self.wire.client.arrivals.notify()   # a boundary waiting for push outcomes looks again
+
+        inner.future.add_done_callback(settle)
+
+
+__all__ = ["RETRY_S", "SyncWorker"]
