@@ -19,7 +19,10 @@ One lock keeps every reading of the wire (the worker's, the final cut's on the t
 one at a time; installing a parked version does not take it (the worker never touches a parked
 fragment). An error the worker meets that the wire does not count and retry is raised at the next
 boundary. The final cut, lockstep mode and islands of several ranks (every rank's staging is a
-collective the training thread's group runs in order) read on the training thread, as before.
+collective the training thread's group runs in order) read on the training thread, as before. An island
+of several ranks still sends its pushes here: the boundary gathers the snapshot to rank 0 (collective),
+rank 0's worker packs and publishes it; a q4 push stays at the boundary (its residual scatter is
+collective too).
 """
 from __future__ import annotations
 
@@ -41,8 +44,9 @@ POLL_S = 0.05  # wake to look at the inbox at least this often (its flag is the 
 
 
 class SyncWorker:
-    def __init__(self, wire, *, name: str = "yeto-sync"):
+    def __init__(self, wire, *, reads: bool = True, name: str = "yeto-sync"):
         self.wire = wire
+        self.reads = reads   # reading cuts too (a single process), not only pushes
         self.lock = threading.Lock()   # one reading of the wire at a time
         self._pushes: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -108,11 +112,12 @@ class SyncWorker:
                     self._push(*self._pushes.popleft())
                     continue
                 due = self._retry_at is not None and time.monotonic() >= self._retry_at
-                if len(w.client.bcast) or due or self._wake.is_set():
+                if self.reads and (len(w.client.bcast) or due or self._wake.is_set()):
                     self._wake.clear()
                     self._read()
                     continue
-                self._wake.wait(POLL_S)
+                if self._wake.wait(POLL_S) and not self.reads:
+                    self._wake.clear()   # a push was handed over: the loop takes it now
             except BaseException as exc:   # noqa: BLE001 - handed to the training thread
                 log.error("island %s: sync worker: %r", w.config.island, exc)
                 self._error = exc

@@ -349,9 +349,11 @@ class Island:
             self._bar = progress_bar(len(self.frags), f"cut {cfg.island}", cfg.progress, unit="frag")
         dec = self._drive(O.Begin(time.monotonic(), final, final_error, committed))
         self.wire.take_stats()  # counted; the first step-log event counts from the first step
-        if cfg.background and self.world == 1 and not cfg.lockstep and final is None and not dec.get("stop"):
-            # From the first step on, cuts are read and pushes sent off the training thread (learner/background.py).
-            self.worker = self.wire.worker = SyncWorker(self.wire, name=f"yeto-sync-{cfg.island}")
+        if cfg.background and not cfg.lockstep and final is None and not dec.get("stop"):
+            # From the first step on, pushes are sent off the training thread, and a single process reads
+            # cuts there too (learner/background.py; staging on several ranks is the group's collective).
+            self.worker = self.wire.worker = SyncWorker(self.wire, reads=self.world == 1,
+                                                        name=f"yeto-sync-{cfg.island}")
         return dec
 
     def _check_session(self, session: dict, fp: str) -> None:
@@ -410,7 +412,7 @@ class Island:
                 return O.ManifestChecked(w.final_heads(op.fragments))
             case O.ReadBroadcasts():
                 t = time.perf_counter()
-                if self.worker is not None:
+                if self.worker is not None and self.worker.reads:
                     applied = self.worker.take_ready(self._commit)
                 else:
                     applied = w.read_broadcasts(self._commit)

@@ -101,12 +101,11 @@ class RankOps:
         when it stops publishing, so the others are never left waiting in a gather)."""
         return self.pack(op, self._values(op))
 
-    def snapshot(self, op: Mapping) -> list[tuple[ChunkSpan, torch.Tensor]]:
-        """A single process's export values as of now, unpacked (f32 per chunk: d = local − anchor,
-        q4 plus the residual): what a push must take at its boundary; `pack` may run later, on
-        another thread, while the parameters and anchors move on."""
-        if self.comm.world != 1:
-            raise RuntimeError("an export snapshot is for a single-process island (the gather is collective)")
+    def snapshot(self, op: Mapping) -> list[tuple[ChunkSpan, torch.Tensor | None]]:
+        """The export values as of now, gathered to rank 0 and unpacked (f32 per chunk: d = local −
+        anchor, q4 plus the residual; None on the other ranks): what a push must take at its boundary.
+        `pack` may run later on rank 0's worker thread while the parameters and anchors move on, except
+        q4 in a group (its residual scatter is collective)."""
         return list(self._values(op))
 
     def _values(self, op: Mapping) -> Iterator[tuple[ChunkSpan, torch.Tensor | None]]:
@@ -171,6 +170,8 @@ class RankOps:
             return self.commit(op)
         if kind == "export":
             return self.export(op)
+        if kind == "snapshot":
+            return self.snapshot(op)
         if kind == "residual":
             return self.residual(op)
         raise ValueError(f"unknown island op {kind!r}")

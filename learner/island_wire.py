@@ -102,7 +102,7 @@ class IslandWire:
         client's inboxes), "pushes" (a push's outcome)."""
         c = self.client
         inboxes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
-        if self.worker is not None and "bcast" in kinds:
+        if self.worker is not None and self.worker.reads and "bcast" in kinds:
             inboxes["bcast"] = self.ready   # the worker drains the notices; what it read whole is the news
         return any(len(inboxes[k]) for k in kinds if k in inboxes) or \
             ("pushes" in kinds and any(h.done() for _, h in self._pushing.values()))
@@ -501,10 +501,10 @@ class IslandWire:
                        {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
 
         export = {"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"}
-        if self.worker is not None:
-            # The boundary takes the values as of this step; packing and sending them is the worker's
-            # (learner.background), whose handle `reap` reads like any other push's.
-            snap = self.ops.snapshot(export)
+        if self.worker is not None and (self.ops.comm.world == 1 or dtype != "q4"):
+            # The boundary takes the values as of this step (every rank: the gather is collective); packing
+            # and sending them is the worker's (learner.background), whose handle `reap` reads as any push's.
+            snap = self._lead(dict(export, op="snapshot"))
             return self.worker.submit_push(lambda: self.client.publish_stream(
                 items(self.ops.pack(export, snap)), timeout=self.config.push_timeout_s, detach=True))
         chunks = self._lead(export)
