@@ -349,7 +349,7 @@ class Island:
             self._bar = progress_bar(len(self.frags), f"cut {cfg.island}", cfg.progress, unit="frag")
         dec = self._drive(O.Begin(time.monotonic(), final, final_error, committed))
         self.wire.take_stats()  # counted; the first step-log event counts from the first step
-        if cfg.background and not cfg.lockstep and final is None and not dec.get("stop"):
+        if cfg.background and final is None and not dec.get("stop"):
             # From the first step on, pushes are sent off the training thread, and a single process reads
             # cuts there too (learner/background.py; staging on several ranks is the group's collective).
             self.worker = self.wire.worker = SyncWorker(self.wire, reads=self.world == 1,
