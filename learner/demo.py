@@ -97,7 +97,7 @@ POISON_KINDS = ("plus50", "nan", "norm5x", "tokens")
 
 def poison_island(island, kind: str) -> None:
     """Test and bench fault injector (YETO_DEMO_POISON, see the module doc): alter what `island` pushes,
-    after it computed it honestly, as a compromised island would. It wraps the island's push export
+    after it computed it honestly, as a compromised island would. It wraps the island's push packing
     (every chunk of d = local - anchor, on the sync rank) or its push request (the c_tokens claim);
     the wrappers stay on the objects, so calling this again (after every boundary: a new session
     builds new ones) is cheap and changes nothing more."""
@@ -118,17 +118,17 @@ def poison_island(island, kind: str) -> None:
     ops = island.ops
     if ops is None or getattr(ops, "_poisoned", False):
         return
-    export = ops.export
+    pack_chunks = ops.pack   # every export packs through it, at the boundary or on the sync worker
 
-    def poisoned_export(op):
-        for s, packed in export(op):
+    def poisoned_pack(op, values):
+        for s, packed in pack_chunks(op, values):
             if op["purpose"] == "push":
                 d = unpack(bytes(as_bytes_view(packed)), op["dtype"], s.elem_count)
                 d = d + 50.0 if kind == "plus50" else torch.full_like(d, float("nan")) if kind == "nan" else d * 5.0
                 packed = pack(d, op["dtype"])
             yield s, packed
 
-    ops.export = poisoned_export
+    ops.pack = poisoned_pack
     ops._poisoned = True
 
 
