@@ -207,7 +207,9 @@ class Merger:
         async def fetch(k):
             s = spans[k]
             if spec is not None and k in spec.done:
-                return None   # summed while the pushes came in: nothing to read
+                # summed while the pushes came in, from the chunks kept at intake: counted as held
+                self.counters["merge.push_chunk_held"] += len(tries)
+                return None
             return await asyncio.gather(*[self._read_push_chunk(t, k, dtype, s.elem_count) for t in tries])
 
         held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
