@@ -158,6 +158,7 @@ class Speculator:
             self.release(sp)
             return None
         self.counters["speculate.adopted"] += 1
+        log.info("step %d: speculative merge adopted (%d of %d chunks summed)", a.step, len(sp.done), len(sp.spans))
         return sp
 
     def release(self, sp: Speculation) -> None:
