@@ -126,11 +126,12 @@ def add_parser(sub) -> None:
                         "after-commit (all after the durable commit). In the first two the last chunk (the seal, "
                         "with the version digest) goes out once the version is durable, so islands never install what "
                         "is not committed (env YETO_BROADCAST; default %(default)s)")
-    p.add_argument("--speculate", choices=("on", "off"), default=_env("YETO_SPECULATE", "on"),
+    p.add_argument("--speculate", choices=("on", "off"), default=_env("YETO_SPECULATE", "off"),
                    help="sum each round's outer gradient chunk by chunk while its pushes arrive, for the members and "
                         "weights the round will most likely merge; the merge adopts the sums only when its Merge is "
-                        "exactly that one (else merges from the pushes as with off). The same bytes either way "
-                        "(env YETO_SPECULATE; default %(default)s)")
+                        "exactly that one (else merges from the pushes as with off). The same bytes either way; "
+                        "off by default until it measures faster (bench/README.md) (env YETO_SPECULATE; default "
+                        "%(default)s)")
     g = p.add_argument_group("state")
     g.add_argument("--checkpoint-dir", default=_env("YETO_CHECKPOINT_DIR", None),
                    help="directory of the params+momentum checkpoint, one per shard (env YETO_CHECKPOINT_DIR; default "

@@ -76,6 +76,14 @@ async def test_sigkill_during_a_speculative_merge_then_resume(nats_url, run_id, 
         await a.push(pa, torch.randn(a.frag(fid)["numel"], generator=gen) * 0.1, c_tokens=TOKENS["a"])
         await b.push(pb, torch.randn(b.frag(fid)["numel"], generator=gen) * 0.1, c_tokens=TOKENS["b"], only=range(100))
         await wait_status(js, run_id, lambda st: st["counters"].get("speculate.chunks", 0) >= summed + 100, timeout=30)
+        # intake acks each chunk once recorded: the syncer killed now leaves no push chunk waiting out the
+        # PUSH consumer's ack wait (its in-flight round is relaunched anyway, below)
+        for _ in range(100):
+            pending = (await js.consumer_info(S.stream(run_id, "PUSH"), S.SYNCER_PUSH_CONSUMER)).num_ack_pending
+            if pending == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert pending == 0
         files_before = snapshot_dir(ckpt)
         bcast_before = await _bcast_state(js, run_id, a.session, fid)
         syncer.proc.send_signal(signal.SIGKILL)

@@ -112,8 +112,8 @@ class ServiceConfig:
     # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes);
     # None = auto, sized by this syncer's own fragments once the session is known (intake.auto_push_memory_bytes)
     push_memory_bytes: int | None = None
-    # `--speculate`: sum a round's outer gradient while its pushes arrive (speculate.py)
-    speculate: bool = True
+    # `--speculate`: sum a round's outer gradient while its pushes arrive (speculate.py; off until measured faster)
+    speculate: bool = False
     # `--cover-coordinator`'s standby for shard 0: never takes a lease nobody held, only one that lapsed
     # (started before the coordinator, it would otherwise become it, on the wrong host)
     standby_only: bool = False

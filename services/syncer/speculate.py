@@ -1,4 +1,4 @@
-"""The speculative merge (`yeto syncer --speculate on`): a round's outer gradient summed chunk by chunk
+"""The speculative merge (`yeto syncer --speculate on`, off by default): a round's outer gradient summed chunk by chunk
 while its pushes arrive, adopted by the merge when the round's Merge is the one forecast
 (services/syncer/spec_rules.py says what is decided and why it is safe; this is the shell around it).
 
