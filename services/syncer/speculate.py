@@ -78,18 +78,36 @@ class Speculator:
             self._drop(key, "the round's pull changed")
 
     def on_chunk(self, meta: dict) -> None:
-        """After the ledger recorded a push chunk: sum its chunk index if every member's is now held."""
+        """After the ledger recorded a push chunk: sum its chunk index if every member's is now held. Never
+        raises: intake must go on whatever happens here (the merge then reads the pushes as before)."""
+        key = (meta["fragment"], meta["step"], meta["attempt"])
+        try:
+            self._on_chunk(meta)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self.counters["speculate.error"] += 1
+            log.warning("speculative merge of %s given up: %r", key, exc)
+            if key in self.specs:
+                self._drop(key, "an error")
+            self.pulls.pop(key[:2], None)
+
+    def _on_chunk(self, meta: dict) -> None:
         fid, step, attempt, k = meta["fragment"], meta["step"], meta["attempt"], meta["chunk"]
         pull = self.pulls.get((fid, step))
         if pull is None or int(pull["attempt"]) != attempt or self.cut.session is None:
             return
-        sp = self.specs.get((fid, step, attempt)) or self._open(pull)
+        sp = self.specs.get((fid, step, attempt))
+        among = (k,)
         if sp is None:
-            return
+            # a member's first chunk (pushes are published in chunk order) may complete the forecast; then
+            # every chunk already held by all is ready, not only this one
+            if k != 0 or (sp := self._open(pull)) is None:
+                return
+            among = range(len(sp.spans))
         tries: list[PushTry | None] = [self.ledger.tries.get(key) for key in sp.keys]
         if any(t is None or t.invalid is not None for t in tries):
             return   # a member's try went (released) or turned out invalid: the Merge will not match
-        if not spec_rules.ready_chunks([t.held for t in tries], sp.taken, (k,)):
+        ready = spec_rules.ready_chunks([t.held for t in tries], sp.taken, among)
+        if not ready:
             return
         if sp.grad is None:
             need = self.cut.frags[fid].numel * 4
@@ -99,8 +117,9 @@ class Speculator:
                 return
             sp.grad, sp.nbytes = torch.empty(self.cut.frags[fid].numel, dtype=torch.float32), need
             self.in_use += need
-        sp.taken.add(k)
-        sp.queue.append((k, [self.ledger.take(t, k) for t in tries]))
+        for k in ready:
+            sp.taken.add(k)
+            sp.queue.append((k, [self.ledger.take(t, k) for t in tries]))
         if sp.worker is None or sp.worker.done():
             sp.worker = asyncio.ensure_future(self._work(sp))
 
