@@ -42,7 +42,7 @@ island's step-log file (YETO_DILOCO_STEP_LOG): its `t`, `boundary_s`, `export_s`
 processes share one clock. Each figure is the median over `--rounds` rounds after `--warmup`.
 `--outer-compile` sets the syncer's YETO_OUTER_COMPILE (default async, the syncer's: the fused loop
 compiled in the background during the warm-up round; `0`: the eager SGD-form kernel).
-`--checkpoint-writer`, `--broadcast` and `--push-memory-mib` are the syncer's flags of those names
+`--checkpoint-writer`, `--broadcast`, `--push-memory-mib` and `--speculate` are the syncer's flags of those names
 (default: inline writes, cut-through broadcast, 1024 MiB of pushes kept for the merge; 0 makes the
 merge read every push chunk back from PUSH, the path before). With `with-commit` or `cut-through` the new version's chunks go out before it is
 durable (cut-through: as they are merged, so chunk 0 is seen before the merge loop ends), so the
@@ -94,7 +94,8 @@ STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"))
 # chunks the compiled outer loop stepped and the eager kernel stepped (a compile not yet done leaves
 # them to the eager twin).
 HELD = (("push_chunks_held", "push chunks held"), ("push_chunks_read", "read back"),
-        ("outer_compiled_chunks", "outer compiled"), ("outer_eager_chunks", "eager"))
+        ("outer_compiled_chunks", "outer compiled"), ("outer_eager_chunks", "eager"),
+        ("speculated_chunks", "speculated"))
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -329,7 +330,7 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--push-memory-mib", str(args.push_memory_mib)],
                 work / "syncer.log", cwd=ROOT,
                 env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
-                         YETO_BROADCAST=args.broadcast)).start()
+                         YETO_BROADCAST=args.broadcast, YETO_SPECULATE=args.speculate)).start()
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
                 e = dict(env, YETO_NATS=url, YETO_LOCKSTEP="1", YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"),
@@ -411,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the syncer's --broadcast: each chunk as soon as it is merged (cut-through, the default), "
                    "the chunks after the merge while the version is made durable (with-commit), or all after the "
                    "commit; the first two send the seal after the durable commit")
+    p.add_argument("--speculate", choices=("on", "off"), default="off",
+                   help="the syncer's --speculate: sum the round's outer gradient while the pushes arrive (on) or "
+                   "only in the merge (off, the syncer's default)")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
@@ -434,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
                   f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}, "
-                  f"--push-memory-mib {args.push_memory_mib:g}; "
+                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)

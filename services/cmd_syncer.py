@@ -126,6 +126,12 @@ def add_parser(sub) -> None:
                         "after-commit (all after the durable commit). In the first two the last chunk (the seal, "
                         "with the version digest) goes out once the version is durable, so islands never install what "
                         "is not committed (env YETO_BROADCAST; default %(default)s)")
+    p.add_argument("--speculate", choices=("on", "off"), default=_env("YETO_SPECULATE", "off"),
+                   help="sum each round's outer gradient chunk by chunk while its pushes arrive, for the members and "
+                        "weights the round will most likely merge; the merge adopts the sums only when its Merge is "
+                        "exactly that one (else merges from the pushes as with off). The same bytes either way; "
+                        "off by default until it measures faster (bench/README.md) (env YETO_SPECULATE; default "
+                        "%(default)s)")
     g = p.add_argument_group("state")
     g.add_argument("--checkpoint-dir", default=_env("YETO_CHECKPOINT_DIR", None),
                    help="directory of the params+momentum checkpoint, one per shard (env YETO_CHECKPOINT_DIR; default "
@@ -269,7 +275,8 @@ def run(args) -> int:
         print(f"yeto syncer: --replicas: {exc}", file=sys.stderr)
         return 2
     for flag, value, allowed in (("--broadcast", args.broadcast, ("cut-through", "with-commit", "after-commit")),
-                                 ("--checkpoint-writer", args.checkpoint_writer, ("inline", "thread", "whole"))):
+                                 ("--checkpoint-writer", args.checkpoint_writer, ("inline", "thread", "whole")),
+                                 ("--speculate", args.speculate, ("on", "off"))):
         if value not in allowed:   # an environment default escapes argparse's choices
             print(f"yeto syncer: {flag} must be one of {', '.join(allowed)}, got {value!r}", file=sys.stderr)
             return 2
@@ -277,7 +284,7 @@ def run(args) -> int:
                         connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"
                                                          + (f"-s{mc.shard}" if mc.sharded else "")),
                         checkpoint_dir=ckpt, resume=args.resume, limits=limits, broadcast=args.broadcast,
-                        ckpt_writer=args.checkpoint_writer)
+                        ckpt_writer=args.checkpoint_writer, speculate=args.speculate == "on")
     if not (args.status_every > 0):
         print(f"yeto syncer: --status-every must be a number > 0, got {args.status_every!r}", file=sys.stderr)
         return 2

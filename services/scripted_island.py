@@ -135,10 +135,11 @@ class ScriptedIsland:
 
     async def push(self, pull: dict, delta: torch.Tensor, *, c_tokens: int = 100, try_: int = 0,
                    base_version: int | None = None, corrupt: str | None = None, local_step: int = 1,
-                   gen: str | None = None, fragment: int | None = None) -> None:
+                   gen: str | None = None, fragment: int | None = None, only=None) -> None:
         """Push `delta` for `pull`. `corrupt` spoils chunk 0: "digest" (bytes no longer match the digest),
         "size" (4 payload bytes short of its nbytes), "nan" (a NaN and an Inf in the values, digest
-        of the bad bytes). `fragment` publishes on push.I.<fragment> with that fragment in the header."""
+        of the bad bytes). `fragment` publishes on push.I.<fragment> with that fragment in the header.
+        `only`: publish just these chunk indices (a push caught half way, as an island killed mid-push)."""
         dtype = self.session["push_dtype"]
         fid = pull["fragment"] if fragment is None else fragment
         spans = chunk_plan(delta.numel(), dtype, self.session["chunk_bytes"])
@@ -162,6 +163,8 @@ class ScriptedIsland:
                     "local_step": local_step, "c_steps": 1, "c_tokens": c_tokens, "dtype": dtype, **framing}
             if s.index == len(spans) - 1:
                 meta["push_digest"] = push_digest(digests)
+            if only is not None and s.index not in only:
+                continue
             await self.js.publish(S.push(self.run, self.island, fid), bytes(buf), headers={
                 S.MSG_ID: S.push_msg_id(self.island, gen or self.gen, fid, pull["step"], pull["attempt"], try_, s.index),
                 codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from yeto.schemas import subjects as S
+from yeto.schemas.chunks import chunk_plan
 from tests.scripted import (LR, MU, Heartbeater, Reference, ScriptedIsland, close_run, start_run, syncer_status,
                             tape, tiny_layout, wait_tape)
 
@@ -40,12 +41,15 @@ async def _finish(isls, syncer, final_step: int, ref: Reference | None = None) -
     assert syncer.wait(30) == 0, syncer.output()[-4000:]
 
 
-async def test_three_islands_two_rounds_in_flight_bf16_wire_match_reference(nats_url, run_id, tmp_path):
+# --speculate on: the speculative merge (services/syncer/speculate.py) with bf16 pushes, three members and
+# two rounds in flight gives the same values (every round is adopted whole, asserted below)
+@pytest.mark.parametrize("speculate", ["off", "on"])
+async def test_three_islands_two_rounds_in_flight_bf16_wire_match_reference(nats_url, run_id, tmp_path, speculate):
     names = ["a", "b", "c"]
     syncer, isls, init = await start_run(
         nats_url, run_id, names, tmp_path / "ckpt", "--islands", "3", "--fragments", "2", "--sync-every", "2",
         "--total-steps", "4", "--strict", "--pipeline", "2", "--push-dtype", "bf16", "--bulk-dtype", "bf16",
-        *COMMON, layout=LAYOUT)
+        "--speculate", speculate, *COMMON, layout=LAYOUT)
     try:
         session = isls[0].session
         assert (session["push_dtype"], session["bulk_dtype"]) == ("bf16", "bf16")
@@ -78,6 +82,9 @@ async def test_three_islands_two_rounds_in_flight_bf16_wire_match_reference(nats
         merges = await tape(isls[0].js, run_id, "merge")
         assert [(m["step"], m["fragment"], m["version"]) for m in merges] == [(1, 0, 1), (2, 1, 1), (3, 0, 2), (4, 1, 2)]
         assert all(_gens(m["responded"]) == {x.island: x.gen for x in isls} for m in merges)
+        spans = {fid: len(chunk_plan(isls[0].frag(fid)["numel"], "bf16", session["chunk_bytes"])) for fid in (0, 1)}
+        assert [m["detail"]["speculated_chunks"] for m in merges] == \
+               [spans[m["fragment"]] if speculate == "on" else 0 for m in merges]
         assert merges[0]["weights"] == {"a": 101, "b": 201, "c": 301}
         status = await syncer_status(isls[0].js, run_id)
         assert status["exited"] and status["phase"] == "done" and status["committed_step"] == 4

@@ -30,6 +30,7 @@ from yeto.services.syncer.actions import action_from_json, action_to_json
 from yeto.services.syncer.cut import BroadcastStream, BulkBytes, Cut
 from yeto.services.syncer.intake import PushLedger, PushTry
 from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view, prewarm
+from yeto.services.syncer.speculate import Speculator
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -65,7 +66,7 @@ async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
 class Merger:
     def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter, *,
                  lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "cut-through",
-                 ckpt_writer: str = "inline"):
+                 ckpt_writer: str = "inline", speculate=None):
         if broadcast not in BROADCAST_MODES:
             raise ValueError(f"broadcast mode {broadcast!r} is not one of {BROADCAST_MODES}")
         if ckpt_writer not in CKPT_WRITERS:
@@ -75,6 +76,16 @@ class Merger:
         self.lr, self.momentum = lr, momentum
         self.attempts = attempts          # step -> highest attempt published (the shell keeps it current)
         self.broadcast, self.ckpt_writer = broadcast, ckpt_writer
+        # the speculative merge (speculate.py): `speculate` the round machine's config (its weighting), or
+        # None with --speculate off
+        self.spec = None if speculate is None else Speculator(
+            cut, ledger, counters, lr=lr, momentum=momentum, max_token_factor=speculate.max_token_factor,
+            equal_weights=speculate.equal_weights)
+
+    def expect(self, pull: dict) -> None:
+        """A pull was published: its round may be merged speculatively."""
+        if self.spec is not None:
+            self.spec.expect(pull)
 
     def prewarm(self, members: int) -> None:
         """Have the outer-step loop for a merge of `members` pushes built (or loaded from the compile
@@ -87,6 +98,8 @@ class Merger:
                          for fr in self.cut.frags.values()}):
             if prewarm(s["push_dtype"], n, members):
                 log.info("outer step: loop for %d members x %d values prepared at start", members, n)
+            if self.spec is not None:   # the loop finishing a speculated chunk: one f32 input, its Δ
+                prewarm("f32", n, 1)
 
     async def _read_push_chunk(self, t: PushTry, k: int, dtype: str, count: int) -> torch.Tensor:
         """Chunk k of push try t: the bytes intake kept (checked against the chunk digest there), else
@@ -160,8 +173,17 @@ class Merger:
 
     async def merge(self, a: R.Merge, *, redone: bool = False) -> tuple[R.MergeDone, list[int]]:
         """Merge, outer step, durable commit, broadcast: the MergeDone to feed back, and the PUSH
-        sequences of the round for `cleanup` (after MergeDone, off the commit path)."""
+        sequences of the round for `cleanup` (after MergeDone, off the commit path). A speculative merge
+        of this very round (speculate.py) is adopted here: its chunks are finished from their summed Δ."""
         t0 = time.time()
+        spec = None if redone or self.spec is None else await self.spec.adopt(a, lr=self.lr, momentum=self.momentum)
+        try:
+            return await self._merge(a, redone, spec, t0)
+        finally:
+            if spec is not None:
+                self.spec.release(spec)
+
+    async def _merge(self, a: R.Merge, redone: bool, spec, t0: float) -> tuple[R.MergeDone, list[int]]:
         fid = a.fragment
         fr = self.cut.frags[fid]
         dtype = self.cut.session["push_dtype"]
@@ -179,9 +201,15 @@ class Merger:
         outer_step = await asyncio.to_thread(OuterStep, [m.weight for m in a.members], self.lr, self.momentum,
                                         delta_dtypes=[delta_dtype(dtype)] * len(tries),
                                         chunk_numel=spans[0].elem_count)
+        presummed = None if spec is None else await asyncio.to_thread(OuterStep.presummed, self.lr, self.momentum,
+                                                                      chunk_numel=spans[0].elem_count)
 
         async def fetch(k):
             s = spans[k]
+            if spec is not None and k in spec.done:
+                # summed while the pushes came in, from the chunks kept at intake: counted as held
+                self.counters["merge.push_chunk_held"] += len(tries)
+                return None
             return await asyncio.gather(*[self._read_push_chunk(t, k, dtype, s.elem_count) for t in tries])
 
         held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
@@ -209,7 +237,10 @@ class Merger:
         def step(deltas, s):
             t = time.perf_counter()
             sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
-            outer_step(fr.params[sl], fr.momentum[sl], deltas, out=scratch[: s.elem_count])
+            if deltas is None:
+                presummed(fr.params[sl], fr.momentum[sl], [spec.grad[sl]], out=scratch[: s.elem_count])
+            else:
+                outer_step(fr.params[sl], fr.momentum[sl], deltas, out=scratch[: s.elem_count])
             outer = time.perf_counter() - t
             bulk.add(s.elem_offset, s.elem_count)
             if files is not None:
@@ -249,8 +280,10 @@ class Merger:
                          "push_chunks_held": self.counters["merge.push_chunk_held"] - held0,
                          "push_chunks_read": self.counters["merge.push_chunk_read"] - read0,
                          # chunks the compiled outer loop stepped, and the eager twin (or SGD form)
-                         "outer_compiled_chunks": outer_step.compiled_calls,
-                         "outer_eager_chunks": outer_step.eager_calls}
+                         "outer_compiled_chunks": outer_step.compiled_calls + (presummed.compiled_calls if presummed else 0),
+                         "outer_eager_chunks": outer_step.eager_calls + (presummed.eager_calls if presummed else 0),
+                         # chunks whose Δ a speculative merge summed while the pushes came in (speculate.py)
+                         "speculated_chunks": len(spec.done) if spec is not None else 0}
         if stream is not None:
             rec["detail"]["intent_s"] = intent_s
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again

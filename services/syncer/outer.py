@@ -187,6 +187,32 @@ class OuterStep:
             self.eager_calls += 1
 
 
+    def gradient(self, deltas: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        """Only the outer gradient Δ = -Σ (wᵢ/Σw)·dᵢ of one chunk, into `out` (f32, the deltas' shape),
+        with exactly the roundings this step's kernel gives it before it touches momentum and params:
+        the speculative merge (services/syncer/speculate.py) sums a chunk's pushes as soon as they are
+        in and finishes it later with `presummed`, to the same bits as one call of this step."""
+        if out.dtype != torch.float32 or len(deltas) != len(self.weights) or any(d.shape != out.shape for d in deltas):
+            raise ValueError("gradient: one delta per weight, each of the f32 output's shape")
+        if self.mode == "0":
+            _sgd_gradient_(deltas, self.weights, self.total, out)
+        else:
+            _twin_gradient_(deltas, self.coefs, out, _twin_buffers(out.numel(), out, out)[1])
+        self.eager_calls += 1
+
+    @classmethod
+    def presummed(cls, lr: float, mu: float, *, chunk_numel: int = 0) -> "OuterStep":
+        """The step finishing a chunk whose outer gradient Δ `gradient` computed: called with [Δ] as its one
+        delta, its Δ·1 is exactly Δ (the kernel's first product, by +1) and the rest runs as in a merge
+        of the pushes themselves. With YETO_OUTER_COMPILE=async|sync the compiled one-input loop is used
+        (the coefficient is an input of the loop, not compiled in)."""
+        step = cls([1.0], lr, mu, delta_dtypes=[torch.float32], chunk_numel=chunk_numel)
+        step.weights = [-1.0]   # the SGD form's coefficient -w/Σw is then +1 (its total stays 1)
+        if step.coefs is not None:
+            step.coefs = torch.tensor([1.0], dtype=torch.float32)
+        return step
+
+
 def outer_step_(
     params: torch.Tensor,
     momentum: torch.Tensor,
@@ -227,8 +253,15 @@ def _sgd_step_(params, momentum, deltas, weights, total, lr, mu, out) -> None:
     else:
         # the shell passes scratch[:n] already shaped like a 1-D chunk: skip three view ops per chunk
         scratch = out if out.shape == params.shape else out.reshape(-1)[:n].view(params.shape)
-    # Δ = -Σ (wᵢ/Σw)·dᵢ, accumulated in member order; the coefficients are exact in double and
-    # rounded once to f32 by the kernel.
+    _sgd_gradient_(deltas, weights, total, scratch)
+    momentum.mul_(mu).add_(scratch)
+    scratch.add_(momentum, alpha=mu)
+    params.add_(scratch, alpha=-lr)
+
+
+def _sgd_gradient_(deltas, weights, total, scratch) -> None:
+    """_sgd_step_'s first part, Δ = -Σ (wᵢ/Σw)·dᵢ into `scratch`, accumulated in member order; the
+    coefficients are exact in double and rounded once to f32 by the kernel."""
     first = deltas[0]
     coef = -float(weights[0]) / total
     if first.dtype == torch.float32:
@@ -239,9 +272,6 @@ def _sgd_step_(params, momentum, deltas, weights, total, lr, mu, out) -> None:
         scratch.mul_(coef)
     for d, w in zip(deltas[1:], weights[1:]):
         scratch.add_(d, alpha=-float(w) / total)
-    momentum.mul_(mu).add_(scratch)
-    scratch.add_(momentum, alpha=mu)
-    params.add_(scratch, alpha=-lr)
 
 
 def _fused_step_(params, momentum, coefs, mu_lr, *deltas) -> None:
@@ -262,13 +292,27 @@ def _eager_step_(params, momentum, coefs, mu_lr, deltas, out) -> None:
     """_fused_step_'s eager twin: in-place ops and two scratch buffers instead of temporaries, the
     same roundings in the same order, so the same bits."""
     n = params.numel()
-    buf = getattr(_scratch, "t", None)
-    if buf is None or buf.numel() < (n if out is not None else 2 * n) or buf.device != params.device:
-        buf = torch.empty(n if out is not None else 2 * n, dtype=torch.float32, device=params.device)
-        _scratch.t = buf
-    s = (out if out is not None else buf[n:]).reshape(-1)[:n].view(params.shape)
-    t = buf[:n].view(params.shape)
+    s, t = _twin_buffers(n, out, params)
+    _twin_gradient_(deltas, coefs, s, t)
+    momentum.mul_(mu_lr[0]).add_(s)           # buf = μ·buf + Δ
+    torch.mul(momentum, mu_lr[0], out=t)
+    s.add_(t)                                 # Δ + μ·buf
+    torch.mul(s, mu_lr[1], out=t)
+    params.add_(t)                            # Θ - lr·(Δ + μ·buf)
 
+
+def _twin_buffers(n: int, out, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's two scratch chunks shaped like `like`: `out` (else the thread's own) and the thread's."""
+    buf = getattr(_scratch, "t", None)
+    if buf is None or buf.numel() < (n if out is not None else 2 * n) or buf.device != like.device:
+        buf = torch.empty(n if out is not None else 2 * n, dtype=torch.float32, device=like.device)
+        _scratch.t = buf
+    s = (out if out is not None else buf[n:]).reshape(-1)[:n].view(like.shape)
+    return s, buf[:n].view(like.shape)
+
+
+def _twin_gradient_(deltas, coefs, s, t) -> None:
+    """The twin's first part: Δ = Σ coefsᵢ·dᵢ into `s` in member order (`t` a scratch chunk)."""
     def term(i: int, into: torch.Tensor) -> None:
         d = deltas[i]
         if d.dtype == torch.float32:
@@ -281,11 +325,6 @@ def _eager_step_(params, momentum, coefs, mu_lr, deltas, out) -> None:
     for i in range(1, len(deltas)):
         term(i, t)
         s.add_(t)
-    momentum.mul_(mu_lr[0]).add_(s)           # buf = μ·buf + Δ
-    torch.mul(momentum, mu_lr[0], out=t)
-    s.add_(t)                                 # Δ + μ·buf
-    torch.mul(s, mu_lr[1], out=t)
-    params.add_(t)                            # Θ - lr·(Δ + μ·buf)
 
 
 COMPILE_MIN_NUMEL = 1 << 16   # 256 KiB of f32: smaller chunks gain nothing from a compiled loop

@@ -57,14 +57,13 @@ A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membersh
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from typing import Sequence
 
 from yeto.services.syncer.actions import Merge, MergeInput, Release
 from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
 from yeto.services.syncer.events import MergeDone, PushComplete
 from yeto.services.syncer.machine_state import Part
-from yeto.services.syncer.weights import weights_for
+from yeto.services.syncer.weights import cap_claims, weights_for
 from yeto.services.syncer.state import Round, _Answer, lower_median
 
 
@@ -359,34 +358,11 @@ class Pushes(Part):
         # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
 
     def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int | float], dict[str, dict]]:
-        """The c_tokens each answer weighs with, and {island: {claimed, used, limit}} of the claims
-        that were cut (see the module docstring): a claim is capped at the larger of F x R_claim and
-        F x R_tps x min(c_steps, F x R_steps), F = max_token_factor, R_claim the lower median of the
-        positive claims, R_tps the lower median of their tokens per step (c_tokens / c_steps) and
-        R_steps the lower median of their c_steps. Computed in exact rationals (F as the decimal it was
-        given, e.g. 2.5 is 5/2): a cut claim weighs with the exact limit, an int when it is whole, else
-        the nearest float."""
-        claims = [int(a.c_tokens) for _, a in answers]
-        factor = self.config.max_token_factor
-        positive = [(c, max(1, int(a.c_steps))) for (_, a), c in zip(answers, claims) if c > 0]
-        if factor is None or self.config.equal_weights or not positive:
-            return claims, {}
-        f = Fraction(repr(float(factor)))            # the shortest decimal of the float: what the flag said
-        per_step = lower_median([Fraction(c, s) for c, s in positive])
-        steps_ref = lower_median([s for _, s in positive])
-        by_claim = f * lower_median([c for c, _ in positive])
-        used: list[int | float] = []
-        clamp = {}
-        for (island, a), c in zip(answers, claims):
-            steps = min(Fraction(max(1, int(a.c_steps))), f * steps_ref)
-            limit = max(by_claim, f * per_step * steps)
-            if c > limit:
-                u = limit.numerator if limit.denominator == 1 else float(limit)
-                clamp[island] = {"claimed": c, "used": u, "limit": u}
-                self.s.counters["tokens.clamped"] += 1
-                used.append(u)
-            else:
-                used.append(c)
+        """The c_tokens each answer weighs with, and the claims that were cut (weights.cap_claims)."""
+        used, clamp = cap_claims([(island, a.c_tokens, a.c_steps) for island, a in answers],
+                                 self.config.max_token_factor, self.config.equal_weights)
+        if clamp:
+            self.s.counters["tokens.clamped"] += len(clamp)
         return used, clamp
 
     def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:

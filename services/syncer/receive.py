@@ -55,6 +55,7 @@ class Receiver:
         self.limits = IntakeLimits()   # per-identity bounds on CTL/heartbeat intake and on taped rejections
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
         self.init_pending_bytes = 0
+        self.spec = None   # the speculative merge (speculate.Speculator), told of every push chunk recorded
 
     async def consume(self, kind: str, durable: str, handler, batch: int, *,
                       ready: Callable[[], bool] | None = None) -> None:
@@ -282,6 +283,8 @@ class Receiver:
         # the checked payload is handed on: within its budget the ledger keeps it for the merge
         t = self.ledger.add(meta, seq, expected_total=expected_total, chunk_ok=ok, chunk_reason=reason,
                             sumsq=sumsq, non_finite=non_finite, payload=msg.data if ok else None)
+        if self.spec is not None and ok:
+            self.spec.on_chunk(meta)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
             await self.queue.put(R.PushComplete(

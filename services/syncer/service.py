@@ -112,6 +112,8 @@ class ServiceConfig:
     # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes);
     # None = auto, sized by this syncer's own fragments once the session is known (intake.auto_push_memory_bytes)
     push_memory_bytes: int | None = None
+    # `--speculate`: sum a round's outer gradient while its pushes arrive (speculate.py; off until measured faster)
+    speculate: bool = False
     # `--cover-coordinator`'s standby for shard 0: never takes a lease nobody held, only one that lapsed
     # (started before the coordinator, it would otherwise become it, on the wrong host)
     standby_only: bool = False
@@ -233,6 +235,7 @@ class SyncerService(Startup):
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
                                      self._do)
             self.merger = self._new_merger()
+            self.receiver.spec = self.merger.spec   # intake tells the speculative merge of every push chunk recorded
             if self.cut.session is not None:   # resumed: the merge loop is known now (outer.prewarm)
                 self.merger.prewarm(mc.islands)
             rx = self.receiver
@@ -305,7 +308,8 @@ class SyncerService(Startup):
     def _new_merger(self) -> Merger:
         return Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
                       lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen,
-                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer)
+                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer,
+                      speculate=self.cfg.machine if self.cfg.speculate else None)
 
     async def _on_error(self, exc):
         self.counters["nats_error"] += 1
@@ -466,6 +470,8 @@ class SyncerService(Startup):
             p = dict(a.pull)
             msg = codec.make("pull", run=self.run_id, **p)
             self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
+            if self.merger is not None:
+                self.merger.expect(p)
             await self._write_pulls_record()
             await publish_retry(self.js, S.pull(self.run_id), codec.encode("pull", msg),
                                 S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,

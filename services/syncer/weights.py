@@ -3,6 +3,7 @@ import no torch (services/syncer/outer.py re-exports them beside the outer step 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Sequence
 
 
@@ -35,3 +36,37 @@ def weights_for(members: Sequence[Any], equal_weights: bool) -> list[float]:
     if equal_weights or total == 0.0:
         return [1.0 / n] * n
     return [t / total for t in tokens]
+
+
+def cap_claims(answers: Sequence[tuple[str, int, int]], factor: float | None,
+               equal_weights: bool) -> tuple[list[int | float], dict[str, dict]]:
+    """The c_tokens each answer (island, c_tokens, c_steps) weighs with, and {island: {claimed, used,
+    limit}} of the claims that were cut (services/syncer/pushes.py's module docstring says why): a claim
+    is capped at the larger of F x R_claim and F x R_tps x min(c_steps, F x R_steps), F = `factor`,
+    R_claim the lower median of the positive claims, R_tps the lower median of their tokens per step
+    (c_tokens / c_steps) and R_steps the lower median of their c_steps. Computed in exact rationals (F
+    as the decimal it was given, e.g. 2.5 is 5/2): a cut claim weighs with the exact limit, an int when
+    it is whole, else the nearest float. Pure, so the round machine and the shell's speculative merge
+    (which forecasts the Merge's weights) compute the same values."""
+    from yeto.services.syncer.state import lower_median
+
+    claims = [int(c) for _, c, _ in answers]
+    positive = [(c, max(1, int(s))) for (_, _, s), c in zip(answers, claims) if c > 0]
+    if factor is None or equal_weights or not positive:
+        return claims, {}
+    f = Fraction(repr(float(factor)))            # the shortest decimal of the float: what the flag said
+    per_step = lower_median([Fraction(c, s) for c, s in positive])
+    steps_ref = lower_median([s for _, s in positive])
+    by_claim = f * lower_median([c for c, _ in positive])
+    used: list[int | float] = []
+    clamp = {}
+    for (island, _, c_steps), c in zip(answers, claims):
+        steps = min(Fraction(max(1, int(c_steps))), f * steps_ref)
+        limit = max(by_claim, f * per_step * steps)
+        if c > limit:
+            u = limit.numerator if limit.denominator == 1 else float(limit)
+            clamp[island] = {"claimed": c, "used": u, "limit": u}
+            used.append(u)
+        else:
+            used.append(c)
+    return used, clamp
