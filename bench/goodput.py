@@ -20,7 +20,10 @@ installs a new version of a fragment (its step log, YETO_DILOCO_STEP_LOG), how m
 fragment the syncer had committed by then beyond the one installed (the tape's merge records); the median
 over every install. Peak RSS (VmHWM) of every process. The last line:
 
-  goodput ratio=<x> staleness=<y> sync_steps_per_s=<a> alone_steps_per_s=<b>
+  goodput ratio=<x> staleness=<y> sync_steps_per_s=<a> alone_steps_per_s=<b> boundary_share=<s> ...
+
+boundary_share: per island, the seconds its training thread spent inside boundary() over the window's
+seconds (median over islands): what sync costs the loop itself, free of the spread between the passes.
 """
 from __future__ import annotations
 
@@ -106,6 +109,12 @@ def rate(times: list[float], warmup: int, tail: int) -> float:
     if end <= warmup:
         raise SystemExit(f"goodput bench: {len(times)} steps leave no window after --warmup {warmup} (tail {tail})")
     return (end - warmup) / (times[end] - times[warmup])
+
+
+def boundary_share(times: list[float], boundary_s: list[float], warmup: int, tail: int) -> float:
+    """Seconds inside boundary() over the seconds of the window `rate` measures (same steps)."""
+    end = len(times) - 1 - tail
+    return sum(boundary_s[warmup + 1: end + 1]) / (times[end] - times[warmup])
 
 
 def staleness(steplog_lines: list[str], merges: list[dict]) -> list[int]:
@@ -242,8 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     print("peak RSS MiB: " + ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(watch.peak.items())))
     ratio = statistics.median(sync_rates.values()) / statistics.median(alone_rates.values())
     st = statistics.median(stale) if stale else float("nan")
+    # The share of the window the training thread spent inside boundary(): what sync costs the loop itself,
+    # free of the two passes' run-to-run spread on a shared machine (the ratio also carries the CPU the
+    # syncer, the broker and the other island take).
+    share = statistics.median(boundary_share(r["times"], r["boundary_s"], args.warmup, tail) for r in synced.values())
     print(f"goodput ratio={ratio:.3f} staleness={st:g} sync_steps_per_s={statistics.median(sync_rates.values()):.3f} "
-          f"alone_steps_per_s={statistics.median(alone_rates.values()):.3f} installs={len(stale)} merges={len(merges)}")
+          f"alone_steps_per_s={statistics.median(alone_rates.values()):.3f} boundary_share={share:.4f} "
+          f"installs={len(stale)} merges={len(merges)}")
     return 0
 
 

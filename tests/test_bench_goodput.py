@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GOODPUT = ROOT / "bench" / "goodput.py"
 LAST = re.compile(r"^goodput ratio=(?P<ratio>[0-9.]+) staleness=(?P<st>[0-9.]+) sync_steps_per_s=(?P<s>[0-9.]+) "
-                  r"alone_steps_per_s=(?P<a>[0-9.]+) installs=(?P<installs>\d+) merges=(?P<merges>\d+)$")
+                  r"alone_steps_per_s=(?P<a>[0-9.]+) boundary_share=(?P<share>[0-9.]+) installs=(?P<installs>\d+) "
+                  r"merges=(?P<merges>\d+)$")
 
 
 def _load():
@@ -36,6 +37,14 @@ def test_rate_window_leaves_out_warmup_and_tail():
     assert g.rate(times, warmup=1, tail=2) == pytest.approx(2.0)
     with pytest.raises(SystemExit):
         g.rate(times[:4], warmup=2, tail=2)
+
+
+def test_boundary_share_is_the_time_inside_boundary_over_the_same_window():
+    g = _load()
+    times = [0.0, 5.0] + [5.0 + 0.5 * k for k in range(1, 11)] + [30.0, 60.0]
+    inside = [4.0, 4.0] + [0.05] * 10 + [20.0, 20.0]   # boundary_s[i]: inside the boundary that ended at times[i]
+    # steps 2..11 (the window of rate(warmup=1, tail=2)): 10 x 0.05 s inside of 5 s
+    assert g.boundary_share(times, inside, warmup=1, tail=2) == pytest.approx(0.1)
 
 
 def test_staleness_counts_versions_committed_beyond_the_one_installed():
@@ -61,7 +70,7 @@ def test_smoke_run_prints_both_passes_and_the_last_line(tmp_path):
     assert m, lines[-1]
     assert int(m["merges"]) == 48 * 4 // 32, out.stdout   # steps x P / H rounds, each merged once
     assert int(m["installs"]) >= 2 * 4, out.stdout        # each island installed every fragment at least once
-    assert float(m["s"]) > 0 and float(m["a"]) > 0 and float(m["ratio"]) > 0
+    assert float(m["s"]) > 0 and float(m["a"]) > 0 and float(m["ratio"]) > 0 and 0 <= float(m["share"]) < 1
     rss = next(ln for ln in lines if ln.startswith("peak RSS MiB: "))
     for proc in ("alone-i0", "alone-i1", "sync-i0", "sync-i1", "sync-syncer"):
         assert re.search(rf"\b{proc} \d+", rss), rss
