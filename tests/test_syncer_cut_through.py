@@ -80,6 +80,27 @@ class BcastLog:
         if self.hook is not None:
             self.hook(meta)
 
+    async def kill_mid_broadcast(self, syncer, fid: int, version: int, play) -> bool:
+        """Run `play()` (a round) with a hook that SIGKILLs `syncer` once chunk 3 of `version` of `fid` is
+        in BCAST; wait for that kill or the version's seal. True when the syncer was killed (reaped)."""
+        def hook(meta):
+            if (meta["fragment"], meta["version"]) == (fid, version) and meta["chunk"] >= 3 \
+                    and syncer.proc.poll() is None:
+                syncer.proc.send_signal(signal.SIGKILL)
+        self.hook = hook
+        try:
+            await play()
+            for _ in range(200):
+                if syncer.proc.poll() is not None or (fid, version) in self.sealed:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            self.hook = None
+        if syncer.proc.poll() is None:
+            return False
+        syncer.proc.wait()
+        return True
+
     def two_digests(self) -> list:
         return [(k, sorted(v)) for k, v in self.chunk_digests.items() if len(v) > 1]
 
@@ -176,21 +197,9 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
         killed_at = None
         for t in (4, 6, 8):
             v = t // 2
-
-            def hook(meta, v=v):
-                if (meta["fragment"], meta["version"]) == (fid, v) and meta["chunk"] >= 3 and syncer.proc.poll() is None:
-                    syncer.proc.send_signal(signal.SIGKILL)
             await _play(isls, ref, gen, t - 1)
             torch.testing.assert_close(await a.wait_version(0, v), ref.value(0), rtol=1e-6, atol=1e-6)
-            log.hook = hook
-            await _play(isls, ref, gen, t)
-            for _ in range(200):
-                if syncer.proc.poll() is not None or (fid, v) in log.sealed:
-                    break
-                await asyncio.sleep(0.05)
-            log.hook = None
-            if syncer.proc.poll() is not None:
-                syncer.proc.wait()
+            if await log.kill_mid_broadcast(syncer, fid, v, lambda t=t: _play(isls, ref, gen, t)):
                 killed_at = (t, v)
                 break
             torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)
@@ -281,20 +290,8 @@ async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_r
             if t > 2:
                 await _play(isls, ref, gen, t - 1)
                 torch.testing.assert_close(await a.wait_version(0, v), ref.value(0), rtol=1e-6, atol=1e-6)
-
-            def hook(meta, v=v):
-                if (meta["fragment"], meta["version"]) == (fid, v) and meta["chunk"] >= 3 and syncer.proc.poll() is None:
-                    syncer.proc.send_signal(signal.SIGKILL)
             before = copy.deepcopy(ref)   # the reference before round t: its pushes may be lost
-            log.hook = hook
-            await _play(isls, ref, gen, t)
-            for _ in range(200):
-                if syncer.proc.poll() is not None or (fid, v) in log.sealed:
-                    break
-                await asyncio.sleep(0.05)
-            log.hook = None
-            if syncer.proc.poll() is not None:
-                syncer.proc.wait()
+            if await log.kill_mid_broadcast(syncer, fid, v, lambda t=t: _play(isls, ref, gen, t)):
                 killed_at = (t, v)
                 break
             torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)

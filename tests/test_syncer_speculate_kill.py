@@ -139,20 +139,8 @@ async def test_sigkill_after_adopting_a_speculative_merge_then_redo_gives_its_by
         killed_at = None
         for t in (4, 6, 8):
             v = t // 2
-
-            def hook(meta, v=v):
-                if (meta["fragment"], meta["version"]) == (fid, v) and meta["chunk"] >= 3 and syncer.proc.poll() is None:
-                    syncer.proc.send_signal(signal.SIGKILL)
             await _play(isls, ref, gen, t - 1)
-            log.hook = hook
-            await push_round(isls, ref, gen, t, TOKENS)
-            for _ in range(200):
-                if syncer.proc.poll() is not None or (fid, v) in log.sealed:
-                    break
-                await asyncio.sleep(0.05)
-            log.hook = None
-            if syncer.proc.poll() is not None:
-                syncer.proc.wait()
+            if await log.kill_mid_broadcast(syncer, fid, v, lambda t=t: push_round(isls, ref, gen, t, TOKENS)):
                 killed_at = (t, v)
                 break
             torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)
