@@ -151,6 +151,7 @@ class Island:
         self.final_step: int | None = None
         self._rejected_seen = 0
         self._bytes_seen: Counter[str] = Counter()
+        self._busy_seen = 0.0  # the sync worker's busy seconds already reported (step log extra.background_s)
         self._t0 = 0.0  # when the boundary being carried out began (perf_counter)
         self._bar = None  # the progress bar of the cut being installed (initial, final)
         self._started = False
@@ -471,11 +472,16 @@ class Island:
         self._rejected_seen = client_rejected
         moved = {k: self.comm.bytes[k] - self._bytes_seen[k] for k in ("scatter", "gather")}
         self._bytes_seen = Counter(self.comm.bytes)
+        extra = op.extra
+        if self.worker is not None:   # the sync work done off the training thread since the last event
+            busy = self.worker.busy_s
+            extra = {**(extra or {}), "background_s": round(busy - self._busy_seen, 6)}
+            self._busy_seen = busy
         self.client.steplog.emit(
             step=op.step, boundary_s=time.perf_counter() - self._t0, export_s=stats.export_s,
             apply_s=stats.apply_s, pushes=op.pushes, applies=op.applies, bytes_out=op.bytes_out,
             bytes_in=stats.bytes_in, scatter_bytes=moved["scatter"], gather_bytes=moved["gather"],
-            versions=op.versions, pending_pulls=op.pending_pulls, rejected=rejected, loss=op.loss, extra=op.extra)
+            versions=op.versions, pending_pulls=op.pending_pulls, rejected=rejected, loss=op.loss, extra=extra)
 
 
 __all__ = ["ACK_RESEND_S", "Island", "LockstepTimeout"]

@@ -53,6 +53,8 @@ async def test_versions_are_read_while_training_and_installed_at_the_next_bounda
     assert torch.equal(anchor_flat(island, 1), v2) and island.state.versions() == {"0": 0, "1": 2}
     events = steplog_lines(island)
     assert [e["applies"] for e in events] == [2, 1, 1]
+    # the reading's time is the worker's, reported beside the boundary's own (which only installs)
+    assert all(e["extra"]["background_s"] >= 0 for e in events) and sum(e["extra"]["background_s"] for e in events) > 0
     assert sum(e["bytes_in"] for e in events) >= 4 * (session["fragments"][0]["numel"] + 3 * session["fragments"][1]["numel"])
 
 
