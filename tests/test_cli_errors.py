@@ -60,7 +60,9 @@ def test_every_command_against_a_dead_broker_ends_within_its_bound_naming_the_ur
     base, t_base = _start(["-c", "import yeto.learner.demo, yeto.services.cli"])
     base.communicate(timeout=120)
     startup = time.monotonic() - t_base
-    bounds = {"run rm": 40, "steplog tail": 40, "syncer": 40, "island": max(30.0, startup + 25.0)}
+    # the island's own imports and model set-up run beside four other processes on two cores: its 20 s wait
+    # plus the measured start-up, never under the other commands' bound (32.2 s against 31.1 failed in CI)
+    bounds = {"run rm": 40, "steplog tail": 40, "syncer": 40, "island": max(40.0, startup + 25.0)}
     for name, (p, t0) in procs.items():
         try:
             out, _ = p.communicate(timeout=bounds[name] + 20)
