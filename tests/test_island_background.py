@@ -78,8 +78,12 @@ async def test_a_push_carries_the_values_of_the_boundary_that_took_its_snapshot(
     last, payload = assemble_push(chunks, syncer.numel(1))
     assert (last["step"], last["base_version"], last["c_steps"], last["c_tokens"]) == (2, 0, 1, 3)
     assert torch.equal(bits(unpack(payload, "f32", syncer.numel(1))), bits(local1 - v0[1]))
-    assert await boundary(island)   # the acks are reaped: the pull is answered
-    await until(lambda: island.book.pending() == 0, what="the push settled")
+    for _ in range(100):   # a boundary after the acks reaps them (under load they may take a few)
+        assert await boundary(island)
+        if island.book.pending() == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert island.book.pending() == 0
     assert island.counters["pushes"] == 1
 
 
