@@ -18,8 +18,9 @@ anchor, as of this step) and install a staged version into the parameters (overw
 One lock keeps every reading of the wire (the worker's, the final cut's on the training thread)
 one at a time; installing a parked version does not take it (the worker never touches a parked
 fragment). An error the worker meets that the wire does not count and retry is raised at the next
-boundary. The final cut, lockstep mode and islands of several ranks (every rank's staging is a
-collective the training thread's group runs in order) read on the training thread, as before. An island
+boundary. The final cut and islands of several ranks (every rank's staging is a collective the
+training thread's group runs in order) read on the training thread, as before; lockstep mode uses the
+worker too (its boundary waits for a parked version the same way it waited for a read one). An island
 of several ranks still sends its pushes here: the boundary gathers the snapshot to rank 0 (collective),
 rank 0's worker packs and publishes it; a q4 push stays at the boundary (its residual scatter is
 collective too).
