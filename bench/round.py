@@ -32,8 +32,9 @@ checkpoint files (what the commit spends on them before the state KV record: sin
 the files, fsync + rename + manifest; before, write + fsync), commit kv (state KV record), broadcast
 (every chunk acknowledged). A third line per row, `checkpoint stream`: ckpt write (the merge's writes of
 the new version's files into the page cache, inline in the merge loop or on a writer thread beside it)
-and writer wait (of checkpoint files, the commit waiting for that thread); "-" from a syncer that does
-not stream them. Then counts: push chunks the merge took from memory and read back from PUSH, and
+and writer wait (of checkpoint files, the commit waiting for that thread), state KV puts (the merge
+loop's puts of the new version's params and momentum into the state KV, whose acks `state in JetStream`
+then waits for); "-" from a syncer that does not stream them. Then counts: push chunks the merge took from memory and read back from PUSH, and
 chunks the compiled outer loop stepped and the eager kernel stepped (with `--outer-compile async` the
 eager twin works until the background compile is done: on a slow compile every round may be eager).
 
@@ -89,7 +90,7 @@ EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("
          ("broadcast_s", "broadcast"))
 # Recorded by a syncer that streams the checkpoint files during the merge (optional: printed as "-" when
 # absent, so older syncers' records still make a breakdown).
-STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"))
+STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"), ("state_streamed_s", "state KV puts"))
 # Counts (optional): push chunks the merge took from memory (kept at intake) and read back from PUSH;
 # chunks the compiled outer loop stepped and the eager kernel stepped (a compile not yet done leaves
 # them to the eager twin).
@@ -330,7 +331,8 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                  "--push-memory-mib", str(args.push_memory_mib)],
                 work / "syncer.log", cwd=ROOT,
                 env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
-                         YETO_BROADCAST=args.broadcast, YETO_SPECULATE=args.speculate)).start()
+                         YETO_BROADCAST=args.broadcast, YETO_SPECULATE=args.speculate,
+                         YETO_STATE_STORE=args.state_store)).start()
             rss.add("syncer", procs["syncer"].pid)
             for name in names:
                 e = dict(env, YETO_NATS=url, YETO_LOCKSTEP="1", YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"),
@@ -415,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculate", choices=("on", "off"), default="off",
                    help="the syncer's --speculate: sum the round's outer gradient while the pushes arrive (on) or "
                    "only in the merge (off, the syncer's default)")
+    p.add_argument("--state-store", choices=("jetstream", "local"), default="jetstream",
+                   help="the syncer's --state-store (default jetstream, the syncer's: the committed state also kept "
+                        "in the run's ckpt KV; local: the checkpoint directory only)")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
@@ -438,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
                   f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}, "
-                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}; "
+                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}, --state-store {args.state_store}; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             rounds, names, info = run_rounds(args, url, work, rss)

@@ -162,3 +162,68 @@ async def test_a_torn_save_then_other_bytes_for_the_same_version_restores_the_se
     got_p, got_m = other_host.load_fragment(0, 1, 1000)
     assert torch.equal(got_p, again[0]) and torch.equal(got_m, again[1])
     assert not torch.equal(got_p[:64], torn[0][:64])   # the torn save did reach the first chunks
+
+
+async def test_a_version_streamed_while_the_merge_makes_it_restores_bitwise(store, run_id, tmp_path):
+    """The merge puts each chunk of params and momentum once its outer step made it final (StateStream),
+    in place on the fragment's tensors; the commit's save then only waits for the acks. A chunk not yet
+    whole (the merge's spans need not match the store's chunks) is never put early."""
+    st, kv = store
+    v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
+    params, momentum = v0[0][0].clone(), v0[0][1].clone()   # the fragment's tensors, stepped in place
+    new_p, new_m = _frag(3, 1000)
+    stream = st.stream(0, 1, params, momentum)
+    before = st.counters["state_store.chunks"]
+    for off in range(0, 1000, 100):   # spans of 100 elements; the store's chunks hold 64
+        params[off: off + 100], momentum[off: off + 100] = new_p[off: off + 100], new_m[off: off + 100]
+        await stream.put_ready(off + 100)
+        # chunks wholly within the first off + 100 elements; the last (960..999) once all are done
+        assert stream.next == (16 if off + 100 == 1000 else (off + 100) // 64), (off, stream.next)
+        if off == 0:
+            assert st.counters["state_store.chunks"] - before == 2 * 1   # put before the merge ends
+    assert st.counters["state_store.chunks"] - before == 2 * 16
+    await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: (params, momentum)}, {0: 0}, streamed={0: stream})
+    assert st.counters["state_store.chunks"] - before == 2 * 16   # flushed by the save, never put twice
+    other_host = CheckpointDir(tmp_path / "standby")
+    state = await st.restore_into(other_host, SESSION, {0: 1000, 1: 37})
+    assert state.versions == {0: 1, 1: 0}
+    got_p, got_m = other_host.load_fragment(0, 1, 1000)
+    assert torch.equal(got_p, new_p) and torch.equal(got_m, new_m)
+    keys = set(await kv.keys())
+    assert not [k for k in keys if k.startswith("ckpt.0.f0.v0.")], sorted(keys)
+
+
+async def test_a_stream_torn_mid_merge_restores_the_previous_version_and_a_redo_wins(store, run_id, tmp_path):
+    """A syncer killed mid-merge leaves some streamed chunks of the new version and no manifest naming them:
+    a restore gets the previous version whole; the round run again streams the same version with other
+    bytes, and a restore then gets those (the stream's own attempt id in every Nats-Msg-Id)."""
+    st, kv = store
+    v0 = {0: _frag(1, 1000), 1: _frag(2, 37)}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), v0, {})
+    torn_p, torn_m = _frag(7, 1000)
+    st.guard = _dies_after_chunks(5)
+    stream = st.stream(0, 1, torn_p, torn_m)
+    with pytest.raises(RuntimeError, match="killed"):
+        await stream.put_ready(1000)
+    st.guard = _none
+    state = await st.restore_into(CheckpointDir(tmp_path / "a"), SESSION, {0: 1000, 1: 37})
+    assert state.versions == {0: 0, 1: 0}
+    assert torch.equal(CheckpointDir(tmp_path / "a").load_fragment(0, 0, 1000)[0], v0[0][0])
+    again_p, again_m = _frag(8, 1000)
+    stream = st.stream(0, 1, again_p, again_m)
+    await stream.put_ready(1000)
+    await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: (again_p, again_m)}, {0: 0}, streamed={0: stream})
+    other_host = CheckpointDir(tmp_path / "b")
+    state = await st.restore_into(other_host, SESSION, {0: 1000, 1: 37})
+    got_p, got_m = other_host.load_fragment(0, 1, 1000)
+    assert torch.equal(got_p, again_p) and torch.equal(got_m, again_m)
+    assert not torch.equal(got_p[:64], torn_p[:64])
+
+
+async def test_a_save_refuses_a_stream_of_another_version(store, run_id):
+    st, _ = store
+    p, m = _frag(1, 1000)
+    stream = st.stream(0, 2, p, m)
+    with pytest.raises(RuntimeError, match="version 2 was streamed, the commit names 1"):
+        await st.save(_state(run_id, {0: 1}, 1), {0: (p, m)}, {}, streamed={0: stream})

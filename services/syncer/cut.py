@@ -215,7 +215,8 @@ class Cut:
     async def commit(self, new_versions: dict[int, int], *, step: int, attempts: dict[int, int],
                      records: list[dict] = (), packed: dict[int, BulkBytes] | None = None,
                      streamed: dict[int, VersionFiles] | None = None,
-                     streams: dict[int, BroadcastStream] | None = None) -> dict[str, float]:
+                     streams: dict[int, BroadcastStream] | None = None,
+                     stored: dict | None = None) -> dict[str, float]:
         """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
         plus one `commit` record per fragment) are written with the checkpoint and taped after the
         broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape). `packed`: fragments
@@ -226,7 +227,8 @@ class Cut:
         timings (seconds), which are also added to the `detail` of the `merge` records as taped (the
         checkpoint's copy has none: they are not known yet when it is written). `streams`: fragments
         whose chunks already went out before the seal (cut-through, BroadcastStream): only the seal is
-        sent here, once the version is durable."""
+        sent here, once the version is durable. `stored`: fragments whose chunks the merge already put into
+        the state KV (state_store.StateStream): the state save only waits for their acks."""
         t0 = time.perf_counter()
         packed = dict(packed or {})
         for fid in new_versions:
@@ -259,7 +261,7 @@ class Cut:
         store_s = 0.0
         if self.store is not None:
             previous = {fid: prev.versions[fid] for fid in new_versions if prev and fid in prev.versions}
-            store_s = await self.store.save(state, frags, previous)
+            store_s = await self.store.save(state, frags, previous, streamed=stored)
         t_ckpt = time.perf_counter()
         await self.write_commit_record(state)
         t_kv = time.perf_counter()
@@ -277,7 +279,9 @@ class Cut:
                    "ckpt_wait_s": sum(vf.wait_s for vf in streamed.values()),
                    # cut-through: chunks sent before the seal, and the time the merge loop spent sending them
                    "early_chunks": sum(st.early for st in streams.values()),
-                   "early_send_s": sum(st.seconds for st in streams.values())}
+                   "early_send_s": sum(st.seconds for st in streams.values()),
+                   # the state KV's chunks put during the merge (state_store.StateStream), and the time it took
+                   "state_streamed_s": sum(st.seconds for st in (stored or {}).values())}
         for rec in state.tape:
             rec = dict(rec)
             if rec["kind"] == "merge":

@@ -233,6 +233,8 @@ class Merger:
         if self.ckpt_writer != "whole":
             files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
                                             thread=self.ckpt_writer == "thread")
+        # ... and into the state KV, so the commit waits only for the last acks (state_store.StateStream)
+        stored = None if self.cut.store is None else self.cut.store.stream(fid, a.version, fr.params, fr.momentum)
 
         def step(deltas, s):
             t = time.perf_counter()
@@ -259,6 +261,8 @@ class Merger:
                 outer_s += await asyncio.to_thread(step, deltas, s)
                 if stream is not None and self.broadcast == "cut-through":
                     await stream.put_ready()     # every broadcast chunk now packed, but never the seal
+                if stored is not None:
+                    await stored.put_ready(s.elem_offset + s.elem_count)
         except BaseException as exc:
             if not nxt.done():
                 nxt.cancel()
@@ -291,7 +295,8 @@ class Merger:
         try:
             await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
                                   packed={fid: bulk}, streamed={fid: files} if files is not None else None,
-                                  streams={fid: stream} if stream is not None else None)
+                                  streams={fid: stream} if stream is not None else None,
+                                  stored={fid: stored} if stored is not None else None)
         except BaseException:
             # Before its renames the files are .tmp leftovers, after them files no manifest names (the
             # fragment's next commit deletes those): closing here leaves the crash semantics unchanged.
