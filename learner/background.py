@@ -1,29 +1,30 @@
-"""The sync work a single-process island does off its training thread (docs/design.md §5.5).
+"""The sync work an island does off its training thread (docs/design.md §5.5).
 
 At a boundary the training loop waits for whatever the boundary does. Reading a landed version (fetch,
 chunk checks, the copy into staging) and publishing a push (packing, the wire's flow control, acks)
 take far longer than the two things only the boundary can do: take the push's snapshot (d = local −
 anchor, as of this step) and install a staged version into the parameters (overwrite or blend). A
-`SyncWorker` is one thread that does the rest while the loop trains:
+`SyncWorker` is one thread (on the island's sync rank) that does the rest while the loop trains:
 
 * **Reading**: whenever cut notices arrive, it runs the wire's BCAST reading
   (`IslandWire.read_broadcasts`). A version that completes (every chunk passed, the version digest
   matched) is *parked*, staged whole, not installed: the next boundary installs it (`take_ready`,
   the boundary machine decides how), and until then that fragment is not read again (its staging
-  holds the version waiting), whatever lands for it meanwhile.
+  holds the version waiting), whatever lands for it meanwhile. In an island of several ranks staging
+  is a collective of the group, which only the training thread runs: there the worker keeps the
+  version's stage operations with their chunks (`IslandWire.defer`) and the installing boundary hands
+  them out to the ranks first, so only that hand-out and the install stay on the boundary.
 * **Pushing**: the boundary hands over the snapshot (`submit_push`); the worker packs it in the
   session's push dtype and publishes it; the boundary after the acks reaps the outcome as it does
-  for a push published at the boundary (`PublishHandle`).
+  for a push published at the boundary (`PublishHandle`). In an island of several ranks the boundary
+  gathers the snapshot to rank 0 (collective) first; a q4 push stays at the boundary (its residual
+  scatter is collective too).
 
 One lock keeps every reading of the wire (the worker's, the final cut's on the training thread)
 one at a time; installing a parked version does not take it (the worker never touches a parked
 fragment). An error the worker meets that the wire does not count and retry is raised at the next
-boundary. The final cut and islands of several ranks (every rank's staging is a collective the
-training thread's group runs in order) read on the training thread, as before; lockstep mode uses the
-worker too (its boundary waits for a parked version the same way it waited for a read one). An island
-of several ranks still sends its pushes here: the boundary gathers the snapshot to rank 0 (collective),
-rank 0's worker packs and publishes it; a q4 push stays at the boundary (its residual scatter is
-collective too).
+boundary. The final cut is read on the training thread, as before; lockstep mode uses the worker too
+(its boundary waits for a parked version the same way it waited for a read one).
 """
 from __future__ import annotations
 
@@ -45,9 +46,8 @@ POLL_S = 0.05  # wake to look at the inbox at least this often (its flag is the 
 
 
 class SyncWorker:
-    def __init__(self, wire, *, reads: bool = True, name: str = "yeto-sync"):
+    def __init__(self, wire, *, name: str = "yeto-sync"):
         self.wire = wire
-        self.reads = reads   # reading cuts too (a single process), not only pushes
         self.lock = threading.Lock()   # one reading of the wire at a time
         self._pushes: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -113,12 +113,11 @@ class SyncWorker:
                     self._push(*self._pushes.popleft())
                     continue
                 due = self._retry_at is not None and time.monotonic() >= self._retry_at
-                if self.reads and (len(w.client.bcast) or due or self._wake.is_set()):
+                if len(w.client.bcast) or due or self._wake.is_set():
                     self._wake.clear()
                     self._read()
                     continue
-                if self._wake.wait(POLL_S) and not self.reads:
-                    self._wake.clear()   # a push was handed over: the loop takes it now
+                self._wake.wait(POLL_S)
             except BaseException as exc:   # noqa: BLE001 - handed to the training thread
                 log.error("island %s: sync worker: %r", w.config.island, exc)
                 self._error = exc

@@ -142,7 +142,7 @@ class Island:
         self.frags: dict[int, dict] = {}
         self.machine: Boundary | None = None  # sync rank: what to do, and when
         self.wire: IslandWire | None = None  # sync rank: reading cuts, exporting
-        self.worker: SyncWorker | None = None  # single process: reads cuts and sends pushes off the training thread
+        self.worker: SyncWorker | None = None  # reads cuts and sends pushes off the training thread
         self._rank_state: SyncState | None = None  # the other ranks' view of the versions installed
         self.local_step = 0
         self.should_stop = False
@@ -351,10 +351,11 @@ class Island:
         dec = self._drive(O.Begin(time.monotonic(), final, final_error, committed))
         self.wire.take_stats()  # counted; the first step-log event counts from the first step
         if cfg.background and final is None and not dec.get("stop"):
-            # From the first step on, pushes are sent off the training thread, and a single process reads
-            # cuts there too (learner/background.py; staging on several ranks is the group's collective).
-            self.worker = self.wire.worker = SyncWorker(self.wire, reads=self.world == 1,
-                                                        name=f"yeto-sync-{cfg.island}")
+            # From the first step on, pushes are sent and cuts read off the training thread
+            # (learner/background.py); with several ranks the staging, the group's collective, waits for
+            # the boundary that installs the version (IslandWire.defer).
+            self.wire.defer = self.world > 1
+            self.worker = self.wire.worker = SyncWorker(self.wire, name=f"yeto-sync-{cfg.island}")
         return dec
 
     def _check_session(self, session: dict, fp: str) -> None:
@@ -413,7 +414,7 @@ class Island:
                 return O.ManifestChecked(w.final_heads(op.fragments))
             case O.ReadBroadcasts():
                 t = time.perf_counter()
-                if self.worker is not None and self.worker.reads:
+                if self.worker is not None:
                     applied = self.worker.take_ready(self._commit)
                 else:
                     applied = w.read_broadcasts(self._commit)
@@ -457,6 +458,7 @@ class Island:
         if self.worker is not None:
             self.worker.stop()
             self.worker = self.wire.worker = None
+            self.wire.defer = False   # the training thread reads now: it stages on the ranks itself
 
     def _commit(self, fid: int, version: int, digest: str) -> None:
         """A version read whole: the machine says how, every rank installs it."""

@@ -91,10 +91,18 @@ class IslandWire:
         self._final_step: int | None = None
         self._final_dirty: set[int] = set()
         self._final_got: set[int] = set()
-        # A single-process island's worker thread (learner.background): it reads cuts and sends pushes;
+        # The island's worker thread (learner.background): it reads cuts and sends pushes;
         # versions it read whole wait in `ready` {fragment: (version, digest)} for the next boundary.
         self.worker = None
         self.ready: dict[int, tuple[int, str]] = {}
+        # An island of several ranks whose worker reads cuts: staging there is a collective of the
+        # group, which only the training thread may run. So the worker keeps each reading's stage ops
+        # and their chunks here {fragment: [(op, chunks)]} (rank 0's memory: the version's bytes as
+        # fetched) and the boundary that installs the version leads them first (`commit`): the fetch,
+        # chunk checks, version digest and the wait for a cut-through broadcast stay off the training
+        # thread; only the hand-out to the ranks and the install run at the boundary.
+        self.defer = False
+        self._deferred: dict[int, list[tuple[dict, dict[int, bytes]]]] = {}
         self._stats_lock = threading.Lock()   # the worker counts into the stats the boundary takes
 
     def has_input(self, kinds) -> bool:
@@ -102,7 +110,7 @@ class IslandWire:
         client's inboxes), "pushes" (a push's outcome)."""
         c = self.client
         inboxes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
-        if self.worker is not None and self.worker.reads and "bcast" in kinds:
+        if self.worker is not None and "bcast" in kinds:
             inboxes["bcast"] = self.ready   # the worker drains the notices; what it read whole is the news
         return any(len(inboxes[k]) for k in kinds if k in inboxes) or \
             ("pushes" in kinds and any(h.done() for _, h in self._pushing.values()))
@@ -427,8 +435,11 @@ class IslandWire:
         if not staged:
             return
         chunks = sorted(staged)
-        self._lead({"op": "stage", "fid": fid, "version": version, "dtype": dtype, "chunks": chunks,
-                    "begin": chunks[0] == 0}, staged)
+        op = {"op": "stage", "fid": fid, "version": version, "dtype": dtype, "chunks": chunks, "begin": chunks[0] == 0}
+        if self.defer:
+            self._deferred[fid] = ([] if op["begin"] else self._deferred.get(fid, [])) + [(op, staged)]
+        else:
+            self._lead(op, staged)
         self._staged[fid] = version
 
     def _abort_staging(self, fid: int, reader: CutReader) -> None:
@@ -437,11 +448,16 @@ class IslandWire:
         reader.forget(fid)
         if fid in self.ready:
             return   # no reading: a version read whole waits in that staging for the boundary
-        if self._staged.pop(fid, None) is not None:
+        if self._deferred.pop(fid, None) is not None:
+            self._staged.pop(fid, None)   # kept for the boundary, never handed to the ranks
+        elif self._staged.pop(fid, None) is not None:
             self._lead({"op": "abort", "fid": fid})
 
     def commit(self, op: Commit) -> None:
-        """Every rank installs the version staged (the machine chose the mode)."""
+        """Every rank installs the version staged (the machine chose the mode); a version the worker
+        read for several ranks is handed out to them first (`defer`)."""
+        for stage, chunks in self._deferred.pop(op.fragment, []):
+            self._lead(stage, chunks)
         self._lead({"op": "commit", "fid": op.fragment, "version": op.version, "digest": op.digest, "mode": op.mode})
         self._staged.pop(op.fragment, None)
         self.ready.pop(op.fragment, None)

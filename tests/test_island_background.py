@@ -1,4 +1,4 @@
-"""The single-process island's sync worker (learner/background.py) against a real nats-server, the
+"""The island's sync worker (learner/background.py) against a real nats-server, the
 syncer side played by hand (tests/test_island_local.py's helpers): versions are read whole while the
 loop trains and installed only at the next boundary, exactly as a boundary that read them itself
 would; a push carries the values of the boundary that took its snapshot, whatever the parameters do
@@ -115,3 +115,37 @@ async def test_q4_error_feedback_survives_the_worker(env, tmp_path):  # noqa: F8
             await asyncio.sleep(0.05)
         assert torch.equal(residual_flat(island, 1), r)
         residual = r
+
+
+async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(env):  # noqa: F811 - the env fixture, imported
+    """An island of several ranks stages as a collective of its group, which only the training thread
+    may run, so its worker keeps a version's stage operations and chunks (IslandWire.defer) and the
+    boundary that installs the version hands them to the ranks first. One process plays the group here
+    (the lead's operations run on its own rank); tests/test_island_pieces.py runs a TP=2 island of two
+    gloo ranks through this path against an independent reference."""
+    alpha = 0.25
+    island, session, syncer = env(net(), alpha=alpha, background=True)
+    await started(env, island, session)
+    island.wire.defer = True
+    store = island.ops.store
+    v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
+    await publish_v(syncer, island, 0, v0)   # read whole by the worker: parked, its staging kept back
+    assert sorted(island.wire._deferred) == [0, 1]
+    assert {fid: v for fid, (v, _) in island.wire.ready.items()} == {0: 0, 1: 0}
+    assert store.staging(0) is None and store.staging(1) is None   # nothing handed to the ranks yet
+    assert await boundary(island)
+    for fid in (0, 1):   # first version: overwrite, bit for bit
+        assert torch.equal(bits(frag_values(island, fid)), bits(v0[fid]))
+    assert island.wire._deferred == {} and island.state.versions() == {"0": 0, "1": 0}
+
+    with torch.no_grad():
+        for p in island.adapter.module.parameters():
+            p.add_(0.5)
+    local = frag_values(island, 1)
+    v1 = syncer.values(1, 3)
+    await publish_v(syncer, island, 1, {1: v1})
+    assert store.staging(1) is None and {op["version"] for op, _ in island.wire._deferred[1]} == {1}
+    assert await boundary(island)
+    want = alpha * local.double() + (1 - alpha) * v1.double()
+    assert torch.allclose(frag_values(island, 1).double(), want, rtol=0, atol=1e-6)
+    assert torch.equal(anchor_flat(island, 1), v1) and island.state.versions() == {"0": 0, "1": 1}
