@@ -2,13 +2,15 @@
 """Goodput benchmark: what streaming sync costs an island's training loop.
 
     python bench/goodput.py [--islands 2] [--size-mib 256] [--fragments 4] [--step-s 0.25]
-                            [--sync-every 32] [--steps 160] [--warmup 24]
+                            [--sync-every 32] [--steps 160] [--warmup 24] [--ranks 1]
 
 N islands (processes) train a model of S MiB of f32 parameters in 8 square weight tensors (so P
 fragments of whole tensors divide it evenly). Each step is a fixed simulated accelerator time
 (`--step-s`, a sleep: the host CPU is free meanwhile, as while a GPU computes) plus the real optimizer
 step (torch AdamW over every parameter, gradients fixed at the start: the bench measures the loop, not
-learning). The same script runs twice, in one invocation:
+learning). With `--ranks R` each island is a gloo group of R processes holding the whole model
+(data-parallel), whose boundaries hand the versions read to every rank (a collective). The same script
+runs twice, in one invocation:
 
   sync   a real broker (embedded, or `--nats`), the real `yeto syncer` (P fragments, H = `--sync-every`,
          streaming: not lockstep) and N islands calling `Island.boundary()` after every step;
@@ -44,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 # processes and peak RSS as every bench runs and reads them
 from yeto.services.run_harness import (  # noqa: E402
-    Child, ChildFailed, RssWatch, clean_env, read_tape, stop_all, wait_all,
+    Child, ChildFailed, RssWatch, clean_env, free_port, read_tape, stop_all, wait_all,
 )
 
 MiB = 1 << 20
@@ -60,11 +62,29 @@ def width_for(size_mib: float) -> int:
 
 
 def worker(args) -> int:
+    if args.ranks > 1:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank_loop, args=(args,), nprocs=args.ranks, join=True)
+        return 0
+    _rank_loop(0, args)
+    return 0
+
+
+def _rank_loop(rank: int, args) -> None:
+    """One rank of an island: with `--ranks` > 1 the island is a gloo group of that many processes, each
+    holding the whole model (data-parallel; the gradients are fixed, so no all-reduce is needed for the
+    replicas to stay equal) and calling boundary() together; rank 0 writes the results."""
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    group = None
+    if args.ranks > 1 and args.sync:
+        dist.init_process_group("gloo", rank=rank, world_size=args.ranks, init_method=f"tcp://127.0.0.1:{args.port}")
+        group = dist.group.WORLD
     d = width_for(args.size_mib)
     model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(LAYERS)])
     for p in model.parameters():
@@ -76,7 +96,8 @@ def worker(args) -> int:
         from yeto.learner.config import IslandConfig
         from yeto.learner.island import Island
 
-        island = Island(TorchModuleAdapter(model), IslandConfig.from_env(run=args.run, island=args.island))
+        island = Island(TorchModuleAdapter(model, group=group), IslandConfig.from_env(run=args.run, island=args.island),
+                        group=group)
         island.start()
     times, boundary_s = [], []
     for _ in range(args.steps + (10 * args.sync_every if args.sync else 0)):
@@ -95,9 +116,11 @@ def worker(args) -> int:
                 break
     if island is not None:
         island.close()
-    Path(args.out).write_text(json.dumps({"island": args.island, "times": times, "boundary_s": boundary_s,
-                                          "params": sum(p.numel() for p in model.parameters())}))
-    return 0
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"island": args.island, "times": times, "boundary_s": boundary_s,
+                                              "params": sum(p.numel() for p in model.parameters())}))
+    if group is not None:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------ the driver
@@ -171,7 +194,8 @@ def one_pass(args, url: str | None, work: Path, sync: bool, watch: RssWatch) -> 
             procs[f"{tag}-{name}"] = Child(
                 f"{tag}-{name}", [sys.executable, str(Path(__file__).resolve()), "worker", "--island", name, "--run", run,
                  "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--step-s", str(args.step_s),
-                 "--sync-every", str(args.sync_every), "--out", str(work / f"{tag}-{name}.json")]
+                 "--sync-every", str(args.sync_every), "--out", str(work / f"{tag}-{name}.json"),
+                 "--ranks", str(args.ranks), "--port", str(free_port() if args.ranks > 1 else 0)]
                 + (["--sync"] if sync else []),
                 work / f"{tag}-{name}.log", cwd=ROOT, env=e).start()
         watch.add_children(procs.values())
@@ -197,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--sync-every", type=int, required=True)
     w.add_argument("--sync", action="store_true")
     w.add_argument("--out", required=True)
+    w.add_argument("--ranks", type=int, default=1)
+    w.add_argument("--port", type=int, default=0, help="the island group's rendezvous port (--ranks > 1)")
     ap.add_argument("--islands", type=int, default=2)
     ap.add_argument("--size-mib", type=float, default=256.0)
     ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="processes per island (a gloo group, data-parallel; their staging is the group's collective)")
     ap.add_argument("--step-s", type=float, default=0.25, help="simulated accelerator time per step (a sleep)")
     ap.add_argument("--sync-every", type=int, default=32, help="H")
     ap.add_argument("--steps", type=int, default=160,
@@ -243,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     boundary = sorted(b for r in synced.values() for b in r["boundary_s"][args.warmup:])
     params = next(iter(synced.values()))["params"]
     print(f"model: {params * 4 / MiB:.0f} MiB f32 in {LAYERS} tensors, {args.fragments} fragments, H={args.sync_every}, "
-          f"{args.islands} islands, step {args.step_s}s + AdamW")
+          f"{args.islands} islands of {args.ranks} rank(s), step {args.step_s}s + AdamW")
     print(f"sync  pass {t_sync:.0f}s: steps/s per island {', '.join(f'{n} {v:.3f}' for n, v in sync_rates.items())}; "
           f"{len(merges)} merges; boundary() median {statistics.median(boundary):.3f}s, p90 "
           f"{boundary[int(0.9 * (len(boundary) - 1))]:.3f}s, max {boundary[-1]:.3f}s")

@@ -1,4 +1,4 @@
-"""bench/goodput.py: a smoke run on a 4 MiB model (output contract: both passes ran, merges committed, every
+"""bench/goodput.py: a smoke run on a 4 MiB model, islands of one and of two ranks (output contract: both passes ran, merges committed, every
 process's peak RSS), and its pure parts (the rate window, staleness from a step log and the tape) on
 hand-made data.
 
@@ -60,12 +60,14 @@ def test_staleness_counts_versions_committed_beyond_the_one_installed():
 
 @pytest.mark.timeout(300)
 @pytest.mark.e2e
-def test_smoke_run_prints_both_passes_and_the_last_line(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_smoke_run_prints_both_passes_and_the_last_line(tmp_path, ranks):
     out = subprocess.run([sys.executable, str(GOODPUT), "--size-mib", "4", "--steps", "48", "--warmup", "8",
-                          "--step-s", "0.05", "--workdir", str(tmp_path)],
+                          "--step-s", "0.05", "--workdir", str(tmp_path), "--ranks", str(ranks)],
                          capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
+    assert f"2 islands of {ranks} rank(s)" in lines[0], lines[0]
     m = LAST.match(lines[-1])
     assert m, lines[-1]
     assert int(m["merges"]) == 48 * 4 // 32, out.stdout   # steps x P / H rounds, each merged once
