@@ -88,7 +88,8 @@ from .config import IslandConfig
 from .errors import IslandUnhealthy
 from .fragments import CutReader, SyncState
 from .island_ranks import RankOps
-from .island_wire import IslandWire, progress_bar
+from .island_wire import IslandWire
+from .progress import progress_bar
 from .layout_map import IslandLayout, describe
 from .pulls import PullBook
 from .piece_io import Comm

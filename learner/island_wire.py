@@ -43,6 +43,7 @@ from .errors import NotConnected
 from .fragments import CutReader
 from .inbox import PublishHandle
 from .island_ranks import RankOps
+from .progress import progress_bar
 from .pulls import PendingPull
 
 log = logging.getLogger("yeto.island")
@@ -61,12 +62,6 @@ class WireStats:
     apply_s: float = 0.0
     bytes_in: int = 0
     rejected: int = 0
-
-
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
 class IslandWire:
@@ -95,12 +90,10 @@ class IslandWire:
         # versions it read whole wait in `ready` {fragment: (version, digest)} for the next boundary.
         self.worker = None
         self.ready: dict[int, tuple[int, str]] = {}
-        # An island of several ranks whose worker reads cuts: staging there is a collective of the
-        # group, which only the training thread may run. So the worker keeps each reading's stage ops
-        # and their chunks here {fragment: [(op, chunks)]} (rank 0's memory: the version's bytes as
-        # fetched) and the boundary that installs the version leads them first (`commit`): the fetch,
-        # chunk checks, version digest and the wait for a cut-through broadcast stay off the training
-        # thread; only the hand-out to the ranks and the install run at the boundary.
+        # Several ranks, read by the worker: staging is the group's collective, the training thread's
+        # alone. So the worker keeps the stage ops and chunks {fragment: [(op, chunks)]} (the bytes as
+        # fetched) and the installing boundary leads them first (`commit`). One fragment at a time, or
+        # a whole model could wait in rank 0's memory; the others are read once it is installed.
         self.defer = False
         self._deferred: dict[int, list[tuple[dict, dict[int, bytes]]]] = {}
         self._stats_lock = threading.Lock()   # the worker counts into the stats the boundary takes
@@ -229,6 +222,8 @@ class IslandWire:
         for fid in sorted(self._dirty):
             if fid in self.ready:
                 continue   # its staging holds a version waiting for the boundary: read after that (dirty)
+            if self.defer and any(f != fid for f in self._deferred):
+                continue   # rank 0 keeps one fragment's bytes for the ranks at a time (see `defer`)
             examined: set[int] = set()
             res = self._read_fragment(self.reader, "BCAST", fid, examined)
             if res == "transient":
@@ -601,4 +596,4 @@ class IslandWire:
         return completed, progressed
 
 
-__all__ = ["INIT_QUEUE_CHUNKS", "IslandWire", "MAX_RESTARTS", "TRANSIENT", "WireStats", "progress_bar"]
+__all__ = ["INIT_QUEUE_CHUNKS", "IslandWire", "MAX_RESTARTS", "TRANSIENT", "WireStats"]

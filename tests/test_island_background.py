@@ -129,13 +129,20 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     island.wire.defer = True
     store = island.ops.store
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
-    await publish_v(syncer, island, 0, v0)   # read whole by the worker: parked, its staging kept back
-    assert sorted(island.wire._deferred) == [0, 1]
-    assert {fid: v for fid, (v, _) in island.wire.ready.items()} == {0: 0, 1: 0}
+    for fid, v in v0.items():
+        await syncer.bcast(fid, 0, v)
+    # fragment 0 read whole by the worker: parked, its staging kept back; fragment 1 waits, since rank 0
+    # keeps one fragment's bytes at a time
+    await until(lambda: 0 in island.wire.ready, what="fragment 0 read whole")
+    await asyncio.sleep(0.5)
+    assert list(island.wire._deferred) == [0] and list(island.wire.ready) == [0]
     assert store.staging(0) is None and store.staging(1) is None   # nothing handed to the ranks yet
+    assert await boundary(island)   # installs fragment 0; the worker then reads fragment 1
+    assert torch.equal(bits(frag_values(island, 0)), bits(v0[0]))   # first version: overwrite, bit for bit
+    await until(lambda: 1 in island.wire.ready, what="fragment 1 read whole after fragment 0 was installed")
+    assert list(island.wire._deferred) == [1] and store.staging(1) is None
     assert await boundary(island)
-    for fid in (0, 1):   # first version: overwrite, bit for bit
-        assert torch.equal(bits(frag_values(island, fid)), bits(v0[fid]))
+    assert torch.equal(bits(frag_values(island, 1)), bits(v0[1]))
     assert island.wire._deferred == {} and island.state.versions() == {"0": 0, "1": 0}
 
     with torch.no_grad():
