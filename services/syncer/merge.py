@@ -290,6 +290,7 @@ class Merger:
                          "speculated_chunks": len(spec.done) if spec is not None else 0}
         if stream is not None:
             rec["detail"]["intent_s"] = intent_s
+            rec["detail"]["chunks_in_loop"] = stream.early   # sent while the loop ran (cut-through), not after
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
         try:
