@@ -432,7 +432,8 @@ class IslandWire:
         chunks = sorted(staged)
         op = {"op": "stage", "fid": fid, "version": version, "dtype": dtype, "chunks": chunks, "begin": chunks[0] == 0}
         if self.defer:
-            self._deferred[fid] = ([] if op["begin"] else self._deferred.get(fid, [])) + [(op, staged)]
+            kept = self._deferred[fid] = [] if op["begin"] else self._deferred.get(fid, [])
+            kept.append((op, staged))
         else:
             self._lead(op, staged)
         self._staged[fid] = version

@@ -74,14 +74,9 @@ class StateStore:
     def key(self, *parts) -> str:
         return ".".join(["ckpt", str(self.shard), *map(str, parts)])
 
-    def _chunks(self, t: torch.Tensor):
-        flat = t.detach().reshape(-1)
-        for k, off in enumerate(range(0, flat.numel(), self.chunk_elems)):
-            yield k, flat[off: off + self.chunk_elems]
-
     def stream(self, fid: int, version: int, params: torch.Tensor, momentum: torch.Tensor) -> "StateStream":
-        """A new version's chunks put while the merge makes it (StateStream); `save` then only waits
-        for their acks before the manifest."""
+        """A new version's chunks, put as they become final (StateStream): the merge puts them while it
+        makes them, and `save` then only waits for their acks before the manifest."""
         return StateStream(self, fid, version, params, momentum)
 
     async def put_chunk(self, pipe: Pipeline, fid: int, version: int, kind: str, k: int, piece: torch.Tensor,
@@ -96,23 +91,18 @@ class StateStore:
                    previous: dict[int, int], streamed: dict[int, "StateStream"] | None = None) -> float:
         """The new versions' params and momentum, then the manifest, then the older versions' chunks go.
         `streamed`: fragments whose chunks the merge already put (StateStream): only their acks are
-        waited for here. Returns the seconds it took (the commit's `state_store_s`)."""
+        waited for here; the others are put now. Returns the seconds it took (the commit's `state_store_s`)."""
         t0 = time.perf_counter()
-        streamed = dict(streamed or {})
-        pipe = Pipeline(self.js, timeout=10.0, counters=self.counters)
-        attempt = time.time_ns()   # per save in the Nats-Msg-Id: see StateStream
-        for fid, (params, momentum) in sorted(frags.items()):
-            if fid in streamed:
-                continue
-            v = state.versions[fid]
-            for kind, t in (("p", params), ("m", momentum)):
-                for k, piece in self._chunks(t):
-                    await self.put_chunk(pipe, fid, v, kind, k, piece, attempt)
-        await pipe.flush()
-        for fid, st in sorted(streamed.items()):
+        streams = dict(streamed or {})
+        for fid, st in streams.items():
             if st.version != state.versions[fid]:
                 raise RuntimeError(f"fragment {fid}: version {st.version} was streamed, the commit names "
                                    f"{state.versions[fid]}")
+        for fid, (params, momentum) in sorted(frags.items()):
+            if fid not in streams:   # every chunk put now (each stream bounds its bytes in flight)
+                streams[fid] = self.stream(fid, state.versions[fid], params, momentum)
+                await streams[fid].put_ready(params.numel())
+        for _, st in sorted(streams.items()):
             await st.flush()
         await self.save_manifest(state)
         for fid, old in sorted(previous.items()):
