@@ -93,6 +93,7 @@ class Chaos:
         self.current: dict[str, IslandChild] = {}
         self.syncer: Child | None = None            # the owning syncer (with --standby: the lease's holder)
         self.standby: Child | None = None           # --standby: the syncer standing by
+        self._lease_pid: int | None = None          # --standby: the pid the lease last named
         self.dirs: dict[str, Path] = {}             # syncer child name -> its --checkpoint-dir
         self.broker: BrokerChild | None = None
         self.restarts: dict[str, int] = defaultdict(int)
@@ -155,7 +156,12 @@ class Chaos:
             return
         if self.standby is not None and self.standby.proc.pid == pid:
             self.syncer, self.standby = self.standby, self.syncer
-            log(self.t0, f"{self.syncer.name} owns the run now")
+        # logged on every change of holder, whichever of _restarts or this poll swapped the pair first
+        if pid != self._lease_pid:
+            if self._lease_pid is not None:
+                owner = next((c.name for c in self.children if c.name.startswith("syncer") and c.proc.pid == pid), pid)
+                log(self.t0, f"{owner} owns the run now")
+            self._lease_pid = pid
 
     def start_island(self, island: str) -> None:
         n = self.restarts[island]
