@@ -11,10 +11,10 @@ anchor, as of this step) and install a staged version into the parameters (overw
   matched) is *parked*, staged whole, not installed: the next boundary installs it (`take_ready`,
   the boundary machine decides how), and until then that fragment is not read again (its staging
   holds the version waiting), whatever lands for it meanwhile. In an island of several ranks staging
-  is a collective of the group, which only the training thread runs: there the worker keeps the
-  version's stage operations with their chunks (`IslandWire.defer`, one fragment at a time) and the
-  installing boundary hands them out to the ranks first, so only that hand-out and the install stay on
-  the boundary.
+  is a collective of the group: the worker runs it on a staging group of its own while the ranks train
+  (learner/stager.py), or, where there is none (an island group that is not the whole world), keeps
+  the version's stage operations with their chunks (`IslandWire.defer`, one fragment at a time) for
+  the installing boundary to hand out to the ranks first.
 * **Pushing**: the boundary hands over the snapshot (`submit_push`); the worker packs it in the
   session's push dtype and publishes it; the boundary after the acks reaps the outcome as it does
   for a push published at the boundary (`PublishHandle`). In an island of several ranks the boundary

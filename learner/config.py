@@ -29,7 +29,7 @@ value raises ConfigError naming the attribute and, in the message, the variable 
 | progress | YETO_PROGRESS | on | tqdm bars (INIT, initial cut) on the sync rank |
 | anchor_dir | YETO_ANCHOR_DIR | none (memory) | each rank keeps its anchors, staging and q4 residuals in files under `<dir>/<island>-rank<r>/` instead of RAM |
 | domain | YETO_DOMAIN | none | the island's datacenter: the JetStream domain of the leaf node it connects to; the island keeps the run's mirror of the cut there and reads BCAST / FINAL from it |
-| background | YETO_BACKGROUND_SYNC | on | the island reads cuts and sends pushes on a thread of its own; the boundary only snapshots a push and installs what was read (with several ranks it first hands the chunks read to them) (learner/background.py) |
+| background | YETO_BACKGROUND_SYNC | on | the island reads cuts and sends pushes on a thread of its own; the boundary only snapshots a push and installs what was read (with several ranks the worker stages on them over a gloo group of its own: learner/stager.py) (learner/background.py) |
 | hub_domain | YETO_HUB_DOMAIN | hub | the hub's JetStream domain, where pushes, control and the KV buckets live (used with YETO_DOMAIN) |
 
 Why α = 0.5 by default: α is the weight the island keeps on its own value. α = 0 would throw away

@@ -93,6 +93,7 @@ from .progress import progress_bar
 from .layout_map import IslandLayout, describe
 from .pulls import PullBook
 from .piece_io import Comm
+from .stager import STOP, Stager, can_stage_apart, open_staging
 from .waiting import POLL_S, wait_until
 
 # After the final ack, re-send it this often until the shutdown comes (see boundary.Rules).
@@ -144,6 +145,12 @@ class Island:
         self.machine: Boundary | None = None  # sync rank: what to do, and when
         self.wire: IslandWire | None = None  # sync rank: reading cuts, exporting
         self.worker: SyncWorker | None = None  # reads cuts and sends pushes off the training thread
+        # Several ranks: the staging group, its operations and (ranks but 0) the thread that runs them
+        # while the ranks train (learner/stager.py); None where the worker defers staging to the boundary.
+        self.staging: Comm | None = None
+        self.staging_ops: RankOps | None = None
+        self.stager: Stager | None = None
+        self._staging_open = False
         self._rank_state: SyncState | None = None  # the other ranks' view of the versions installed
         self.local_step = 0
         self.should_stop = False
@@ -205,6 +212,9 @@ class Island:
             return
         self._closed = True
         self._stop_worker()
+        if self.stager is not None and not self.stager.join(10.0):
+            log.warning("island %s rank %d: the staging thread did not end (rank 0 never said stop)",
+                        self.config.island, self.rank)
         if self.client is not None:
             self.client.close()
         self.store.close()
@@ -290,6 +300,7 @@ class Island:
             op = self.comm.share(None)
             kind = op["op"]
             if kind == "end":
+                self.comm.settle()
                 return op
             if kind == "error":
                 raise IslandUnhealthy(f"sync rank failed: {op['error']}")
@@ -302,11 +313,17 @@ class Island:
                     pass
             elif kind == "commit" and op["mode"] != "final":
                 self._rank_state.installed(op["fid"], op["version"], op["digest"])
+            self.comm.settle()   # ran: the staging group's operations stamped after it may run
 
     def _lead(self, op: dict, payloads=None):
         """Announce one collective step and run rank 0's part of it."""
         self.comm.share(op)
         return self.ops.run(op, payloads)
+
+    def _lead_staging(self, op: dict, payloads=None):
+        """The worker's `_lead` for stage and abort operations: on the staging group."""
+        self.staging.share(op)
+        return self.staging_ops.run(op, payloads)
 
     def _setup(self, op: dict) -> None:
         """Every rank: the session's fragments over the island layout, and the version bookkeeping."""
@@ -314,6 +331,13 @@ class Island:
         self.session = session
         self.frags = {f["id"]: f for f in session["fragments"]}
         self.ops = RankOps(self.adapter, self.comm, self.layout, session, self.store, op["alpha"])
+        if op.get("stage_apart"):
+            self.staging, _ = open_staging(self.comm)
+            self.staging_ops = RankOps(self.adapter, self.staging, self.layout, session, self.store, op["alpha"])
+            self._staging_open = True
+            if not self.sync_rank:
+                self.stager = Stager(self.staging, self.staging_ops.run,
+                                     name=f"yeto-stage-{self.config.island}-{self.rank}")
         if not self.sync_rank:
             self._rank_state = SyncState(session, self.config.island, op["gen"], op["alpha"])
 
@@ -329,7 +353,8 @@ class Island:
                      "bulk_dtype": cfg.bulk_dtype, "world": world, "host": cfg.host})
         session = c.wait_session()
         self._check_session(session, fp)
-        op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha}
+        op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha,
+              "stage_apart": cfg.background and can_stage_apart(self.group)}
         self.comm.share(op)
         self._setup(op)
         rules = Rules.of(session, cfg, c.gen, ack_resend_s=ACK_RESEND_S)
@@ -353,9 +378,13 @@ class Island:
         self.wire.take_stats()  # counted; the first step-log event counts from the first step
         if cfg.background and final is None and not dec.get("stop"):
             # From the first step on, pushes are sent and cuts read off the training thread
-            # (learner/background.py); with several ranks the staging, the group's collective, waits for
-            # the boundary that installs the version (IslandWire.defer).
-            self.wire.defer = self.world > 1
+            # (learner/background.py); with several ranks the worker stages on the staging group
+            # (learner/stager.py), or without one keeps the staging for the installing boundary
+            # (IslandWire.defer).
+            if self.staging is not None:
+                self.wire.stage_lead = self._lead_staging
+            else:
+                self.wire.defer = self.world > 1
             self.worker = self.wire.worker = SyncWorker(self.wire, name=f"yeto-sync-{cfg.island}")
         return dec
 
@@ -460,6 +489,13 @@ class Island:
             self.worker.stop()
             self.worker = self.wire.worker = None
             self.wire.defer = False   # the training thread reads now: it stages on the ranks itself
+            self.wire.stage_lead = None
+        if self.sync_rank and self._staging_open:
+            self._staging_open = False   # the Stagers end; later staging runs on the island group
+            try:
+                self.staging.share(dict(STOP))
+            except Exception as exc:   # noqa: BLE001 - a rank gone already: its Stager went with it
+                log.warning("island %s: could not tell the ranks' staging threads to stop: %r", self.config.island, exc)
 
     def _commit(self, fid: int, version: int, digest: str) -> None:
         """A version read whole: the machine says how, every rank installs it."""

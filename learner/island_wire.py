@@ -95,6 +95,7 @@ class IslandWire:
         # fetched) and the installing boundary leads them first (`commit`). One fragment at a time, or
         # a whole model could wait in rank 0's memory; the others are read once it is installed.
         self.defer = False
+        self.stage_lead: Callable | None = None   # else: a staging group's lead (learner/stager.py)
         self._deferred: dict[int, list[tuple[dict, dict[int, bytes]]]] = {}
         self._stats_lock = threading.Lock()   # the worker counts into the stats the boundary takes
 
@@ -208,7 +209,6 @@ class IslandWire:
         self.counters["init_bytes"] += sent[0]
         log.info("island %s: INIT sent %d bytes in %d fragments in %.1fs", self.config.island, sent[0], len(fids),
                  time.monotonic() - t0)
-
 
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
@@ -435,7 +435,7 @@ class IslandWire:
             kept = self._deferred[fid] = [] if op["begin"] else self._deferred.get(fid, [])
             kept.append((op, staged))
         else:
-            self._lead(op, staged)
+            (self.stage_lead or self._lead)(op, staged)
         self._staged[fid] = version
 
     def _abort_staging(self, fid: int, reader: CutReader) -> None:
@@ -447,7 +447,7 @@ class IslandWire:
         if self._deferred.pop(fid, None) is not None:
             self._staged.pop(fid, None)   # kept for the boundary, never handed to the ranks
         elif self._staged.pop(fid, None) is not None:
-            self._lead({"op": "abort", "fid": fid})
+            (self.stage_lead or self._lead)({"op": "abort", "fid": fid})
 
     def commit(self, op: Commit) -> None:
         """Every rank installs the version staged (the machine chose the mode); a version the worker
@@ -483,7 +483,6 @@ class IslandWire:
             self._settle_push(p, True)
             out.append((p, nbytes, None))
         return out
-
 
     def _push(self, op: Push) -> PublishHandle:
         """Stream d = local − anchor in the session push dtype, gathered from the owners chunk by

@@ -35,8 +35,12 @@ Source = Callable[[Run], torch.Tensor]
 class Comm:
     """The island's process group as the sync core uses it (group None: a single process)."""
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None):
+    def __init__(self, group: "dist.ProcessGroup | None" = None, *, fence=None, stream: str = "island"):
         self.group = group
+        # With a staging group beside the island group (learner/stager.py): rank 0 stamps what it shares,
+        # the others wait for the other group's operations it names, and `settle` once they ran it.
+        self.fence, self.stream = fence, stream
+        self._unsettled = False
         if group is None:
             self.rank, self.world, self.ranks = 0, 1, [0]
         else:
@@ -53,9 +57,21 @@ class Comm:
         """Rank 0's object on every rank."""
         if self.world == 1:
             return obj
+        if self.lead and self.fence is not None:
+            obj = self.fence.stamp(self.stream, obj)
         box = [obj]
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
-        return box[0]
+        obj = box[0]
+        if not self.lead and self.fence is not None:
+            self.fence.wait(self.stream, obj)
+            self._unsettled = True
+        return obj
+
+    def settle(self) -> None:
+        """Another rank ran the operation `share` gave it last (the fence counts it as done)."""
+        if self._unsettled:
+            self._unsettled = False
+            self.fence.finish(self.stream)
 
     def all_gather(self, obj) -> list:
         if self.world == 1:

@@ -7,11 +7,13 @@ after it; q4 error feedback and the final cut work as before.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
 from tests.test_island_local import (ISLAND, anchor_flat, assemble_push, bits, boundary, env, frag_values,  # noqa: F401 (env: fixture)
                                      net, publish_v, residual_flat, started, steplog_lines, until)
+from yeto.learner.adapters import gather_fragment
 from yeto.schemas.dtypes import q4_with_feedback, unpack
 
 
@@ -118,11 +120,13 @@ async def test_q4_error_feedback_survives_the_worker(env, tmp_path):  # noqa: F8
 
 
 async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(env):  # noqa: F811 - the env fixture, imported
-    """An island of several ranks stages as a collective of its group, which only the training thread
-    may run, so its worker keeps a version's stage operations and chunks (IslandWire.defer) and the
-    boundary that installs the version hands them to the ranks first. One process plays the group here
-    (the lead's operations run on its own rank); tests/test_island_pieces.py runs a TP=2 island of two
-    gloo ranks through this path against an independent reference."""
+    """An island of several ranks whose group is not the whole world has no staging group
+    (learner/stager.py): staging is a collective of its group, which only the training thread may run,
+    so its worker keeps a version's stage operations and chunks (IslandWire.defer) and the boundary that
+    installs the version hands them to the ranks first. One process plays the group here (the lead's
+    operations run on its own rank); islands of several gloo ranks over the whole world stage on a
+    staging group instead (the test below, and tests/test_island_pieces.py against an independent
+    reference)."""
     alpha = 0.25
     island, session, syncer = env(net(), alpha=alpha, background=True)
     await started(env, island, session)
@@ -156,3 +160,134 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     want = alpha * local.double() + (1 - alpha) * v1.double()
     assert torch.allclose(frag_values(island, 1).double(), want, rtol=0, atol=1e-6)
     assert torch.equal(anchor_flat(island, 1), v1) and island.state.versions() == {"0": 0, "1": 1}
+
+
+def _staging_rank(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:
+    """One rank of a data-parallel island of two gloo ranks (see the test below)."""
+    import os
+
+    import torch.distributed as dist
+
+    from yeto.learner.adapters import TorchModuleAdapter
+    from yeto.learner.config import IslandConfig
+    from yeto.learner.island import Island
+    from yeto.schemas.conn import ConnectOptions
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        model = net(0)
+        island = Island(TorchModuleAdapter(model, group=group),
+                        IslandConfig(run=run, island="dp", nats=ConnectOptions(url=url), heartbeat_s=0.5, progress=False,
+                                     session_timeout_s=30, final_timeout_s=30, shutdown_timeout_s=30,
+                                     connect_timeout_s=10, background=True), group=group).start()
+        rec: dict = {"stager": island.stager is not None, "staging_group": island.staging is not None}
+        for _ in range(3000):   # v0 of both fragments: the same on every rank after each boundary
+            if island.state.versions() == {"0": 0, "1": 0}:
+                break
+            assert island.boundary(tokens=4)
+            time.sleep(0.01)
+        rec["v0"] = island.state.versions()
+        with torch.no_grad():
+            for p in model.parameters():   # a step of training, the same on both replicas
+                p.add_(0.25)
+        if rank == 0:
+            open(f"{out}/phase1", "w").close()   # the test broadcasts v1 of fragment 1 now
+        # No boundary now: the ranks "train" while the worker reads v1 and stages it on every rank.
+        frag = island.frags[1]
+        want = torch.randn(frag["numel"], generator=torch.Generator().manual_seed(3))   # the test's v1
+        deadline, staged = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            if island.store.staging(1) == 1:
+                staged = torch.cat([island.store.staged(1, t["name"]).clone() for t in frag["tensors"]])
+                if torch.equal(bits(staged), bits(want)):
+                    break
+            time.sleep(0.02)
+        rec["staged_while_training"] = staged is not None and torch.equal(bits(staged), bits(want))
+        rec["before"] = gather_fragment(island.adapter, frag).clone()
+        assert island.boundary(tokens=4)   # installs v1: the commit alone
+        rec["after"] = gather_fragment(island.adapter, frag).clone()
+        rec["v1"] = island.state.versions()
+        if rank == 0:
+            open(f"{out}/phase2", "w").close()   # the test sends the final cut now
+        while island.boundary(tokens=0):
+            time.sleep(0.01)
+        rec["finalized"] = island.finalized
+        rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        island.close()
+        rec["stager_ended"] = island.stager is None or island.stager.join(0.0)
+        torch.save(rec, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_train(env, tmp_path):  # noqa: F811 - the env fixture, imported
+    """An island of two gloo ranks (the whole world): the worker stages a version on every rank over a
+    staging group of its own (learner/stager.py) while the ranks are between boundaries, so the boundary
+    that installs it only commits. The install is still the blend, the same on both replicas, and the
+    final cut is exact; both staging threads end with the run."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from yeto.schemas import codec
+    from yeto.schemas import subjects as S
+
+    alpha = 0.5   # IslandConfig's default
+    _, session, syncer = env(net())
+    session = dict(session, init_island="syncer-side")
+    await env.write_session(session)
+    js, run = env.js, syncer.run
+    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run, "CTL"))
+    ctx = mp.start_processes(_staging_rank, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path)),
+                             nprocs=2, join=False, start_method="spawn")
+    try:
+        hello = None
+        while hello is None:
+            for m in await ctl.fetch(10, timeout=30):
+                await m.ack()
+                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+                if kind == "hello":
+                    hello = msg
+        gen = hello["gen"]
+        for fid, seed in ((0, 1), (1, 2)):
+            await syncer.bcast(fid, 0, syncer.values(fid, seed))
+        await until(lambda: os.path.exists(tmp_path / "phase1"), timeout=60, what="v0 installed on both ranks")
+        v1 = syncer.values(1, 3)
+        await syncer.bcast(1, 1, v1)
+        await until(lambda: os.path.exists(tmp_path / "phase2"), timeout=60, what="v1 installed on both ranks")
+        final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
+        digests = {str(fid): await syncer.final(fid, fid + 1, v, final_step=3) for fid, v in final.items()}
+        await syncer.to_island("manifest", "dp", final_step=3, versions={"0": 1, "1": 2}, version_digests=digests,
+                               gen=gen)
+        hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(run, "HB"))
+        acked, deadline = False, time.monotonic() + 60
+        while not acked:
+            assert time.monotonic() < deadline, "no final ack"
+            for m in await hb.fetch(10, timeout=30):
+                await m.ack()
+                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+                acked = acked or (kind == "ack" and msg["final_step"] == 3 and msg["gen"] == gen)
+        await syncer.to_island("shutdown", "dp", reason="done", gen=gen)
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(ctx.join, 5):
+            assert time.monotonic() < deadline, "the ranks did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["staging_group"] and r1["staging_group"] and not r0["stager"] and r1["stager"]
+    assert r0["v0"] == r1["v0"] == {"0": 0, "1": 0}
+    # the point: rank 1 held the whole of v1 in its staging before its training thread reached a boundary
+    assert r0["staged_while_training"] and r1["staged_while_training"]
+    for r in (r0, r1):
+        want = alpha * r["before"].double() + (1 - alpha) * v1.double()
+        assert torch.allclose(r["after"].double(), want, rtol=0, atol=1e-6)
+        assert r["v1"] == {"0": 0, "1": 1} and r["finalized"] and r["stager_ended"]
+    assert torch.equal(bits(r0["after"]), bits(r1["after"]))
+    for fid, frag in enumerate(session["fragments"]):
+        for r in (r0, r1):
+            for t in frag["tensors"]:
+                assert torch.equal(bits(r["params"][t["name"]].reshape(-1)),
+                                   bits(final[fid][t["offset"]: t["offset"] + t["numel"]]))

@@ -167,11 +167,13 @@ async def test_a_tp1_and_a_tp2_island_share_one_session_and_end_with_identical_g
     share = {f["id"]: sum(b1["tensors"][t["name"]].numel() for t in f["tensors"]) for f in frags}
     owned = {f["id"]: sum(b1["tensors"][t["name"]].numel() for t in f["tensors"] if b1["owner"][t["name"]])
              for f in frags}
-    # Stopped at the last round's own boundary (see above): that version, read by the worker and waiting
-    # for the boundary's hand-out, gave way to the final cut and was never scattered.
-    early = share[(ROUNDS - 1) % P] if b0["steps"] == ROUNDS else 0
+    # Stopped at the last round's own boundary (see above): that version gave way to the final cut. The
+    # worker scatters a version to the ranks as it reads it (learner/stager.py), so it was scattered
+    # unless the final cut's reading stopped the worker before it began that version.
+    unscattered = {0, share[(ROUNDS - 1) % P]} if b0["steps"] == ROUNDS else {0}
     c = b0["counters"]
-    assert c["scatter_bytes"] == 4 * (4 * sum(share.values()) - early)
+    assert c["scatter_bytes"] in {4 * (4 * sum(share.values()) - e) for e in unscattered}
+    early = 4 * sum(share.values()) - c["scatter_bytes"] // 4
     assert c["scatter_bytes"] < 4 * 4 * sum(f["numel"] for f in frags)  # less than whole fragments
     # ... and received rank 1's owned slices for INIT and for each round's push (f32)
     assert c["gather_bytes"] == 4 * (sum(owned.values()) + sum(owned[(t - 1) % P] for t in range(1, ROUNDS + 1)))

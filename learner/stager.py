@@ -1,0 +1,120 @@
+"""Staging a version on an island's ranks while they train (docs/design.md §5.5, §6).
+
+In an island of several ranks, staging a version (rank 0 scatters each chunk to the ranks that hold
+its pieces, `RankOps.stage`) is a collective. On the island group it could only run when every rank's
+training thread is in `boundary()`. So a second gloo group of the same ranks (`open_staging`) carries
+the stage and abort operations: rank 0's sync worker leads them as it reads, and a `Stager` thread on
+every other rank follows; the boundary that installs the version only runs its commit.
+
+Every other rank then receives two streams of rank 0's operations, the island group's (its training
+thread) and the staging group's (its Stager). `Fence` keeps them in the order rank 0 issued them: rank 0
+stamps each operation with how many of the other stream's it had issued before it, and a rank runs an
+operation only once it has finished that many of the other stream's. So a commit never runs before
+its version's last chunk is staged on that rank, and the staging of the fragment's next version never
+starts before the rank has installed the one before (it would overwrite that staging).
+
+A group other than the whole world (`dist.group.WORLD`) gets no staging group: torch would need every
+process of the world to create it. Its worker keeps a version's stage operations for the installing
+boundary instead (`IslandWire.defer`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import torch.distributed as dist
+
+from .errors import IslandUnhealthy
+
+log = logging.getLogger("yeto.island")
+
+AFTER = "after"   # an operation's stamp: the other stream's operations rank 0 had issued before it
+STREAMS = ("island", "staging")
+STOP = {"op": "stop"}   # rank 0 to the Stagers: no more staging (the worker stopped)
+
+
+class Fence:
+    """Rank 0's issue order of two operation streams, kept on the other ranks (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._issued = dict.fromkeys(STREAMS, 0)   # rank 0
+        self._done = dict.fromkeys(STREAMS, 0)     # the other ranks
+        self._error: str | None = None
+
+    @staticmethod
+    def _other(stream: str) -> str:
+        return STREAMS[1 - STREAMS.index(stream)]
+
+    def stamp(self, stream: str, op: dict) -> dict:
+        """Rank 0, as it issues `op` on `stream`."""
+        with self._cv:
+            self._issued[stream] += 1
+            return {**op, AFTER: self._issued[self._other(stream)]}
+
+    def wait(self, stream: str, op: dict) -> None:
+        """Another rank, before running `op` received on `stream`."""
+        other, need = self._other(stream), op.get(AFTER, 0)
+        with self._cv:
+            self._cv.wait_for(lambda: self._error is not None or self._done[other] >= need)
+            if self._error is not None:
+                raise IslandUnhealthy(f"the {other} operations of this rank failed: {self._error}")
+
+    def finish(self, stream: str) -> None:
+        """Another rank ran one more operation of `stream`."""
+        with self._cv:
+            self._done[stream] += 1
+            self._cv.notify_all()
+
+    def fail(self, error: str) -> None:
+        """Nothing more will finish (a Stager died): whoever waits raises."""
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+
+def can_stage_apart(group) -> bool:
+    """A staging group of the same ranks can be made for `group` (see the module doc)."""
+    return group is not None and dist.get_world_size(group) == dist.get_world_size() > 1
+
+
+def open_staging(comm) -> tuple["object", Fence]:
+    """Every rank of the island, in the same order: the staging group's Comm, fenced with `comm`'s."""
+    from .piece_io import Comm
+
+    fence = Fence()
+    staging = Comm(dist.new_group(ranks=comm.ranks, backend="gloo"), fence=fence, stream="staging")
+    staging.bytes = comm.bytes   # one count per purpose, whichever group moved them (step-log counters)
+    comm.fence, comm.stream = fence, "island"
+    return staging, fence
+
+
+class Stager:
+    """The thread of a rank other than 0 that runs the staging group's operations as they come."""
+
+    def __init__(self, comm, run: Callable[[dict], object], *, name: str):
+        self.comm, self._run_op = comm, run
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                op = self.comm.share(None)
+                if op["op"] == STOP["op"]:
+                    self.comm.settle()
+                    return
+                self._run_op(op)
+                self.comm.settle()
+        except BaseException as exc:   # noqa: BLE001 - the training thread raises it at its next operation
+            log.error("island rank %d: staging thread: %r", self.comm.rank, exc)
+            self.comm.fence.fail(repr(exc))
+
+    def join(self, timeout: float) -> bool:
+        """Whether the thread ended (rank 0 sent STOP) within `timeout`."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+__all__ = ["AFTER", "Fence", "STOP", "Stager", "can_stage_apart", "open_staging"]
