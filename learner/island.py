@@ -333,7 +333,7 @@ class Island:
         self.ops = RankOps(self.adapter, self.comm, self.layout, session, self.store, op["alpha"])
         if op.get("stage_apart"):
             self.staging, _ = open_staging(self.comm)
-            self.staging_ops = RankOps(self.adapter, self.staging, self.layout, session, self.store, op["alpha"])
+            self.staging_ops = self.ops.over(self.staging)
             self._staging_open = True
             if not self.sync_rank:
                 self.stager = Stager(self.staging, self.staging_ops.run,

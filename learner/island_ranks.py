@@ -18,6 +18,7 @@ rank 0 (which also holds the wire bytes) and on the others:
 """
 from __future__ import annotations
 
+import copy
 from typing import Iterator, Mapping
 
 import torch
@@ -45,6 +46,15 @@ class RankOps:
         self.chunk_bytes = session["chunk_bytes"]
         self.maps: dict[int, FragmentMap] = {f["id"]: layout.fragment(f) for f in session["fragments"]}
         self._spans: dict[tuple[int, str], list[ChunkSpan]] = {}
+        # `keep`: a push's values as of its boundary, per fragment {(tensor, lo): this rank's owned run}
+        self._kept: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+
+    def over(self, comm: Comm) -> "RankOps":
+        """The same rank's operations over another group of the same ranks (learner/stager.py), sharing
+        the maps, the store and the kept snapshots."""
+        twin = copy.copy(self)
+        twin.comm = comm
+        return twin
 
     def spans(self, fid: int, dtype: str) -> list[ChunkSpan]:
         key = (fid, dtype)
@@ -101,6 +111,25 @@ class RankOps:
         when it stops publishing, so the others are never left waiting in a gather)."""
         return self.pack(op, self._values(op))
 
+    def keep(self, op: Mapping) -> None:
+        """op: fid, dtype (wire, not q4), purpose "push". Every rank, at the push's boundary: its own
+        owned runs of d = local − anchor as of now, copied and kept (reading the adapter may be a
+        collective of the island group, hence here); an `export` with "kept" gathers them to rank 0
+        later, on the staging group. One per fragment: the next keep replaces one never exported."""
+        fid = op["fid"]
+        fm = self.maps[fid]
+        reads = PieceReads(self.adapter, fm, self.rank)
+        source = self._source(op, reads)
+        kept = {}
+        try:
+            for s in self.spans(fid, op["dtype"]):
+                reads.advance(s.elem_offset, s.elem_count)
+                for run in fm.runs(s.elem_offset, s.elem_count, self.rank, owned=True):
+                    kept[(run.tensor, run.lo)] = source(run).to(torch.float32)
+        finally:
+            reads.close()
+        self._kept[fid] = kept
+
     def snapshot(self, op: Mapping) -> list[tuple[ChunkSpan, torch.Tensor | None]]:
         """The export values as of now, gathered to rank 0 and unpacked (f32 per chunk: d = local −
         anchor, q4 plus the residual; None on the other ranks): what a push must take at its boundary.
@@ -109,13 +138,31 @@ class RankOps:
         return list(self._values(op))
 
     def _values(self, op: Mapping) -> Iterator[tuple[ChunkSpan, torch.Tensor | None]]:
-        """(span, the owners' values gathered on rank 0, float32; None on the other ranks) per chunk."""
-        fid, dtype, purpose = op["fid"], op["dtype"], op["purpose"]
+        """(span, the owners' values gathered on rank 0, float32; None on the other ranks) per chunk;
+        with "kept", the values `keep` took (no adapter reads)."""
+        fid, dtype = op["fid"], op["dtype"]
         fm = self.maps[fid]
+        if op.get("kept"):
+            kept = self._kept.pop(fid)
+            for s in self.spans(fid, dtype):
+                yield s, gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, lambda run: kept[(run.tensor, run.lo)])
+            return
         reads = PieceReads(self.adapter, fm, self.rank)
-        q4 = purpose == "push" and dtype == "q4"
-        if q4:
+        if op["purpose"] == "push" and dtype == "q4":
             self.store.begin_residual(fid, self._numels(fid, owned=True))
+        source = self._source(op, reads)
+        try:
+            for s in self.spans(fid, dtype):
+                reads.advance(s.elem_offset, s.elem_count)
+                yield s, gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, source)
+        finally:
+            reads.close()
+
+    def _source(self, op: Mapping, reads: PieceReads):
+        """This rank's float32 values of an owned run for `op` (read through `reads`): the values for
+        INIT, d = local − anchor for a push (q4: plus the residual)."""
+        fid, purpose = op["fid"], op["purpose"]
+        q4 = purpose == "push" and op["dtype"] == "q4"
 
         def source(run):
             name = run.piece.name
@@ -127,12 +174,7 @@ class RankOps:
                 d += self.store.residual(fid, name, run.lo, run.hi)
             return d
 
-        try:
-            for s in self.spans(fid, dtype):
-                reads.advance(s.elem_offset, s.elem_count)
-                yield s, gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, source)
-        finally:
-            reads.close()
+        return source
 
     def pack(self, op: Mapping, values) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
         """Each chunk of `values` packed in the wire dtype (rank 0); q4 also hands each owner its new
@@ -172,6 +214,8 @@ class RankOps:
             return self.export(op)
         if kind == "snapshot":
             return self.snapshot(op)
+        if kind == "keep":
+            return self.keep(op)
         if kind == "residual":
             return self.residual(op)
         raise ValueError(f"unknown island op {kind!r}")

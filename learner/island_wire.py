@@ -21,9 +21,7 @@ are awaited in the background (`reap` reports the outcome at a later boundary).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections import Counter
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ import nats.errors
 from yeto.schemas import codec
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_header, push_digest
-from yeto.schemas.dtypes import as_bytes_view, packed_nbytes
+from yeto.schemas.dtypes import as_bytes_view
 from yeto.schemas.errors import WireError
 from yeto.schemas.publish import PublishFailed
 
@@ -42,15 +40,14 @@ from .boundary_ops import Commit, Push
 from .errors import NotConnected
 from .fragments import CutReader
 from .inbox import PublishHandle
+from .init_export import stream_init
 from .island_ranks import RankOps
-from .progress import progress_bar
 from .pulls import PendingPull
 
 log = logging.getLogger("yeto.island")
 
 # Errors that mean "this push / fetch did not get through now": retried at a later boundary.
 TRANSIENT = (NotConnected, TimeoutError, PublishFailed, nats.errors.Error, ConnectionError, OSError)
-INIT_QUEUE_CHUNKS = 4  # packed INIT chunks waiting for the publisher thread on rank 0
 MAX_RESTARTS = 3  # re-reads of one fragment per boundary when newer versions keep overwriting it
 
 
@@ -144,71 +141,8 @@ class IslandWire:
         return out
 
     def stream_init(self) -> None:
-        """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (see the module
-        doc): the main thread gathers (collective), a background thread publishes."""
-        dtype = self.session["bulk_dtype"]
-        run, gen, island = self.config.run, self.gen, self.config.island
-        fids = sorted(self.frags)
-        total_bytes = sum(packed_nbytes(dtype, self.frags[f]["numel"]) for f in fids)
-        bar = progress_bar(total_bytes, f"INIT {self.config.island}", self.config.progress)
-        q: queue.Queue = queue.Queue(maxsize=INIT_QUEUE_CHUNKS)
-        err: list[BaseException] = []
-        sent = [0]
-
-        def publisher() -> None:
-            for fid in fids:
-                spans = self.ops.spans(fid, dtype)
-                ended = [False]
-
-                def items():
-                    while True:
-                        x = q.get()
-                        if x is None:
-                            ended[0] = True
-                            return
-                        s, packed = x
-                        payload = as_bytes_view(packed)  # zero copy: the publisher copies it once
-                        # island + gen: the syncer builds version 0 from one process's chunks only
-                        meta = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen,
-                                "fragment": fid, "dtype": dtype,
-                                **chunk_header(spans, s.index, payload)}
-                        yield (S.init(run, fid), payload, S.init_msg_id(fid, s.index, gen),
-                               {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
-                        bar.update(s.nbytes)
-
-                try:
-                    if not err:
-                        sent[0] += self.client.publish_stream(items(), timeout=self.config.push_timeout_s)
-                except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                    err.append(exc)
-                while not ended[0]:  # drain what the gather still produces for this fragment
-                    if q.get() is None:
-                        ended[0] = True
-
-        t0 = time.monotonic()
-        thread = threading.Thread(target=publisher, name="yeto-init", daemon=True)
-        thread.start()
-        ended = 0
-        try:
-            for fid in fids:
-                for s, packed in self._lead({"op": "export", "fid": fid, "dtype": dtype, "purpose": "init"}):
-                    if not err:
-                        q.put((s, packed))
-                q.put(None)
-                ended += 1
-        except BaseException as exc:
-            err.append(exc)
-            for _ in range(len(fids) - ended):  # release the publisher: no more chunks are coming
-                q.put(None)
-            raise
-        finally:
-            thread.join(timeout=self.config.push_timeout_s * len(fids) + 10)
-            bar.close()
-        if err:
-            raise err[0]
-        self.counters["init_bytes"] += sent[0]
-        log.info("island %s: INIT sent %d bytes in %d fragments in %.1fs", self.config.island, sent[0], len(fids),
-                 time.monotonic() - t0)
+        """INIT (learner/init_export.py)."""
+        stream_init(self)
 
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
@@ -512,6 +446,11 @@ class IslandWire:
                        {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
 
         export = {"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"}
+        if self.worker is not None and self.stage_lead is not None and dtype != "q4":
+            # Several ranks with a staging group: each rank keeps its own share as of this step (the
+            # boundary's part), and the worker gathers them on the staging group as it sends.
+            self._lead(dict(export, op="keep"))
+            return self.worker.submit_push(lambda: self._send_kept(items, dict(export, kept=True)))
         if self.worker is not None and (self.ops.comm.world == 1 or dtype != "q4"):
             # The boundary takes the values as of this step (every rank: the gather is collective); packing
             # and sending them is the worker's (learner.background), whose handle `reap` reads as any push's.
@@ -527,6 +466,16 @@ class IslandWire:
                 pass
             if dtype == "q4":
                 self._lead({"op": "residual", "fid": fid, "keep": False})
+            raise
+
+    def _send_kept(self, items: Callable, export: dict) -> PublishHandle:
+        """The worker: gather the push `keep` took from the ranks (staging group) and publish it."""
+        chunks = self.stage_lead(export)
+        try:
+            return self.client.publish_stream(items(chunks), timeout=self.config.push_timeout_s, detach=True)
+        except BaseException:
+            for _ in chunks:  # the other ranks' Stagers are in this gather: complete it
+                pass
             raise
 
     def _settle_push(self, p: PendingPull, ok: bool) -> None:
@@ -596,4 +545,4 @@ class IslandWire:
         return completed, progressed
 
 
-__all__ = ["INIT_QUEUE_CHUNKS", "IslandWire", "MAX_RESTARTS", "TRANSIENT", "WireStats"]
+__all__ = ["IslandWire", "MAX_RESTARTS", "TRANSIENT", "WireStats"]

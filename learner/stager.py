@@ -4,7 +4,9 @@ In an island of several ranks, staging a version (rank 0 scatters each chunk to 
 its pieces, `RankOps.stage`) is a collective. On the island group it could only run when every rank's
 training thread is in `boundary()`. So a second gloo group of the same ranks (`open_staging`) carries
 the stage and abort operations: rank 0's sync worker leads them as it reads, and a `Stager` thread on
-every other rank follows; the boundary that installs the version only runs its commit.
+every other rank follows; the boundary that installs the version only runs its commit. A push goes
+the same way: at its boundary every rank keeps its own share of d = local − anchor (`RankOps.keep`, a
+copy), and the worker gathers the shares to rank 0 on the staging group as it sends them.
 
 Every other rank then receives two streams of rank 0's operations, the island group's (its training
 thread) and the staging group's (its Stager). `Fence` keeps them in the order rank 0 issued them: rank 0
@@ -105,7 +107,10 @@ class Stager:
                 if op["op"] == STOP["op"]:
                     self.comm.settle()
                     return
-                self._run_op(op)
+                out = self._run_op(op)
+                if op["op"] == "export":   # a push's gather (RankOps.keep): every rank runs it to its end
+                    for _ in out:
+                        pass
                 self.comm.settle()
         except BaseException as exc:   # noqa: BLE001 - the training thread raises it at its next operation
             log.error("island rank %d: staging thread: %r", self.comm.rank, exc)
