@@ -40,7 +40,7 @@ class Comm:
         # With a staging group beside the island group (learner/stager.py): rank 0 stamps what it shares,
         # the others wait for the other group's operations it names, and `settle` once they ran it.
         self.fence, self.stream = fence, stream
-        self._unsettled = False
+        self._unsettled: dict | None = None
         if group is None:
             self.rank, self.world, self.ranks = 0, 1, [0]
         else:
@@ -64,14 +64,14 @@ class Comm:
         obj = box[0]
         if not self.lead and self.fence is not None:
             self.fence.wait(self.stream, obj)
-            self._unsettled = True
+            self._unsettled = obj
         return obj
 
     def settle(self) -> None:
         """Another rank ran the operation `share` gave it last (the fence counts it as done)."""
-        if self._unsettled:
-            self._unsettled = False
-            self.fence.finish(self.stream)
+        if self._unsettled is not None:
+            op, self._unsettled = self._unsettled, None
+            self.fence.finish(self.stream, op)
 
     def all_gather(self, obj) -> list:
         if self.world == 1:

@@ -9,11 +9,13 @@ the same way: at its boundary every rank keeps its own share of d = local − an
 copy), and the worker gathers the shares to rank 0 on the staging group as it sends them.
 
 Every other rank then receives two streams of rank 0's operations, the island group's (its training
-thread) and the staging group's (its Stager). `Fence` keeps them in the order rank 0 issued them: rank 0
-stamps each operation with how many of the other stream's it had issued before it, and a rank runs an
-operation only once it has finished that many of the other stream's. So a commit never runs before
-its version's last chunk is staged on that rank, and the staging of the fragment's next version never
-starts before the rank has installed the one before (it would overwrite that staging).
+thread) and the staging group's (its Stager). `Fence` keeps them in the order rank 0 issued them where
+they touch the same thing (a fragment's staging, or its kept push: `resource`): rank 0 stamps each such
+operation with how many of the other stream's on the same thing it had issued before it, and a rank
+runs it only once it has finished that many. So a commit never runs before its version's last chunk is
+staged on that rank, the staging of the fragment's next version never starts before the rank has
+installed the one before (it would overwrite that staging), and a push is gathered only after every
+rank kept it; a boundary that installs nothing never waits for the Stager.
 
 A group other than the whole world (`dist.group.WORLD`) gets no staging group: torch would need every
 process of the world to create it. Its worker keeps a version's stage operations for the installing
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from typing import Callable
 
 import torch.distributed as dist
@@ -36,13 +39,28 @@ STREAMS = ("island", "staging")
 STOP = {"op": "stop"}   # rank 0 to the Stagers: no more staging (the worker stopped)
 
 
+def resource(op: dict) -> tuple | None:
+    """What of a rank's an operation touches that the other stream's may too: a fragment's staging
+    (stage, abort, commit) or its kept push (keep, and the export that gathers it); None for the rest
+    (end, a push's snapshot, a q4 residual, ...), which never wait."""
+    kind, fid = op.get("op"), op.get("fid")
+    if fid is None:
+        return None
+    if kind in ("stage", "abort", "commit"):
+        return ("staging", fid)
+    if kind == "keep" or (kind == "export" and op.get("kept")):
+        return ("kept", fid)
+    return None
+
+
 class Fence:
-    """Rank 0's issue order of two operation streams, kept on the other ranks (see the module doc)."""
+    """Rank 0's issue order of two operation streams, kept on the other ranks where they touch the
+    same thing (see the module doc and `resource`)."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._issued = dict.fromkeys(STREAMS, 0)   # rank 0
-        self._done = dict.fromkeys(STREAMS, 0)     # the other ranks
+        self._issued: Counter = Counter()   # rank 0: (stream, resource) -> operations issued
+        self._done: Counter = Counter()     # the other ranks: (stream, resource) -> operations run
         self._error: str | None = None
 
     @staticmethod
@@ -51,22 +69,29 @@ class Fence:
 
     def stamp(self, stream: str, op: dict) -> dict:
         """Rank 0, as it issues `op` on `stream`."""
+        res = resource(op)
+        if res is None:
+            return op
         with self._cv:
-            self._issued[stream] += 1
-            return {**op, AFTER: self._issued[self._other(stream)]}
+            self._issued[(stream, res)] += 1
+            return {**op, AFTER: self._issued[(self._other(stream), res)]}
 
     def wait(self, stream: str, op: dict) -> None:
         """Another rank, before running `op` received on `stream`."""
-        other, need = self._other(stream), op.get(AFTER, 0)
+        res = resource(op)
+        key, need = (self._other(stream), res), op.get(AFTER, 0)
         with self._cv:
-            self._cv.wait_for(lambda: self._error is not None or self._done[other] >= need)
+            self._cv.wait_for(lambda: self._error is not None or res is None or self._done[key] >= need)
             if self._error is not None:
-                raise IslandUnhealthy(f"the {other} operations of this rank failed: {self._error}")
+                raise IslandUnhealthy(f"the {key[0]} operations of this rank failed: {self._error}")
 
-    def finish(self, stream: str) -> None:
-        """Another rank ran one more operation of `stream`."""
+    def finish(self, stream: str, op: dict) -> None:
+        """Another rank ran `op`, received on `stream`."""
+        res = resource(op)
+        if res is None:
+            return
         with self._cv:
-            self._done[stream] += 1
+            self._done[(stream, res)] += 1
             self._cv.notify_all()
 
     def fail(self, error: str) -> None:
@@ -122,4 +147,4 @@ class Stager:
         return not self._thread.is_alive()
 
 
-__all__ = ["AFTER", "Fence", "STOP", "Stager", "can_stage_apart", "open_staging"]
+__all__ = ["AFTER", "Fence", "STOP", "Stager", "can_stage_apart", "open_staging", "resource"]

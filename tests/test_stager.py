@@ -1,5 +1,6 @@
 """learner/stager.py's Fence, fed directly: rank 0's issue order of the island group's and the staging
-group's operations, kept on another rank that runs each stream on a thread of its own."""
+group's operations, kept on another rank that runs each stream on a thread of its own, where they touch
+the same fragment's staging or kept push."""
 from __future__ import annotations
 
 import threading
@@ -8,17 +9,30 @@ import time
 import pytest
 
 from yeto.learner.errors import IslandUnhealthy
-from yeto.learner.stager import AFTER, Fence
+from yeto.learner.stager import AFTER, Fence, resource
 
 pytestmark = pytest.mark.pure
 
 
-def test_rank0_stamps_each_operation_with_the_other_streams_count():
+def test_what_an_operation_touches():
+    assert resource({"op": "stage", "fid": 2, "begin": True}) == resource({"op": "commit", "fid": 2}) == ("staging", 2)
+    assert resource({"op": "abort", "fid": 1}) == ("staging", 1)
+    assert resource({"op": "keep", "fid": 3}) == resource({"op": "export", "fid": 3, "kept": True}) == ("kept", 3)
+    for op in ({"op": "end"}, {"op": "export", "fid": 3, "purpose": "push"}, {"op": "snapshot", "fid": 0},
+               {"op": "residual", "fid": 0, "keep": True}, {"op": "stop"}):
+        assert resource(op) is None
+
+
+def test_rank0_stamps_each_operation_with_the_other_streams_count_on_the_same_thing():
     f = Fence()
-    assert f.stamp("island", {"op": "end"}) == {"op": "end", AFTER: 0}
-    assert [f.stamp("staging", {"op": "stage", "k": k})[AFTER] for k in range(3)] == [1, 1, 1]
-    assert f.stamp("island", {"op": "commit"})[AFTER] == 3
-    assert f.stamp("staging", {"op": "stage"})[AFTER] == 2
+    assert f.stamp("island", {"op": "end"}) == {"op": "end"}   # touches nothing: never waits
+    assert f.stamp("island", {"op": "commit", "fid": 0})[AFTER] == 0
+    assert [f.stamp("staging", {"op": "stage", "fid": 0})[AFTER] for _ in range(3)] == [1, 1, 1]
+    assert f.stamp("staging", {"op": "stage", "fid": 1})[AFTER] == 0   # another fragment
+    assert f.stamp("island", {"op": "commit", "fid": 0})[AFTER] == 3
+    assert f.stamp("island", {"op": "commit", "fid": 1})[AFTER] == 1
+    assert f.stamp("island", {"op": "keep", "fid": 0})[AFTER] == 0   # another thing of fragment 0
+    assert f.stamp("staging", {"op": "export", "fid": 0, "kept": True})[AFTER] == 1
 
 
 def _run_later(fn):
@@ -27,46 +41,49 @@ def _run_later(fn):
     return t
 
 
-def test_an_operation_waits_for_the_other_streams_operations_issued_before_it():
-    """A commit stamped after 2 staging operations runs only once this rank finished both; an
-    operation stamped after none never waits."""
+def test_a_commit_waits_for_its_versions_staging_and_nothing_else():
+    """A commit stamped after 2 staging operations on its fragment runs only once this rank finished
+    both; staging of another fragment and operations that touch nothing do not count."""
     f = Fence()
-    f.wait("island", {"op": "end", AFTER: 0})   # returns at once
+    f.wait("island", {"op": "end"})   # returns at once
     ran = []
-    t = _run_later(lambda: (f.wait("island", {"op": "commit", AFTER: 2}), ran.append("commit")))
+    commit = {"op": "commit", "fid": 0, AFTER: 2}
+    t = _run_later(lambda: (f.wait("island", commit), ran.append("commit")))
+    f.finish("staging", {"op": "stage", "fid": 0, AFTER: 0})
+    f.finish("staging", {"op": "stage", "fid": 1, AFTER: 0})
+    f.finish("staging", {"op": "stop"})
     time.sleep(0.1)
-    f.finish("staging")
-    time.sleep(0.1)
-    assert ran == [] and t.is_alive()   # one of two staging operations done: still waiting
-    f.finish("staging")
+    assert ran == [] and t.is_alive()   # one of its two staging operations done: still waiting
+    f.finish("staging", {"op": "stage", "fid": 0, AFTER: 0})
     t.join(5)
     assert ran == ["commit"]
 
 
 def test_the_streams_wait_for_each_other_in_rank0s_order():
-    """Rank 0 issued: island op 1 (commit v of fragment 1), then staging op 1 (begin v+1 of fragment 1),
-    then island op 2. On this rank the staging thread gets its op first, and waits for the commit."""
+    """Rank 0 issued: commit v of fragment 1 (island), staging of v+1 of fragment 1 (staging), the
+    next commit of fragment 1 (island). On this rank the staging thread gets its op first, and waits
+    for the commit; the next commit waits for the staging."""
     src = Fence()
     commit = src.stamp("island", {"op": "commit", "fid": 1})
     begin = src.stamp("staging", {"op": "stage", "fid": 1, "begin": True})
-    end = src.stamp("island", {"op": "end"})
+    commit2 = src.stamp("island", {"op": "commit", "fid": 1})
     dst, order = Fence(), []
 
     def staging_thread():
         dst.wait("staging", begin)
-        order.append("begin v+1")
-        dst.finish("staging")
+        order.append("stage v+1")
+        dst.finish("staging", begin)
 
     t = _run_later(staging_thread)
     time.sleep(0.1)
     assert order == []   # the commit has not run on this rank yet
     dst.wait("island", commit)
     order.append("commit v")
-    dst.finish("island")
+    dst.finish("island", commit)
+    dst.wait("island", commit2)
+    order.append("commit v+1")
     t.join(5)
-    dst.wait("island", end)   # stamped after the staging op: ran by now
-    order.append("end")
-    assert order == ["commit v", "begin v+1", "end"]
+    assert order == ["commit v", "stage v+1", "commit v+1"]
 
 
 def test_a_failed_stream_makes_the_waiters_raise():
@@ -75,7 +92,7 @@ def test_a_failed_stream_makes_the_waiters_raise():
 
     def waiter():
         try:
-            f.wait("island", {"op": "commit", AFTER: 1})
+            f.wait("island", {"op": "commit", "fid": 0, AFTER: 1})
         except IslandUnhealthy as exc:
             err.append(str(exc))
 
@@ -85,4 +102,4 @@ def test_a_failed_stream_makes_the_waiters_raise():
     t.join(5)
     assert err and "staging operations of this rank failed" in err[0] and "connection closed" in err[0]
     with pytest.raises(IslandUnhealthy):
-        f.wait("staging", {"op": "stage", AFTER: 0})   # even with nothing to wait for
+        f.wait("staging", {"op": "stage", "fid": 0, AFTER: 0})   # even with nothing to wait for
