@@ -103,6 +103,10 @@ def _rank_loop(rank: int, args) -> None:
     for _ in range(args.steps + (10 * args.sync_every if args.sync else 0)):
         time.sleep(args.step_s)               # the accelerator's forward and backward
         opt.step()
+        if group is not None:
+            # A data-parallel step ends with its gradients' all-reduce, so the ranks leave it together:
+            # boundary() then times its own work, not one rank waiting for the other's step.
+            dist.barrier(group=group)
         if island is not None:
             t0 = time.monotonic()
             keep = island.boundary(tokens=1)

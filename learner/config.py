@@ -30,6 +30,7 @@ value raises ConfigError naming the attribute and, in the message, the variable 
 | anchor_dir | YETO_ANCHOR_DIR | none (memory) | each rank keeps its anchors, staging and q4 residuals in files under `<dir>/<island>-rank<r>/` instead of RAM |
 | domain | YETO_DOMAIN | none | the island's datacenter: the JetStream domain of the leaf node it connects to; the island keeps the run's mirror of the cut there and reads BCAST / FINAL from it |
 | background | YETO_BACKGROUND_SYNC | on | the island reads cuts and sends pushes on a thread of its own; the boundary only snapshots a push and installs what was read (with several ranks the worker stages on them over a gloo group of its own: learner/stager.py) (learner/background.py) |
+| staging_group | YETO_STAGING_GROUP | on | with several ranks over the whole world and `background` on, a second gloo group of the same ranks on which the worker stages versions and gathers pushes while the ranks train (learner/stager.py); off: the installing boundary hands the staging to the ranks |
 | hub_domain | YETO_HUB_DOMAIN | hub | the hub's JetStream domain, where pushes, control and the KV buckets live (used with YETO_DOMAIN) |
 
 Why α = 0.5 by default: α is the weight the island keeps on its own value. α = 0 would throw away
@@ -86,6 +87,7 @@ ENV = {
     "domain": "YETO_DOMAIN",
     "hub_domain": "YETO_HUB_DOMAIN",
     "background": "YETO_BACKGROUND_SYNC",
+    "staging_group": "YETO_STAGING_GROUP",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -122,6 +124,7 @@ class IslandConfig:
     domain: str | None = None
     hub_domain: str = "hub"
     background: bool = True
+    staging_group: bool = True
     host: str = field(default_factory=socket.gethostname)
     # The island's parallel layout for hello (informational); None: computed from the group size.
     world: dict | None = None

@@ -354,7 +354,7 @@ class Island:
         session = c.wait_session()
         self._check_session(session, fp)
         op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha,
-              "stage_apart": cfg.background and can_stage_apart(self.group)}
+              "stage_apart": cfg.background and cfg.staging_group and can_stage_apart(self.group)}
         self.comm.share(op)
         self._setup(op)
         rules = Rules.of(session, cfg, c.gen, ack_resend_s=ACK_RESEND_S)
