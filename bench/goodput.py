@@ -9,7 +9,9 @@ fragments of whole tensors divide it evenly). Each step is a fixed simulated acc
 (`--step-s`, a sleep: the host CPU is free meanwhile, as while a GPU computes) plus the real optimizer
 step (torch AdamW over every parameter, gradients fixed at the start: the bench measures the loop, not
 learning). With `--ranks R` each island is a gloo group of R processes holding the whole model
-(data-parallel), whose boundaries hand the versions read to every rank (a collective). The same script
+(data-parallel; each step ends with a barrier of the group, as a gradient all-reduce would), whose
+worker stages each version on every rank over the staging group (learner/stager.py; or, with
+YETO_STAGING_GROUP=0, the installing boundary hands it to them: a collective). The same script
 runs twice, in one invocation:
 
   sync   a real broker (embedded, or `--nats`), the real `yeto syncer` (P fragments, H = `--sync-every`,
