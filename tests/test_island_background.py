@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from tests.test_island_local import (ISLAND, anchor_flat, assemble_push, bits, boundary, env, frag_values,  # noqa: F401 (env: fixture)
-                                     net, publish_v, residual_flat, started, steplog_lines, until)
+from tests.test_island_local import (ISLAND, anchor_flat, assemble_push, bits, boundary, dp_finish, dp_hello,  # noqa: F401 (env: fixture)
+                                     dp_island, env, frag_values, net, publish_v, residual_flat, started,
+                                     steplog_lines, until)
 from yeto.learner.adapters import gather_fragment
 from yeto.schemas.dtypes import q4_with_feedback, unpack
 
@@ -168,19 +169,10 @@ def _staging_rank(rank: int, world: int, init_file: str, url: str, run: str, out
 
     import torch.distributed as dist
 
-    from yeto.learner.adapters import TorchModuleAdapter
-    from yeto.learner.config import IslandConfig
-    from yeto.learner.island import Island
-    from yeto.schemas.conn import ConnectOptions
-
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        group = dist.group.WORLD
         model = net(0)
-        island = Island(TorchModuleAdapter(model, group=group),
-                        IslandConfig(run=run, island="dp", nats=ConnectOptions(url=url), heartbeat_s=0.5, progress=False,
-                                     session_timeout_s=30, final_timeout_s=30, shutdown_timeout_s=30,
-                                     connect_timeout_s=10, background=True), group=group).start()
+        island = dp_island(model, url, run, background=True).start()
         rec: dict = {"stager": island.stager is not None, "staging_group": island.staging is not None}
         for _ in range(3000):   # v0 of both fragments: the same on every rank after each boundary
             if island.state.versions() == {"0": 0, "1": 0}:
@@ -230,26 +222,14 @@ async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_t
 
     import torch.multiprocessing as mp
 
-    from yeto.schemas import codec
-    from yeto.schemas import subjects as S
-
     alpha = 0.5   # IslandConfig's default
     _, session, syncer = env(net())
     session = dict(session, init_island="syncer-side")
     await env.write_session(session)
-    js, run = env.js, syncer.run
-    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run, "CTL"))
-    ctx = mp.start_processes(_staging_rank, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path)),
+    ctx = mp.start_processes(_staging_rank, args=(2, str(tmp_path / "pg"), env.nats_url, syncer.run, str(tmp_path)),
                              nprocs=2, join=False, start_method="spawn")
     try:
-        hello = None
-        while hello is None:
-            for m in await ctl.fetch(10, timeout=30):
-                await m.ack()
-                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
-                if kind == "hello":
-                    hello = msg
-        gen = hello["gen"]
+        gen = (await dp_hello(env.js, syncer.run))["gen"]
         for fid, seed in ((0, 1), (1, 2)):
             await syncer.bcast(fid, 0, syncer.values(fid, seed))
         await until(lambda: os.path.exists(tmp_path / "phase1"), timeout=60, what="v0 installed on both ranks")
@@ -257,18 +237,7 @@ async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_t
         await syncer.bcast(1, 1, v1)
         await until(lambda: os.path.exists(tmp_path / "phase2"), timeout=60, what="v1 installed on both ranks")
         final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
-        digests = {str(fid): await syncer.final(fid, fid + 1, v, final_step=3) for fid, v in final.items()}
-        await syncer.to_island("manifest", "dp", final_step=3, versions={"0": 1, "1": 2}, version_digests=digests,
-                               gen=gen)
-        hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(run, "HB"))
-        acked, deadline = False, time.monotonic() + 60
-        while not acked:
-            assert time.monotonic() < deadline, "no final ack"
-            for m in await hb.fetch(10, timeout=30):
-                await m.ack()
-                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
-                acked = acked or (kind == "ack" and msg["final_step"] == 3 and msg["gen"] == gen)
-        await syncer.to_island("shutdown", "dp", reason="done", gen=gen)
+        await dp_finish(env.js, syncer, gen, final, 3, {"0": 1, "1": 2})
         deadline = time.monotonic() + 60
         while not await asyncio.to_thread(ctx.join, 5):
             assert time.monotonic() < deadline, "the ranks did not finish"

@@ -770,6 +770,44 @@ async def test_a_push_waits_while_disconnected_and_goes_out_after_the_reconnect(
         broker.stop()
 
 
+def dp_island(model: nn.Module, url: str, run: str, **cfg) -> Island:
+    """A rank's Island "dp" of a data-parallel island over the whole gloo world (not started)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    return Island(TorchModuleAdapter(model, group=group),
+                  IslandConfig(run=run, island="dp", nats=ConnectOptions(url=url), heartbeat_s=0.5, progress=False,
+                               session_timeout_s=30, final_timeout_s=30, shutdown_timeout_s=30, connect_timeout_s=10,
+                               **cfg), group=group)
+
+
+async def dp_hello(js, run: str) -> dict:
+    """The syncer's side: the first hello on CTL."""
+    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run, "CTL"))
+    while True:
+        for m in await ctl.fetch(10, timeout=30):
+            await m.ack()
+            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+            if kind == "hello":
+                return msg
+
+
+async def dp_finish(js, syncer: "Syncer", gen: str, final: dict[int, torch.Tensor], final_step: int,
+                    versions: dict[str, int]) -> None:
+    """The syncer's side of the end: the final cut, the manifest, the island's ack, then shutdown."""
+    digests = {str(fid): await syncer.final(fid, fid + 1, v, final_step=final_step) for fid, v in final.items()}
+    await syncer.to_island("manifest", "dp", final_step=final_step, versions=versions, version_digests=digests, gen=gen)
+    acked, deadline = False, time.monotonic() + 60
+    hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(syncer.run, "HB"))  # acks: HB
+    while not acked:
+        assert time.monotonic() < deadline, "no final ack"
+        for m in await hb.fetch(10, timeout=30):
+            await m.ack()
+            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
+            acked = acked or (kind == "ack" and msg["final_step"] == final_step and msg["gen"] == gen)
+    await syncer.to_island("shutdown", "dp", reason="done", gen=gen)
+
+
 def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:
     import hashlib
 
@@ -777,12 +815,8 @@ def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str,
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        group = dist.group.WORLD
         model = net(0)
-        island = Island(TorchModuleAdapter(model, group=group),
-                        IslandConfig(run=run, island="dp", nats=ConnectOptions(url=url), heartbeat_s=0.5, progress=False,
-                                     session_timeout_s=30, final_timeout_s=30, shutdown_timeout_s=30,
-                                     connect_timeout_s=10), group=group)
+        island = dp_island(model, url, run)
         island.start()
         states = []
         for _ in range(20000):  # >= 200 s at 10 ms a step (a step count: both ranks must stop together)
@@ -809,17 +843,10 @@ async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_an
     session = dict(session, init_island="syncer-side")
     await env.write_session(session)
     js, run = env.js, syncer.run
-    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run, "CTL"))
     ctx = mp.start_processes(_dp_island_worker, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path)),
                              nprocs=2, join=False, start_method="spawn")
     try:
-        hello = None
-        while hello is None:
-            for m in await ctl.fetch(10, timeout=30):
-                await m.ack()
-                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
-                if kind == "hello":
-                    hello = msg
+        hello = await dp_hello(js, run)
         gen = hello["gen"]
         assert hello["island"] == "dp" and hello["world"]["ranks"] == 2
         v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
@@ -831,17 +858,7 @@ async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_an
         await syncer.bcast(1, 1, syncer.values(1, 3))  # blended on rank 0, synced to rank 1
         await asyncio.sleep(0.5)
         final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
-        digests = {str(fid): await syncer.final(fid, fid + 1, v, final_step=4) for fid, v in final.items()}
-        await syncer.to_island("manifest", "dp", final_step=4, versions={"0": 1, "1": 2}, version_digests=digests,
-                               gen=gen)
-        acked = False
-        hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(run, "HB"))  # acks: HB
-        while not acked:
-            for m in await hb.fetch(10, timeout=30):
-                await m.ack()
-                kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
-                acked = acked or (kind == "ack" and msg["final_step"] == 4 and msg["gen"] == gen)
-        await syncer.to_island("shutdown", "dp", reason="done", gen=gen)
+        await dp_finish(js, syncer, gen, final, 4, {"0": 1, "1": 2})
         deadline = time.monotonic() + 60
         while not await asyncio.to_thread(ctx.join, 5):  # True once every worker exited cleanly
             assert time.monotonic() < deadline, "DP workers did not finish"

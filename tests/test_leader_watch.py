@@ -78,7 +78,9 @@ async def _frozen_leader_then_killed(cluster, *, watched: bool):
             await pipe.put(f"{RUN}.bcast.{k}", bytes([k]) * 1024, f"chunk-{k}")
         seal = asyncio.ensure_future(publish_retry(js, f"{RUN}.bcast.seal", b"seal", "seal", timeout=ACK_TIMEOUT_S,
                                                    counters=counters))
-        await asyncio.sleep(0.5)   # in flight to the frozen leader
+        # in flight to the frozen leader (1.5 s: under load 0.5 s was once too short for them to leave
+        # the client, and the new leader took them after its election, with no ack timeout to wait out)
+        await asyncio.sleep(1.5)
         killed = time.monotonic()
         cluster.kill(leader)
         await asyncio.wait_for(asyncio.gather(pipe.flush(), seal), 90)
