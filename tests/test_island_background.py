@@ -12,7 +12,7 @@ import time
 import torch
 
 from tests.test_island_local import (ISLAND, anchor_flat, assemble_push, bits, boundary, dp_finish, dp_hello,  # noqa: F401 (env: fixture)
-                                     dp_island, env, frag_values, net, publish_v, residual_flat, started,
+                                     dp_island, dp_join, env, frag_values, net, publish_v, residual_flat, started,
                                      steplog_lines, until)
 from yeto.learner.adapters import gather_fragment
 from yeto.schemas.dtypes import q4_with_feedback, unpack
@@ -238,9 +238,7 @@ async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_t
         await until(lambda: os.path.exists(tmp_path / "phase2"), timeout=60, what="v1 installed on both ranks")
         final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
         await dp_finish(env.js, syncer, gen, final, 3, {"0": 1, "1": 2})
-        deadline = time.monotonic() + 60
-        while not await asyncio.to_thread(ctx.join, 5):
-            assert time.monotonic() < deadline, "the ranks did not finish"
+        await dp_join(ctx)
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -808,6 +808,13 @@ async def dp_finish(js, syncer: "Syncer", gen: str, final: dict[int, torch.Tenso
     await syncer.to_island("shutdown", "dp", reason="done", gen=gen)
 
 
+async def dp_join(ctx, timeout: float = 60) -> None:
+    """Every rank process exited cleanly within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(ctx.join, 5):  # True once every worker exited cleanly
+        assert time.monotonic() < deadline, "the ranks did not finish"
+
+
 def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:
     import hashlib
 
@@ -859,10 +866,7 @@ async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_an
         await asyncio.sleep(0.5)
         final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
         await dp_finish(js, syncer, gen, final, 4, {"0": 1, "1": 2})
-        deadline = time.monotonic() + 60
-        while not await asyncio.to_thread(ctx.join, 5):  # True once every worker exited cleanly
-            assert time.monotonic() < deadline, "DP workers did not finish"
-
+        await dp_join(ctx)
     finally:
         for p in ctx.processes:
             if p.is_alive():
