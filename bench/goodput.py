@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 # processes and peak RSS as every bench runs and reads them
 from yeto.services.run_harness import (  # noqa: E402
-    Child, ChildFailed, RssWatch, clean_env, free_port, read_tape, stop_all, wait_all,
+    Child, ChildFailed, RssWatch, clean_env, free_port, read_tape, stop_all, vm_hwm, wait_all,
 )
 
 MiB = 1 << 20
@@ -122,6 +122,8 @@ def _rank_loop(rank: int, args) -> None:
                 break
     if island is not None:
         island.close()
+    if args.ranks > 1:   # the RssWatch sees the launcher only: every rank reports its own peak
+        Path(f"{args.out}.rss{rank}").write_text(str(vm_hwm("self") or 0))
     if rank == 0:
         Path(args.out).write_text(json.dumps({"island": args.island, "times": times, "boundary_s": boundary_s,
                                               "params": sum(p.numel() for p in model.parameters())}))
@@ -212,6 +214,10 @@ def one_pass(args, url: str | None, work: Path, sync: bool, watch: RssWatch) -> 
     finally:
         stop_all(procs, grace=0)
     results = {n: json.loads((work / f"{tag}-{n}.json").read_text()) for n in names}
+    for n in names:   # --ranks > 1: each rank's own peak, in place of its launcher's
+        for k in range(args.ranks if args.ranks > 1 else 0):
+            watch.peak.pop(f"{tag}-{n}", None)
+            watch.peak[f"{tag}-{n}-r{k}"] = int((work / f"{tag}-{n}.json.rss{k}").read_text())
     return results, run if sync else None
 
 
