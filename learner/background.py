@@ -87,6 +87,11 @@ class SyncWorker:
         self.kick()
         return handle
 
+    @property
+    def alive(self) -> bool:
+        """The thread still runs (after `stop`: a push outlived its join, still on the wire's groups)."""
+        return self._thread.is_alive()
+
     def kick(self) -> None:
         self._wake.set()
 
@@ -100,6 +105,9 @@ class SyncWorker:
         self._thread.join(timeout)
         with self.lock:   # a reading still in hand (a fetch outlived the join) ends before the caller reads
             pass
+        if self._thread.is_alive():
+            log.warning("island %s: the sync worker did not stop within %.0fs (a push still being handed over)",
+                        self.wire.config.island, timeout)
         while self._pushes:
             _, handle = self._pushes.popleft()
             handle.future.set_exception(ConnectionError("the island's sync worker stopped before this push"))

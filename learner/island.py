@@ -485,12 +485,16 @@ class Island:
         return None
 
     def _stop_worker(self) -> None:
+        still_sending = False
         if self.worker is not None:
             self.worker.stop()
+            still_sending = self.worker.alive
             self.worker = self.wire.worker = None
             self.wire.defer = False   # the training thread reads now: it stages on the ranks itself
             self.wire.stage_lead = None
-        if self.sync_rank and self._staging_open:
+        # Not while the worker may still gather a push on the staging group: two threads of rank 0 on one
+        # group would mix their messages. The Stagers are left then (their ranks' close() waits, warns).
+        if self.sync_rank and self._staging_open and not still_sending:
             self._staging_open = False   # the Stagers end; later staging runs on the island group
             try:
                 self.staging.share(dict(STOP))
