@@ -196,6 +196,8 @@ def _staging_rank(rank: int, world: int, init_file: str, url: str, run: str, out
                     break
             time.sleep(0.02)
         rec["staged_while_training"] = staged is not None and torch.equal(bits(staged), bits(want))
+        while rank == 0 and 1 not in island.wire.ready and time.monotonic() < deadline:
+            time.sleep(0.02)   # staged is not yet parked: the seal's digest is checked after the last chunk
         rec["before"] = gather_fragment(island.adapter, frag).clone()
         assert island.boundary(tokens=4)   # installs v1: the commit alone
         rec["after"] = gather_fragment(island.adapter, frag).clone()
