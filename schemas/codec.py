@@ -59,7 +59,7 @@ def load_schema(kind: str) -> dict:
 @functools.cache
 def _schema(kind: str) -> dict:
     _check_kind(kind)
-    text = resources.files("schemas").joinpath("json", f"{kind}.schema.json").read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("json", f"{kind}.schema.json").read_text(encoding="utf-8")
     return json.loads(text)
 
 

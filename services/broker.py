@@ -44,7 +44,7 @@ def nats_server_binary() -> str:
 
 
 def default_config_path() -> Path:
-    return Path(str(resources.files("services").joinpath(DEFAULT_CONFIG)))
+    return Path(str(resources.files(__package__).joinpath(DEFAULT_CONFIG)))
 
 
 def free_port() -> int:

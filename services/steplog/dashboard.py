@@ -31,7 +31,7 @@ KEEPALIVE_S = 15.0
 
 
 def page(run: str) -> bytes:
-    text = resources.files("yeto.services.steplog").joinpath("static", "dashboard.html").read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("static", "dashboard.html").read_text(encoding="utf-8")
     return text.replace("{{RUN}}", html.escape(run)).encode("utf-8")
 
 
