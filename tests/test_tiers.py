@@ -186,8 +186,10 @@ def _commands(path):
 
 def test_ci_runs_ruff_before_the_tests():
     ci = _commands(ROOT / ".ci" / "run")
-    assert "./run lint" in ci and ci[-1] == "exec ./run test"
-    assert ci.index("./run lint") < ci.index("exec ./run test")
+    # lint, the README's test command, then its first command: the demo (and the installed `yeto demo`)
+    assert "./run lint" in ci and "./run test" in ci and "./run demo" in ci
+    assert ci.index("./run lint") < ci.index("./run test") < ci.index("./run demo")
+    assert any("yeto\" demo" in c and c.startswith("(cd /") for c in ci), ci
     run = (ROOT / "run").read_text()
     assert 'exec "$VENV/bin/ruff" check . "$@"' in run
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
