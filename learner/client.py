@@ -116,6 +116,7 @@ class IslandClient:
         self._fatal: BaseException | None = None
         self._gave_up = False
         self._closing = False
+        self._said_leaving = False
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
         self._wake: asyncio.Event | None = None
@@ -407,6 +408,28 @@ class IslandClient:
         self._counters["final_record_seen"] += 1
         self.control.put(("final", msg))
 
+    def say_leaving(self, timeout: float = 3.0) -> bool:
+        """Tell the syncer that this generation stops before the run ends (a heartbeat with `leaving`), so
+        that its rounds stop waiting for this island now instead of at the member timeout. Once, best effort:
+        True when the broker stored it. Heartbeats stop here (one sent after it would be ignored anyway)."""
+        loop = self.loop
+        if self._said_leaving or loop is None or not loop.is_running() or not self.connected or self.ctl is None:
+            return False
+        self._said_leaving = True   # the heartbeat loop sends nothing more
+        msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen, local_step=self.local_step,
+                         step_time_s=self.step_time_s, leaving=True)
+        try:
+            self.call(publish_retry(self.js, S.heartbeat(self.run, self.island), codec.encode("heartbeat", msg),
+                                    S.leaving_msg_id(self.island, self.gen), timeout=max(0.5, timeout / 2),
+                                    attempts=2, counters=self._counters), timeout)
+        except Exception as exc:  # noqa: BLE001 - the member timeout still ends its membership
+            log.warning("island %s: could not tell the syncer it is leaving: %r", self.island, exc)
+            return False
+        self._counters["said_leaving"] += 1
+        log.warning("island %s: stopping before the run ends: told the syncer it is leaving (generation %s)",
+                    self.island, self.gen)
+        return True
+
     async def _heartbeat_loop(self) -> None:
         seq = 0
         period = self.config.heartbeat_s
@@ -415,7 +438,7 @@ class IslandClient:
             if self.connected and time.monotonic() >= final_at:
                 final_at = time.monotonic() + FINAL_POLL_S
                 await self._poll_final()
-            if self.connected:
+            if self.connected and not self._said_leaving:
                 msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen,
                                  local_step=self.local_step, step_time_s=self.step_time_s)
                 try:

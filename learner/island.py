@@ -78,7 +78,7 @@ import torch.distributed as dist
 from yeto.schemas.errors import WireError
 from yeto.schemas.layout import layout_fingerprint
 
-from . import boundary_ops as O
+from . import boundary_ops as O, sigterm
 from .adapters import ModelAdapter
 from .anchors import AnchorStore
 from .background import SyncWorker
@@ -180,6 +180,8 @@ class Island:
             self.run_finished = True  # the first boundary installs the final cut and returns False
         self._bytes_seen = Counter(self.comm.bytes)  # the step log counts per step from here
         self._started = True
+        if self.sync_rank:
+            sigterm.say_then_die(self._say_leaving)
         return self
 
     def boundary(self, tokens: int | None = None, loss: float | None = None, *, step_tokens: int | None = None) -> bool:
@@ -211,6 +213,7 @@ class Island:
         if self._closed:
             return
         self._closed = True
+        self._say_leaving()   # first: the worker may still be handing a push over for a while
         self._stop_worker()
         if self.stager is not None and not self.stager.join(10.0):
             log.warning("island %s rank %d: the staging thread did not end (rank 0 never said stop)",
@@ -218,6 +221,12 @@ class Island:
         if self.client is not None:
             self.client.close()
         self.store.close()
+
+    def _say_leaving(self) -> None:
+        """Stopping before the run ends (SIGTERM, close() before the final cut, an error): the syncer hears it
+        now (learner/sigterm.py, client.say_leaving) instead of at its member timeout."""
+        if self.client is not None and self._started and not self.finalized and not self.run_finished:
+            self.client.say_leaving()
 
     def __enter__(self) -> "Island":
         return self.start()

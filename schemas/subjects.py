@@ -304,6 +304,11 @@ def heartbeat_msg_id(island: str, gen: str, seq: int) -> str:
     return f"hb.{check_island(island)}.{gen}.{seq}"
 
 
+def leaving_msg_id(island: str, gen: str) -> str:
+    """The last heartbeat of a generation, the one that says it stops (`leaving`): one per generation."""
+    return f"hb.{check_island(island)}.{gen}.leaving"
+
+
 def ack_msg_id(island: str, gen: str, final_step: int, resend: int = 0) -> str:
     # A re-send (the island still waits for its shutdown) needs its own id: the duplicate window would drop it.
     base = f"ack.{check_island(island)}.{gen}.{final_step}"

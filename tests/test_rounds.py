@@ -672,6 +672,39 @@ def test_liveness_leave_not_captured_then_heartbeat_revives():
     assert m.members["b"].gen == GEN["b"]
 
 
+
+def test_an_island_that_says_it_leaves_is_gone_at_once_and_its_round_restarts_without_it():
+    # A planned stop (the island's launcher sent SIGTERM): its last heartbeat says so.
+    m = nonstrict(quorum=None, fragments=1, sync_every=4, member_timeout_s=20.0, quorum_timeout_s=100.0)
+    launch_first(m)
+    m.handle(push(m, "a", 1, now=5.0))
+    acts = m.handle(Heartbeat("b", GEN["b"], 5, 1.0, 6.0, leaving=True))
+    (lv,) = tapes(acts, "leave")
+    assert lv["island"] == "b" and "said it is stopping" in lv["reason"] and not m.members["b"].live
+    assert m.counters["leave.said"] == 1 and of(acts, WriteMember)
+    # a heartbeat of that generation sent before the leaving one but delivered after it revives nothing
+    m.handle(Heartbeat("b", GEN["b"], 4, 1.0, 6.5))
+    assert not m.members["b"].live and m.counters["ignored.heartbeat_after_leave"] == 1
+    # the round stops waiting for b now: it restarts without b soon after the leave, long before the member
+    # timeout (20 s of silence) or its deadline (100 s)
+    assert not pulls(m.handle(Tick(6.0 + HOPELESS_RESTART_S - 0.1)))
+    (p,) = pulls(m.handle(Tick(6.0 + HOPELESS_RESTART_S)))
+    assert p["attempt"] == 2 and [x["island"] for x in p["members"]] == ["a"]
+    # a new process of the island (a new generation) joins again
+    m.handle(hello("b", gen="b2" * 8, now=10.0))
+    assert m.members["b"].live and m.members["b"].gen == "b2" * 8 and not m.members["b"].left
+
+
+def test_a_leaving_heartbeat_is_taped_with_its_flag_and_an_ordinary_one_as_before():
+    from yeto.services.syncer.events import event_from_json, event_to_json
+
+    plain = Heartbeat("b", GEN["b"], 5, 1.0, 6.0)
+    assert "leaving" not in event_to_json(plain)                 # older tapes and golden fixtures stay as they were
+    bye = Heartbeat("b", GEN["b"], 5, 1.0, 6.0, leaving=True)
+    assert event_to_json(bye)["leaving"] is True and event_from_json(event_to_json(bye)) == bye
+    assert event_from_json(event_to_json(plain)) == plain
+
+
 # ---- pacing (not strict) --------------------------------------------------------------------------
 
 def test_no_launch_without_step_times_then_time_rule():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ class Heartbeat(Event):
     local_step: int
     step_time_s: float | None
     now: float
+    # the island's last heartbeat: it stops before the run ends (taped only when set: older tapes stay as they were)
+    leaving: bool = field(default=False, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,8 @@ def event_to_json(event: Event) -> dict:
     out: dict[str, Any] = {"type": type(event).__name__}
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
+        if f.metadata.get("omit_default") and value == f.default:
+            continue
         if f.name == "layout":
             value = [dict(t) for t in value]
         elif f.name in ("session", "record"):

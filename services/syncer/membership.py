@@ -136,7 +136,7 @@ class Membership(Part):
         coordinator wrote and taped it already)."""
         old = m.gen
         m.retired_gens.add(old)
-        m.gen, m.live = gen, True
+        m.gen, m.live, m.left = gen, True, False
         m.admitted_at = m.last_heartbeat = m.reported_at = now
         m.reported_step, m._hb_step, m._hb_at = 0, None, None   # local steps restart with the process
         if self.s.phase in (Phase.RUNNING, Phase.FINALIZING):
@@ -187,6 +187,12 @@ class Membership(Part):
         if ev.gen != m.gen:
             self.s.counters["ignored.heartbeat_stale_gen"] += 1
             return
+        if m.left:   # a heartbeat sent before its leaving one, delivered after it
+            self.s.counters["ignored.heartbeat_after_leave"] += 1
+            return
+        if ev.leaving:
+            self.leave(m, now, "the island said it is stopping (its last heartbeat)", said=True)
+            return
         m.last_heartbeat = now
         m.observe_heartbeat(int(ev.local_step), ev.step_time_s, now)
         if not m.live:
@@ -197,6 +203,20 @@ class Membership(Part):
         f = self.s.final
         if f is not None and f.targets.get(m.island) != m.gen:
             self.machine.finalization.final_target(m, now)
+
+    def leave(self, m: Member, now: float, reason: str, *, said: bool = False) -> None:
+        """The member is gone for now: rounds stop waiting for it (round_rules: live members only), the
+        final cut is not sent to it. A heartbeat of the same generation brings it back unless it said it
+        leaves; a new generation (hello) always does."""
+        if not m.live:
+            return
+        m.live = False
+        m.left = m.left or said
+        self.s.counters["leave"] += 1
+        if said:
+            self.s.counters["leave.said"] += 1
+        self.out.write_member(m)
+        self.out.tape("leave", now, island=m.island, gen=m.gen, reason=reason)
 
     def _ask_hello(self, island: str, gen: str, now: float) -> None:
         # Once per member timeout per generation: heartbeats come every few seconds, errors need not.

@@ -168,7 +168,8 @@ class Receiver:
                                          bulk_dtype=m["bulk_dtype"], now=now))
         elif kind == "heartbeat":
             await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
-                                             step_time_s=m.get("step_time_s"), now=now))
+                                             step_time_s=m.get("step_time_s"), now=now,
+                                             leaving=bool(m.get("leaving", False))))
         else:
             await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
 

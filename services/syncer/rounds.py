@@ -310,11 +310,7 @@ class RoundMachine:
                 return
         for m in (s.live() if cfg.coordinator else ()):
             if now - m.last_heartbeat >= cfg.member_timeout_s:
-                m.live = False
-                s.counters["leave"] += 1
-                out.write_member(m)
-                out.tape("leave", now, island=m.island, gen=m.gen,
-                         reason=f"no heartbeat for {now - m.last_heartbeat:.1f}s")
+                self.membership.leave(m, now, f"no heartbeat for {now - m.last_heartbeat:.1f}s")
         if s.phase == Phase.INIT and len(s.initialized) == len(cfg.own_fragments) \
                 and len(s.live()) >= cfg.islands:
             s.enter(Phase.COMMITTING_V0, "every fragment initialized and enough members live")

@@ -12,24 +12,17 @@ and a digest of what it produced, is recorded on the tape (services/syncer/recor
 Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge — the
 pushes wait in JetStream and are read back chunk by chunk with direct gets.
 
-Status for operators: every `status_every_s` (`--status-every`) and at exit the syncer logs one status
-line and writes the `state` KV key `syncer` (see `status_record`): phase, committed step, versions,
-live members, in-flight rounds, and the counters of the shell (`counters`: rejected.<code>, publish
-retries, bytes broadcast, ...) and of the round machine (`rounds`: disposition.<d>, restart, merge, ...).
-`nats kv get yeto_<run>_state syncer` shows it without touching the syncer.
+Status for operators: every `status_every_s` and at exit one status line and the `state` KV key `syncer`
+(`status_record`: phase, committed step, versions, live members, rounds in flight, the shell's and the round
+machine's counters); `nats kv get yeto_<run>_state syncer` shows it.
 
 State KV key `pulls` ({"attempts": {step: highest attempt published}}) is written *before* a pull is
-published, so a restarted syncer relaunches an in-flight round with a higher attempt (a new pull id)
-even when the round was launched after the last checkpoint.
+published, so a restarted syncer relaunches an in-flight round with a higher attempt (a new pull id).
 
-Syncer shards (`--shard K --shards N`, schemas/shards.py): this process owns the fragments f mod N == K.
-It consumes only their INIT and PUSH subjects (consumers `syncer-init-s<K>`, `syncer-push-s<K>`; CTL and HB
-only in the coordinator, shard 0), holds only their params and momentum, keeps its own checkpoint directory
-and its own state KV keys (`syncer.<K>`, `commit.<K>`, `pulls.<K>`). A follower (K > 0) reads the
-session and the members the coordinator wrote, and the coordinator reads each other shard's
-`final.<K>` and status record (services/syncer/shard_watch.py). Its status record adds shard, shards,
-fragments (its own), rss_bytes (peak RSS) and, on the coordinator, shards_missing. With one shard every
-name, key and record is the unsharded one.
+Syncer shards (`--shard K --shards N`, schemas/shards.py, docs/design.md §8): this process owns fragments
+f mod N == K, their INIT and PUSH consumers, its checkpoint directory and state keys (`syncer.<K>`,
+`commit.<K>`, `pulls.<K>`); CTL and HB only in the coordinator (shard 0); services/syncer/shard_watch.py reads
+the other shards. With one shard every name, key and record is the unsharded one.
 """
 from __future__ import annotations
 
@@ -38,7 +31,6 @@ import dataclasses
 import logging
 import os
 import resource
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,6 +47,7 @@ from yeto.services.syncer import rounds as R
 from yeto.services.syncer.checkpoint import CheckpointDir
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
 from yeto.services.syncer.event_queue import EventQueue
+from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
 from yeto.services.syncer.intake import PushLedger, auto_push_memory_bytes
 from yeto.services.syncer.lease import DEFAULT_TTL_S, Fenced, RunLease
 from yeto.services.syncer.shard_watch import ShardWatch
@@ -83,17 +76,6 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
 
 
-# The exit status of a handed-over owner: a process ended by SIGTERM's (128 + 15), so that `yeto syncer && ...`
-# does not read an unfinished run as done.
-HANDED_OVER = 143
-
-
-class HandOver(Exception):
-    """The owner was asked to stop (SIGTERM): it leaves between two events, so no action is half done, flushes
-    what it published, and releases the lease so that a standby takes the run over at once instead of
-    after a lease TTL. What was in flight (pulls, pushes not yet merged) is the new owner's, as after a kill."""
-
-
 @dataclass
 class OuterConfig:
     lr: float = 0.7
@@ -108,9 +90,7 @@ class ServiceConfig:
     checkpoint_dir: Path
     resume: bool = False
     limits: RunLimits = field(default_factory=RunLimits)
-    # With no event, a Tick at the machine's next_wakeup() (when a timer fires) and at least this often as
-    # a safety net. Every Tick is recorded on the tape (see recording.py): 0.2 s cost 5 records' worth of
-    # bytes a second on an idle run for nothing, since next_wakeup() already names every timer.
+    # A Tick at the machine's next_wakeup() and at least this often (a safety net: every Tick is taped)
     tick_s: float = 1.0
     status_every_s: float = 5.0
     # `--lease-ttl`: a standby takes over once the owner's lease did not move for this long (lease.py)
@@ -181,17 +161,8 @@ class SyncerService(Startup):
             log.error("%s: fenced: %s", self.label, exc)
             return 4
         except HandOver:
-            log.warning("%s: handed run %s over at step %d: lease released, a standby continues it", self.label,
-                        self.run_id, self.machine.committed_step if self.machine is not None else -1)
+            log.warning("%s: handed run %s over: lease released, a standby continues it", self.label, self.run_id)
             return HANDED_OVER
-
-    def _install_handover(self) -> None:
-        """SIGTERM (a planned stop: a host patched, a pod moved) hands the run over instead of ending the
-        process where it stands. Only where asyncio can take the signal (the main thread: `yeto syncer`)."""
-        try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._request_handover)
-        except (RuntimeError, ValueError, NotImplementedError):
-            pass
 
     def _request_handover(self) -> None:
         if self.handover is None and self.done is None:
@@ -261,7 +232,7 @@ class SyncerService(Startup):
                                             chunk_bytes=mc.chunk_bytes, guard=self._guard)
             if not await self._own_the_run():
                 return 0
-            self._install_handover()
+            install_handover(self._request_handover)   # SIGTERM: handover.py
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
             await self._start_machine()
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
@@ -288,8 +259,7 @@ class SyncerService(Startup):
                 self._tasks.append(asyncio.create_task(self.watch.run()))
             await self._main_loop()
         finally:
-            # Every step of the way out is bounded: a syncer whose run is over must exit (once, in a loaded
-            # CI run, a sharded coordinator sent its manifests, got its acks and never exited).
+            # Every step of the way out is bounded: a syncer whose run is over must exit.
             for t in self._tasks:
                 t.cancel()
             await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers")
@@ -303,16 +273,13 @@ class SyncerService(Startup):
                     await asyncio.wait_for(self._write_status(final=True), 5)
                 except BaseException as exc:  # noqa: BLE001 - never mask the real exit reason
                     log.warning("writing the final status record failed: %r", exc)
-            try:
-                # drain() waits for every subscription (up to 30 s by default); everything that matters
-                # was acked or published already, so a flush and close is enough.
+            try:   # not drain(): it waits for every subscription; all that matters was acked or published
                 await asyncio.wait_for(self.nc.flush(), 5)
             except Exception:
                 pass
             if self.lease is not None and self.fenced is None and (self.done is not None or self.handover is not None):
-                # A finished run's lease goes at once (a standby sees the final record and exits); so does a
-                # handed-over one, after the flush above: everything this owner published is on the server
-                # before a standby can take the key (one connection keeps its order).
+                # A finished run's lease goes at once, and a handed-over one's after the flush above (one
+                # connection keeps its order: all it published is on the server before a standby takes the key).
                 await self._bounded(self.lease.release(), "releasing the lease")
             if self.lease is not None:
                 self.lease.close()

@@ -43,6 +43,7 @@ class Member:
     ref_step: int = 0                 # pacing reference: global step ...
     ref_local: float = 0.0            # ... and the member's local step at that point
     retired_gens: set[str] = field(default_factory=set)
+    left: bool = False                # its generation said it leaves: no heartbeat of it revives it
     _hb_step: int | None = None
     _hb_at: float | None = None
 
