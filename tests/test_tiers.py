@@ -166,14 +166,14 @@ def test_claims_pure(nats_url):
 ''')
     proc = _pytest(tmp_path, "--collect-only")
     assert proc.returncode != 0
-    assert "marked pure but marked e2e/soak or uses a broker fixture" in proc.stdout + proc.stderr, proc.stdout
+    assert "marked pure but marked e2e/soak/docker or uses a broker fixture" in proc.stdout + proc.stderr, proc.stdout
 
 
 def test_the_markers_are_registered_strictly_and_documented():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in ini["addopts"].split()
     names = {m.split(":", 1)[0] for m in ini["markers"]}
-    assert names == {"pure", "e2e", "soak"}
+    assert names == {"pure", "e2e", "soak", "docker"}
     readme = (ROOT / "README.md").read_text()
     assert "`./run test -m pure`" in readme
     for name in names:
