@@ -149,7 +149,7 @@ async def test_compose_up_trains_a_run_exactly_through_a_syncer_kill_and_a_broke
         owner = next(svc for svc, h in hosts.items() if h == owner_host)
         other = "syncer-standby" if owner == "syncer" else "syncer"
         subprocess.run(["docker", "kill", c.container(owner)], check=True, capture_output=True)
-        killed_at = len(await merges(js, run))
+        killed_at = await merge_count(js, run)
 
         async def taken_over():
             return await _lease_host(js, run) == hosts[other]
@@ -157,7 +157,7 @@ async def test_compose_up_trains_a_run_exactly_through_a_syncer_kill_and_a_broke
         await wait_until(lambda: merges_at_least(js, run, killed_at + 3), 180, "merges by the new owner")
 
         # The broker restarted mid-run (its store on the nats-data volume): everyone reconnects.
-        before_restart = len(await merges(js, run))
+        before_restart = await merge_count(js, run)
         assert before_restart < rounds - 3, "the run (nearly) ended before the broker restart: lengthen it"
         c.run("restart", "nats", timeout=120)
         c.wait_healthy("nats")
@@ -184,13 +184,27 @@ async def test_compose_up_trains_a_run_exactly_through_a_syncer_kill_and_a_broke
         c.down()
 
 
-async def merges_at_least(js, run: str, n: int) -> bool:
+async def _merge_count(js, run: str) -> int | None:
+    """Merges on the tape so far; None while JetStream does not answer (a broker restarting, a cluster
+    electing leaders after a node died)."""
     import nats.errors
 
     try:
-        return len(await merges(js, run)) >= n
-    except nats.errors.TimeoutError:  # the broker is restarting (or its JetStream still starting): not yet
-        return False
+        return len(await merges(js, run))
+    except nats.errors.TimeoutError:
+        return None
+
+
+async def merge_count(js, run: str) -> int:
+    async def answered():
+        n = await _merge_count(js, run)
+        return None if n is None else (n,)  # a tuple: 0 merges is an answer too
+    return (await wait_until(answered, 120, "JetStream to answer again"))[0]
+
+
+async def merges_at_least(js, run: str, n: int) -> bool:
+    got = await _merge_count(js, run)
+    return got is not None and got >= n
 
 
 @pytest.mark.timeout(900)
@@ -215,8 +229,11 @@ async def test_cluster_profile_with_three_replicas_survives_a_hub_killed_mid_run
         nc = await nats.connect(urls.split(","), max_reconnect_attempts=-1)
         js = nc.jetstream()
         await wait_until(lambda: merges_at_least(js, run, 3), 300, "three merges")
+        from yeto.schemas import subjects as S
+        for kind in ("PUSH", "BCAST", "EVENTS"):  # YETO_REPLICAS=3 reached the syncer's provisioning
+            assert (await js.stream_info(S.stream(run, kind))).config.num_replicas == 3, kind
         subprocess.run(["docker", "kill", c.container("hub-2")], check=True, capture_output=True)
-        killed_at = len(await merges(js, run))
+        killed_at = await merge_count(js, run)
         assert killed_at < rounds - 3, "the run (nearly) ended before the hub was killed: lengthen it"
         await wait_until(lambda: merges_at_least(js, run, killed_at + 3), 240, "merges after the hub was killed")
         rcs = await wait_exit(islands, 420)
