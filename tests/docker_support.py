@@ -134,3 +134,14 @@ class Compose:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             (self.log_dir / f"compose-{self.project}.log").write_text(self.logs())
         self.run("--profile", "cluster", "down", "-v", "--remove-orphans", "-t", "5", timeout=180, check=False)
+
+
+def assert_served_by_a_container(url: str) -> None:
+    """The URL's host port is one a running broker container publishes (so a container test did not fall back
+    to the embedded broker)."""
+    from urllib.parse import urlparse
+
+    port = urlparse(url).port
+    out = subprocess.run(["docker", "ps", "--filter", f"ancestor={nats_image()}", "--format", "{{.Ports}}"],
+                         capture_output=True, text=True, check=True).stdout
+    assert f":{port}->4222/tcp" in out, f"{url} is no port of a running {nats_image()} container: {out!r}"
