@@ -90,14 +90,16 @@ class Compose:
     """docker-compose.yml under a project name of its own (its own network and volumes), with the environment
     the recipe's variables come from. `down()` removes the containers and volumes."""
 
-    def __init__(self, env: dict[str, str], *, project: str | None = None, log_dir: Path | None = None):
+    def __init__(self, env: dict[str, str], *, project: str | None = None, log_dir: Path | None = None,
+                 project_dir: Path = ROOT):
         self.project = project or f"yt{uuid.uuid4().hex[:10]}"
         self.env = {**os.environ, "YETO_NATS_IMAGE": nats_image(), "YETO_PYTHON_IMAGE": python_image(), **env}
-        self.cmd = [*compose_command(), "-p", self.project, "-f", str(COMPOSE_FILE)]
+        self.cmd = [*compose_command(), "-p", self.project, "-f", str(project_dir / COMPOSE_FILE.name)]
         self.log_dir = log_dir
+        self.cwd = project_dir
 
     def run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*self.cmd, *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
+        proc = subprocess.run([*self.cmd, *args], cwd=self.cwd, env=self.env, capture_output=True, text=True,
                               timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
@@ -125,7 +127,7 @@ class Compose:
             time.sleep(1)
 
     def logs(self, *services: str) -> str:
-        proc = subprocess.run([*self.cmd, "logs", "--no-color", *services], cwd=ROOT, env=self.env,
+        proc = subprocess.run([*self.cmd, "logs", "--no-color", *services], cwd=self.cwd, env=self.env,
                               capture_output=True, text=True, timeout=60)
         return proc.stdout + proc.stderr
 
@@ -134,6 +136,36 @@ class Compose:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             (self.log_dir / f"compose-{self.project}.log").write_text(self.logs())
         self.run("--profile", "cluster", "down", "-v", "--remove-orphans", "-t", "5", timeout=180, check=False)
+
+
+def compose_copy(dest: Path) -> Path:
+    """docker-compose.yml with the files it mounts (services/nats.conf, deploy/nats/), in dest: a recipe that
+    writes next to the compose file (`--out ./yeto-auth`) runs there as written, not in the checkout."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(COMPOSE_FILE, dest / COMPOSE_FILE.name)
+    (dest / "services").mkdir()
+    shutil.copy(ROOT / "services" / "nats.conf", dest / "services" / "nats.conf")
+    shutil.copytree(ROOT / "deploy" / "nats", dest / "deploy" / "nats")
+    return dest
+
+
+def header_recipe(marker: str) -> list[str]:
+    """The commands of docker-compose.yml's header that follow the comment line containing `marker`: the
+    `#   ` lines (comments after two spaces dropped)."""
+    lines = COMPOSE_FILE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if marker in line)
+    out = []
+    for line in lines[start + 1:]:
+        if not line.startswith("#"):
+            break
+        if line.startswith("#   "):
+            out.append(line[4:].split("  #")[0].rstrip())
+        elif out:
+            break
+    assert out, f"no recipe after {marker!r} in {COMPOSE_FILE}"
+    return out
 
 
 def assert_served_by_a_container(url: str) -> None:

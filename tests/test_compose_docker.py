@@ -16,6 +16,7 @@ host ports are the compose file's, so this file's tests run one at a time (one x
 from __future__ import annotations
 
 import asyncio
+import sys
 import os
 import socket
 import subprocess
@@ -245,4 +246,60 @@ async def test_cluster_profile_with_three_replicas_survives_a_hub_killed_mid_run
             p.stop()
         if nc is not None:
             await nc.close()
+        c.down()
+
+
+@pytest.mark.timeout(600)
+async def test_the_secured_recipe_of_the_header_runs_as_written(images, tmp_path):
+    """The header's four commands, verbatim, in a copy of the compose file's directory (`./yeto-auth` lands
+    there): `yeto auth init --tls`, the secured broker, `setfacl` for the containers' user, the whole stack
+    (in the foreground, as written: it runs in the background here until the end). Then islands a and b on the
+    host with their own identities over TLS train the default run (`demo`) to the end, exactly; the exporter
+    and the dashboard read the run with the observer identity."""
+    import shutil
+
+    from tests.docker_support import compose_copy, header_recipe
+
+    _ports_free(4222, 8222, 9464, 8080)
+    assert shutil.which("setfacl"), "setfacl is missing (apt-get install acl): the recipe runs it"
+    recipe = header_recipe("A secured run")
+    assert len(recipe) == 4 and recipe[-1].endswith("docker compose up"), recipe
+    proj = compose_copy(tmp_path / "proj")
+    project = f"yt{os.urandom(5).hex()}"
+    venv_bin = os.path.dirname(os.path.realpath(shutil.which("yeto") or "")) or os.path.dirname(sys.executable)
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "PATH": f"{os.path.dirname(sys.executable)}:{venv_bin}:"
+           + os.environ["PATH"]}
+    c = Compose({"YETO_BROKER_AUTH": "./yeto-auth"}, project=project, log_dir=tmp_path, project_dir=proj)
+    env.update({k: c.env[k] for k in ("YETO_NATS_IMAGE", "YETO_PYTHON_IMAGE")})
+    islands: dict = {}
+    up = None
+    try:
+        for line in recipe[:-1]:
+            proc = subprocess.run(["bash", "-c", line], cwd=proj, env=env, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        up_log = open(tmp_path / "compose-up.log", "w")
+        up = subprocess.Popen(["bash", "-c", recipe[-1]], cwd=proj, env=env, stdout=up_log, stderr=subprocess.STDOUT)
+        c.wait_healthy("nats")
+        auth = proj / "yeto-auth"
+        url = "tls://127.0.0.1:4222"
+        islands = {i: IslandProc(url, "demo", i, tmp_path, env={"YETO_NATS_CREDS": str(auth / f"{i}.creds"),
+                                                               "YETO_TLS_CA": str(auth / "tls" / "ca.pem")}).start()
+                   for i in ("a", "b")}
+        metrics = await _get_eventually("http://127.0.0.1:9464/metrics",
+                                        lambda b: 'run="demo"' in b and 'island="a"' in b, timeout=240)
+        assert "yeto_" in metrics
+        await _get_eventually("http://127.0.0.1:8080/", lambda b: "<html" in b.lower())
+        rcs = await wait_exit(islands, 300)
+        assert rcs == {"a": 0, "b": 0}, tails(islands) + "\n" + c.logs()[-4000:]
+        _export_and_compare(c, "demo", tmp_path, islands.values())
+        assert "Authorization Violation" not in c.logs("syncer", "exporter", "dashboard")
+    finally:
+        for p in islands.values():
+            p.stop()
+        if up is not None and up.poll() is None:
+            up.terminate()
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
         c.down()
