@@ -186,8 +186,12 @@ def _commands(path):
 
 def test_ci_runs_ruff_before_the_tests():
     ci = _commands(ROOT / ".ci" / "run")
-    assert "./run lint" in ci and ci[-1] == "exec ./run test"
-    assert ci.index("./run lint") < ci.index("exec ./run test")
+    tests = [i for i, line in enumerate(ci) if "./run test" in line]
+    assert "./run lint" in ci and tests and ci.index("./run lint") < tests[0]
+    # the whole suite: everything but the docker tier, then the docker tier, whose failure fails CI too
+    assert [ci[i].split(" || ")[0].split("./run test ", 1)[1] for i in tests] == ['-m "not docker"', "-m docker"]
+    assert all(ci[i].endswith("|| rc=$?") for i in tests) and ci[-1] == 'exit "$rc"'
+    assert "YETO_DOCKER_REQUIRED=1" in ci[tests[1]]
     run = (ROOT / "run").read_text()
     assert 'exec "$VENV/bin/ruff" check . "$@"' in run
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
