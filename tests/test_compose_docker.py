@@ -215,7 +215,11 @@ async def test_cluster_profile_with_three_replicas_survives_a_hub_killed_mid_run
     _ports_free(4222, 8222, 4223, 4224, 4225, 8223, 8224, 8225, 7423, 7424, 7425, 9464, 8080)
     run = "cluster_" + os.urandom(4).hex()
     rounds = 40
-    # The header's recipe: YETO_NATS=nats://hub-1:4222,... YETO_REPLICAS=3 docker compose --profile cluster up
+    # The header's recipe (its `up` detached here): YETO_NATS=<the hubs> YETO_REPLICAS=3 docker compose --profile cluster up
+    from tests.docker_support import header_recipe
+    recipe = " ".join(header_recipe("Point the yeto services at it")).replace("\\", " ").split()
+    assert recipe == ["YETO_NATS=nats://hub-1:4222,nats://hub-2:4222,nats://hub-3:4222", "YETO_REPLICAS=3",
+                      "docker", "compose", "--profile", "cluster", "up"], recipe
     c = Compose({"YETO_RUN": run, "YETO_TOTAL_STEPS": str(rounds), **RUN_ENV,
                  "YETO_NATS": "nats://hub-1:4222,nats://hub-2:4222,nats://hub-3:4222", "YETO_REPLICAS": "3"},
                 log_dir=tmp_path)
