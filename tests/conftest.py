@@ -51,16 +51,37 @@ def nats_url(tmp_path_factory):
         nats_server_binary()
     except Exception as exc:  # no embedded binary: fall back to Docker if an engine runs
         if _docker_engine_answers():
-            from testcontainers.nats import NatsContainer
+            from tests.docker_support import broker_container
 
-            with NatsContainer("nats:2.11", jetstream=True) as c:
-                yield c.nats_uri()
+            with broker_container() as url:
+                yield url
             return
         pytest.fail(f"no nats-server available: {exc}")
     store = tmp_path_factory.mktemp("nats-store")
     with Broker(store_dir=store, log_file=store / "server.log") as broker:
         os.environ.setdefault("YETO_TEST_BROKER_LOG", str(store / "server.log"))
         yield broker.url
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """The `docker` tier's gate: a Docker engine that answers, else the test skips saying so (fails instead with
+    YETO_DOCKER_REQUIRED=1, as .ci/run sets it: there the tier must run)."""
+    if not _docker_engine_answers():
+        why = "no Docker engine answers `docker info` (the docker tier needs one: README \"Tests\")"
+        if os.environ.get("YETO_DOCKER_REQUIRED") == "1":
+            pytest.fail(why + " and YETO_DOCKER_REQUIRED=1")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def container_nats_url(docker_engine):
+    """A broker in a container started through testcontainers (tests/docker_support.py: the local
+    broker image of deploy/images.sh, or YETO_NATS_IMAGE), with the shipped config."""
+    from tests.docker_support import broker_container
+
+    with broker_container() as url:
+        yield url
 
 
 @pytest.fixture
@@ -102,23 +123,24 @@ def demo_run(nats_url, tmp_path_factory):
 
 
 # Test tiers (README "Tests"): every test is `pure` or `e2e`; `soak` marks the long chaos and hostile runs,
-# which are e2e too.
+# `docker` the tests on a Docker engine (compose, testcontainers); both are e2e too.
 #   pure  in-process logic: no nats-server, no subprocess, no multi-process torch.distributed.
 #   e2e   starts (or connects to) a nats-server and/or other processes.
 # A test is e2e when it says so (`@pytest.mark.e2e`, a module's `pytestmark`, or `soak`) or when it uses, directly
 # or through other fixtures, one of the fixtures below; every other test is pure. The classification is checked
 # as the tests run: a pure test that starts a process or connects to a broker fails (`_PureGuard`), so a test
 # that starts its own processes and lacks the mark cannot pass as pure.
-_E2E_FIXTURES = frozenset({"nats_url", "nc", "demo_run"})
+_E2E_FIXTURES = frozenset({"nats_url", "nc", "demo_run", "docker_engine", "container_nats_url"})
+_E2E_MARKS = frozenset({"e2e", "soak", "docker"})
 
 
 def _tier(item) -> str:
     marks = {m.name for m in item.iter_markers()}
-    if "pure" in marks and (marks & {"e2e", "soak"} or _E2E_FIXTURES & set(item.fixturenames)):
-        raise pytest.UsageError(f"{item.nodeid}: marked pure but marked e2e/soak or uses a broker fixture")
+    if "pure" in marks and (marks & _E2E_MARKS or _E2E_FIXTURES & set(item.fixturenames)):
+        raise pytest.UsageError(f"{item.nodeid}: marked pure but marked e2e/soak/docker or uses a broker fixture")
     if "pure" in marks:
         return "pure"
-    if marks & {"e2e", "soak"} or _E2E_FIXTURES & set(item.fixturenames):
+    if marks & _E2E_MARKS or _E2E_FIXTURES & set(item.fixturenames):
         return "e2e"
     return "pure"
 
@@ -158,6 +180,13 @@ def _outside_the_checkout(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    # A module that sets BROKER_RERUN (tests/test_*_container.py) re-collects another module's tests against a
+    # broker container: only those that reach a broker are worth running again.
+    rerun_pure = [it for it in items if getattr(it.module, "BROKER_RERUN", False)
+                  and not _E2E_FIXTURES & set(it.fixturenames)]
+    if rerun_pure:
+        config.hook.pytest_deselected(items=rerun_pure)
+        items[:] = [it for it in items if it not in set(rerun_pure)]
     xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         tier = _tier(item)

@@ -166,14 +166,14 @@ def test_claims_pure(nats_url):
 ''')
     proc = _pytest(tmp_path, "--collect-only")
     assert proc.returncode != 0
-    assert "marked pure but marked e2e/soak or uses a broker fixture" in proc.stdout + proc.stderr, proc.stdout
+    assert "marked pure but marked e2e/soak/docker or uses a broker fixture" in proc.stdout + proc.stderr, proc.stdout
 
 
 def test_the_markers_are_registered_strictly_and_documented():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in ini["addopts"].split()
     names = {m.split(":", 1)[0] for m in ini["markers"]}
-    assert names == {"pure", "e2e", "soak"}
+    assert names == {"pure", "e2e", "soak", "docker"}
     readme = (ROOT / "README.md").read_text()
     assert "`./run test -m pure`" in readme
     for name in names:
@@ -186,10 +186,16 @@ def _commands(path):
 
 def test_ci_runs_ruff_before_the_tests():
     ci = _commands(ROOT / ".ci" / "run")
-    # lint, the README's test command, then its first command: the demo (and the installed `yeto demo`)
-    assert "./run lint" in ci and "./run test" in ci and "./run demo" in ci
-    assert ci.index("./run lint") < ci.index("./run test") < ci.index("./run demo")
-    assert any("yeto\" demo" in c and c.startswith("(cd /") for c in ci), ci
+    tests = [i for i, line in enumerate(ci) if "./run test" in line]
+    assert "./run lint" in ci and tests and ci.index("./run lint") < tests[0]
+    # the whole suite: everything but the docker tier, then the docker tier, whose failure fails CI too
+    assert [ci[i].split(" || ")[0].split("./run test ", 1)[1] for i in tests] == ['-m "not docker"', "-m docker"]
+    assert all(ci[i].endswith("|| rc=$?") for i in tests) and ci[-1] == 'exit "$rc"'
+    assert "YETO_DOCKER_REQUIRED=1" in ci[tests[1]]
+    # the README's first command after the suite, and the installed `yeto demo` from outside the checkout
+    demo = [i for i, line in enumerate(ci) if line.startswith("./run demo")]
+    assert demo and tests[0] < demo[0] and ci[demo[0]].endswith("|| rc=$?"), ci
+    assert any('yeto" demo' in c and c.startswith("(cd / &&") and c.endswith("|| rc=$?") for c in ci), ci
     run = (ROOT / "run").read_text()
     assert 'exec "$VENV/bin/ruff" check . "$@"' in run
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
