@@ -162,9 +162,11 @@ def test_moe_tp2_pp2_ep2_export_matches_reference_and_roundtrips(tmp_path):
 
 # ---- fp32 masters: DistributedOptimizer and Float16OptimizerWithFloat16Params (bf16 model) -----------
 
-def _check_optimizer(distributed: bool, moe: bool) -> None:
+def _check_optimizer(distributed: bool, moe: bool, device: str = "cpu") -> None:
+    """On the CPU ranks here, and on one CUDA rank in tests/test_cuda_megatron.py (params, masters and the
+    optimizer on the GPU; the checks compare host copies)."""
     kind = "sharded" if distributed else "full"
-    chunks = T.build(T.config(moe=moe, bf16=True), moe=moe, seed=5)
+    chunks = T.to_device(T.build(T.config(moe=moe, bf16=True), moe=moe, seed=5), device)
     wrapped, opt = T.wrap(chunks, chunks[0].config, distributed=distributed)
     for step in range(2):
         T.train_step(wrapped, opt, T.tokens(step))
@@ -179,8 +181,9 @@ def _check_optimizer(distributed: bool, moe: bool) -> None:
     for s in shards:
         box = full[s.name][s.local_slices] if s.local_slices is not None else full[s.name]
         for p, _, master, _, _ in adapter.masters(s.name):
-            assert p.dtype == torch.bfloat16
-            assert torch.equal(p.detach().reshape(box.shape), box.bfloat16()), s.name
+            assert p.dtype == torch.bfloat16 and p.device.type == device
+            assert master is None or master.device.type == device, s.name
+            assert torch.equal(p.detach().cpu().reshape(box.shape), box.bfloat16()), s.name
             if not distributed:
                 assert torch.equal(master.reshape(box.shape), adapter.read(s.name)), s.name  # read is the master
         extra_bits |= not torch.equal(box, box.bfloat16().float())
@@ -196,11 +199,11 @@ def _check_optimizer(distributed: bool, moe: bool) -> None:
         for s in shards:
             box = values[s.name][s.local_slices] if s.local_slices is not None else values[s.name]
             for p, _, master, start, end in adapter.masters(s.name):
-                assert torch.equal(p.detach().reshape(box.shape), box.bfloat16()), f"{what}: param {s.name}"
+                assert torch.equal(p.detach().cpu().reshape(box.shape), box.bfloat16()), f"{what}: param {s.name}"
                 if distributed and end > start:
-                    assert torch.equal(master, box.reshape(-1)[start:end]), f"{what}: master shard {s.name}"
+                    assert torch.equal(master.cpu(), box.reshape(-1)[start:end]), f"{what}: master shard {s.name}"
                 elif not distributed:
-                    assert torch.equal(master.reshape(box.shape), box), f"{what}: master {s.name}"
+                    assert torch.equal(master.cpu().reshape(box.shape), box), f"{what}: master {s.name}"
     consistent("after write")
     # megatron's own step with lr = 0 copies its masters back into the params: they must be ours
     for g in opt.param_groups:
