@@ -19,6 +19,7 @@ import torch.distributed as dist
 import megatron_tiny as T
 from yeto.learner.adapters.megatron import EMBEDDING, MegatronAdapter, gather_full, layout_all, scatter_full
 from yeto.learner.adapters.megatron_names import strip_wrappers
+from yeto.learner.fragments import blend
 from yeto.schemas.layout import layout_fingerprint
 from tests.extras import require
 
@@ -205,6 +206,19 @@ def _check_optimizer(distributed: bool, moe: bool, device: str = "cpu") -> None:
                 elif not distributed:
                     assert torch.equal(master.cpu().reshape(box.shape), box), f"{what}: master {s.name}"
     consistent("after write")
+    # a later version blends in: θ = α·θ + (1 − α)·Θ through the adapter (every rank, every shard, in order:
+    # the DistributedOptimizer's read is a collective), on the parameters' device; the same ops there give the
+    # same bits
+    dev = torch.device(device)
+    globs = {n: torch.randn(v.shape, generator=torch.Generator().manual_seed(50 + i))
+             for i, (n, v) in enumerate(values.items())}
+    for s in shards:
+        g = globs[s.name][s.local_slices] if s.local_slices is not None else globs[s.name]
+        adapter.blend(s.name, g.reshape(-1), 0.375, tuple(g.shape))
+    values = {n: blend(v.to(dev).reshape(-1), globs[n].reshape(-1), 0.375).view(v.shape).cpu()
+              for n, v in values.items()}
+    consistent("after blend")
+    _assert_bitwise(gather_full(adapter), values, f"{kind} master blend-then-export")
     # megatron's own step with lr = 0 copies its masters back into the params: they must be ours
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -236,6 +250,26 @@ def _optimizers(rank: int, world: int, init_file: str) -> None:
 @pytest.mark.timeout(240)
 def test_masters_of_both_optimizers_read_write_and_survive_a_step(tmp_path):
     T.start(_optimizers, 4, tmp_path)
+
+
+def _optimizers_on_the_gpu(rank: int, world: int, init_file: str) -> None:
+    T.init_world(rank, world, init_file, device="cuda")
+    import megatron_cpu_shim
+
+    T.layout()  # one rank: NCCL takes one rank per device
+    for distributed in (True, False):
+        _check_optimizer(distributed, moe=False, device="cuda")
+    # the real device all along: the CPU shim was never installed in this process
+    assert not megatron_cpu_shim._DONE and torch.cuda.current_device.__module__ == "torch.cuda"
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(240)
+def test_masters_on_the_gpu_read_write_blend_and_survive_a_step(tmp_path):
+    """The same checks on one CUDA rank: bf16 parameters, the DistributedOptimizer's fp32 shards and the
+    Float16Optimizer's fp32 copies on the GPU; reads gathered there, writes and blends in place there."""
+    T.start(_optimizers_on_the_gpu, 1, tmp_path)
 
 
 # ---- two islands, other TP and EP sizes: same names, values exchanged, same forward -----------------
