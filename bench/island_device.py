@@ -220,15 +220,18 @@ def train_share(args, out=print) -> dict:
     """Broker, syncer and the training island (part 2); boundary_share as bench/goodput.py computes it."""
     from yeto.services.broker import Broker
 
+    import contextlib
+
     work = Path(tempfile.mkdtemp(prefix="yeto-island-device-"))
     run = f"bench_device_{uuid.uuid4().hex[:8]}"
     rounds = max(1, args.train_steps * args.fragments // args.sync_every)
-    env = clean_env(YETO_PROGRESS="0", YETO_NATS="")
     procs: dict[str, Child] = {}
-    with Broker(store_dir=work / "broker") as broker, RssWatch(every_s=0.5) as watch:
-        env["YETO_NATS"] = broker.url
+    own = Broker(store_dir=work / "broker") if args.nats is None else contextlib.nullcontext()
+    with own as broker, RssWatch(every_s=0.5) as watch:
+        url = args.nats or broker.url
+        env = clean_env(YETO_PROGRESS="0", YETO_NATS=url)
         try:
-            procs["syncer"] = Child("syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", broker.url,
+            procs["syncer"] = Child("syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url,
                                                "--run", run, "--islands", "1", "--fragments", str(args.fragments),
                                                "--sync-every", str(args.sync_every), "--total-steps", str(rounds),
                                                "--init-island", "a", "--checkpoint-dir", str(work / "ckpt")],
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=None, help="H of part 2 (default 32 on cuda, 8 on cpu)")
     ap.add_argument("--batch", type=int, default=None, help="part 2's batch rows (default 8192 on cuda, 64 on cpu)")
     ap.add_argument("--no-train", action="store_true", help="leave part 2 out")
+    ap.add_argument("--nats", default=None, help="part 2's broker (default: the embedded one, started here)")
     ap.add_argument("--timeout", type=float, default=600.0)
     if argv and argv[0] == "worker":
         ap.add_argument("cmd")
