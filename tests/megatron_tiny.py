@@ -160,16 +160,19 @@ def train_step(wrapped, opt, toks: torch.Tensor) -> float | None:
     return float(out[0]["loss"]) if out else None
 
 
-def start(fn, world: int, tmp_path, *args) -> None:
-    """Run fn(rank, world, init_file, *args) on `world` gloo ranks (forkserver, megatron preloaded)."""
+def start(fn, world: int, tmp_path, *args, start_method: str = "forkserver") -> None:
+    """Run fn(rank, world, init_file, *args) on `world` gloo ranks (forkserver, megatron preloaded). The CUDA
+    tests pass "spawn": a rank forked from a process in which an import already touched the CUDA driver
+    cannot use the GPU."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt",
-                                            "megatron.core.optimizer", "megatron.core.distributed"])
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt",
+                                                "megatron.core.optimizer", "megatron.core.distributed"])
     mp.start_processes(fn, args=(world, str(tmp_path / "init"), *args), nprocs=world, join=True,
-                       start_method="forkserver")
+                       start_method=start_method)
 
 
 def swift_args(**kw):

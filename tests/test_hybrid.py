@@ -531,6 +531,9 @@ def _device_pair(rank: int, world: int, init_file: str, device: str) -> None:
 def test_hybrid_group_carries_device_tensors_between_two_processes(tmp_path, device):
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "yeto.learner.hybrid"])
+    # CUDA: spawned ranks (a rank forked after the CUDA driver was touched cannot use the GPU)
+    method = "spawn" if device == "cuda" else "forkserver"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "yeto.learner.hybrid"])
     mp.start_processes(_device_pair, args=(2, str(tmp_path / "init"), device), nprocs=2, join=True,
-                       start_method="forkserver")
+                       start_method=method)

@@ -269,7 +269,7 @@ def _optimizers_on_the_gpu(rank: int, world: int, init_file: str) -> None:
 def test_masters_on_the_gpu_read_write_blend_and_survive_a_step(tmp_path):
     """The same checks on one CUDA rank: bf16 parameters, the DistributedOptimizer's fp32 shards and the
     Float16Optimizer's fp32 copies on the GPU; reads gathered there, writes and blends in place there."""
-    T.start(_optimizers_on_the_gpu, 1, tmp_path)
+    T.start(_optimizers_on_the_gpu, 1, tmp_path, start_method="spawn")
 
 
 # ---- two islands, other TP and EP sizes: same names, values exchanged, same forward -----------------
