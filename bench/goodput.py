@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -42,9 +41,6 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 # processes and peak RSS as every bench runs and reads them
 from yeto.services.run_harness import (  # noqa: E402
@@ -184,17 +180,17 @@ def rounds_for(args) -> int:
 def one_pass(args, url: str | None, work: Path, sync: bool, watch: RssWatch) -> tuple[dict, str | None]:
     run = f"bench_goodput_{uuid.uuid4().hex[:8]}"
     names = [f"i{k}" for k in range(args.islands)]
-    env = clean_env(YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = clean_env(YETO_PROGRESS="0")
     tag = "sync" if sync else "alone"
     procs: dict[str, Child] = {}
     try:
         if sync:
             procs[f"{tag}-syncer"] = Child(
-                f"{tag}-syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands",
+                f"{tag}-syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands",
                  str(args.islands), "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
                  "--total-steps", str(rounds_for(args)), "--init-island", names[0],
                  "--checkpoint-dir", str(work / f"{tag}-ckpt"), "--status-every", "30"],
-                work / f"{tag}-syncer.log", cwd=ROOT, env=env).start()
+                work / f"{tag}-syncer.log", env=env).start()
         for name in names:
             e = dict(env)
             if sync:
@@ -205,7 +201,7 @@ def one_pass(args, url: str | None, work: Path, sync: bool, watch: RssWatch) -> 
                  "--sync-every", str(args.sync_every), "--out", str(work / f"{tag}-{name}.json"),
                  "--ranks", str(args.ranks), "--port", str(free_port() if args.ranks > 1 else 0)]
                 + (["--sync"] if sync else []),
-                work / f"{tag}-{name}.log", cwd=ROOT, env=e).start()
+                work / f"{tag}-{name}.log", env=e).start()
         watch.add_children(procs.values())
         try:
             wait_all(procs, args.timeout, watch=watch, lines=40)

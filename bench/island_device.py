@@ -42,13 +42,10 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from yeto.services.run_harness import Child, ChildFailed, RssWatch, clean_env, peak_rss_self, stop_all, wait_all  # noqa: E402
+# the installed yeto (as every bench: the product as users get it)
+from yeto.services.run_harness import Child, ChildFailed, RssWatch, clean_env, peak_rss_self, stop_all, wait_all
 
 MiB, GB = 1 << 20, 1e9
 LAYERS = 8
@@ -213,7 +210,7 @@ def worker(args) -> int:
 
 
 def _goodput():
-    spec = importlib.util.spec_from_file_location("bench_goodput", ROOT / "bench" / "goodput.py")
+    spec = importlib.util.spec_from_file_location("bench_goodput", Path(__file__).resolve().parent / "goodput.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -234,16 +231,16 @@ def train_share(args, out=print) -> dict:
         url = args.nats or broker.url
         env = clean_env(YETO_PROGRESS="0", YETO_NATS=url)
         try:
-            procs["syncer"] = Child("syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url,
+            procs["syncer"] = Child("syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url,
                                                "--run", run, "--islands", "1", "--fragments", str(args.fragments),
                                                "--sync-every", str(args.sync_every), "--total-steps", str(rounds),
                                                "--init-island", "a", "--checkpoint-dir", str(work / "ckpt")],
-                                    work / "syncer.log", cwd=ROOT, env=env).start()
+                                    work / "syncer.log", env=env).start()
             procs["island"] = Child("island", [sys.executable, str(Path(__file__).resolve()), "worker", "--run", run,
                                                "--device", args.device, "--train-mib", str(args.train_mib),
                                                "--train-steps", str(args.train_steps), "--batch", str(args.batch),
                                                "--out", str(work / "island.json")],
-                                    work / "island.log", cwd=ROOT, env=env).start()
+                                    work / "island.log", env=env).start()
             watch.add_children(procs.values())
             wait_all(procs, args.timeout, watch=watch, lines=40)
         except ChildFailed as err:

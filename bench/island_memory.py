@@ -39,9 +39,6 @@ import uuid
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 # processes and /proc readings as every bench runs and reads them
 from yeto.services.run_harness import Child, vm_hwm, vm_rss  # noqa: E402
@@ -212,12 +209,12 @@ def one_size(size: float, args, url: str, work: Path) -> dict:
     run = f"bench_isl_{uuid.uuid4().hex[:8]}"
     d = work / run
     d.mkdir(parents=True)
-    syncer = Child("syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
+    syncer = Child("syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                               "--islands", "1", "--fragments", str(args.fragments), "--sync-every",
                               str(args.fragments), "--total-steps", "1", "--init-island", ISLAND,
                               "--bulk-dtype", "f32", "--push-dtype", "f32", "--chunk-bytes", str(args.chunk_kb * 1024),
                               "--checkpoint-dir", str(d / "ckpt"), "--small-limits", "--status-every", "5"],
-                   d / "syncer.log", cwd=ROOT).start()
+                   d / "syncer.log").start()
     try:
         cfg = {"size": size, "run": run, "url": url, "pg": str(d / "pg"), "out": str(d), "anchors": args.anchors,
                "anchor_dir": str(d / "anchors"), "verbose": args.verbose}

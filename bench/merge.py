@@ -36,11 +36,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

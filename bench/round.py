@@ -72,9 +72,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: E402  (no torch import)
 # processes, ports and peak RSS as every bench runs and reads them
@@ -317,19 +314,19 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
     names = [f"i{k}" for k in range(args.islands)]
     total = args.warmup + args.rounds
     rounds = {t: RoundObs(step=t) for t in range(1, total + 1)}
-    env = clean_env(YETO_PROGRESS="0", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = clean_env(YETO_PROGRESS="0")
     procs: dict[str, Child] = {}
     info: dict = {"run": run}
     with Observer(url, run, rounds) as obs:
         try:
             procs["syncer"] = Child(
-                "syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
+                "syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                  "--islands", str(args.islands), "--fragments", "1", "--sync-every", "1", "--total-steps", str(total),
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30",
                  "--push-memory-mib", str(args.push_memory_mib)],
-                work / "syncer.log", cwd=ROOT,
+                work / "syncer.log",
                 env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
                          YETO_BROADCAST=args.broadcast, YETO_SPECULATE=args.speculate,
                          YETO_STATE_STORE=args.state_store)).start()
@@ -341,9 +338,9 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
                     e["YETO_FETCH_BATCH_BYTES"] = str(int(args.fetch_batch_mib * MiB))
                 procs[name] = Child(
                     f"island {name}",
-                    [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name, "--model-mib",
+                    [sys.executable, "-P", "-m", "yeto.learner.demo", "--run", run, "--island", name, "--model-mib",
                      str(args.size_mib), "--step-delay", "0", "--out", str(work / f"final-{name}.safetensors")],
-                    work / f"island-{name}.log", cwd=ROOT, env=e).start()
+                    work / f"island-{name}.log", env=e).start()
                 rss.add(f"island {name}", procs[name].pid)
             try:
                 wait_all(procs, args.timeout, lines=40)

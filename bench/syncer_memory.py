@@ -53,9 +53,6 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 # processes and peak RSS as every bench runs and reads them; phase_peaks is this bench's too (its tests use it)
 from yeto.services.run_harness import Child, RssWatch, clean_env, phase_peaks, vm_rss  # noqa: E402, F401
@@ -144,7 +141,7 @@ async def run_config(args, url: str, n: int, work: Path, watch: RssWatch) -> dic
 
     run = f"bench_shmem{n}_{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True)
-    env = clean_env(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = clean_env()
     env.update(dict(args.syncer_env))   # --syncer-env: the one way to give the syncers YETO_* variables
     names = ["syncer"] if n == 1 else [f"shard {k}" for k in range(n)]
     procs: dict[str, Child] = {}
@@ -154,13 +151,13 @@ async def run_config(args, url: str, n: int, work: Path, watch: RssWatch) -> dic
         for k, name in enumerate(names):
             flags = [] if n == 1 else ["--shard", str(k), "--shards", str(n)]
             procs[name] = Child(
-                name, [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands", "2",
+                name, [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run, "--islands", "2",
                  "--fragments", str(P), "--sync-every", str(P), "--total-steps", str(args.rounds), "--strict",
                  "--init-island", ISLANDS[0], "--push-dtype", "f32", "--bulk-dtype", "f32",
                  "--chunk-bytes", str(int(args.chunk_mib * MiB)), "--checkpoint-dir", str(work / f"syncer-s{k}"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300",
                  "--status-every", "1", *flags],
-                work / f"syncer-s{k}.log", cwd=ROOT, env=env).start()
+                work / f"syncer-s{k}.log", env=env).start()
             watch.add(f"{name} ({n} shard{'s' if n > 1 else ''})", procs[name].pid)
 
         def check_alive():

@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from yeto.services.leaf import start_hub_and_leaf, wan_figures  # noqa: E402
 from yeto.services.run_harness import Child, ChildFailed, clean_env, stop_all, wait_all  # noqa: E402
@@ -38,23 +36,23 @@ def one_run(n: int, args, work: Path, naive: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     hub, leaf = start_hub_and_leaf(work, "dc1")
     run = f"wan{n}{'n' if naive else ''}-{int(time.time())}"
-    env = clean_env(YETO_RUN=run, YETO_PROGRESS="0", PYTHONPATH=str(ROOT))
+    env = clean_env(YETO_RUN=run, YETO_PROGRESS="0")
     procs: dict[str, Child] = {}
     t0 = time.monotonic()
     try:
         names = [f"i{k}" for k in range(n)]
         procs["syncer"] = Child(
-            "syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", hub.url, "--run", run, "--islands", str(n),
+            "syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", hub.url, "--run", run, "--islands", str(n),
              "--fragments", "2", "--sync-every", "8", "--total-steps", str(args.rounds), "--init-island", names[0],
              "--checkpoint-dir", str(work / "syncer"), "--small-limits", "--quorum-timeout", "60",
              "--member-timeout", "60", "--final-timeout", "60"],
-            work / "syncer.log", cwd=ROOT, env=env).start()
+            work / "syncer.log", env=env).start()
         for name in names:
             e = dict(env, YETO_NATS=leaf.url, YETO_ISLAND=name, YETO_DOMAIN="hub" if naive else "dc1")
             procs[name] = Child(
-                f"island {name}", [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", name,
+                f"island {name}", [sys.executable, "-P", "-m", "yeto.learner.demo", "--run", run, "--island", name,
                                    "--model-mib", str(args.model_mib), "--step-delay", "0.02"],
-                work / f"island-{name}.log", cwd=ROOT, env=e).start()
+                work / f"island-{name}.log", env=e).start()
         try:
             wait_all(procs, args.timeout, lines=40)
         except ChildFailed as err:

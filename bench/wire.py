@@ -40,11 +40,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# A script, not a package module: the repository root makes `schemas` (and `services.broker`) importable
-# here and in the spawned role processes, which re-run this module.
-if str(Path(__file__).resolve().parents[1]) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from yeto.schemas import codec  # noqa: E402
 from yeto.schemas import subjects as S  # noqa: E402
 from yeto.schemas.chunks import ChunkSpan, VersionDigest, check_chunk, chunk_header, chunk_plan, max_chunk_bytes  # noqa: E402
@@ -814,7 +809,6 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         url, server_pid = args.nats, None
         if url is None:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             from yeto.services.broker import Broker
 
             store = stack.enter_context(tempfile.TemporaryDirectory(prefix="yeto-wire-"))

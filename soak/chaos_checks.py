@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from chaos_procs import ROOT, IslandChild, log
+from chaos_procs import IslandChild, log
 from yeto.services.run_harness import clean_env
 
 
@@ -119,9 +119,8 @@ def verdict(self, recs: list[dict], wall: float, left: dict, timed_out: bool) ->
             accepted[(r["step"], r["attempt"], r["island"], r["gen"])] = r.get("detail", {}).get("local_step")
     # export the checkpoint: the final cut
     final_path = self.work / "final-cut.safetensors"
-    ex = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", self.run, "--checkpoint-dir",
-                         str(self.dirs[self.syncer.name]), "--out", str(final_path)], capture_output=True, text=True,
-                        cwd=ROOT, env=clean_env())
+    ex = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "export", "--run", self.run, "--checkpoint-dir",
+                         str(self.dirs[self.syncer.name]), "--out", str(final_path)], capture_output=True, text=True, env=clean_env())
     final, meta = None, {}
     if ex.returncode == 0:
         from safetensors import safe_open

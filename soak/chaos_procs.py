@@ -14,7 +14,6 @@ from pathlib import Path
 
 from yeto.services.run_harness import Child as RunChild, clean_env, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # The islands fail fast instead of waiting out production defaults when a run goes wrong; reconnects
 # are quick and patient enough to outlast a broker restart.
@@ -49,7 +48,7 @@ class Child(RunChild):
     purpose, and does any process of its group outlive the run."""
 
     def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None):
-        super().__init__(name, cmd, log_path, env=env, cwd=ROOT, group=True)
+        super().__init__(name, cmd, log_path, env=env, group=True)
         self.name, self.log_path = name, log_path
         self.killed = False
 
@@ -90,7 +89,7 @@ class IslandChild(Child):
                         **ISLAND_ENV)
         if restarted:  # a restarted island installs the current cut before its first step
             env["YETO_DILOCO_INITIAL_CUT_TIMEOUT"] = "30"
-        cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+        cmd = [sys.executable, "-P", "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
                "--step-delay", str(step_delay), "--out", str(self.out)]
         super().__init__(f"island-{tag}", cmd, work / f"island-{tag}.log", env)
 

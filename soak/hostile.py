@@ -50,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# hostile_messages lies beside this script: its folder on the path also under `python -P`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import orjson  # noqa: E402
 import torch  # noqa: E402
@@ -91,21 +91,21 @@ class Procs:
     def start(self) -> None:
         a = self.args
         env = clean_env(YETO_NATS=self.url, YETO_RUN=self.run)
-        syncer = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", self.url, "--run", self.run,
+        syncer = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", self.url, "--run", self.run,
                   "--islands", "2", "--fragments", "2", "--sync-every", "8", "--total-steps", str(a.rounds),
                   "--chunk-bytes", str(a.chunk_bytes), "--checkpoint-dir", str(self.work / "syncer"), "--small-limits",
                   "--quorum-timeout", str(a.quorum_timeout), "--member-timeout", "20", "--final-timeout", "90",
                   "--status-every", "0.5"]
         self._spawn("syncer", syncer, env)
         for isl in ISLANDS:
-            cmd = [sys.executable, "-m", "yeto.learner.demo", "--run", self.run, "--island", isl,
+            cmd = [sys.executable, "-P", "-m", "yeto.learner.demo", "--run", self.run, "--island", isl,
                    "--step-delay", str(a.step_delay), "--out", str(self.work / f"island-{isl}.safetensors")]
             self._spawn(isl, cmd, dict(env, YETO_ISLAND=isl, **ISLAND_ENV,
                                        YETO_DILOCO_STEP_LOG=str(self.work / f"steplog-{isl}.jsonl"),
                                        **self.island_env.get(isl, {})))
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
-        self.procs[name] = Child(name, cmd, self.work / f"{name}.log", cwd=ROOT, env=env).start()
+        self.procs[name] = Child(name, cmd, self.work / f"{name}.log", env=env).start()
 
     def log(self, name: str) -> str:
         p = self.procs.get(name)

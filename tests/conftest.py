@@ -13,6 +13,22 @@ import uuid
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The product as users get it (issue 37): no process a test starts may find a package that only the checkout
+# provides. Every child inherits PYTHONSAFEPATH (`python -P`: neither its working directory nor its script's
+# folder goes on sys.path) and a PYTHONPATH without the repository root, and runs in a directory outside the
+# checkout (`_outside_the_checkout`), so `yeto.*` resolves only through the installed package: a top-level
+# `schemas`/`services`/`learner` import or a resource read through those names fails the test that runs it.
+# (pytest itself still has the root on its path, from `pythonpath` in pyproject.toml, for `tests.*`.)
+os.environ["PYTHONSAFEPATH"] = "1"
+_kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+         if p and os.path.realpath(p) != os.path.realpath(ROOT)]
+if _kept:
+    os.environ["PYTHONPATH"] = os.pathsep.join(_kept)
+else:
+    os.environ.pop("PYTHONPATH", None)
+
 
 def _docker_engine_answers() -> bool:
     if not shutil.which("docker"):
@@ -77,7 +93,7 @@ def demo_run(nats_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("demo")
     run = f"t_demo_{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
                            "--workdir", str(work), "--rounds", "12"], capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"yeto demo exited {proc.returncode}:\n{out[-4000:]}"
@@ -128,10 +144,19 @@ def pytest_configure(config):
         os.environ["YETO_COMPILE_CACHE"] = config._yeto_compile_cache
 
 
+
+
 def pytest_unconfigure(config):
     d = getattr(config, "_yeto_compile_cache", None)
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _outside_the_checkout(tmp_path_factory):
+    """Children start where their caller is unless told otherwise: never in the checkout (see PYTHONSAFEPATH
+    above). A fixture, not pytest_configure: xdist's workers must still start in the root to collect."""
+    os.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 def cuda_skip() -> str | None:

@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 from yeto.services.run_harness import (  # noqa: F401  (kv_json, clean_env, tails: the tests' names for them)
     Child, ChildFailed, clean_env, kv_json, read_jsonl, tails, wait_all_async,
 )
-from tests.scripted import ROOT, tape
+from tests.scripted import tape
 
 # Fail fast instead of hanging for the production defaults (600 s) when a run goes wrong.
 ISLAND_TIMEOUTS = {
@@ -51,9 +51,9 @@ class IslandProc(Child):
         self.out = work / f"island-{self.tag}.safetensors"
         super().__init__(
             f"island {self.tag}",
-            [sys.executable, "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
+            [sys.executable, "-P", "-m", "yeto.learner.demo", "--run", run, "--island", island, "--ranks", str(ranks),
              "--out", str(self.out), *args],
-            work / f"island-{self.tag}.log", cwd=ROOT, group=True,
+            work / f"island-{self.tag}.log", group=True,
             env=clean_env(YETO_NATS=url, YETO_RUN=run, YETO_ISLAND=island,
                           YETO_DILOCO_STEP_LOG=str(self.steplog), **ISLAND_TIMEOUTS, **(env or {})))
 

@@ -29,9 +29,9 @@ class SyncerProc(Child):
     """`yeto syncer` as a child process (so a test can SIGKILL it), logging to `log`."""
 
     def __init__(self, url: str, run: str, ckpt: Path, *args: str, log: Path | None = None):
-        super().__init__("syncer", [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
+        super().__init__("syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
                                     "--checkpoint-dir", str(ckpt), "--small-limits", *args],
-                         log or ckpt.parent / f"syncer-{run}.log", cwd=ROOT, group=False)
+                         log or ckpt.parent / f"syncer-{run}.log", group=False)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -241,7 +241,7 @@ def snapshot_dir(path: Path) -> dict[str, bytes]:
 
 def replay_segments(nats_url: str, run: str) -> list[str]:
     """`yeto replay` of a run's tape (it must exit 0): its per-process lines ("syncer process ... identical")."""
-    rp = subprocess.run([sys.executable, "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run],
-                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    rp = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run],
+                        capture_output=True, text=True, timeout=60)
     assert rp.returncode == 0, rp.stdout + rp.stderr
     return [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]

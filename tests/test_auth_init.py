@@ -16,12 +16,11 @@ from yeto.schemas.conn import ConnectOptions, connect, nkey_inbox_prefix
 from yeto.services.auth import cert_hosts, load_identities, write_server_config
 from yeto.services.broker import Broker, check_config
 from tests.e2e_procs import clean_env
-from tests.scripted import ROOT
 
 
 def yeto_auth(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "yeto.services.cli", "auth", "init", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=clean_env(), timeout=120)
+    return subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "auth", "init", *args], capture_output=True,
+                          text=True, env=clean_env(), timeout=120)
 
 
 def mode(p: Path) -> int:

@@ -27,7 +27,7 @@ from yeto.schemas.provision import RunLimits, island_consumer_config, provision_
 from yeto.services.auth import init_auth, write_server_config
 from yeto.services.broker import Broker
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, clean_env, kv_json, tails, wait_exit, wait_until
-from tests.scripted import ROOT, SyncerProc
+from tests.scripted import SyncerProc
 from tests.test_steplog_exporter import scrape
 
 pytestmark = pytest.mark.e2e
@@ -111,14 +111,13 @@ async def test_a_real_run_through_the_secured_broker_finishes_normally(secured, 
                for name in ("a", "b")}
     tail_out = tmp_path / "tail.jsonl"
     exporter = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "yeto.services.cli", "exporter", "--run", run, "--nats", url, "--port", "0", "--from-start",
-        "--log-level", "WARNING", "--nats-creds", secured.creds("e2e", "observer"), *tls,
-        cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        sys.executable, "-P", "-m", "yeto.services.cli", "exporter", "--run", run, "--nats", url, "--port", "0", "--from-start",
+        "--log-level", "WARNING", "--nats-creds", secured.creds("e2e", "observer"), *tls, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with open(tail_out, "wb") as out:
         tail = subprocess.Popen(
-            [sys.executable, "-m", "yeto.services.cli", "steplog", "tail", "--json", "--count", "6", "--timeout", "150",
+            [sys.executable, "-P", "-m", "yeto.services.cli", "steplog", "tail", "--json", "--count", "6", "--timeout", "150",
              "--nats", url, "--run", run, "--nats-creds", secured.creds("e2e", "observer"), *tls],
-            stdout=out, stderr=subprocess.PIPE, cwd=ROOT, env=clean_env())
+            stdout=out, stderr=subprocess.PIPE, env=clean_env())
         procs = {"syncer": syncer, **islands}
         try:
             line = (await asyncio.wait_for(exporter.stdout.readline(), 60)).decode()
@@ -689,9 +688,9 @@ async def test_a_client_of_run_r2_cannot_touch_run_r1(provisioned):
 # ---- only the admin removes a run -----------------------------------------------------------------
 
 def _run_rm(s: Secured, key: str, identity: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "yeto.services.cli", "run", "rm", s.runs[key], "--nats", s.broker.url,
+    return subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "run", "rm", s.runs[key], "--nats", s.broker.url,
                            "--nats-creds", s.creds(key, identity), "--tls-ca", s.ca],
-                          capture_output=True, text=True, cwd=ROOT, env=clean_env(), timeout=120)
+                          capture_output=True, text=True, env=clean_env(), timeout=120)
 
 
 async def test_only_the_admin_removes_a_run(provisioned):

@@ -64,7 +64,7 @@ def test_staleness_counts_versions_committed_beyond_the_one_installed():
 def test_smoke_run_prints_both_passes_and_the_last_line(tmp_path, ranks):
     out = subprocess.run([sys.executable, str(GOODPUT), "--size-mib", "4", "--steps", "48", "--warmup", "8",
                           "--step-s", "0.05", "--workdir", str(tmp_path), "--ranks", str(ranks)],
-                         capture_output=True, text=True, timeout=280, cwd=ROOT)
+                         capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert f"2 islands of {ranks} rank(s)" in lines[0], lines[0]

@@ -36,7 +36,7 @@ def _load():
 def test_cpu_smoke_prints_the_parts_and_the_ratio_last():
     proc = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--size-mib", "4", "--repeat", "1",
                            "--fragments", "2", "--train-mib", "1", "--train-steps", "16", "--sync-every", "4"],
-                          capture_output=True, text=True, timeout=140, cwd=ROOT)
+                          capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
     last = LAST.match(out.strip().splitlines()[-1])

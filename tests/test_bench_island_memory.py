@@ -37,7 +37,7 @@ def _load():
 @pytest.mark.e2e
 def test_smoke_run_prints_a_line_per_size_and_the_slope_last(anchors):
     proc = subprocess.run([sys.executable, str(BENCH), "--sizes", "2,4", "--fragments", "2", "--anchors", anchors],
-                          capture_output=True, text=True, timeout=140, cwd=ROOT)
+                          capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
     last = LAST_LINE.match(out.strip().splitlines()[-1])

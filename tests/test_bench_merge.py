@@ -39,7 +39,7 @@ def _load():
 def test_merge_bench_smoke_prints_both_rates_rss_and_the_ratio_last(dtype, decode, kernel):
     proc = subprocess.run([sys.executable, str(MERGE), "--size-mb", "4", "--members", "3", "--chunk-kb", "64",
                            "--repeat", "1", "--push-dtype", dtype, "--decode", decode, "--kernel", kernel],
-                          capture_output=True, text=True, timeout=55, cwd=ROOT)
+                          capture_output=True, text=True, timeout=55)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
     last = LAST_LINE.match(out.strip().splitlines()[-1])

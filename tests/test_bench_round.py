@@ -44,7 +44,7 @@ def _load():
 @pytest.mark.e2e
 def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_agree():
     proc = subprocess.run([sys.executable, str(ROUND), "--size-mib", "2", "--rounds", "2", "--allreduce-repeat", "2"],
-                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+                          capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout
     last = LAST_LINE.match(out.strip().splitlines()[-1])

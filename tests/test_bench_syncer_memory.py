@@ -42,7 +42,7 @@ def _load():
 @pytest.mark.e2e
 def test_syncer_memory_smoke_prints_every_process_and_the_ratio_last():
     proc = subprocess.run([sys.executable, str(BENCH), "--size-mib", "4", "--rounds", "4", "--shards", "4",
-                           "--timeout", "150"], capture_output=True, text=True, timeout=230, cwd=ROOT)
+                           "--timeout", "150"], capture_output=True, text=True, timeout=230)
     out = proc.stdout
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr[-12000:]}"
     last = LAST.match(out.strip().splitlines()[-1])

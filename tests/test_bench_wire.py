@@ -45,7 +45,7 @@ def test_wire_bench_smoke_prints_both_rates_and_the_ratio_last(nats_url):
     before = asyncio.run(_bench_streams(nats_url))
     proc = subprocess.run(
         [sys.executable, str(WIRE), "--size-mb", "8", "--repeat", "1", "--nats", nats_url],
-        capture_output=True, text=True, timeout=55, cwd=ROOT,
+        capture_output=True, text=True, timeout=55,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     out = proc.stdout

@@ -65,7 +65,7 @@ def test_yeto_broker_prints_url_and_stops_on_sigterm(tmp_path):
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "yeto.services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "s")],
+        [sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--port", str(port), "--store-dir", str(tmp_path / "s")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

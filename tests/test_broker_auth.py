@@ -31,7 +31,6 @@ NO_RETRY = {"allow_reconnect": False, "max_reconnect_attempts": 0, "connect_time
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
 
@@ -40,7 +39,7 @@ class YetoBroker:
     """`yeto broker ARGS` as a child process; `ready` is its first stdout line."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", *args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "yeto.services.cli", "broker", *args],
                                      env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.ready = self.proc.stdout.readline()
         if "yeto broker ready" not in self.ready:
@@ -175,7 +174,7 @@ def test_a_broker_beyond_loopback_without_auth_refuses_to_start(tmp_path, how):
         args += ["--host", "0.0.0.0"]
     else:
         env["YETO_BROKER_HOST"] = "0.0.0.0"
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "broker", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "broker", *args], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr
@@ -205,9 +204,8 @@ async def test_insecure_lets_an_open_broker_listen_beyond_loopback(tmp_path, how
 @pytest.mark.e2e
 def test_auth_that_is_not_an_auth_dir_is_refused(tmp_path):
     for bad, says in ((tmp_path / "missing", "is not a directory"), (tmp_path, "identities.json")):
-        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "broker", "--auth", str(bad),
-                               "--port", str(free_port()), "--store-dir", str(tmp_path / "s")],
-                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--auth", str(bad),
+                               "--port", str(free_port()), "--store-dir", str(tmp_path / "s")], env=_env(), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and says in proc.stderr and str(bad) in proc.stderr, proc.stderr
 
 

@@ -20,7 +20,6 @@ from nats.js.errors import NotFoundError
 from yeto.schemas import subjects as S
 from yeto.services.broker import free_port_block
 from tests.e2e_procs import kv_json
-from tests.scripted import ROOT
 from tests.test_broker_nodes import _ready
 from tests.test_broker_supervisor import _children
 
@@ -43,9 +42,9 @@ def test_demo_on_yeto_broker_cluster_rides_through_a_killed_child(tmp_path):
     out = tmp_path / "broker.out"
     with open(out, "wb") as f:
         broker = subprocess.Popen(
-            [sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port), "--cluster-port",
+            [sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port), "--cluster-port",
              str(route), "--http-port", str(mon), "--store-dir", str(tmp_path / "store")],
-            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     demo = None
     try:
         line = _ready(str(out), broker, timeout=90)
@@ -54,9 +53,9 @@ def test_demo_on_yeto_broker_cluster_rides_through_a_killed_child(tmp_path):
         demo_out = tmp_path / "demo.out"
         with open(demo_out, "wb") as f:
             demo = subprocess.Popen(
-                [sys.executable, "-m", "yeto.services.cli", "demo", "--nats", urls, "--replicas", "3", "--rounds", "40",
+                [sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", urls, "--replicas", "3", "--rounds", "40",
                  "--run", RUN, "--workdir", str(tmp_path / "work"), "--timeout", "240"],
-                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
         async def kill_the_bcast_leader_mid_run() -> tuple[str, int]:
             nc = await nats.connect(servers=urls.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.5)

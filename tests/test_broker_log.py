@@ -15,7 +15,6 @@ import urllib.request
 import pytest
 
 from yeto.services.broker import free_port, free_port_block
-from tests.scripted import ROOT
 from tests.test_broker_nodes import _ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -24,8 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 def _broker(tmp_path, *args: str, name: str = "broker") -> tuple[subprocess.Popen, str]:
     log = tmp_path / f"{name}.out"
     with open(log, "ab") as out:
-        p = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", "--store-dir", str(tmp_path / "store"),
-                              *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        p = subprocess.Popen([sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--store-dir", str(tmp_path / "store"),
+                              *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return p, str(log)
 
 

@@ -17,7 +17,6 @@ from nats.js.api import StreamConfig
 
 from yeto.services.broker import free_port_block, wait_jetstream
 from yeto.services.cmd_broker import node_refusal
-from tests.scripted import ROOT
 from tests.test_broker_supervisor import _publish
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,8 +45,8 @@ def test_good_node_flags_pass():
 def _node(tmp_path, k: int, *args: str) -> tuple[subprocess.Popen, str]:
     log = tmp_path / f"node{k}.out"
     with open(log, "ab") as out:
-        p = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--node", str(k), *args],
-                             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        p = subprocess.Popen([sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--cluster", "3", "--node", str(k), *args],
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return p, str(log)
 
 

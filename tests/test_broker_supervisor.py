@@ -22,7 +22,6 @@ from nats.js.api import StreamConfig
 
 from yeto.services.broker import free_port_block
 from yeto.services.broker_supervisor import RestartPolicy
-from tests.scripted import ROOT
 
 
 def test_backoff_doubles_while_a_node_keeps_dying_and_resets_once_it_stayed_up():
@@ -85,9 +84,9 @@ def test_yeto_broker_cluster_restarts_a_killed_node_and_keeps_serving(tmp_path):
     log = tmp_path / "broker.out"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port), "--cluster-port",
+            [sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port), "--cluster-port",
              str(route), "--http-port", str(mon), "--store-dir", str(tmp_path / "s")],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     urls = [f"nats://127.0.0.1:{port + i}" for i in range(3)]
 
     async def scenario():

@@ -42,7 +42,7 @@ def test_chaos_soak_ci_size_loses_nothing_and_ends_on_the_final_cut(tmp_path):
            # soak's 20 s the run can go on without it and finish before it is back (soak/README.md, "The suite's form")
            "--member-timeout", "90",
            "--progress-every", "30", "--timeout", "330", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     m = LAST.match(last)
@@ -83,7 +83,7 @@ def test_chaos_standby_owner_killed_never_restarted_loses_nothing(tmp_path):
            "--gap-min", "3", "--gap-max", "5", "--seed", "2", "--no-baseline", "--quorum-timeout", "30",
            "--step-delay", "0.05", "--member-timeout", "90", "--progress-every", "30", "--timeout", "330",
            "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     m = LAST.match(last)

@@ -172,8 +172,8 @@ def test_sigkill_while_streaming_leaves_the_old_version_and_the_next_commit_dele
         tmp_path, stage, thread):
     chunk = 40_000
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), stage, "1" if thread else "0", str(NUMEL),
-                             str(chunk)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             str(chunk)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
     try:
         line = proc.stdout.readline().strip()
         assert line == stage, f"child said {line!r}"

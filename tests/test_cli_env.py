@@ -14,11 +14,10 @@ import pytest
 
 from yeto.services.cli import build_parser
 from yeto.services.cmd_syncer import bad_env_values
-from tests.scripted import ROOT
 
 
 def _yeto(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "yeto.services.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", *argv], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **env})
 
 

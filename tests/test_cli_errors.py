@@ -21,7 +21,6 @@ import time
 import pytest
 
 from yeto.services.broker import Broker, free_port
-from tests.scripted import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -32,7 +31,7 @@ def _env(**extra: str) -> dict:
 
 
 def _start(argv: list[str], **env: str) -> tuple[subprocess.Popen, float]:
-    return (subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return (subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env=_env(**env)), time.monotonic())
 
 

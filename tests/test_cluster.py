@@ -22,7 +22,7 @@ from yeto.schemas import subjects as S
 from yeto.schemas.provision import RunLimits, kv_stream_name, provision_run, remove_run
 from yeto.services.broker import Cluster, free_port_block
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
-from tests.scripted import ROOT, SyncerProc
+from tests.scripted import SyncerProc
 
 pytestmark = pytest.mark.e2e
 
@@ -47,9 +47,9 @@ def test_yeto_broker_cluster_prints_the_url_list_and_stops_every_node(tmp_path):
     (account_info works), and SIGTERM stops all three servers."""
     port, route, mon = free_port_block(3), free_port_block(3), free_port_block(3)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port),
+        [sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--cluster", "3", "--port", str(port),
          "--cluster-port", str(route), "--http-port", str(mon), "--store-dir", str(tmp_path / "s")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
         line = proc.stdout.readline()

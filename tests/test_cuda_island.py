@@ -11,6 +11,7 @@ case runs on the CPU too, so the test itself is exercised where there is no GPU)
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -63,9 +64,13 @@ async def test_a_megatron_gpt_island_on_the_device_holds_the_final_cut_in_its_ma
                         "8", "--total-steps", str(rounds), "--init-island", "g", *SYNCER_TIMEOUTS,
                         log=tmp_path / "syncer.log")
     out = tmp_path / "island-g.safetensors"
+    # the installed yeto, and the test helpers (megatron_tiny, the CPU shim) from tests/ alone, ahead of what the
+    # caller's PYTHONPATH holds (device/check's carried wheels): never the checkout
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     island = Child("island g", [sys.executable, str(ROOT / "tests" / "megatron_island.py"), "--device", device,
-                                "--work", str(tmp_path), "--out", str(out)], tmp_path / "island-g.log", cwd=ROOT,
-                   env=clean_env(YETO_NATS=nats_url, YETO_RUN=run_id, YETO_ISLAND="g", **ISLAND_TIMEOUTS))
+                                "--work", str(tmp_path), "--out", str(out)], tmp_path / "island-g.log",
+                   env=clean_env(YETO_NATS=nats_url, YETO_RUN=run_id, YETO_ISLAND="g", PYTHONPATH=path,
+                                 **ISLAND_TIMEOUTS))
     procs = {"syncer": syncer, "g": island}
     try:
         for p in procs.values():

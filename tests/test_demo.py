@@ -107,10 +107,9 @@ def test_demo_passes_replicas_to_its_syncer(nats_url, tmp_path):
     import subprocess
     import sys
 
-    from tests.scripted import ROOT
 
-    p = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--replicas", "3",
+    p = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--replicas", "3",
                         "--rounds", "2", "--workdir", str(tmp_path), "--timeout", "120"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=180)
+                       capture_output=True, text=True, timeout=180)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     assert "syncer exited with 2" in p.stderr and "replicas > 1 not supported" in p.stderr, p.stderr[-2000:]

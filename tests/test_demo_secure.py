@@ -27,9 +27,8 @@ def secure_demo(tmp_path_factory):
     run = f"t_sdemo_{uuid.uuid4().hex[:8]}"
     # No YETO_NATS / credentials from outside: the demo must hand each process its own.
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_") and k != "NATS_URL"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--secure", "--run", run, "--workdir", str(work),
-                           "--rounds", str(ROUNDS)], capture_output=True, text=True, timeout=280, cwd=ROOT, env=env)
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--secure", "--run", run, "--workdir", str(work),
+                           "--rounds", str(ROUNDS)], capture_output=True, text=True, timeout=280, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"yeto demo --secure exited {proc.returncode}:\n{out[-4000:]}"
     return {"run": run, "work": work, "out": out, "summary": json.loads(proc.stdout.strip().splitlines()[-1])}
@@ -63,7 +62,7 @@ def test_secure_demo_ran_through_tls_with_no_permission_violation(secure_demo):
 
 
 def test_secure_refuses_an_outside_broker(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--secure", "--nats", "nats://127.0.0.1:1",
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--secure", "--nats", "nats://127.0.0.1:1",
                            "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--secure" in proc.stderr and "--nats" in proc.stderr, proc.stderr

@@ -39,9 +39,9 @@ def sharded_demo(nats_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("demo-shards")
     run = f"t_demo_shards_{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
                            "--workdir", str(work), "--rounds", str(ROUNDS), "--fragments", str(P),
-                           "--syncer-shards", str(N)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--syncer-shards", str(N)], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"yeto demo --syncer-shards {N} exited {proc.returncode}:\n{out[-5000:]}"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -113,8 +113,8 @@ async def test_rounds_merged_once_and_the_state_kv_per_shard(sharded_demo, nc):
 def test_more_shards_than_fragments_is_refused():
     for extra, why in ((["--syncer-shards", "5", "--fragments", "4"], "--syncer-shards 5 exceeds --fragments 4"),
                        (["--syncer-shards", "0"], "--syncer-shards must be an integer >= 1")):
-        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", "nats://127.0.0.1:1", *extra],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", "nats://127.0.0.1:1", *extra],
+                              capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
 
 

@@ -22,12 +22,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from yeto.schemas import subjects as S
-from tests.scripted import ROOT
 
 
 def _yeto(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "yeto.services.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _meta(path):
@@ -63,9 +62,9 @@ def test_export_from_jetstream_is_the_checkpoint_export_without_the_directories(
 
     run = f"t_exportjs_{uuid.uuid4().hex[:8]}"
     work = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--run", run,
                            "--workdir", str(work), "--rounds", "8", "--fragments", "2", "--syncer-shards", "2"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, YETO_BULK_DTYPE="bf16"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["max_abs_diff_vs_final_cut"] == 0.0

@@ -111,7 +111,7 @@ def test_cli_repeated_dirs_parent_dir_and_the_default(tmp_path, cut):
     sess, frags, (want, _) = cut
     parent = tmp_path / "yeto-data" / RUN  # where `yeto demo` and the default --checkpoint-dir put them
     dirs = sharded(tmp_path, 2, sess, frags, final=True, parent=f"yeto-data/{RUN}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     env.pop("YETO_CHECKPOINT_DIR", None)
     runs = {
         "repeated": ["--checkpoint-dir", str(dirs[0]), "--checkpoint-dir", str(dirs[1])],
@@ -120,7 +120,7 @@ def test_cli_repeated_dirs_parent_dir_and_the_default(tmp_path, cut):
     }
     for name, extra in runs.items():
         out = tmp_path / f"{name}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", RUN, *extra, "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "export", "--run", RUN, *extra, "--out", str(out)],
                               capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
         assert proc.returncode == 0, (name, proc.stderr)
         assert "exported the final cut" in proc.stdout and "from 2 checkpoint directories" in proc.stdout, proc.stdout

@@ -131,7 +131,7 @@ def test_hybrid_plugin_file_installs_only_when_asked(tmp_path, enable):
 
     root = Path(__file__).resolve().parents[1]
     plugin = root / "learner" / "plugins" / "yeto_hybrid_plugin.py"
-    env = dict(os.environ, YETO_CROSS_NODE_GLOO=enable, YETO_RANKS_PER_NODE="1", PYTHONPATH=str(root))
+    env = dict(os.environ, YETO_CROSS_NODE_GLOO=enable, YETO_RANKS_PER_NODE="1")
     out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE, str(plugin), str(tmp_path / "pg")], env=env,
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -22,7 +22,7 @@ from yeto.schemas.provision import CUT_KINDS, ProvisionConflict, ensure_cut_mirr
 from yeto.services import leaf as L
 from yeto.services.broker import Broker, free_port
 from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit, wait_until
-from tests.scripted import ROOT, SyncerProc
+from tests.scripted import SyncerProc
 from tests.tcp_proxy import TcpProxy
 
 DC = "dc1"
@@ -100,7 +100,7 @@ def test_yeto_broker_runs_a_hub_and_a_leaf_that_dials_it(tmp_path):
     procs = {}
     try:
         for name, args in cmds.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", *args], cwd=ROOT,
+            procs[name] = subprocess.Popen([sys.executable, "-P", "-m", "yeto.services.cli", "broker", *args],
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert "yeto broker ready" in procs[name].stdout.readline()
         assert (tmp_path / "hub" / "hub.conf").exists() and (tmp_path / "dc9" / "leaf.conf").exists()
@@ -249,9 +249,8 @@ async def test_datacenter_reads_the_local_mirror_and_rides_out_a_30s_link_cut(to
         commit = await kv_json(hub_js, run_id, "commit")
         tape = await merges(hub_js, run_id)
         # `yeto run rm --domain dc1` through the leaf node removes the datacenter's mirrors.
-        rm = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "yeto.services.cli", "run", "rm", run_id, "--nats",
-                                                      topo.leaf.url, "--domain", DC], capture_output=True, text=True,
-                                     cwd=ROOT, timeout=60)
+        rm = await asyncio.to_thread(subprocess.run, [sys.executable, "-P", "-m", "yeto.services.cli", "run", "rm", run_id, "--nats",
+                                                      topo.leaf.url, "--domain", DC], capture_output=True, text=True, timeout=60)
         assert rm.returncode == 0 and S.stream(run_id, "BCAST") in rm.stdout, rm.stdout + rm.stderr
         for k in CUT_KINDS:
             with pytest.raises(nats.js.errors.NotFoundError):
@@ -283,9 +282,9 @@ def test_demo_two_datacenters_crosses_the_wan_once_per_cut(tmp_path):
     """`yeto demo --datacenters 2`: islands b and c in the leaf datacenter, a 2 MiB model. Every island
     ends on the final cut, and the hub sent over the leaf link at most 1.25x the cut bytes it
     broadcast (two islands each pulling from the hub would need >= 2x)."""
-    p = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--datacenters", "2", "--model-mib", "2",
+    p = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--datacenters", "2", "--model-mib", "2",
                         "--rounds", "8", "--workdir", str(tmp_path / "demo"), "--timeout", "150"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=190)
+                       capture_output=True, text=True, timeout=190)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["rounds"] == 8 and s["max_abs_diff_vs_final_cut"] == 0.0 and set(s["final_loss"]) == {"a", "b", "c"}

@@ -30,7 +30,6 @@ from yeto.services import leaf as L
 from yeto.services.auth import init_auth
 from yeto.services.broker import Broker, free_port
 from tests.e2e_procs import clean_env, wait_until
-from tests.scripted import ROOT
 
 DC = "dc1"
 REFUSED_TIMEOUT = 0.5   # a refused JetStream request gets no answer: don't wait long for it
@@ -285,9 +284,8 @@ def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
     dc1`: the leaf links with its identity over TLS and island b, connected to the leaf with its own key,
     reaches the hub's JetStream (domain hub) with what its role may ask."""
     auth = tmp_path / "auth"
-    init = subprocess.run([sys.executable, "-m", "yeto.services.cli", "auth", "init", "--run", "sec1", "--islands", "a,b",
-                           "--out", str(auth), "--tls", "--datacenters", DC], capture_output=True, text=True,
-                          cwd=ROOT, env=clean_env(), timeout=60)
+    init = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "auth", "init", "--run", "sec1", "--islands", "a,b",
+                           "--out", str(auth), "--tls", "--datacenters", DC], capture_output=True, text=True, env=clean_env(), timeout=60)
     assert init.returncode == 0 and "leaf-dc1.creds" in init.stdout, init.stdout + init.stderr
     hub_port, leaf_port, lp, hub_mon = free_port(), free_port(), free_port(), free_port()
     cmds = {"hub": ["--port", str(hub_port), "--leaf-port", str(lp), "--http-port", str(hub_mon)],
@@ -295,8 +293,8 @@ def test_yeto_broker_runs_a_secured_hub_and_leaf(tmp_path):
     procs = {}
     try:
         for name, args in cmds.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "yeto.services.cli", "broker", "--auth", str(auth),
-                                            "--store-dir", str(tmp_path / name), *args], cwd=ROOT, env=clean_env(),
+            procs[name] = subprocess.Popen([sys.executable, "-P", "-m", "yeto.services.cli", "broker", "--auth", str(auth),
+                                            "--store-dir", str(tmp_path / name), *args], env=clean_env(),
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             line = procs[name].stdout.readline()
             assert "yeto broker ready: tls://" in line, line
@@ -366,8 +364,8 @@ def test_demo_secure_two_datacenters_ends_on_the_final_cut_with_no_violation(tmp
     (islands b and c with their own keys, linked with dc1's leaf identity over TLS): every island on the
     final cut, and neither server logged a permission violation."""
     work = tmp_path / "demo"
-    p = subprocess.run([sys.executable, "-m", "yeto.services.cli", "demo", "--secure", "--datacenters", "2", "--rounds", "4",
-                        "--workdir", str(work), "--timeout", "110"], capture_output=True, text=True, cwd=ROOT,
+    p = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--secure", "--datacenters", "2", "--rounds", "4",
+                        "--workdir", str(work), "--timeout", "110"], capture_output=True, text=True,
                        env=clean_env(), timeout=140)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])

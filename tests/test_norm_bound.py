@@ -196,8 +196,8 @@ def test_a_fractional_factor_is_honoured_exactly_and_the_weights_follow_in_float
 @pytest.mark.e2e
 def test_bad_push_norm_factor_values_are_refused_naming_the_flag_and_value(value):
     for argv, env in ((["--push-norm-factor", value], {}), ([], {"YETO_PUSH_NORM_FACTOR": value})):
-        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "syncer", "--run", "r", *argv],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--run", "r", *argv],
+                              capture_output=True, text=True, timeout=60,
                               env={**__import__("os").environ, **env})
         assert proc.returncode == 2, proc.stderr
         assert "--push-norm-factor" in proc.stderr and value in proc.stderr, proc.stderr

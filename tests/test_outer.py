@@ -263,7 +263,6 @@ def test_a_process_done_while_the_loop_still_compiles_exits_with_its_code_not_an
     import subprocess
     import sys
     import textwrap
-    from pathlib import Path
 
     from yeto.services.syncer import outer
 
@@ -279,7 +278,7 @@ def test_a_process_done_while_the_loop_still_compiles_exits_with_its_code_not_an
         outer.exit_now_if_compiling(7)
         print("no compile in flight", flush=True)
     """)
-    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=150)
     if "compiled already" in p.stdout:
         pytest.skip("the loop compiled within 0.3 s (or not at all here): nothing in flight to exit around")
@@ -323,14 +322,12 @@ def test_a_second_start_loads_the_checked_loop_and_a_damaged_one_is_rebuilt(monk
     import subprocess
     import sys
     import textwrap
-    from pathlib import Path
 
     from yeto.services.syncer import outer
 
     monkeypatch.setenv("YETO_COMPILE_CACHE", str(tmp_path))
     numel = outer.COMPILE_MIN_NUMEL + 29          # a key no other test builds
     key = (("torch.float32",) * 2, numel)
-    root = Path(__file__).resolve().parents[1]
 
     def start(body: str) -> subprocess.CompletedProcess:
         code = textwrap.dedent("""
@@ -338,7 +335,7 @@ def test_a_second_start_loads_the_checked_loop_and_a_damaged_one_is_rebuilt(monk
             logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
             from yeto.services.syncer import outer
         """) + textwrap.dedent(body)
-        return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
     # A short run: the session is pinned, the run ends before any compile could finish.
     p = start(f"""

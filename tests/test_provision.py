@@ -386,9 +386,9 @@ async def test_kv_helper_returns_the_runs_bucket(js, run_id):
 
 async def test_remove_run_and_cli_run_rm(js, run_id, nats_url):
     await provision_run(js, run_id, LIMITS, log=lambda _: None)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "yeto.services.cli", "run", "rm", run_id, "--nats", nats_url]
-    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = dict(os.environ)
+    cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "run", "rm", run_id, "--nats", nats_url]
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     text = out.decode()
@@ -441,9 +441,9 @@ async def test_syncer_replicas_flag_reports_a_run_provisioned_with_other_replica
     before = {n: await js.stream_info(n) for n in names}
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
     env["YETO_REPLICAS"] = "3"  # the variable, as docker-compose passes it
-    cmd = [sys.executable, "-m", "yeto.services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--small-limits",
+    cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", nats_url, "--run", run_id, "--small-limits",
            "--checkpoint-dir", str(tmp_path / "ckpt")]
-    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 90)
     text = out.decode()
     assert proc.returncode == 2, text[-3000:]
@@ -458,7 +458,7 @@ async def test_syncer_replicas_flag_reports_a_run_provisioned_with_other_replica
 
     # A value out of range is refused before anything is asked of the server, naming flag and value.
     cmd[-2:] = ["--replicas", "7", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 90)
     assert proc.returncode == 2 and "replicas" in out.decode() and "7" in out.decode(), out.decode()[-2000:]
 

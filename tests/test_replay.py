@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from yeto.services.syncer.replay import replay, segments
-from tests.scripted import ROOT, Heartbeater, close_run, start_run, tape, tiny_layout, wait_tape
+from tests.scripted import Heartbeater, close_run, start_run, tape, tiny_layout, wait_tape
 
 pytestmark = pytest.mark.timeout(240)  # several `yeto replay` processes; 90 s ran out on a loaded machine
 
@@ -25,7 +25,7 @@ LAYOUT = tiny_layout(2, 16)
 
 
 def yeto_replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "yeto.services.cli", "replay", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "replay", *args], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -90,7 +90,7 @@ async def test_a_real_runs_tape_replays_identical_and_an_edited_one_names_the_fi
     # ... and without torch: the round machine and the replay are pure Python (torch made unimportable)
     res = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
                           "from yeto.services.cli import main; sys.exit(main(sys.argv[1:]))", "replay", "--tape",
-                          str(export)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          str(export)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == last, res.stdout + res.stderr
 
     # Hand-edit one event: the c_tokens of b's accepted push in round 1, attempt 2. Every earlier event

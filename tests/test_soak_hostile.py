@@ -24,7 +24,7 @@ def test_hostile_quick_rejects_every_bad_message_and_the_run_ends_on_the_final_c
     # island read it; fixed in the cut reader): it includes forged chunks on the real BCAST subjects.
     proc = subprocess.run([sys.executable, str(ROOT / "soak" / "hostile.py"), "--quick", "--seed", "6",
                            "--nats", nats_url, "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=280, cwd=ROOT)
+                          capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines, out[-4000:]

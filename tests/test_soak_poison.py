@@ -25,7 +25,7 @@ LINE = re.compile(r"poison kind=(\w+) clean=(\S+) poisoned=(\S+) ratio=(\S+) qua
 def test_a_compromised_island_is_bounded_by_the_default_flags(nats_url, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "soak" / "hostile.py"), "--poison", "all", "--rounds", "24",
                            "--step-delay", "0.02", "--timeout", "180", "--nats", nats_url, "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=220, cwd=ROOT)
+                          capture_output=True, text=True, timeout=220)
     out = proc.stdout + proc.stderr
     clean = re.search(r"poison kind=clean eval_loss=(\S+) quarantined=(\d+) clamped=(\d+) committed=(\S+)", proc.stdout)
     assert clean, out[-4000:]

@@ -385,8 +385,8 @@ async def test_page_with_twenty_islands(nc, run, browser):
 
 async def test_dashboard_cli_serves_the_page(run, nats_url):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "yeto.services.cli", "dashboard", "--run", run, "--nats", nats_url, "--port", "0",
-        "--log-level", "WARNING", cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        sys.executable, "-P", "-m", "yeto.services.cli", "dashboard", "--run", run, "--nats", nats_url, "--port", "0",
+        "--log-level", "WARNING", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
         port = int(re.search(r":(\d+)/", line).group(1))

@@ -128,8 +128,8 @@ async def test_exporter_cli_serves_before_the_run_exists_then_follows_it(nc, run
     """The command as compose runs it: listening at once (Prometheus sees the target up), waiting for
     the syncer to provision the run, then following new events."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "yeto.services.cli", "exporter", "--run", run_id, "--nats", nats_url, "--port", "0",
-        "--log-level", "WARNING", cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        sys.executable, "-P", "-m", "yeto.services.cli", "exporter", "--run", run_id, "--nats", nats_url, "--port", "0",
+        "--log-level", "WARNING", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     js = nc.jetstream()
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()

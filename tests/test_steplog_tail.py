@@ -108,9 +108,8 @@ async def test_tail_json_cli_prints_raw_events_and_counts_malformed(nc, run, nat
     await publish_all(nc.jetstream(), msgs)
     valid = len(r.steplogs) + len(r.events)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "yeto.services.cli", "steplog", "tail", "--run", run, "--nats", nats_url, "--from-start",
-        "--json", "--count", str(valid), "--timeout", "30",
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        sys.executable, "-P", "-m", "yeto.services.cli", "steplog", "tail", "--run", run, "--nats", nats_url, "--from-start",
+        "--json", "--count", str(valid), "--timeout", "30", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 40)
     assert proc.returncode == 0, err.decode()
     lines = out.decode().splitlines()

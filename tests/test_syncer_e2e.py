@@ -10,7 +10,7 @@ import torch
 
 from yeto.schemas import subjects as S
 from yeto.schemas.provision import remove_run
-from tests.scripted import ROOT, Reference, ScriptedIsland, SyncerProc, tape, tiny_layout
+from tests.scripted import Reference, ScriptedIsland, SyncerProc, tape, tiny_layout
 from yeto.services.run_harness import wait_provisioned
 
 LR, MU = 0.7, 0.9
@@ -97,8 +97,8 @@ async def test_two_islands_complete_rounds_finalize_and_export(nats_url, run_id,
         assert all(set(m["weights"]) == {"a", "b"} for m in merges)
         # Export from the checkpoint directory: canonical names, equal to the final cut.
         out = tmp_path / "final.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", run_id, "--checkpoint-dir",
-                               str(tmp_path / "ckpt"), "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "export", "--run", run_id, "--checkpoint-dir",
+                               str(tmp_path / "ckpt"), "--out", str(out)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         from safetensors.torch import load_file
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from yeto.schemas import subjects as S
-from tests.scripted import (LR, MU, ROOT, CutWatcher, Reference, SyncerProc, close_run, finish_on_reference,
+from tests.scripted import (LR, MU, CutWatcher, Reference, SyncerProc, close_run, finish_on_reference,
                             push_round, snapshot_dir, start_run, syncer_status, tape, tiny_layout, wait_tape)
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,8 +33,8 @@ RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--total-
 
 
 def _export(ckpt, out, run) -> tuple[dict, dict]:
-    proc = subprocess.run([sys.executable, "-m", "yeto.services.cli", "export", "--run", run, "--checkpoint-dir", str(ckpt),
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    proc = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "export", "--run", run, "--checkpoint-dir", str(ckpt),
+                           "--out", str(out)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     with safe_open(str(out), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
@@ -128,8 +128,8 @@ async def test_sigkill_mid_round_then_resume_keeps_versions_and_bytes_and_finish
         assert final_state["final"] and final_state["committed_step"] == 6
         # Both syncer processes' recorded inputs replay to identical actions, the second from its restore
         # inputs (the killed one's tape ends where it died).
-        rp = subprocess.run([sys.executable, "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run_id],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+        rp = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run_id],
+                            capture_output=True, text=True, timeout=60)
         assert rp.returncode == 0, rp.stdout + rp.stderr
         segs = [line for line in rp.stdout.splitlines() if line.startswith("syncer process ")]
         assert len(segs) == 2 and "(fresh)" in segs[0] and "(resumed)" in segs[1], rp.stdout
@@ -170,7 +170,7 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
     made = []
     log = tmp_path / "refusals.log"
     logf = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-c", REFUSALS], cwd=ROOT, stdin=subprocess.PIPE, stdout=logf,
+    proc = subprocess.Popen([sys.executable, "-c", REFUSALS], stdin=subprocess.PIPE, stdout=logf,
                             stderr=subprocess.STDOUT)
     try:
         # two runs, each to version 0 (a checkpoint on disk), then killed; independent, so side by side

@@ -180,12 +180,11 @@ def test_cover_coordinator_is_refused_where_it_cannot_work(tmp_path):
     import subprocess
     import sys
 
-    from tests.scripted import ROOT
 
-    base = [sys.executable, "-m", "yeto.services.cli", "syncer", "--run", "r", "--nats", "nats://127.0.0.1:1",
+    base = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--run", "r", "--nats", "nats://127.0.0.1:1",
             "--islands", "2", "--fragments", "2", "--checkpoint-dir", str(tmp_path), "--cover-coordinator"]
     for extra, says in ((["--shards", "2", "--shard", "0"], "--cover-coordinator is for a follower shard"),
                         ([], "--cover-coordinator is for a follower shard"),
                         (["--shards", "2", "--shard", "1", "--state-store", "local"], "needs --state-store jetstream")):
-        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr

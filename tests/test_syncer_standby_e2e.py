@@ -27,7 +27,7 @@ from yeto.schemas import subjects as S
 from yeto.schemas.provision import remove_run
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
-from tests.scripted import ROOT, SyncerProc, tape
+from tests.scripted import SyncerProc, tape
 
 H, P = 4, 2
 TTL = "2"
@@ -154,8 +154,7 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
         steps = [m["step"] for m in await merges(js, run_id)]
         # `yeto replay` holds across the takeover: both processes' inputs replay to the same actions
         replay = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run_id],
-            cwd=ROOT, capture_output=True, text=True, timeout=120)
+            subprocess.run, [sys.executable, "-P", "-m", "yeto.services.cli", "replay", "--nats", nats_url, "--run", run_id], capture_output=True, text=True, timeout=120)
     finally:
         first.stop()
         second.stop()

@@ -9,5 +9,9 @@ this package's subpackages: the repository root is on its search path.
 import os as _os
 
 _ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isdir(_os.path.join(_ROOT, "services")) and _ROOT not in __path__:
+# Only a yeto-nats checkout (its pyproject.toml and wire schemas beside this folder), never the site-packages
+# an installed wheel lies in, where another distribution's `services/` would make every module there a
+# `yeto.*` module.
+if (_os.path.isfile(_os.path.join(_ROOT, "pyproject.toml"))
+        and _os.path.isdir(_os.path.join(_ROOT, "schemas", "json")) and _ROOT not in __path__):
     __path__.append(_ROOT)

@@ -163,6 +163,7 @@ def build_elsewhere(path: str, dtypes: tuple[str, ...], numel: int, log, timeout
     there or the builder gave up (then the caller builds in process or uses the eager twin)."""
     import subprocess
     import time
+    from importlib import metadata
 
     import yeto
 
@@ -170,10 +171,17 @@ def build_elsewhere(path: str, dtypes: tuple[str, ...], numel: int, log, timeout
     os.makedirs(os.path.dirname(path), exist_ok=True)
     proc = None
     if not _lock_alive(lock):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(yeto.__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        # The helper imports the yeto this process runs. Installed (a wheel or `pip install -e`), the
+        # interpreter finds it as is; only a checkout used without installing needs the folder that holds
+        # `yeto/` on the helper's path (that folder also holds the checkout's top-level names).
+        env = dict(os.environ)
+        try:
+            metadata.distribution("yeto-nats")
+        except metadata.PackageNotFoundError:
+            root = os.path.dirname(os.path.dirname(os.path.abspath(yeto.__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         with open(path[:-4] + ".log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "yeto.services.syncer.compile_cache", path, str(numel),
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "yeto.services.syncer.compile_cache", path, str(numel),
                                      *dtypes], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
         log.info("outer step: building the loop for %d members x %d values in helper process %d (log %s)",
