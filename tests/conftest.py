@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The product as users get it (issue 37): no process a test starts may find a package that only the checkout
+# The product as users get it: no process a test starts may find a package that only the checkout
 # provides. Every child inherits PYTHONSAFEPATH (`python -P`: neither its working directory nor its script's
 # folder goes on sys.path) and a PYTHONPATH without the repository root, and runs in a directory outside the
 # checkout (`_outside_the_checkout`), so `yeto.*` resolves only through the installed package: a top-level

@@ -1,4 +1,4 @@
-"""No module outside tests/ names a package that only the checkout provides (issue 37).
+"""No module outside tests/ names a package that only the checkout provides.
 
 In the repository `schemas/`, `services/` and `learner/` sit at the top; the wheel installs them as
 `yeto.schemas`, `yeto.services` and `yeto.learner` and nothing else. A top-level name (an import, a resource
