@@ -26,7 +26,10 @@ seconds inside boundary() over the window's seconds (after 1/4 of the steps, bef
 
 Prints the peak RSS of this process and of the island (VmHWM) and the device's peak memory; the last line:
 
-  device export_apply_ratio=<x> export_s=<s> apply_s=<s> d2h_gbps=<g> h2d_gbps=<g> boundary_share=<s> ...
+  device export_apply_ratio=<x> export_s=<s> apply_s=<s> reads_s=<s> d2h_gbps=<g> h2d_gbps=<g> boundary_share=<s> ...
+
+reads_s: the export's adapter reads and host staging alone (no anchor subtraction, no chunk copies), so the
+line says whether an export is bound by the device copies or by the host math after them.
 
 `--device cpu` (small defaults: 64 MiB, train 8 MiB for 48 steps) lets CI run it where there is no GPU.
 """
@@ -107,6 +110,18 @@ def stage(ops, fid: int, version: int, seed: int) -> None:
         ops.stage({"fid": fid, "version": version, "dtype": "f32", "chunks": [k], "begin": k == 0}, {k: payload})
 
 
+def read_pass(ops, fids) -> None:
+    """Every fragment's tensors read through the adapter and staged to the host (`PieceReads`, the export's
+    device part), without the host math that follows: where an export's time goes."""
+    from yeto.learner.piece_io import PieceReads
+
+    for fid in fids:
+        fm = ops.maps[fid]
+        reads = PieceReads(ops.adapter, fm, ops.rank)
+        reads.advance(0, fm.numel)
+        reads.close()
+
+
 def export_apply(args, device: torch.device, out=print) -> dict:
     module, master = build(args.size_mib, device)
     ops, session = island_ops(module, master, args.fragments)
@@ -122,7 +137,7 @@ def export_apply(args, device: torch.device, out=print) -> dict:
     # the limit: the same f32 bytes device -> pinned host and back, tensor by tensor
     pin = device.type == "cuda"
     host = {n: torch.empty(m.shape, dtype=torch.float32, pin_memory=pin) for n, m in master.items()}
-    t_exp, t_app, t_d2h, t_h2d = [], [], [], []
+    t_exp, t_app, t_d2h, t_h2d, t_read = [], [], [], [], []
     for r in range(args.repeat + 1):  # the first round warms the allocators and page faults, untimed
         with torch.no_grad():
             for m in master.values():  # the training step moved the values: pushes carry a real delta
@@ -149,27 +164,30 @@ def export_apply(args, device: torch.device, out=print) -> dict:
             m.copy_(host[n], non_blocking=pin)
         sync(device)
         t5 = time.perf_counter()
+        read_pass(ops, fids)
+        t6 = time.perf_counter()
         if r:
             t_exp.append(t1 - t0)
             t_app.append(t3 - t2)
             t_d2h.append(t4 - t3)
             t_h2d.append(t5 - t4)
+            t_read.append(t6 - t5)
     for n, p in module.named_parameters():  # the apply kept every bf16 parameter its master rounded
         if not torch.equal(p.detach(), master[n].to(torch.bfloat16)):
             raise RuntimeError(f"{n}: the bf16 parameter is not its master rounded after the applies")
     nbytes = numel * 4
     med = statistics.median
-    e, a, d2h, h2d = med(t_exp), med(t_app), med(t_d2h), med(t_h2d)
+    e, a, d2h, h2d, rd = med(t_exp), med(t_app), med(t_d2h), med(t_h2d), med(t_read)
     runs = lambda ts: "/".join(f"{t:.3f}" for t in ts)  # noqa: E731
     out(f"export (push snapshot of every fragment): median {e:.3f} s, {nbytes / e / GB:.2f} GB/s of f32 "
-        f"(runs {runs(t_exp)})")
+        f"(runs {runs(t_exp)}); of which the reads and their host staging alone {rd:.3f} s")
     out(f"apply (commit, blend, of every fragment): median {a:.3f} s, {nbytes / a / GB:.2f} GB/s of f32 "
         f"(runs {runs(t_app)})")
     kind = "pinned host memory" if pin else "memcpy"
     out(f"copy via {kind}: device->host {nbytes / d2h / GB:.2f} GB/s ({d2h:.3f} s), host->device "
         f"{nbytes / h2d / GB:.2f} GB/s ({h2d:.3f} s)")
-    return {"ratio": (d2h + h2d) / (e + a), "export_s": e, "apply_s": a, "d2h_gbps": nbytes / d2h / GB,
-            "h2d_gbps": nbytes / h2d / GB}
+    return {"ratio": (d2h + h2d) / (e + a), "export_s": e, "apply_s": a, "reads_s": rd,
+            "d2h_gbps": nbytes / d2h / GB, "h2d_gbps": nbytes / h2d / GB}
 
 
 # ------------------------------------------------------------------------------ part 2: a real training step
@@ -300,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     dev_peak = torch.cuda.max_memory_allocated(device) / MiB if gpu else 0.0
     print(f"peak RSS {peak_rss_self() / MiB:.0f} MiB (this process); device peak {dev_peak:.0f} MiB")
     print(f"device export_apply_ratio={res['ratio']:.3f} export_s={res['export_s']:.4f} apply_s={res['apply_s']:.4f} "
-          f"d2h_gbps={res['d2h_gbps']:.2f} h2d_gbps={res['h2d_gbps']:.2f} boundary_share={share['boundary_share']:.4f} "
+          f"reads_s={res['reads_s']:.4f} d2h_gbps={res['d2h_gbps']:.2f} h2d_gbps={res['h2d_gbps']:.2f} boundary_share={share['boundary_share']:.4f} "
           f"size_mib={args.size_mib:g} device={args.device} name={device_name(device)}", flush=True)
     return 0
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "island_device.py"
 NUM = r"[-+0-9.eE]+|nan|inf"
 LAST = re.compile(rf"^device export_apply_ratio=(?P<ratio>{NUM}) export_s=(?P<e>{NUM}) apply_s=(?P<a>{NUM}) "
-                  rf"d2h_gbps=(?P<d2h>{NUM}) h2d_gbps=(?P<h2d>{NUM}) boundary_share=(?P<share>{NUM}) "
+                  rf"reads_s=(?P<reads>{NUM}) d2h_gbps=(?P<d2h>{NUM}) h2d_gbps=(?P<h2d>{NUM}) boundary_share=(?P<share>{NUM}) "
                   r"size_mib=(?P<size>\S+) device=(?P<device>\w+) name=(?P<name>\S+)$")
 
 
@@ -45,7 +45,7 @@ def test_cpu_smoke_prints_the_parts_and_the_ratio_last():
     assert math.isfinite(ratio) and ratio > 0, out
     assert math.isfinite(share) and 0 <= share < 1, out
     assert last["device"] == "cpu" and last["size"] == "4", out
-    for line in (r"^export \(push snapshot of every fragment\): median ", r"^apply \(commit, blend, of every fragment\)",
+    for line in (r"^export \(push snapshot of every fragment\): median .* host staging alone [0-9.]+ s$", r"^apply \(commit, blend, of every fragment\)",
                  r"^copy via memcpy: device->host ", r"^training step on cpu: .* boundary\(\) median ",
                  r"^peak RSS \d+ MiB"):
         assert re.search(line, out, re.M), (line, out)
@@ -61,6 +61,7 @@ def test_export_apply_runs_the_island_ops_and_keeps_params_the_rounded_master():
     args = argparse.Namespace(size_mib=1.0, fragments=2, repeat=1)
     res = bench.export_apply(args, torch.device("cpu"), out=lines.append)
     assert res["ratio"] > 0 and math.isfinite(res["ratio"]) and res["export_s"] > 0 and res["apply_s"] > 0
+    assert 0 < res["reads_s"] and math.isfinite(res["reads_s"])
     assert lines[0].startswith("model: 1 MiB bf16 in 8 tensors + its fp32 master (2 MiB) on cpu"), lines
     module, master = bench.build(1.0, torch.device("cpu"))
     assert sum(p.numel() * 2 for p in module.parameters()) == pytest.approx(1 << 20, rel=0.01)
