@@ -43,6 +43,23 @@ def _cmd_broker(args) -> int:
         return 2
 
 
+PLUGINS = {"swift": "yeto_swift_plugin.py", "hybrid": "yeto_hybrid_plugin.py"}
+
+
+def _cmd_plugin(args) -> int:
+    """The plugin file's absolute path, wherever the package is installed: `--external_plugins "$(yeto plugin)"`.
+    Found through the package's import spec, which imports `yeto` alone (services never imports the learner)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("yeto.learner")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "plugins", PLUGINS[args.which])
+    if not os.path.isfile(path):
+        print(f"yeto plugin: {path} is missing from the installed package", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def _leaf_setup(args, store: str):
     """(config, secured leaf role) of a hub or leaf `yeto broker`: without --auth a generated config
     under the store; with --auth DIR the role AuthServe adds to DIR's users (services/leaf_auth.py)."""
@@ -159,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--domain", default=None, help="remove what the run has in this JetStream domain instead "
                     "(an island datacenter's mirrors of the cut; connect to its leaf node)")
     rm.set_defaults(func=_cmd_run_rm)
+
+    pl = sub.add_parser("plugin", help="print the path of an ms-swift plugin file of the installed package "
+                        "(for --external_plugins)")
+    pl.add_argument("which", choices=sorted(PLUGINS), nargs="?", default="swift",
+                    help="swift: streaming DiLoCo (and hybrid groups with YETO_CROSS_NODE_GLOO=1); hybrid: only the "
+                         "hybrid process groups (default %(default)s)")
+    pl.set_defaults(func=_cmd_plugin)
 
     for name in ("syncer", "export", "replay", "demo", "steplog", "exporter", "dashboard", "auth"):
         try:

@@ -182,9 +182,10 @@ def test_installed_wheel_starts_the_broker_and_the_learner(installed, tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.e2e
 def test_installed_swift_plugin_loads_as_external_plugins_does_and_validates(installed):
-    plugin = Path(_run(installed, [str(installed["py"]), "-c", "import yeto.learner.plugins as p, os; "
-                                   "print(os.path.dirname(p.__file__))"]).stdout.strip()) / "yeto_swift_plugin.py"
-    assert plugin.is_file() and plugin.is_relative_to(installed["venv"]), plugin
+    plugin = Path(_run(installed, [str(installed["bin"] / "yeto"), "plugin", "swift"]).stdout.strip())
+    assert plugin.name == "yeto_swift_plugin.py" and plugin.is_file() and plugin.is_relative_to(installed["venv"]), plugin
+    hybrid = Path(_run(installed, [str(installed["bin"] / "yeto"), "plugin", "hybrid"]).stdout.strip())
+    assert hybrid.name == "yeto_hybrid_plugin.py" and hybrid.is_file(), hybrid
     out = _run(installed, [str(installed["py"]), "-c", _PLUGIN_PROBE, str(plugin)], timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

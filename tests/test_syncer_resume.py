@@ -40,6 +40,11 @@ def _export(ckpt, out, run) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
+def _cli_args(cmd: list[str]) -> list[str]:
+    """The `yeto` arguments of a `python [-P] -m yeto.services.cli ...` command line."""
+    return cmd[cmd.index("yeto.services.cli") + 1:]
+
+
 async def _cut(isl) -> dict:
     out = {}
     for fid in range(len(isl.session["fragments"])):
@@ -214,7 +219,7 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
             "fresh_over_checkpoint": (ck2, [], [f"belongs to run {run2!r}"]),
             "fresh_over_session": (tmp_path / "fresh", ["--state-store", "local"], ["already has a session", "--resume"]),
         }
-        argvs = [[name, SyncerProc(nats_url, run_id, ck, *base, *extra).cmd[3:]] for name, (ck, extra, _) in cases.items()]
+        argvs = [[name, _cli_args(SyncerProc(nats_url, run_id, ck, *base, *extra).cmd)] for name, (ck, extra, _) in cases.items()]
         assert all(a[0] == "syncer" for _, a in argvs)
         try:
             proc.stdin.write(orjson.dumps(argvs) + b"\n")

@@ -225,3 +225,51 @@ async def test_a_paused_owner_woken_after_the_takeover_is_fenced_and_commits_not
     assert commit["committed_step"] == rounds
     assert_islands_hold_the_final_cut(ckpt, tmp_path / "final.safetensors", run_id, isl.values())
     await remove_run(js, run_id)
+
+
+@pytest.mark.timeout(240 + 2 * ROUNDS)
+async def test_sigterm_to_the_owner_hands_the_run_over_at_once(nc, nats_url, run_id, tmp_path):
+    """A planned stop (SIGTERM) of the owning syncer: it leaves between two events, releases the lease, and
+    exits 143 (as a process ended by SIGTERM); the standby takes over without waiting out the lease TTL (10 s here, so that a TTL-based
+    takeover could not pass), and the run finishes with each version committed once, islands exact."""
+    js = nc.jetstream()
+    rounds, ttl = ROUNDS, 10.0
+
+    def syncer(d):
+        return SyncerProc(nats_url, run_id, tmp_path / d, "--islands", "2", "--fragments", str(P), "--sync-every",
+                          str(H), "--total-steps", str(rounds), "--init-island", "a", "--quorum-timeout", "30",
+                          "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", str(ttl),
+                          log=tmp_path / f"{d}.log")
+
+    first = syncer("s1").start()
+    await asyncio.sleep(1.0)
+    second = syncer("s2").start()
+    where = {id(first): tmp_path / "s1", id(second): tmp_path / "s2"}
+    isl = _islands(nats_url, run_id, tmp_path)
+    procs = {"first": first, "second": second, **isl}
+    try:
+        await wait_until(lambda: _merged(js, run_id, 6), 120, "6 merges")
+        first, second = await _owner_first(js, run_id, first, second)
+        before = len(await merges(js, run_id))
+        first.proc.send_signal(signal.SIGTERM)
+        asked_at = time.time()
+        rc_first = await asyncio.to_thread(first.wait, 30)
+        await wait_until(lambda: _merged(js, run_id, before + 1), 60, "a merge by the standby")
+        took = time.time() - asked_at
+        procs = {"second": second, **isl}
+        rcs = await wait_exit(procs, 180 + ROUNDS)
+        assert rcs == {"second": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(js, run_id, "commit")
+        await _one_digest_per_version(js, run_id)
+        steps = [m["step"] for m in await merges(js, run_id)]
+    finally:
+        for p in (first, second, *isl.values()):
+            p.stop()
+    print(f"SIGTERM to the owner -> first merge by the standby: {took:.2f}s")
+    assert rc_first == 143 and "handed run" in first.output(), first.output()[-3000:]
+    assert "it released the lease: a planned hand-over" in second.output(), second.output()[-3000:]
+    assert took < ttl / 2, took   # no lease wait (the issue's bound is 2 s: measured and printed above)
+    assert commit["committed_step"] == rounds
+    assert sorted(set(steps)) == list(range(1, rounds + 1)) and len(steps) == len(set(steps)), steps
+    assert_islands_hold_the_final_cut(where[id(second)], tmp_path / "final.safetensors", run_id, isl.values())
+    await remove_run(js, run_id)

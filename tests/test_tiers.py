@@ -223,8 +223,10 @@ def _commands(path):
 
 def test_ci_runs_ruff_then_the_device_dry_run_before_the_tests():
     ci = _commands(ROOT / ".ci" / "run")
-    assert "./run lint" in ci and ci[-1] == "exec ./run test"
-    assert ci.index("./run lint") < ci.index("device/check --dry-run") < ci.index("exec ./run test")
+    # lint, the README's test command, then its first command: the demo (and the installed `yeto demo`)
+    assert "./run lint" in ci and "./run test" in ci and "./run demo" in ci
+    assert ci.index("./run lint") < ci.index("device/check --dry-run") < ci.index("./run test") < ci.index("./run demo")
+    assert any("yeto\" demo" in c and c.startswith("(cd /") for c in ci), ci
     check = ROOT / "device" / "check"
     assert check.stat().st_mode & 0o111, "device/check must be executable (CI runs it by path)"
     run = (ROOT / "run").read_text()

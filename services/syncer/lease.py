@@ -205,7 +205,9 @@ class RunLease:
 
     @property
     def _poll_s(self) -> float:
-        return max(0.05, self.book.ttl_s / 10)
+        # A released key (a planned hand-over, a finished run) is seen within a quarter second; a KV get
+        # that often costs the server nothing.
+        return max(0.05, min(0.25, self.book.ttl_s / 10))
 
     async def _poll_once(self, finished: Callable[[], Awaitable[bool]]):
         """_FINISHED when the run is finished; None after a failed read (a broker away: the caller sleeps
@@ -259,8 +261,9 @@ class RunLease:
             if self.book.lapsed(now) or self._holder_died_here():
                 try:
                     if await self._write(rev):
-                        log.warning("%s: took over run %s from %s (its lease revision %d did not move for %.1f s)",
-                                    self.label, self.key, h.get("owner", "?"), rev, self.book.ttl_s)
+                        why = ("it released the lease: a planned hand-over" if held is None else
+                               f"its lease revision {rev} did not move for {self.book.ttl_s:.1f} s")
+                        log.warning("%s: took over run %s from %s (%s)", self.label, self.key, h.get("owner", "?"), why)
                         return True
                 except Exception as exc:  # noqa: BLE001
                     log.debug("lease takeover write failed: %r", exc)

@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import os
 import resource
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -80,6 +81,17 @@ EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (ab
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (bytes): what its fragments' params and momentum cost."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
+
+
+# The exit status of a handed-over owner: a process ended by SIGTERM's (128 + 15), so that `yeto syncer && ...`
+# does not read an unfinished run as done.
+HANDED_OVER = 143
+
+
+class HandOver(Exception):
+    """The owner was asked to stop (SIGTERM): it leaves between two events, so no action is half done, flushes
+    what it published, and releases the lease so that a standby takes the run over at once instead of
+    after a lease TTL. What was in flight (pulls, pushes not yet merged) is the new owner's, as after a kill."""
 
 
 @dataclass
@@ -156,6 +168,7 @@ class SyncerService(Startup):
         self._pending_actions: list[R.Action] = []  # produced at start (resume), carried out by the loop
         self.lease: RunLease | None = None
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
+        self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
         self.standby_done = False           # stood by until the run finished: nothing was ours to do
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -167,6 +180,24 @@ class SyncerService(Startup):
         except Fenced as exc:
             log.error("%s: fenced: %s", self.label, exc)
             return 4
+        except HandOver:
+            log.warning("%s: handed run %s over at step %d: lease released, a standby continues it", self.label,
+                        self.run_id, self.machine.committed_step if self.machine is not None else -1)
+            return HANDED_OVER
+
+    def _install_handover(self) -> None:
+        """SIGTERM (a planned stop: a host patched, a pod moved) hands the run over instead of ending the
+        process where it stands. Only where asyncio can take the signal (the main thread: `yeto syncer`)."""
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._request_handover)
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass
+
+    def _request_handover(self) -> None:
+        if self.handover is None and self.done is None:
+            log.warning("%s: SIGTERM: handing run %s over after the event in hand", self.label, self.run_id)
+            self.handover = HandOver(self.run_id)
+            self.queue.put_nowait(self.handover)
 
     def _run_flags(self) -> dict:
         """The run flags every syncer of a run must agree on (a standby with others refuses to start)."""
@@ -230,6 +261,7 @@ class SyncerService(Startup):
                                             chunk_bytes=mc.chunk_bytes, guard=self._guard)
             if not await self._own_the_run():
                 return 0
+            self._install_handover()
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
             await self._start_machine()
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
@@ -277,8 +309,10 @@ class SyncerService(Startup):
                 await asyncio.wait_for(self.nc.flush(), 5)
             except Exception:
                 pass
-            if self.lease is not None and self.fenced is None and self.done is not None:
-                # a finished run's lease goes at once (a standby sees the final record and exits)
+            if self.lease is not None and self.fenced is None and (self.done is not None or self.handover is not None):
+                # A finished run's lease goes at once (a standby sees the final record and exits); so does a
+                # handed-over one, after the flush above: everything this owner published is on the server
+                # before a standby can take the key (one connection keeps its order).
                 await self._bounded(self.lease.release(), "releasing the lease")
             if self.lease is not None:
                 self.lease.close()
