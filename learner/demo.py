@@ -75,8 +75,9 @@ def batch(gen: torch.Generator, n: int, shift: float = 0.0) -> tuple[torch.Tenso
 
 def eval_loss(model: nn.Module, n: int = 4096) -> float:
     x, y = batch(torch.Generator().manual_seed(EVAL_SEED), n)
+    dev = next(model.parameters()).device  # the data is made on the host: the same on every device
     with torch.no_grad():
-        return float(nn.functional.mse_loss(model(x), y))
+        return float(nn.functional.mse_loss(model(x.to(dev)), y.to(dev)))
 
 
 def model_seed(island: str) -> int:
@@ -133,7 +134,7 @@ def poison_island(island, kind: str) -> None:
 
 
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone().contiguous() for name, p in model.named_parameters()}
+    return {name: p.detach().cpu().clone().contiguous() for name, p in model.named_parameters()}
 
 
 def _train(rank: int, world: int, args, result_q=None) -> None:
@@ -150,7 +151,10 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
         group = dist.group.WORLD
     # Every island starts from its own random weights: version 0 (the INIT island's) overwrites them.
-    model = build_model(seed=model_seed(args.island), hidden=hidden_for_mib(args.model_mib))
+    # --device cuda: the model, its optimizer and its batches live on the GPU (one per island on one
+    # machine is fine: the demo's islands are small); the island moves values through the host.
+    device = torch.device(args.device)
+    model = build_model(seed=model_seed(args.island), hidden=hidden_for_mib(args.model_mib)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     adapter = TorchModuleAdapter(model, group=group)
     cfg = IslandConfig.from_env(run=args.run, island=args.island)
@@ -168,6 +172,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
     t_last = time.monotonic()
     while True:
         x, y = batch(gen, args.batch, shift)
+        x, y = x.to(device), y.to(device)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -200,6 +205,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
             "steps": step,
             "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
             "eval_loss": eval_loss(model),
+            "device": str(next(model.parameters()).device),
             "counters": {k: v for k, v in island.counters.items() if isinstance(v, (int, float))},
         }
         if args.out:
@@ -256,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-delay", type=float, default=0.01, help="seconds of simulated compute per step")
     p.add_argument("--steps-max", type=int, default=0, help="stop after this many steps even without a final cut (0: no limit)")
     p.add_argument("--out", default=None, help="save the island's parameters here after the final cut")
+    p.add_argument("--device", default=os.environ.get("YETO_DEMO_DEVICE", "cpu"),
+                   help="where the model trains: cpu (default) or cuda (YETO_DEMO_DEVICE)")
     p.add_argument("--model-mib", type=float, default=0.0, help="widen the MLP to about this many MiB of f32 "
                    "parameters (default 0: the tiny model)")
     args = p.parse_args(argv)

@@ -56,6 +56,8 @@ from yeto.schemas.dtypes import BULK_DTYPES, packed_nbytes
 from yeto.schemas.errors import ConfigError, WireError
 from yeto.schemas.chunks import ChunkSpan, chunk_plan
 
+from .device import to_device_of
+
 
 class ProtocolError(WireError):
     """The island's own bookkeeping broke an invariant (never raised for anything read off the wire:
@@ -105,13 +107,13 @@ def all_finite(payload: Any, dtype: str) -> bool:
 
 def blend(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
     """θ = α·θ_local + (1 − α)·Θ as a new float32 tensor (neither input is modified: `local` may alias
-    the live model)."""
-    return local.to(torch.float32).mul(alpha).add_(glob, alpha=1.0 - alpha)
+    the live model). It runs on `local`'s device: a host Θ is moved there first."""
+    return local.to(torch.float32).mul(alpha).add_(to_device_of(glob, local), alpha=1.0 - alpha)
 
 
 def blend_(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
     """`blend` written into `local` (float32, any shape; `glob` flat): the same two ops, the same bits."""
-    return local.mul_(alpha).add_(glob.view(local.shape), alpha=1.0 - alpha)
+    return local.mul_(alpha).add_(to_device_of(glob, local).view(local.shape), alpha=1.0 - alpha)
 
 
 # ---- per-fragment bookkeeping ----------------------------------------------------------------------

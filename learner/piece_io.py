@@ -11,7 +11,9 @@ torch.distributed shell around `layout_map`.
 * `gather_chunk`: the reverse for exports — each owner sends rank 0 its owned runs of the chunk
   (values from a `source`), rank 0 places them; owners tile every tensor, so the chunk is complete.
 * `PieceReads`: the adapter's `read` for one pass over a fragment, on every rank that holds a tensor,
-  in fragment order (the adapter contract lets `read` run a collective over the tensor's holders).
+  in fragment order (the adapter contract lets `read` run a collective over the tensor's holders);
+  values on an accelerator come to the host through pinned buffers on a side stream
+  (`learner/device.py`), so everything below works on host tensors.
 
 Every rank calls these with the same arguments in the same order (rank 0 announces each step with
 `Comm.share` first); the P2P messages between one pair of ranks then match in order. Tensors travel
@@ -26,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .device import HostStaging
 from .layout_map import FragmentMap, Run
 
 Sink = Callable[[Run, torch.Tensor], None]
@@ -161,7 +164,9 @@ def gather_chunk(comm: Comm, fm: FragmentMap, elem_offset: int, elem_count: int,
 class PieceReads:
     """`adapter.read` for one pass over a fragment, chunk after chunk: `advance(span)` reads every
     tensor the span reaches for the first time that this rank holds (owner or replica, in fragment
-    order, as the adapter contract asks) and keeps the owner pieces the span overlaps, flat."""
+    order, as the adapter contract asks) and keeps the owner pieces the span overlaps, flat. An owner
+    piece on an accelerator is kept as its host copy: every copy of one `advance` is issued before the
+    first is waited for (`HostStaging`), so they overlap one another and the reads' own kernels."""
 
     def __init__(self, adapter, fm: FragmentMap, rank: int):
         self.adapter, self.fm = adapter, fm
@@ -172,6 +177,7 @@ class PieceReads:
                 self._mine[i] = ps[0]
         self._next = 0
         self._cache: dict[int, torch.Tensor] = {}
+        self.staging = HostStaging()
 
     def advance(self, elem_offset: int, elem_count: int) -> None:
         rng = self.fm.tensor_range(elem_offset, elem_count)
@@ -180,7 +186,8 @@ class PieceReads:
             if p is not None:
                 v = self.adapter.read(p.name)
                 if p.owner:
-                    self._cache[i] = v.detach().reshape(-1)
+                    self._cache[i] = self.staging.host(v.detach().reshape(-1))
+        self.staging.wait()
         self._next = max(self._next, rng.stop)
         for i in [i for i in self._cache if i < rng.start]:
             del self._cache[i]

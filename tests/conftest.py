@@ -123,7 +123,10 @@ def demo_run(nats_url, tmp_path_factory):
 
 
 # Test tiers (README "Tests"): every test is `pure` or `e2e`; `soak` marks the long chaos and hostile runs,
-# `docker` the tests on a Docker engine (compose, testcontainers); both are e2e too.
+# `docker` the tests on a Docker engine (compose, testcontainers); both are e2e too. `cuda` is beside the tiers,
+# not one of them: a cuda test is pure or e2e by the same rules
+# (one that starts processes or a broker carries `e2e` too, and the guard below holds it to that), and where
+# torch sees no CUDA device it is skipped with the reason (`cuda_skip`), never run on a stand-in.
 #   pure  in-process logic: no nats-server, no subprocess, no multi-process torch.distributed.
 #   e2e   starts (or connects to) a nats-server and/or other processes.
 # A test is e2e when it says so (`@pytest.mark.e2e`, a module's `pytestmark`, or `soak`) or when it uses, directly
@@ -179,6 +182,17 @@ def _outside_the_checkout(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
 
 
+def cuda_skip() -> str | None:
+    """Why the `cuda` tests cannot run here (None: a CUDA device answers). Asked once per session, and only
+    when a collected test is marked `cuda` (CUDA's first call initializes the driver)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"needs a CUDA device: torch {torch.__version__} sees none (CUDA build: "
+                f"{torch.version.cuda or 'no'}); run `pytest -m cuda` where one is, e.g. device/check")
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     # A module that sets BROKER_RERUN (tests/test_*_container.py) re-collects another module's tests against a
     # broker container: only those that reach a broker are worth running again.
@@ -188,6 +202,11 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=rerun_pure)
         items[:] = [it for it in items if it not in set(rerun_pure)]
     xdist = config.pluginmanager.hasplugin("xdist")
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    reason = cuda_skip() if cuda_items else None
+    for item in cuda_items:
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
     for item in items:
         tier = _tier(item)
         if not item.get_closest_marker(tier):

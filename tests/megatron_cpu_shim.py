@@ -14,7 +14,10 @@ the tests check (stream objects, `device="cuda"` for scalars such as the unit lo
   without TE in megatron-core 0.16.1; 0.19 binds it to None itself) is None; the alltoall
   dispatcher's split sizes become numpy on the CPU as they do when moved off a GPU.
 
-Never import this outside tests. `transformer_engine_stub()` puts the test-only stubs
+Never import this outside tests. It is installed only by the CPU worlds of tests/megatron_tiny.py and
+tests/test_swift_plugin.py, in their own rank processes; the `cuda` tests' processes never install it (they
+check that `torch.cuda.current_device` is torch's own), and `install()` refuses a process that has
+initialized CUDA. `transformer_engine_stub()` puts the test-only stubs
 `tests/stubs/transformer_engine` and `tests/stubs/triton` on the path (mcore-bridge imports both at
 import time; ms-swift's Megatron trainers import mcore-bridge). Where a real triton is installed (the
 CUDA torch wheel brings one: Python 3.12 with megatron-core 0.19 here) megatron-core has imported it
@@ -72,6 +75,11 @@ def install() -> None:
     global _DONE
     if _DONE:
         return
+    # Never on a process that uses a real GPU: the shim would turn its CUDA calls into CPU ones and a `cuda`
+    # test would pass on the CPU (tests/megatron_tiny.py's CUDA world never calls this).
+    if torch.cuda.is_initialized():
+        raise RuntimeError("megatron_cpu_shim.install() in a process that initialized CUDA: the CPU shim "
+                           "would fake the real device")
     _DONE = True
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "rand", "randn", "zeros_like",
                  "empty_like", "ones_like", "full_like"):

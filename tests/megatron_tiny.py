@@ -1,5 +1,9 @@
 """Tiny real megatron-core models for the CPU tests (gloo ranks, fp32 or bf16), and their plumbing.
 
+`device="cuda"` (the `cuda` tests): one rank per process on the real GPU, NCCL for the device tensors and gloo
+for the host ones, the test-only CPU shim never installed; the models are built the same way on the host
+(same seeds, same values) and moved to the GPU.
+
 Every helper runs inside one rank of a multi-process gloo world started by `start()` (forkserver, torch
 and megatron-core preloaded once). The models are megatron-core's own GPTModel with the local
 (non-TE) layer spec: SwiGLU (gated fc1, partition stride 2), grouped-query attention (fused QKV),
@@ -16,14 +20,28 @@ import torch.distributed as dist
 VOCAB, SEQ, HIDDEN = 64, 8, 16
 
 
-def init_world(rank: int, world: int, init_file: str) -> None:
+def init_world(rank: int, world: int, init_file: str, device: str = "cpu") -> None:
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    if device == "cuda":
+        torch.cuda.set_device(0)  # one GPU: a CUDA world is one rank (NCCL refuses two ranks on one device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world)
+        return
     import megatron_cpu_shim
 
     megatron_cpu_shim.install()
-    torch.set_num_threads(1)
-    os.environ.setdefault("LOCAL_RANK", str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
+def to_device(chunks: list[torch.nn.Module], device: str) -> list[torch.nn.Module]:
+    """The chunks (built on the host) moved to `device` (megatron-core's `use_cpu_initialization` path)."""
+    return [c.to(device) for c in chunks] if device != "cpu" else chunks
+
+
+def device_of(chunks) -> torch.device:
+    return next(chunks[0].parameters()).device
 
 
 def layout(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None, etp: int | None = None, seed: int = 1) -> None:
@@ -105,7 +123,8 @@ def loss_per_token(chunks, toks: torch.Tensor) -> torch.Tensor | None:
     """Forward only (eval mode), PP = 1: megatron-core's per-token cross entropy [b, s] (full on every
     TP rank). Eval mode: megatron-core refuses MoE + TP without sequence parallelism when training, and
     the torch LayerNorm of the local spec has no sequence parallelism."""
-    pos = torch.arange(SEQ).unsqueeze(0).expand(toks.shape[0], SEQ)
+    toks = toks.to(device_of(chunks))
+    pos = torch.arange(SEQ, device=toks.device).unsqueeze(0).expand(toks.shape[0], SEQ)
     chunks[0].eval()
     with torch.no_grad():
         return chunks[0](toks, pos, None, labels=toks).float()
@@ -115,7 +134,8 @@ def train_step(wrapped, opt, toks: torch.Tensor) -> float | None:
     """One real step: megatron-core's forward-backward schedule, then the optimizer."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    pos = torch.arange(SEQ).unsqueeze(0).expand(toks.shape[0], SEQ)
+    toks = toks.to(device_of(wrapped))
+    pos = torch.arange(SEQ, device=toks.device).unsqueeze(0).expand(toks.shape[0], SEQ)
 
     def fwd(_it, model):
         out = model(toks, pos, None, labels=toks)
@@ -140,16 +160,19 @@ def train_step(wrapped, opt, toks: torch.Tensor) -> float | None:
     return float(out[0]["loss"]) if out else None
 
 
-def start(fn, world: int, tmp_path, *args) -> None:
-    """Run fn(rank, world, init_file, *args) on `world` gloo ranks (forkserver, megatron preloaded)."""
+def start(fn, world: int, tmp_path, *args, start_method: str = "forkserver") -> None:
+    """Run fn(rank, world, init_file, *args) on `world` gloo ranks (forkserver, megatron preloaded). The CUDA
+    tests pass "spawn": a rank forked from a process in which an import already touched the CUDA driver
+    cannot use the GPU."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt",
-                                            "megatron.core.optimizer", "megatron.core.distributed"])
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt",
+                                                "megatron.core.optimizer", "megatron.core.distributed"])
     mp.start_processes(fn, args=(world, str(tmp_path / "init"), *args), nprocs=world, join=True,
-                       start_method="forkserver")
+                       start_method=start_method)
 
 
 def swift_args(**kw):

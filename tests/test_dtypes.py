@@ -385,7 +385,7 @@ def test_pack_stream_residual_size_must_match():
     assert ei.value.field == "dtype"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("wd", ["f32", "bf16", "q4"])
 def test_device_pack_matches_cpu(wd):
     x = torch.randn(5000, generator=torch.Generator().manual_seed(3))

@@ -469,3 +469,71 @@ def test_hybrid_groups_four_ranks_two_nodes(tmp_path):
 @pytest.mark.e2e
 def test_hybrid_groups_eight_ranks_megatron_layout(tmp_path):
     _start(_eight_ranks, 8, tmp_path)
+
+
+def _device_pair(rank: int, world: int, init_file: str, device: str) -> None:
+    """Two processes, one rank each, both on the same device; each its own "node", so their group is hybrid.
+    On `cuda` the tensors are real device tensors (the host-copy path as it runs for a GPU island); on the
+    CPU the test-only switch stands in for them."""
+    _init(rank, world, init_file, per_node=1)
+    hybrid.install(force_host_copy=device == "cpu")
+    try:
+        g = dist.new_group([0, 1])
+        assert hybrid.is_hybrid(g) and dist.get_backend(g) == "gloo"
+        dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+        peer = 1 - rank
+
+        def on(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev)
+
+        def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+            assert got.device == dev, f"{what}: the result left the device ({got.device})"
+            _eq(got.cpu(), want, what)
+
+        x = on(_base(rank))
+        ptr = x.data_ptr()
+        dist.all_reduce(x, group=g)
+        assert x.data_ptr() == ptr  # in place: the caller's device tensor holds the result
+        same(x, _base(0) + _base(1), "all_reduce")
+        h = on(torch.full((5,), float(rank + 1), dtype=torch.bfloat16))
+        dist.all_reduce(h, group=g)
+        same(h, torch.full((5,), 3.0, dtype=torch.bfloat16), "all_reduce bf16")
+        b = on(_base(rank))
+        dist.broadcast(b, src=1, group=g)
+        same(b, _base(1), "broadcast")
+        outs = [on(torch.zeros(3, dtype=torch.float64)) for _ in range(2)]
+        dist.all_gather(outs, on(_base(rank)), group=g)
+        for m, o in enumerate(outs):
+            same(o, _base(m), "all_gather")
+        flat = on(torch.zeros(6, dtype=torch.float64))
+        dist.all_gather_into_tensor(flat, on(_base(rank)), group=g)
+        same(flat, torch.cat([_base(0), _base(1)]), "all_gather_into_tensor")
+        rs = on(torch.zeros(3, dtype=torch.float64))
+        dist.reduce_scatter_tensor(rs, on(torch.arange(6.0, dtype=torch.float64) * (rank + 1)), group=g)
+        same(rs, (torch.arange(6.0, dtype=torch.float64) * 3)[3 * rank: 3 * rank + 3], "reduce_scatter_tensor")
+        got = on(torch.zeros(3, dtype=torch.float64))
+        ops = [dist.P2POp(dist.isend, on(_base(rank) * 5), peer, g), dist.P2POp(dist.irecv, got, peer, g)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        same(got, _base(peer) * 5, "batch_isend_irecv")
+        stats = hybrid.stats()
+        for op in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                   "irecv"):
+            assert stats.get(op, 0) >= 1, (op, stats)  # every call went through the host copies
+    finally:
+        hybrid.uninstall()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.e2e
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_hybrid_group_carries_device_tensors_between_two_processes(tmp_path, device):
+    import multiprocessing
+
+    # CUDA: spawned ranks (a rank forked after the CUDA driver was touched cannot use the GPU)
+    method = "spawn" if device == "cuda" else "forkserver"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "yeto.learner.hybrid"])
+    mp.start_processes(_device_pair, args=(2, str(tmp_path / "init"), device), nprocs=2, join=True,
+                       start_method=method)

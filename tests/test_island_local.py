@@ -48,7 +48,7 @@ def net(seed: int = 0) -> Net:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
+    return t.detach().cpu().contiguous().view(torch.int32)
 
 
 class Syncer:
@@ -815,14 +815,14 @@ async def dp_join(ctx, timeout: float = 60) -> None:
         assert time.monotonic() < deadline, "the ranks did not finish"
 
 
-def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:
+def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str, out: str, device: str) -> None:
     import hashlib
 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model = net(0)
+        model = net(0).to(device)  # `cuda`: both ranks' replicas on the one GPU, the island group on the host
         island = dp_island(model, url, run)
         island.start()
         states = []
@@ -836,21 +836,25 @@ def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str,
                                                   for p in model.parameters())).hexdigest())
             time.sleep(0.01)
         torch.save({"states": states, "finalized": island.finalized, "gen": island.gen,
-                    "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+                    "devices": sorted({p.device.type for p in model.parameters()}),
                     "applies": island.counters["applies"]}, f"{out}/rank{rank}.pt")
         island.close()
     finally:
         dist.destroy_process_group()
 
 
-async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_and_final(env, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_and_final(env, tmp_path, device):
+    """Also with both replicas' parameters on a GPU (`cuda`): staged and exchanged on the host, written and
+    blended on the device, exported through the host staging."""
     import torch.multiprocessing as mp
 
     _, session, syncer = env(net())
     session = dict(session, init_island="syncer-side")
     await env.write_session(session)
     js, run = env.js, syncer.run
-    ctx = mp.start_processes(_dp_island_worker, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path)),
+    ctx = mp.start_processes(_dp_island_worker, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path), device),
                              nprocs=2, join=False, start_method="spawn")
     try:
         hello = await dp_hello(js, run)
@@ -875,6 +879,7 @@ async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_an
     assert r0["states"] == r1["states"] and len(r0["states"]) >= 3  # replicas equal after every boundary
     assert r0["finalized"] and r1["finalized"] and r0["gen"] == r1["gen"] == gen
     assert r0["applies"] == 5  # v0 of both fragments, v1 of fragment 1, the final cut of both
+    assert r0["devices"] == r1["devices"] == [device]
     for fid, frag in enumerate(session["fragments"]):
         for r in (r0, r1):
             for t in frag["tensors"]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import megatron_tiny as T
 from yeto.learner.adapters.megatron import EMBEDDING, MegatronAdapter, gather_full, layout_all, scatter_full
 from yeto.learner.adapters.megatron_names import strip_wrappers
+from yeto.learner.fragments import blend
 from yeto.schemas.layout import layout_fingerprint
 from tests.extras import require
 
@@ -162,9 +163,11 @@ def test_moe_tp2_pp2_ep2_export_matches_reference_and_roundtrips(tmp_path):
 
 # ---- fp32 masters: DistributedOptimizer and Float16OptimizerWithFloat16Params (bf16 model) -----------
 
-def _check_optimizer(distributed: bool, moe: bool) -> None:
+def _check_optimizer(distributed: bool, moe: bool, device: str = "cpu") -> None:
+    """On the CPU ranks here, and on one CUDA rank in tests/test_cuda_megatron.py (params, masters and the
+    optimizer on the GPU; the checks compare host copies)."""
     kind = "sharded" if distributed else "full"
-    chunks = T.build(T.config(moe=moe, bf16=True), moe=moe, seed=5)
+    chunks = T.to_device(T.build(T.config(moe=moe, bf16=True), moe=moe, seed=5), device)
     wrapped, opt = T.wrap(chunks, chunks[0].config, distributed=distributed)
     for step in range(2):
         T.train_step(wrapped, opt, T.tokens(step))
@@ -179,8 +182,9 @@ def _check_optimizer(distributed: bool, moe: bool) -> None:
     for s in shards:
         box = full[s.name][s.local_slices] if s.local_slices is not None else full[s.name]
         for p, _, master, _, _ in adapter.masters(s.name):
-            assert p.dtype == torch.bfloat16
-            assert torch.equal(p.detach().reshape(box.shape), box.bfloat16()), s.name
+            assert p.dtype == torch.bfloat16 and p.device.type == device
+            assert master is None or master.device.type == device, s.name
+            assert torch.equal(p.detach().cpu().reshape(box.shape), box.bfloat16()), s.name
             if not distributed:
                 assert torch.equal(master.reshape(box.shape), adapter.read(s.name)), s.name  # read is the master
         extra_bits |= not torch.equal(box, box.bfloat16().float())
@@ -196,12 +200,25 @@ def _check_optimizer(distributed: bool, moe: bool) -> None:
         for s in shards:
             box = values[s.name][s.local_slices] if s.local_slices is not None else values[s.name]
             for p, _, master, start, end in adapter.masters(s.name):
-                assert torch.equal(p.detach().reshape(box.shape), box.bfloat16()), f"{what}: param {s.name}"
+                assert torch.equal(p.detach().cpu().reshape(box.shape), box.bfloat16()), f"{what}: param {s.name}"
                 if distributed and end > start:
-                    assert torch.equal(master, box.reshape(-1)[start:end]), f"{what}: master shard {s.name}"
+                    assert torch.equal(master.cpu(), box.reshape(-1)[start:end]), f"{what}: master shard {s.name}"
                 elif not distributed:
-                    assert torch.equal(master.reshape(box.shape), box), f"{what}: master {s.name}"
+                    assert torch.equal(master.cpu().reshape(box.shape), box), f"{what}: master {s.name}"
     consistent("after write")
+    # a later version blends in: θ = α·θ + (1 − α)·Θ through the adapter (every rank, every shard, in order:
+    # the DistributedOptimizer's read is a collective), on the parameters' device; the same ops there give the
+    # same bits
+    dev = torch.device(device)
+    globs = {n: torch.randn(v.shape, generator=torch.Generator().manual_seed(50 + i))
+             for i, (n, v) in enumerate(values.items())}
+    for s in shards:
+        g = globs[s.name][s.local_slices] if s.local_slices is not None else globs[s.name]
+        adapter.blend(s.name, g.reshape(-1), 0.375, tuple(g.shape))
+    values = {n: blend(v.to(dev).reshape(-1), globs[n].reshape(-1), 0.375).view(v.shape).cpu()
+              for n, v in values.items()}
+    consistent("after blend")
+    _assert_bitwise(gather_full(adapter), values, f"{kind} master blend-then-export")
     # megatron's own step with lr = 0 copies its masters back into the params: they must be ours
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -233,6 +250,26 @@ def _optimizers(rank: int, world: int, init_file: str) -> None:
 @pytest.mark.timeout(240)
 def test_masters_of_both_optimizers_read_write_and_survive_a_step(tmp_path):
     T.start(_optimizers, 4, tmp_path)
+
+
+def _optimizers_on_the_gpu(rank: int, world: int, init_file: str) -> None:
+    T.init_world(rank, world, init_file, device="cuda")
+    import megatron_cpu_shim
+
+    T.layout()  # one rank: NCCL takes one rank per device
+    for distributed in (True, False):
+        _check_optimizer(distributed, moe=False, device="cuda")
+    # the real device all along: the CPU shim was never installed in this process
+    assert not megatron_cpu_shim._DONE and torch.cuda.current_device.__module__ == "torch.cuda"
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(240)
+def test_masters_on_the_gpu_read_write_blend_and_survive_a_step(tmp_path):
+    """The same checks on one CUDA rank: bf16 parameters, the DistributedOptimizer's fp32 shards and the
+    Float16Optimizer's fp32 copies on the GPU; reads gathered there, writes and blends in place there."""
+    T.start(_optimizers_on_the_gpu, 1, tmp_path, start_method="spawn")
 
 
 # ---- two islands, other TP and EP sizes: same names, values exchanged, same forward -----------------

@@ -80,14 +80,18 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, case: str, bulk
             dist.destroy_process_group()
 
 
-def _steps(rank, world, out_dir, case, bulk) -> None:
+def _steps(rank, world, out_dir, case, bulk, device: str = "cpu") -> None:
+    """`device`: where the adapter's pieces live (a single process on a GPU in the `cuda` test); the island's
+    chunks, staging and anchors stay on the host."""
     comm = Comm(dist.group.WORLD if world > 1 else None)
-    ad = SlicedTorchAdapter.build(SHAPES, values=lambda n, s: full(n, 0), tp_dim=tp_dim, **coords(case, rank))
+    ad = SlicedTorchAdapter.build(SHAPES, values=lambda n, s: full(n, 0).to(device), tp_dim=tp_dim,
+                                  **coords(case, rank))
     layout = IslandLayout(comm.all_gather(describe(ad.shards())))
     session = the_session(bulk)
     ops = RankOps(ad, comm, layout, session, AnchorStore(), ALPHA)
     frags = session["fragments"]
-    snap = lambda: {n: t.clone() for n, t in ad.tensors().items()}  # noqa: E731
+    assert {t.device.type for t in ad.tensors().values()} == {device}
+    snap = lambda: {n: t.cpu().clone() for n, t in ad.tensors().items()}  # noqa: E731
     out = {"boxes": {n: ad.box(n) for n in ad.tensors()}, "owner": {s.name: s.owner for s in ad.shards()}}
 
     def stage(fid, version, seed, batches):
@@ -109,7 +113,7 @@ def _steps(rank, world, out_dir, case, bulk) -> None:
     with torch.no_grad():  # local training, the same on every replica
         for n, t in ad.tensors().items():
             box = ad.box(n)
-            t.add_(0.25 * (full(n, 2)[box] if box else full(n, 2)))
+            t.add_(0.25 * (full(n, 2)[box] if box else full(n, 2)).to(device))
     n1 = len(chunk_plan(frags[1]["numel"], bulk, CHUNK_BYTES))
     stage(1, 1, 3, [list(range(n1 // 2)), list(range(n1 // 2, n1))])  # two boundaries' worth of chunks
     ops.run({"op": "commit", "fid": 1, "version": 1, "digest": "d", "mode": "blend"})
@@ -122,7 +126,7 @@ def _steps(rank, world, out_dir, case, bulk) -> None:
         with torch.no_grad():
             for n, t in ad.tensors().items():
                 box = ad.box(n)
-                t.add_(0.01 * (full(n, 4 + i)[box] if box else full(n, 4 + i)))
+                t.add_(0.01 * (full(n, 4 + i)[box] if box else full(n, 4 + i)).to(device))
         before = comm.bytes["gather"]
         packed = [p.numpy().tobytes() for _, p in ops.run({"op": "export", "fid": 1, "dtype": dtype, "purpose": "push"})]
         if dtype == "q4":
@@ -131,12 +135,14 @@ def _steps(rank, world, out_dir, case, bulk) -> None:
     out["inits"] = [b"".join(p.numpy().tobytes() for _, p in ops.run({"op": "export", "fid": f["id"], "dtype": "bf16",
                                                                      "purpose": "init"})) for f in frags]
     out["final"] = snap()
+    out["devices"] = sorted({t.device.type for t in ad.tensors().values()})
     out["held"] = {f["id"]: {p.name: p.numel for p in ops.maps[f["id"]].pieces(rank)} for f in frags}
     torch.save(out, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
 
 
-def reference(bulk: str) -> dict:
-    """Whole tensors, plain torch: what a single process given the full broadcasts would hold."""
+def reference(bulk: str, device: str = "cpu") -> dict:
+    """Whole tensors, plain torch: what a single process given the full broadcasts would hold. The blend runs
+    on `device`, where the island's runs (the same two torch ops, so the same bits on the same device)."""
     session = the_session(bulk)
     frags = session["fragments"]
     rnd = lambda x: unpack(pack(x, bulk), bulk, x.numel())  # noqa: E731  the bulk dtype's rounding
@@ -145,7 +151,7 @@ def reference(bulk: str) -> dict:
     for f in frags:
         model[f["id"]] += 0.25 * flat(f, 2)
     v1 = rnd(flat(frags[1], 3))
-    model[1] = blend(model[1], v1, ALPHA)
+    model[1] = blend(model[1].to(device), v1, ALPHA).cpu()
     ref["v1"] = {k: v.clone() for k, v in model.items()}
     ref["anchor1"] = v1
     ref["pushes"] = []
@@ -169,10 +175,10 @@ def _load(path):
     return torch.load(path, weights_only=False)  # this test's own files (they hold slices)
 
 
-def check(case: str, bulk: str, world: int, out_dir) -> None:
+def check(case: str, bulk: str, world: int, out_dir, device: str = "cpu") -> None:
     session = the_session(bulk)
     frags = session["fragments"]
-    ref = reference(bulk)
+    ref = reference(bulk, device)
     ranks = [_load(os.path.join(out_dir, f"{case}-rank{r}.pt")) for r in range(world)]
 
     def piece(flat_frags, name, box):
@@ -219,11 +225,15 @@ def _spawn(case: str, bulk: str, tmp_path) -> None:
                        start_method="forkserver")
 
 
-def test_single_process_is_the_degenerate_case(tmp_path):
-    _steps(0, 1, str(tmp_path), "single", "f32")
-    check("single", "f32", 1, tmp_path)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_single_process_is_the_degenerate_case(tmp_path, device):
+    """On a GPU too (`cuda`): pieces on the device, v0 written, v1 blended in place there, pushes and INIT
+    exported through the host staging (learner/device.py), all bit for bit as the host reference."""
+    _steps(0, 1, str(tmp_path), "single", "f32", device)
+    check("single", "f32", 1, tmp_path, device)
     got = _load(tmp_path / "single-rank0.pt")
     assert got["scatter_bytes"] == 0 and all(moved == 0 for _, _, moved in got["pushes"])
+    assert got["devices"] == [device]
 
 
 @pytest.mark.timeout(120)

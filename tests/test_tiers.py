@@ -155,6 +155,43 @@ def test_pure_whose_own_thread_starts_a_process():
 
 
 @pytest.mark.e2e
+def test_cuda_tests_skip_with_the_reason_without_a_device_and_keep_their_tier(tmp_path):
+    _scratch(tmp_path, '''
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+@pytest.mark.cuda
+def test_on_the_gpu():
+    assert torch.zeros(2, device="cuda").sum().item() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.e2e
+def test_on_the_gpu_with_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_on_the_cpu():
+    pass
+''')
+    import torch
+
+    e2e = _pytest(tmp_path, "--collect-only", "-m", "cuda and e2e")
+    assert "1/3 tests collected" in e2e.stdout, e2e.stdout
+    proc = _pytest(tmp_path, "-m", "cuda")
+    out = proc.stdout + proc.stderr
+    if torch.cuda.is_available():
+        assert "2 passed, 1 deselected" in out, out
+    else:  # skipped, never run on a stand-in, and the reason says what is missing
+        assert proc.returncode == 0 and "2 skipped, 1 deselected" in out, out
+        assert f"needs a CUDA device: torch {torch.__version__} sees none" in out, out
+
+
+@pytest.mark.e2e
 def test_a_pure_mark_on_a_broker_test_is_refused(tmp_path):
     _scratch(tmp_path, '''
 import pytest
@@ -173,7 +210,7 @@ def test_the_markers_are_registered_strictly_and_documented():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in ini["addopts"].split()
     names = {m.split(":", 1)[0] for m in ini["markers"]}
-    assert names == {"pure", "e2e", "soak", "docker"}
+    assert names == {"pure", "e2e", "soak", "docker", "cuda"}
     readme = (ROOT / "README.md").read_text()
     assert "`./run test -m pure`" in readme
     for name in names:
@@ -184,7 +221,7 @@ def _commands(path):
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_ci_runs_ruff_before_the_tests():
+def test_ci_runs_ruff_then_the_device_dry_run_before_the_tests():
     ci = _commands(ROOT / ".ci" / "run")
     tests = [i for i, line in enumerate(ci) if "./run test" in line]
     assert "./run lint" in ci and tests and ci.index("./run lint") < tests[0]
@@ -196,6 +233,9 @@ def test_ci_runs_ruff_before_the_tests():
     demo = [i for i, line in enumerate(ci) if line.startswith("./run demo")]
     assert demo and tests[0] < demo[0] and ci[demo[0]].endswith("|| rc=$?"), ci
     assert any('yeto" demo' in c and c.startswith("(cd / &&") and c.endswith("|| rc=$?") for c in ci), ci
+    assert ci.index("./run lint") < ci.index("device/check --dry-run || rc=$?") < tests[0]
+    check = ROOT / "device" / "check"
+    assert check.stat().st_mode & 0o111, "device/check must be executable (CI runs it by path)"
     run = (ROOT / "run").read_text()
     assert 'exec "$VENV/bin/ruff" check . "$@"' in run
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
