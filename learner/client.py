@@ -42,6 +42,7 @@ from yeto.schemas.conn import connect
 from yeto.schemas.errors import ConnectError, WireError
 from yeto.schemas.ids import new_generation
 from yeto.schemas.publish import first_send, note_taken, publish_retry
+from yeto.schemas.versions import VersionError
 
 from .config import IslandConfig
 from .ctl_reader import CtlReader
@@ -264,7 +265,11 @@ class IslandClient:
         if not wait_until(present, math.inf if to is None else t0 + to, poll=poll_s):
             raise TimeoutError(f"island {self.island}: no session record for run {self.run} after "
                                f"{time.monotonic() - t0:.0f}s (is the syncer running and has it admitted this island?)")
-        session = codec.decode("session", found[0])
+        try:
+            session = codec.decode("session", found[0])
+        except VersionError as exc:
+            # a syncer of a protocol this release does not speak: stop, naming both (schemas/versions.py)
+            raise IslandUnhealthy(f"island {self.island}: cannot join run {self.run}: {exc}") from None
         if session["run"] != self.run:
             raise WireError("session record names another run", field="run", value=session["run"])
         if last_log:

@@ -77,6 +77,7 @@ import torch.distributed as dist
 
 from yeto.schemas.errors import WireError
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.versions import software
 
 from . import boundary_ops as O, sigterm
 from .adapters import ModelAdapter
@@ -359,7 +360,7 @@ class Island:
         fp = layout_fingerprint(layout)
         world = cfg.world or _world_of(self.layout, self.world)
         c.provision({"layout": layout, "layout_fingerprint": fp, "push_dtype": cfg.push_dtype,
-                     "bulk_dtype": cfg.bulk_dtype, "world": world, "host": cfg.host})
+                     "bulk_dtype": cfg.bulk_dtype, "world": world, "host": cfg.host, "software": software()})
         session = c.wait_session()
         self._check_session(session, fp)
         op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha,

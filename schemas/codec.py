@@ -7,6 +7,8 @@ last chunk only, unique names) is checked here in `_CHECKS`, after the schema; `
 entry point goes through `validate`.
 
 Every refusal is a `WireError` subclass naming the field (dotted path, e.g. `members.0.gen`) and the value.
+A `v` outside the accepted protocols (schemas/versions.py) is refused before the schema, as a VersionError
+that names both sides' protocol and release.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import fastjsonschema
 import orjson
 
 from yeto.schemas.errors import DecodeError, SchemaError
+from yeto.schemas.versions import PROTOCOL_VERSION, check_protocol
 
-PROTOCOL_VERSION = 1
 CHUNK_HEADER = "Yeto-Chunk"  # the NATS header that carries a chunk's metadata (compact JSON)
 
 KINDS: tuple[str, ...] = (
@@ -354,6 +356,8 @@ def validate(kind: str, msg: Any) -> dict:
     """Check an already-parsed message against `kind`'s schema and cross-field rules; return it unchanged."""
     _check_kind(kind)
     _check_plain(kind, msg)
+    # A protocol this release does not speak: refused naming both sides' versions, not as a schema error
+    check_protocol(kind, msg, from_island=kind in ISLAND_KINDS)
     try:
         _validator(kind)(msg)
     except fastjsonschema.JsonSchemaValueException as exc:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from yeto.schemas.conn import ConnectOptions, add_connect_args
 from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
+from yeto.schemas import versions
 from yeto.services.envflags import BadEnv, bad_env_values, env_value  # noqa: F401  (bad_env_values: tests)
 
 
@@ -262,7 +263,7 @@ def run(args) -> int:
             max_push_norm=args.max_push_norm, outlier_factor=args.outlier_factor,
             max_token_factor=None if args.max_token_factor == 0 else args.max_token_factor,
             push_norm_factor=None if args.push_norm_factor == 0 else args.push_norm_factor,
-            shard=args.shard, shards=args.shards,
+            shard=args.shard, shards=args.shards, software=versions.software(),
         )
     except ValueError as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)

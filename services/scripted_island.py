@@ -21,6 +21,7 @@ from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.ids import new_generation
 from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas.provision import ensure_island_consumers
+from yeto.schemas.versions import software
 
 
 def tiny_layout(layers: int = 4, d: int = 16) -> list[dict]:
@@ -57,7 +58,7 @@ class ScriptedIsland:
         msg = codec.make("hello", run=self.run, island=self.island, gen=self.gen, layout=lay,
                          layout_fingerprint=fingerprint or layout_fingerprint(lay), push_dtype=push_dtype,
                          bulk_dtype=bulk_dtype, world={"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1},
-                         host="test")
+                         host="test", software=software())
         await self.js.publish(S.hello(self.run, self.island), codec.encode("hello", msg),
                               headers={S.MSG_ID: S.hello_msg_id(self.island, self.gen)})
 

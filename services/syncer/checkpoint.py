@@ -48,8 +48,12 @@ from typing import Iterable
 import orjson
 import torch
 
+from yeto.schemas import versions
+
 MANIFEST = "checkpoint.json"
-FORMAT = 1
+# The state format written (schemas/versions.py): `format` and `software` on the manifest and the intents.
+# Format 1 (yeto-nats 0.1.0 before versioned state) is read and migrated in memory.
+FORMAT = versions.STATE_FORMAT
 
 
 WRITEBACK_BYTES = 16 << 20  # per file: start the kernel's writeback of what was written every this many bytes
@@ -231,10 +235,16 @@ class CheckpointState:
     tape: list[dict] = field(default_factory=list)
     # The finalization record (rounds.RecordFinal): targets, acks, finished.
     final_record: dict | None = None
+    # Who wrote the state read (None: not stated, format 1) and the older format it was migrated from
+    # (None: read as written). Provenance, not state: not compared, never written back (to_json states
+    # this process's release and format).
+    software: str | None = field(default=None, compare=False)
+    migrated_from: int | None = field(default=None, compare=False)
 
     def to_json(self) -> bytes:
         return orjson.dumps({
             "format": FORMAT,
+            "software": versions.software(),
             "run": self.run,
             "session_fingerprint": self.session_fingerprint,
             "layout_fingerprint": self.layout_fingerprint,
@@ -250,8 +260,12 @@ class CheckpointState:
     @classmethod
     def from_json(cls, data: bytes) -> "CheckpointState":
         d = orjson.loads(data)
-        if d.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint format {d.get('format')!r} is not {FORMAT}")
+        if not isinstance(d, dict) or "format" not in d:   # format 1 has the field too: anything else is not ours
+            raise CheckpointError(f"not a checkpoint manifest (no 'format' field in {type(d).__name__})")
+        try:
+            d = versions.migrate_state(d, "the checkpoint manifest")
+        except versions.StateFormatError as exc:
+            raise CheckpointError(str(exc)) from None
         return cls(
             run=d["run"],
             session_fingerprint=d["session_fingerprint"],
@@ -263,6 +277,8 @@ class CheckpointState:
             final=bool(d.get("final", False)),
             tape=list(d.get("tape") or []),
             final_record=d.get("final_record"),
+            software=d.get("software"),
+            migrated_from=d.get("migrated_from"),
         )
 
 
@@ -368,7 +384,7 @@ class CheckpointDir:
         path = self.intent_path(fragment)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            f.write(orjson.dumps({"format": FORMAT, "fragment": fragment, **intent}))
+            f.write(orjson.dumps({"format": FORMAT, "software": versions.software(), "fragment": fragment, **intent}))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -384,9 +400,12 @@ class CheckpointDir:
             return None
         except orjson.JSONDecodeError as exc:
             raise CheckpointError(f"{path} is not JSON ({exc})") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("fragment") != fragment:
-            raise CheckpointError(f"{path} is not a merge intent of fragment {fragment} (format {FORMAT})")
-        return d
+        if not isinstance(d, dict) or "format" not in d or d.get("fragment") != fragment:
+            raise CheckpointError(f"{path} is not a merge intent of fragment {fragment}")
+        try:   # an intent of format 1 (0.1.0 before versioned state) has the same fields
+            return versions.migrate_state(d, str(path))
+        except versions.StateFormatError as exc:
+            raise CheckpointError(str(exc)) from None
 
     def drop_intent(self, fragment: int) -> None:
         self.intent_path(fragment).unlink(missing_ok=True)

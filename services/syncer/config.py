@@ -60,6 +60,9 @@ class SyncerConfig:
     push_norm_factor: float | None = 4.0   # quarantine a push above this x the members' reference norm; None = off
     shard: int = 0                    # this process's shard K (schemas/shards.py): it owns fragments f mod N == K
     shards: int = 1                   # N; 1 = one syncer owns everything (and every name is the unsharded one)
+    # The syncer's release ("yeto-nats X.Y.Z", schemas/versions.py), stated in the session it pins; a
+    # config field, not read by the shell at pin time, so a replay pins the same session. None = not stated.
+    software: str | None = None
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import orjson
 import torch
 
-from yeto.schemas import codec, shards as SH, subjects as S
+from yeto.schemas import codec, shards as SH, subjects as S, versions
 from yeto.schemas.chunks import VersionDigest, chunk_header, chunk_plan
 from yeto.schemas.dtypes import pack, packed_nbytes
 from yeto.schemas.provision import kv_put
@@ -293,9 +293,10 @@ class Cut:
         return timings
 
     async def write_commit_record(self, state: CheckpointState) -> None:
-        rec = {"committed_step": state.committed_step,
-               "versions": {str(k): v for k, v in state.versions.items()},
-               "version_digests": {str(k): v for k, v in state.version_digests.items()}}
+        # stamped with the state format and this release (schemas/versions.py): a record without them is format 1
+        rec = versions.stamp({"committed_step": state.committed_step,
+                              "versions": {str(k): v for k, v in state.versions.items()},
+                              "version_digests": {str(k): v for k, v in state.version_digests.items()}})
         await self.put_commit_record(orjson.dumps(rec))
 
     async def put_commit_record(self, value: bytes) -> None:

@@ -110,6 +110,8 @@ class Membership(Part):
                             f"layout gives {len(session.get('fragments', ()))} fragments, --fragments is {cfg.fragments}",
                             now, fatal=True, field="layout")
             return False
+        if cfg.software is not None:   # after the builder: a test's stub builder need not know it
+            session = {**session, "software": cfg.software}
         self.s.session = session
         self.s.init_island = ev.island
         self.s.layout_fp = fp

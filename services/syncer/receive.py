@@ -29,7 +29,9 @@ import torch
 from yeto.schemas import codec, subjects as S
 from yeto.schemas.chunks import check_chunk, chunk_plan, plan_nbytes
 from yeto.schemas.errors import WireError
+from yeto.schemas.ids import GEN_RE
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.versions import VersionError
 from yeto.services.syncer import rounds as R
 from yeto.services.syncer.cut import Cut
 from yeto.services.syncer.intake import PushLedger
@@ -140,6 +142,9 @@ class Receiver:
             return
         try:
             kind, m = codec.decode_typed(msg.data, allowed=("hello", "heartbeat", "ack"))
+        except VersionError as exc:
+            await self.refuse_protocol(msg.subject, exc, subj_island)
+            return
         except WireError as exc:
             await self.reject(f"ctl message on {msg.subject}", exc, island=subj_island)
             return
@@ -172,6 +177,16 @@ class Receiver:
                                              leaving=bool(m.get("leaving", False))))
         else:
             await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
+
+    async def refuse_protocol(self, subject: str, exc: VersionError, subj_island: str | None) -> None:
+        """A message in a protocol this syncer does not accept (schemas/versions.py): counted and taped like
+        any refusal; a hello is also answered with a fatal error carrying the same line (both versions
+        named), so the island stops and says why instead of waiting for a session that never comes. Only
+        to the island the subject names, and only with a well-formed generation: the error's own schema."""
+        gen = exc.gen if isinstance(exc.gen, str) and GEN_RE.fullmatch(exc.gen) else None
+        await self.reject(f"{exc.kind} on {subject}", exc, island=subj_island, gen=gen)
+        if exc.kind == "hello" and gen is not None and subj_island is not None and exc.island == subj_island:
+            await self.send_error(R.SendError(subj_island, gen, exc.code, str(exc), True, "v"))
 
     async def on_init(self, msg) -> None:
         """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which

@@ -4,9 +4,11 @@ The shell feeds every event through `InputRecorder.add(event, actions)` right af
 handled it, and tapes each record the recorder hands back as an `input` record on the run's EVENTS
 stream (`yeto.R.events.input`). One syncer process writes one *segment*:
 
-- batch 0, at start: `detail` = {proc, batch: 0, config: the SyncerConfig as a dict, restore: None for
-  a fresh run, else the arguments `RoundMachine.restore` got on --resume (session, versions,
-  committed_step, members, now, min_attempts, final)}.
+- batch 0, at start: `detail` = {proc, batch: 0, config: the SyncerConfig as a dict (its `software`: the
+  syncer's release), protocol and state_format: the versions it speaks and writes (schemas/versions.py),
+  restore: None for a fresh run, else the arguments `RoundMachine.restore` got on --resume (session,
+  versions, committed_step, members, now, min_attempts, final), and with it resumed_state: {format,
+  software, migrated_from} of the state it resumed}.
 - batch n >= 1: `detail` = {proc, batch: n, first: index of its first event in the segment,
   events: [...], actions: {i: [signature, ...]}} — the events in the order fed (`events.event_to_json`;
   a Tick is written as its bare `now`, the commonest event kept small), and for each event that
@@ -26,6 +28,7 @@ from typing import Any, Sequence
 
 import orjson
 
+from yeto.schemas.versions import PROTOCOL_VERSION, STATE_FORMAT
 from yeto.services.syncer.actions import Action, action_digest
 from yeto.services.syncer.config import SyncerConfig
 from yeto.services.syncer.events import Event, Tick, event_to_json
@@ -59,11 +62,16 @@ class InputRecorder:
         self._bytes = 0
         self._first_at: float | None = None
 
-    def start(self, config: SyncerConfig, restore: dict | None, now: float) -> dict:
-        """The segment's first record: the machine's config, and what restore() got (None: a fresh run)."""
+    def start(self, config: SyncerConfig, restore: dict | None, now: float, *, resumed_state: dict | None = None
+              ) -> dict:
+        """The segment's first record: the machine's config, the versions this process speaks and writes,
+        and what restore() got (None: a fresh run) with the versions of the state it came from."""
         self.batch = 1
-        return {"kind": INPUT_KIND, "t": now,
-                "detail": {"proc": self.proc, "batch": 0, "config": dataclasses.asdict(config), "restore": restore}}
+        detail = {"proc": self.proc, "batch": 0, "config": dataclasses.asdict(config), "protocol": PROTOCOL_VERSION,
+                  "state_format": STATE_FORMAT, "restore": restore}
+        if resumed_state is not None:
+            detail["resumed_state"] = resumed_state
+        return {"kind": INPUT_KIND, "t": now, "detail": detail}
 
     def add(self, event: Event, actions: Sequence[Action] | None, now: float, *, error: BaseException | None = None
             ) -> dict | None:

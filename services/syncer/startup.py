@@ -14,8 +14,9 @@ import time
 import orjson
 
 from yeto.schemas import shards as SH
+from yeto.schemas.versions import StateFormatError, check_state_format, software
 from yeto.services.syncer import rounds as R
-from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointError
+from yeto.services.syncer.checkpoint import FORMAT, CheckpointDir, CheckpointError
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.lease import FlagMismatch, RunLease, lease_key, read_key
 from yeto.services.syncer.recording import INPUT_KIND
@@ -190,7 +191,10 @@ class Startup:
         if self.cfg.resume:
             if not self.ckpt.exists():
                 raise SyncerError(f"--resume: no checkpoint in {self.ckpt.path} (missing checkpoint.json)")
-            state = self.ckpt.read_state()
+            try:   # a state format this release cannot resume is a one-line refusal naming both formats
+                state = self.ckpt.read_state()
+            except CheckpointError as exc:
+                raise SyncerError(f"--resume: {exc}") from None
             session = self.ckpt.read_session()
             if state.run != self.run_id:
                 raise SyncerError(f"--resume: checkpoint {self.ckpt.path} belongs to run {state.run!r}, not {self.run_id!r}")
@@ -208,6 +212,11 @@ class Startup:
                     f"--resume: checkpoint {self.ckpt.path} holds fragments {sorted(state.versions)}, {self.label} "
                     f"owns {own}: wrong --checkpoint-dir, --shard or --shards?")
             commit = await self._kv_get(self.state_kv, self._key("commit"))
+            if commit is not None:
+                try:
+                    check_state_format(commit, f"the state KV's {self._key('commit')} record")
+                except StateFormatError as exc:
+                    raise SyncerError(f"--resume: {exc}") from None
             if commit is not None and int(commit.get("committed_step", 0)) > state.committed_step:
                 raise SyncerError(
                     f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
@@ -257,7 +266,14 @@ class Startup:
                 raise SyncerError(f"--resume: {exc}") from None
             if self.watch is not None:
                 self.watch.seed_members(member_revs)
-            await self.tape.write(self.recorder.start(mc, restore, time.time()), kind=INPUT_KIND)
+            resumed_state = {"format": state.migrated_from or FORMAT, "software": state.software,
+                             "migrated_from": state.migrated_from}
+            if state.migrated_from is not None:
+                log.warning("resuming state format %d (written by %s) with %s: migrated to format %d in memory; the "
+                            "next commit writes format %d", state.migrated_from, state.software or "a release that did "
+                            "not state it", software(), FORMAT, FORMAT)
+            await self.tape.write(self.recorder.start(mc, restore, time.time(), resumed_state=resumed_state),
+                                  kind=INPUT_KIND)
             self._attempts_seen.update(published)
             # Bring the state KV in line with the checkpoint (the checkpoint is written first).
             await self.cut.write_commit_record(state)
