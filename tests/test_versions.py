@@ -147,6 +147,30 @@ def test_the_session_a_syncer_pins_states_its_release():
     assert {k: v for k, v in session.items() if k != "software"} == plain
 
 
+def test_an_islands_join_record_states_the_release_its_hello_stated():
+    from tests.test_golden_rounds import config
+    from yeto.services.syncer.actions import Tape
+    from yeto.services.syncer.events import event_from_json, event_to_json
+
+    lay = LAYOUT + [{"name": "w", "shape": [2], "dtype": "float32"}]
+    m = RoundMachine(config(software=MINE))
+
+    def joins(acts):
+        return [a.event for a in acts if isinstance(a, Tape) and a.event["kind"] == "join"]
+
+    hello = Hello("a", GEN, lay, layout_fingerprint(lay), "auto", "auto", 0.0, software="yeto-nats 0.2.0")
+    assert event_from_json(event_to_json(hello)) == hello   # recorded on the tape as fed, replayed the same
+    (rec,) = joins(m.handle(hello))
+    assert rec["reason"] == "admitted" and rec["detail"] == {"software": "yeto-nats 0.2.0"}
+    (rec,) = joins(m.handle(Hello("a", "f" * 16, lay, layout_fingerprint(lay), "auto", "auto", 1.0, software=MINE)))
+    assert rec["reason"].startswith("new generation") and rec["detail"] == {"software": MINE}
+    # a hello that states none (0.1.0 before versioning): no detail, and its event JSON is what it was then
+    old = Hello("b", "b" * 16, lay, layout_fingerprint(lay), "auto", "auto", 2.0)
+    assert "software" not in event_to_json(old)
+    (rec,) = joins(m.handle(old))
+    assert "detail" not in rec
+
+
 def test_the_tape_start_record_states_protocol_format_and_the_state_resumed():
     from tests.test_golden_rounds import config
 

@@ -42,8 +42,10 @@ async def test_an_island_of_a_newer_protocol_is_refused_naming_both_and_the_run_
     a, b = isls
     c = ScriptedIsland(await nats.connect(nats_url), run_id, "c", tiny_layout(1, 8))
     try:
-        # the session pinned states the syncer's release; the islands' hellos stated theirs (ScriptedIsland)
+        # the session pinned states the syncer's release; the islands' hellos stated theirs, taped with their joins
         assert a.session["software"] == MINE and a.session["v"] == 1
+        joins = await wait_tape(a.js, run_id, lambda r: r.get("island") == "b", kind="join")
+        assert joins["detail"]["software"] == MINE
         ref = Reference(init)
         gen = torch.Generator().manual_seed(3)
         tokens = {"a": 200, "b": 100}

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from yeto.services.syncer.rounds import RoundMachine
 
 
+def _stated(software: str | None) -> dict | None:
+    # The release an island runs, on its join record: during a rolling upgrade the tape says which
+    # generation of which island came back on which release.
+    return None if software is None else {"software": software}
+
+
 class Membership(Part):
     def __init__(self, state: MachineState, config: SyncerConfig, out: Output, machine: "RoundMachine", *,
                  session_builder: Callable[..., dict] | None = None):
@@ -81,7 +87,7 @@ class Membership(Part):
         if m is None:
             self._admit(ev, now)
         else:
-            self.new_generation(m, ev.gen, now)
+            self.new_generation(m, ev.gen, now, software=ev.software)
 
     def _pin(self, ev: Hello, now: float) -> bool:
         cfg = self.config
@@ -130,12 +136,13 @@ class Membership(Part):
         self.s.members[ev.island] = m
         self.s.counters["join"] += 1
         self.out.write_member(m)
-        self.out.tape("join", now, island=ev.island, gen=ev.gen, reason="admitted")
+        self.out.tape("join", now, island=ev.island, gen=ev.gen, reason="admitted", detail=_stated(ev.software))
         self.machine.init_rules.replay_held(m, now)
 
-    def new_generation(self, m: Member, gen: str, now: float, *, mirrored: bool = False) -> None:
+    def new_generation(self, m: Member, gen: str, now: float, *, mirrored: bool = False,
+                       software: str | None = None) -> None:
         """A new process of a member (`mirrored`: a follower shard read it from the members KV; the
-        coordinator wrote and taped it already)."""
+        coordinator wrote and taped it already; `software`: the release its hello states)."""
         old = m.gen
         m.retired_gens.add(old)
         m.gen, m.live, m.left = gen, True, False
@@ -146,7 +153,8 @@ class Membership(Part):
         self.s.counters["join.new_gen"] += 1
         if not mirrored:
             self.out.write_member(m)
-            self.out.tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})")
+            self.out.tape("join", now, island=m.island, gen=m.gen, reason=f"new generation (was {old})",
+                          detail=_stated(software))
         if m.island == self.s.init_island and self.s.phase == Phase.INIT:
             # The new process sends every fragment again; what the old one sent must not be mixed in.
             dropped = sorted(self.s.initialized)

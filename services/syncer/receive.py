@@ -170,7 +170,7 @@ class Receiver:
                 return
             await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
                                          layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
-                                         bulk_dtype=m["bulk_dtype"], now=now))
+                                         bulk_dtype=m["bulk_dtype"], now=now, software=m.get("software")))
         elif kind == "heartbeat":
             await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
                                              step_time_s=m.get("step_time_s"), now=now,
