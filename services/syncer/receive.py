@@ -6,8 +6,9 @@ they are decoded, and rejections beyond a rate are counted but taped once per bu
 (services/syncer/intake_limit.py): one island's flood cannot keep intake or the tape busy.
 
 Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values, unknown
-fragment, digest mismatch, an island id that does not match its subject) is acked (never redelivered),
-counted, written to the EVENTS tape, and changes no state. Push chunks are checked and acked at once,
+fragment, digest mismatch, an island id that does not match its subject, a protocol version outside the
+accepted range: schemas/versions.py) is acked (never redelivered), counted, written to the EVENTS tape, and
+changes no state. Push chunks are checked and acked at once,
 their payloads left in the stream (the ledger records where); a push holding NaN/Inf is well-formed but
 poisonous: its chunks' norms and non-finite counts go to the round machine, which quarantines it. INIT
 chunk bytes wait in `init_pending` until the machine answers InitStore or InitDrop; intake pauses while
