@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+from yeto.schemas import versions
 from yeto.schemas.conn import ConnectOptions, add_connect_args
 from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
-from yeto.schemas import versions
 from yeto.services.envflags import BadEnv, bad_env_values, env_value  # noqa: F401  (bad_env_values: tests)
 
 
