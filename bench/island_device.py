@@ -184,8 +184,8 @@ def export_apply(args, device: torch.device, out=print) -> dict:
     out(f"apply (commit, blend, of every fragment): median {a:.3f} s, {nbytes / a / GB:.2f} GB/s of f32 "
         f"(runs {runs(t_app)})")
     kind = "pinned host memory" if pin else "memcpy"
-    out(f"copy via {kind}: device->host {nbytes / d2h / GB:.2f} GB/s ({d2h:.3f} s), host->device "
-        f"{nbytes / h2d / GB:.2f} GB/s ({h2d:.3f} s)")
+    out(f"copy via {kind}: device->host {nbytes / d2h / GB:.2f} GB/s ({d2h:.6f} s), host->device "
+        f"{nbytes / h2d / GB:.2f} GB/s ({h2d:.6f} s)")
     return {"ratio": (d2h + h2d) / (e + a), "export_s": e, "apply_s": a, "reads_s": rd,
             "d2h_gbps": nbytes / d2h / GB, "h2d_gbps": nbytes / h2d / GB}
 
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     share = {"boundary_share": float("nan")} if args.no_train else train_share(args)
     dev_peak = torch.cuda.max_memory_allocated(device) / MiB if gpu else 0.0
     print(f"peak RSS {peak_rss_self() / MiB:.0f} MiB (this process); device peak {dev_peak:.0f} MiB")
-    print(f"device export_apply_ratio={res['ratio']:.3f} export_s={res['export_s']:.4f} apply_s={res['apply_s']:.4f} "
+    print(f"device export_apply_ratio={res['ratio']:.4f} export_s={res['export_s']:.6f} apply_s={res['apply_s']:.6f} "
           f"reads_s={res['reads_s']:.4f} d2h_gbps={res['d2h_gbps']:.2f} h2d_gbps={res['h2d_gbps']:.2f} boundary_share={share['boundary_share']:.4f} "
           f"size_mib={args.size_mib:g} device={args.device} name={device_name(device)}", flush=True)
     return 0

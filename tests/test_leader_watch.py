@@ -50,6 +50,17 @@ async def _leader(js) -> str:
     raise AssertionError(f"{STREAM} has no leader")
 
 
+async def _stored(js) -> int:
+    """The stream's message count. Its info request can time out while the cluster still settles after the
+    kill (the meta leader's election, when the killed node held it too): asked again for up to 30 s."""
+    for _ in range(6):
+        try:
+            return (await js.stream_info(STREAM)).state.messages
+        except nats.errors.TimeoutError:
+            await asyncio.sleep(0.5)
+    return (await js.stream_info(STREAM)).state.messages
+
+
 async def _frozen_leader_then_killed(cluster, *, watched: bool):
     """Freeze the leader, publish 4 messages (pipelined) + 1 (publish_retry) into it, kill it; returns
     (seconds from the kill to every ack, seconds from the election advisory to every ack or None,
@@ -86,7 +97,7 @@ async def _frozen_leader_then_killed(cluster, *, watched: bool):
         cluster.kill(leader)
         await asyncio.wait_for(asyncio.gather(pipe.flush(), seal), 90)
         done = time.monotonic()
-        stored = (await js.stream_info(STREAM)).state.messages
+        stored = await _stored(js)
     finally:
         await nc.close()
     return done - killed, (done - elected_at[0]) if elected_at else None, counters, stored

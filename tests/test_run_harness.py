@@ -66,8 +66,10 @@ def test_wait_all_names_the_failed_child_and_the_one_still_running(tmp_path):
 
 
 def test_rss_watch_sees_a_process_allocate(tmp_path):
+    # 'allocating' comes half a second before the allocation: the test's mark for that phase is taken once it
+    # sees the line (polled, late under load), and must not fall after the first allocated pages were sampled
     code = ("import time; print('ready', flush=True); time.sleep(0.5); print('allocating', flush=True); "
-            "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.0)")
+            "time.sleep(0.5); b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.0)")
     c = py("allocator", code, tmp_path).start()
     with RssWatch(every_s=0.05) as watch:
         watch.add("allocator", c.pid)
