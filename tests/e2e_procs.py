@@ -137,3 +137,20 @@ async def join_ranks_and_syncer(ctx, syncer, timeout: float) -> None:
     while not await asyncio.to_thread(ctx.join, 2):
         assert time.monotonic() < deadline, "islands did not finish:\n" + syncer.output()[-3000:]
     assert syncer.wait(30) == 0, syncer.output()[-3000:]
+
+
+async def kv_keys(kv) -> set[str]:
+    """The bucket's live keys, from its stream's subjects and a get each (a deleted or purged key has only its
+    marker). Not nats-py's `kv.keys()`: its watcher can report none while the first entries are in flight
+    (NoKeysError on a loaded machine; services/syncer/startup.py `_read_members` reads the same way)."""
+    from nats.js.errors import KeyNotFoundError
+
+    info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
+    keys = set()
+    for subject in info.state.subjects or {}:
+        try:
+            await kv.get(subject[len(kv._pre):])
+        except KeyNotFoundError:
+            continue
+        keys.add(subject[len(kv._pre):])
+    return keys

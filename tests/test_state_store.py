@@ -12,6 +12,7 @@ import torch
 from yeto.schemas.provision import RunLimits, kv as kv_handle, provision_run
 from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState
 from yeto.services.syncer.state_store import StateStore
+from tests.e2e_procs import kv_keys
 
 SESSION = {"fragments": [{"id": 0, "numel": 1000}, {"id": 1, "numel": 37}], "session_fingerprint": "s" * 64,
            "layout_fingerprint": "l" * 64}
@@ -65,7 +66,7 @@ async def test_saved_versions_restore_bitwise_into_an_empty_directory(store, run
         assert torch.equal(got_p, p) and torch.equal(got_m, m)
     assert other_host.read_intent(1)["seqs"] == [5, 6]
     # version 0 of fragment 0 is gone from the KV (purged once version 1's manifest landed)
-    keys = set(await kv.keys())
+    keys = await kv_keys(kv)
     assert not [k for k in keys if k.startswith("ckpt.0.f0.v0.")], sorted(keys)
     assert [k for k in keys if k.startswith("ckpt.0.f0.v1.p.")]
 
@@ -84,10 +85,10 @@ async def test_a_save_torn_before_its_manifest_restores_the_previous_version(sto
     got_p, _ = CheckpointDir(tmp_path / "standby").load_fragment(0, 0, 1000)
     assert torch.equal(got_p, v0[0][0])
     # the torn version's chunks no manifest names: the next owner purges them when it starts
-    keys = set(await kv.keys())
+    keys = await kv_keys(kv)
     assert [k for k in keys if k.startswith("ckpt.0.f0.v1.")], sorted(keys)
     assert await st.purge_unnamed() == 1
-    keys = set(await kv.keys())
+    keys = await kv_keys(kv)
     assert not [k for k in keys if k.startswith("ckpt.0.f0.v1.")], sorted(keys)
     assert len([k for k in keys if k.startswith("ckpt.0.f0.v0.")]) == 2 * 16 and "ckpt.0.manifest" in keys
     assert await st.purge_unnamed() == 0
@@ -190,7 +191,7 @@ async def test_a_version_streamed_while_the_merge_makes_it_restores_bitwise(stor
     assert state.versions == {0: 1, 1: 0}
     got_p, got_m = other_host.load_fragment(0, 1, 1000)
     assert torch.equal(got_p, new_p) and torch.equal(got_m, new_m)
-    keys = set(await kv.keys())
+    keys = await kv_keys(kv)
     assert not [k for k in keys if k.startswith("ckpt.0.f0.v0.")], sorted(keys)
 
 

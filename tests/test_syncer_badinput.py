@@ -18,6 +18,7 @@ from yeto.schemas.chunks import digest
 from yeto.schemas.dtypes import pack
 from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas.chunks import chunk_plan
+from tests.e2e_procs import kv_keys
 from tests.scripted import (LR, MU, Reference, ScriptedIsland, close_run, start_run, syncer_status, tape,
                             tiny_layout, wait_status, wait_tape)
 
@@ -72,7 +73,7 @@ async def test_hellos_that_do_not_fit_the_session_get_a_fatal_error_and_are_not_
         assert {r["island"] for r in errors} == set(want)
         assert {r["island"] for r in await tape(js, run_id, "join")} == {"a", "b", "late"}
         members = await js.key_value(S.kv_bucket(run_id, "members"))
-        assert sorted(await members.keys()) == ["a", "b", "late"]
+        assert sorted(await kv_keys(members)) == ["a", "b", "late"]
 
         # the run goes on: round 1 (expected a and b; late joined after it launched), final cut to all three
         ref = Reference(init)
