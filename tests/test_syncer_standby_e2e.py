@@ -36,10 +36,10 @@ TTL = "2"
 ROUNDS = int(os.environ.get("YETO_TEST_STANDBY_ROUNDS", "60"))
 
 
-def _syncer(url, run, ckpt, rounds, log):
+def _syncer(url, run, ckpt, rounds, log, ttl: str = TTL):
     return SyncerProc(url, run, ckpt, "--islands", "2", "--fragments", str(P), "--sync-every", str(H),
                       "--total-steps", str(rounds), "--init-island", "a", "--quorum-timeout", "30",
-                      "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", TTL, log=log)
+                      "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", ttl, log=log)
 
 
 def _islands(url, run, tmp):
@@ -235,15 +235,9 @@ async def test_sigterm_to_the_owner_hands_the_run_over_at_once(nc, nats_url, run
     js = nc.jetstream()
     rounds, ttl = ROUNDS, 10.0
 
-    def syncer(d):
-        return SyncerProc(nats_url, run_id, tmp_path / d, "--islands", "2", "--fragments", str(P), "--sync-every",
-                          str(H), "--total-steps", str(rounds), "--init-island", "a", "--quorum-timeout", "30",
-                          "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", str(ttl),
-                          log=tmp_path / f"{d}.log")
-
-    first = syncer("s1").start()
+    first = _syncer(nats_url, run_id, tmp_path / "s1", rounds, tmp_path / "s1.log", ttl=str(ttl)).start()
     await asyncio.sleep(1.0)
-    second = syncer("s2").start()
+    second = _syncer(nats_url, run_id, tmp_path / "s2", rounds, tmp_path / "s2.log", ttl=str(ttl)).start()
     where = {id(first): tmp_path / "s1", id(second): tmp_path / "s2"}
     isl = _islands(nats_url, run_id, tmp_path)
     procs = {"first": first, "second": second, **isl}
