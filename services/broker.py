@@ -56,10 +56,24 @@ def default_config_path() -> Path:
     return Path(str(resources.files(__package__).joinpath(DEFAULT_CONFIG)))
 
 
+def _listen_range(n: int = 1) -> tuple[int, int]:
+    """Where to look for ports a server will listen on: below the kernel's ephemeral range. A port from
+    that range, free when probed, can be taken a moment later by any outgoing connection on the host
+    (a client of another test, a restarted node's peer) before the server binds it, or while a killed
+    node waits to restart on it."""
+    lo = 32768
+    try:
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    if lo - n > 10000 + 1000:
+        return 10000, lo - n
+    return 20000, 60000 - n  # an unusual kernel setting: the old range, racy but working
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free right now, from outside the ephemeral range (see _listen_range)."""
+    return free_port_block(1)
 
 
 def check_config(config: str | os.PathLike) -> None:
@@ -192,8 +206,9 @@ def free_port_block(n: int, tries: int = 200) -> int:
     """The first of `n` consecutive loopback ports that are free right now."""
     import random
 
+    first, last = _listen_range(n)
     for _ in range(tries):
-        base = random.randint(20000, 60000 - n)
+        base = random.randint(first, last)
         socks = []
         try:
             for p in range(base, base + n):

@@ -32,7 +32,7 @@ def yeto_replay(*args: str) -> subprocess.CompletedProcess:
 async def _run_to_the_end(nats_url, run_id, tmp_path) -> None:
     syncer, isls, _ = await start_run(
         nats_url, run_id, ["a", "b"], tmp_path / "ckpt", "--islands", "2", "--fragments", "2", "--sync-every", "2",
-        "--total-steps", "2", "--quorum-timeout", "1.5", "--grace-ms", "0", "--chunk-bytes", "1024",
+        "--total-steps", "2", "--quorum-timeout", "3", "--grace-ms", "0", "--chunk-bytes", "1024",
         layout=LAYOUT)
     a, b = isls
     beats = [Heartbeater(isl, every_s=0.2, step_time_s=0.05).start() for isl in isls]

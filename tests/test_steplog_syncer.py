@@ -28,7 +28,7 @@ async def _until(cond, timeout=30.0, what="condition"):
 async def test_real_syncer_tape_with_a_quorum_timeout(nats_url, run_id, tmp_path):
     syncer, isls, _init = await start_run(
         nats_url, run_id, ["a", "b"], tmp_path / "ckpt", "--islands", "2", "--fragments", "2", "--sync-every", "2",
-        "--total-steps", "2", "--quorum-timeout", "1", "--chunk-bytes", "1024", "--member-timeout", "60")
+        "--total-steps", "2", "--quorum-timeout", "3", "--chunk-bytes", "1024", "--member-timeout", "60")
     a, b = isls
     stop = asyncio.Event()
     started = asyncio.get_running_loop().create_future()
@@ -53,7 +53,8 @@ async def test_real_syncer_tape_with_a_quorum_timeout(nats_url, run_id, tmp_path
                             versions={"0": 1 if isl is a else 0, "1": 0}, pending_pulls=0, rejected=0)
             await isl.js.publish(S.steplog(run_id, isl.island), codec.encode("steplog", ev),
                                  headers={S.MSG_ID: S.steplog_msg_id(isl.island, isl.gen, 2)})
-        # round 2 (fragment 1): only a answers attempt 1; after the 1 s deadline the syncer restarts it
+        # round 2 (fragment 1): only a answers attempt 1; after the 3 s deadline the syncer restarts it (attempt 2
+        # must then be answered by both within 3 s: 1 s was too short on a loaded 2-core CI machine)
         _, pull = await a.wait_for(lambda k, m: k == "pull" and m["step"] == 2 and m["attempt"] == 1)
         await a.push(pull, delta(a, 1))
         for isl in isls:
