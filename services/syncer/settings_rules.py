@@ -37,6 +37,9 @@ def on_reconfigure(s: MachineState, cfg: SyncerConfig, out: Output, ev: Reconfig
         return None
     try:
         changed = check_settings(ev.settings)
+        if "push_dtype" in changed and s.session is None:
+            raise ConfigError("push_dtype changes only once the session is pinned (start the syncer with "
+                              "--push-dtype for the first rounds)", field="push_dtype", value=changed["push_dtype"])
         machine = {k: v for k, v in changed.items() if k in MACHINE_KEYS}
         config = dataclasses.replace(base, **{**_machine_settings(s), **machine})
     except ConfigError as exc:
