@@ -184,7 +184,7 @@ def encode_push(tensors: Sequence[torch.Tensor], spec: SparseSpec, *, names: Seq
     return b"".join(parts)
 
 
-class _Reader:
+class ByteReader:
     def __init__(self, buf):
         self.mv = memoryview(buf).cast("B")
         self.pos = 0
@@ -205,7 +205,7 @@ class _Reader:
             raise DecodeError("trailing bytes after the last tensor", field="length", value=len(self.mv))
 
 
-def _check_header(r: _Reader, spec: SparseSpec, n_tensors: int, magic: bytes) -> None:
+def _check_header(r: ByteReader, spec: SparseSpec, n_tensors: int, magic: bytes) -> None:
     got = _HEADER.unpack(r.take(_HEADER.size, "header"))
     want = (magic, FORMAT, spec.value_bits, spec.tile, spec.k, spec.chunk_1d, spec.k_1d, n_tensors)
     names = ("magic", "format", "value_bits", "tile", "k", "chunk_1d", "k_1d", "tensors")
@@ -232,7 +232,7 @@ def check_chunk_order(grid: Grid, chunk: torch.Tensor, local: torch.Tensor, fiel
 
 def decode_push(buf, shapes: Sequence, spec: SparseSpec) -> list[SparseTensor]:
     """The tensors of a push message, for tensors of `shapes` (the fragment's layout) under `spec`."""
-    r = _Reader(buf)
+    r = ByteReader(buf)
     _check_header(r, spec, len(shapes), MAGIC)
     nb = 1 << spec.value_bits
     out = []

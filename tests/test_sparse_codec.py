@@ -5,7 +5,6 @@ Property tests over shapes (1-D, 2-D with edge tiles, N-D, tiny, empty) and spec
 every malformed message refused naming its field. Pure tier."""
 from __future__ import annotations
 
-import math
 import struct
 
 import numpy as np
@@ -19,57 +18,12 @@ from yeto.schemas.errors import ConfigError, DecodeError, WireError
 from yeto.schemas.sparse import decode_push, encode_push, push_nbytes
 from yeto.schemas.sparse_chunks import SparseSpec
 
+from tests.sparse_reference import ref_chunks, ref_quantize, ref_select
+
 DEFAULT = SparseSpec()
 
 
 # ---------------------------------------------------------------- the reference
-
-def ref_chunks(shape, spec):
-    """[(flat indices of the chunk in row-major order of the chunk, k)] in chunk order."""
-    if len(shape) <= 1:
-        rows, cols, th, tw, kf = 1, (shape[0] if shape else 1), 1, spec.chunk_1d, spec.k_1d
-    else:
-        rows, cols, th, tw, kf = shape[0], math.prod(shape[1:]), spec.tile, spec.tile, spec.k
-    out = []
-    for r0 in range(0, rows, th):
-        for c0 in range(0, cols, tw):
-            h, w = min(th, rows - r0), min(tw, cols - c0)
-            flat = [(r0 + i) * cols + c0 + j for i in range(h) for j in range(w)]
-            out.append((flat, min(h * w, math.ceil(kf * h * w / (th * tw)))))
-    return out
-
-
-def ref_select(x, spec):
-    """(local indices, flat indices, values) per tensor, in chunk order, index order within a chunk."""
-    v = np.asarray(x, dtype=np.float32).reshape(-1)
-    local, flat_all = [], []
-    for flat, k in ref_chunks(x.shape, spec):
-        order = sorted(range(len(flat)), key=lambda i: (-abs(float(v[flat[i]])), i))[:k]
-        for i in sorted(order):
-            local.append(i)
-            flat_all.append(flat[i])
-    return local, flat_all, v[flat_all]
-
-
-def ref_quantize(vals, bits):
-    nb = 1 << bits
-    v = np.asarray(vals, dtype=np.float64)
-    if v.size == 0:
-        return [], np.zeros(nb, np.float32)
-    c = v - v.mean()
-    sigma = math.sqrt(float((c * c).sum()) / (v.size - 1)) if v.size > 1 else 0.0
-    width = 6 * sigma / nb
-    if width > 0:
-        codes = [min(max(math.floor(ci / width), -(nb // 2)), nb // 2 - 1) + nb // 2 for ci in c]
-    else:
-        codes = [nb // 2] * v.size
-    table = np.zeros(nb, np.float32)
-    for b in range(nb):
-        members = [v[i] for i in range(v.size) if codes[i] == b]
-        if members:
-            table[b] = np.float32(sum(members) / len(members))
-    return codes, table
-
 
 def parse(msg: bytes, n_tensors_hint=None):
     """The message read field by field with struct and Python integers (not the module's unpackers)."""
