@@ -251,7 +251,7 @@ def decode_push(buf, shapes: Sequence, spec: SparseSpec) -> list[SparseTensor]:
         local = unpack12(r.u8(index_nbytes(kept), f"tensors.{i}.indices"), kept, f"tensors.{i}.indices")
         codes = unpack_codes(r.u8(packed_codes_nbytes(kept, spec.value_bits), f"tensors.{i}.codes"), kept,
                              spec.value_bits, f"tensors.{i}.codes")
-        chunk = torch.repeat_interleave(torch.arange(grid.n_chunks), grid.chunk_keep())
+        chunk = grid.chunk_of_entries(grid.chunk_keep())
         check_chunk_order(grid, chunk, local, f"tensors.{i}.indices")
         out.append(SparseTensor(grid.to_global(chunk, local), table[codes]))
     r.done()

@@ -113,8 +113,9 @@ class Grid:
 
     def chunk_shapes(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(height, width) of every chunk, in chunk order, as int64 tensors of n_chunks."""
-        ti = torch.arange(self.tile_rows, device=device).repeat_interleave(self.tile_cols)
-        tj = torch.arange(self.tile_cols, device=device).repeat(self.tile_rows)
+        c = torch.arange(self.n_chunks, device=device)
+        ti = torch.div(c, max(1, self.tile_cols), rounding_mode="floor")
+        tj = c - ti * self.tile_cols
         h = torch.where(ti < self.full_rows, self.th, self.edge_rows)
         w = torch.where(tj < self.full_cols, self.tw, self.edge_cols)
         return h, w
@@ -124,6 +125,12 @@ class Grid:
         h, w = self.chunk_shapes(device)
         n = h * w
         return torch.minimum(n, -torch.div(-self.k_full * n, self.th * self.tw, rounding_mode="floor"))
+
+    def chunk_of_entries(self, counts: torch.Tensor) -> torch.Tensor:
+        """The chunk of every entry of a stream with `counts[c]` entries in chunk c, in chunk order."""
+        ends = torch.cumsum(counts, 0)
+        n = int(ends[-1]) if ends.numel() else 0
+        return torch.searchsorted(ends, torch.arange(n, device=counts.device), right=True)
 
     def to_global(self, chunk: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Flat (row-major) index in the tensor of `local` in `chunk` (int64 tensors of equal shape)."""

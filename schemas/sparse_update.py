@@ -96,7 +96,7 @@ def decode_update(buf, shapes: Sequence, spec: SparseSpec) -> list[SparseTensor]
         if not bool(torch.isfinite(values).all()):
             at = int((~torch.isfinite(values)).nonzero()[0, 0])
             raise DecodeError("values must be finite", field=f"tensors.{i}.values.{at}", value=float(values[at]))
-        chunk = torch.repeat_interleave(torch.arange(grid.n_chunks), counts)
+        chunk = grid.chunk_of_entries(counts)
         check_chunk_order(grid, chunk, local, f"tensors.{i}.indices")
         out.append(SparseTensor(grid.to_global(chunk, local), values))
     r.done()
