@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Sparse outer mode vs dense DiLoCo, in process: bytes per round and validation loss (docs/design.md §4.10).
 
-    python bench/sparse.py [--rounds 30] [--inner 20] [--islands 2] [--d-model 96] [--layers 2]
+    python bench/sparse.py [--rounds 30] [--inner 10] [--islands 2] [--d-model 64] [--layers 2]
 
 **The in-process version**, until the sparse mode is wired into pushes and BCAST: no broker, no syncer
 process, no islands as processes. Both modes run the product's numerics, not copies: the dense mode
@@ -184,9 +184,9 @@ def run(mode: str, args, data, val, init: dict, spec: SparseSpec) -> tuple[list[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--inner", type=int, default=20, help="inner steps per round (H)")
+    ap.add_argument("--inner", type=int, default=10, help="inner steps per round (H)")
     ap.add_argument("--islands", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=96)
+    ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=64)
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile", type=int, default=64)
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--corpus-bytes", type=int, default=1 << 20, help="training bytes per island")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: the same bits every run, and no thread pool fighting a shared machine)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = SparseSpec(tile=args.tile, k=args.k)
