@@ -118,22 +118,23 @@ def _band(band: torch.Tensor, grid: Grid, th: int) -> tuple[torch.Tensor, torch.
     return torch.cat(locs, dim=1).reshape(-1), torch.cat(vals, dim=1).reshape(-1)
 
 
-def select(x: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept entries of `x` in chunk order: (local indices int64, f32 values), `Grid.n_kept` of each."""
+def select(x: torch.Tensor, spec: SparseSpec, field: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries of `x` in chunk order: (local indices int64, f32 values), `Grid.n_kept` of each.
+    A non-finite value is refused (WireError naming `field`). Works band by band (at most about
+    BAND_NUMEL values at a time, converted to f32 and checked as it goes), so the temporaries stay a
+    few bands whatever the tensor's size."""
     grid = grid_of(x.shape, spec)
     m = x.detach().reshape(grid.rows, grid.cols)
-    if m.dtype != torch.float32:
-        m = m.float()
     th, fr = grid.th, grid.full_rows
     rows_per_band = max(1, BAND_NUMEL // max(1, th * grid.cols))
-    locs, vals = [], []
     bands = [(r0, min(rows_per_band, fr - r0), th) for r0 in range(0, fr, rows_per_band)]
     if grid.edge_rows:
         bands.append((fr, 1, grid.edge_rows))
-    for t0, b, h in bands:
-        band = m[t0 * th:t0 * th + b * h]
-        if grid.cols == 0:
-            continue
+    locs, vals = [], []
+    for t0, b, h in bands if grid.cols else ():
+        band = m[t0 * th:t0 * th + b * h].to(torch.float32)
+        if not bool(torch.isfinite(band).all()):
+            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
         loc, val = _band(band, grid, h)
         locs.append(loc)
         vals.append(val)
@@ -172,10 +173,7 @@ def encode_push(tensors: Sequence[torch.Tensor], spec: SparseSpec, *, names: Seq
     Non-finite values are refused (WireError naming the tensor)."""
     parts = [_HEADER.pack(MAGIC, FORMAT, spec.value_bits, spec.tile, spec.k, spec.chunk_1d, spec.k_1d, len(tensors))]
     for i, t in enumerate(tensors):
-        if not bool(torch.isfinite(t).all()):
-            raise WireError("a sparse push carries finite values only", field=f"tensors.{names[i] if names else i}",
-                            value="non-finite")
-        local, vals = select(t, spec)
+        local, vals = select(t, spec, f"tensors.{names[i] if names else i}")
         codes, table = quantize(vals, spec.value_bits)
         parts.append(_TENSOR.pack(t.numel(), local.numel()))
         parts.append(table.cpu().numpy().astype("<f4").tobytes())

@@ -257,10 +257,16 @@ def test_set_padding_bits_are_refused():
     assert _refused(buf, "tensors.0.codes", shapes=[(4,)], spec=spec).field == "tensors.0.codes"
 
 
-def test_non_finite_values_are_refused_at_encode_naming_the_tensor():
+def test_non_finite_values_are_refused_at_encode_naming_the_tensor(monkeypatch):
     with pytest.raises(WireError) as e:
         encode_push([torch.zeros(3), torch.tensor([1.0, float("inf")])], DEFAULT, names=["a", "b"])
     assert e.value.field == "tensors.b"
+    monkeypatch.setattr(sparse, "BAND_NUMEL", 64 * 64)  # checked band by band: a NaN in the last band
+    x = torch.zeros(200, 100)
+    x[199, 99] = float("nan")
+    with pytest.raises(WireError) as e:
+        encode_push([x], DEFAULT)
+    assert e.value.field == "tensors.0"
 
 
 @pytest.mark.parametrize("kwargs,field", [
