@@ -2,13 +2,15 @@
 schemas/sparse_update.py; docs/design.md §4.10) against an independent numpy reference
 (tests/sparse_reference.py): a multi-round run of two islands on a least-squares problem agrees round by
 round to f32 rounding, and an island that applies the broadcast updates to its anchor holds the syncer's
-params bit for bit. Plus the aggregation by hand, and the update message's round trip and refusals. Pure
+params bit for bit. Plus the aggregation by hand, the accumulator across a restart, and the update message's round trip (over shapes) and refusals. Pure
 tier."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from yeto.learner.sparse_outer import ErrorFeedback, pseudo_gradient
 from yeto.schemas.errors import DecodeError, WireError
@@ -173,3 +175,34 @@ def test_update_message_round_trip_and_refusals():
     assert e.value.field == "header.tile"
     with pytest.raises(WireError):
         encode_update([SparseTensor(torch.tensor([1]), torch.tensor([float("nan")]))], [(4,)], SPEC)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.one_of(st.tuples(), st.tuples(st.integers(0, 200)),
+                                 st.tuples(st.integers(1, 90), st.integers(1, 90))), min_size=1, max_size=3),
+       tile=st.sampled_from([64, 16, 5]), chunk_1d=st.sampled_from([64, 7]), fill=st.floats(0, 1), seed=st.integers(0, 2**31))
+def test_update_round_trip_over_shapes(shapes, tile, chunk_1d, fill, seed):
+    spec = SparseSpec(tile=tile, k=1, chunk_1d=chunk_1d, k_1d=1)
+    g = torch.Generator().manual_seed(seed)
+    steps = []
+    for s in shapes:
+        n = int(np.prod(s))
+        idx = torch.randperm(n, generator=g)[:int(fill * n)]
+        steps.append(SparseTensor(idx, torch.randn(idx.numel(), generator=g)))
+    msg = encode_update(steps, shapes, spec)
+    assert len(msg) == update_nbytes(shapes, [s.indices.numel() for s in steps], spec)
+    for s, shape, back in zip(steps, shapes, decode_update(msg, shapes, spec)):
+        assert torch.equal(back.dense(shape), s.dense(shape))
+        assert back.indices.numel() == s.indices.numel()
+
+
+def test_error_feedback_state_survives_a_restart():
+    g = torch.Generator().manual_seed(3)
+    deltas = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(3)]
+    a = ErrorFeedback(SHAPES, SPEC, BETA)
+    a.push(deltas[0])
+    b = ErrorFeedback(SHAPES, SPEC, BETA)
+    b.load_state_dict(a.state_dict())
+    assert [a.push(d) for d in deltas[1:]] == [b.push(d) for d in deltas[1:]]
+    with pytest.raises(ValueError):
+        ErrorFeedback([(3,)], SPEC, BETA).load_state_dict(a.state_dict())
