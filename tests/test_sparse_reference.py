@@ -2,8 +2,8 @@
 schemas/sparse_update.py; docs/design.md §4.10) against an independent numpy reference
 (tests/sparse_reference.py): a multi-round run of two islands on a least-squares problem agrees round by
 round to f32 rounding, and an island that applies the broadcast updates to its anchor holds the syncer's
-params bit for bit. Plus the aggregation by hand, the accumulator across a restart, and the update message's round trip (over shapes) and refusals. Pure
-tier."""
+params bit for bit. Plus the aggregation by hand, the accumulator across a restart, and the update
+message's round trip (over shapes) and refusals. Pure tier."""
 from __future__ import annotations
 
 import numpy as np
