@@ -43,8 +43,8 @@ if str(ROOT) not in sys.path:
 
 from yeto.learner.sparse_outer import ErrorFeedback, pseudo_gradient  # noqa: E402
 from yeto.schemas.sparse import decode_push, push_nbytes  # noqa: E402
-from yeto.schemas.sparse_chunks import SparseSpec  # noqa: E402
-from yeto.schemas.sparse_update import apply_step_, decode_update, encode_update  # noqa: E402
+from yeto.schemas.sparse_chunks import SparseSpec, grid_of  # noqa: E402
+from yeto.schemas.sparse_update import apply_step_, decode_update, encode_update, update_nbytes  # noqa: E402
 from yeto.services.syncer.sparse_outer import aggregate, outer_step_  # noqa: E402
 
 
@@ -140,6 +140,21 @@ def round_bytes(push: list[int], version_out: int, islands: int) -> int:
     return sum(push) + islands * version_out
 
 
+def expected_bytes(shapes, islands: int, spec: SparseSpec) -> dict:
+    """A round's bytes from the shapes alone: dense exact; sparse pushes exact, the update between the
+    islands all sending the same coordinates and all different ones (per chunk at most islands × k)."""
+    numel = sum(math.prod(s) for s in shapes)
+    grids = [grid_of(s, spec) for s in shapes]
+    most = []
+    for g in grids:
+        h, w = g.chunk_shapes()
+        most.append(int(torch.minimum(islands * g.chunk_keep(), h * w).sum()))
+    push = push_nbytes(shapes, spec)
+    return {"dense": round_bytes([4 * numel] * islands, 4 * numel, islands), "push": push,
+            "sparse_min": round_bytes([push] * islands, update_nbytes(shapes, [g.n_kept() for g in grids], spec), islands),
+            "sparse_max": round_bytes([push] * islands, update_nbytes(shapes, most, spec), islands)}
+
+
 def run(mode: str, args, data, val, init: dict, spec: SparseSpec) -> tuple[list[float], list[int], float]:
     torch.manual_seed(0)
     islands = [Island(args, d, init, seed=100 + i) for i, d in enumerate(data)]
@@ -210,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {numel} parameters ({4 * numel / 2**20:.2f} MiB f32); {args.islands} islands, "
           f"{[d.numel() for d in data]} training bytes, {val.numel()} validation bytes; "
           f"H={args.inner}, {args.rounds} rounds; spec {spec}")
+    shapes = [tuple(t.shape) for t in GPT(args.d_model, args.layers, args.heads, args.ctx).parameters()]
+    exp = expected_bytes(shapes, args.islands, spec)
+    print(f"expected bytes/round: dense {exp['dense']}; sparse pushes {args.islands} x {exp['push']}, with the "
+          f"update between {exp['sparse_min']} and {exp['sparse_max']}")
     results = {}
     for mode in ("dense", "sparse"):
         losses, sizes, secs = run(mode, args, data, val, init, spec)
@@ -227,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def spec_density(shape, spec) -> float:
-    from yeto.schemas.sparse_chunks import grid_of
     n = math.prod(shape)
     return grid_of(shape, spec).n_kept() / n if n else 0.0
 
