@@ -149,3 +149,5 @@ def test_a_push_dtype_change_rides_on_the_pulls_of_rounds_launched_after_it_and_
     assert m.session["push_dtype"] == "f32"
     (back,) = of(m.handle(Reconfigure("d2", {"push_dtype": "f32"}, "ops", 9.5)), ApplySettings)
     assert back.ok and m.config.push_dtype == "f32"
+    (q4,) = of(m.handle(Reconfigure("d3", {"push_dtype": "q4"}, "ops", 9.6)), ApplySettings)
+    assert not q4.ok and q4.field == "push_dtype" and "q4 only as the session's" in q4.error
