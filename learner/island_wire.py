@@ -426,7 +426,7 @@ class IslandWire:
         even be handed over; q4 then drops its working residual at once."""
         p = op.pull
         fid = p.fragment
-        dtype = self.session["push_dtype"]
+        dtype = p.push_dtype or self.session["push_dtype"]   # a round's own after `yeto run set push_dtype`
         run, island, gen = self.config.run, self.config.island, self.gen
         spans = self.ops.spans(fid, dtype)
         base = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen, "fragment": fid,

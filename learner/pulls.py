@@ -72,6 +72,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from yeto.schemas.dtypes import PUSH_DTYPES
 from yeto.schemas.errors import WireError
 
 WAITING = "waiting"
@@ -95,6 +96,7 @@ class PendingPull:
     seq: int
     base_version: int
     try_: int
+    push_dtype: str | None = None   # the pull's (`yeto run set push_dtype`); None: the session's
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ class _Round:
     mine: bool  # the newest (attempt, seq) names this (island, gen)
     state: str | None  # WAITING / INFLIGHT / DONE when mine, else None
     try_: int = 0  # the in-flight try, or the next one to send
+    push_dtype: str | None = None  # the pull's dtype when it names one (a runtime change), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +187,9 @@ class PullBook:
         attempt = _int_field(pull, "attempt", 1)
         seq = _int_field(pull, "seq", 0)
         base = _int_field(pull, "base_version", 0)
+        push_dtype = pull.get("push_dtype")
+        if push_dtype is not None and push_dtype not in PUSH_DTYPES:
+            raise WireError(f"pull push_dtype must be one of {PUSH_DTYPES}", field="push_dtype", value=push_dtype)
         members = pull.get("members")
         if not isinstance(members, (list, tuple)):
             raise WireError("pull members must be a list", field="members", value=members)
@@ -228,7 +234,8 @@ class PullBook:
 
         if r is not None and r.mine and r.state != DONE:
             self.counters["superseded_attempt"] += 1
-        self._rounds[key] = _Round(fragment, step, attempt, seq, base, mine, WAITING if mine else None)
+        self._rounds[key] = _Round(fragment, step, attempt, seq, base, mine, WAITING if mine else None,
+                                   push_dtype=push_dtype)
         if not mine:
             self.counters["not_member"] += 1
         self._trim()
@@ -281,7 +288,7 @@ class PullBook:
             if not ready(r.fragment):
                 continue
             r.state = INFLIGHT
-            out.append(PendingPull(r.fragment, r.step, r.attempt, r.seq, r.base_version, r.try_))
+            out.append(PendingPull(r.fragment, r.step, r.attempt, r.seq, r.base_version, r.try_, r.push_dtype))
         return out
 
     def _inflight(self, fragment: int, step: int, attempt: int, try_: int) -> _Round | None:

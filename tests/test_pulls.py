@@ -309,3 +309,16 @@ def test_pull_whose_step_targets_another_fragment_is_refused():
     assert e.value.field == "fragment"
     with pytest.raises(WireError):
         PullBook(ISL, GEN, fragments=4).offer(pull(fragment=4, step=5))
+
+
+def test_a_pull_naming_a_push_dtype_hands_it_to_the_push_and_a_bad_one_is_refused():
+    book = PullBook(ISL, GEN)
+    assert book.offer(dict(pull(step=1), push_dtype="bf16")) and book.offer(pull(step=2, fragment=1))
+    first, second = book.take_ready(ALWAYS)
+    assert (first.step, first.push_dtype) == (1, "bf16") and (second.step, second.push_dtype) == (2, None)
+    with pytest.raises(WireError) as exc:
+        book.offer(dict(pull(step=3, fragment=2), push_dtype="fp8"))
+    assert exc.value.field == "push_dtype" and exc.value.value == "fp8"
+    # a restarted attempt asks for its own dtype
+    assert book.offer(dict(pull(step=1, attempt=2), push_dtype="f32"))
+    assert [(p.step, p.attempt, p.push_dtype) for p in book.take_ready(ALWAYS)] == [(1, 2, "f32")]

@@ -153,3 +153,47 @@ async def test_run_set_push_dtype_moves_the_next_rounds_to_bf16_and_refuses_a_pu
         assert merges[4]["version"] == 2 and set(merges[4]["weights"]) == {"a", "b"}
     finally:
         await close_run(isls, syncer, run_id)
+
+
+@pytest.mark.timeout(240)
+async def test_real_islands_follow_a_push_dtype_change_and_finish_exact(nc, nats_url, run_id, tmp_path):
+    """Two `python -m yeto.learner.demo` islands: after `yeto run set push_dtype=bf16` their pushes of the later
+    rounds are bf16 (the syncer refuses any other for those rounds), none is refused, and the run finishes with
+    both islands holding exactly the final cut."""
+    from safetensors.torch import load_file
+
+    from yeto.services.cmd_export import export
+    from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, merges, tails, wait_exit, wait_until
+    from tests.scripted import SyncerProc
+
+    js = nc.jetstream()
+    ckpt, rounds = tmp_path / "syncer", 24
+    syncer = SyncerProc(nats_url, run_id, ckpt, "--islands", "2", "--fragments", "2", "--sync-every", "4",
+                        "--total-steps", str(rounds), "--init-island", "a", *SYNCER_TIMEOUTS,
+                        log=tmp_path / "syncer.log").start()
+    args = ("--step-delay", "0.05")
+    procs = {"syncer": syncer, **{n: IslandProc(nats_url, run_id, n, tmp_path, args=args).start() for n in ("a", "b")}}
+    try:
+        async def merged(n):
+            return len(await merges(js, run_id)) >= n
+        await wait_until(lambda: merged(4), 90, "4 merges")
+        res = await asyncio.to_thread(yeto, "run", "set", run_id, "push_dtype=bf16", "--nats", nats_url)
+        assert res.returncode == 0, res.stdout + res.stderr
+        changed_at = int(res.stdout.split("from committed step ")[1].split()[0])
+        rcs = await wait_exit(procs, 180)
+        assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
+        dispositions = await tape(js, run_id, "disposition")
+        tape_merges = await merges(js, run_id)
+    finally:
+        for p in procs.values():
+            p.stop()
+    assert [m["step"] for m in tape_merges] == list(range(1, rounds + 1))
+    refused = [d for d in dispositions if d["disposition"] != "accepted"]
+    assert refused == [], refused[:3]
+    later = [d for d in dispositions if d["step"] > changed_at + 2]
+    assert later, "no round after the change"
+    export(ckpt, tmp_path / "final.safetensors", run_id)
+    final = load_file(str(tmp_path / "final.safetensors"))
+    for name in ("a", "b"):
+        saved = load_file(str(procs[name].out))
+        assert sorted(saved) == sorted(final) and all(torch.equal(saved[k], final[k]) for k in final), name
