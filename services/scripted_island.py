@@ -16,10 +16,11 @@ import torch
 from nats.js.errors import KeyNotFoundError
 
 from yeto.schemas import codec, subjects as S
-from yeto.schemas.chunks import chunk_header, chunk_plan, digest, push_digest
+from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.ids import new_generation
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.messages import PushStream, init_chunk
 from yeto.schemas.provision import ensure_island_consumers
 from yeto.schemas.versions import software
 
@@ -99,11 +100,11 @@ class ScriptedIsland:
                 if chunks is not None and s.index not in chunks:
                     continue
                 buf = pack(flat[s.elem_offset: s.elem_offset + s.elem_count], dtype).numpy().tobytes()
-                meta = {"v": 1, "run": self.run, "island": island or self.island, "gen": gen, "fragment": fid,
-                        "dtype": dtype, **chunk_header(spans, s.index, buf)}
+                meta = init_chunk(spans, s.index, buf, run=self.run, island=island or self.island, gen=gen,
+                                  fragment=fid, dtype=dtype)
                 await self.js.publish(S.init(self.run, fid), buf, headers={
                     S.MSG_ID: S.init_msg_id(fid, s.index, gen) + ("" if island is None else f".{island}"),
-                    codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
+                    codec.CHUNK_HEADER: meta.header()})
                 sent += 1
         return sent
 
@@ -144,31 +145,26 @@ class ScriptedIsland:
         dtype = self.session["push_dtype"]
         fid = pull["fragment"] if fragment is None else fragment
         spans = chunk_plan(delta.numel(), dtype, self.session["chunk_bytes"])
-        digests = []
+        stream = PushStream(spans, run=self.run, island=self.island, gen=gen or self.gen, fragment=fid,
+                            step=pull["step"], attempt=pull["attempt"], try_=try_,
+                            base_version=pull["base_version"] if base_version is None else base_version,
+                            local_step=local_step, c_steps=1, c_tokens=c_tokens, dtype=dtype)
         for s in spans:
             part = delta[s.elem_offset: s.elem_offset + s.elem_count].contiguous()
             if corrupt == "nan" and s.index == 0:
                 part = part.clone()
                 part[0], part[-1] = float("nan"), float("inf")
             buf = bytearray(pack(part, dtype).numpy().tobytes())
-            framing = chunk_header(spans, s.index, bytes(buf))  # the digest of the bytes before any corruption
-            d = framing["digest"]
+            meta = stream.chunk(s.index, bytes(buf))  # the digest of the bytes before any corruption
             if corrupt == "digest" and s.index == 0:
                 buf[0] ^= 0xFF  # bytes no longer match the digest
             if corrupt == "size" and s.index == 0:
                 del buf[-4:]  # header still claims the full nbytes
-            digests.append(d)
-            meta = {"v": 1, "run": self.run, "island": self.island, "gen": gen or self.gen, "fragment": fid,
-                    "step": pull["step"], "attempt": pull["attempt"], "try": try_,
-                    "base_version": pull["base_version"] if base_version is None else base_version,
-                    "local_step": local_step, "c_steps": 1, "c_tokens": c_tokens, "dtype": dtype, **framing}
-            if s.index == len(spans) - 1:
-                meta["push_digest"] = push_digest(digests)
             if only is not None and s.index not in only:
                 continue
             await self.js.publish(S.push(self.run, self.island, fid), bytes(buf), headers={
                 S.MSG_ID: S.push_msg_id(self.island, gen or self.gen, fid, pull["step"], pull["attempt"], try_, s.index),
-                codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
+                codec.CHUNK_HEADER: meta.header()})
 
     async def read_cut(self, fid: int, *, final: bool = False) -> tuple[int, torch.Tensor, dict]:
         """The newest complete version of a fragment from BCAST (or FINAL), by direct get per chunk subject."""

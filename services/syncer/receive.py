@@ -32,6 +32,7 @@ from yeto.schemas.chunks import check_chunk, chunk_plan, plan_nbytes
 from yeto.schemas.errors import WireError
 from yeto.schemas.ids import GEN_RE
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.messages import PushChunk
 from yeto.schemas.versions import VersionError
 from yeto.services.syncer import rounds as R
 from yeto.services.syncer.cut import Cut
@@ -244,17 +245,13 @@ class Receiver:
         tokens = S.parse(self.run_id, msg.subject)   # push.<island>.<fragment>
         subj_island = tokens[1] if len(tokens) == 3 else None
         try:
-            meta = codec.decode_header("push_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            head = PushChunk.from_header((msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            head.check_subject(self.run_id, subj_island, tokens[-1])
         except WireError as exc:
             await self.reject(f"push chunk on {msg.subject}", exc, island=subj_island)
             self._delete_later(seq)
             return
-        if meta["run"] != self.run_id or meta["island"] != subj_island or tokens[-1] != str(meta["fragment"]):
-            await self.reject(f"push chunk on {msg.subject}",
-                               WireError("island/fragment in the header does not match the subject", field="island",
-                                         value=meta["island"], code="subject_mismatch"), island=subj_island)
-            self._delete_later(seq)
-            return
+        meta = head.to_wire()   # the ledger's and the speculator's record of the chunk
         why_closed = self.ledger.closed(meta, redelivered=msg.metadata.num_delivered > 1)
         if why_closed is not None:
             # A redelivery (or a late resend) of a chunk no round can use: drop it, it opens no try.
