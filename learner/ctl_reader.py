@@ -25,6 +25,7 @@ from yeto.schemas import codec
 from yeto.schemas import provision as P
 from yeto.schemas import subjects as S
 from yeto.schemas.errors import DecodeError, WireError
+from yeto.schemas.messages import Hello
 from yeto.schemas.publish import publish_retry
 
 from .errors import Superseded, SyncerRefused
@@ -215,9 +216,9 @@ class CtlReader:
             return
         self._rehellos += 1
         try:
-            msg = codec.make("hello", self._hello, run=self.run, island=self.island, gen=self.gen)
+            msg = Hello(run=self.run, island=self.island, gen=self.gen, **self._hello)
             # A fresh Nats-Msg-Id per re-hello: the duplicate window would drop the first hello's.
-            await publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
+            await publish_retry(self.js, S.hello(self.run, self.island), msg.encode(),
                                 S.hello_again_msg_id(self.island, self.gen, self._rehellos),
                                 counters=self.counters)
             self.counters["rehello"] += 1

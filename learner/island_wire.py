@@ -7,7 +7,8 @@ with it; every collective step goes through the `lead` it is given (announce, th
 Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get
 in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and scattered to the
 ranks' staging as they pass; when a version's last chunk passed and the whole version digest
-matched, `commit(fid, version, digest)` (the shell: the machine decides how, every rank installs)
+matched, `complete(fid, version, digest)` (the boundary: the machine decides how, every rank installs; the
+sync worker: parks it in `ready` for the next boundary)
 runs before the next fragment is read. A version overwritten mid-read is dropped and read again
 from chunk 0. After each read, the chunks notices claimed a newer version at that the read did not
 look at (chunk 0 held nothing new, the reading waited or was refused at an earlier chunk) are fetched
@@ -24,6 +25,7 @@ while it runs. The wire never asks which one it is.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter
@@ -94,6 +96,9 @@ class IslandWire:
         self.ready: dict[int, tuple[int, str]] = {}
         # How what is read reaches the ranks and how pushes go out (learner/island_modes.py): the
         # training thread's until the sync worker hands its own (`use`), and again once it stopped.
+        # A push's chunks published, the acks awaited in the background (`reap`): the client's, so a mode's
+        # sender publishes without holding the wire.
+        self.publish = functools.partial(client.publish_stream, timeout=config.push_timeout_s, detach=True)
         self.foreground = foreground_mode(lead, self.publish)
         self.mode = self.foreground
         self._stats_lock = threading.Lock()   # the worker counts into the stats the boundary takes
@@ -156,15 +161,12 @@ class IslandWire:
             self._dirty.add(fid)
         self.mode = mode
 
-    def publish(self, items) -> PublishHandle:
-        """Publish a push's chunks; the acks are awaited in the background (`reap`)."""
-        return self.client.publish_stream(items, timeout=self.config.push_timeout_s, detach=True)
 
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
-    def read_broadcasts(self, commit: Callable[[int, int, str], None]) -> list[int]:
-        """Read the fragments with new BCAST notices; `commit` every version that completes.
-        Returns the fragments committed."""
+    def read_broadcasts(self, complete: Callable[[int, int, str], None]) -> list[int]:
+        """Read the fragments with new BCAST notices; hand every version read whole to `complete`
+        (the boundary installs it, the sync worker parks it). Returns those fragments."""
         self._take_notices()
         applied: list[int] = []
         if not self.client.connected:
@@ -180,7 +182,7 @@ class IslandWire:
                 break  # the rest waits for the next boundary (still dirty)
             if res == "complete":
                 version, vdigest = self.reader.held[fid]
-                commit(fid, version, vdigest)
+                complete(fid, version, vdigest)
                 applied.append(fid)
             if res == "restart":
                 continue  # read again at the next boundary (still dirty, its notices kept for the probe)
@@ -195,7 +197,7 @@ class IslandWire:
         return applied
 
     def park(self, fid: int, version: int, digest: str) -> None:
-        """The worker's `commit`: a version read whole waits in `ready` for the boundary to install it."""
+        """The worker's `complete`: a version read whole waits in `ready` for the boundary to install it."""
         self.ready[fid] = (version, digest)
 
     def unread(self) -> bool:

@@ -20,7 +20,7 @@ from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.ids import new_generation
 from yeto.schemas.layout import layout_fingerprint
-from yeto.schemas.messages import PushStream, init_chunk
+from yeto.schemas.messages import Ack, Heartbeat, Hello, PushStream, init_chunk
 from yeto.schemas.provision import ensure_island_consumers
 from yeto.schemas.versions import software
 
@@ -56,17 +56,16 @@ class ScriptedIsland:
 
     async def hello(self, *, fingerprint: str | None = None, layout=None, push_dtype="auto", bulk_dtype="auto") -> None:
         lay = layout or self.layout
-        msg = codec.make("hello", run=self.run, island=self.island, gen=self.gen, layout=lay,
-                         layout_fingerprint=fingerprint or layout_fingerprint(lay), push_dtype=push_dtype,
-                         bulk_dtype=bulk_dtype, world={"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1},
-                         host="test", software=software())
-        await self.js.publish(S.hello(self.run, self.island), codec.encode("hello", msg),
+        msg = Hello(run=self.run, island=self.island, gen=self.gen, layout=lay,
+                    layout_fingerprint=fingerprint or layout_fingerprint(lay), push_dtype=push_dtype,
+                    bulk_dtype=bulk_dtype, world={"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1},
+                    host="test", software=software())
+        await self.js.publish(S.hello(self.run, self.island), msg.encode(),
                               headers={S.MSG_ID: S.hello_msg_id(self.island, self.gen)})
 
     async def heartbeat(self, local_step: int, step_time_s: float | None = 0.05, seq: int = 0) -> None:
-        msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen, local_step=local_step,
-                         step_time_s=step_time_s)
-        await self.js.publish(S.heartbeat(self.run, self.island), codec.encode("heartbeat", msg),
+        msg = Heartbeat(run=self.run, island=self.island, gen=self.gen, local_step=local_step, step_time_s=step_time_s)
+        await self.js.publish(S.heartbeat(self.run, self.island), msg.encode(),
                               headers={S.MSG_ID: S.heartbeat_msg_id(self.island, self.gen, seq or int(time.time() * 1e6))})
 
     async def wait_session(self, timeout: float = 20) -> dict:
@@ -225,6 +224,6 @@ class ScriptedIsland:
         return await self.js.publish(subject, data, headers=hdrs)
 
     async def ack(self, final_step: int) -> None:
-        msg = codec.make("ack", run=self.run, island=self.island, gen=self.gen, final_step=final_step)
-        await self.js.publish(S.ack(self.run, self.island), codec.encode("ack", msg),
+        msg = Ack(run=self.run, island=self.island, gen=self.gen, final_step=final_step)
+        await self.js.publish(S.ack(self.run, self.island), msg.encode(),
                               headers={S.MSG_ID: S.ack_msg_id(self.island, self.gen, final_step)})
