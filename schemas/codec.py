@@ -31,12 +31,13 @@ CHUNK_HEADER = "Yeto-Chunk"  # the NATS header that carries a chunk's metadata (
 
 KINDS: tuple[str, ...] = (
     "hello", "session", "heartbeat", "pull", "push_chunk", "init_chunk", "bcast_chunk", "final_chunk",
-    "manifest", "ack", "error", "shutdown", "steplog", "event",
+    "manifest", "ack", "error", "shutdown", "steplog", "event", "settings", "settings_result",
 )
 CHUNK_KINDS: tuple[str, ...] = ("push_chunk", "init_chunk", "bcast_chunk", "final_chunk")
 # Kinds with a `type` const (equal to the kind) so one consumer of a shared subject can dispatch:
 # the syncer's CTL consumer (hello, heartbeat, ack), an island's (pull, manifest, error, shutdown).
-TYPED_KINDS: tuple[str, ...] = ("hello", "heartbeat", "pull", "ack", "manifest", "error", "shutdown")
+TYPED_KINDS: tuple[str, ...] = ("hello", "heartbeat", "pull", "ack", "manifest", "error", "shutdown", "settings",
+                                 "settings_result")
 # Kinds sent by an island: they carry `island` and `gen`.
 ISLAND_KINDS: tuple[str, ...] = ("hello", "heartbeat", "init_chunk", "push_chunk", "ack", "steplog")
 

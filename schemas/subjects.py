@@ -3,6 +3,7 @@
 Layout (run R, island I, fragment F), docs/design.md §3.1:
 
     yeto.R.ctl.hello.I | ctl.pull | ctl.to.I                             -> stream CTL
+    yeto.R.ctl.set                                                       -> no stream (a request)
     yeto.R.ctl.hb.I | ctl.ack.I                                          -> stream HB (1 msg per subject)
     yeto.R.push.I.F                                                      -> stream PUSH
     yeto.R.init.F                                                        -> stream INIT
@@ -145,6 +146,12 @@ def pull(run: str) -> str:
 
 def to_island(run: str, island: str) -> str:
     return f"{root(run)}.ctl.to.{check_island(island)}"
+
+
+def settings(run: str) -> str:
+    """`yeto run set`'s request subject: core NATS, in no stream (every owning syncer shard answers the live
+    request; what it applied is kept in its state KV `settings` key, so a standby that takes over keeps it)."""
+    return f"{root(run)}.ctl.set"
 
 
 def syncer_ctl_filters(run: str) -> list[str]:

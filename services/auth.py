@@ -114,6 +114,7 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
     # _INBOX.> would let an island read the syncer's direct gets of other islands' pushes.
     sub = [nkey_inbox_prefix(public_key) + ".>"]
     deny_pub: list[str] = []
+    responses = False
     if role == "island":
         check_island(name)
         ctl = st["CTL"]
@@ -153,6 +154,8 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
         sub += run_advisories(run)   # stream leader elections (schemas/leader_watch.py)
         # removing or reshaping the run is the admin's
         deny_pub = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>"]
+        # answering `yeto run set` on the requester's own inbox (one answer per request, as request/reply allows)
+        responses = True
     elif role == "observer":
         pub = [f"{API}.INFO"]
         for s in (st["STEPLOG"], st["EVENTS"], st["kv_state"]):
@@ -166,13 +169,18 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
             pub += [f"{API}.STREAM.CREATE.{s}", f"{API}.STREAM.UPDATE.{s}", f"{API}.STREAM.DELETE.{s}",
                     f"{API}.STREAM.INFO.{s}", f"{API}.CONSUMER.*.{s}", f"{API}.CONSUMER.*.{s}.>",
                     f"{API}.CONSUMER.DURABLE.CREATE.{s}.*"]
-        # provisioning only: no message of the run, no KV write, no read of the weights
-        deny_pub = [S.run_all(run), "$KV.>", f"{API}.STREAM.MSG.>", f"{API}.DIRECT.>", f"{API}.CONSUMER.MSG.>"]
+        # provisioning and `yeto run set` (a request to the syncers on S.settings, in no stream): no other
+        # message of the run, no KV write, no read of the weights
+        pub.append(S.settings(run))
+        deny_pub = [x for kind in S.STREAM_KINDS for x in S.stream_subjects(run, kind)] + [
+            "$KV.>", f"{API}.STREAM.MSG.>", f"{API}.DIRECT.>", f"{API}.CONSUMER.MSG.>"]
     else:
         raise AuthError(f"role: must be one of {ROLES}, got {role!r}")
-    perms = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    perms: dict = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if deny_pub:
         perms["publish"]["deny"] = deny_pub
+    if role == "syncer" and responses:
+        perms["allow_responses"] = True
     return perms
 
 
@@ -218,6 +226,8 @@ def _perm_text(p: dict, indent: str) -> str:
             if p[kind].get(k):
                 parts.append(f"{indent}    {k}: [" + ", ".join(_quote(x) for x in p[kind][k]) + "]")
         lines.append(f"{indent}  {kind}: {{\n" + "\n".join(parts) + f"\n{indent}  }}")
+    if p.get("allow_responses"):
+        lines.append(f"{indent}  allow_responses: true")
     return "\n".join(lines)
 
 

@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--domain", default=None, help="remove what the run has in this JetStream domain instead "
                     "(an island datacenter's mirrors of the cut; connect to its leaf node)")
     rm.set_defaults(func=_cmd_run_rm)
+    from yeto.services.cmd_run_set import add_parser as add_run_set
+
+    add_run_set(rsub)
 
     pl = sub.add_parser("plugin", help="print the path of an ms-swift plugin file of the installed package "
                         "(for --external_plugins)")
@@ -198,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The identity (`yeto auth init`'s creds file) each command needs in a secured run, for the denial message.
 IDENTITY_FOR = {
     "yeto run rm": "the admin identity (--nats-creds DIR/admin.creds)",
+    "yeto run set": "the admin identity (--nats-creds DIR/admin.creds)",
     "yeto syncer": "the syncer identity (--nats-creds DIR/syncer.creds)",
     "yeto replay": "the observer or admin identity (--nats-creds DIR/observer.creds)",
     "yeto export": "the syncer identity (--nats-creds DIR/syncer.creds) with --from jetstream: the weights are its alone",

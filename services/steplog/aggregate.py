@@ -40,7 +40,7 @@ STEP_COUNTERS = ("pushes", "applies", "bytes_out", "bytes_in", "scatter_bytes", 
 DISPOSITIONS = ("accepted", "duplicate", "unexpected_member", "future_base", "stale_base", "out_of_round", "invalid",
                 "quarantined")
 # Tape kinds worth a line in the "recent" list (merges, commits and dispositions have their own tables).
-NOTABLE_KINDS = ("join", "leave", "restart", "error", "final", "session")
+NOTABLE_KINDS = ("join", "leave", "restart", "error", "final", "session", "settings")
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,10 @@ class Aggregator:
         self.quorum_timeouts = 0
         self.restarts = 0
         self.syncer_resumes = 0
+        # `yeto run set`: the runtime settings in force (the syncer's last applied record) and refusals
+        self.settings: dict[str, Any] = {}
+        self.settings_step: int | None = None
+        self.settings_refused = 0
         self.merges = 0
         self.errors = 0
         self.final_step: int | None = None
@@ -352,6 +356,12 @@ class Aggregator:
                 r.reason = m["reason"]
         elif kind == "final":
             self.final_step = m["step"]
+        elif kind == "settings":
+            detail = m.get("detail") if isinstance(m.get("detail"), dict) else {}
+            if isinstance(detail.get("settings"), dict):
+                self.settings, self.settings_step = dict(detail["settings"]), m.get("step")
+            else:
+                self.settings_refused += 1
         if kind in NOTABLE_KINDS:
             self.recent.append(m)
 
@@ -375,6 +385,8 @@ class Aggregator:
             "total_steps": max((st.total_steps for st in self.shards.status.values() if st.total_steps), default=None),
             "malformed": self.malformed, "last_malformed": self.last_malformed, "filtered": self.filtered,
             "shards": self.shards.shards(), "state_malformed": self.shards.malformed,
+            "settings": dict(sorted(self.settings.items())), "settings_step": self.settings_step,
+            "settings_refused": self.settings_refused,
         }
 
 

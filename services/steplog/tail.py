@@ -182,6 +182,11 @@ def header(agg: Aggregator, now: float | None = None) -> Text:
                 f"restarts {s['restarts']}  quorum timeouts {s['quorum_timeouts']}  errors {s['errors']}")
     if s["final_step"] is not None:
         text.append(f"  final at step {s['final_step']}", style="bold green")
+    if agg.settings or agg.settings_refused:
+        now_set = ", ".join(f"{k}={'off' if v is None else v}" for k, v in sorted(agg.settings.items())) or "none"
+        text.append(f"\nruntime settings (yeto run set) {now_set}"
+                    + (f" from step {agg.settings_step}" if agg.settings else "")
+                    + (f"  refused {agg.settings_refused}" if agg.settings_refused else ""), style="bold")
     text.append(f"\ndispositions {fmt_dispositions(agg.dispositions)}")
     text.append(f"  malformed {s['malformed']}", style="red" if s["malformed"] else "")
     if agg.last_malformed:

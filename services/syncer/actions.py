@@ -81,6 +81,9 @@ class Merge(Action):
     members: tuple[MergeInput, ...]
     record: dict = field(default_factory=dict, compare=False)
     launched_at: float = 0.0
+    # outer_lr / outer_momentum set at runtime (`yeto run set`), in force when this merge was decided;
+    # empty = the syncer's flags (left out of the JSON form: tapes of runs without a change stay as they were)
+    outer: dict = field(default_factory=dict, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,21 @@ class Shutdown(Action):
 
 
 @dataclass(frozen=True)
+class ApplySettings(Action):
+    """The answer to a Reconfigure: `ok` with the runtime settings now in force (`settings`, all of them:
+    the shell keeps them in its state KV `settings` key for a successor) and what this request changed;
+    or refused with `error`, `field`, `value`. The shell answers the request `id` if it still waits."""
+    id: str
+    ok: bool
+    step: int
+    changed: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    error: str | None = None
+    field: str | None = None
+    value: str | None = None
+
+
+@dataclass(frozen=True)
 class Done(Action):
     """The syncer may exit; ok=False names the targets that never acked."""
     ok: bool
@@ -197,12 +215,14 @@ class Done(Action):
 
 ACTION_TYPES: dict[str, type[Action]] = {cls.__name__: cls for cls in (
     WriteSession, WriteMember, PublishPull, SendError, Merge, Release, Tape, CommitV0, InitStore, InitDrop,
-    PublishFinal, SendManifest, RecordFinal, Rebroadcast, Shutdown, Done, PublishShardFinal, AdoptSession)}
+    PublishFinal, SendManifest, RecordFinal, Rebroadcast, Shutdown, Done, PublishShardFinal, AdoptSession,
+    ApplySettings)}
 
 
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.metadata.get("omit_default") and getattr(value, f.name) == _default(f))}
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -210,6 +230,10 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # JSON has no inf/nan (orjson would write null)
     return value
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def action_to_json(action: Action) -> dict:

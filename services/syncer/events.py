@@ -153,9 +153,20 @@ class ShardFinal(Event):
     now: float
 
 
+@dataclass(frozen=True)
+class Reconfigure(Event):
+    """`yeto run set` (schemas/run_settings.py): `settings` as the request carried them, unchecked (the
+    machine checks and answers with ApplySettings); `id` the request's, applied once. The shell also feeds
+    one at start with the settings its state KV kept (id "kept"), so a new owner continues with them."""
+    id: str
+    settings: Mapping[str, Any]
+    by: str
+    now: float
+
+
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in (
     Hello, InitComplete, InitChunk, PushComplete, Heartbeat, MergeDone, V0Done, Tick, FinalAck, FinalPublished,
-    SessionSeen, MemberSeen, ShardFinal)}
+    SessionSeen, MemberSeen, ShardFinal, Reconfigure)}
 
 
 def _float_out(value: Any) -> Any:
@@ -173,7 +184,7 @@ def event_to_json(event: Event) -> dict:
             continue
         if f.name == "layout":
             value = [dict(t) for t in value]
-        elif f.name in ("session", "record"):
+        elif f.name in ("session", "record", "settings"):
             value = dict(value)
         elif f.name == "versions":
             value = {str(k): v for k, v in value.items()}

@@ -84,6 +84,9 @@ class MachineState:
     own_final_started: bool = False      # PublishShardFinal emitted
     own_final_out: bool = False          # ... and its FinalPublished seen
     shard_finals: dict[int, dict[int, int]] = field(default_factory=dict)  # coordinator: shard -> its final versions
+    # -- runtime settings (settings_rules.py) --
+    settings: dict[str, Any] = field(default_factory=dict)   # `yeto run set` values in force (schemas/run_settings.py)
+    settings_ids: list[str] = field(default_factory=list)    # the request ids applied, newest last (a retry is a no-op)
 
     def enter(self, phase: Phase, why: str) -> None:
         """Move to `phase`; raise IllegalTransition if `TRANSITIONS` does not allow it (`why`: the cause)."""

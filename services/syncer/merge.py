@@ -128,6 +128,17 @@ class Merger:
             raise MergeError(f"PUSH message {seq} changed in the stream (digest mismatch)")
         return delta_view(data, dtype, count)  # read in place: the merge never writes a delta
 
+    def use_outer(self, settings: dict) -> None:
+        """`yeto run set`'s outer values in force: the speculative merge forecasts the next merge with them
+        (a forecast made with others is discarded at the merge, which reads the pushes instead)."""
+        if self.spec is not None:
+            self.spec.lr, self.spec.momentum = self.hyper(R.Merge(0, 0, 0, 0, 0, (), outer=settings))
+
+    def hyper(self, a: R.Merge) -> tuple[float, float]:
+        """The outer learning rate and momentum of this merge: the flags', or what `yeto run set` put in
+        force when the machine decided it (Merge.outer), never read later than that."""
+        return float(a.outer.get("outer_lr", self.lr)), float(a.outer.get("outer_momentum", self.momentum))
+
     def intent(self, a: R.Merge, tries: list[PushTry]) -> dict:
         """What redoing this merge needs besides the checkpointed params and momentum (see `redo`)."""
         reissue = self.cut.reissue.get(a.fragment)
@@ -176,7 +187,8 @@ class Merger:
         sequences of the round for `cleanup` (after MergeDone, off the commit path). A speculative merge
         of this very round (speculate.py) is adopted here: its chunks are finished from their summed Δ."""
         t0 = time.time()
-        spec = None if redone or self.spec is None else await self.spec.adopt(a, lr=self.lr, momentum=self.momentum)
+        lr, momentum = self.hyper(a)
+        spec = None if redone or self.spec is None else await self.spec.adopt(a, lr=lr, momentum=momentum)
         try:
             return await self._merge(a, redone, spec, t0)
         finally:
@@ -198,10 +210,11 @@ class Merger:
         # prepared once per merge: the hyper-parameters checked and the kernel chosen (and, the first
         # time, compiled in the background) here, not per chunk
         # (in a thread: YETO_OUTER_COMPILE=sync waits for the compile there, not on the event loop)
-        outer_step = await asyncio.to_thread(OuterStep, [m.weight for m in a.members], self.lr, self.momentum,
+        lr, momentum = self.hyper(a)
+        outer_step = await asyncio.to_thread(OuterStep, [m.weight for m in a.members], lr, momentum,
                                         delta_dtypes=[delta_dtype(dtype)] * len(tries),
                                         chunk_numel=spans[0].elem_count)
-        presummed = None if spec is None else await asyncio.to_thread(OuterStep.presummed, self.lr, self.momentum,
+        presummed = None if spec is None else await asyncio.to_thread(OuterStep.presummed, lr, momentum,
                                                                       chunk_numel=spans[0].elem_count)
 
         async def fetch(k):

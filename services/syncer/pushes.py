@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from yeto.schemas.run_settings import OUTER_KEYS
 from yeto.services.syncer.actions import Merge, MergeInput, Release
 from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
 from yeto.services.syncer.events import MergeDone, PushComplete
@@ -325,6 +326,9 @@ class Pushes(Part):
             detail["norms"] = norms   # what an operator sizes --max-push-norm / --outlier-factor from
         if clamp:
             detail["token_clamp"] = clamp
+        outer = {k: v for k, v in self.s.settings.items() if k in OUTER_KEYS}
+        if outer:
+            detail["outer"] = outer   # set at runtime (`yeto run set`): the hyper-parameters this merge ran with
         version = self.s.versions[r.fragment] + 1
         record = {
             "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
@@ -338,7 +342,8 @@ class Pushes(Part):
         }
         r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt, version=version,
                         base_version=r.base_version, members=inputs,
-                        record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at)
+                        record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at,
+                        outer={k: v for k, v in self.s.settings.items() if k in OUTER_KEYS})
 
     def on_merge_done(self, ev: MergeDone, now: float) -> None:
         r = self.s.rounds.get(ev.step)

@@ -78,7 +78,7 @@ from typing import Any, Callable, Mapping, Sequence
 from yeto.schemas.errors import ConfigError
 
 from yeto.services.syncer.actions import (
-    Action, AdoptSession, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull,
+    Action, AdoptSession, ApplySettings, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull,
     PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember,
     WriteSession,
 )
@@ -87,7 +87,7 @@ from yeto.services.syncer.config import (
 )
 from yeto.services.syncer.events import (
     Event, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MemberSeen, MergeDone, PushComplete,
-    SessionSeen, ShardFinal, Tick, V0Done,
+    Reconfigure, SessionSeen, ShardFinal, Tick, V0Done,
 )
 from yeto.services.syncer.finalize import Finalization
 from yeto.services.syncer.init_rules import InitRules
@@ -95,6 +95,7 @@ from yeto.services.syncer.machine_state import MachineState, Output
 from yeto.services.syncer.membership import Membership
 from yeto.services.syncer.pushes import Pushes
 from yeto.services.syncer.round_rules import RoundRules
+from yeto.services.syncer.settings_rules import SettingsRules
 from yeto.services.syncer.sharding import Sharding
 from yeto.services.syncer.state import Member, Phase, Round, _Final
 
@@ -102,11 +103,11 @@ __all__ = [
     "SyncerConfig", "RoundMachine", "Member", "Round", "Phase", "MachineState",
     # events
     "Event", "Hello", "InitComplete", "PushComplete", "Heartbeat", "MergeDone", "V0Done", "Tick", "FinalAck",
-    "FinalPublished", "InitChunk", "SessionSeen", "MemberSeen", "ShardFinal",
+    "FinalPublished", "InitChunk", "SessionSeen", "MemberSeen", "ShardFinal", "Reconfigure",
     # actions
     "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
     "Tape", "CommitV0", "InitStore", "InitDrop", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
-    "Rebroadcast", "PublishShardFinal", "AdoptSession",
+    "Rebroadcast", "PublishShardFinal", "AdoptSession", "ApplySettings",
     "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS", "OUTLIER_MIN_PUSHES", "HOPELESS_RESTART_S",
 ]
 
@@ -118,7 +119,7 @@ class RoundMachine:
 
     def __init__(self, config: SyncerConfig, *, session_builder: Callable[..., dict] | None = None,
                  state: MachineState | None = None):
-        self.config = config
+        self.config = self.base_config = config   # base: the flags; config: with `yeto run set`'s values
         self.state = state if state is not None else MachineState(next_step=config.next_own_step(0))
         self.out = Output(self.state, config)
         parts = (self.state, config, self.out, self)
@@ -128,7 +129,15 @@ class RoundMachine:
         self.pushes = Pushes(*parts)
         self.finalization = Finalization(*parts)
         self.sharding = Sharding(*parts)
+        self.settings_rules = SettingsRules(*parts)
         self._handlers = {kind: attrgetter(path)(self) for kind, path in self.HANDLERS.items()}
+
+    def use_config(self, config: SyncerConfig) -> None:
+        """Runtime settings (settings_rules.py): every part reads the new config from the next rule on."""
+        self.config = self.out.config = config
+        for part in (self.membership, self.init_rules, self.round_rules, self.pushes, self.finalization,
+                     self.sharding, self.settings_rules):
+            part.config = config
 
     # -- read-only views of the state, for the shell (status record, logs) and tests -----------------
 
@@ -243,6 +252,7 @@ class RoundMachine:
         SessionSeen: "sharding.on_session_seen",
         MemberSeen: "sharding.on_member_seen",
         ShardFinal: "sharding.on_shard_final",
+        Reconfigure: "settings_rules.on_reconfigure",
         Tick: "_on_tick",
     }
 

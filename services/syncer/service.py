@@ -9,15 +9,11 @@ feed their completion back as events, so intake never stops while a fragment is 
 and a digest of what it produced, is recorded on the tape (services/syncer/recording.py) for
 `yeto replay`; the tape itself is written by services/syncer/tape.py.
 
-Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge — the
-pushes wait in JetStream and are read back chunk by chunk with direct gets.
-
-Status for operators: every `status_every_s` and at exit one status line and the `state` KV key `syncer`
-(`status_record`: phase, committed step, versions, live members, rounds in flight, the shell's and the round
-machine's counters); `nats kv get yeto_<run>_state syncer` shows it.
-
-State KV key `pulls` ({"attempts": {step: highest attempt published}}) is written *before* a pull is
-published, so a restarted syncer relaunches an in-flight round with a higher attempt (a new pull id).
+Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge.
+Status for operators: every `status_every_s` and at exit a log line and the `state` KV key `syncer`.
+State KV key `pulls` (step -> highest attempt published) is written *before* a pull is published, so a
+restarted syncer relaunches an in-flight round with a higher attempt (a new pull id). `yeto run set`:
+services/syncer/settings_desk.py.
 
 Syncer shards (`--shard K --shards N`, schemas/shards.py, docs/design.md §8): this process owns fragments
 f mod N == K, their INIT and PUSH consumers, its checkpoint directory and state keys (`syncer.<K>`,
@@ -55,6 +51,7 @@ from yeto.services.syncer import memtrace
 from yeto.services.syncer.merge import Merger
 from yeto.services.syncer.receive import Receiver
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
+from yeto.services.syncer.settings_desk import SettingsDesk
 from yeto.services.syncer.state_store import StateStore
 from yeto.services.syncer.startup import Startup, SyncerError  # noqa: F401 - SyncerError: callers import it from here
 from yeto.services.syncer.tape import TapeWriter
@@ -95,19 +92,16 @@ class ServiceConfig:
     status_every_s: float = 5.0
     # `--lease-ttl`: a standby takes over once the owner's lease did not move for this long (lease.py)
     lease_ttl_s: float = DEFAULT_TTL_S
-    # `--state-store`: "jetstream" keeps the committed state in the run's state KV too (state_store.py), so
-    # a standby on another host can take over; "local": the checkpoint directory only
+    # `--state-store`: "jetstream" = the checkpoint and the run's state KV (state_store.py); "local": the checkpoint only
     state_store: str = "jetstream"
     # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
     broadcast: str = "cut-through"
     ckpt_writer: str = "inline"
-    # `--push-memory-mib`: push bytes kept in memory from intake to the merge (intake.PushLedger.hold_bytes);
-    # None = auto, sized by this syncer's own fragments once the session is known (intake.auto_push_memory_bytes)
+    # `--push-memory-mib`: push bytes held from intake to the merge (intake.PushLedger); None = auto (by the session)
     push_memory_bytes: int | None = None
     # `--speculate`: sum a round's outer gradient while its pushes arrive (speculate.py; off until measured faster)
     speculate: bool = False
-    # `--cover-coordinator`'s standby for shard 0: never takes a lease nobody held, only one that lapsed
-    # (started before the coordinator, it would otherwise become it, on the wrong host)
+    # `--cover-coordinator`'s standby for shard 0: takes only a lease that lapsed (never becomes the coordinator)
     standby_only: bool = False
 
 
@@ -150,8 +144,7 @@ class SyncerService(Startup):
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
         self.standby_done = False           # stood by until the run finished: nothing was ours to do
-
-    # ---- lifecycle --------------------------------------------------------------------------------
+        self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
 
     async def run(self) -> int:
         memtrace.start()
@@ -235,6 +228,9 @@ class SyncerService(Startup):
             install_handover(self._request_handover)   # SIGTERM: handover.py
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
             await self._start_machine()
+            self.desk = SettingsDesk(self.nc, self.js, self.run_id, self.counters, self.queue, shard=mc.shard,
+                                     shards=mc.shards, key=self._key("settings"))
+            await self.desk.start()
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
                                      self._do)
             self.merger = self._new_merger()
@@ -518,6 +514,9 @@ class SyncerService(Startup):
                                 attempts=CTL_PUBLISH_ATTEMPTS)
         elif isinstance(a, R.Rebroadcast):
             await self.cut.rebroadcast(a)
+        elif isinstance(a, R.ApplySettings):
+            self.merger.use_outer(a.settings)   # the speculative merge forecasts with them too
+            await self.desk.apply(a)
         elif isinstance(a, R.Done):
             self.done = a
         else:  # pragma: no cover - a new action type without a handler is a programming error

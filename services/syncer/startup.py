@@ -20,6 +20,7 @@ from yeto.services.syncer.checkpoint import FORMAT, CheckpointDir, CheckpointErr
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.lease import FlagMismatch, RunLease, lease_key, read_key
 from yeto.services.syncer.recording import INPUT_KIND
+from yeto.services.syncer.settings_desk import SettingsDesk
 from yeto.services.syncer.state_store import WARM_DIR
 from yeto.services.syncer.shard_watch import ShardRecordError, ShardWatch, parse_shard_final
 
@@ -310,7 +311,9 @@ class Startup:
             nxt = mc.next_own_step(state.committed_step)
             await self.tape.write({"kind": "restart", "step": nxt, "fragment": mc.fragment_of(nxt),
                                    "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
-            self._apply(self._feed(R.Tick(now=time.time())))
+            # `yeto run set`'s settings in force when the last owner stopped: back before the first round
+            kept = SettingsDesk.kept_event(await self._kv_get(self.state_kv, self._key("settings")), time.time())
+            self._apply((self._feed(kept) if kept is not None else []) + self._feed(R.Tick(now=time.time())))
         else:
             if self.ckpt.exists():
                 raise SyncerError(
