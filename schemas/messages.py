@@ -235,6 +235,35 @@ class Event(Message):
     detail: dict | None = None
 
 
+@dataclass(frozen=True)
+class Settings(Message):
+    """`yeto run set`: the settings to change (schemas/run_settings.py names and checks them)."""
+
+    KIND: ClassVar[str] = "settings"
+    run: str
+    id: str
+    set: dict
+    by: str | None = None
+
+
+@dataclass(frozen=True)
+class SettingsResult(Message):
+    """One syncer shard's answer to a `settings` request."""
+
+    KIND: ClassVar[str] = "settings_result"
+    run: str
+    id: str
+    ok: bool
+    shard: int
+    shards: int
+    step: int | None = None
+    changed: dict | None = None
+    settings: dict | None = None
+    error: str | None = None
+    field: str | None = None
+    value: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------------- chunks
 
 @dataclass(frozen=True)
@@ -324,7 +353,7 @@ class FinalChunk(Chunk):
 
 MESSAGES: dict[str, type[Message]] = {c.KIND: c for c in (
     Hello, Session, Heartbeat, Pull, PushChunk, InitChunk, BcastChunk, FinalChunk, Manifest, Ack, Error, Shutdown,
-    StepLog, Event)}
+    StepLog, Event, Settings, SettingsResult)}
 
 
 # ---------------------------------------------------------------------------------------------------- stream codecs
@@ -381,5 +410,6 @@ def read_chunk(cls: type[M], headers: Mapping | None, run: str) -> M:
 
 
 __all__ = ["Ack", "BcastChunk", "Chunk", "Error", "Event", "FinalChunk", "Heartbeat", "Hello", "InitChunk", "MESSAGES",
-           "Manifest", "Message", "Pull", "PushChunk", "PushStream", "Session", "Shutdown", "StepLog", "cut_chunk",
+           "Manifest", "Message", "Pull", "PushChunk", "PushStream", "Session", "Settings", "SettingsResult", "Shutdown",
+           "StepLog", "cut_chunk",
            "init_chunk", "read_chunk"]
