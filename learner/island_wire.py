@@ -47,9 +47,9 @@ from .errors import NotConnected
 from .fragments import CutReader
 from .inbox import PublishHandle
 from .init_export import stream_init
+from .island_modes import Mode, foreground_mode
 from .island_ranks import RankOps
 from .pulls import PendingPull
-from .island_modes import Mode, foreground_mode
 from .rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
 
 log = logging.getLogger("yeto.island")
