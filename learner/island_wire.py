@@ -152,8 +152,10 @@ class IslandWire:
         stream_init(self, self._lead)
 
     def use(self, mode: Mode) -> None:
-        """Read and push in `mode` from now on (the sync worker's, as it starts and stops). What the mode
-        left kept back from the ranks is forgotten: its fragments are read again."""
+        """Read and push in `mode` from now on: the sync worker hands the wire its own as it starts, the
+        training thread's as it stops (before the final cut, or at close). Stagings the old mode kept
+        back from the ranks go with it: a reading in progress starts again at chunk 0, a version read
+        whole is dropped (nothing but the final cut is installed after the worker stopped)."""
         for fid in self.mode.staging.release():
             self.reader.forget(fid)
             self._staged.pop(fid, None)
