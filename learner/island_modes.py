@@ -82,7 +82,8 @@ class StageDeferred(StageDirect):
         return any(f != fid for f in self.kept)
 
     def release(self) -> list[int]:
-        fids, self.kept = list(self.kept), {}
+        fids = list(self.kept)
+        self.kept.clear()
         return fids
 
 

@@ -167,6 +167,28 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     assert torch.equal(anchor_flat(island, 1), v1) and island.state.versions() == {"0": 0, "1": 1}
 
 
+async def test_the_stopped_worker_gives_the_wire_back_the_training_threads_mode(env):  # noqa: F811 - the env fixture, imported
+    """The worker owns the wire while it runs (learner/island_modes.py): stopped (as before the final
+    cut), it hands back the training thread's mode, and what its mode kept back from the ranks goes with
+    it; the boundary then reads on the training thread and stages on the ranks directly."""
+    island, session, syncer = env(net(), background=True)
+    await started(env, island, session)
+    assert island.wire.mode.background and island.wire.mode is not island.wire.foreground
+    with island.worker.lock:
+        island.wire.use(dataclasses.replace(island.wire.mode, staging=StageDeferred(island.wire.mode.staging.lead)))
+    kept = island.wire.mode.staging.kept
+    await syncer.bcast(0, 0, syncer.values(0, 1))
+    await until(lambda: 0 in island.wire.ready, what="fragment 0 read whole")
+    assert list(kept) == [0]
+    island._stop_worker()
+    assert island.worker is None and island.wire.mode is island.wire.foreground
+    assert kept == {} and island.wire.ready == {} and island.store.staging(0) is None
+    v0 = syncer.values(1, 2)
+    await publish_v(syncer, island, 0, {1: v0})   # the notices wait for the boundary: no worker drains them
+    assert await boundary(island)   # read, staged and installed on the training thread
+    assert torch.equal(bits(frag_values(island, 1)), bits(v0)) and island.state.version(1) == 0
+
+
 def _staging_rank(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:
     """One rank of a data-parallel island of two gloo ranks (see the test below)."""
     import os
