@@ -53,6 +53,10 @@ The peer: N processes (torch.distributed gloo, init_method tcp://127.0.0.1) all_
 fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run after the round run so the
 two never share the CPU. Peak RSS (VmHWM, sampled) of every process is printed. Islands save their
 final parameters; `final_equal` says they hold bitwise the same bytes (the final cut).
+Bytes per round through the broker: the broker's /connz (the embedded one's monitoring port, or
+`--nats-monitor`) when the warm-up's and the last round's merge records go by; per timed round, what the
+islands sent and received and what the syncer sent and received, each also in model sizes (the
+fragment's f32 bytes), then `round bytes_per_model_byte=<x>` (all of it: in and out of the broker).
 The last line is `round ratio_vs_allreduce=<x>`: median round / median all_reduce (the headline is
 f32 push and bulk, 2 islands).
 """
@@ -61,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -188,12 +193,56 @@ def note_event(rec: dict, seen_at: float, rounds: dict[int, RoundObs]) -> None:
 # --------------------------------------------------------------------------- observer (core NATS)
 
 
+def conn_bytes(connz: dict) -> dict[str, tuple[int, int]]:
+    """/connz of the broker -> connection name -> (bytes the client sent, bytes sent to it), summed per name."""
+    out: dict[str, tuple[int, int]] = {}
+    for c in connz.get("connections") or ():
+        name = c.get("name") or f"cid{c.get('cid')}"
+        got, sent = out.get(name, (0, 0))
+        out[name] = (got + int(c.get("in_bytes", 0)), sent + int(c.get("out_bytes", 0)))
+    return out
+
+
+TRAFFIC = (("islands_out", "from islands (pushes, step logs)"), ("syncer_in", "to the syncer (pushes)"),
+           ("syncer_out", "from the syncer (BCAST, state KV, tape)"), ("islands_in", "to islands (BCAST, pulls)"))
+
+
+def traffic(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], rounds: int) -> dict[str, float]:
+    """Bytes per round through the broker between two /connz snapshots, by who sent or received them: islands
+    are the `yeto-island-*` connections, the syncer `yeto-syncer-*` (the bench's own observer is left out).
+    `total` is every byte in and out of the broker on those connections."""
+    def delta(prefix: str) -> tuple[int, int]:
+        got = sent = 0
+        for name, (i, o) in after.items():
+            if name.startswith(prefix):
+                i0, o0 = before.get(name, (0, 0))
+                got, sent = got + i - i0, sent + o - o0
+        return got, sent
+    isl, syn = delta("yeto-island-"), delta("yeto-syncer-")
+    out = {"islands_out": isl[0], "islands_in": isl[1], "syncer_out": syn[0], "syncer_in": syn[1]}
+    out = {k: v / rounds for k, v in out.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def fmt_traffic(t: dict[str, float], model_bytes: int) -> str:
+    per = (lambda x: x / model_bytes) if model_bytes else (lambda x: math.nan)
+    return ("bytes per round through the broker: " + ", ".join(f"{label} {t[k] / MiB:.1f} MiB ({per(t[k]):.2f})"
+                                                               for k, label in TRAFFIC)
+            + f"; total {t['total'] / MiB:.1f} MiB = {per(t['total']):.2f} model sizes (f32 fragment)\n"
+            + f"round bytes_per_model_byte={per(t['total']):.2f}")
+
+
 class Observer:
     """Records when pulls, chunk 0 of each broadcast version and tape records go by. Chunk 0 alone
     (one chunk per version, not the whole broadcast) keeps the observer off the server's budget."""
 
-    def __init__(self, url: str, run: str, rounds: dict[int, RoundObs]):
+    def __init__(self, url: str, run: str, rounds: dict[int, RoundObs], *, monitor: str | None = None,
+                 snap_steps: tuple[int, ...] = ()):
         self.url, self.run, self.rounds = url, run, rounds
+        # the broker's monitoring URL: /connz snapshots when the merge records of `snap_steps` go by
+        self.monitor, self.snap_steps = monitor, snap_steps
+        self.snaps: dict[int, dict[str, tuple[int, int]]] = {}
         self.bcast_bytes = None
         self.errors: list[str] = []
         self._ready = threading.Event()
@@ -248,10 +297,19 @@ class Observer:
             except Exception as exc:  # noqa: BLE001
                 self.errors.append(f"bcast: {exc!r}")
 
+        def connz() -> dict:
+            import urllib.request
+
+            with urllib.request.urlopen(f"{self.monitor}/connz?limit=4096", timeout=10) as r:
+                return json.loads(r.read())
+
         async def on_event(msg):
             now = time.time()
             try:
-                note_event(orjson.loads(msg.data), now, self.rounds)
+                rec = orjson.loads(msg.data)
+                note_event(rec, now, self.rounds)
+                if self.monitor and rec.get("kind") == "merge" and rec.get("step") in self.snap_steps:
+                    self.snaps[rec["step"]] = conn_bytes(await asyncio.to_thread(connz))
             except Exception as exc:  # noqa: BLE001
                 self.errors.append(f"event: {exc!r}")
 
@@ -309,7 +367,8 @@ def allreduce(world: int, numel: int, repeat: int, work: Path) -> dict:
 # --------------------------------------------------------------------------- the round run
 
 
-def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, RoundObs], list[str], dict]:
+def run_rounds(args, url: str, work: Path, rss: RssWatch, monitor: str | None = None
+               ) -> tuple[dict[int, RoundObs], list[str], dict]:
     run = f"bench_round_{uuid.uuid4().hex[:8]}"
     names = [f"i{k}" for k in range(args.islands)]
     total = args.warmup + args.rounds
@@ -317,7 +376,7 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
     env = clean_env(YETO_PROGRESS="0")
     procs: dict[str, Child] = {}
     info: dict = {"run": run}
-    with Observer(url, run, rounds) as obs:
+    with Observer(url, run, rounds, monitor=monitor, snap_steps=(args.warmup, total)) as obs:
         try:
             procs["syncer"] = Child(
                 "syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,
@@ -350,6 +409,7 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch) -> tuple[dict[int, Rou
             stop_all(procs, grace=0)
     info["observer_errors"] = obs.errors
     info["fragment_bytes"] = obs.bcast_bytes
+    info["snaps"] = obs.snaps
     for name in names:
         with open(work / f"steplog-{name}.jsonl") as f:
             parse_steplog(f, name, rounds)
@@ -419,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                         "in the run's ckpt KV; local: the checkpoint directory only)")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
+    p.add_argument("--nats-monitor", default=None, help="with --nats: its monitoring URL (http://host:8222), for the "
+                   "bytes per round through the broker")
     p.add_argument("--timeout", type=float, default=1800, help="seconds the whole round run may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, step logs, checkpoint)")
     args = p.parse_args(argv)
@@ -443,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}, --state-store {args.state_store}; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
-            rounds, names, info = run_rounds(args, url, work, rss)
+            monitor = f"http://127.0.0.1:{broker.http_port}" if broker is not None else args.nats_monitor
+            rounds, names, info = run_rounds(args, url, work, rss, monitor)
             wall = time.monotonic() - t0
         if info["observer_errors"]:
             print("observer errors: " + "; ".join(info["observer_errors"][:5]), flush=True)
@@ -460,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
               + f" (rounds {args.warmup + args.rounds}); final_equal={'true' if same else 'false'}", flush=True)
         frag = info["fragment_bytes"] or 0
         numel = frag // (4 if args.bulk_dtype == "f32" else 2)
+        snaps, total = info["snaps"], args.warmup + args.rounds
+        if args.warmup in snaps and total in snaps:
+            print(fmt_traffic(traffic(snaps[args.warmup], snaps[total], args.rounds), numel * 4), flush=True)
+        else:
+            print("bytes per round through the broker: - (no monitoring endpoint: give --nats-monitor with --nats)",
+                  flush=True)
         ar = allreduce(args.islands, numel, args.allreduce_repeat, work)
         print(f"gloo all_reduce of {numel * 4 / MiB:.1f} MiB f32 between {args.islands} processes: median "
               f"{ar['median']:.4f} s (runs {'/'.join(f'{x:.4f}' for x in ar['runs'])})", flush=True)

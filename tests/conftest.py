@@ -102,6 +102,19 @@ async def nc(nats_url):
         await conn.drain()
 
 
+@pytest.fixture
+async def run(nc, run_id):
+    """`run_id` provisioned on the session broker (small limits: tests/test_steplog_support.provision), removed
+    afterwards: the step-log tail, dashboard, exporter and shard-status tests publish into it."""
+    from tests.test_steplog_support import provision
+    from yeto.schemas.provision import remove_run
+
+    js = nc.jetstream()
+    await provision(js, run_id)
+    yield run_id
+    await remove_run(js, run_id)
+
+
 @pytest.fixture(scope="session")
 def demo_run(nats_url, tmp_path_factory):
     """One real `yeto demo` run (syncer + island a + two-rank island b) against the session broker,

@@ -711,3 +711,39 @@ async def test_only_the_admin_removes_a_run(provisioned):
                 await nc.jetstream(timeout=5).stream_info(S.stream(run, kind))
     finally:
         await nc.close()
+
+
+# ---- `yeto run set`: the admin asks, the syncer answers, islands cannot ----------------------------
+
+async def test_the_admin_sends_run_set_and_the_syncer_may_answer_an_island_may_not_send_it(provisioned):
+    from yeto.schemas import codec
+
+    s = provisioned
+    run = s.runs["r1"]
+    syncer = await s.conn("r1", "syncer")
+    a_err, adm_err = [], []
+    a = await s.conn("r1", "a", a_err)
+    admin = await s.conn("r1", "admin", adm_err)
+    try:
+        async def answer(msg):   # the syncer's side of the request (services/syncer/settings_desk.py)
+            _, req = codec.decode_typed(msg.data, allowed=("settings",))
+            await syncer.publish(msg.reply, codec.encode("settings_result", codec.make(
+                "settings_result", run=run, id=req["id"], ok=True, shard=0, shards=1, step=0, changed=req["set"],
+                settings=req["set"])))
+
+        await syncer.subscribe(S.settings(run), cb=answer)
+        await syncer.flush()
+        req = codec.encode("settings", codec.make("settings", run=run, id="perm-1", set={"outer_lr": 0.5}))
+        got = await admin.request(S.settings(run), req, timeout=5)
+        assert codec.decode_typed(got.data, allowed=("settings_result",))[1]["changed"] == {"outer_lr": 0.5}
+        # an island's request is refused by the server (and never reaches the syncer)
+        await a.publish(S.settings(run), req)
+        await a.flush()
+        await _violation(a_err, "publish", S.settings(run))
+        # the admin still writes no message of the run besides it
+        await admin.publish(S.push(run, "a", 0), b"x")
+        await admin.flush()
+        await _violation(adm_err, "publish", S.push(run, "a", 0))
+    finally:
+        for c in (a, admin, syncer):
+            await c.close()

@@ -28,6 +28,10 @@ VERSIONS = re.compile(r"^islands final versions: (?P<v>(?:i\d+=-?\d+ ?)+) \(roun
 ALLREDUCE = re.compile(r"^gloo all_reduce of (?P<mib>[0-9.]+) MiB f32 between (?P<n>\d) processes: median "
                        r"(?P<s>[0-9.]+) s", re.M)
 EXACT_ROW = re.compile(r"^(?P<label>round \d+|median) syncer stages: (?P<figs>.*)$", re.M)
+TRAFFIC = re.compile(r"^bytes per round through the broker: from islands \(pushes, step logs\) [0-9.]+ MiB \((?P<isl_out>[0-9.]+)\), "
+                     r"to the syncer \(pushes\) [0-9.]+ MiB \((?P<syn_in>[0-9.]+)\), from the syncer \(BCAST, state KV, tape\) "
+                     r"[0-9.]+ MiB \((?P<syn_out>[0-9.]+)\), to islands \(BCAST, pulls\) [0-9.]+ MiB \((?P<isl_in>[0-9.]+)\); "
+                     r"total [0-9.]+ MiB = (?P<total>[0-9.]+) model sizes", re.M)
 RSS = re.compile(r"^peak RSS nats-server (\d+) MiB, syncer (\d+) MiB, island i0 (\d+) MiB, island i1 (\d+) MiB, "
                  r"all_reduce rank (\d+) MiB", re.M)
 
@@ -80,6 +84,15 @@ def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_a
     versions = dict(kv.split("=") for kv in v["v"].split())
     # both islands ended on the last version (3 rounds on one fragment: version 3) and hold the same bytes
     assert versions == {"i0": "3", "i1": "3"} and v["rounds"] == "3" and v["eq"] == "true", out
+
+    # bytes through the broker per round, from its /connz: two islands pushed a model size each (the syncer
+    # received both) and each read the new version; the syncer sent the version and its state
+    t = TRAFFIC.search(out)
+    assert t, out
+    figs = {k: float(t[k]) for k in ("isl_out", "syn_in", "syn_out", "isl_in", "total")}
+    assert 1.9 < figs["isl_out"] < 2.2 and 1.9 < figs["syn_in"] < 2.2 and figs["syn_out"] > 1.0 and figs["isl_in"] > 1.9, out
+    assert figs["total"] == pytest.approx(figs["isl_out"] + figs["syn_in"] + figs["syn_out"] + figs["isl_in"], abs=0.03)
+    assert float(re.search(r"^round bytes_per_model_byte=([0-9.]+)$", out, re.M)[1]) == pytest.approx(figs["total"], abs=0.01)
 
     ar = ALLREDUCE.search(out)
     assert ar and ar["n"] == "2" and float(ar["s"]) > 0, out
@@ -155,3 +168,19 @@ def test_steplog_and_tape_records_fill_the_round():
     o = rounds[1]
     assert o.accepted == {"a": 8.5} and (o.merge_t, o.merge_s, o.taped, o.commit_t) == (9.0, 0.25, 9.6, 9.1)
     assert o.exact == {"fetch_s": 0.1, "outer_s": 0.05}  # only the stage timings of the detail
+
+
+def test_traffic_counts_islands_and_syncer_between_two_connz_snapshots_and_leaves_others_out():
+    bench = _load()
+    before = bench.conn_bytes({"connections": [
+        {"name": "yeto-island-a-1", "in_bytes": 100, "out_bytes": 50}, {"name": "yeto-syncer-r", "in_bytes": 10, "out_bytes": 20},
+        {"name": "observer", "in_bytes": 0, "out_bytes": 5}]})
+    after = bench.conn_bytes({"connections": [
+        {"name": "yeto-island-a-1", "in_bytes": 300, "out_bytes": 450}, {"name": "yeto-island-b-2", "in_bytes": 200, "out_bytes": 400},
+        {"name": "yeto-syncer-r", "in_bytes": 610, "out_bytes": 420}, {"name": "observer", "in_bytes": 0, "out_bytes": 9999},
+        {"cid": 7, "in_bytes": 1, "out_bytes": 1}]})
+    t = bench.traffic(before, after, rounds=2)
+    # islands sent (200 + 200) and received (400 + 400), the syncer sent 600 and received 400: per round
+    assert t == {"islands_out": 200.0, "islands_in": 400.0, "syncer_out": 300.0, "syncer_in": 200.0, "total": 1100.0}
+    line = bench.fmt_traffic(t, model_bytes=100).splitlines()
+    assert line[-1] == "round bytes_per_model_byte=11.00" and "to islands (BCAST, pulls) 0.0 MiB (4.00)" in line[0]

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from yeto.services.syncer.events import EVENT_TYPES, Tick, event_from_json
-from yeto.services.syncer.machine_state import TRANSITIONS, IllegalTransition, MachineState, Part
+from yeto.services.syncer.machine_state import TRANSITIONS, IllegalTransition, MachineState
 from yeto.services.syncer.rounds import RoundMachine, SyncerConfig
 from yeto.services.syncer.state import Phase
 
@@ -104,15 +104,60 @@ def test_only_enter_assigns_the_phase():
     assert len(where) == 1 and where[0][0] == "machine_state.py" and enter.lineno <= where[0][1] <= enter.end_lineno, where
 
 
-def test_every_event_type_has_a_handler_and_the_parts_keep_nothing_of_their_own():
+RULES = ("membership", "init_rules", "round_rules", "pushes", "finalize", "sharding", "settings_rules", "rebroadcasts")
+
+
+def test_every_event_type_has_a_handler_and_every_phase_a_tick():
     m = RoundMachine(SyncerConfig(run="r", islands=1, fragments=1, sync_every=1, total_steps=1))
-    assert set(RoundMachine.HANDLERS) == set(EVENT_TYPES.values())
-    parts = [v for v in vars(m).values() if isinstance(v, Part)]
-    assert len(parts) == 6
-    for part in parts:
-        own = set(vars(part)) - {"s", "config", "out", "machine"}
-        assert own <= {"builder"}, (type(part).__name__, own)     # the session builder is a dependency, not state
-        assert part.s is m.state and part.out is m.out and part.machine is m
+    assert set(m.handlers) == set(EVENT_TYPES.values()) == set(RoundMachine.EVENTS)
+    assert set(m.ticks) == set(Phase)
+    assert all(callable(h) and not isinstance(h, str) for h in m.handlers.values())
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "yeto.services.syncer":
+                out |= {a.name for a in node.names}
+            elif node.module.startswith("yeto.services.syncer."):
+                out.add(node.module.rsplit(".", 1)[1])
+    return out
+
+
+def test_rule_modules_are_plain_functions_over_state_config_output_with_no_cycle():
+    """Each rule module is functions taking (s, cfg, out, ...): no class keeps rule state, no module-level
+    state, none reaches back into the machine (rounds.py), and their imports of each other form no cycle."""
+    graph = {}
+    for name in RULES:
+        tree = ast.parse((SYNCER / f"{name}.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                assert issubclass(getattr(__import__(f"yeto.services.syncer.{name}", fromlist=[node.name]),
+                                          node.name), Exception), f"{name}.{node.name}: rules keep no objects"
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_parse") and node.args.args:
+                first = [a.arg for a in node.args.args[:3]]
+                if first[:1] == ["s"]:
+                    assert first == ["s", "cfg", "out"] or node.name == "_machine_settings", (name, node.name, first)
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                value = node.value
+                assert isinstance(value, (ast.Constant, ast.Tuple, ast.BinOp, ast.UnaryOp)), \
+                    f"{name}: module-level state at line {node.lineno}"
+        deps = _imports(SYNCER / f"{name}.py")
+        assert "rounds" not in deps, f"{name} imports the machine"
+        graph[name] = deps & set(RULES)
+    done: set[str] = set()
+
+    def visit(n, path):
+        assert n not in path, f"import cycle among rule modules: {' -> '.join(path + [n])}"
+        if n in done:
+            return
+        for d in graph[n]:
+            visit(d, path + [n])
+        done.add(n)
+    for n in graph:
+        visit(n, [])
+    assert graph["sharding"] >= {"init_rules", "membership", "finalize"}   # the walk saw real edges
 
 
 def test_the_state_holds_what_the_machine_knows():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from yeto.schemas.errors import ConfigError
+from yeto.services.syncer import round_rules
 from yeto.services.syncer.actions import action_from_json, action_to_json
 from yeto.services.syncer.events import event_from_json, event_to_json
 from yeto.services.syncer.rounds import (
@@ -202,8 +203,8 @@ def test_a_shards_rounds_are_paced_n_rounds_apart():
     c.start(now=0.0)
     c.feed(0, Heartbeat("a", GEN["a"], 0, 1.0, 0.0))
     f = c.m[1]
-    t, live = f.round_rules.can_launch_now()
-    assert t == 2 and f.round_rules.launch_time(t, live) == 2.0
+    t, live = round_rules.can_launch_now(f.state, f.config, f.out)
+    assert t == 2 and round_rules.launch_time(f.state, f.config, f.out, t, live) == 2.0
     assert not of(f.handle(Tick(1.9)), PublishPull)
     assert [a.pull["step"] for a in of(f.handle(Tick(2.0)), PublishPull)] == [2]
     assert f.state.last_launch_step == 2 and f.next_step == 4

@@ -13,7 +13,6 @@ import io
 import time
 
 import orjson
-import pytest
 from rich.console import Console
 
 from yeto.schemas.provision import kv_put
@@ -24,7 +23,7 @@ from yeto.services.steplog.exporter import Exporter, serve_exporter
 from yeto.services.steplog.shards import STALE_S, ShardBoard
 from yeto.services.steplog.tail import render_text, tail
 from tests.test_steplog_exporter import http_get, scrape
-from tests.test_steplog_support import provision, remove_run
+from tests.test_steplog_support import until
 
 
 def status(shard: int | None, shards: int, *, age: float = 0.0, phase: str = "rounds", step: int = 7,
@@ -46,25 +45,6 @@ def status(shard: int | None, shards: int, *, age: float = 0.0, phase: str = "ro
 def commit(step: int, versions: dict) -> bytes:
     return orjson.dumps({"committed_step": step, "versions": {str(f): v for f, v in versions.items()},
                          "version_digests": {str(f): "ab" * 32 for f in versions}})
-
-
-async def until(cond, timeout=10.0, what="condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout} s")
-        await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-async def run(nc, run_id):
-    js = nc.jetstream()
-    await provision(js, run_id)
-    yield run_id
-    await remove_run(js, run_id)
 
 
 async def put(nc, run, key, value):

@@ -26,7 +26,7 @@ import pytest
 from yeto.services.steplog.consume import SourceOptions
 from yeto.services.steplog.dashboard import Dashboard, serve_dashboard
 from tests.test_steplog_exporter import http_get
-from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, provision, publish_all, remove_run, scenario
+from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, publish_all, scenario, until
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -169,28 +169,6 @@ def start_browser(binary: str, attempts: int = 2, timeout: float = 60.0) -> CDP:
     raise AssertionError(f"Chromium did not start in {attempts} attempts:\n" + "\n---\n".join(errors))
 
 
-@pytest.fixture
-async def run(nc, run_id):
-    js = nc.jetstream()
-    await provision(js, run_id)
-    yield run_id
-    await remove_run(js, run_id)
-
-
-async def _until(cond, timeout=15.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        val = cond()
-        if asyncio.iscoroutine(val) or isinstance(val, asyncio.Future):
-            val = await val
-        if val:
-            return val
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout}s")
-        await asyncio.sleep(0.05)
-
-
 class Served:
     """serve_dashboard in this event loop, on a free port."""
 
@@ -235,7 +213,7 @@ async def test_sse_sends_a_snapshot_then_deltas_with_every_point_once(nc, run):
     half = 12
     await publish_all(js, r.msgs, stop=half)
     async with Served(nc, run) as srv:
-        await _until(lambda: srv.dash.feed.received == half, what="first half read")
+        await until(lambda: srv.dash.feed.received == half, what="first half read")
         reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
         writer.write(b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n")
         await writer.drain()
@@ -293,7 +271,7 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
     await state.put("syncer", orjson.dumps({"updated_at": time.time(), "phase": "rounds", "committed_step": 2,
                                             "total_steps": 8, "versions": {"0": 1, "1": 1}, "rounds_in_flight": []}))
     async with Served(nc, run) as srv:
-        await _until(lambda: srv.dash.feed.received == len(r.msgs), what="events read")
+        await until(lambda: srv.dash.feed.received == len(r.msgs), what="events read")
         await asyncio.to_thread(browser.open, srv.url)
         stats = lambda: asyncio.to_thread(browser.eval, "window.yetoDash && yetoDash.stats()")  # noqa: E731
 
@@ -301,11 +279,11 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
             s = await stats()
             return s if s and s["snapshots"] >= 1 and s["draws"] >= 1 and s["drawn"].get("boundary") == 8 else None
 
-        s = await _until(drawn_all, what="first draw")
+        s = await until(drawn_all, what="first draw")
         assert s["islands"] == {"a": 4, "b": 4} and s["rounds"] == 2 and s["timeouts"] == 1
         # loss: a reported one with each of its 4 steps, b none (no point drawn for it)
         assert s["drawn"]["loss"] == 4
-        s = await _until(lambda: _progress(stats), what="progress from the status record")
+        s = await until(lambda: _progress(stats), what="progress from the status record")
         assert s["progress"] == pytest.approx(0.25)
         header = await asyncio.to_thread(browser.eval, "document.getElementById('s-progress').textContent")
         assert header == "2 / 8 (25%)"
@@ -344,7 +322,7 @@ async def test_page_draws_its_charts_and_updates_them_live(nc, run, browser):
             return s if (s["islands"] == {"a": 7, "b": 7} and s["rounds"] == 3 and s["drawn"]["boundary"] == 14
                          and s["drawn"]["rounds"] == 6) else None
 
-        s = await _until(grown, what="live update")
+        s = await until(grown, what="live update")
         assert s["updates"] > before and s["snapshots"] == 1 and s["errors"] == 0  # deltas, not a reload
         assert s["drawn"]["rounds"] == 6
 
@@ -360,14 +338,14 @@ async def test_page_with_twenty_islands(nc, run, browser):
     _steps(r, islands, range(1, 9), lag_of=lambda isl, s: int(isl[-2:]) % 3)
     await publish_all(nc.jetstream(), r.msgs)
     async with Served(nc, run) as srv:
-        await _until(lambda: srv.dash.feed.received == len(r.msgs), what="events read")
+        await until(lambda: srv.dash.feed.received == len(r.msgs), what="events read")
         await asyncio.to_thread(browser.open, srv.url)
 
         async def drawn():
             s = await asyncio.to_thread(browser.eval, "window.yetoDash && yetoDash.stats()")
             return s if s and s["draws"] >= 1 and s["drawn"].get("split") == 20 else None
 
-        s = await _until(drawn, what="twenty islands drawn")
+        s = await until(drawn, what="twenty islands drawn")
         assert len(s["islands"]) == 20 and set(s["islands"].values()) == {8}
         assert s["drawn"]["boundary"] == 160 and s["drawn"]["lag"] == 160 and s["errors"] == 0
         legend = await asyncio.to_thread(browser.eval, "document.querySelectorAll('#legend span').length")
@@ -378,7 +356,7 @@ async def test_page_with_twenty_islands(nc, run, browser):
         assert h >= 20 * 18
         # hiding an island from the legend removes its line
         await asyncio.to_thread(browser.eval, "document.querySelector('#legend span').click()")
-        await _until(lambda: asyncio.to_thread(browser.eval, "yetoDash.drawn.boundary === 152"), what="island hidden")
+        await until(lambda: asyncio.to_thread(browser.eval, "yetoDash.drawn.boundary === 152"), what="island hidden")
         await asyncio.to_thread(browser.eval, "document.querySelector('#legend span').click()")
         await asyncio.to_thread(browser.screenshot, ARTIFACTS / "steplog-dashboard-20-islands.png")
 

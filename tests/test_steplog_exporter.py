@@ -57,14 +57,6 @@ async def _until_scraped(port, name, labels, value, timeout=10.0):
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def run(nc, run_id):
-    js = nc.jetstream()
-    await provision(js, run_id)
-    yield run_id
-    await remove_run(js, run_id)
-
-
 async def test_scrape_shows_histograms_counters_and_gauges(nc, run):
     r = scenario(run)
     add_malformed(r)

@@ -1,4 +1,6 @@
-"""Shared builders for the step-log dashboard tests (no tests here).
+"""Shared builders for the step-log dashboard tests (no tests here), and `until` (a condition polled on
+the loop) that the tail, dashboard, exporter and shard-status tests share; their `run` fixture (a
+provisioned run) is tests/conftest.py's.
 
 `SyntheticRun` builds step-log events and syncer tape records the way the islands and the syncer do:
 `codec.make("steplog", ...)` for an island's per-step event (learner/steplog.make_event), and the
@@ -8,6 +10,7 @@ publish it to a real nats-server and also compute expected values independently 
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 
@@ -149,3 +152,18 @@ async def publish_all(js, msgs, *, start: int = 0, stop: int | None = None) -> i
 
 __all__ = ["SyntheticRun", "scenario", "add_malformed", "MALFORMED", "provision", "publish_all", "remove_run",
            "gen_of", "member", "T0"]
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition"):
+    """Poll `cond` (a function; its result may be awaitable) every 50 ms until it is truthy; return that."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        val = cond()
+        if asyncio.iscoroutine(val) or isinstance(val, asyncio.Future):
+            val = await val
+        if val:
+            return val
+        if loop.time() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout} s")
+        await asyncio.sleep(0.05)

@@ -8,31 +8,14 @@ import subprocess
 import sys
 
 import orjson
-import pytest
 from rich.console import Console
 
 from yeto.services.steplog.aggregate import Aggregator
 from yeto.services.steplog.consume import SourceOptions
 from yeto.services.steplog.tail import tail
-from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, provision, publish_all, remove_run, scenario
+from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, provision, publish_all, remove_run, scenario, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-async def _until(cond, timeout=10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
-@pytest.fixture
-async def run(nc, run_id):
-    js = nc.jetstream()
-    await provision(js, run_id)
-    yield run_id
-    await remove_run(js, run_id)
 
 
 def _seen(agg: Aggregator) -> int:
@@ -49,7 +32,7 @@ async def test_tail_from_start_renders_every_field(nc, run):
     stop = asyncio.Event()
     task = asyncio.create_task(tail(nc, SourceOptions(run, from_start=True), console=console, agg=agg, stop=stop,
                                     refresh_hz=20))
-    await _until(lambda: _seen(agg) == len(r.msgs))
+    await until(lambda: _seen(agg) == len(r.msgs))
     stop.set()
     await asyncio.wait_for(task, 5)
     text = console.export_text()
@@ -78,7 +61,7 @@ async def test_tail_live_only_sees_what_comes_after_it_starts(nc, run):
                                     ready=ready, stop=stop, refresh_hz=20))
     await asyncio.wait_for(ready.wait(), 10)
     await publish_all(js, r.msgs, start=before)
-    await _until(lambda: _seen(agg) == len(r.msgs) - before)
+    await until(lambda: _seen(agg) == len(r.msgs) - before)
     stop.set()
     await asyncio.wait_for(task, 5)
     assert agg.islands["a"].events == 3 and "join" not in agg.kinds  # steps 2..4 only, no joins
@@ -94,7 +77,7 @@ async def test_tail_island_filter_and_core_subscription(nc, run):
     await asyncio.wait_for(ready.wait(), 10)
     await publish_all(nc.jetstream(), r.msgs)
     # the filter is on the subject: a's step log never reaches this viewer
-    await _until(lambda: _seen(agg) == len(r.events) + 4)
+    await until(lambda: _seen(agg) == len(r.events) + 4)
     stop.set()
     await asyncio.wait_for(task, 5)
     assert set(agg.islands) == {"b"} and agg.islands["b"].events == 4 and agg.filtered == 0
@@ -136,7 +119,7 @@ async def test_tail_waits_for_the_run_to_be_provisioned(nc, run_id):
     try:
         await asyncio.sleep(1.5)  # the wait polls once a second
         await publish_all(js, r.msgs)
-        await _until(lambda: agg.kinds["steplog"] == 1)
+        await until(lambda: agg.kinds["steplog"] == 1)
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
@@ -151,7 +134,7 @@ async def test_tail_since_replays_a_recent_window(nc, run):
     stop = asyncio.Event()
     task = asyncio.create_task(tail(nc, SourceOptions(run, since_s=600), console=Console(file=io.StringIO()), agg=agg,
                                     stop=stop, refresh_hz=20))
-    await _until(lambda: _seen(agg) == len(r.msgs))
+    await until(lambda: _seen(agg) == len(r.msgs))
     # and a window that ends before the publishes holds nothing (by the server's receive time)
     late = Aggregator(run)
     stop2 = asyncio.Event()

@@ -1,9 +1,10 @@
 """The round machine's whole state in one typed object, its phase transitions, and what its rule parts share.
 
 `MachineState` holds everything the machine (services/syncer/rounds.py) knows between two events; the
-rule parts (membership.py, init_rules.py, round_rules.py, pushes.py, finalize.py, sharding.py) are `Part`s:
-each receives the state, the config and the `Output` explicitly, reads and writes only the state, emits
-only through the output and reaches the other parts through the machine; none keeps anything of its own.
+rule modules (membership.py, init_rules.py, round_rules.py, pushes.py, finalize.py, sharding.py,
+settings_rules.py, rebroadcasts.py) are functions over `(s, cfg, out, ...)`: the state, the config in
+force and the `Output`; they read and write only the state, emit only through the output and keep
+nothing of their own.
 
 The phase moves only through `MachineState.enter`, which checks `TRANSITIONS` and raises
 `IllegalTransition` (a programming error, never an input error) on any other move:
@@ -19,15 +20,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from yeto.services.syncer.actions import Action, SendError, Tape, WriteMember
 from yeto.services.syncer.config import SyncerConfig
 from yeto.services.syncer.events import Hello, InitChunk, InitComplete
 from yeto.services.syncer.state import Member, Phase, Round, _Final
-
-if TYPE_CHECKING:
-    from yeto.services.syncer.rounds import RoundMachine
 
 # phase -> the phases it may move to (every other move raises IllegalTransition)
 TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
@@ -128,11 +126,3 @@ class Output:
         self.emit(SendError(island, gen, code, message, fatal, field))
         self.tape("error", now, island=island, gen=gen, reason=f"{code}: {message}",
                   detail={"code": code, "field": field})
-
-
-class Part:
-    """A part of the machine's rules: it works on `s` (the state), reads `config`, emits through `out`,
-    and calls the other parts through `machine` (e.g. `self.machine.init_rules.replay_held(...)`)."""
-
-    def __init__(self, state: MachineState, config: SyncerConfig, out: Output, machine: "RoundMachine"):
-        self.s, self.config, self.out, self.machine = state, config, out, machine

@@ -1,6 +1,6 @@
-"""Push dispositions, quarantine, quorum, merge weights and the Merge action (a part of `RoundMachine`).
+"""Push dispositions, quarantine, quorum, merge weights and the Merge action (rules of `RoundMachine`).
 
-A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membership.py).
+Rule functions of services/syncer/rounds.RoundMachine over (state, config, output): see machine_state.py.
 
 - **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (weights.weights_for).
   A claim is bounded before it weighs (`max_token_factor` F, default 4). The syncer cannot check a claim
@@ -61,316 +61,330 @@ from typing import Sequence
 
 from yeto.schemas.run_settings import OUTER_KEYS
 from yeto.services.syncer.actions import Merge, MergeInput, Release
-from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES
+from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES, SyncerConfig
 from yeto.services.syncer.events import MergeDone, PushComplete
-from yeto.services.syncer.machine_state import Part
+from yeto.services.syncer.machine_state import MachineState, Output
+from yeto.services.syncer.rebroadcasts import rebroadcast
 from yeto.services.syncer.weights import cap_claims, weights_for
 from yeto.services.syncer.state import Round, _Answer, lower_median
 
 
-class Pushes(Part):
-    def on_push(self, ev: PushComplete, now: float) -> None:
-        quarantine = None
-        quarantined_now = False
-        m = self.s.members.get(ev.island)
-        if m is not None and ev.gen == m.gen:
-            m.observe_push(int(ev.local_step), now)
-        r = self.s.rounds.get(ev.step)
-        current = self.s.versions.get(ev.fragment)
-        disposition, reason = None, None
-        if r is None:
-            disposition, reason = "out_of_round", f"no round in flight for step {ev.step}"
-        elif r.fragment != ev.fragment:
-            disposition, reason = "out_of_round", f"step {ev.step} targets fragment {r.fragment}, not {ev.fragment}"
-        elif r.attempt != ev.attempt:
-            disposition, reason = "out_of_round", f"stale attempt {ev.attempt} (current {r.attempt})"
-        elif not r.accepting:
-            disposition, reason = "out_of_round", "round already complete"
-        else:
-            slot = r.slots.get(ev.island)
-            if slot is None:
-                disposition, reason = "unexpected_member", "island not expected in this round"
-            elif slot.gen != ev.gen:
-                disposition, reason = "unexpected_member", f"generation {ev.gen} does not hold this slot ({slot.gen} does)"
-            elif slot.answer is not None:
-                disposition, reason = "duplicate", f"first valid push wins (try {slot.answer.try_} accepted)"
-            elif not ev.valid:
-                disposition, reason = "invalid", ev.reason or "invalid push"
-            elif ev.base_version > current:
-                disposition, reason = "future_base", f"base_version {ev.base_version} > current version {current}"
-            elif current - ev.base_version > self.config.max_base_lag:
-                disposition, reason = "stale_base", (f"base_version {ev.base_version} lags current version "
-                                                     f"{current} by more than {self.config.max_base_lag}")
-            elif (ev.gen, ev.try_) in slot.quarantined:
-                # A released try never completes again in the shell; should it, it stays out of the merge.
-                disposition, reason = "quarantined", f"try {ev.try_} was quarantined already this attempt"
-            elif (quarantine := self._quarantine_rule(ev)) is not None:
-                disposition, reason = "quarantined", quarantine.pop("reason")
-                self.s.counters[f"quarantine.{quarantine['rule']}"] += 1
-                slot.quarantined.add((ev.gen, ev.try_))
-                quarantined_now = True
-            else:
-                disposition = "accepted"
-                slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens,
-                                      ev.norm)
-                if ev.norm is not None:
-                    r.norms[ev.island] = ev.norm
-                if r.quorum_at is None and r.answered >= r.quorum:
-                    self._reach_quorum(r, now)
-            if disposition in HOPELESS_DISPOSITIONS:
-                # The island's push was acknowledged by JetStream, so it will not send another for this
-                # attempt: its slot cannot count towards quorum any more.
-                slot.refused = disposition
-            if quarantined_now:
-                self._excuse(r, now)
-        self.s.counters[f"disposition.{disposition}"] += 1
-        staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
-        detail = {"staleness": staleness, "local_step": ev.local_step}
-        if quarantine is not None:
-            detail["quarantine"] = quarantine
-        self.out.tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
-                      gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
-                      detail=detail, **{"try": ev.try_})
-        if disposition != "accepted" and not self._is_pending_merge_input(ev):
-            self.out.emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
-        if disposition == "stale_base":
-            self.machine.round_rules.rebroadcast(ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale "
-                                                 f"base_version {ev.base_version} (current {current})")
-
-    def _quarantine_rule(self, ev: PushComplete) -> dict | None:
-        """The rule a push breaks on its own (NaN/Inf, `max_push_norm`), with its figure and limit, or None.
-        The outlier rule needs the round's other pushes: `screen_outliers` judges it at completion."""
-        if ev.non_finite or (ev.norm is not None and not math.isfinite(ev.norm)):
-            return {"rule": "non_finite", "non_finite": int(ev.non_finite), "limit": 0,
-                    "reason": f"quarantined: {ev.non_finite} non-finite values (NaN/Inf) in the push"}
-        limit = self.config.max_push_norm
-        if limit is not None and ev.norm is not None and ev.norm > limit:
-            return {"rule": "max_push_norm", "norm": float(ev.norm), "limit": float(limit),
-                    "reason": f"quarantined: push norm {ev.norm:.6g} exceeds --max-push-norm {limit:.6g}"}
-        return None
-
-    def screen_outliers(self, r: Round, now: float) -> bool:
-        """Before a round completes: the rules that judge a push against others (the outlier rule, then the
-        norm bound). Returns True if they removed any push (the round does not complete now; it goes on
-        as if those members had not answered, each excused from the attempt's quorum)."""
-        removed = self._screen_outlier_rule(r, now)
-        removed = self._screen_norm_bound(r, now) or removed
-        return removed
-
-    def _screen_outlier_rule(self, r: Round, now: float) -> bool:
-        """Quarantine every accepted push whose norm exceeds outlier_factor x the lower median of the norms
-        accepted this attempt (outliers included, so removing one never lowers the reference for the rest)."""
-        factor = self.config.outlier_factor
-        if factor is None or len(r.norms) < OUTLIER_MIN_PUSHES:
-            return False
-        median = lower_median(list(r.norms.values()))
-        if median <= 0:
-            return False
-        limit = factor * median
-        removed = False
-        for island, slot in sorted(r.slots.items()):
-            a = slot.answer
-            if a is None or a.norm is None or a.norm <= limit:
-                continue
-            removed = True
-            self._quarantine_answer(
-                r, island, now, rule={"rule": "outlier", "norm": float(a.norm), "limit": float(limit),
-                                      "median": float(median), "pushes": len(r.norms)},
-                reason=(f"quarantined: push norm {a.norm:.6g} exceeds --outlier-factor {factor:g} x the round's "
-                        f"median norm {median:.6g} (limit {limit:.6g}); supersedes its accepted record"))
-        return removed
-
-    # -- the norm bound (on by default) --------------------------------------------------------------
-
-    def _norm_history(self) -> dict[int, dict[str, list[float]]]:
-        """fragment -> island -> the norms of its last NORM_HISTORY merged pushes of that fragment (oldest
-        first): `MachineState.accepted_norms`. Kept by the machine, not the checkpoint: a machine made by
-        `restore` (--resume) starts with none, and its first rounds judge against their own pushes, as a
-        run's first rounds do."""
-        return self.s.accepted_norms
-
-    def _norm_reference(self, r: Round) -> tuple[float, int] | None:
-        """(reference norm, islands it came from) for round r's fragment, or None (fewer than
-        NORM_MIN_ISLANDS islands have a value). Each expected member's value is the lower median of its
-        own recent merged norms of the fragment and its push this attempt (if any); the reference is the
-        lower median of those values over the members. So every island counts once however many pushes
-        it made, the history holds only norms that passed every rule (an attacker's accepted pushes are
-        at most factor x an honest reference, its quarantined ones never enter), and, the median being
-        the lower one, a single island (one of two, or a minority) can never raise the reference: it
-        can only lower it, which shrinks what the others may push but never lets anything large in."""
-        hist = self._norm_history().get(r.fragment, {})
-        values = []
-        for island in sorted(r.slots):
-            own = [v for v in hist.get(island, ()) if v > 0]
-            cur = r.norms.get(island)
-            if cur is not None and math.isfinite(cur) and cur > 0:
-                own.append(cur)
-            if own:
-                values.append(lower_median(own))
-        if len(values) < NORM_MIN_ISLANDS:
-            return None
-        return lower_median(values), len(values)
-
-    def _screen_norm_bound(self, r: Round, now: float) -> bool:
-        """Quarantine every accepted push whose norm exceeds push_norm_factor x the reference norm
-        (`_norm_reference`; this attempt's norms include pushes already removed, so a removal never moves
-        the reference for the rest and a second screening removes nothing more)."""
-        factor = self.config.push_norm_factor
-        if factor is None:
-            return False
-        ref = self._norm_reference(r)
-        if ref is None:
-            return False
-        reference, sources = ref
-        limit = factor * reference
-        basis = f"the lower median over {sources} members of their recent merged norms of fragment {r.fragment}"
-        # this attempt's norms, those removed at an earlier screening included: the choice stays put
-        judged = [n for n in r.norms.values() if n is not None and math.isfinite(n) and n > 0]
-        if len(judged) >= NORM_MIN_ISLANDS and all(n > limit for n in judged):
-            # Every push of the attempt is over the bound: the history is stale, not the islands hostile
-            # (islands that trained unsynced through a broker outage push many steps' worth at once; judged
-            # against the old rounds every attempt was quarantined and the run restarted for ever). The
-            # attempt's own pushes are the reference then: their lower median, as for the outlier rule,
-            # so one hostile push among them still cannot raise it.
-            reference, sources = lower_median(judged), len(judged)
-            limit = factor * reference
-            basis = (f"the lower median of this attempt's {sources} pushes: every one exceeded the history's "
-                     f"limit {factor * ref[0]:.6g}")
-            self.s.counters["norm_bound.history_stale"] += 1
-        removed = False
-        for island, slot in sorted(r.slots.items()):
-            a = slot.answer
-            if a is None or a.norm is None or a.norm <= limit:
-                continue
-            removed = True
-            self._quarantine_answer(
-                r, island, now, rule={"rule": "norm_bound", "norm": float(a.norm), "limit": float(limit),
-                                      "reference": float(reference), "islands": sources},
-                reason=(f"quarantined: push norm {a.norm:.6g} exceeds --push-norm-factor {factor:g} x the reference "
-                        f"norm {reference:.6g} (limit {limit:.6g}: {basis}); supersedes its accepted record"))
-        return removed
-
-    def _quarantine_answer(self, r: Round, island: str, now: float, *, rule: dict, reason: str) -> None:
-        """Take back an accepted push judged at completion: taped `quarantined` (superseding its
-        `accepted` record), counted, released; its member is excused from the attempt's quorum."""
-        slot = r.slots[island]
-        a = slot.answer
-        slot.answer, slot.refused = None, "quarantined"
-        slot.quarantined.add((a.gen, a.try_))
-        self.s.counters["disposition.quarantined"] += 1
-        self.s.counters[f"quarantine.{rule['rule']}"] += 1
-        self.out.tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
-                      gen=a.gen, disposition="quarantined", base_version=a.base_version, reason=reason,
-                      detail={"local_step": a.local_step, "quarantine": rule}, **{"try": a.try_})
-        self.out.emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
-        self._excuse(r, now)
-        if r.answered < r.quorum:
-            r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
-
-    def _excuse(self, r: Round, now: float) -> None:
-        """A member whose push was quarantined is excused from the attempt's quorum (not in strict mode,
-        which waits for every member): quorum becomes at most the members not quarantined (and at least
-        1), for the rest of the attempt (a later try of that member that is accepted is merged, but not
-        waited for). Without this a compromised island that quarantines every push (NaN, a norm far out) would
-        hold every round of a run whose quorum is every member below quorum, restarting for ever: a
-        2-island run with the default quorum never committed again. The round completes with the
-        others (after the grace window, as for a member that did not answer)."""
-        if self.config.strict:
-            return
-        excused = sum(1 for s in r.slots.values() if s.answer is None and s.refused == "quarantined")
-        r.quorum = max(1, min(r.quorum, len(r.slots) - excused))
-        if r.quorum_at is None and r.answered >= r.quorum:
-            self._reach_quorum(r, now)
-
-    def _remember_norms(self, r: Round, answers: Sequence[tuple[str, _Answer]]) -> None:
-        """The merged pushes' norms join their islands' history of r's fragment (the newest NORM_HISTORY)."""
-        hist = self._norm_history().setdefault(r.fragment, {})
-        for island, a in answers:
-            if a.norm is not None and math.isfinite(a.norm) and a.norm > 0:
-                own = hist.setdefault(island, [])
-                own.append(float(a.norm))
-                del own[:-NORM_HISTORY]
-
-    def _is_pending_merge_input(self, ev: PushComplete) -> bool:
-        # a re-delivered copy of an accepted push has the same identity as the one the merge reads
-        r = self.s.rounds.get(ev.step)
-        if r is None or r.fragment != ev.fragment or r.attempt != ev.attempt:
-            return False
+def on_push(s: MachineState, cfg: SyncerConfig, out: Output, ev: PushComplete, now: float) -> None:
+    quarantine = None
+    quarantined_now = False
+    m = s.members.get(ev.island)
+    if m is not None and ev.gen == m.gen:
+        m.observe_push(int(ev.local_step), now)
+    r = s.rounds.get(ev.step)
+    current = s.versions.get(ev.fragment)
+    disposition, reason = None, None
+    if r is None:
+        disposition, reason = "out_of_round", f"no round in flight for step {ev.step}"
+    elif r.fragment != ev.fragment:
+        disposition, reason = "out_of_round", f"step {ev.step} targets fragment {r.fragment}, not {ev.fragment}"
+    elif r.attempt != ev.attempt:
+        disposition, reason = "out_of_round", f"stale attempt {ev.attempt} (current {r.attempt})"
+    elif not r.accepting:
+        disposition, reason = "out_of_round", "round already complete"
+    else:
         slot = r.slots.get(ev.island)
-        return slot is not None and slot.answer is not None and (slot.answer.gen, slot.answer.try_) == (ev.gen, ev.try_)
+        if slot is None:
+            disposition, reason = "unexpected_member", "island not expected in this round"
+        elif slot.gen != ev.gen:
+            disposition, reason = "unexpected_member", f"generation {ev.gen} does not hold this slot ({slot.gen} does)"
+        elif slot.answer is not None:
+            disposition, reason = "duplicate", f"first valid push wins (try {slot.answer.try_} accepted)"
+        elif not ev.valid:
+            disposition, reason = "invalid", ev.reason or "invalid push"
+        elif ev.base_version > current:
+            disposition, reason = "future_base", f"base_version {ev.base_version} > current version {current}"
+        elif current - ev.base_version > cfg.max_base_lag:
+            disposition, reason = "stale_base", (f"base_version {ev.base_version} lags current version "
+                                                 f"{current} by more than {cfg.max_base_lag}")
+        elif (ev.gen, ev.try_) in slot.quarantined:
+            # A released try never completes again in the shell; should it, it stays out of the merge.
+            disposition, reason = "quarantined", f"try {ev.try_} was quarantined already this attempt"
+        elif (quarantine := _quarantine_rule(s, cfg, out, ev)) is not None:
+            disposition, reason = "quarantined", quarantine.pop("reason")
+            s.counters[f"quarantine.{quarantine['rule']}"] += 1
+            slot.quarantined.add((ev.gen, ev.try_))
+            quarantined_now = True
+        else:
+            disposition = "accepted"
+            slot.answer = _Answer(ev.gen, ev.try_, ev.base_version, ev.local_step, ev.c_steps, ev.c_tokens,
+                                  ev.norm)
+            if ev.norm is not None:
+                r.norms[ev.island] = ev.norm
+            if r.quorum_at is None and r.answered >= r.quorum:
+                _reach_quorum(s, cfg, out, r, now)
+        if disposition in HOPELESS_DISPOSITIONS:
+            # The island's push was acknowledged by JetStream, so it will not send another for this
+            # attempt: its slot cannot count towards quorum any more.
+            slot.refused = disposition
+        if quarantined_now:
+            _excuse(s, cfg, out, r, now)
+    s.counters[f"disposition.{disposition}"] += 1
+    staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
+    detail = {"staleness": staleness, "local_step": ev.local_step}
+    if quarantine is not None:
+        detail["quarantine"] = quarantine
+    out.tape("disposition", now, step=ev.step, fragment=ev.fragment, attempt=ev.attempt, island=ev.island,
+                  gen=ev.gen, disposition=disposition, reason=reason, base_version=ev.base_version,
+                  detail=detail, **{"try": ev.try_})
+    if disposition != "accepted" and not _is_pending_merge_input(s, cfg, out, ev):
+        out.emit(Release(ev.island, ev.gen, ev.step, ev.fragment, ev.attempt, ev.try_, disposition))
+    if disposition == "stale_base":
+        rebroadcast(s, cfg, out, ev.fragment, now, f"push of {ev.island} at step {ev.step} has stale "
+                                             f"base_version {ev.base_version} (current {current})")
 
-    def _reach_quorum(self, r: Round, now: float) -> None:
-        cfg = self.config
-        r.quorum_at = now
-        times = [self.s.members[i].ema_step_s for i in r.slots if i in self.s.members and self.s.members[i].ema_step_s]
-        step_time = max(times) if times else 0.0
-        raw = cfg.grace_gamma * (cfg.tau * step_time - (now - r.launched_at) - self.s.last_sync_cost_s)
-        r.grace_s = min(max(raw, 0.0), cfg.grace_ms / 1000.0)
 
-    # -- merges ------------------------------------------------------------------------------------
+def _quarantine_rule(s: MachineState, cfg: SyncerConfig, out: Output, ev: PushComplete) -> dict | None:
+    """The rule a push breaks on its own (NaN/Inf, `max_push_norm`), with its figure and limit, or None.
+    The outlier rule needs the round's other pushes: `screen_outliers` judges it at completion."""
+    if ev.non_finite or (ev.norm is not None and not math.isfinite(ev.norm)):
+        return {"rule": "non_finite", "non_finite": int(ev.non_finite), "limit": 0,
+                "reason": f"quarantined: {ev.non_finite} non-finite values (NaN/Inf) in the push"}
+    limit = cfg.max_push_norm
+    if limit is not None and ev.norm is not None and ev.norm > limit:
+        return {"rule": "max_push_norm", "norm": float(ev.norm), "limit": float(limit),
+                "reason": f"quarantined: push norm {ev.norm:.6g} exceeds --max-push-norm {limit:.6g}"}
+    return None
 
-    def complete(self, r: Round, now: float) -> None:
-        r.complete_at = now
-        answers = [(i, s.answer) for i, s in sorted(r.slots.items()) if s.answer is not None]
-        self._remember_norms(r, answers)
-        used, clamp = self._clamp_tokens(answers)
-        weights = weights_for(used, self.config.equal_weights)
-        inputs = tuple(
-            MergeInput(island=i, gen=a.gen, weight=w, try_=a.try_, c_tokens=u, c_steps=a.c_steps,
-                       base_version=a.base_version, local_step=a.local_step)
-            for (i, a), u, w in zip(answers, used, weights)
-        )
-        detail = {"normalized_weights": {mi.island: mi.weight for mi in inputs}}
-        norms = {i: a.norm for i, a in answers if a.norm is not None}
-        if norms:
-            detail["norms"] = norms   # what an operator sizes --max-push-norm / --outlier-factor from
-        if clamp:
-            detail["token_clamp"] = clamp
-        outer = {k: v for k, v in self.s.settings.items() if k in OUTER_KEYS}
-        if outer:
-            detail["outer"] = outer   # set at runtime (`yeto run set`): the hyper-parameters this merge ran with
-        version = self.s.versions[r.fragment] + 1
-        record = {
-            "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
-            "base_version": r.base_version, "version": version, "expected": r.members(),
-            "responded": r.responded(), "quorum": r.quorum,
-            "staleness": {mi.island: r.base_version - mi.base_version for mi in inputs},
-            "weights": self._raw_weights(inputs),
-            "quorum_s": (r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
-            "grace_s": r.grace_s,
-            "detail": detail,
-        }
-        r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt, version=version,
-                        base_version=r.base_version, members=inputs,
-                        record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at,
-                        outer={k: v for k, v in self.s.settings.items() if k in OUTER_KEYS})
 
-    def on_merge_done(self, ev: MergeDone, now: float) -> None:
-        r = self.s.rounds.get(ev.step)
-        if self.s.merging is None or ev.step != self.s.merging or r is None:
-            raise ValueError(f"MergeDone for step {ev.step} but the outstanding merge is step {self.s.merging}")
-        if ev.fragment != r.fragment or ev.version != r.merge.version:
-            raise ValueError(f"MergeDone(step {ev.step}, fragment {ev.fragment}, version {ev.version}) does not match "
-                             f"Merge(fragment {r.fragment}, version {r.merge.version})")
-        del self.s.rounds[ev.step]
-        self.s.merging = None
-        self.s.versions[r.fragment] = ev.version
-        self.s.committed_step = ev.step
-        # Adaptive grace subtracts the last *whole* sync (merge + checkpoint + broadcast): the time from
-        # the Merge action to its MergeDone covers all of it, whatever part of it the shell measured.
-        self.s.last_sync_cost_s = max(0.0, float(ev.merge_to_broadcast_s), now - r.merge_at if r.merge_at is not None else 0.0)
-        self.s.counters["merge"] += 1
-        # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
+def screen_outliers(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> bool:
+    """Before a round completes: the rules that judge a push against others (the outlier rule, then the
+    norm bound). Returns True if they removed any push (the round does not complete now; it goes on
+    as if those members had not answered, each excused from the attempt's quorum)."""
+    removed = _screen_outlier_rule(s, cfg, out, r, now)
+    removed = _screen_norm_bound(s, cfg, out, r, now) or removed
+    return removed
 
-    def _clamp_tokens(self, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int | float], dict[str, dict]]:
-        """The c_tokens each answer weighs with, and the claims that were cut (weights.cap_claims)."""
-        used, clamp = cap_claims([(island, a.c_tokens, a.c_steps) for island, a in answers],
-                                 self.config.max_token_factor, self.config.equal_weights)
-        if clamp:
-            self.s.counters["tokens.clamped"] += len(clamp)
-        return used, clamp
 
-    def _raw_weights(self, inputs: Sequence[MergeInput]) -> dict[str, float]:
-        # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
-        equal = self.config.equal_weights or all(mi.c_tokens == 0 for mi in inputs)
-        return {mi.island: (1.0 if equal else mi.c_tokens) for mi in inputs}
+def _screen_outlier_rule(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> bool:
+    """Quarantine every accepted push whose norm exceeds outlier_factor x the lower median of the norms
+    accepted this attempt (outliers included, so removing one never lowers the reference for the rest)."""
+    factor = cfg.outlier_factor
+    if factor is None or len(r.norms) < OUTLIER_MIN_PUSHES:
+        return False
+    median = lower_median(list(r.norms.values()))
+    if median <= 0:
+        return False
+    limit = factor * median
+    removed = False
+    for island, slot in sorted(r.slots.items()):
+        a = slot.answer
+        if a is None or a.norm is None or a.norm <= limit:
+            continue
+        removed = True
+        _quarantine_answer(
+            s, cfg, out, r, island, now, rule={"rule": "outlier", "norm": float(a.norm), "limit": float(limit),
+                                  "median": float(median), "pushes": len(r.norms)},
+            reason=(f"quarantined: push norm {a.norm:.6g} exceeds --outlier-factor {factor:g} x the round's "
+                    f"median norm {median:.6g} (limit {limit:.6g}); supersedes its accepted record"))
+    return removed
+
+# -- the norm bound (on by default) --------------------------------------------------------------
+
+
+def _norm_history(s: MachineState, cfg: SyncerConfig, out: Output) -> dict[int, dict[str, list[float]]]:
+    """fragment -> island -> the norms of its last NORM_HISTORY merged pushes of that fragment (oldest
+    first): `MachineState.accepted_norms`. Kept by the machine, not the checkpoint: a machine made by
+    `restore` (--resume) starts with none, and its first rounds judge against their own pushes, as a
+    run's first rounds do."""
+    return s.accepted_norms
+
+
+def _norm_reference(s: MachineState, cfg: SyncerConfig, out: Output, r: Round) -> tuple[float, int] | None:
+    """(reference norm, islands it came from) for round r's fragment, or None (fewer than
+    NORM_MIN_ISLANDS islands have a value). Each expected member's value is the lower median of its
+    own recent merged norms of the fragment and its push this attempt (if any); the reference is the
+    lower median of those values over the members. So every island counts once however many pushes
+    it made, the history holds only norms that passed every rule (an attacker's accepted pushes are
+    at most factor x an honest reference, its quarantined ones never enter), and, the median being
+    the lower one, a single island (one of two, or a minority) can never raise the reference: it
+    can only lower it, which shrinks what the others may push but never lets anything large in."""
+    hist = _norm_history(s, cfg, out).get(r.fragment, {})
+    values = []
+    for island in sorted(r.slots):
+        own = [v for v in hist.get(island, ()) if v > 0]
+        cur = r.norms.get(island)
+        if cur is not None and math.isfinite(cur) and cur > 0:
+            own.append(cur)
+        if own:
+            values.append(lower_median(own))
+    if len(values) < NORM_MIN_ISLANDS:
+        return None
+    return lower_median(values), len(values)
+
+
+def _screen_norm_bound(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> bool:
+    """Quarantine every accepted push whose norm exceeds push_norm_factor x the reference norm
+    (`_norm_reference`; this attempt's norms include pushes already removed, so a removal never moves
+    the reference for the rest and a second screening removes nothing more)."""
+    factor = cfg.push_norm_factor
+    if factor is None:
+        return False
+    ref = _norm_reference(s, cfg, out, r)
+    if ref is None:
+        return False
+    reference, sources = ref
+    limit = factor * reference
+    basis = f"the lower median over {sources} members of their recent merged norms of fragment {r.fragment}"
+    # this attempt's norms, those removed at an earlier screening included: the choice stays put
+    judged = [n for n in r.norms.values() if n is not None and math.isfinite(n) and n > 0]
+    if len(judged) >= NORM_MIN_ISLANDS and all(n > limit for n in judged):
+        # Every push of the attempt is over the bound: the history is stale, not the islands hostile
+        # (islands that trained unsynced through a broker outage push many steps' worth at once; judged
+        # against the old rounds every attempt was quarantined and the run restarted for ever). The
+        # attempt's own pushes are the reference then: their lower median, as for the outlier rule,
+        # so one hostile push among them still cannot raise it.
+        reference, sources = lower_median(judged), len(judged)
+        limit = factor * reference
+        basis = (f"the lower median of this attempt's {sources} pushes: every one exceeded the history's "
+                 f"limit {factor * ref[0]:.6g}")
+        s.counters["norm_bound.history_stale"] += 1
+    removed = False
+    for island, slot in sorted(r.slots.items()):
+        a = slot.answer
+        if a is None or a.norm is None or a.norm <= limit:
+            continue
+        removed = True
+        _quarantine_answer(
+            s, cfg, out, r, island, now, rule={"rule": "norm_bound", "norm": float(a.norm), "limit": float(limit),
+                                  "reference": float(reference), "islands": sources},
+            reason=(f"quarantined: push norm {a.norm:.6g} exceeds --push-norm-factor {factor:g} x the reference "
+                    f"norm {reference:.6g} (limit {limit:.6g}: {basis}); supersedes its accepted record"))
+    return removed
+
+
+def _quarantine_answer(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, island: str, now: float, *, rule: dict, reason: str) -> None:
+    """Take back an accepted push judged at completion: taped `quarantined` (superseding its
+    `accepted` record), counted, released; its member is excused from the attempt's quorum."""
+    slot = r.slots[island]
+    a = slot.answer
+    slot.answer, slot.refused = None, "quarantined"
+    slot.quarantined.add((a.gen, a.try_))
+    s.counters["disposition.quarantined"] += 1
+    s.counters[f"quarantine.{rule['rule']}"] += 1
+    out.tape("disposition", now, step=r.step, fragment=r.fragment, attempt=r.attempt, island=island,
+                  gen=a.gen, disposition="quarantined", base_version=a.base_version, reason=reason,
+                  detail={"local_step": a.local_step, "quarantine": rule}, **{"try": a.try_})
+    out.emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
+    _excuse(s, cfg, out, r, now)
+    if r.answered < r.quorum:
+        r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
+
+
+def _excuse(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    """A member whose push was quarantined is excused from the attempt's quorum (not in strict mode,
+    which waits for every member): quorum becomes at most the members not quarantined (and at least
+    1), for the rest of the attempt (a later try of that member that is accepted is merged, but not
+    waited for). Without this a compromised island that quarantines every push (NaN, a norm far out) would
+    hold every round of a run whose quorum is every member below quorum, restarting for ever: a
+    2-island run with the default quorum never committed again. The round completes with the
+    others (after the grace window, as for a member that did not answer)."""
+    if cfg.strict:
+        return
+    excused = sum(1 for slot in r.slots.values() if slot.answer is None and slot.refused == "quarantined")
+    r.quorum = max(1, min(r.quorum, len(r.slots) - excused))
+    if r.quorum_at is None and r.answered >= r.quorum:
+        _reach_quorum(s, cfg, out, r, now)
+
+
+def _remember_norms(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, answers: Sequence[tuple[str, _Answer]]) -> None:
+    """The merged pushes' norms join their islands' history of r's fragment (the newest NORM_HISTORY)."""
+    hist = _norm_history(s, cfg, out).setdefault(r.fragment, {})
+    for island, a in answers:
+        if a.norm is not None and math.isfinite(a.norm) and a.norm > 0:
+            own = hist.setdefault(island, [])
+            own.append(float(a.norm))
+            del own[:-NORM_HISTORY]
+
+
+def _is_pending_merge_input(s: MachineState, cfg: SyncerConfig, out: Output, ev: PushComplete) -> bool:
+    # a re-delivered copy of an accepted push has the same identity as the one the merge reads
+    r = s.rounds.get(ev.step)
+    if r is None or r.fragment != ev.fragment or r.attempt != ev.attempt:
+        return False
+    slot = r.slots.get(ev.island)
+    return slot is not None and slot.answer is not None and (slot.answer.gen, slot.answer.try_) == (ev.gen, ev.try_)
+
+
+def _reach_quorum(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    r.quorum_at = now
+    times = [s.members[i].ema_step_s for i in r.slots if i in s.members and s.members[i].ema_step_s]
+    step_time = max(times) if times else 0.0
+    raw = cfg.grace_gamma * (cfg.tau * step_time - (now - r.launched_at) - s.last_sync_cost_s)
+    r.grace_s = min(max(raw, 0.0), cfg.grace_ms / 1000.0)
+
+# -- merges ------------------------------------------------------------------------------------
+
+
+def complete(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    r.complete_at = now
+    answers = [(i, slot.answer) for i, slot in sorted(r.slots.items()) if slot.answer is not None]
+    _remember_norms(s, cfg, out, r, answers)
+    used, clamp = _clamp_tokens(s, cfg, out, answers)
+    weights = weights_for(used, cfg.equal_weights)
+    inputs = tuple(
+        MergeInput(island=i, gen=a.gen, weight=w, try_=a.try_, c_tokens=u, c_steps=a.c_steps,
+                   base_version=a.base_version, local_step=a.local_step)
+        for (i, a), u, w in zip(answers, used, weights)
+    )
+    detail = {"normalized_weights": {mi.island: mi.weight for mi in inputs}}
+    norms = {i: a.norm for i, a in answers if a.norm is not None}
+    if norms:
+        detail["norms"] = norms   # what an operator sizes --max-push-norm / --outlier-factor from
+    if clamp:
+        detail["token_clamp"] = clamp
+    outer = {k: v for k, v in s.settings.items() if k in OUTER_KEYS}
+    if outer:
+        detail["outer"] = outer   # set at runtime (`yeto run set`): the hyper-parameters this merge ran with
+    version = s.versions[r.fragment] + 1
+    record = {
+        "kind": "merge", "step": r.step, "fragment": r.fragment, "attempt": r.attempt,
+        "base_version": r.base_version, "version": version, "expected": r.members(),
+        "responded": r.responded(), "quorum": r.quorum,
+        "staleness": {mi.island: r.base_version - mi.base_version for mi in inputs},
+        "weights": _raw_weights(s, cfg, out, inputs),
+        "quorum_s": (r.quorum_at - r.launched_at) if r.quorum_at is not None else None,
+        "grace_s": r.grace_s,
+        "detail": detail,
+    }
+    r.merge = Merge(step=r.step, fragment=r.fragment, attempt=r.attempt, version=version,
+                    base_version=r.base_version, members=inputs,
+                    record={k: v for k, v in record.items() if v is not None}, launched_at=r.launched_at,
+                    outer={k: v for k, v in s.settings.items() if k in OUTER_KEYS})
+
+
+def on_merge_done(s: MachineState, cfg: SyncerConfig, out: Output, ev: MergeDone, now: float) -> None:
+    r = s.rounds.get(ev.step)
+    if s.merging is None or ev.step != s.merging or r is None:
+        raise ValueError(f"MergeDone for step {ev.step} but the outstanding merge is step {s.merging}")
+    if ev.fragment != r.fragment or ev.version != r.merge.version:
+        raise ValueError(f"MergeDone(step {ev.step}, fragment {ev.fragment}, version {ev.version}) does not match "
+                         f"Merge(fragment {r.fragment}, version {r.merge.version})")
+    del s.rounds[ev.step]
+    s.merging = None
+    s.versions[r.fragment] = ev.version
+    s.committed_step = ev.step
+    # Adaptive grace subtracts the last *whole* sync (merge + checkpoint + broadcast): the time from
+    # the Merge action to its MergeDone covers all of it, whatever part of it the shell measured.
+    s.last_sync_cost_s = max(0.0, float(ev.merge_to_broadcast_s), now - r.merge_at if r.merge_at is not None else 0.0)
+    s.counters["merge"] += 1
+    # The merge record goes to the tape from the shell, with the durable commit (Merge.record).
+
+
+def _clamp_tokens(s: MachineState, cfg: SyncerConfig, out: Output, answers: Sequence[tuple[str, _Answer]]) -> tuple[list[int | float], dict[str, dict]]:
+    """The c_tokens each answer weighs with, and the claims that were cut (weights.cap_claims)."""
+    used, clamp = cap_claims([(island, a.c_tokens, a.c_steps) for island, a in answers],
+                             cfg.max_token_factor, cfg.equal_weights)
+    if clamp:
+        s.counters["tokens.clamped"] += len(clamp)
+    return used, clamp
+
+
+def _raw_weights(s: MachineState, cfg: SyncerConfig, out: Output, inputs: Sequence[MergeInput]) -> dict[str, float]:
+    # the tape shows wᵢ before normalization: c_tokens, or 1 (equal weights, or all tokens zero)
+    equal = cfg.equal_weights or all(mi.c_tokens == 0 for mi in inputs)
+    return {mi.island: (1.0 if equal else mi.c_tokens) for mi in inputs}

@@ -1,7 +1,7 @@
 """Rounds in flight: deadlines, hopeless attempts, restarts, re-broadcasts, the commit order, launches and
-pacing (a part of `RoundMachine`).
+pacing (rules of `RoundMachine`).
 
-A rule part of services/syncer/rounds.RoundMachine (see services/syncer/membership.py). The rules it
+Rule functions of services/syncer/rounds.RoundMachine over (state, config, output): see machine_state.py. The rules it
 carries out (commit order, pacing, strict mode, restarts with no live member, hopeless attempts,
 re-broadcast) are the choices listed in services/syncer/rounds.py's module docstring.
 """
@@ -9,157 +9,147 @@ from __future__ import annotations
 
 import math
 
-from yeto.services.syncer.actions import PublishPull, Rebroadcast, Release
-from yeto.services.syncer.config import FIRST_ATTEMPT, HOPELESS_RESTART_S
-from yeto.services.syncer.machine_state import Part
-from yeto.services.syncer.state import Member, Phase, Round, _Slot
+from yeto.services.syncer.actions import PublishPull, Release
+from yeto.services.syncer import pushes
+from yeto.services.syncer.config import FIRST_ATTEMPT, HOPELESS_RESTART_S, SyncerConfig
+from yeto.services.syncer.machine_state import MachineState, Output
+from yeto.services.syncer.rebroadcasts import rebroadcast
+from yeto.services.syncer.state import Member, Round, _Slot
 
 
-class RoundRules(Part):
-    def due(self, r: Round) -> float:
-        """When an attempt below quorum restarts: its deadline, or soon after it became hopeless."""
-        if r.hopeless_at is None:
-            return r.deadline
-        return min(r.deadline, r.hopeless_at + min(self.config.quorum_timeout_s, HOPELESS_RESTART_S))
+def due(s: MachineState, cfg: SyncerConfig, out: Output, r: Round) -> float:
+    """When an attempt below quorum restarts: its deadline, or soon after it became hopeless."""
+    if r.hopeless_at is None:
+        return r.deadline
+    return min(r.deadline, r.hopeless_at + min(cfg.quorum_timeout_s, HOPELESS_RESTART_S))
 
-    def _hopeful(self, r: Round) -> int:
-        """Slots that may still answer this attempt: not answered, not refused, member still live."""
-        return sum(1 for i, s in r.slots.items()
-                   if s.answer is None and s.refused is None and i in self.s.members and self.s.members[i].live)
 
-    def check_round(self, r: Round, now: float) -> None:
-        cfg = self.config
-        # Outliers are judged when the round would complete; removing one re-judges the round below.
-        if r.answered == len(r.slots) and not self.machine.pushes.screen_outliers(r, now):
-            self.machine.pushes.complete(r, now)
-            return
-        # Quorum out of reach (pushes refused as stale after a broker restart, a member gone): waiting for
-        # the deadline only wastes a quorum timeout (60 s per such round was measured by soak/chaos.py).
-        # Restart soon instead, leaving a moment for the re-broadcast that the refusals triggered to land
-        # before the new pull (islands apply broadcasts before answering pulls). Re-judged at every event:
-        # a member that comes back makes the attempt hopeful again.
-        # With no live member at all a restart has nobody to ask: the round waits for a hello or a
-        # heartbeat (which re-judge it), not for a restart time that would already be past.
-        if not cfg.strict and r.quorum_at is None and r.answered + self._hopeful(r) < r.quorum and self.s.any_live():
-            r.hopeless_at = now if r.hopeless_at is None else r.hopeless_at
-        else:
-            r.hopeless_at = None
-        if not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s \
-                and not self.machine.pushes.screen_outliers(r, now):
-            self.machine.pushes.complete(r, now)
-        elif now >= self.due(r) and (cfg.strict or r.quorum_at is None):
-            self.s.counters["restart_early" if r.hopeless_at is not None else "quorum_timeout"] += 1
-            if cfg.strict:
-                r.deadline = now + cfg.quorum_timeout_s
-                self.out.tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
-                              reason=f"quorum_timeout (strict: attempt stands): {r.answered}/{len(r.slots)} answered")
-                self.rebroadcast(r.fragment, now, f"round {r.step} passed its deadline below quorum (strict)")
-            else:
-                self._restart(r, now)
+def _hopeful(s: MachineState, cfg: SyncerConfig, out: Output, r: Round) -> int:
+    """Slots that may still answer this attempt: not answered, not refused, member still live."""
+    return sum(1 for i, slot in r.slots.items()
+               if slot.answer is None and slot.refused is None and i in s.members and s.members[i].live)
 
-    def _restart(self, r: Round, now: float) -> None:
-        cfg = self.config
-        live = self.s.live()
-        old_responded, old_attempt = r.responded(), r.attempt
-        if not live:
-            # Time only moves a due time forward: the next look is one quorum timeout on (or at the first
-            # hello or heartbeat, which re-judges the round), never a hopeless time already past. Kept,
-            # that past time made next_wakeup() stay in the past and the shell's loop spin.
+
+def check_round(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    # Outliers are judged when the round would complete; removing one re-judges the round below.
+    if r.answered == len(r.slots) and not pushes.screen_outliers(s, cfg, out, r, now):
+        pushes.complete(s, cfg, out, r, now)
+        return
+    # Quorum out of reach (pushes refused as stale after a broker restart, a member gone): waiting for
+    # the deadline only wastes a quorum timeout (60 s per such round was measured by soak/chaos.py).
+    # Restart soon instead, leaving a moment for the re-broadcast that the refusals triggered to land
+    # before the new pull (islands apply broadcasts before answering pulls). Re-judged at every event:
+    # a member that comes back makes the attempt hopeful again.
+    # With no live member at all a restart has nobody to ask: the round waits for a hello or a
+    # heartbeat (which re-judge it), not for a restart time that would already be past.
+    if not cfg.strict and r.quorum_at is None and r.answered + _hopeful(s, cfg, out, r) < r.quorum and s.any_live():
+        r.hopeless_at = now if r.hopeless_at is None else r.hopeless_at
+    else:
+        r.hopeless_at = None
+    if not cfg.strict and r.quorum_at is not None and now >= r.quorum_at + r.grace_s \
+            and not pushes.screen_outliers(s, cfg, out, r, now):
+        pushes.complete(s, cfg, out, r, now)
+    elif now >= due(s, cfg, out, r) and (cfg.strict or r.quorum_at is None):
+        s.counters["restart_early" if r.hopeless_at is not None else "quorum_timeout"] += 1
+        if cfg.strict:
             r.deadline = now + cfg.quorum_timeout_s
-            r.hopeless_at = None
-            self.out.tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
-                          reason="deadline passed below quorum and no member is live: attempt stands")
-            return
-        for island, slot in sorted(r.slots.items()):
-            if slot.answer is not None:
-                self.out.emit(Release(island, slot.answer.gen, r.step, r.fragment, old_attempt, slot.answer.try_, "restart"))
-        # Before the new pull: islands that missed the base version can read it before they answer.
-        self.rebroadcast(r.fragment, now, f"round {r.step} restarts below quorum (attempt {old_attempt})")
-        r.attempt += 1
-        r.seq = 0
-        r.slots = {m.island: _Slot(m.gen) for m in live}
-        r.quorum = self._quorum_for(len(live))
-        r.launched_at = now
+            out.tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
+                          reason=f"quorum_timeout (strict: attempt stands): {r.answered}/{len(r.slots)} answered")
+            rebroadcast(s, cfg, out, r.fragment, now, f"round {r.step} passed its deadline below quorum (strict)")
+        else:
+            _restart(s, cfg, out, r, now)
+
+
+def _restart(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    live = s.live()
+    old_responded, old_attempt = r.responded(), r.attempt
+    if not live:
+        # Time only moves a due time forward: the next look is one quorum timeout on (or at the first
+        # hello or heartbeat, which re-judges the round), never a hopeless time already past. Kept,
+        # that past time made next_wakeup() stay in the past and the shell's loop spin.
         r.deadline = now + cfg.quorum_timeout_s
-        r.quorum_at = r.grace_s = r.hopeless_at = None
-        r.norms = {}
-        self.s.counters["restart"] += 1
-        self.out.emit(PublishPull(r.pull()))
-        self.out.tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
-                      base_version=r.base_version, expected=r.members(), responded=old_responded, quorum=r.quorum,
-                      reason=f"deadline passed below quorum: {len(old_responded)} of {r.quorum} needed answered attempt {old_attempt}")
+        r.hopeless_at = None
+        out.tape("error", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
+                      reason="deadline passed below quorum and no member is live: attempt stands")
+        return
+    for island, slot in sorted(r.slots.items()):
+        if slot.answer is not None:
+            out.emit(Release(island, slot.answer.gen, r.step, r.fragment, old_attempt, slot.answer.try_, "restart"))
+    # Before the new pull: islands that missed the base version can read it before they answer.
+    rebroadcast(s, cfg, out, r.fragment, now, f"round {r.step} restarts below quorum (attempt {old_attempt})")
+    r.attempt += 1
+    r.seq = 0
+    r.slots = {m.island: _Slot(m.gen) for m in live}
+    r.quorum = _quorum_for(s, cfg, out, len(live))
+    r.launched_at = now
+    r.deadline = now + cfg.quorum_timeout_s
+    r.quorum_at = r.grace_s = r.hopeless_at = None
+    r.norms = {}
+    s.counters["restart"] += 1
+    out.emit(PublishPull(r.pull()))
+    out.tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
+                  base_version=r.base_version, expected=r.members(), responded=old_responded, quorum=r.quorum,
+                  reason=f"deadline passed below quorum: {len(old_responded)} of {r.quorum} needed answered attempt {old_attempt}")
 
-    def rebroadcast(self, fragment: int, now: float, reason: str) -> None:
-        if self.s.phase != Phase.RUNNING or fragment not in self.s.versions:
+
+def _quorum_for(s: MachineState, cfg: SyncerConfig, out: Output, expected: int) -> int:
+    k = cfg.quorum if cfg.quorum is not None else expected
+    return max(1, min(k, expected))
+
+
+def emit_merge(s: MachineState, cfg: SyncerConfig, out: Output, now: float) -> None:
+    if s.merging is not None or not s.rounds:
+        return
+    r = s.rounds[min(s.rounds)]
+    if not r.accepting:
+        s.merging = r.step
+        r.merge_at = now
+        out.emit(r.merge)
+
+
+def can_launch_now(s: MachineState, cfg: SyncerConfig, out: Output) -> tuple[int, list[Member]] | None:
+    """(step, live members) if capacity allows launching the next round; pacing aside."""
+    t = s.next_step
+    if t > cfg.total_steps or len(s.rounds) >= cfg.pipeline:
+        return None
+    if any(r.fragment == cfg.fragment_of(t) for r in s.rounds.values()):
+        return None
+    live = s.live()
+    return (t, live) if live else None
+
+
+def launch_time(s: MachineState, cfg: SyncerConfig, out: Output, t: int, live: list[Member]) -> float:
+    """Earliest time the pacing rules allow round t (outside strict mode)."""
+    spr = cfg.steps_per_round
+    emas = [m.ema_step_s for m in live if m.ema_step_s]
+    # A shard's consecutive rounds are (t - its last launched step) rounds apart (1 unsharded).
+    by_time = s.last_launch_at + (t - s.last_launch_step) * spr * max(emas) if emas else math.inf
+    by_progress = -math.inf
+    for m in live:
+        due = m.ref_local + (t - m.ref_step) * spr - cfg.launch_lead_steps
+        if m.reported_step >= due:
+            continue
+        if not m.ema_step_s:
+            by_progress = math.inf
+            break
+        by_progress = max(by_progress, m.reported_at + (due - m.reported_step) * m.ema_step_s)
+    return min(by_time, by_progress)
+
+
+def launch(s: MachineState, cfg: SyncerConfig, out: Output, now: float) -> None:
+    while (cap := can_launch_now(s, cfg, out)) is not None:
+        t, live = cap
+        if not cfg.strict and now < launch_time(s, cfg, out, t, live):
             return
-        if any(r.fragment == fragment and not r.accepting for r in self.s.rounds.values()):
-            self.s.counters["rebroadcast.merge_due"] += 1
-            return
-        last = self.s.rebroadcast_at.get(fragment)
-        if last is not None and now - last < self.config.quorum_timeout_s:
-            self.s.counters["rebroadcast.rate_limited"] += 1
-            return
-        self.s.rebroadcast_at[fragment] = now
-        self.s.counters["rebroadcast"] += 1
-        self.out.emit(Rebroadcast(fragment, self.s.versions[fragment], reason))
-
-    def _quorum_for(self, expected: int) -> int:
-        k = self.config.quorum if self.config.quorum is not None else expected
-        return max(1, min(k, expected))
-
-    def emit_merge(self, now: float) -> None:
-        if self.s.merging is not None or not self.s.rounds:
-            return
-        r = self.s.rounds[min(self.s.rounds)]
-        if not r.accepting:
-            self.s.merging = r.step
-            r.merge_at = now
-            self.out.emit(r.merge)
-
-    def can_launch_now(self) -> tuple[int, list[Member]] | None:
-        """(step, live members) if capacity allows launching the next round; pacing aside."""
-        cfg = self.config
-        t = self.s.next_step
-        if t > cfg.total_steps or len(self.s.rounds) >= cfg.pipeline:
-            return None
-        if any(r.fragment == cfg.fragment_of(t) for r in self.s.rounds.values()):
-            return None
-        live = self.s.live()
-        return (t, live) if live else None
-
-    def launch_time(self, t: int, live: list[Member]) -> float:
-        """Earliest time the pacing rules allow round t (outside strict mode)."""
-        cfg = self.config
-        spr = cfg.steps_per_round
-        emas = [m.ema_step_s for m in live if m.ema_step_s]
-        # A shard's consecutive rounds are (t - its last launched step) rounds apart (1 unsharded).
-        by_time = self.s.last_launch_at + (t - self.s.last_launch_step) * spr * max(emas) if emas else math.inf
-        by_progress = -math.inf
-        for m in live:
-            due = m.ref_local + (t - m.ref_step) * spr - cfg.launch_lead_steps
-            if m.reported_step >= due:
-                continue
-            if not m.ema_step_s:
-                by_progress = math.inf
-                break
-            by_progress = max(by_progress, m.reported_at + (due - m.reported_step) * m.ema_step_s)
-        return min(by_time, by_progress)
-
-    def launch(self, now: float) -> None:
-        cfg = self.config
-        while (cap := self.can_launch_now()) is not None:
-            t, live = cap
-            if not cfg.strict and now < self.launch_time(t, live):
-                return
-            frag = cfg.fragment_of(t)
-            attempt = max(FIRST_ATTEMPT, self.s.min_attempts.get(t, FIRST_ATTEMPT))
-            r = Round(step=t, fragment=frag, attempt=attempt, base_version=self.s.versions[frag],
-                      launched_at=now, deadline=now + cfg.quorum_timeout_s, quorum=self._quorum_for(len(live)),
-                      slots={m.island: _Slot(m.gen) for m in live})
-            self.s.rounds[t] = r
-            self.s.next_step = cfg.next_own_step(t)
-            self.s.last_launch_at = now
-            self.s.last_launch_step = t
-            self.s.counters["launch"] += 1
-            self.out.emit(PublishPull(r.pull()))
+        frag = cfg.fragment_of(t)
+        attempt = max(FIRST_ATTEMPT, s.min_attempts.get(t, FIRST_ATTEMPT))
+        r = Round(step=t, fragment=frag, attempt=attempt, base_version=s.versions[frag],
+                  launched_at=now, deadline=now + cfg.quorum_timeout_s, quorum=_quorum_for(s, cfg, out, len(live)),
+                  slots={m.island: _Slot(m.gen) for m in live})
+        s.rounds[t] = r
+        s.next_step = cfg.next_own_step(t)
+        s.last_launch_at = now
+        s.last_launch_step = t
+        s.counters["launch"] += 1
+        out.emit(PublishPull(r.pull()))
 

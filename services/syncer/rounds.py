@@ -18,15 +18,16 @@ transitions, machine_state.TRANSITIONS):
 
 Where it lives: config.py (SyncerConfig, constants), events.py (inputs) and actions.py (outputs), both
 with their JSON form; state.py (Phase, Member, Round: plain data); machine_state.py (`MachineState`, the
-machine's whole state in one typed object, the phase transitions, and `Output`, `Part`: what the rule
-parts share); this module (`RoundMachine`: restore, `handle` with its handler table, the time-driven
-checks, next_wakeup) and its rule parts, each a `Part` that receives the state, the config and the
-output and keeps nothing of its own: membership.py (hellos, session, generations, heartbeats),
-init_rules.py (INIT, version 0), round_rules.py (rounds in flight: deadlines, restarts, re-broadcasts,
-commit order, launches, pacing), pushes.py (dispositions, quarantine, merges), finalize.py (final cut,
-manifests, acks) and sharding.py (what a machine that is one of several syncer shards adds: followers
-mirroring the coordinator's records, per-shard final cuts). The rules of each part are in its module
-docstring.
+machine's whole state in one typed object, the phase transitions, and `Output`); this module
+(`RoundMachine`: restore, `handle` with its table of handlers, one per event type, and its table of
+ticks, one per phase: the time-driven checks, next_wakeup) and the rule modules it calls, plain
+functions over (state, config, output) that keep nothing of their own: membership.py (hellos, session,
+generations, heartbeats), init_rules.py (INIT, version 0), round_rules.py (rounds in flight: deadlines,
+restarts, commit order, launches, pacing), rebroadcasts.py, pushes.py (dispositions, quarantine,
+merges), finalize.py (final cut, manifests, acks), sharding.py (what a machine that is one of several
+syncer shards adds: followers mirroring the coordinator's records, per-shard final cuts) and
+settings_rules.py (`yeto run set`). Their imports of each other form no cycle and none imports this
+module (tests/test_machine_state.py). The rules of each are in its module docstring.
 
 Choices the design leaves open, decided here (the parts' modules decide the rest):
 - **Attempts are 1-based, pull `seq` and push `try` 0-based** (as the schemas say).
@@ -72,15 +73,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from operator import attrgetter
 from typing import Any, Callable, Mapping, Sequence
 
 from yeto.schemas.errors import ConfigError
 
+from yeto.services.syncer import finalize, init_rules, membership, pushes, round_rules, settings_rules, sharding
 from yeto.services.syncer.actions import (
-    Action, AdoptSession, ApplySettings, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal, PublishPull,
-    PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember,
-    WriteSession,
+    Action, AdoptSession, ApplySettings, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal,
+    PublishPull, PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape,
+    WriteMember, WriteSession,
 )
 from yeto.services.syncer.config import (
     BULK_DTYPES, DISPOSITIONS, FIRST_ATTEMPT, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES, PUSH_DTYPES, SyncerConfig,
@@ -89,14 +90,7 @@ from yeto.services.syncer.events import (
     Event, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MemberSeen, MergeDone, PushComplete,
     Reconfigure, SessionSeen, ShardFinal, Tick, V0Done,
 )
-from yeto.services.syncer.finalize import Finalization
-from yeto.services.syncer.init_rules import InitRules
 from yeto.services.syncer.machine_state import MachineState, Output
-from yeto.services.syncer.membership import Membership
-from yeto.services.syncer.pushes import Pushes
-from yeto.services.syncer.round_rules import RoundRules
-from yeto.services.syncer.settings_rules import SettingsRules
-from yeto.services.syncer.sharding import Sharding
 from yeto.services.syncer.state import Member, Phase, Round, _Final
 
 __all__ = [
@@ -114,30 +108,40 @@ __all__ = [
 
 class RoundMachine:
     """See the module docstring. Feed events with `handle`, carry out the returned actions in order.
-    Everything it knows is in `state` (a `MachineState`); its rules are its parts (`membership`,
-    `init_rules`, `round_rules`, `pushes`, `finalization`, `sharding`), which work on that state."""
+    Everything it knows is in `state` (a `MachineState`); `config` is the config in force (`base_config`,
+    the flags, with `yeto run set`'s values); the rule modules work on both through `_rule`."""
 
     def __init__(self, config: SyncerConfig, *, session_builder: Callable[..., dict] | None = None,
                  state: MachineState | None = None):
         self.config = self.base_config = config   # base: the flags; config: with `yeto run set`'s values
         self.state = state if state is not None else MachineState(next_step=config.next_own_step(0))
         self.out = Output(self.state, config)
-        parts = (self.state, config, self.out, self)
-        self.membership = Membership(*parts, session_builder=session_builder)
-        self.init_rules = InitRules(*parts)
-        self.round_rules = RoundRules(*parts)
-        self.pushes = Pushes(*parts)
-        self.finalization = Finalization(*parts)
-        self.sharding = Sharding(*parts)
-        self.settings_rules = SettingsRules(*parts)
-        self._handlers = {kind: attrgetter(path)(self) for kind, path in self.HANDLERS.items()}
+        self.session_builder = session_builder    # builds the session from the INIT island's hello (tests: a stub)
+        # event type -> its rule (a function over state, config, output); `handle` runs the phase's tick after it
+        self.handlers: dict[type, Callable[..., None]] = {
+            Hello: self._on_hello,
+            Heartbeat: membership.on_heartbeat,
+            InitComplete: init_rules.on_init,
+            InitChunk: init_rules.on_init_chunk,
+            V0Done: init_rules.on_v0_done,
+            PushComplete: pushes.on_push,
+            MergeDone: pushes.on_merge_done,
+            FinalPublished: self._on_final_published,
+            FinalAck: finalize.on_final_ack,
+            SessionSeen: sharding.on_session_seen,
+            MemberSeen: sharding.on_member_seen,
+            ShardFinal: sharding.on_shard_final,
+            Reconfigure: self._on_reconfigure,
+            Tick: self._on_tick,
+        }
+        # phase -> the time-driven checks of that phase (after every event)
+        self.ticks: dict[Phase, Callable[[float], None]] = {
+            Phase.PINNING: self._tick_waiting, Phase.INIT: self._tick_init, Phase.COMMITTING_V0: self._tick_waiting,
+            Phase.RUNNING: self._tick_running, Phase.FINALIZING: self._tick_finalizing, Phase.DONE: self._tick_waiting,
+        }
 
-    def use_config(self, config: SyncerConfig) -> None:
-        """Runtime settings (settings_rules.py): every part reads the new config from the next rule on."""
-        self.config = self.out.config = config
-        for part in (self.membership, self.init_rules, self.round_rules, self.pushes, self.finalization,
-                     self.sharding, self.settings_rules):
-            part.config = config
+    def _rule(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return fn(self.state, self.config, self.out, *args, **kw)
 
     # -- read-only views of the state, for the shell (status record, logs) and tests -----------------
 
@@ -238,23 +242,9 @@ class RoundMachine:
                 s = dataclasses.replace(s, phase=Phase.FINALIZING, final=f, resend_manifests=True)
         return cls(cfg, session_builder=session_builder, state=s)
 
-    # event type -> the part's method that takes it (`handle` runs the time-driven checks after every one)
-    HANDLERS: dict[type, str] = {
-        Hello: "membership.on_hello",
-        Heartbeat: "membership.on_heartbeat",
-        InitComplete: "init_rules.on_init",
-        InitChunk: "init_rules.on_init_chunk",
-        V0Done: "init_rules.on_v0_done",
-        PushComplete: "pushes.on_push",
-        MergeDone: "pushes.on_merge_done",
-        FinalPublished: "finalization.on_final_published",
-        FinalAck: "finalization.on_final_ack",
-        SessionSeen: "sharding.on_session_seen",
-        MemberSeen: "sharding.on_member_seen",
-        ShardFinal: "sharding.on_shard_final",
-        Reconfigure: "settings_rules.on_reconfigure",
-        Tick: "_on_tick",
-    }
+    # The event types the machine takes (a handler each: `handlers`, built per machine).
+    EVENTS: tuple[type, ...] = (Hello, Heartbeat, InitComplete, InitChunk, V0Done, PushComplete, MergeDone,
+                                FinalPublished, FinalAck, SessionSeen, MemberSeen, ShardFinal, Reconfigure, Tick)
 
     def handle(self, event: Event) -> list[Action]:
         s = self.state
@@ -262,16 +252,31 @@ class RoundMachine:
             s.counters["ignored.after_done"] += 1
             return []
         now = max(float(event.now), s.now)
-        handler = self._handlers.get(type(event))
+        handler = self.handlers.get(type(event))
         if handler is None:
             raise TypeError(f"unknown event {type(event).__name__}")
         self.out.take()
-        handler(event, now)   # may raise on a shell contract violation, before any change
+        handler(s, self.config, self.out, event, now)   # may raise on a shell contract violation, before any change
         s.now = now
         self._pump(now)
         return self.out.take()
 
-    def _on_tick(self, ev: Tick, now: float) -> None:
+    def _on_hello(self, s: MachineState, cfg: SyncerConfig, out: Output, ev: Hello, now: float) -> None:
+        membership.on_hello(s, cfg, out, ev, now, builder=self.session_builder)
+
+    def _on_final_published(self, s: MachineState, cfg: SyncerConfig, out: Output, ev: FinalPublished,
+                            now: float) -> None:
+        if cfg.sharded:
+            sharding.shard_final_published(s, cfg, out, now)   # this shard's cut; the coordinator waits for all
+        else:
+            finalize.on_final_published(s, cfg, out, ev, now)
+
+    def _on_reconfigure(self, s: MachineState, cfg: SyncerConfig, out: Output, ev: Reconfigure, now: float) -> None:
+        config = settings_rules.on_reconfigure(s, cfg, out, ev, now, base=self.base_config)
+        if config is not None:
+            self.config = self.out.config = config   # every rule reads it from the next call on
+
+    def _on_tick(self, s: MachineState, cfg: SyncerConfig, out: Output, ev: Tick, now: float) -> None:
         pass   # a Tick carries only time: the time-driven checks run after every event
 
     def next_wakeup(self) -> float | None:
@@ -284,12 +289,12 @@ class RoundMachine:
                 cands.append(m.last_heartbeat + cfg.member_timeout_s)
         for r in s.rounds.values():
             if r.accepting:
-                cands.append(self.round_rules.due(r))
+                cands.append(round_rules.due(s, cfg, self.out, r))
                 if not cfg.strict and r.quorum_at is not None:
                     cands.append(r.quorum_at + r.grace_s)
-        cap = self.round_rules.can_launch_now() if s.phase == Phase.RUNNING and not cfg.strict else None
+        cap = round_rules.can_launch_now(s, cfg, self.out) if s.phase == Phase.RUNNING and not cfg.strict else None
         if cap is not None:
-            cands.append(self.round_rules.launch_time(*cap))
+            cands.append(round_rules.launch_time(s, cfg, self.out, *cap))
         if s.final is not None:
             cands.append(s.final.started_at + cfg.final_timeout_s)
         cands = [c for c in cands if math.isfinite(c)]
@@ -298,6 +303,7 @@ class RoundMachine:
     # -- time-driven -------------------------------------------------------------------------------
 
     def _pump(self, now: float) -> None:
+        """The time-driven checks after every event: what any phase checks, then the phase's own tick."""
         cfg, s, out = self.config, self.state, self.out
         if s.phase == Phase.DONE:
             return
@@ -316,29 +322,49 @@ class RoundMachine:
                 if island not in f.acked:
                     out.emit(SendManifest(island, gen, f.final_step, dict(f.versions)))
             if f.acked >= set(f.targets):
-                self.finalization.finish(True, now)
+                self._rule(finalize.finish, True, now)
                 return
         for m in (s.live() if cfg.coordinator else ()):
             if now - m.last_heartbeat >= cfg.member_timeout_s:
-                self.membership.leave(m, now, f"no heartbeat for {now - m.last_heartbeat:.1f}s")
-        if s.phase == Phase.INIT and len(s.initialized) == len(cfg.own_fragments) \
-                and len(s.live()) >= cfg.islands:
+                self._rule(membership.leave, m, now, f"no heartbeat for {now - m.last_heartbeat:.1f}s")
+        self.ticks[s.phase](now)
+
+    def _tick_waiting(self, now: float) -> None:
+        pass   # pinning, committing version 0: the next event, not time, moves these on
+
+    def _tick_init(self, now: float) -> None:
+        cfg, s = self.config, self.state
+        if len(s.initialized) == len(cfg.own_fragments) and len(s.live()) >= cfg.islands:
             s.enter(Phase.COMMITTING_V0, "every fragment initialized and enough members live")
             for g in sorted(s.held_chunks):   # INIT is over: unseen generations' chunks never count
-                self.init_rules.drop_held_chunks(g, "version 0 decided")
-            out.emit(CommitV0(tuple(cfg.own_fragments)))
+                self._rule(init_rules.drop_held_chunks, g, "version 0 decided")
+            self.out.emit(CommitV0(tuple(cfg.own_fragments)))
+
+    def _check_rounds(self, now: float) -> None:
+        s = self.state
         for step in sorted(s.rounds):
             r = s.rounds[step]
             if r.accepting:
-                self.round_rules.check_round(r, now)
-        self.round_rules.emit_merge(now)
-        if not cfg.sharded and s.phase == Phase.RUNNING and s.committed_step >= cfg.total_steps:
-            self.finalization.start_final(now)          # after the last MergeDone, or at once after restore
-        if cfg.sharded and s.phase == Phase.RUNNING and not s.own_final_started and self.sharding.own_rounds_done():
-            self.sharding.start_shard_final(now)
+                self._rule(round_rules.check_round, r, now)
+        self._rule(round_rules.emit_merge, now)
+
+    def _tick_running(self, now: float) -> None:
+        cfg, s = self.config, self.state
+        self._check_rounds(now)
+        if not cfg.sharded and s.committed_step >= cfg.total_steps:
+            self._rule(finalize.start_final, now)          # after the last MergeDone, or at once after restore
+        if cfg.sharded and s.phase == Phase.RUNNING and not s.own_final_started and sharding.own_rounds_done(s, cfg, self.out):
+            self._rule(sharding.start_shard_final, now)
         if cfg.sharded and cfg.coordinator and s.phase == Phase.RUNNING and len(s.shard_finals) == cfg.shards:
-            self.sharding.start_manifests(now)
+            self._rule(sharding.start_manifests, now)
         if s.phase == Phase.RUNNING:
-            self.round_rules.launch(now)
+            self._rule(round_rules.launch, now)
+        else:
+            self._tick_finalizing(now, rounds_checked=True)   # the final cut just began: its timeout counts too
+
+    def _tick_finalizing(self, now: float, *, rounds_checked: bool = False) -> None:
+        cfg, s = self.config, self.state
+        if not rounds_checked:
+            self._check_rounds(now)
         if s.final is not None and s.phase == Phase.FINALIZING and now - s.final.started_at >= cfg.final_timeout_s:
-            self.finalization.finish(False, now)
+            self._rule(finalize.finish, False, now)
