@@ -1,5 +1,5 @@
 """The syncer shell carries out the round machine's actions from one typed table (`SyncerService.ACTIONS`),
-as the machine dispatches events from `RoundMachine.HANDLERS`: every action type the machine can emit has
+as the machine keeps one handler per event type (`RoundMachine.handlers`): every action type it can emit has
 exactly one handler there, each a coroutine function of the shell, and nothing else is in the table. A new
 action without a handler fails here, not as an "unhandled action" in a running syncer."""
 from __future__ import annotations

@@ -581,7 +581,7 @@ class SyncerService(Startup):
             self._spawn(long(self, a))
         return start
 
-    # Action type -> its handler, as the round machine's HANDLERS map event types (tests/test_syncer_actions.py).
+    # Action type -> its handler, as the round machine keeps a handler per event type (tests/test_syncer_actions.py).
     ACTIONS = {
         R.WriteSession: _write_session, R.AdoptSession: _adopt_session, R.WriteMember: _write_member,
         R.PublishPull: _publish_pull, R.SendError: _send_error, R.InitStore: _store_init, R.InitDrop: _drop_init,
