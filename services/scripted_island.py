@@ -20,7 +20,7 @@ from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.ids import new_generation
 from yeto.schemas.layout import layout_fingerprint
-from yeto.schemas.messages import Ack, Heartbeat, Hello, PushStream, init_chunk
+from yeto.schemas.messages import Ack, BcastChunk, FinalChunk, Heartbeat, Hello, PushStream, init_chunk
 from yeto.schemas.provision import ensure_island_consumers
 from yeto.schemas.versions import software
 
@@ -177,14 +177,14 @@ class ScriptedIsland:
         for s in spans:
             subj = S.final(self.run, fid, s.index) if final else S.bcast(self.run, fid, s.index)
             m = await self.js.get_msg(S.stream(self.run, kind), subject=subj, direct=True)
-            meta = codec.decode_header("final_chunk" if final else "bcast_chunk", m.headers[codec.CHUNK_HEADER])
-            assert digest(m.data) == meta["digest"]
+            meta = (FinalChunk if final else BcastChunk).from_header(m.headers[codec.CHUNK_HEADER])
+            assert digest(m.data) == meta.digest
             if version is None:
-                version = meta["version"]
-            elif meta["version"] != version:
+                version = meta.version
+            elif meta.version != version:
                 return await self.read_cut(fid, final=final)  # a newer version landed mid-read
             out[s.elem_offset: s.elem_offset + s.elem_count] = unpack(m.data, dtype, s.elem_count)
-        return version, out, meta
+        return version, out, meta.to_wire()   # the last chunk's header, as its schema's dict
 
     async def wait_version(self, fid: int, version: int, timeout: float = 30.0) -> torch.Tensor:
         deadline = time.monotonic() + timeout
