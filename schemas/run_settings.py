@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
+from yeto.schemas.dtypes import PUSH_DTYPES
 from yeto.schemas.errors import ConfigError
 
 # key -> (kind, what it accepts); "factor" also takes off/none (the check is off), "count" also all/none
@@ -25,6 +26,7 @@ MACHINE_KEYS: dict[str, str] = {
     "max_token_factor": "factor1",     # >= 1, or off
     "push_norm_factor": "factor",      # > 1, or off
     "outlier_factor": "factor",        # > 1, or off
+    "push_dtype": "dtype",             # the pushes of rounds launched afterwards (their pulls say it)
 }
 OUTER_KEYS: dict[str, str] = {
     "outer_lr": "positive",
@@ -51,6 +53,10 @@ def _bad(key: str, why: str, value: Any) -> ConfigError:
 def check_value(key: str, value: Any) -> Any:
     """`value` for `key` as the syncer uses it (None = off / all), or ConfigError naming key and value."""
     kind = {**MACHINE_KEYS, **OUTER_KEYS}[key]
+    if kind == "dtype":
+        if value not in PUSH_DTYPES:
+            raise _bad(key, f"must be one of {', '.join(PUSH_DTYPES)}", value)
+        return value
     if value is None or (isinstance(value, str) and value.strip().lower() in _OFF + ("all",)):
         if kind == "count" or kind.startswith("factor"):
             return None

@@ -136,12 +136,13 @@ class ScriptedIsland:
 
     async def push(self, pull: dict, delta: torch.Tensor, *, c_tokens: int = 100, try_: int = 0,
                    base_version: int | None = None, corrupt: str | None = None, local_step: int = 1,
-                   gen: str | None = None, fragment: int | None = None, only=None) -> None:
+                   gen: str | None = None, fragment: int | None = None, only=None, dtype: str | None = None) -> None:
         """Push `delta` for `pull`. `corrupt` spoils chunk 0: "digest" (bytes no longer match the digest),
         "size" (4 payload bytes short of its nbytes), "nan" (a NaN and an Inf in the values, digest
         of the bad bytes). `fragment` publishes on push.I.<fragment> with that fragment in the header.
-        `only`: publish just these chunk indices (a push caught half way, as an island killed mid-push)."""
-        dtype = self.session["push_dtype"]
+        `only`: publish just these chunk indices (a push caught half way, as an island killed mid-push).
+        `dtype`: the pull's push_dtype (`yeto run set`), else the session's, unless given."""
+        dtype = dtype or pull.get("push_dtype", self.session["push_dtype"])
         fid = pull["fragment"] if fragment is None else fragment
         spans = chunk_plan(delta.numel(), dtype, self.session["chunk_bytes"])
         stream = PushStream(spans, run=self.run, island=self.island, gen=gen or self.gen, fragment=fid,

@@ -116,3 +116,40 @@ async def test_run_set_changes_the_outer_lr_from_the_next_merge_refuses_bad_valu
 async def test_run_set_with_no_syncer_says_so_and_exits_1(nats_url, run_id):
     res = await asyncio.to_thread(yeto, "run", "set", run_id, "outer_lr=0.5", "--nats", nats_url, "--timeout", "1")
     assert res.returncode == 1 and "no syncer of run" in res.stdout and "nothing changed" in res.stdout, res.stdout
+
+
+async def test_run_set_push_dtype_moves_the_next_rounds_to_bf16_and_refuses_a_push_in_the_old_dtype(
+        nats_url, run_id, tmp_path):
+    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], tmp_path / "ckpt", *RUN_ARGS, layout=LAYOUT)
+    a, b = isls
+    try:
+        ref = Reference(init)
+        gen = torch.Generator().manual_seed(12)
+        tokens = {"a": 300, "b": 100}
+        for t in (1, 2):
+            fid = await push_round(isls, ref, gen, t, tokens)
+            torch.testing.assert_close(await a.wait_version(fid, 1), ref.value(fid), rtol=1e-6, atol=1e-6)
+        p3 = {isl.island: await isl.expect_pull(3) for isl in isls}
+        assert "push_dtype" not in p3["a"]                      # launched before the change: the session's f32
+        res = await asyncio.to_thread(yeto, "run", "set", run_id, "push_dtype=bf16", "--nats", nats_url)
+        assert res.returncode == 0 and "push_dtype=bf16" in res.stdout, res.stdout + res.stderr
+        deltas = [torch.randn(a.frag(0)["numel"], generator=gen) * 0.1 for _ in isls]
+        for isl, d in zip(isls, deltas):
+            await isl.push(p3[isl.island], d, c_tokens=tokens[isl.island])
+        ref.round(0, deltas, [tokens["a"], tokens["b"]])
+        torch.testing.assert_close(await a.wait_version(0, 2), ref.value(0), rtol=1e-6, atol=1e-6)
+        # round 4 (launched after the change) asks for bf16: an f32 push is refused naming the dtype, the bf16 one is merged
+        p4 = {isl.island: await isl.expect_pull(4) for isl in isls}
+        assert p4["a"]["push_dtype"] == "bf16" == p4["b"]["push_dtype"]
+        deltas = [torch.randn(a.frag(1)["numel"], generator=gen) * 0.1 for _ in isls]
+        await a.push(p4["a"], deltas[0], c_tokens=tokens["a"], dtype="f32", try_=0)
+        bad = await wait_tape(a.js, run_id, lambda r: r["island"] == "a" and r["step"] == 4, kind="disposition")
+        assert bad["disposition"] == "invalid" and "push dtype must be the round's (yeto run set) bf16" in bad["reason"], bad
+        for isl, d in zip(isls, deltas):
+            await isl.push(p4[isl.island], d, c_tokens=tokens[isl.island], try_=1)
+        ref.round(1, [d.to(torch.bfloat16).float() for d in deltas], [tokens["a"], tokens["b"]])
+        torch.testing.assert_close(await a.wait_version(1, 2), ref.value(1), rtol=1e-6, atol=1e-6)
+        merges = {m["step"]: m for m in await tape(a.js, run_id, "merge")}
+        assert merges[4]["version"] == 2 and set(merges[4]["weights"]) == {"a", "b"}
+    finally:
+        await close_run(isls, syncer, run_id)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from yeto.schemas import codec
-from yeto.schemas.errors import ConfigError
-from yeto.schemas.run_settings import parse_assignments
+from yeto.schemas.errors import ConfigError, SchemaError
+from yeto.schemas.run_settings import check_settings, parse_assignments
 from yeto.services.syncer.actions import ApplySettings, Merge, action_from_json, action_to_json
 from yeto.services.syncer.events import Heartbeat, Reconfigure, event_from_json, event_to_json
 from yeto.services.syncer.replay import replay, segments
@@ -39,11 +39,16 @@ def test_bad_settings_name_the_field_and_the_value(words, field, value):
     assert field in str(exc.value)
 
 
-def test_the_request_and_answer_messages_validate_and_refuse_a_string_value():
-    req = codec.make("settings", run="r1", id="set-1", set={"outer_lr": 0.5, "quorum": None}, by="ops@h")
+def test_the_request_and_answer_messages_validate_and_refuse_a_nested_value():
+    req = codec.make("settings", run="r1", id="set-1", set={"outer_lr": 0.5, "quorum": None, "push_dtype": "bf16"},
+                     by="ops@h")
     assert codec.decode_typed(codec.encode("settings", req), allowed=("settings",))[1] == req
-    with pytest.raises(codec.SchemaError if hasattr(codec, "SchemaError") else Exception):
-        codec.make("settings", run="r1", id="set-1", set={"outer_lr": "0.5"})
+    for bad in ({"outer_lr": [0.5]}, {"outer_lr": {"x": 1}}, {}, {"Outer-LR": 1}):
+        with pytest.raises(SchemaError):
+            codec.make("settings", run="r1", id="set-1", set=bad)
+    assert check_settings({"push_dtype": "q4"}) == {"push_dtype": "q4"}
+    with pytest.raises(ConfigError, match="push_dtype must be one of f32, bf16, q4"):
+        check_settings({"push_dtype": "fp8"})
     ans = codec.make("settings_result", run="r1", id="set-1", ok=False, shard=0, shards=1, error="x", field="outer_lr",
                      value="-1")
     assert ans["ok"] is False
@@ -121,3 +126,28 @@ def test_reconfigure_events_tape_and_replay_identical():
     assert res.actions == len(sigs)
     e = Reconfigure("s1", {"outer_lr": 0.3}, "ops", 4.1)
     assert event_from_json(event_to_json(e)) == e
+
+
+def test_a_push_dtype_change_rides_on_the_pulls_of_rounds_launched_after_it_and_waits_for_the_session():
+    from yeto.services.syncer.rounds import RoundMachine
+    from tests.test_rounds import Builder, cfg
+
+    early = RoundMachine(cfg(strict=False, quorum=1), session_builder=Builder())
+    (ap,) = of(early.handle(Reconfigure("d0", {"push_dtype": "bf16"}, "ops", 0.0)), ApplySettings)
+    assert not ap.ok and ap.field == "push_dtype" and "session is pinned" in ap.error
+    m = _running()
+    assert "push_dtype" not in m.rounds[1].pull()                  # launched before: the session's dtype
+    (ap,) = of(m.handle(Reconfigure("d1", {"push_dtype": "bf16"}, "ops", 4.5)), ApplySettings)
+    assert ap.ok and ap.changed == {"push_dtype": "bf16"}
+    (mg,) = of(m.handle(push(m, "a", 1, now=5.0)), Merge)
+    for isl in ("a", "b"):
+        m.handle(Heartbeat(isl, GEN[isl], 8, 1.0, 9.0))
+    (p2,) = pulls(merge_done(m, mg, now=9.0))
+    assert p2["step"] == 2 and p2["push_dtype"] == "bf16"
+    codec.make("pull", run="r1", **p2)                              # the pull schema takes it
+    # the session keeps its dtype: a hello asking for it is admitted, one asking for bf16 is refused
+    assert m.session["push_dtype"] == "f32"
+    (back,) = of(m.handle(Reconfigure("d2", {"push_dtype": "f32"}, "ops", 9.5)), ApplySettings)
+    assert back.ok and m.config.push_dtype == "f32"
+    (q4,) = of(m.handle(Reconfigure("d3", {"push_dtype": "q4"}, "ops", 9.6)), ApplySettings)
+    assert not q4.ok and q4.field == "push_dtype" and "q4 only as the session's" in q4.error

@@ -10,7 +10,7 @@ import torch
 from yeto.services.syncer import spec_rules as SR
 from yeto.services.syncer.actions import Merge, MergeInput
 from yeto.services.syncer.outer import OuterStep
-from yeto.services.syncer.pushes import Pushes
+from yeto.services.syncer import pushes
 from yeto.services.syncer.weights import cap_claims, weights_for
 
 pytestmark = pytest.mark.pure
@@ -58,19 +58,18 @@ def test_forecast_caps_a_claim_like_the_round_machine() -> None:
 
 
 def test_the_machine_uses_the_same_cap() -> None:
-    # Pushes._clamp_tokens is cap_claims plus its counter: one rule, not two copies
+    # pushes._clamp_tokens is cap_claims plus its counter: one rule, not two copies
     from collections import Counter
     from types import SimpleNamespace
 
     from yeto.services.syncer.state import _Answer
 
-    rules = Pushes.__new__(Pushes)
-    rules.config = SimpleNamespace(max_token_factor=2.5, equal_weights=False)
-    rules.s = SimpleNamespace(counters=Counter())
+    cfg = SimpleNamespace(max_token_factor=2.5, equal_weights=False)
+    state = SimpleNamespace(counters=Counter())
     answers = [("a", _Answer("g", 1, 0, 0, 4, 10**9)), ("b", _Answer("g", 1, 0, 0, 1, 3)), ("c", _Answer("g", 1, 0, 0, 2, 7))]
-    used, clamp = rules._clamp_tokens(answers)
+    used, clamp = pushes._clamp_tokens(state, cfg, None, answers)
     assert (used, clamp) == cap_claims([(i, a.c_tokens, a.c_steps) for i, a in answers], 2.5, False)
-    assert rules.s.counters["tokens.clamped"] == len(clamp) == 1
+    assert state.counters["tokens.clamped"] == len(clamp) == 1
 
 
 @pytest.mark.parametrize("claims", [

@@ -37,6 +37,7 @@ from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.errors import WireError
 from yeto.services.syncer.checkpoint import CheckpointDir
+from tests.e2e_procs import wait_until
 from tests.scripted import (LR, MU, Reference, close_run, finish_on_reference, push_round, replay_segments,
                             start_run, tape, tiny_layout, wait_status, wait_tape)
 
@@ -151,9 +152,13 @@ async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats
             await _play(isls, ref, gen, t)
             fid, v = (t - 1) % 2, (t + 1) // 2
             torch.testing.assert_close(await a.wait_version(fid, v), ref.value(fid), rtol=1e-6, atol=1e-6)
-        await asyncio.sleep(0.3)   # the log's last messages
+        # the log's last messages (its ordered consumer lags on a loaded host: wait for what is asserted on)
+        want = ((1, 1), (0, 2), (1, 2))
+        async def seen_all():
+            return all(k in log.first and k in log.sealed for k in want)
+        await wait_until(seen_all, 20, "the log to see every version")
         commits = await _commit_times(a.js, run_id)
-        for fid, v in ((1, 1), (0, 2), (1, 2)):
+        for fid, v in want:
             t_commit = min(ts for ts, rec in commits if rec["versions"].get(str(fid), -1) >= v)
             t_first, t_seal = log.first[(fid, v)], log.sealed[(fid, v)]
             assert t_seal > t_commit, (fid, v, "sealed before the commit record")

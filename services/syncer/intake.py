@@ -115,6 +115,8 @@ class PushLedger:
         self.released: set[PushKey] = set()
         self._opened_at: dict[PushKey, int] = {}   # committed_step when the try was opened
         self.swept: list[int] = []                 # sequences of swept tries, for the shell to delete
+        # (fragment, step, attempt) -> the push dtype its pull asked for when `yeto run set` changed it
+        self.round_dtypes: dict[tuple[int, int, int], str] = {}
         self.dropped: list[DroppedTry] = []        # incomplete tries forgotten, for the shell to tape
         self._tombstones: dict[PushKey, int] = {}  # dropped incomplete try -> committed_step when dropped
 
@@ -202,6 +204,15 @@ class PushLedger:
             self.held_bytes -= sum(len(d) for d in t.held.values())
             t.held.clear()
 
+    def expect_pull(self, pull: dict) -> None:
+        """A pull went out: a push dtype it names (`yeto run set push_dtype`) is what its pushes must carry."""
+        if "push_dtype" in pull:
+            self.round_dtypes[(pull["fragment"], pull["step"], pull["attempt"])] = pull["push_dtype"]
+
+    def push_dtype(self, fragment: int, step: int, attempt: int, session_dtype: str) -> str:
+        """The dtype a push of this round must carry: its pull's, else the session's."""
+        return self.round_dtypes.get((fragment, step, attempt), session_dtype)
+
     def pop_round(self, fragment: int, step: int) -> list[int]:
         """Forget every try of a (fragment, step) round, which is committed; return their sequences to
         delete (one purge of the fragment's subject). Also sweeps incomplete tries of committed rounds
@@ -216,6 +227,7 @@ class PushLedger:
                                           f"round {key[3]} committed")
             self.swept.extend(self._pop(key))
         self.released = {k for k in self.released if k[3] > self.committed_step}
+        self.round_dtypes = {k: v for k, v in self.round_dtypes.items() if k[1] > self.committed_step}
         # A hostile run showed a try's last chunk arriving a second (two commits) after its first.
         self._tombstones = {k: c for k, c in self._tombstones.items() if c >= prev - self.TOMBSTONE_COMMITS}
         while len(self._tombstones) > self.MAX_TOMBSTONES:

@@ -51,9 +51,11 @@ def on_hello(s: MachineState, cfg: SyncerConfig, out: Output, ev: Hello, now: fl
         return
     for key, flag in (("push_dtype", "--push-dtype"), ("bulk_dtype", "--bulk-dtype")):
         asked = getattr(ev, key)
-        if asked != "auto" and asked != getattr(cfg, key):
+        # the session's dtype once pinned (a runtime push_dtype rides on the pulls, not the session)
+        pinned = (s.session or {}).get(key, getattr(cfg, key))
+        if asked != "auto" and asked != pinned:
             out.reject(ev.island, ev.gen, "dtype_mismatch",
-                            f"hello asks {key} {asked!r}, the session uses {getattr(cfg, key)!r} ({flag})",
+                            f"hello asks {key} {asked!r}, the session uses {pinned!r} ({flag})",
                             now, fatal=True, field=key)
             return
     if s.phase == Phase.FINALIZING and m is None:

@@ -83,7 +83,9 @@ class Merger:
             equal_weights=speculate.equal_weights)
 
     def expect(self, pull: dict) -> None:
-        """A pull was published: its round may be merged speculatively."""
+        """A pull was published: its pushes' dtype is known (the ledger) and its round may be merged
+        speculatively."""
+        self.ledger.expect_pull(pull)
         if self.spec is not None:
             self.spec.expect(pull)
 
@@ -198,7 +200,7 @@ class Merger:
     async def _merge(self, a: R.Merge, redone: bool, spec, t0: float) -> tuple[R.MergeDone, list[int]]:
         fid = a.fragment
         fr = self.cut.frags[fid]
-        dtype = self.cut.session["push_dtype"]
+        dtype = self.ledger.push_dtype(fid, a.step, a.attempt, self.cut.session["push_dtype"])
         spans = chunk_plan(fr.numel, dtype, self.cut.session["chunk_bytes"])
         tries = []
         for m in a.members:

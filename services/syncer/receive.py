@@ -275,8 +275,10 @@ class Receiver:
             return
         else:
             try:
-                if meta["dtype"] != self.cut.session["push_dtype"]:
-                    raise WireError(f"push dtype must be the session's {self.cut.session['push_dtype']}", field="dtype", value=meta["dtype"])
+                want = self.ledger.push_dtype(meta["fragment"], meta["step"], meta["attempt"], self.cut.session["push_dtype"])
+                if meta["dtype"] != want:
+                    whose = "session's" if want == self.cut.session["push_dtype"] else "round's (yeto run set)"
+                    raise WireError(f"push dtype must be the {whose} {want}", field="dtype", value=meta["dtype"])
                 spans = chunk_plan(fr.numel, meta["dtype"], self.cut.session["chunk_bytes"])
                 expected_total = plan_nbytes(spans)
                 span = check_chunk(spans, meta, msg.data)

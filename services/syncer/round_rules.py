@@ -85,11 +85,19 @@ def _restart(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: flo
     r.deadline = now + cfg.quorum_timeout_s
     r.quorum_at = r.grace_s = r.hopeless_at = None
     r.norms = {}
+    r.push_dtype = round_push_dtype(s, cfg)
     s.counters["restart"] += 1
     out.emit(PublishPull(r.pull()))
     out.tape("restart", now, step=r.step, fragment=r.fragment, attempt=r.attempt,
                   base_version=r.base_version, expected=r.members(), responded=old_responded, quorum=r.quorum,
                   reason=f"deadline passed below quorum: {len(old_responded)} of {r.quorum} needed answered attempt {old_attempt}")
+
+
+def round_push_dtype(s: MachineState, cfg: SyncerConfig) -> str | None:
+    """The dtype a round launched now asks for when `yeto run set` made it differ from the session's (its
+    pull then says so); None: the session's."""
+    pinned = (s.session or {}).get("push_dtype")
+    return cfg.push_dtype if pinned is not None and cfg.push_dtype != pinned else None
 
 
 def _quorum_for(s: MachineState, cfg: SyncerConfig, out: Output, expected: int) -> int:
@@ -145,7 +153,7 @@ def launch(s: MachineState, cfg: SyncerConfig, out: Output, now: float) -> None:
         attempt = max(FIRST_ATTEMPT, s.min_attempts.get(t, FIRST_ATTEMPT))
         r = Round(step=t, fragment=frag, attempt=attempt, base_version=s.versions[frag],
                   launched_at=now, deadline=now + cfg.quorum_timeout_s, quorum=_quorum_for(s, cfg, out, len(live)),
-                  slots={m.island: _Slot(m.gen) for m in live})
+                  slots={m.island: _Slot(m.gen) for m in live}, push_dtype=round_push_dtype(s, cfg))
         s.rounds[t] = r
         s.next_step = cfg.next_own_step(t)
         s.last_launch_at = now

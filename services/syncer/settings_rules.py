@@ -37,6 +37,17 @@ def on_reconfigure(s: MachineState, cfg: SyncerConfig, out: Output, ev: Reconfig
         return None
     try:
         changed = check_settings(ev.settings)
+        if "push_dtype" in changed:
+            if s.session is None:
+                raise ConfigError("push_dtype changes only once the session is pinned (start the syncer with "
+                                  "--push-dtype for the first rounds)", field="push_dtype", value=changed["push_dtype"])
+            if "q4" in (changed["push_dtype"], s.session.get("push_dtype")) and \
+                    changed["push_dtype"] != s.session.get("push_dtype"):
+                # q4 keeps an error-feedback residual per fragment on the island, and the island's push mode is
+                # chosen for it at start: it is the session's or nothing
+                raise ConfigError(f"push_dtype switches between f32 and bf16 at runtime; q4 only as the session's "
+                                  f"(--push-dtype at start; the session's is {s.session.get('push_dtype')})",
+                                  field="push_dtype", value=changed["push_dtype"])
         machine = {k: v for k, v in changed.items() if k in MACHINE_KEYS}
         config = dataclasses.replace(base, **{**_machine_settings(s), **machine})
     except ConfigError as exc:

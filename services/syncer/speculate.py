@@ -142,7 +142,8 @@ class Speculator:
             return None
         s = self.cut.session
         sp = Speculation(fc, [keys[(island, gen)][0] for island, gen, _ in fc.members],
-                         chunk_plan(self.cut.frags[fid].numel, s["push_dtype"], s["chunk_bytes"]), s["push_dtype"])
+                         chunk_plan(self.cut.frags[fid].numel, pull.get("push_dtype", s["push_dtype"]), s["chunk_bytes"]),
+                         pull.get("push_dtype", s["push_dtype"]))
         self.specs[(fid, step, attempt)] = sp
         return sp
 

@@ -123,6 +123,7 @@ class Round:
     merge_at: float | None = None     # when the Merge action went out
     hopeless_at: float | None = None  # when quorum became out of reach for this attempt
     norms: dict[str, float] = field(default_factory=dict)  # island -> norm of its push accepted this attempt
+    push_dtype: str | None = None     # `yeto run set push_dtype` at its launch; None = the session's
 
     @property
     def accepting(self) -> bool:
@@ -139,10 +140,13 @@ class Round:
         return [{"island": i, "gen": s.answer.gen} for i, s in sorted(self.slots.items()) if s.answer]
 
     def pull(self) -> dict:
-        return {
+        pull = {
             "fragment": self.fragment, "step": self.step, "attempt": self.attempt, "seq": self.seq,
             "base_version": self.base_version, "members": self.members(),
         }
+        if self.push_dtype is not None:
+            pull["push_dtype"] = self.push_dtype
+        return pull
 
 
 @dataclass

@@ -1,0 +1,256 @@
+"""Sparse push messages of the sparse outer mode (docs/design.md §4.10): per-chunk top-k, b-bit values,
+12-bit chunk-local indices, raw bytes. Pure, no I/O; both the island and the syncer import it.
+
+**Selection.** In every chunk (schemas/sparse_chunks.py) the values of largest magnitude are kept; among
+equal magnitudes the lower local index wins, so the choice never depends on torch.topk's order. Inside a
+chunk the kept values are listed by increasing local index.
+
+**Values.** All kept values of one tensor share one table (SparseLoCo's per-parameter quantization): with
+μ and σ their mean and sample standard deviation, 2**b equal bins cover μ ± 3σ (values beyond fall in
+the outer bins), a value's code is its bin, and the table holds each bin's mean of the values in it (0
+for an empty bin), rounded once to f32. Decoding is `table[code]`. Statistics and bin means are taken in
+float64, so the codes never hinge on a summation order. (Templar's code rounds to bins centred at
+μ − 3σ … μ + 1.5σ; the equal bins keep the sign of every kept value when μ ≈ 0, which 4 bins need.)
+
+**Message** (little-endian; no JSON, no base64):
+
+    header  "YSPK" | format u8 = 1 | value_bits u8 | tile u16 | k u16 | chunk_1d u16 | k_1d u16 | tensors u32
+    then per tensor, in the fragment's order:
+            numel u64 | kept u32 | table f32 × 2**bits | indices: 12-bit packed | codes: bits-packed
+
+`kept` is what the tensor's shape implies (`Grid.n_kept`), the chunks' entries follow one another in
+chunk order with no per-chunk counts (each chunk's count is implied too). Exact size: `push_nbytes`.
+
+A decoder refuses (DecodeError, naming the field and the value) a message of another spec, another
+tensor count or size, a count that is not the implied one, a non-finite table entry, an index outside
+its chunk or not increasing within it, set padding bits, and short or trailing bytes.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import DecodeError, WireError
+from .sparse_chunks import Grid, SparseSpec, grid_of, pack12, pack_codes, packed_codes_nbytes, unpack12, unpack_codes
+
+MAGIC = b"YSPK"
+FORMAT = 1
+_HEADER = struct.Struct("<4sBBHHHHI")
+_TENSOR = struct.Struct("<QI")
+SIGMAS = 3.0  # bins cover mean +- 3 sigma
+# Values selected at once: bounds the temporaries of a big tensor (|x|, masks, ranks) to a few of these.
+BAND_NUMEL = 1 << 22
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """A decoded sparse tensor: flat (row-major) indices into the tensor, unique, and their f32 values."""
+
+    indices: torch.Tensor  # int64
+    values: torch.Tensor   # float32
+
+    def dense(self, shape, device=None) -> torch.Tensor:
+        out = torch.zeros(math.prod(shape), dtype=torch.float32, device=device)
+        out[self.indices.to(out.device)] = self.values.to(out.device)
+        return out.view(shape)
+
+
+def index_nbytes(n: int) -> int:
+    return 3 * (n // 2) + 2 * (n % 2)
+
+
+def tensor_nbytes(shape, spec: SparseSpec) -> int:
+    n = grid_of(shape, spec).n_kept()
+    return _TENSOR.size + 4 * (1 << spec.value_bits) + index_nbytes(n) + packed_codes_nbytes(n, spec.value_bits)
+
+
+def push_nbytes(shapes: Sequence, spec: SparseSpec) -> int:
+    """The exact size of a push message for tensors of `shapes`."""
+    return _HEADER.size + sum(tensor_nbytes(s, spec) for s in shapes)
+
+
+# ---------------------------------------------------------------- selection
+
+def _select(tiles: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by magnitude of every row of `tiles` (N, n), ties to the lower index, in index order:
+    (local indices int64 (N, k), values (N, k))."""
+    n_rows, n = tiles.shape
+    if k == n:
+        return torch.arange(n, device=tiles.device).expand(n_rows, n), tiles
+    a = tiles.abs()
+    # The k-th largest magnitude of each row: everything above it is kept, and of the values equal to it
+    # the first ones (by index) that make up k.
+    kth = torch.topk(a, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    above = a > kth
+    need = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)
+    tied = a == kth
+    take = above | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= need))
+    local = take.nonzero()[:, 1].view(n_rows, k)
+    return local, tiles.gather(1, local)
+
+
+def _tiles(block: torch.Tensor, th: int, tw: int) -> torch.Tensor:
+    """The th × tw tiles of `block` (b·th, g·tw) as rows (b·g, th·tw), tiles in row-major order."""
+    b, g = block.shape[0] // th, block.shape[1] // tw
+    return block.reshape(b, th, g, tw).permute(0, 2, 1, 3).reshape(b * g, th * tw)
+
+
+def _band(band: torch.Tensor, grid: Grid, th: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selection in one band of whole tile rows (b·th rows): entries in chunk order."""
+    b = band.shape[0] // th
+    fc, ec, tw = grid.full_cols, grid.edge_cols, grid.tw
+    per_group = max(1, BAND_NUMEL // (th * tw)) if b == 1 else fc
+    locs, vals = [], []
+    for c0 in range(0, fc, max(per_group, 1)):
+        g = min(per_group, fc - c0)
+        loc, val = _select(_tiles(band[:, c0 * tw:(c0 + g) * tw], th, tw), grid.keep(th * tw))
+        locs.append(loc.reshape(b, -1))
+        vals.append(val.reshape(b, -1))
+    if ec:
+        loc, val = _select(_tiles(band[:, fc * tw:], th, ec), grid.keep(th * ec))
+        locs.append(loc.reshape(b, -1))
+        vals.append(val.reshape(b, -1))
+    return torch.cat(locs, dim=1).reshape(-1), torch.cat(vals, dim=1).reshape(-1)
+
+
+def select(x: torch.Tensor, spec: SparseSpec, field: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries of `x` in chunk order: (local indices int64, f32 values), `Grid.n_kept` of each.
+    A non-finite value is refused (WireError naming `field`). Works band by band (at most about
+    BAND_NUMEL values at a time, converted to f32 and checked as it goes), so the temporaries stay a
+    few bands whatever the tensor's size."""
+    grid = grid_of(x.shape, spec)
+    m = x.detach().reshape(grid.rows, grid.cols)
+    th, fr = grid.th, grid.full_rows
+    rows_per_band = max(1, BAND_NUMEL // max(1, th * grid.cols))
+    bands = [(r0, min(rows_per_band, fr - r0), th) for r0 in range(0, fr, rows_per_band)]
+    if grid.edge_rows:
+        bands.append((fr, 1, grid.edge_rows))
+    locs, vals = [], []
+    for t0, b, h in bands if grid.cols else ():
+        band = m[t0 * th:t0 * th + b * h].to(torch.float32)
+        if not bool(torch.isfinite(band).all()):
+            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+        loc, val = _band(band, grid, h)
+        locs.append(loc)
+        vals.append(val)
+    if not locs:
+        return torch.empty(0, dtype=torch.int64, device=x.device), torch.empty(0, device=x.device)
+    return torch.cat(locs), torch.cat(vals)
+
+
+# ---------------------------------------------------------------- values
+
+def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int64, table f32 of 2**bits) of one tensor's kept values; decoded = table[codes]."""
+    nb = 1 << bits
+    n = values.numel()
+    table = torch.zeros(nb, dtype=torch.float64, device=values.device)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=values.device), table.float()
+    v = values.double()
+    centred = v - v.mean()
+    sigma = float(centred.norm()) / math.sqrt(n - 1) if n > 1 else 0.0
+    width = 2 * SIGMAS * sigma / nb
+    if width > 0 and math.isfinite(width):
+        codes = torch.floor(centred / width).clamp_(-(nb // 2), nb // 2 - 1).to(torch.int64) + nb // 2
+    else:  # all values equal (or one value): one bin holds them, its mean is exact
+        codes = torch.full((n,), nb // 2, dtype=torch.int64, device=values.device)
+    sums = table.index_add(0, codes, v)
+    counts = torch.bincount(codes, minlength=nb).to(torch.float64)
+    table = torch.where(counts > 0, sums / counts.clamp(min=1), table)
+    return codes, table.float()
+
+
+# ---------------------------------------------------------------- message
+
+def encode_push(tensors: Sequence[torch.Tensor], spec: SparseSpec, *, names: Sequence[str] | None = None) -> bytes:
+    """The push message of `tensors` (any float dtype, any device; f32 arithmetic): `push_nbytes` long.
+    Non-finite values are refused (WireError naming the tensor)."""
+    parts = [_HEADER.pack(MAGIC, FORMAT, spec.value_bits, spec.tile, spec.k, spec.chunk_1d, spec.k_1d, len(tensors))]
+    for i, t in enumerate(tensors):
+        local, vals = select(t, spec, f"tensors.{names[i] if names else i}")
+        codes, table = quantize(vals, spec.value_bits)
+        parts.append(_TENSOR.pack(t.numel(), local.numel()))
+        parts.append(table.cpu().numpy().astype("<f4").tobytes())
+        parts.append(pack12(local).cpu().numpy().tobytes())
+        parts.append(pack_codes(codes, spec.value_bits).cpu().numpy().tobytes())
+    return b"".join(parts)
+
+
+class ByteReader:
+    def __init__(self, buf):
+        self.mv = memoryview(buf).cast("B")
+        self.pos = 0
+
+    def take(self, n: int, field: str) -> memoryview:
+        if self.pos + n > len(self.mv):
+            raise DecodeError(f"message ends {self.pos + n - len(self.mv)} bytes short", field=field,
+                              value=len(self.mv))
+        out = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self, n: int, field: str) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(self.take(n, field), dtype=np.uint8).copy())
+
+    def done(self) -> None:
+        if self.pos != len(self.mv):
+            raise DecodeError("trailing bytes after the last tensor", field="length", value=len(self.mv))
+
+
+def _check_header(r: ByteReader, spec: SparseSpec, n_tensors: int, magic: bytes) -> None:
+    got = _HEADER.unpack(r.take(_HEADER.size, "header"))
+    want = (magic, FORMAT, spec.value_bits, spec.tile, spec.k, spec.chunk_1d, spec.k_1d, n_tensors)
+    names = ("magic", "format", "value_bits", "tile", "k", "chunk_1d", "k_1d", "tensors")
+    for name, g, w in zip(names, got, want):
+        if g != w:
+            raise DecodeError(f"expected {w!r}", field=f"header.{name}", value=g)
+
+
+def check_chunk_order(grid: Grid, chunk: torch.Tensor, local: torch.Tensor, field: str) -> None:
+    """Refuse a local index outside its chunk or not increasing within it (a repeat included)."""
+    h, w = grid.chunk_shapes(local.device)
+    size = (h * w)[chunk]
+    bad = (local < 0) | (local >= size)
+    if bool(bad.any()):
+        at = int(bad.nonzero()[0, 0])
+        raise DecodeError(f"index outside its chunk of {int(size[at])} values", field=f"{field}.{at}",
+                          value=int(local[at]))
+    if local.numel() > 1:
+        order = (local[1:] > local[:-1]) | (chunk[1:] != chunk[:-1])
+        if not bool(order.all()):
+            at = int((~order).nonzero()[0, 0]) + 1
+            raise DecodeError("indices must increase within a chunk", field=f"{field}.{at}", value=int(local[at]))
+
+
+def decode_push(buf, shapes: Sequence, spec: SparseSpec) -> list[SparseTensor]:
+    """The tensors of a push message, for tensors of `shapes` (the fragment's layout) under `spec`."""
+    r = ByteReader(buf)
+    _check_header(r, spec, len(shapes), MAGIC)
+    nb = 1 << spec.value_bits
+    out = []
+    for i, shape in enumerate(shapes):
+        grid = grid_of(shape, spec)
+        numel, kept = _TENSOR.unpack(r.take(_TENSOR.size, f"tensors.{i}"))
+        if numel != math.prod(shape):
+            raise DecodeError(f"expected {math.prod(shape)} values", field=f"tensors.{i}.numel", value=numel)
+        if kept != grid.n_kept():
+            raise DecodeError(f"expected {grid.n_kept()} kept values", field=f"tensors.{i}.kept", value=kept)
+        table = torch.from_numpy(np.frombuffer(r.take(4 * nb, f"tensors.{i}.table"), dtype="<f4").copy())
+        if not bool(torch.isfinite(table).all()):
+            bad = int((~torch.isfinite(table)).nonzero()[0, 0])
+            raise DecodeError("table entries must be finite", field=f"tensors.{i}.table.{bad}",
+                              value=float(table[bad]))
+        local = unpack12(r.u8(index_nbytes(kept), f"tensors.{i}.indices"), kept, f"tensors.{i}.indices")
+        codes = unpack_codes(r.u8(packed_codes_nbytes(kept, spec.value_bits), f"tensors.{i}.codes"), kept,
+                             spec.value_bits, f"tensors.{i}.codes")
+        chunk = grid.chunk_of_entries(grid.chunk_keep())
+        check_chunk_order(grid, chunk, local, f"tensors.{i}.indices")
+        out.append(SparseTensor(grid.to_global(chunk, local), table[codes]))
+    r.done()
+    return out

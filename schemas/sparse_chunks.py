@@ -1,0 +1,215 @@
+"""The chunk grid of the sparse outer mode and its bit packing (docs/design.md §4.10). Pure, no I/O.
+
+A tensor is cut into chunks the way SparseLoCo cuts it: a 2-D weight (or an N-D one, viewed as
+rows × the product of the other dimensions) into `tile` × `tile` tiles, a 1-D tensor (or a scalar)
+into runs of `chunk_1d` values. Tiles are taken from the top-left corner; where a dimension is not a
+multiple of the tile the last tile row / column is smaller (edge tiles), so no chunk spans two tile
+positions and no value is padded. Chunks are numbered in row-major order of the tile grid, and a value
+inside a chunk by its row-major position in that chunk's own shape (its *local index*, < 4096, so 12
+bits hold it).
+
+A chunk of n values keeps `ceil(k_full · n / F)` of them (at most n), where F is a full chunk's size and
+k_full the spec's k (2-D) or k_1d (1-D): a full chunk keeps exactly k, an edge chunk keeps the same
+fraction rounded up, so density is the same everywhere and a message's size is a function of the
+tensor's shape alone.
+
+Packing: 12-bit indices two to three bytes, little-endian (`a | b << 12`), an odd last index in two
+bytes with the top four bits zero (Templar's `pack_12bit_indices` order); b-bit codes 8/b to a byte,
+the first code in the low bits. Unused bits must be zero: a decoder refuses anything else, so every
+message has one encoding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError, DecodeError
+
+MAX_CHUNK = 4096  # a local index must fit 12 bits
+VALUE_BITS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """The compression a run pins: every island and the syncer must use the same one (the message header
+    names it, and a decoder refuses a message of another spec)."""
+
+    tile: int = 64        # side of a 2-D tile: tile*tile <= 4096
+    k: int = 64           # values kept per full 2-D tile (64 of 4096: 1.56 %)
+    chunk_1d: int = 64    # values per chunk of a 1-D tensor
+    k_1d: int = 64        # values kept per full 1-D chunk (SparseLoCo keeps all of a 1-D chunk)
+    value_bits: int = 2   # bits per kept value: 2**bits bins over mean +- 3 sigma
+
+    def __post_init__(self):
+        for name in ("tile", "k", "chunk_1d", "k_1d", "value_bits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError("must be a positive integer", field=f"sparse.{name}", value=value)
+        if self.tile * self.tile > MAX_CHUNK:
+            raise ConfigError(f"a tile of tile*tile values must fit 12-bit indices (<= {MAX_CHUNK})",
+                              field="sparse.tile", value=self.tile)
+        if self.k > self.tile * self.tile:
+            raise ConfigError(f"cannot keep more than a tile's {self.tile * self.tile} values", field="sparse.k",
+                              value=self.k)
+        if self.chunk_1d > MAX_CHUNK:
+            raise ConfigError(f"a 1-D chunk must fit 12-bit indices (<= {MAX_CHUNK})", field="sparse.chunk_1d",
+                              value=self.chunk_1d)
+        if self.k_1d > self.chunk_1d:
+            raise ConfigError(f"cannot keep more than a chunk's {self.chunk_1d} values", field="sparse.k_1d",
+                              value=self.k_1d)
+        if self.value_bits not in VALUE_BITS:
+            raise ConfigError(f"must be one of {VALUE_BITS}", field="sparse.value_bits", value=self.value_bits)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One tensor's chunk grid: the tensor as a rows × cols matrix in tiles of th × tw (edge tiles smaller)."""
+
+    rows: int
+    cols: int
+    th: int
+    tw: int
+    k_full: int
+
+    @property
+    def full_rows(self) -> int:
+        return self.rows // self.th
+
+    @property
+    def full_cols(self) -> int:
+        return self.cols // self.tw
+
+    @property
+    def edge_rows(self) -> int:
+        return self.rows % self.th
+
+    @property
+    def edge_cols(self) -> int:
+        return self.cols % self.tw
+
+    @property
+    def tile_rows(self) -> int:
+        return self.full_rows + (self.edge_rows > 0)
+
+    @property
+    def tile_cols(self) -> int:
+        return self.full_cols + (self.edge_cols > 0)
+
+    @property
+    def n_chunks(self) -> int:
+        return self.tile_rows * self.tile_cols
+
+    def keep(self, n: int) -> int:
+        """Values kept in a chunk of n values."""
+        return min(n, -(-self.k_full * n // (self.th * self.tw)))
+
+    def n_kept(self) -> int:
+        fr, fc, er, ec = self.full_rows, self.full_cols, self.edge_rows, self.edge_cols
+        th, tw = self.th, self.tw
+        return (fr * (fc * self.keep(th * tw) + self.keep(th * ec))
+                + fc * self.keep(er * tw) + self.keep(er * ec))
+
+    def chunk_shapes(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(height, width) of every chunk, in chunk order, as int64 tensors of n_chunks."""
+        c = torch.arange(self.n_chunks, device=device)
+        ti = torch.div(c, max(1, self.tile_cols), rounding_mode="floor")
+        tj = c - ti * self.tile_cols
+        h = torch.where(ti < self.full_rows, self.th, self.edge_rows)
+        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols)
+        return h, w
+
+    def chunk_keep(self, device=None) -> torch.Tensor:
+        """Values kept per chunk (int64, chunk order): the push message's implied per-chunk counts."""
+        h, w = self.chunk_shapes(device)
+        n = h * w
+        return torch.minimum(n, -torch.div(-self.k_full * n, self.th * self.tw, rounding_mode="floor"))
+
+    def chunk_of_entries(self, counts: torch.Tensor) -> torch.Tensor:
+        """The chunk of every entry of a stream with `counts[c]` entries in chunk c, in chunk order."""
+        ends = torch.cumsum(counts, 0)
+        n = int(ends[-1]) if ends.numel() else 0
+        return torch.searchsorted(ends, torch.arange(n, device=counts.device), right=True)
+
+    def to_global(self, chunk: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Flat (row-major) index in the tensor of `local` in `chunk` (int64 tensors of equal shape)."""
+        ti = torch.div(chunk, self.tile_cols, rounding_mode="floor")
+        tj = chunk - ti * self.tile_cols
+        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols)
+        lr = torch.div(local, w, rounding_mode="floor")
+        return (ti * self.th + lr) * self.cols + tj * self.tw + (local - lr * w)
+
+    def to_chunk(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk, local) of flat row-major indices: the inverse of `to_global`."""
+        r = torch.div(flat, self.cols, rounding_mode="floor")
+        c = flat - r * self.cols
+        ti = torch.div(r, self.th, rounding_mode="floor")
+        tj = torch.div(c, self.tw, rounding_mode="floor")
+        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols)
+        return ti * self.tile_cols + tj, (r - ti * self.th) * w + (c - tj * self.tw)
+
+
+def grid_of(shape: tuple[int, ...] | torch.Size, spec: SparseSpec) -> Grid:
+    """The chunk grid of a tensor of `shape` under `spec`."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) <= 1:
+        return Grid(1, shape[0] if shape else 1, 1, spec.chunk_1d, spec.k_1d)
+    return Grid(shape[0], math.prod(shape[1:]), spec.tile, spec.tile, spec.k)
+
+
+def pack12(idx: torch.Tensor) -> torch.Tensor:
+    """Indices < 4096 (int64, 1-D) as uint8: pairs in 3 bytes, an odd last one in 2."""
+    n = idx.numel()
+    pairs = n // 2
+    a = idx[0:2 * pairs:2]
+    b = idx[1:2 * pairs:2]
+    out = torch.empty(3 * pairs + 2 * (n % 2), dtype=torch.uint8, device=idx.device)
+    body = out[:3 * pairs].view(pairs, 3)
+    body[:, 0] = a & 0xFF
+    body[:, 1] = (a >> 8) | ((b & 0xF) << 4)
+    body[:, 2] = b >> 4
+    if n % 2:
+        out[-2] = idx[-1] & 0xFF
+        out[-1] = idx[-1] >> 8
+    return out
+
+
+def unpack12(raw: torch.Tensor, n: int, field: str) -> torch.Tensor:
+    """n indices from `raw` (uint8, exactly pack12's length); refuses set padding bits."""
+    pairs = n // 2
+    r = raw.to(torch.int64)
+    out = torch.empty(n, dtype=torch.int64, device=raw.device)
+    body = r[:3 * pairs].view(pairs, 3)
+    out[0:2 * pairs:2] = body[:, 0] | ((body[:, 1] & 0xF) << 8)
+    out[1:2 * pairs:2] = (body[:, 1] >> 4) | (body[:, 2] << 4)
+    if n % 2:
+        if int(r[-1]) > 0xF:
+            raise DecodeError("padding bits of the odd last 12-bit index must be zero", field=field, value=int(r[-1]))
+        out[-1] = r[-2] | (r[-1] << 8)
+    return out
+
+
+def packed_codes_nbytes(n: int, bits: int) -> int:
+    return -(-n * bits // 8)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """b-bit codes (uint8 values < 2**b, 1-D) packed 8/b to a byte, first code in the low bits."""
+    per = 8 // bits
+    n = codes.numel()
+    padded = torch.zeros(packed_codes_nbytes(n, bits) * per, dtype=torch.int32, device=codes.device)
+    padded[:n] = codes
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (padded.view(-1, per) << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_codes(raw: torch.Tensor, n: int, bits: int, field: str) -> torch.Tensor:
+    """n codes (int64) from `raw`; refuses set bits past the last code."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int64, device=raw.device) * bits
+    codes = ((raw.to(torch.int64).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    if bool((codes[n:] != 0).any()):
+        raise DecodeError("padding bits after the last value code must be zero", field=field,
+                          value=int(raw[-1]))
+    return codes[:n]

@@ -1,0 +1,279 @@
+"""The sparse push message (schemas/sparse.py, schemas/sparse_chunks.py; docs/design.md §4.10) against a
+reference written from the format's description with plain Python and numpy: chunks walked one by one,
+top-k by sorting (magnitude down, local index up), the bytes parsed with struct and integer bit ops.
+Property tests over shapes (1-D, 2-D with edge tiles, N-D, tiny, empty) and specs; ties; exact sizes;
+every malformed message refused naming its field. Pure tier."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from yeto.schemas import sparse
+from yeto.schemas.errors import ConfigError, DecodeError, WireError
+from yeto.schemas.sparse import decode_push, encode_push, push_nbytes
+from yeto.schemas.sparse_chunks import SparseSpec
+
+from tests.sparse_reference import ref_chunks, ref_quantize, ref_select
+
+DEFAULT = SparseSpec()
+
+
+# ---------------------------------------------------------------- the reference
+
+def parse(msg: bytes, n_tensors_hint=None):
+    """The message read field by field with struct and Python integers (not the module's unpackers)."""
+    magic, fmt, bits, tile, k, c1, k1, n = struct.unpack_from("<4sBBHHHHI", msg, 0)
+    pos = 18
+    tensors = []
+    for _ in range(n):
+        numel, kept = struct.unpack_from("<QI", msg, pos)
+        pos += 12
+        table = np.frombuffer(msg[pos:pos + 4 * (1 << bits)], dtype="<f4")
+        pos += 4 * (1 << bits)
+        nidx = 3 * (kept // 2) + 2 * (kept % 2)
+        raw = msg[pos:pos + nidx]
+        pos += nidx
+        idx = []
+        for p in range(kept // 2):
+            v24 = int.from_bytes(raw[3 * p:3 * p + 3], "little")
+            idx += [v24 & 0xFFF, v24 >> 12]
+        if kept % 2:
+            idx.append(int.from_bytes(raw[-2:], "little"))
+        ncode = -(-kept * bits // 8)
+        codes_int = int.from_bytes(msg[pos:pos + ncode], "little")
+        pos += ncode
+        codes = [(codes_int >> (bits * i)) & ((1 << bits) - 1) for i in range(kept)]
+        tensors.append(dict(numel=numel, kept=kept, table=table, idx=idx, codes=codes))
+    assert pos == len(msg)
+    return dict(magic=magic, format=fmt, bits=bits, tile=tile, k=k, chunk_1d=c1, k_1d=k1), tensors
+
+
+def check_against_reference(xs, spec):
+    msg = encode_push(xs, spec)
+    assert len(msg) == push_nbytes([x.shape for x in xs], spec)
+    header, parsed = parse(msg)
+    assert header == dict(magic=b"YSPK", format=1, bits=spec.value_bits, tile=spec.tile, k=spec.k,
+                          chunk_1d=spec.chunk_1d, k_1d=spec.k_1d)
+    decoded = decode_push(msg, [x.shape for x in xs], spec)
+    for x, p, d in zip(xs, parsed, decoded):
+        local, flat, vals = ref_select(x.numpy(), spec)
+        codes, table = ref_quantize(vals, spec.value_bits)
+        assert p["numel"] == x.numel() and p["kept"] == len(local)
+        assert p["idx"] == local
+        assert p["codes"] == codes
+        np.testing.assert_allclose(p["table"], table, rtol=1e-6, atol=0)
+        assert d.indices.tolist() == flat
+        assert torch.equal(d.values, torch.from_numpy(p["table"][codes] if codes else np.zeros(0, np.float32)))
+    return msg
+
+
+# ---------------------------------------------------------------- properties
+
+shapes = st.one_of(
+    st.tuples(),
+    st.tuples(st.integers(0, 300)),
+    st.tuples(st.integers(1, 140), st.integers(1, 140)),
+    st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(1, 5)),
+)
+specs = st.builds(
+    lambda tile, kfrac, c1, k1frac, bits: SparseSpec(tile=tile, k=max(1, tile * tile * kfrac // 100), chunk_1d=c1,
+                                                     k_1d=max(1, c1 * k1frac // 100), value_bits=bits),
+    st.sampled_from([64, 16, 7, 1]), st.integers(1, 100), st.sampled_from([64, 10, 4096, 1]), st.integers(1, 100),
+    st.sampled_from([1, 2, 4, 8]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=st.lists(shapes, min_size=1, max_size=3), spec=specs, seed=st.integers(0, 2**31),
+       ties=st.booleans())
+def test_round_trip_matches_the_reference(shapes, spec, seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for s in shapes:
+        x = torch.randn(s, generator=g)
+        if ties:  # few distinct magnitudes, both signs: most chunks hold ties at their k-th value
+            x = torch.randint(-3, 4, s, generator=g).float() * 0.5
+        xs.append(x)
+    check_against_reference(xs, spec)
+
+
+def test_edge_tiles_of_a_2d_weight_keep_the_same_density():
+    # 130 x 70 in 64 x 64 tiles: 2 full, 2 right edge (64 x 6), 1 bottom (2 x 64), 1 corner (2 x 6)
+    x = torch.randn(130, 70, generator=torch.Generator().manual_seed(1))
+    msg = check_against_reference([x], DEFAULT)
+    assert [k for _, k in ref_chunks((130, 70), DEFAULT)] == [64, 6, 64, 6, 2, 1]
+    assert parse(msg)[1][0]["kept"] == 143
+
+
+def test_one_d_tensors_default_to_dense_chunks_of_64_and_a_short_last_one():
+    x = torch.randn(200, generator=torch.Generator().manual_seed(2))
+    (d,) = decode_push(check_against_reference([x], DEFAULT), [x.shape], DEFAULT)
+    assert d.indices.tolist() == list(range(200))  # k_1d = chunk_1d: every value, 2-bit
+
+
+def test_ties_go_to_the_lower_index_whatever_the_input_order():
+    spec = SparseSpec(tile=4, k=3)
+    x = torch.ones(4, 4)
+    (d,) = decode_push(encode_push([x], spec), [x.shape], spec)
+    assert d.indices.tolist() == [0, 1, 2]
+    x = torch.tensor([[1.0, -2.0, 2.0, 0.5], [-2.0, 0.0, 2.0, -1.0], [0.0] * 4, [0.0] * 4])
+    (d,) = decode_push(encode_push([x], spec), [x.shape], spec)
+    assert d.indices.tolist() == [1, 2, 4]  # magnitude 2 at local 1, 2, 4, 6: the first three
+    # the same bytes however often, and a 0 and a -0 are one magnitude
+    assert encode_push([x], spec) == encode_push([x.clone()], spec)
+    y = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    (d,) = decode_push(encode_push([y], SparseSpec(chunk_1d=4, k_1d=2)), [y.shape], SparseSpec(chunk_1d=4, k_1d=2))
+    assert d.indices.tolist() == [0, 1]
+
+
+def test_constant_values_decode_exactly_and_values_keep_their_sign():
+    x = torch.full((64, 64), 0.25)
+    (d,) = decode_push(encode_push([x], DEFAULT), [x.shape], DEFAULT)
+    assert torch.equal(d.values, torch.full((64,), 0.25))
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    (d,) = decode_push(encode_push([x], DEFAULT), [x.shape], DEFAULT)
+    assert torch.equal(torch.sign(d.values), torch.sign(x.reshape(-1)[d.indices]))
+
+
+def test_exact_sizes():
+    # 4096 x 4096 at the defaults: 4096 tiles x 64 values; 12 + 16 bytes a tensor, 1.5 + 0.25 bytes a value
+    n = 4096 * 64
+    assert push_nbytes([(4096, 4096)], DEFAULT) == 18 + 12 + 16 + n * 3 // 2 + n // 4
+    assert push_nbytes([(3,)], DEFAULT) == 18 + 12 + 16 + 5 + 1
+    assert push_nbytes([(0,)], DEFAULT) == 18 + 12 + 16
+    assert push_nbytes([(4096, 4096)], SparseSpec(value_bits=8)) == 18 + 12 + 4 * 256 + n * 3 // 2 + n
+
+
+def test_bands_and_column_groups_change_no_byte(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(300, 200, generator=g), torch.randn(5000, generator=g), torch.randn(3, 1000, generator=g)]
+    whole = encode_push(xs, DEFAULT)
+    for band in (1, 64 * 64, 3 * 64 * 64 + 5):
+        monkeypatch.setattr(sparse, "BAND_NUMEL", band)
+        assert encode_push(xs, DEFAULT) == whole
+
+
+def test_other_float_dtypes_are_encoded_from_their_f32_values():
+    x = torch.randn(70, 70, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert encode_push([x], DEFAULT) == encode_push([x.float()], DEFAULT)
+
+
+# ---------------------------------------------------------------- refusals
+
+SHAPES = [(130, 70), (7,)]
+
+
+@pytest.fixture
+def msg():
+    g = torch.Generator().manual_seed(6)
+    return encode_push([torch.randn(s, generator=g) for s in SHAPES], DEFAULT)
+
+
+def _refused(buf, field_prefix, shapes=SHAPES, spec=DEFAULT):
+    with pytest.raises(DecodeError) as e:
+        decode_push(bytes(buf), shapes, spec)
+    assert e.value.field.startswith(field_prefix), (e.value.field, str(e.value))
+    assert "field" in str(e.value)
+    return e.value
+
+
+def test_every_truncation_is_refused(msg):
+    for n in list(range(0, 40)) + list(range(40, len(msg), 7)) + [len(msg) - 1]:
+        with pytest.raises(DecodeError):
+            decode_push(msg[:n], SHAPES, DEFAULT)
+    _refused(msg + b"\0", "length")
+
+
+@pytest.mark.parametrize("offset,field,value", [
+    (0, "header.magic", b"XSPK"), (4, "header.format", 2), (5, "header.value_bits", 4), (6, "header.tile", 32),
+    (8, "header.k", 65), (10, "header.chunk_1d", 32), (12, "header.k_1d", 3), (14, "header.tensors", 3)])
+def test_a_header_of_another_spec_is_refused(msg, offset, field, value):
+    buf = bytearray(msg)
+    if isinstance(value, bytes):
+        buf[offset:offset + 4] = value
+    else:
+        width = {4: 1, 5: 1, 14: 4}.get(offset, 2)
+        buf[offset:offset + width] = value.to_bytes(width, "little")
+    err = _refused(buf, field)
+    assert err.field == field and err.value == value
+
+
+def test_wrong_counts_are_refused(msg):
+    buf = bytearray(msg)
+    buf[18:26] = (130 * 71).to_bytes(8, "little")
+    assert _refused(buf, "tensors.0.numel").value == 130 * 71
+    buf = bytearray(msg)
+    buf[26:30] = (142).to_bytes(4, "little")
+    assert _refused(buf, "tensors.0.kept").value == 142
+    _refused(msg, "tensors.1", shapes=[(130, 70), (8,)])
+    _refused(msg, "header.tensors", shapes=[(130, 70)])
+
+
+def test_a_non_finite_table_entry_is_refused(msg):
+    buf = bytearray(msg)
+    buf[30 + 8:30 + 12] = struct.pack("<f", float("nan"))
+    assert _refused(buf, "tensors.0.table.2").field == "tensors.0.table.2"
+
+
+def _index_offset():
+    return 18 + 12 + 16
+
+
+def _set_index(buf, i, value):
+    """Rewrite the i-th 12-bit index of the first tensor."""
+    base = _index_offset() + 3 * (i // 2)
+    v24 = int.from_bytes(buf[base:base + 3], "little")
+    v24 = (v24 & ~0xFFF | value) if i % 2 == 0 else (v24 & 0xFFF | value << 12)
+    buf[base:base + 3] = v24.to_bytes(3, "little")
+
+
+def test_indices_out_of_their_chunk_or_out_of_order_are_refused(msg):
+    buf = bytearray(msg)
+    _set_index(buf, 0, 4095)  # first chunk is 64 x 64: 4095 is in range but breaks the order
+    assert _refused(buf, "tensors.0.indices").field == "tensors.0.indices.1"
+    buf = bytearray(msg)
+    _set_index(buf, 64, 384)  # entry 64 opens the 64 x 6 right-edge tile: 384 values, local < 384
+    err = _refused(buf, "tensors.0.indices.64")
+    assert err.value == 384 and "384 values" in str(err)
+    buf = bytearray(msg)
+    parsed = parse(msg)[1][0]["idx"]
+    _set_index(buf, 1, parsed[0])  # a repeat
+    assert _refused(buf, "tensors.0.indices").field == "tensors.0.indices.1"
+
+
+def test_set_padding_bits_are_refused():
+    spec = SparseSpec(chunk_1d=4, k_1d=3)
+    good = encode_push([torch.tensor([1.0, -2.0, 3.0, 0.0])], spec)
+    # 3 indices: 3 + 2 bytes; the odd last one's top nibble must be zero
+    buf = bytearray(good)
+    buf[18 + 12 + 16 + 4] |= 0x10
+    assert _refused(buf, "tensors.0.indices", shapes=[(4,)], spec=spec).field == "tensors.0.indices"
+    buf = bytearray(good)
+    buf[-1] |= 0xC0  # 3 codes of 2 bits use 6 of the last byte's bits
+    assert _refused(buf, "tensors.0.codes", shapes=[(4,)], spec=spec).field == "tensors.0.codes"
+
+
+def test_non_finite_values_are_refused_at_encode_naming_the_tensor(monkeypatch):
+    with pytest.raises(WireError) as e:
+        encode_push([torch.zeros(3), torch.tensor([1.0, float("inf")])], DEFAULT, names=["a", "b"])
+    assert e.value.field == "tensors.b"
+    monkeypatch.setattr(sparse, "BAND_NUMEL", 64 * 64)  # checked band by band: a NaN in the last band
+    x = torch.zeros(200, 100)
+    x[199, 99] = float("nan")
+    with pytest.raises(WireError) as e:
+        encode_push([x], DEFAULT)
+    assert e.value.field == "tensors.0"
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(tile=65), "sparse.tile"), (dict(tile=0), "sparse.tile"), (dict(k=4097), "sparse.k"),
+    (dict(chunk_1d=4097), "sparse.chunk_1d"), (dict(k_1d=65), "sparse.k_1d"), (dict(value_bits=3), "sparse.value_bits"),
+    (dict(k=True), "sparse.k")])
+def test_bad_specs_are_refused_naming_the_setting(kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        SparseSpec(**kwargs)
+    assert e.value.field == field and e.value.value == next(iter(kwargs.values()))
