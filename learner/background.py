@@ -13,8 +13,8 @@ anchor, as of this step) and install a staged version into the parameters (overw
   holds the version waiting), whatever lands for it meanwhile. In an island of several ranks staging
   is a collective of the group: the worker runs it on a staging group of its own while the ranks train
   (learner/stager.py), or, where there is none (an island group that is not the whole world), keeps
-  the version's stage operations with their chunks (`IslandWire.defer`, one fragment at a time) for
-  the installing boundary to hand out to the ranks first.
+  the version's stage operations with their chunks (`StageDeferred`, one fragment at a time) for
+  the installing boundary to hand out to the ranks first (the worker's mode, learner/island_modes.py).
 * **Pushing**: the boundary hands over the snapshot (`submit_push`); the worker packs it in the
   session's push dtype and publishes it; the boundary after the acks reaps the outcome as it does
   for a push published at the boundary (`PublishHandle`). In an island of several ranks the boundary
@@ -47,8 +47,12 @@ POLL_S = 0.05  # wake to look at the inbox at least this often (its flag is the 
 
 
 class SyncWorker:
-    def __init__(self, wire, *, name: str = "yeto-sync"):
+    """Owns the wire while it runs: hands it the worker's mode (`mode(submit)`, learner/island_modes.py)
+    before its thread starts, and the training thread's back when it stops."""
+
+    def __init__(self, wire, mode: Callable[..., object], *, name: str = "yeto-sync"):
         self.wire = wire
+        wire.use(mode(submit=self.submit_push))
         self.lock = threading.Lock()   # one reading of the wire at a time
         self._pushes: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -108,6 +112,7 @@ class SyncWorker:
         if self._thread.is_alive():
             log.warning("island %s: the sync worker did not stop within %.0fs (a push still being handed over)",
                         self.wire.config.island, timeout)
+        self.wire.use(self.wire.foreground)   # the training thread reads now: it stages on the ranks itself
         while self._pushes:
             _, handle = self._pushes.popleft()
             handle.future.set_exception(ConnectionError("the island's sync worker stopped before this push"))

@@ -41,6 +41,7 @@ from yeto.schemas import subjects as S
 from yeto.schemas.conn import connect
 from yeto.schemas.errors import ConnectError, WireError
 from yeto.schemas.ids import new_generation
+from yeto.schemas.messages import Ack, Heartbeat, Hello
 from yeto.schemas.publish import first_send, note_taken, publish_retry
 from yeto.schemas.versions import VersionError
 
@@ -198,8 +199,8 @@ class IslandClient:
         self.call(P.check_run(self.js, self.run, timeout_s=to, log=log.warning), None if to is None else to + 10)
         if self.cut_js is not self.js:  # an island datacenter: the cut is read from its local mirror
             self.call(P.ensure_cut_mirrors(self.cut_js, self.run, self.config.hub_domain, log=log.warning), 60)
-        msg = codec.make("hello", hello, run=self.run, island=self.island, gen=self.gen)
-        ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
+        msg = Hello(run=self.run, island=self.island, gen=self.gen, **hello)
+        ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), msg.encode(),
                                       S.hello_msg_id(self.island, self.gen), counters=self._counters), 60)
         self.ctl = CtlReader(js=self.js, run=self.run, island=self.island, gen=self.gen, hello=hello,
                              counters=self._counters, pulls=self.pulls, control=self.control, bcast=self.bcast,
@@ -315,8 +316,8 @@ class IslandClient:
         return list(await asyncio.gather(*(one(s) for s in subjects)))
 
     def send_ack(self, final_step: int, *, resend: int = 0, timeout: float = 60.0) -> None:
-        msg = codec.make("ack", run=self.run, island=self.island, gen=self.gen, final_step=final_step)
-        self.call(publish_retry(self.js, S.ack(self.run, self.island), codec.encode("ack", msg),
+        msg = Ack(run=self.run, island=self.island, gen=self.gen, final_step=final_step)
+        self.call(publish_retry(self.js, S.ack(self.run, self.island), msg.encode(),
                                 S.ack_msg_id(self.island, self.gen, final_step, resend), counters=self._counters),
                   timeout)
 
@@ -421,10 +422,10 @@ class IslandClient:
         if self._said_leaving or loop is None or not loop.is_running() or not self.connected or self.ctl is None:
             return False
         self._said_leaving = True   # the heartbeat loop sends nothing more
-        msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen, local_step=self.local_step,
-                         step_time_s=self.step_time_s, leaving=True)
+        msg = Heartbeat(run=self.run, island=self.island, gen=self.gen, local_step=self.local_step,
+                        step_time_s=self.step_time_s, leaving=True)
         try:
-            self.call(publish_retry(self.js, S.heartbeat(self.run, self.island), codec.encode("heartbeat", msg),
+            self.call(publish_retry(self.js, S.heartbeat(self.run, self.island), msg.encode(),
                                     S.leaving_msg_id(self.island, self.gen), timeout=max(0.5, timeout / 2),
                                     attempts=2, counters=self._counters), timeout)
         except Exception as exc:  # noqa: BLE001 - the member timeout still ends its membership
@@ -444,10 +445,10 @@ class IslandClient:
                 final_at = time.monotonic() + FINAL_POLL_S
                 await self._poll_final()
             if self.connected and not self._said_leaving:
-                msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen,
-                                 local_step=self.local_step, step_time_s=self.step_time_s)
+                msg = Heartbeat(run=self.run, island=self.island, gen=self.gen, local_step=self.local_step,
+                                step_time_s=self.step_time_s)
                 try:
-                    await publish_retry(self.js, S.heartbeat(self.run, self.island), codec.encode("heartbeat", msg),
+                    await publish_retry(self.js, S.heartbeat(self.run, self.island), msg.encode(),
                                         S.heartbeat_msg_id(self.island, self.gen, seq), timeout=max(1.0, period),
                                         attempts=2, counters=self._counters)
                     self._counters["heartbeats"] += 1

@@ -25,6 +25,7 @@ from yeto.schemas import codec
 from yeto.schemas import provision as P
 from yeto.schemas import subjects as S
 from yeto.schemas.errors import DecodeError, WireError
+from yeto.schemas.messages import BcastChunk, FinalChunk, Hello
 from yeto.schemas.publish import publish_retry
 
 from .errors import Superseded, SyncerRefused
@@ -215,9 +216,9 @@ class CtlReader:
             return
         self._rehellos += 1
         try:
-            msg = codec.make("hello", self._hello, run=self.run, island=self.island, gen=self.gen)
+            msg = Hello(run=self.run, island=self.island, gen=self.gen, **self._hello)
             # A fresh Nats-Msg-Id per re-hello: the duplicate window would drop the first hello's.
-            await publish_retry(self.js, S.hello(self.run, self.island), codec.encode("hello", msg),
+            await publish_retry(self.js, S.hello(self.run, self.island), msg.encode(),
                                 S.hello_again_msg_id(self.island, self.gen, self._rehellos),
                                 counters=self.counters)
             self.counters["rehello"] += 1
@@ -232,25 +233,26 @@ class CtlReader:
     def _cut_callback(self, kind: str):
         inbox = self.bcast if kind == "bcast_chunk" else self.final
         prefix = "bcast" if kind == "bcast_chunk" else "final"
+        header = BcastChunk if kind == "bcast_chunk" else FinalChunk
 
         async def cb(msg) -> None:
             try:
                 hdr = (msg.headers or {}).get(codec.CHUNK_HEADER)
                 if hdr is None:
                     raise DecodeError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
-                meta = codec.decode_header(kind, hdr)
+                meta = header.from_header(hdr)
                 toks = S.parse(self.run, msg.subject)
-                if meta["run"] != self.run:
-                    raise WireError("chunk names another run", field="run", value=meta["run"])
-                if toks != (prefix, str(meta["fragment"]), str(meta["chunk"])):
+                if meta.run != self.run:
+                    raise WireError("chunk names another run", field="run", value=meta.run)
+                if toks != (prefix, str(meta.fragment), str(meta.chunk)):
                     raise WireError("chunk header does not match its subject", field="subject", value=msg.subject)
-                size = int((msg.headers or {}).get("Nats-Msg-Size", meta["nbytes"]))
-                if size != meta["nbytes"]:
-                    raise WireError(f"message holds {size} bytes", field="nbytes", value=meta["nbytes"])
+                size = int((msg.headers or {}).get("Nats-Msg-Size", meta.nbytes))
+                if size != meta.nbytes:
+                    raise WireError(f"message holds {size} bytes", field="nbytes", value=meta.nbytes)
             except (WireError, ValueError) as exc:
                 self._reject(f"{kind} notice on {msg.subject}", exc)
                 return
-            inbox.put(ChunkNotice(kind, msg.subject, meta["fragment"], meta["chunk"], meta["version"], meta["nbytes"], meta))
+            inbox.put(ChunkNotice(kind, msg.subject, meta.fragment, meta.chunk, meta.version, meta.nbytes, meta.to_wire()))
 
         return cb
 

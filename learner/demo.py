@@ -123,10 +123,10 @@ def poison_island(island, kind: str) -> None:
 
     def poisoned_pack(op, values):
         for s, packed in pack_chunks(op, values):
-            if op["purpose"] == "push":
-                d = unpack(bytes(as_bytes_view(packed)), op["dtype"], s.elem_count)
+            if op.purpose == "push":
+                d = unpack(bytes(as_bytes_view(packed)), op.dtype, s.elem_count)
                 d = d + 50.0 if kind == "plus50" else torch.full_like(d, float("nan")) if kind == "nan" else d * 5.0
-                packed = pack(d, op["dtype"])
+                packed = pack(d, op.dtype)
             yield s, packed
 
     ops.pack = poisoned_pack

@@ -10,19 +10,21 @@ import time
 
 from yeto.schemas import codec
 from yeto.schemas import subjects as S
-from yeto.schemas.chunks import chunk_header
 from yeto.schemas.dtypes import as_bytes_view, packed_nbytes
+from yeto.schemas.messages import init_chunk
 
 from .progress import progress_bar
+from .rank_ops import ExportOp
 
 log = logging.getLogger("yeto.island")
 
 INIT_QUEUE_CHUNKS = 4  # packed INIT chunks waiting for the publisher thread on rank 0
 
 
-def stream_init(wire) -> None:
+def stream_init(wire, lead) -> None:
     """INIT: every fragment in the bulk dtype on init.F, gathered chunk by chunk (`wire`: the sync
-    rank's IslandWire): the main thread gathers (collective), a background thread publishes."""
+    rank's IslandWire, `lead`: announces an operation to the ranks and runs rank 0's part): the main
+    thread gathers (collective), a background thread publishes."""
     dtype = wire.session["bulk_dtype"]
     run, gen, island = wire.config.run, wire.gen, wire.config.island
     fids = sorted(wire.frags)
@@ -46,11 +48,10 @@ def stream_init(wire) -> None:
                     s, packed = x
                     payload = as_bytes_view(packed)  # zero copy: the publisher copies it once
                     # island + gen: the syncer builds version 0 from one process's chunks only
-                    meta = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen,
-                            "fragment": fid, "dtype": dtype,
-                            **chunk_header(spans, s.index, payload)}
+                    meta = init_chunk(spans, s.index, payload, run=run, island=island, gen=gen, fragment=fid,
+                                      dtype=dtype)
                     yield (S.init(run, fid), payload, S.init_msg_id(fid, s.index, gen),
-                           {codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
+                           {codec.CHUNK_HEADER: meta.header()})
                     bar.update(s.nbytes)
 
             try:
@@ -68,7 +69,7 @@ def stream_init(wire) -> None:
     ended = 0
     try:
         for fid in fids:
-            for s, packed in wire._lead({"op": "export", "fid": fid, "dtype": dtype, "purpose": "init"}):
+            for s, packed in lead(ExportOp(fid, dtype, "init")):
                 if not err:
                     q.put((s, packed))
             q.put(None)

@@ -67,6 +67,7 @@ Decisions of this shell (beyond docs/design.md §5):
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -88,12 +89,14 @@ from .client import IslandClient
 from .config import IslandConfig
 from .errors import IslandUnhealthy
 from .fragments import CutReader, SyncState
+from .island_modes import background_mode
 from .island_ranks import RankOps
 from .island_wire import IslandWire
 from .progress import progress_bar
 from .layout_map import IslandLayout, describe
 from .pulls import PullBook
 from .piece_io import Comm
+from .rank_ops import CommitOp, EndOp, ErrorOp, ExportOp, RankOp, SessionOp
 from .stager import STOP, Stager, can_stage_apart, open_staging
 from .waiting import POLL_S, wait_until
 
@@ -298,50 +301,49 @@ class Island:
         except BaseException as exc:
             if self.world > 1:
                 try:
-                    self.comm.share({"op": "error", "error": f"{type(exc).__name__}: {exc}"})
+                    self.comm.share(ErrorOp(f"{type(exc).__name__}: {exc}"))
                 except Exception:  # the group itself may be what failed
                     pass
             raise
-        self.comm.share({"op": "end", **dec})
+        self.comm.share(EndOp(dec))
         return dec
 
     def _follow(self) -> dict:
         while True:
             op = self.comm.share(None)
-            kind = op["op"]
-            if kind == "end":
+            if isinstance(op, EndOp):
                 self.comm.settle()
-                return op
-            if kind == "error":
-                raise IslandUnhealthy(f"sync rank failed: {op['error']}")
-            if kind == "session":
+                return op.decision
+            if isinstance(op, ErrorOp):
+                raise IslandUnhealthy(f"sync rank failed: {op.error}")
+            if isinstance(op, SessionOp):
                 self._setup(op)
                 continue
             out = self.ops.run(op)
-            if kind == "export":
+            if isinstance(op, ExportOp):
                 for _ in out:
                     pass
-            elif kind == "commit" and op["mode"] != "final":
-                self._rank_state.installed(op["fid"], op["version"], op["digest"])
+            elif isinstance(op, CommitOp) and op.mode != "final":
+                self._rank_state.installed(op.fid, op.version, op.digest)
             self.comm.settle()   # ran: the staging group's operations stamped after it may run
 
-    def _lead(self, op: dict, payloads=None):
+    def _lead(self, op: RankOp, payloads=None):
         """Announce one collective step and run rank 0's part of it."""
         self.comm.share(op)
         return self.ops.run(op, payloads)
 
-    def _lead_staging(self, op: dict, payloads=None):
+    def _lead_staging(self, op: RankOp, payloads=None):
         """The worker's `_lead` for stage and abort operations: on the staging group."""
         self.staging.share(op)
         return self.staging_ops.run(op, payloads)
 
-    def _setup(self, op: dict) -> None:
+    def _setup(self, op: SessionOp) -> None:
         """Every rank: the session's fragments over the island layout, and the version bookkeeping."""
-        session = op["session"]
+        session = op.session
         self.session = session
         self.frags = {f["id"]: f for f in session["fragments"]}
-        self.ops = RankOps(self.adapter, self.comm, self.layout, session, self.store, op["alpha"])
-        if op.get("stage_apart"):
+        self.ops = RankOps(self.adapter, self.comm, self.layout, session, self.store, op.alpha)
+        if op.stage_apart:
             self.staging, _ = open_staging(self.comm)
             self.staging_ops = self.ops.over(self.staging)
             self._staging_open = True
@@ -349,7 +351,7 @@ class Island:
                 self.stager = Stager(self.staging, self.staging_ops.run,
                                      name=f"yeto-stage-{self.config.island}-{self.rank}")
         if not self.sync_rank:
-            self._rank_state = SyncState(session, self.config.island, op["gen"], op["alpha"])
+            self._rank_state = SyncState(session, self.config.island, op.gen, op.alpha)
 
     # ---- start ------------------------------------------------------------------------------------
 
@@ -363,8 +365,8 @@ class Island:
                      "bulk_dtype": cfg.bulk_dtype, "world": world, "host": cfg.host, "software": software()})
         session = c.wait_session()
         self._check_session(session, fp)
-        op = {"op": "session", "session": session, "gen": c.gen, "alpha": cfg.alpha,
-              "stage_apart": cfg.background and cfg.staging_group and can_stage_apart(self.group)}
+        op = SessionOp(session, c.gen, cfg.alpha,
+                       bool(cfg.background and cfg.staging_group and can_stage_apart(self.group)))
         self.comm.share(op)
         self._setup(op)
         rules = Rules.of(session, cfg, c.gen, ack_resend_s=ACK_RESEND_S)
@@ -390,12 +392,13 @@ class Island:
             # From the first step on, pushes are sent and cuts read off the training thread
             # (learner/background.py); with several ranks the worker stages on the staging group
             # (learner/stager.py), or without one keeps the staging for the installing boundary
-            # (IslandWire.defer).
-            if self.staging is not None:
-                self.wire.stage_lead = self._lead_staging
-            else:
-                self.wire.defer = self.world > 1
-            self.worker = self.wire.worker = SyncWorker(self.wire, name=f"yeto-sync-{cfg.island}")
+            # (StageDeferred: learner/island_modes.py picks the mode).
+            # `pack` is looked up at each push: the demo's fault injector (learner/demo.py) replaces it later
+            mode = functools.partial(
+                background_mode, lead=self._lead, stage_lead=self._lead_staging if self.staging is not None else None,
+                world=self.world, push_dtype=session["push_dtype"], pack=lambda op, values: self.ops.pack(op, values),
+                publish=self.wire.publish)
+            self.worker = SyncWorker(self.wire, mode, name=f"yeto-sync-{cfg.island}")
         return dec
 
     def _check_session(self, session: dict, fp: str) -> None:
@@ -499,15 +502,13 @@ class Island:
         if self.worker is not None:
             self.worker.stop()
             still_sending = self.worker.alive
-            self.worker = self.wire.worker = None
-            self.wire.defer = False   # the training thread reads now: it stages on the ranks itself
-            self.wire.stage_lead = None
+            self.worker = None   # it gave the wire back its training-thread mode
         # Not while the worker may still gather a push on the staging group: two threads of rank 0 on one
         # group would mix their messages. The Stagers are left then (their ranks' close() waits, warns).
         if self.sync_rank and self._staging_open and not still_sending:
             self._staging_open = False   # the Stagers end; later staging runs on the island group
             try:
-                self.staging.share(dict(STOP))
+                self.staging.share(STOP)
             except Exception as exc:   # noqa: BLE001 - a rank gone already: its Stager went with it
                 log.warning("island %s: could not tell the ranks' staging threads to stop: %r", self.config.island, exc)
 

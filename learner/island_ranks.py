@@ -1,7 +1,7 @@
 """What every rank of an island does for one step the sync rank announces (docs/design.md §5, §6).
 
-The sync rank (rank 0 of the island group) decides; each collective step is a small dict ("op")
-that it shares with `Comm.share` before running it itself, and the other ranks run the same op in
+The sync rank (rank 0 of the island group) decides; each collective step is a small typed operation
+(learner/rank_ops.py) that it shares with `Comm.share` before running it itself, and the other ranks run the same op in
 the same order (`Island` holds the loop). `RankOps` is that op's work on one rank — the same code on
 rank 0 (which also holds the wire bytes) and on the others:
 
@@ -27,6 +27,7 @@ from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.chunks import ChunkSpan, chunk_plan
 
 from .anchors import AnchorStore
+from .rank_ops import AbortOp, CommitOp, ExportOp, KeepOp, RankOp, ResidualOp, SnapshotOp, StageOp, ValuesOp
 from .layout_map import FragmentMap, IslandLayout
 from .piece_io import Comm, PieceReads, gather_chunk, scatter_chunk
 
@@ -68,29 +69,28 @@ class RankOps:
 
     # ---- incoming versions ----------------------------------------------------------------------
 
-    def stage(self, op: Mapping, payloads: Mapping[int, object] | None = None) -> None:
-        """op: fid, version, dtype (wire), chunks [indexes], begin (the first is chunk 0)."""
-        fid, dtype = op["fid"], op["dtype"]
+    def stage(self, op: StageOp, payloads: Mapping[int, object] | None = None) -> None:
+        fid, dtype = op.fid, op.dtype
         fm, spans = self.maps[fid], self.spans(fid, dtype)
-        if op["begin"]:
-            self.store.begin(fid, op["version"], self._numels(fid))
+        if op.begin:
+            self.store.begin(fid, op.version, self._numels(fid))
 
         def sink(run, values):
             self.store.stage(fid, run.piece.name, run.lo, values)
 
-        for k in op["chunks"]:
+        for k in op.chunks:
             s = spans[k]
             vals = payload_tensor(payloads[k], dtype) if self.comm.lead else None
             scatter_chunk(self.comm, fm, s.elem_offset, s.elem_count, vals, sink, dtype=XFER[dtype])
 
-    def abort(self, op: Mapping) -> None:
-        self.store.abort(op["fid"])
+    def abort(self, op: AbortOp) -> None:
+        self.store.abort(op.fid)
 
-    def commit(self, op: Mapping) -> None:
-        """op: fid, mode ("first", "blend" or "final"). Writes every piece this rank holds, in
+    def commit(self, op: CommitOp) -> None:
+        """Writes every piece this rank holds, in
         fragment order (the adapter contract), then keeps the staging as the anchor (not for a final
         cut: nothing is pushed after it)."""
-        fid, mode = op["fid"], op["mode"]
+        fid, mode = op.fid, op.mode
         pieces = self.maps[fid].pieces(self.rank)
         for p in pieces:
             staged = self.store.staged(fid, p.name)
@@ -105,24 +105,24 @@ class RankOps:
 
     # ---- exports --------------------------------------------------------------------------------
 
-    def export(self, op: Mapping) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
-        """op: fid, dtype (wire), purpose ("push" or "init"). On rank 0 yields (span, packed bytes)
+    def export(self, op: ExportOp) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
+        """On rank 0 yields (span, packed bytes)
         per chunk in order; the others yield nothing. Every rank must exhaust it (rank 0 does so even
         when it stops publishing, so the others are never left waiting in a gather)."""
         return self.pack(op, self._values(op))
 
-    def keep(self, op: Mapping) -> None:
-        """op: fid, dtype (wire, not q4), purpose "push". Every rank, at the push's boundary: its own
+    def keep(self, op: KeepOp) -> None:
+        """A push (dtype not q4). Every rank, at the push's boundary: its own
         owned runs of d = local − anchor as of now, copied and kept (reading the adapter may be a
-        collective of the island group, hence here); an `export` with "kept" gathers them to rank 0
+        collective of the island group, hence here); an `ExportOp(kept=True)` gathers them to rank 0
         later, on the staging group. One per fragment: the next keep replaces one never exported."""
-        fid = op["fid"]
+        fid = op.fid
         fm = self.maps[fid]
         reads = PieceReads(self.adapter, fm, self.rank)
         source = self._source(op, reads)
         kept = {}
         try:
-            for s in self.spans(fid, op["dtype"]):
+            for s in self.spans(fid, op.dtype):
                 reads.advance(s.elem_offset, s.elem_count)
                 for run in fm.runs(s.elem_offset, s.elem_count, self.rank, owned=True):
                     kept[(run.tensor, run.lo)] = source(run).to(torch.float32)
@@ -130,25 +130,25 @@ class RankOps:
             reads.close()
         self._kept[fid] = kept
 
-    def snapshot(self, op: Mapping) -> list[tuple[ChunkSpan, torch.Tensor | None]]:
+    def snapshot(self, op: SnapshotOp) -> list[tuple[ChunkSpan, torch.Tensor | None]]:
         """The export values as of now, gathered to rank 0 and unpacked (f32 per chunk: d = local −
         anchor, q4 plus the residual; None on the other ranks): what a push must take at its boundary.
         `pack` may run later on rank 0's worker thread while the parameters and anchors move on, except
         q4 in a group (its residual scatter is collective)."""
         return list(self._values(op))
 
-    def _values(self, op: Mapping) -> Iterator[tuple[ChunkSpan, torch.Tensor | None]]:
+    def _values(self, op: ValuesOp) -> Iterator[tuple[ChunkSpan, torch.Tensor | None]]:
         """(span, the owners' values gathered on rank 0, float32; None on the other ranks) per chunk;
-        with "kept", the values `keep` took (no adapter reads)."""
-        fid, dtype = op["fid"], op["dtype"]
+        with `kept`, the values `keep` took (no adapter reads)."""
+        fid, dtype = op.fid, op.dtype
         fm = self.maps[fid]
-        if op.get("kept"):
+        if isinstance(op, ExportOp) and op.kept:
             kept = self._kept.pop(fid)
             for s in self.spans(fid, dtype):
                 yield s, gather_chunk(self.comm, fm, s.elem_offset, s.elem_count, lambda run: kept[(run.tensor, run.lo)])
             return
         reads = PieceReads(self.adapter, fm, self.rank)
-        if op["purpose"] == "push" and dtype == "q4":
+        if op.purpose == "push" and dtype == "q4":
             self.store.begin_residual(fid, self._numels(fid, owned=True))
         source = self._source(op, reads)
         try:
@@ -158,11 +158,11 @@ class RankOps:
         finally:
             reads.close()
 
-    def _source(self, op: Mapping, reads: PieceReads):
+    def _source(self, op: ValuesOp, reads: PieceReads):
         """This rank's float32 values of an owned run for `op` (read through `reads`): the values for
         INIT, d = local − anchor for a push (q4: plus the residual)."""
-        fid, purpose = op["fid"], op["purpose"]
-        q4 = purpose == "push" and op["dtype"] == "q4"
+        fid, purpose = op.fid, op.purpose
+        q4 = purpose == "push" and op.dtype == "q4"
 
         def source(run):
             name = run.piece.name
@@ -176,12 +176,12 @@ class RankOps:
 
         return source
 
-    def pack(self, op: Mapping, values) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
+    def pack(self, op: ValuesOp, values) -> Iterator[tuple[ChunkSpan, torch.Tensor]]:
         """Each chunk of `values` packed in the wire dtype (rank 0); q4 also hands each owner its new
         residual r' = y − q4(y) (error feedback). Every rank exhausts it (the q4 scatter is collective)."""
-        fid, dtype = op["fid"], op["dtype"]
+        fid, dtype = op.fid, op.dtype
         fm = self.maps[fid]
-        q4 = op["purpose"] == "push" and dtype == "q4"
+        q4 = op.purpose == "push" and dtype == "q4"
 
         def keep_residual(run, values):
             self.store.stage_residual(fid, run.piece.name, run.lo, values)
@@ -195,30 +195,22 @@ class RankOps:
             if packed is not None:
                 yield s, packed
 
-    def residual(self, op: Mapping) -> None:
-        """op: fid, keep (the push got through)."""
-        if op["keep"]:
-            self.store.keep_residual(op["fid"])
+    def residual(self, op: ResidualOp) -> None:
+        if op.keep:
+            self.store.keep_residual(op.fid)
         else:
-            self.store.abort_residual(op["fid"])
+            self.store.abort_residual(op.fid)
 
-    def run(self, op: Mapping, payloads: Mapping[int, object] | None = None):
-        kind = op["op"]
-        if kind == "stage":
-            return self.stage(op, payloads)
-        if kind == "abort":
-            return self.abort(op)
-        if kind == "commit":
-            return self.commit(op)
-        if kind == "export":
-            return self.export(op)
-        if kind == "snapshot":
-            return self.snapshot(op)
-        if kind == "keep":
-            return self.keep(op)
-        if kind == "residual":
-            return self.residual(op)
-        raise ValueError(f"unknown island op {kind!r}")
+    def run(self, op: RankOp, payloads: Mapping[int, object] | None = None):
+        """Run `op` on this rank: the handler its type names (`_RUN`)."""
+        handler = _RUN.get(type(op))
+        if handler is None:
+            raise ValueError(f"unknown island op {op!r}")
+        return handler(self, op, payloads) if type(op) is StageOp else handler(self, op)
+
+
+_RUN = {StageOp: RankOps.stage, AbortOp: RankOps.abort, CommitOp: RankOps.commit, ExportOp: RankOps.export,
+        SnapshotOp: RankOps.snapshot, KeepOp: RankOps.keep, ResidualOp: RankOps.residual}
 
 
 __all__ = ["RankOps", "payload_tensor"]

@@ -7,7 +7,8 @@ with it; every collective step goes through the `lead` it is given (announce, th
 Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get
 in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and scattered to the
 ranks' staging as they pass; when a version's last chunk passed and the whole version digest
-matched, `commit(fid, version, digest)` (the shell: the machine decides how, every rank installs)
+matched, `complete(fid, version, digest)` (the boundary: the machine decides how, every rank installs; the
+sync worker: parks it in `ready` for the next boundary)
 runs before the next fragment is read. A version overwritten mid-read is dropped and read again
 from chunk 0. After each read, the chunks notices claimed a newer version at that the read did not
 look at (chunk 0 held nothing new, the reading waited or was refused at an earlier chunk) are fetched
@@ -17,9 +18,14 @@ chunks are counted (`counters`, and `stats.rejected` for the step log).
 Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there
 and published as they fill; INIT publishes on a background thread from a short queue; a push's acks
 are awaited in the background (`reap` reports the outcome at a later boundary).
+
+Modes (learner/island_modes.py): how staged chunks reach the ranks and who gathers and publishes a
+push are the `Mode` the wire was handed (`use`): the training thread's by default, the sync worker's
+while it runs. The wire never asks which one it is.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter
@@ -31,9 +37,9 @@ import nats.errors
 
 from yeto.schemas import codec
 from yeto.schemas import subjects as S
-from yeto.schemas.chunks import chunk_header, push_digest
 from yeto.schemas.dtypes import as_bytes_view
 from yeto.schemas.errors import WireError
+from yeto.schemas.messages import BcastChunk, FinalChunk, PushStream, read_chunk
 from yeto.schemas.publish import PublishFailed
 
 from .boundary_ops import Commit, Push
@@ -41,8 +47,10 @@ from .errors import NotConnected
 from .fragments import CutReader
 from .inbox import PublishHandle
 from .init_export import stream_init
+from .island_modes import Mode, foreground_mode
 from .island_ranks import RankOps
 from .pulls import PendingPull
+from .rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
 
 log = logging.getLogger("yeto.island")
 
@@ -83,17 +91,16 @@ class IslandWire:
         self._final_step: int | None = None
         self._final_dirty: set[int] = set()
         self._final_got: set[int] = set()
-        # The island's worker thread (learner.background): it reads cuts and sends pushes;
-        # versions it read whole wait in `ready` {fragment: (version, digest)} for the next boundary.
-        self.worker = None
+        # Versions the sync worker (learner.background) read whole wait in `ready` {fragment: (version,
+        # digest)} for the next boundary.
         self.ready: dict[int, tuple[int, str]] = {}
-        # Several ranks, read by the worker: staging is the group's collective, the training thread's
-        # alone. So the worker keeps the stage ops and chunks {fragment: [(op, chunks)]} (the bytes as
-        # fetched) and the installing boundary leads them first (`commit`). One fragment at a time, or
-        # a whole model could wait in rank 0's memory; the others are read once it is installed.
-        self.defer = False
-        self.stage_lead: Callable | None = None   # else: a staging group's lead (learner/stager.py)
-        self._deferred: dict[int, list[tuple[dict, dict[int, bytes]]]] = {}
+        # How what is read reaches the ranks and how pushes go out (learner/island_modes.py): the
+        # training thread's until the sync worker hands its own (`use`), and again once it stopped.
+        # A push's chunks published, the acks awaited in the background (`reap`): the client's, so a mode's
+        # sender publishes without holding the wire.
+        self.publish = functools.partial(client.publish_stream, timeout=config.push_timeout_s, detach=True)
+        self.foreground = foreground_mode(lead, self.publish)
+        self.mode = self.foreground
         self._stats_lock = threading.Lock()   # the worker counts into the stats the boundary takes
 
     def has_input(self, kinds) -> bool:
@@ -101,7 +108,7 @@ class IslandWire:
         client's inboxes), "pushes" (a push's outcome)."""
         c = self.client
         inboxes = {"control": c.control, "pulls": c.pulls, "bcast": c.bcast, "final": c.final}
-        if self.worker is not None and "bcast" in kinds:
+        if self.mode.background and "bcast" in kinds:
             inboxes["bcast"] = self.ready   # the worker drains the notices; what it read whole is the news
         return any(len(inboxes[k]) for k in kinds if k in inboxes) or \
             ("pushes" in kinds and any(h.done() for _, h in self._pushing.values()))
@@ -142,13 +149,26 @@ class IslandWire:
 
     def stream_init(self) -> None:
         """INIT (learner/init_export.py)."""
-        stream_init(self)
+        stream_init(self, self._lead)
+
+    def use(self, mode: Mode) -> None:
+        """Read and push in `mode` from now on: the sync worker hands the wire its own as it starts, the
+        training thread's as it stops (before the final cut, or at close). Stagings the old mode kept
+        back from the ranks go with it: a reading in progress starts again at chunk 0, a version read
+        whole is dropped (nothing but the final cut is installed after the worker stopped)."""
+        for fid in self.mode.staging.release():
+            self.reader.forget(fid)
+            self._staged.pop(fid, None)
+            self.ready.pop(fid, None)
+            self._dirty.add(fid)
+        self.mode = mode
+
 
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
-    def read_broadcasts(self, commit: Callable[[int, int, str], None]) -> list[int]:
-        """Read the fragments with new BCAST notices; `commit` every version that completes.
-        Returns the fragments committed."""
+    def read_broadcasts(self, complete: Callable[[int, int, str], None]) -> list[int]:
+        """Read the fragments with new BCAST notices; hand every version read whole to `complete`
+        (the boundary installs it, the sync worker parks it). Returns those fragments."""
         self._take_notices()
         applied: list[int] = []
         if not self.client.connected:
@@ -156,15 +176,15 @@ class IslandWire:
         for fid in sorted(self._dirty):
             if fid in self.ready:
                 continue   # its staging holds a version waiting for the boundary: read after that (dirty)
-            if self.defer and any(f != fid for f in self._deferred):
-                continue   # rank 0 keeps one fragment's bytes for the ranks at a time (see `defer`)
+            if self.mode.staging.holds_other(fid):
+                continue   # rank 0 keeps one fragment's bytes for the ranks at a time (StageDeferred)
             examined: set[int] = set()
             res = self._read_fragment(self.reader, "BCAST", fid, examined)
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
             if res == "complete":
                 version, vdigest = self.reader.held[fid]
-                commit(fid, version, vdigest)
+                complete(fid, version, vdigest)
                 applied.append(fid)
             if res == "restart":
                 continue  # read again at the next boundary (still dirty, its notices kept for the probe)
@@ -179,7 +199,7 @@ class IslandWire:
         return applied
 
     def park(self, fid: int, version: int, digest: str) -> None:
-        """The worker's `commit`: a version read whole waits in `ready` for the boundary to install it."""
+        """The worker's `complete`: a version read whole waits in `ready` for the boundary to install it."""
         self.ready[fid] = (version, digest)
 
     def unread(self) -> bool:
@@ -344,32 +364,22 @@ class IslandWire:
         return batch
 
     def _chunk_meta(self, kind: str, m, reader: CutReader, fid: int, index: int) -> dict:
-        """The chunk header of a fetched message; a message already refused yields {} (the reader
-        answers "wait" for it); a header that does not decode refuses the message."""
+        """The chunk header of a fetched message, as the reader's dict; a message already refused
+        yields {} (the reader answers "wait" for it); a header that does not decode refuses the message."""
         if reader.known_bad(fid, index, m.seq):
             return {}
         try:
-            hdr = (m.headers or {}).get(codec.CHUNK_HEADER)
-            if hdr is None:
-                raise WireError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
-            meta = codec.decode_header(kind, hdr)
-            if meta["run"] != self.config.run:
-                raise WireError("chunk names another run", field="run", value=meta["run"])
+            meta = read_chunk(BcastChunk if kind == "bcast_chunk" else FinalChunk, m.headers, self.config.run)
         except WireError:
             reader.refuse(fid, index, m.seq)
             raise
-        return meta
+        return meta.to_wire()
 
     def _stage(self, fid: int, version: int | None, dtype: str, staged: dict[int, bytes]) -> None:
         if not staged:
             return
         chunks = sorted(staged)
-        op = {"op": "stage", "fid": fid, "version": version, "dtype": dtype, "chunks": chunks, "begin": chunks[0] == 0}
-        if self.defer:
-            kept = self._deferred[fid] = [] if op["begin"] else self._deferred.get(fid, [])
-            kept.append((op, staged))
-        else:
-            (self.stage_lead or self._lead)(op, staged)
+        self.mode.staging.stage(StageOp(fid, version, dtype, tuple(chunks), chunks[0] == 0), staged)
         self._staged[fid] = version
 
     def _abort_staging(self, fid: int, reader: CutReader) -> None:
@@ -378,17 +388,16 @@ class IslandWire:
         reader.forget(fid)
         if fid in self.ready:
             return   # no reading: a version read whole waits in that staging for the boundary
-        if self._deferred.pop(fid, None) is not None:
+        if self.mode.staging.drop(fid):
             self._staged.pop(fid, None)   # kept for the boundary, never handed to the ranks
         elif self._staged.pop(fid, None) is not None:
-            (self.stage_lead or self._lead)({"op": "abort", "fid": fid})
+            self.mode.staging.abort(fid)
 
     def commit(self, op: Commit) -> None:
-        """Every rank installs the version staged (the machine chose the mode); a version the worker
-        read for several ranks is handed out to them first (`defer`)."""
-        for stage, chunks in self._deferred.pop(op.fragment, []):
-            self._lead(stage, chunks)
-        self._lead({"op": "commit", "fid": op.fragment, "version": op.version, "digest": op.digest, "mode": op.mode})
+        """Every rank installs the version staged (the machine chose the mode); a version kept back
+        from the ranks is handed out to them first (StageDeferred)."""
+        self.mode.staging.install(op.fragment)
+        self._lead(CommitOp(op.fragment, op.version, op.digest, op.mode))
         self._staged.pop(op.fragment, None)
         self.ready.pop(op.fragment, None)
 
@@ -423,65 +432,29 @@ class IslandWire:
         chunk. Returns the PublishHandle of the chunks' acks once every chunk is handed over (done
         unless the connection dropped meanwhile: then the acks are awaited in the background and
         `reap` reports the outcome at a later boundary). Raises (TRANSIENT) when the push could not
-        even be handed over; q4 then drops its working residual at once."""
+        even be handed over; q4 then drops its working residual at once. Where the values are gathered
+        and who publishes them is the mode's sender (learner/island_modes.py)."""
         p = op.pull
         fid = p.fragment
         dtype = p.push_dtype or self.session["push_dtype"]   # a round's own after `yeto run set push_dtype`
         run, island, gen = self.config.run, self.config.island, self.gen
-        spans = self.ops.spans(fid, dtype)
-        base = {"v": codec.PROTOCOL_VERSION, "run": run, "island": island, "gen": gen, "fragment": fid,
-                "step": p.step, "attempt": p.attempt, "try": p.try_, "base_version": op.base_version,
-                "local_step": op.local_step, "c_steps": op.c_steps, "c_tokens": op.c_tokens, "dtype": dtype}
+        stream = PushStream(self.ops.spans(fid, dtype), run=run, island=island, gen=gen, fragment=fid, step=p.step,
+                            attempt=p.attempt, try_=p.try_, base_version=op.base_version, local_step=op.local_step,
+                            c_steps=op.c_steps, c_tokens=op.c_tokens, dtype=dtype)
         subject = S.push(run, island, fid)
-        digests: list[str] = []
 
         def items(chunks):
             for s, packed in chunks:
                 payload = as_bytes_view(packed)
-                meta = dict(base, **chunk_header(spans, s.index, payload))
-                digests.append(meta["digest"])
-                if s.index == len(spans) - 1:
-                    meta["push_digest"] = push_digest(digests)
                 yield (subject, payload, S.push_msg_id(island, gen, fid, p.step, p.attempt, p.try_, s.index),
-                       {codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
+                       {codec.CHUNK_HEADER: stream.chunk(s.index, payload).header()})
 
-        export = {"op": "export", "fid": fid, "dtype": dtype, "purpose": "push"}
-        if self.worker is not None and self.stage_lead is not None and dtype != "q4":
-            # Several ranks with a staging group: each rank keeps its own share as of this step (the
-            # boundary's part), and the worker gathers them on the staging group as it sends.
-            self._lead(dict(export, op="keep"))
-            return self.worker.submit_push(lambda: self._send_kept(items, dict(export, kept=True)))
-        if self.worker is not None and (self.ops.comm.world == 1 or dtype != "q4"):
-            # The boundary takes the values as of this step (every rank: the gather is collective); packing
-            # and sending them is the worker's (learner.background), whose handle `reap` reads as any push's.
-            snap = self._lead(dict(export, op="snapshot"))
-            return self.worker.submit_push(lambda: self.client.publish_stream(
-                items(self.ops.pack(export, snap)), timeout=self.config.push_timeout_s, detach=True))
-        chunks = self._lead(export)
-
-        try:
-            return self.client.publish_stream(items(chunks), timeout=self.config.push_timeout_s, detach=True)
-        except BaseException:
-            for _ in chunks:  # a failed push still completes the gather the other ranks are in
-                pass
-            if dtype == "q4":
-                self._lead({"op": "residual", "fid": fid, "keep": False})
-            raise
-
-    def _send_kept(self, items: Callable, export: dict) -> PublishHandle:
-        """The worker: gather the push `keep` took from the ranks (staging group) and publish it."""
-        chunks = self.stage_lead(export)
-        try:
-            return self.client.publish_stream(items(chunks), timeout=self.config.push_timeout_s, detach=True)
-        except BaseException:
-            for _ in chunks:  # the other ranks' Stagers are in this gather: complete it
-                pass
-            raise
+        return self.mode.sender.send(ExportOp(fid, dtype, "push"), items)
 
     def _settle_push(self, p: PendingPull, ok: bool) -> None:
         """A push's acks are all in (ok) or it failed: q4 keeps its working residual only if ok."""
         if self.session["push_dtype"] == "q4":
-            self._lead({"op": "residual", "fid": p.fragment, "keep": ok})
+            self._lead(ResidualOp(p.fragment, ok))
 
 
     # ---- the final cut -----------------------------------------------------------------------------

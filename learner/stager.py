@@ -19,10 +19,11 @@ rank kept it; a boundary that installs nothing never waits for the Stager.
 
 A group other than the whole world (`dist.group.WORLD`) gets no staging group: torch would need every
 process of the world to create it. Its worker keeps a version's stage operations for the installing
-boundary instead (`IslandWire.defer`).
+boundary instead (`StageDeferred`, learner/island_modes.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -31,25 +32,22 @@ from typing import Callable
 import torch.distributed as dist
 
 from .errors import IslandUnhealthy
+from .rank_ops import AbortOp, CommitOp, ExportOp, KeepOp, RankOp, StageOp, StopOp
 
 log = logging.getLogger("yeto.island")
 
-AFTER = "after"   # an operation's stamp: the other stream's operations rank 0 had issued before it
 STREAMS = ("island", "staging")
-STOP = {"op": "stop"}   # rank 0 to the Stagers: no more staging (the worker stopped)
+STOP = StopOp()   # rank 0 to the Stagers: no more staging (the worker stopped)
 
 
-def resource(op: dict) -> tuple | None:
+def resource(op: RankOp) -> tuple | None:
     """What of a rank's an operation touches that the other stream's may too: a fragment's staging
     (stage, abort, commit) or its kept push (keep, and the export that gathers it); None for the rest
     (end, a push's snapshot, a q4 residual, ...), which never wait."""
-    kind, fid = op.get("op"), op.get("fid")
-    if fid is None:
-        return None
-    if kind in ("stage", "abort", "commit"):
-        return ("staging", fid)
-    if kind == "keep" or (kind == "export" and op.get("kept")):
-        return ("kept", fid)
+    if isinstance(op, (StageOp, AbortOp, CommitOp)):
+        return ("staging", op.fid)
+    if isinstance(op, KeepOp) or (isinstance(op, ExportOp) and op.kept):
+        return ("kept", op.fid)
     return None
 
 
@@ -67,25 +65,25 @@ class Fence:
     def _other(stream: str) -> str:
         return STREAMS[1 - STREAMS.index(stream)]
 
-    def stamp(self, stream: str, op: dict) -> dict:
+    def stamp(self, stream: str, op: RankOp) -> RankOp:
         """Rank 0, as it issues `op` on `stream`."""
         res = resource(op)
         if res is None:
             return op
         with self._cv:
             self._issued[(stream, res)] += 1
-            return {**op, AFTER: self._issued[(self._other(stream), res)]}
+            return dataclasses.replace(op, after=self._issued[(self._other(stream), res)])
 
-    def wait(self, stream: str, op: dict) -> None:
+    def wait(self, stream: str, op: RankOp) -> None:
         """Another rank, before running `op` received on `stream`."""
         res = resource(op)
-        key, need = (self._other(stream), res), op.get(AFTER, 0)
+        key, need = (self._other(stream), res), op.after
         with self._cv:
             self._cv.wait_for(lambda: self._error is not None or res is None or self._done[key] >= need)
             if self._error is not None:
                 raise IslandUnhealthy(f"the {key[0]} operations of this rank failed: {self._error}")
 
-    def finish(self, stream: str, op: dict) -> None:
+    def finish(self, stream: str, op: RankOp) -> None:
         """Another rank ran `op`, received on `stream`."""
         res = resource(op)
         if res is None:
@@ -120,7 +118,7 @@ def open_staging(comm) -> tuple["object", Fence]:
 class Stager:
     """The thread of a rank other than 0 that runs the staging group's operations as they come."""
 
-    def __init__(self, comm, run: Callable[[dict], object], *, name: str):
+    def __init__(self, comm, run: Callable[[RankOp], object], *, name: str):
         self.comm, self._run_op = comm, run
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -129,11 +127,11 @@ class Stager:
         try:
             while True:
                 op = self.comm.share(None)
-                if op["op"] == STOP["op"]:
+                if isinstance(op, StopOp):
                     self.comm.settle()
                     return
                 out = self._run_op(op)
-                if op["op"] == "export":   # a push's gather (RankOps.keep): every rank runs it to its end
+                if isinstance(op, ExportOp):   # a push's gather (RankOps.keep): every rank runs it to its end
                     for _ in out:
                         pass
                 self.comm.settle()
@@ -147,4 +145,4 @@ class Stager:
         return not self._thread.is_alive()
 
 
-__all__ = ["AFTER", "Fence", "STOP", "Stager", "can_stage_apart", "open_staging", "resource"]
+__all__ = ["Fence", "STOP", "Stager", "can_stage_apart", "open_staging", "resource"]

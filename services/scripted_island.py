@@ -16,10 +16,11 @@ import torch
 from nats.js.errors import KeyNotFoundError
 
 from yeto.schemas import codec, subjects as S
-from yeto.schemas.chunks import chunk_header, chunk_plan, digest, push_digest
+from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.ids import new_generation
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.messages import Ack, BcastChunk, FinalChunk, Heartbeat, Hello, PushStream, init_chunk
 from yeto.schemas.provision import ensure_island_consumers
 from yeto.schemas.versions import software
 
@@ -55,17 +56,16 @@ class ScriptedIsland:
 
     async def hello(self, *, fingerprint: str | None = None, layout=None, push_dtype="auto", bulk_dtype="auto") -> None:
         lay = layout or self.layout
-        msg = codec.make("hello", run=self.run, island=self.island, gen=self.gen, layout=lay,
-                         layout_fingerprint=fingerprint or layout_fingerprint(lay), push_dtype=push_dtype,
-                         bulk_dtype=bulk_dtype, world={"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1},
-                         host="test", software=software())
-        await self.js.publish(S.hello(self.run, self.island), codec.encode("hello", msg),
+        msg = Hello(run=self.run, island=self.island, gen=self.gen, layout=lay,
+                    layout_fingerprint=fingerprint or layout_fingerprint(lay), push_dtype=push_dtype,
+                    bulk_dtype=bulk_dtype, world={"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1, "nodes": 1},
+                    host="test", software=software())
+        await self.js.publish(S.hello(self.run, self.island), msg.encode(),
                               headers={S.MSG_ID: S.hello_msg_id(self.island, self.gen)})
 
     async def heartbeat(self, local_step: int, step_time_s: float | None = 0.05, seq: int = 0) -> None:
-        msg = codec.make("heartbeat", run=self.run, island=self.island, gen=self.gen, local_step=local_step,
-                         step_time_s=step_time_s)
-        await self.js.publish(S.heartbeat(self.run, self.island), codec.encode("heartbeat", msg),
+        msg = Heartbeat(run=self.run, island=self.island, gen=self.gen, local_step=local_step, step_time_s=step_time_s)
+        await self.js.publish(S.heartbeat(self.run, self.island), msg.encode(),
                               headers={S.MSG_ID: S.heartbeat_msg_id(self.island, self.gen, seq or int(time.time() * 1e6))})
 
     async def wait_session(self, timeout: float = 20) -> dict:
@@ -99,11 +99,11 @@ class ScriptedIsland:
                 if chunks is not None and s.index not in chunks:
                     continue
                 buf = pack(flat[s.elem_offset: s.elem_offset + s.elem_count], dtype).numpy().tobytes()
-                meta = {"v": 1, "run": self.run, "island": island or self.island, "gen": gen, "fragment": fid,
-                        "dtype": dtype, **chunk_header(spans, s.index, buf)}
+                meta = init_chunk(spans, s.index, buf, run=self.run, island=island or self.island, gen=gen,
+                                  fragment=fid, dtype=dtype)
                 await self.js.publish(S.init(self.run, fid), buf, headers={
                     S.MSG_ID: S.init_msg_id(fid, s.index, gen) + ("" if island is None else f".{island}"),
-                    codec.CHUNK_HEADER: codec.encode_header("init_chunk", meta)})
+                    codec.CHUNK_HEADER: meta.header()})
                 sent += 1
         return sent
 
@@ -145,31 +145,26 @@ class ScriptedIsland:
         dtype = dtype or pull.get("push_dtype", self.session["push_dtype"])
         fid = pull["fragment"] if fragment is None else fragment
         spans = chunk_plan(delta.numel(), dtype, self.session["chunk_bytes"])
-        digests = []
+        stream = PushStream(spans, run=self.run, island=self.island, gen=gen or self.gen, fragment=fid,
+                            step=pull["step"], attempt=pull["attempt"], try_=try_,
+                            base_version=pull["base_version"] if base_version is None else base_version,
+                            local_step=local_step, c_steps=1, c_tokens=c_tokens, dtype=dtype)
         for s in spans:
             part = delta[s.elem_offset: s.elem_offset + s.elem_count].contiguous()
             if corrupt == "nan" and s.index == 0:
                 part = part.clone()
                 part[0], part[-1] = float("nan"), float("inf")
             buf = bytearray(pack(part, dtype).numpy().tobytes())
-            framing = chunk_header(spans, s.index, bytes(buf))  # the digest of the bytes before any corruption
-            d = framing["digest"]
+            meta = stream.chunk(s.index, bytes(buf))  # the digest of the bytes before any corruption
             if corrupt == "digest" and s.index == 0:
                 buf[0] ^= 0xFF  # bytes no longer match the digest
             if corrupt == "size" and s.index == 0:
                 del buf[-4:]  # header still claims the full nbytes
-            digests.append(d)
-            meta = {"v": 1, "run": self.run, "island": self.island, "gen": gen or self.gen, "fragment": fid,
-                    "step": pull["step"], "attempt": pull["attempt"], "try": try_,
-                    "base_version": pull["base_version"] if base_version is None else base_version,
-                    "local_step": local_step, "c_steps": 1, "c_tokens": c_tokens, "dtype": dtype, **framing}
-            if s.index == len(spans) - 1:
-                meta["push_digest"] = push_digest(digests)
             if only is not None and s.index not in only:
                 continue
             await self.js.publish(S.push(self.run, self.island, fid), bytes(buf), headers={
                 S.MSG_ID: S.push_msg_id(self.island, gen or self.gen, fid, pull["step"], pull["attempt"], try_, s.index),
-                codec.CHUNK_HEADER: codec.encode_header("push_chunk", meta)})
+                codec.CHUNK_HEADER: meta.header()})
 
     async def read_cut(self, fid: int, *, final: bool = False) -> tuple[int, torch.Tensor, dict]:
         """The newest complete version of a fragment from BCAST (or FINAL), by direct get per chunk subject."""
@@ -183,14 +178,14 @@ class ScriptedIsland:
         for s in spans:
             subj = S.final(self.run, fid, s.index) if final else S.bcast(self.run, fid, s.index)
             m = await self.js.get_msg(S.stream(self.run, kind), subject=subj, direct=True)
-            meta = codec.decode_header("final_chunk" if final else "bcast_chunk", m.headers[codec.CHUNK_HEADER])
-            assert digest(m.data) == meta["digest"]
+            meta = (FinalChunk if final else BcastChunk).from_header(m.headers[codec.CHUNK_HEADER])
+            assert digest(m.data) == meta.digest
             if version is None:
-                version = meta["version"]
-            elif meta["version"] != version:
+                version = meta.version
+            elif meta.version != version:
                 return await self.read_cut(fid, final=final)  # a newer version landed mid-read
             out[s.elem_offset: s.elem_offset + s.elem_count] = unpack(m.data, dtype, s.elem_count)
-        return version, out, meta
+        return version, out, meta.to_wire()   # the last chunk's header, as its schema's dict
 
     async def wait_version(self, fid: int, version: int, timeout: float = 30.0) -> torch.Tensor:
         deadline = time.monotonic() + timeout
@@ -230,6 +225,6 @@ class ScriptedIsland:
         return await self.js.publish(subject, data, headers=hdrs)
 
     async def ack(self, final_step: int) -> None:
-        msg = codec.make("ack", run=self.run, island=self.island, gen=self.gen, final_step=final_step)
-        await self.js.publish(S.ack(self.run, self.island), codec.encode("ack", msg),
+        msg = Ack(run=self.run, island=self.island, gen=self.gen, final_step=final_step)
+        await self.js.publish(S.ack(self.run, self.island), msg.encode(),
                               headers={S.MSG_ID: S.ack_msg_id(self.island, self.gen, final_step)})

@@ -16,6 +16,7 @@ from yeto.schemas import codec, subjects as S
 from yeto.schemas.chunks import chunk_header, chunk_plan, digest, push_digest
 from yeto.schemas.dtypes import pack
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas.messages import BcastChunk, InitChunk, PushChunk
 
 ISLANDS = ("a", "b")
 
@@ -192,10 +193,10 @@ class Hostile:
         for s in spans:
             buf = bytearray(pack(vals[s.elem_offset: s.elem_offset + s.elem_count].contiguous(), dtype).numpy().tobytes())
             # A normal chunk's header, as an island builds it; the categories spoil it below.
-            meta = {"v": 1, "run": self.run, "island": island, "gen": gen, "fragment": frag, "step": step,
-                    "attempt": attempt, "try": try_, "base_version": base if base is not None else 0,
-                    "local_step": rnd.randrange(1, 10**5), "c_steps": 4, "c_tokens": 256, "dtype": dtype,
-                    **chunk_header(spans, s.index, buf)}
+            meta = PushChunk(run=self.run, island=island, gen=gen, fragment=frag, step=step, attempt=attempt,
+                             try_=try_, base_version=base if base is not None else 0,
+                             local_step=rnd.randrange(1, 10**5), c_steps=4, c_tokens=256, dtype=dtype,
+                             **chunk_header(spans, s.index, buf)).to_wire()
             meta["total"] = total
             if spoil is not None:
                 buf, meta = spoil(s.index, len(spans), buf, meta)
@@ -213,12 +214,12 @@ class Hostile:
                    every: bool = False, **kw) -> dict:
         spans = chunk_plan(self.frags[frag], self.bulk_dtype, self.cb)
         # The framing of the nearest real chunk (`chunk` may lie past the plan); the caller sets the digest.
-        meta = {"v": 1, "run": self.run, "fragment": frag, "version": version, "dtype": self.bulk_dtype,
-                **chunk_header(spans, min(chunk, len(spans) - 1), b""), "chunk": chunk, "digest": "0" * 16}
+        framing = dict(chunk_header(spans, min(chunk, len(spans) - 1), b""), chunk=chunk, digest="0" * 16)
         # BCAST carries the version digest on the last chunk only (the seal), FINAL (`every`) on every
         # chunk: a forgery that broke that rule would be refused for it, not for what its category tests.
-        if every or chunk >= len(spans) - 1:
-            meta["version_digest"] = version_digest
+        seal = version_digest if every or chunk >= len(spans) - 1 else None
+        meta = BcastChunk(run=self.run, fragment=frag, version=version, dtype=self.bulk_dtype, **framing,
+                          version_digest=seal).to_wire()
         meta.update(kw)
         return meta
 
@@ -439,8 +440,8 @@ class Hostile:
         spans = chunk_plan(self.frags[f], self.bulk_dtype, self.cb)
         s = span or spans[k]
         # The header an INIT island builds, except `nbytes`, which says what `buf` holds (forged sizes).
-        return {"v": 1, "run": self.run, "island": island, "gen": gen, "fragment": f, "dtype": self.bulk_dtype,
-                **chunk_header(spans, s.index, buf), "nbytes": len(buf)}
+        return InitChunk(run=self.run, island=island, gen=gen, fragment=f, dtype=self.bulk_dtype,
+                         **dict(chunk_header(spans, s.index, buf), nbytes=len(buf))).to_wire()
 
     def pull_msg(self, gen: str, step: int | None = None) -> dict:
         step = step if step is not None else self.committed + self.rnd.randrange(1, 5)

@@ -7,6 +7,7 @@ after it; q4 error feedback and the final cut work as before.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import torch
@@ -15,6 +16,7 @@ from tests.test_island_local import (ISLAND, anchor_flat, assemble_push, bits, b
                                      dp_island, dp_join, env, frag_values, net, publish_v, residual_flat, started,
                                      steplog_lines, until)
 from yeto.learner.adapters import gather_fragment
+from yeto.learner.island_modes import StageDeferred
 from yeto.schemas.dtypes import q4_with_feedback, unpack
 
 
@@ -123,7 +125,7 @@ async def test_q4_error_feedback_survives_the_worker(env, tmp_path):  # noqa: F8
 async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(env):  # noqa: F811 - the env fixture, imported
     """An island of several ranks whose group is not the whole world has no staging group
     (learner/stager.py): staging is a collective of its group, which only the training thread may run,
-    so its worker keeps a version's stage operations and chunks (IslandWire.defer) and the boundary that
+    so its worker keeps a version's stage operations and chunks (StageDeferred, learner/island_modes.py) and the boundary that
     installs the version hands them to the ranks first. One process plays the group here (the lead's
     operations run on its own rank); islands of several gloo ranks over the whole world stage on a
     staging group instead (the test below, and tests/test_island_pieces.py against an independent
@@ -131,7 +133,9 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     alpha = 0.25
     island, session, syncer = env(net(), alpha=alpha, background=True)
     await started(env, island, session)
-    island.wire.defer = True
+    with island.worker.lock:   # the worker's mode, kept back as in a group without a staging group
+        island.wire.use(dataclasses.replace(island.wire.mode, staging=StageDeferred(island.wire.mode.staging.lead)))
+    kept = island.wire.mode.staging.kept
     store = island.ops.store
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     for fid, v in v0.items():
@@ -140,15 +144,15 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     # keeps one fragment's bytes at a time
     await until(lambda: 0 in island.wire.ready, what="fragment 0 read whole")
     await asyncio.sleep(0.5)
-    assert list(island.wire._deferred) == [0] and list(island.wire.ready) == [0]
+    assert list(kept) == [0] and list(island.wire.ready) == [0]
     assert store.staging(0) is None and store.staging(1) is None   # nothing handed to the ranks yet
     assert await boundary(island)   # installs fragment 0; the worker then reads fragment 1
     assert torch.equal(bits(frag_values(island, 0)), bits(v0[0]))   # first version: overwrite, bit for bit
     await until(lambda: 1 in island.wire.ready, what="fragment 1 read whole after fragment 0 was installed")
-    assert list(island.wire._deferred) == [1] and store.staging(1) is None
+    assert list(kept) == [1] and store.staging(1) is None
     assert await boundary(island)
     assert torch.equal(bits(frag_values(island, 1)), bits(v0[1]))
-    assert island.wire._deferred == {} and island.state.versions() == {"0": 0, "1": 0}
+    assert kept == {} and island.state.versions() == {"0": 0, "1": 0}
 
     with torch.no_grad():
         for p in island.adapter.module.parameters():
@@ -156,11 +160,33 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     local = frag_values(island, 1)
     v1 = syncer.values(1, 3)
     await publish_v(syncer, island, 1, {1: v1})
-    assert store.staging(1) is None and {op["version"] for op, _ in island.wire._deferred[1]} == {1}
+    assert store.staging(1) is None and {op.version for op, _ in kept[1]} == {1}
     assert await boundary(island)
     want = alpha * local.double() + (1 - alpha) * v1.double()
     assert torch.allclose(frag_values(island, 1).double(), want, rtol=0, atol=1e-6)
     assert torch.equal(anchor_flat(island, 1), v1) and island.state.versions() == {"0": 0, "1": 1}
+
+
+async def test_the_stopped_worker_gives_the_wire_back_the_training_threads_mode(env):  # noqa: F811 - the env fixture, imported
+    """The worker owns the wire while it runs (learner/island_modes.py): stopped (as before the final
+    cut), it hands back the training thread's mode, and what its mode kept back from the ranks goes with
+    it; the boundary then reads on the training thread and stages on the ranks directly."""
+    island, session, syncer = env(net(), background=True)
+    await started(env, island, session)
+    assert island.wire.mode.background and island.wire.mode is not island.wire.foreground
+    with island.worker.lock:
+        island.wire.use(dataclasses.replace(island.wire.mode, staging=StageDeferred(island.wire.mode.staging.lead)))
+    kept = island.wire.mode.staging.kept
+    await syncer.bcast(0, 0, syncer.values(0, 1))
+    await until(lambda: 0 in island.wire.ready, what="fragment 0 read whole")
+    assert list(kept) == [0]
+    island._stop_worker()
+    assert island.worker is None and island.wire.mode is island.wire.foreground
+    assert kept == {} and island.wire.ready == {} and island.store.staging(0) is None
+    v0 = syncer.values(1, 2)
+    await publish_v(syncer, island, 0, {1: v0})   # the notices wait for the boundary: no worker drains them
+    assert await boundary(island)   # read, staged and installed on the training thread
+    assert torch.equal(bits(frag_values(island, 1)), bits(v0)) and island.state.version(1) == 0
 
 
 def _staging_rank(rank: int, world: int, init_file: str, url: str, run: str, out: str) -> None:

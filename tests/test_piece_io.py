@@ -25,6 +25,7 @@ from yeto.learner.adapters.sliced_torch import SlicedTorchAdapter
 from yeto.learner.anchors import AnchorStore
 from yeto.learner.fragments import blend
 from yeto.learner.island_ranks import RankOps
+from yeto.learner.rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
 from yeto.learner.layout_map import IslandLayout, describe
 from yeto.learner.piece_io import Comm
 from yeto.schemas.dtypes import pack, q4_with_feedback, unpack
@@ -102,13 +103,12 @@ def _steps(rank, world, out_dir, case, bulk, device: str = "cpu") -> None:
             if rank == 0:  # what rank 0 fetched from BCAST: the packed bytes of those chunks
                 payloads = {k: pack(values[spans[k].elem_offset: spans[k].elem_offset + spans[k].elem_count],
                                     bulk).numpy().tobytes() for k in idx}
-            ops.run({"op": "stage", "fid": fid, "version": version, "dtype": bulk, "chunks": idx, "begin": b == 0},
-                    payloads)
+            ops.run(StageOp(fid, version, bulk, tuple(idx), b == 0), payloads)
 
     for f in frags:  # v0 of every fragment: overwrite
         n = len(chunk_plan(f["numel"], bulk, CHUNK_BYTES))
         stage(f["id"], 0, 1, [list(range(n))])
-        ops.run({"op": "commit", "fid": f["id"], "version": 0, "digest": "d", "mode": "first"})
+        ops.run(CommitOp(f["id"], 0, "d", "first"))
     out["v0"] = snap()
     with torch.no_grad():  # local training, the same on every replica
         for n, t in ad.tensors().items():
@@ -116,7 +116,7 @@ def _steps(rank, world, out_dir, case, bulk, device: str = "cpu") -> None:
             t.add_(0.25 * (full(n, 2)[box] if box else full(n, 2)).to(device))
     n1 = len(chunk_plan(frags[1]["numel"], bulk, CHUNK_BYTES))
     stage(1, 1, 3, [list(range(n1 // 2)), list(range(n1 // 2, n1))])  # two boundaries' worth of chunks
-    ops.run({"op": "commit", "fid": 1, "version": 1, "digest": "d", "mode": "blend"})
+    ops.run(CommitOp(1, 1, "d", "blend"))
     out["v1"] = snap()
     out["anchor1"] = {p.name: ops.store.anchor(1, p.name, 0, p.numel).clone() for p in ops.maps[1].pieces(rank)
                       if p.owner}
@@ -128,12 +128,11 @@ def _steps(rank, world, out_dir, case, bulk, device: str = "cpu") -> None:
                 box = ad.box(n)
                 t.add_(0.01 * (full(n, 4 + i)[box] if box else full(n, 4 + i)).to(device))
         before = comm.bytes["gather"]
-        packed = [p.numpy().tobytes() for _, p in ops.run({"op": "export", "fid": 1, "dtype": dtype, "purpose": "push"})]
+        packed = [p.numpy().tobytes() for _, p in ops.run(ExportOp(1, dtype, "push"))]
         if dtype == "q4":
-            ops.run({"op": "residual", "fid": 1, "keep": True})
+            ops.run(ResidualOp(1, True))
         out["pushes"].append((dtype, b"".join(packed), comm.bytes["gather"] - before))
-    out["inits"] = [b"".join(p.numpy().tobytes() for _, p in ops.run({"op": "export", "fid": f["id"], "dtype": "bf16",
-                                                                     "purpose": "init"})) for f in frags]
+    out["inits"] = [b"".join(p.numpy().tobytes() for _, p in ops.run(ExportOp(f["id"], "bf16", "init"))) for f in frags]
     out["final"] = snap()
     out["devices"] = sorted({t.device.type for t in ad.tensors().values()})
     out["held"] = {f["id"]: {p.name: p.numel for p in ops.maps[f["id"]].pieces(rank)} for f in frags}

@@ -9,30 +9,39 @@ import time
 import pytest
 
 from yeto.learner.errors import IslandUnhealthy
-from yeto.learner.stager import AFTER, Fence, resource
+from yeto.learner.rank_ops import (AbortOp, CommitOp, EndOp, ExportOp, KeepOp, ResidualOp, SnapshotOp, StageOp,
+                                    StopOp)
+from yeto.learner.stager import Fence, resource
 
 pytestmark = pytest.mark.pure
 
 
+def stage(fid, after=0, begin=False):
+    return StageOp(fid, 1, "f32", (0,), begin, after=after)
+
+
+def commit(fid, after=0):
+    return CommitOp(fid, 1, "d", "blend", after=after)
+
+
 def test_what_an_operation_touches():
-    assert resource({"op": "stage", "fid": 2, "begin": True}) == resource({"op": "commit", "fid": 2}) == ("staging", 2)
-    assert resource({"op": "abort", "fid": 1}) == ("staging", 1)
-    assert resource({"op": "keep", "fid": 3}) == resource({"op": "export", "fid": 3, "kept": True}) == ("kept", 3)
-    for op in ({"op": "end"}, {"op": "export", "fid": 3, "purpose": "push"}, {"op": "snapshot", "fid": 0},
-               {"op": "residual", "fid": 0, "keep": True}, {"op": "stop"}):
+    assert resource(stage(2, begin=True)) == resource(commit(2)) == ("staging", 2)
+    assert resource(AbortOp(1)) == ("staging", 1)
+    assert resource(KeepOp(3, "f32", "push")) == resource(ExportOp(3, "f32", "push", kept=True)) == ("kept", 3)
+    for op in (EndOp({}), ExportOp(3, "f32", "push"), SnapshotOp(0, "f32", "push"), ResidualOp(0, True), StopOp()):
         assert resource(op) is None
 
 
 def test_rank0_stamps_each_operation_with_the_other_streams_count_on_the_same_thing():
     f = Fence()
-    assert f.stamp("island", {"op": "end"}) == {"op": "end"}   # touches nothing: never waits
-    assert f.stamp("island", {"op": "commit", "fid": 0})[AFTER] == 0
-    assert [f.stamp("staging", {"op": "stage", "fid": 0})[AFTER] for _ in range(3)] == [1, 1, 1]
-    assert f.stamp("staging", {"op": "stage", "fid": 1})[AFTER] == 0   # another fragment
-    assert f.stamp("island", {"op": "commit", "fid": 0})[AFTER] == 3
-    assert f.stamp("island", {"op": "commit", "fid": 1})[AFTER] == 1
-    assert f.stamp("island", {"op": "keep", "fid": 0})[AFTER] == 0   # another thing of fragment 0
-    assert f.stamp("staging", {"op": "export", "fid": 0, "kept": True})[AFTER] == 1
+    assert f.stamp("island", EndOp({})) == EndOp({})   # touches nothing: never waits
+    assert f.stamp("island", commit(0)).after == 0
+    assert [f.stamp("staging", stage(0)).after for _ in range(3)] == [1, 1, 1]
+    assert f.stamp("staging", stage(1)).after == 0   # another fragment
+    assert f.stamp("island", commit(0)).after == 3
+    assert f.stamp("island", commit(1)).after == 1
+    assert f.stamp("island", KeepOp(0, "f32", "push")).after == 0   # another thing of fragment 0
+    assert f.stamp("staging", ExportOp(0, "f32", "push", kept=True)).after == 1
 
 
 def _run_later(fn):
@@ -45,16 +54,16 @@ def test_a_commit_waits_for_its_versions_staging_and_nothing_else():
     """A commit stamped after 2 staging operations on its fragment runs only once this rank finished
     both; staging of another fragment and operations that touch nothing do not count."""
     f = Fence()
-    f.wait("island", {"op": "end"})   # returns at once
+    f.wait("island", EndOp({}))   # returns at once
     ran = []
-    commit = {"op": "commit", "fid": 0, AFTER: 2}
-    t = _run_later(lambda: (f.wait("island", commit), ran.append("commit")))
-    f.finish("staging", {"op": "stage", "fid": 0, AFTER: 0})
-    f.finish("staging", {"op": "stage", "fid": 1, AFTER: 0})
-    f.finish("staging", {"op": "stop"})
+    op = commit(0, after=2)
+    t = _run_later(lambda: (f.wait("island", op), ran.append("commit")))
+    f.finish("staging", stage(0))
+    f.finish("staging", stage(1))
+    f.finish("staging", StopOp())
     time.sleep(0.1)
     assert ran == [] and t.is_alive()   # one of its two staging operations done: still waiting
-    f.finish("staging", {"op": "stage", "fid": 0, AFTER: 0})
+    f.finish("staging", stage(0))
     t.join(5)
     assert ran == ["commit"]
 
@@ -64,9 +73,9 @@ def test_the_streams_wait_for_each_other_in_rank0s_order():
     next commit of fragment 1 (island). On this rank the staging thread gets its op first, and waits
     for the commit; the next commit waits for the staging."""
     src = Fence()
-    commit = src.stamp("island", {"op": "commit", "fid": 1})
-    begin = src.stamp("staging", {"op": "stage", "fid": 1, "begin": True})
-    commit2 = src.stamp("island", {"op": "commit", "fid": 1})
+    commit1 = src.stamp("island", commit(1))
+    begin = src.stamp("staging", stage(1, begin=True))
+    commit2 = src.stamp("island", commit(1))
     dst, order = Fence(), []
 
     def staging_thread():
@@ -77,9 +86,9 @@ def test_the_streams_wait_for_each_other_in_rank0s_order():
     t = _run_later(staging_thread)
     time.sleep(0.1)
     assert order == []   # the commit has not run on this rank yet
-    dst.wait("island", commit)
+    dst.wait("island", commit1)
     order.append("commit v")
-    dst.finish("island", commit)
+    dst.finish("island", commit1)
     dst.wait("island", commit2)
     order.append("commit v+1")
     t.join(5)
@@ -92,7 +101,7 @@ def test_a_failed_stream_makes_the_waiters_raise():
 
     def waiter():
         try:
-            f.wait("island", {"op": "commit", "fid": 0, AFTER: 1})
+            f.wait("island", commit(0, after=1))
         except IslandUnhealthy as exc:
             err.append(str(exc))
 
@@ -102,4 +111,4 @@ def test_a_failed_stream_makes_the_waiters_raise():
     t.join(5)
     assert err and "staging operations of this rank failed" in err[0] and "connection closed" in err[0]
     with pytest.raises(IslandUnhealthy):
-        f.wait("staging", {"op": "stage", "fid": 0, AFTER: 0})   # even with nothing to wait for
+        f.wait("staging", stage(0))   # even with nothing to wait for

@@ -22,8 +22,9 @@ import orjson
 import torch
 
 from yeto.schemas import codec, shards as SH, subjects as S, versions
-from yeto.schemas.chunks import VersionDigest, chunk_header, chunk_plan
+from yeto.schemas.chunks import VersionDigest, chunk_plan
 from yeto.schemas.dtypes import pack, packed_nbytes
+from yeto.schemas.messages import cut_chunk
 from yeto.schemas.provision import kv_put
 from yeto.schemas.publish import Pipeline, publish_retry
 from yeto.services.syncer import rounds as R
@@ -321,21 +322,15 @@ class Cut:
     def chunk_message(self, fid: int, version: int, dtype: str, spans, s, buf, vdigest: str | None, *,
                       final_step: int | None = None, resend: int | None = None) -> tuple[str, str, dict]:
         """(subject, Nats-Msg-Id, headers) of one BCAST (or, with final_step, FINAL) chunk."""
-        meta = {"v": codec.PROTOCOL_VERSION, "run": self.run_id, "fragment": fid, "version": version, "dtype": dtype,
-                **chunk_header(spans, s.index, buf)}
-        # BCAST: the version digest seals the version on its last chunk only, so the other chunks can go out
-        # before the whole version is merged and durable (cut-through); FINAL: on every chunk.
-        if final_step is not None or s.index == len(spans) - 1:
-            meta["version_digest"] = vdigest
+        meta = cut_chunk(spans, s.index, buf, run=self.run_id, fragment=fid, version=version, dtype=dtype,
+                         version_digest=vdigest, final_step=final_step)
         if final_step is not None:
-            meta["final_step"] = final_step
             subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
         else:
             if resend is None and self.reissue.get(fid, (None, None))[0] == version:
                 resend = self.reissue[fid][1]
             subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
-        kind = "final_chunk" if final_step is not None else "bcast_chunk"
-        return subject, msg_id, {codec.CHUNK_HEADER: codec.encode_header(kind, meta)}
+        return subject, msg_id, {codec.CHUNK_HEADER: meta.header()}
 
     def pipeline(self) -> Pipeline:
         # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node

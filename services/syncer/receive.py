@@ -32,6 +32,7 @@ from yeto.schemas.chunks import check_chunk, chunk_plan, plan_nbytes
 from yeto.schemas.errors import WireError
 from yeto.schemas.ids import GEN_RE
 from yeto.schemas.layout import layout_fingerprint
+from yeto.schemas import messages as M
 from yeto.schemas.versions import VersionError
 from yeto.services.syncer import rounds as R
 from yeto.services.syncer.cut import Cut
@@ -193,37 +194,37 @@ class Receiver:
         """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
         generation's chunks make version 0 is the round machine's decision (InitChunk -> InitStore /
         InitDrop). The bytes wait in `init_pending` until it decides (intake pauses while too many wait)."""
-        meta: dict | None = None
+        head: M.InitChunk | None = None
         try:
-            meta = codec.decode_header("init_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            head = M.InitChunk.from_header((msg.headers or {}).get(codec.CHUNK_HEADER, ""))
             if self.cut.session is None:
-                raise WireError("INIT chunk before the session is pinned", field="fragment", value=meta["fragment"], code="no_session")
-            if meta["run"] != self.run_id:
+                raise WireError("INIT chunk before the session is pinned", field="fragment", value=head.fragment, code="no_session")
+            if head.run != self.run_id:
                 raise WireError(f"INIT chunk of another run on run {self.run_id}'s stream", field="run",
-                                value=meta["run"], code="subject_mismatch")
-            fid = meta["fragment"]
+                                value=head.run, code="subject_mismatch")
+            fid = head.fragment
             fr = self.cut.frags.get(fid)
             if fr is None:
                 raise WireError("unknown fragment", field="fragment", value=fid, code="unknown_fragment")
-            if meta["dtype"] != self.cut.session["bulk_dtype"]:
-                raise WireError(f"INIT dtype must be the session's bulk dtype {self.cut.session['bulk_dtype']}", field="dtype", value=meta["dtype"])
-            spans = chunk_plan(fr.numel, meta["dtype"], self.cut.session["chunk_bytes"])
-            span = check_chunk(spans, meta, msg.data)
+            if head.dtype != self.cut.session["bulk_dtype"]:
+                raise WireError(f"INIT dtype must be the session's bulk dtype {self.cut.session['bulk_dtype']}", field="dtype", value=head.dtype)
+            spans = chunk_plan(fr.numel, head.dtype, self.cut.session["chunk_bytes"])
+            span = check_chunk(spans, head.to_wire(), msg.data)
             k = span.index
-            values = delta_view(msg.data, meta["dtype"], span.elem_count)
+            values = delta_view(msg.data, head.dtype, span.elem_count)
             if not bool(torch.isfinite(values).all()):
                 raise WireError("INIT values must be finite", field="payload", value=f"chunk {k}", code="non_finite")
         except WireError as exc:
-            await self.reject(f"INIT chunk on {msg.subject}", exc, island=meta and meta["island"], gen=meta and meta["gen"])
+            await self.reject(f"INIT chunk on {msg.subject}", exc, island=head and head.island, gen=head and head.gen)
             return
-        key = (meta["gen"], fid, k)
+        key = (head.gen, fid, k)
         if key in self.init_pending:
             self.counters["init.duplicate_chunk"] += 1
             return
         await self._init_room()
         self.init_pending[key] = (span, values)
         self.init_pending_bytes += values.numel() * values.element_size()
-        await self.queue.put(R.InitChunk(island=meta["island"], gen=meta["gen"], fragment=fid, chunk=k,
+        await self.queue.put(R.InitChunk(island=head.island, gen=head.gen, fragment=fid, chunk=k,
                                          chunks=len(spans), now=time.time()))
 
     async def _init_room(self) -> None:
@@ -244,17 +245,13 @@ class Receiver:
         tokens = S.parse(self.run_id, msg.subject)   # push.<island>.<fragment>
         subj_island = tokens[1] if len(tokens) == 3 else None
         try:
-            meta = codec.decode_header("push_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            head = M.PushChunk.from_header((msg.headers or {}).get(codec.CHUNK_HEADER, ""))
+            head.check_subject(self.run_id, subj_island, tokens[-1])
         except WireError as exc:
             await self.reject(f"push chunk on {msg.subject}", exc, island=subj_island)
             self._delete_later(seq)
             return
-        if meta["run"] != self.run_id or meta["island"] != subj_island or tokens[-1] != str(meta["fragment"]):
-            await self.reject(f"push chunk on {msg.subject}",
-                               WireError("island/fragment in the header does not match the subject", field="island",
-                                         value=meta["island"], code="subject_mismatch"), island=subj_island)
-            self._delete_later(seq)
-            return
+        meta = head.to_wire()   # the ledger's and the speculator's record of the chunk
         why_closed = self.ledger.closed(meta, redelivered=msg.metadata.num_delivered > 1)
         if why_closed is not None:
             # A redelivery (or a late resend) of a chunk no round can use: drop it, it opens no try.

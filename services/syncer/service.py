@@ -29,15 +29,14 @@ import os
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import orjson
 
 from yeto.schemas import codec, leader_watch, shards as SH, subjects as S
 from yeto.schemas.chunks import max_chunk_bytes
-from yeto.schemas.conn import ConnectOptions, connect, server_max_payload
-from yeto.schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
+from yeto.schemas.conn import connect, server_max_payload
+from yeto.schemas.messages import Error, Pull, Shutdown
+from yeto.schemas.provision import kv as kv_handle, kv_put, provision_run
 from yeto.schemas.publish import publish_retry
 from yeto.services.syncer import rounds as R
 from yeto.services.syncer.checkpoint import CheckpointDir
@@ -45,13 +44,14 @@ from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
 from yeto.services.syncer.intake import PushLedger, auto_push_memory_bytes
-from yeto.services.syncer.lease import DEFAULT_TTL_S, Fenced, RunLease
+from yeto.services.syncer.lease import Fenced, RunLease
 from yeto.services.syncer.shard_watch import ShardWatch
 from yeto.services.syncer import memtrace
 from yeto.services.syncer.merge import Merger
 from yeto.services.syncer.receive import Receiver
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
 from yeto.services.syncer.settings_desk import SettingsDesk
+from yeto.services.syncer.service_config import OuterConfig, ServiceConfig  # noqa: F401 - OuterConfig: callers import it from here
 from yeto.services.syncer.state_store import StateStore
 from yeto.services.syncer.startup import Startup, SyncerError  # noqa: F401 - SyncerError: callers import it from here
 from yeto.services.syncer.tape import TapeWriter
@@ -71,38 +71,6 @@ EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (ab
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (bytes): what its fragments' params and momentum cost."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
-
-
-@dataclass
-class OuterConfig:
-    lr: float = 0.7
-    momentum: float = 0.9
-
-
-@dataclass
-class ServiceConfig:
-    machine: R.SyncerConfig
-    outer: OuterConfig
-    connect: ConnectOptions
-    checkpoint_dir: Path
-    resume: bool = False
-    limits: RunLimits = field(default_factory=RunLimits)
-    # A Tick at the machine's next_wakeup() and at least this often (a safety net: every Tick is taped)
-    tick_s: float = 1.0
-    status_every_s: float = 5.0
-    # `--lease-ttl`: a standby takes over once the owner's lease did not move for this long (lease.py)
-    lease_ttl_s: float = DEFAULT_TTL_S
-    # `--state-store`: "jetstream" = the checkpoint and the run's state KV (state_store.py); "local": the checkpoint only
-    state_store: str = "jetstream"
-    # `--broadcast` (merge.BROADCAST_MODES) and `--checkpoint-writer` (merge.CKPT_WRITERS)
-    broadcast: str = "cut-through"
-    ckpt_writer: str = "inline"
-    # `--push-memory-mib`: push bytes held from intake to the merge (intake.PushLedger); None = auto (by the session)
-    push_memory_bytes: int | None = None
-    # `--speculate`: sum a round's outer gradient while its pushes arrive (speculate.py; off until measured faster)
-    speculate: bool = False
-    # `--cover-coordinator`'s standby for shard 0: takes only a lease that lapsed (never becomes the coordinator)
-    standby_only: bool = False
 
 
 class SyncerService(Startup):
@@ -444,83 +412,92 @@ class SyncerService(Startup):
                      counters=self.counters)
 
     async def _do(self, a) -> None:
+        """Carry out one action of the machine: the handler its type names in `ACTIONS`."""
         await self._guard()   # a deposed owner carries out nothing (lease.py)
-        if isinstance(a, R.WriteSession):
-            self._take_session(a.session)
-            await asyncio.to_thread(self.ckpt.write_session, a.session)
-            await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
-            self._mem("session pinned")
-            log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
-                     len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
-        elif isinstance(a, R.AdoptSession):
-            # A follower takes the session the coordinator pinned (the state KV already holds it).
-            self._take_session(a.session)
-            await asyncio.to_thread(self.ckpt.write_session, a.session)
-            self._mem("session adopted")
-            log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
-                     len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
-        elif isinstance(a, R.PublishShardFinal):
-            self._spawn(self._publish_shard_final(a))
-        elif isinstance(a, R.WriteMember):
-            await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
-        elif isinstance(a, R.PublishPull):
-            p = dict(a.pull)
-            msg = codec.make("pull", run=self.run_id, **p)
-            self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
-            if self.merger is not None:
-                self.merger.expect(p)
-            await self._write_pulls_record()
-            await publish_retry(self.js, S.pull(self.run_id), codec.encode("pull", msg),
-                                S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,
-                                attempts=CTL_PUBLISH_ATTEMPTS)
-        elif isinstance(a, R.SendError):
-            fields = {"run": self.run_id, "code": a.code, "message": a.message, "fatal": a.fatal, "gen": a.gen}
-            if a.field is not None:
-                fields["field"] = a.field
-            msg = codec.make("error", **fields)
-            await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("error", msg),
-                                S.to_island_msg_id(a.island, "error", f"{a.gen}.{self.tape.next_key()}"), counters=self.counters,
-                                attempts=CTL_PUBLISH_ATTEMPTS)
-            if a.code == "bad_layout":
-                # the run cannot start on this island's model: the operator's to fix, said as loudly as it is
-                log.error("run %s cannot pin its session on island %s's model: %s", self.run_id, a.island, a.message)
-            else:
-                log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
-        elif isinstance(a, R.InitStore):
-            self.receiver.store_init(a)
-            if a.chunk == 0:
-                self._mem(f"INIT fragment {a.fragment} begins")
-        elif isinstance(a, R.InitDrop):
-            self.receiver.drop_init(a)
-        elif isinstance(a, R.Release):
-            seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
-            await self.merger.delete_seqs(seqs)
-        elif isinstance(a, R.Tape):
-            await self.tape.write(dict(a.event), kind=a.event.get("kind", "event"))
-        elif isinstance(a, R.Merge):
-            self._spawn(self._merge(a))
-        elif isinstance(a, R.CommitV0):
-            self._spawn(self._commit_v0(a))
-        elif isinstance(a, R.PublishFinal):
-            self._spawn(self._publish_final(a))
-        elif isinstance(a, R.SendManifest):
-            await self.cut.send_manifest(a)
-        elif isinstance(a, R.RecordFinal):
-            await self.cut.record_final(a.record)
-        elif isinstance(a, R.Shutdown):
-            msg = codec.make("shutdown", run=self.run_id, reason=a.reason, gen=a.gen)
-            await publish_retry(self.js, S.to_island(self.run_id, a.island), codec.encode("shutdown", msg),
-                                S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters,
-                                attempts=CTL_PUBLISH_ATTEMPTS)
-        elif isinstance(a, R.Rebroadcast):
-            await self.cut.rebroadcast(a)
-        elif isinstance(a, R.ApplySettings):
-            self.merger.use_outer(a.settings)   # the speculative merge forecasts with them too
-            await self.desk.apply(a)
-        elif isinstance(a, R.Done):
-            self.done = a
-        else:  # pragma: no cover - a new action type without a handler is a programming error
+        handler = self.ACTIONS.get(type(a))
+        if handler is None:  # pragma: no cover - a new action type without a handler is a programming error
             raise SyncerError(f"unhandled action {a!r}")
+        await handler(self, a)
+
+    # ---- the actions (one handler per action type, `ACTIONS` below) -----------------------------------
+
+    async def _write_session(self, a: R.WriteSession) -> None:
+        self._take_session(a.session)
+        await asyncio.to_thread(self.ckpt.write_session, a.session)
+        await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
+        self._mem("session pinned")
+        log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
+                 len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
+
+    async def _adopt_session(self, a: R.AdoptSession) -> None:
+        # A follower takes the session the coordinator pinned (the state KV already holds it).
+        self._take_session(a.session)
+        await asyncio.to_thread(self.ckpt.write_session, a.session)
+        self._mem("session adopted")
+        log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
+                 len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
+
+    async def _write_member(self, a: R.WriteMember) -> None:
+        await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
+
+    async def _publish_pull(self, a: R.PublishPull) -> None:
+        p = dict(a.pull)
+        msg = Pull(run=self.run_id, **p)
+        self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
+        if self.merger is not None:
+            self.merger.expect(p)
+        await self._write_pulls_record()
+        await publish_retry(self.js, S.pull(self.run_id), msg.encode(),
+                            S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,
+                            attempts=CTL_PUBLISH_ATTEMPTS)
+
+    async def _send_error(self, a: R.SendError) -> None:
+        msg = Error(run=self.run_id, code=a.code, message=a.message, fatal=a.fatal, field=a.field, gen=a.gen)
+        await publish_retry(self.js, S.to_island(self.run_id, a.island), msg.encode(),
+                            S.to_island_msg_id(a.island, "error", f"{a.gen}.{self.tape.next_key()}"), counters=self.counters,
+                            attempts=CTL_PUBLISH_ATTEMPTS)
+        if a.code == "bad_layout":
+            # the run cannot start on this island's model: the operator's to fix, said as loudly as it is
+            log.error("run %s cannot pin its session on island %s's model: %s", self.run_id, a.island, a.message)
+        else:
+            log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
+
+    async def _store_init(self, a: R.InitStore) -> None:
+        self.receiver.store_init(a)
+        if a.chunk == 0:
+            self._mem(f"INIT fragment {a.fragment} begins")
+
+    async def _drop_init(self, a: R.InitDrop) -> None:
+        self.receiver.drop_init(a)
+
+    async def _release(self, a: R.Release) -> None:
+        seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
+        await self.merger.delete_seqs(seqs)
+
+    async def _tape(self, a: R.Tape) -> None:
+        await self.tape.write(dict(a.event), kind=a.event.get("kind", "event"))
+
+    async def _send_manifest(self, a: R.SendManifest) -> None:
+        await self.cut.send_manifest(a)
+
+    async def _record_final(self, a: R.RecordFinal) -> None:
+        await self.cut.record_final(a.record)
+
+    async def _shutdown(self, a: R.Shutdown) -> None:
+        msg = Shutdown(run=self.run_id, reason=a.reason, gen=a.gen)
+        await publish_retry(self.js, S.to_island(self.run_id, a.island), msg.encode(),
+                            S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters,
+                            attempts=CTL_PUBLISH_ATTEMPTS)
+
+    async def _rebroadcast(self, a: R.Rebroadcast) -> None:
+        await self.cut.rebroadcast(a)
+
+    async def _apply_settings(self, a: R.ApplySettings) -> None:
+        self.merger.use_outer(a.settings)   # the speculative merge forecasts with them too
+        await self.desk.apply(a)
+
+    async def _done(self, a: R.Done) -> None:
+        self.done = a
 
     def _spawn(self, coro) -> None:
         async def wrapped():
@@ -597,3 +574,20 @@ class SyncerService(Startup):
             return
         await kv_put(self.js, self.run_id, "state", self._key("pulls"), orjson.dumps({"attempts": {str(k): v for k, v in sorted(attempts.items())}}), counters=self.counters)
         self._pulls_written = attempts
+
+    def _in_task(long):
+        """A long action's handler: `long` runs as a task and feeds its completion back (intake never stops)."""
+        async def start(self, a) -> None:
+            self._spawn(long(self, a))
+        return start
+
+    # Action type -> its handler, as the round machine keeps a handler per event type (tests/test_syncer_actions.py).
+    ACTIONS = {
+        R.WriteSession: _write_session, R.AdoptSession: _adopt_session, R.WriteMember: _write_member,
+        R.PublishPull: _publish_pull, R.SendError: _send_error, R.InitStore: _store_init, R.InitDrop: _drop_init,
+        R.Release: _release, R.Tape: _tape, R.SendManifest: _send_manifest, R.RecordFinal: _record_final,
+        R.Shutdown: _shutdown, R.Rebroadcast: _rebroadcast, R.ApplySettings: _apply_settings, R.Done: _done,
+        R.Merge: _in_task(_merge), R.CommitV0: _in_task(_commit_v0), R.PublishFinal: _in_task(_publish_final),
+        R.PublishShardFinal: _in_task(_publish_shard_final),
+    }
+    del _in_task
