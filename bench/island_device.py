@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 # the installed yeto (as every bench: the product as users get it)
+from yeto.learner.rank_ops import CommitOp, SnapshotOp, StageOp
 from yeto.services.run_harness import Child, ChildFailed, RssWatch, clean_env, peak_rss_self, stop_all, wait_all
 
 MiB, GB = 1 << 20, 1e9
@@ -107,7 +108,7 @@ def stage(ops, fid: int, version: int, seed: int) -> None:
     base = torch.randn(max(s.elem_count for s in spans), generator=g) * 0.01
     for k, s in enumerate(spans):
         payload = base[: s.elem_count].numpy().tobytes()
-        ops.stage({"fid": fid, "version": version, "dtype": "f32", "chunks": [k], "begin": k == 0}, {k: payload})
+        ops.stage(StageOp(fid=fid, version=version, dtype="f32", chunks=(k,), begin=k == 0), {k: payload})
 
 
 def read_pass(ops, fids) -> None:
@@ -132,7 +133,7 @@ def export_apply(args, device: torch.device, out=print) -> dict:
         f"{torch.__version__}, repeat {args.repeat}")
     for fid in fids:  # v0 overwrites: the anchors a push is taken against
         stage(ops, fid, 0, seed=fid)
-        ops.commit({"fid": fid, "mode": "first"})
+        ops.commit(CommitOp(fid=fid, version=0, digest="", mode="first"))
     sync(device)
     # the limit: the same f32 bytes device -> pinned host and back, tensor by tensor
     pin = device.type == "cuda"
@@ -145,7 +146,7 @@ def export_apply(args, device: torch.device, out=print) -> dict:
         sync(device)
         t0 = time.perf_counter()
         for fid in fids:
-            snap = ops.snapshot({"op": "snapshot", "fid": fid, "dtype": "f32", "purpose": "push"})
+            snap = ops.snapshot(SnapshotOp(fid=fid, dtype="f32", purpose="push"))
         t1 = time.perf_counter()
         assert snap and snap[0][1].device.type == "cpu" and bool(torch.isfinite(snap[0][1]).all())
         del snap
@@ -153,7 +154,7 @@ def export_apply(args, device: torch.device, out=print) -> dict:
             stage(ops, fid, 1 + r, seed=100 * r + fid)
         t2 = time.perf_counter()
         for fid in fids:
-            ops.commit({"fid": fid, "mode": "blend"})
+            ops.commit(CommitOp(fid=fid, version=1 + r, digest="", mode="blend"))
         sync(device)
         t3 = time.perf_counter()
         for n, m in master.items():

@@ -143,6 +143,7 @@ class Pull(Message):
     seq: int
     base_version: int
     members: tuple
+    push_dtype: str | None = None   # set by `yeto run set push_dtype`; absent: the session's
 
 
 @dataclass(frozen=True)
