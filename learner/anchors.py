@@ -26,7 +26,6 @@ from typing import Iterable, Mapping
 
 import torch
 
-from yeto.schemas.errors import WireError
 
 _F32 = 4
 _IO_MAX = 1 << 30  # bytes per pread/pwrite call (Linux moves at most ~2 GiB per call)
@@ -81,7 +80,7 @@ class _FileSlab:
     def _slot(self, name: str, lo: int, n: int) -> int:
         off, k = self.slots[name]
         if lo < 0 or lo + n > k:
-            raise WireError(f"elements [{lo}, {lo + n}) outside the {k} of {name}", field="lo", value=lo)
+            raise ValueError(f"elements [{lo}, {lo + n}) outside the {k} of {name}")  # the caller's offsets
         return (off + lo) * _F32
 
     def write(self, name: str, lo: int, values: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ from yeto.schemas.errors import WireError
 from .boundary_ops import (Ack, Begin, BeginFinal, BroadcastsRead, CheckHealth, Commit, End, Fail, FinalRead,
                            FinalShared, Log, Progress, Push, ReadBroadcasts, ReadControl, ReadFinal, Reap, StepDone,
                            StepLog, StreamInit, TakePulls, VerifyManifest, VersionComplete, Wait)
-from .fragments import ProtocolError, SyncState
+from .sync_state import ProtocolError, SyncState
 from .pulls import PendingPull, PullBook, due_round, max_due_step
 
 
@@ -151,7 +151,7 @@ class Boundary:
                                     field="event", value=type(event).__name__)
             if isinstance(event, StepDone) and (isinstance(event.tokens, bool) or not isinstance(event.tokens, int)
                                                 or event.tokens < 0):
-                raise WireError("tokens must be a non-negative integer", field="tokens", value=event.tokens)
+                raise ValueError(f"tokens must be a non-negative integer, not {event.tokens!r}")  # the trainer's
             self.now = event.now
             script = {Begin: self._start, StepDone: self._boundary, FinalShared: self._ack_and_wait}[type(event)]
             self._script = script(event)

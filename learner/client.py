@@ -2,9 +2,9 @@
 
 The training thread never touches the network directly. The loop thread:
 
-* reads the island's CTL consumers into thread-safe inboxes and turns BCAST / FINAL chunk headers
-  into notices (the bytes stay in JetStream until the sync rank fetches them at a boundary):
-  `ctl_reader.CtlReader`, which also rejects (counts in `counters["rejected"]`) bad input;
+* reads the island's CTL consumers into thread-safe inboxes (`ctl_reader.CtlReader`) and turns BCAST /
+  FINAL chunk headers into notices (`cut_notices`; the bytes stay in JetStream until the sync rank
+  fetches them at a boundary); both reject (count in `counters["rejected"]`) bad input;
 * publishes a heartbeat every `heartbeat_s`, looks for the run's final record every
   `FINAL_POLL_S`, and drains the step-log queue.
 
@@ -47,6 +47,7 @@ from yeto.schemas.versions import VersionError
 
 from .config import IslandConfig
 from .ctl_reader import CtlReader
+from .cut_notices import watch_cuts
 from .errors import IslandUnhealthy, NotConnected
 from .inbox import CutInbox, Inbox, PublishHandle
 from .publisher import StreamPublisher
@@ -203,13 +204,13 @@ class IslandClient:
         ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), msg.encode(),
                                       S.hello_msg_id(self.island, self.gen), counters=self._counters), 60)
         self.ctl = CtlReader(js=self.js, run=self.run, island=self.island, gen=self.gen, hello=hello,
-                             counters=self._counters, pulls=self.pulls, control=self.control, bcast=self.bcast,
-                             final=self.final, reject=self._reject, spawn=self._spawn,
-                             connected=lambda: self.connected, on_fatal=self.arrivals.notify)
+                             counters=self._counters, pulls=self.pulls, control=self.control, reject=self._reject,
+                             spawn=self._spawn, connected=lambda: self.connected, on_fatal=self.arrivals.notify)
         self.call(self._after_hello(ack.seq), 60)
 
     async def _after_hello(self, seq: int) -> None:
-        self._subs += await self.ctl.start(seq, self.cut_js)
+        await self.ctl.start(seq)
+        self._subs += await watch_cuts(self.cut_js, self.run, bcast=self.bcast, final=self.final, reject=self._reject)
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
 

@@ -1,6 +1,6 @@
 """The demo island: a tiny MLP learns a fixed random teacher function on CPU, synced through yeto-nats.
 
-Each island draws its training data from its own seed (heterogeneous shards of one task); held-out
+Each island draws its training data from its own seed (heterogeneous data of one task); held-out
 data comes from a third seed. No downloads: the data is generated.
 
     python -m yeto.learner.demo --run R --island a [--ranks 2] [--steps-max N] [--out params.safetensors]
@@ -66,7 +66,7 @@ def teacher() -> nn.Module:
 
 
 def batch(gen: torch.Generator, n: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs from a shifted normal (the shift makes the islands' shards differ); targets from the teacher."""
+    """Inputs from a shifted normal (the shift makes the islands' data differ); targets from the teacher."""
     x = torch.randn(n, D_IN, generator=gen) + shift
     with torch.no_grad():
         y = teacher()(x) + 0.01 * torch.randn(n, 1, generator=gen)
@@ -85,11 +85,11 @@ def model_seed(island: str) -> int:
     return sum(map(ord, island))
 
 
-def shard(island: str, rank: int) -> tuple[torch.Generator, float]:
+def island_data(island: str, rank: int) -> tuple[torch.Generator, float]:
     """The data stream of one rank of an island: its generator (a fixed seed, so a run's data order is
-    reproducible) and its input shift (islands a and b see opposite shifts: heterogeneous shards)."""
-    shard_seed = {"a": 1, "b": 2}.get(island, 3 + len(island))
-    return torch.Generator().manual_seed(shard_seed * 1000 + rank), (0.3 if shard_seed % 2 else -0.3)
+    reproducible) and its input shift (islands a and b see opposite shifts: heterogeneous data)."""
+    seed = {"a": 1, "b": 2}.get(island, 3 + len(island))
+    return torch.Generator().manual_seed(seed * 1000 + rank), (0.3 if seed % 2 else -0.3)
 
 
 POISON_ENV = "YETO_DEMO_POISON"
@@ -166,7 +166,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         if rank == 0:
             print(f"[{args.island}] {POISON_ENV}={poison}: this island pushes poisoned updates (fault injector)",
                   flush=True)
-    gen, shift = shard(args.island, rank)
+    gen, shift = island_data(args.island, rank)
     losses: list[float] = []
     step = 0
     t_last = time.monotonic()

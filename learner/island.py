@@ -11,10 +11,10 @@ Use (every rank of the island group calls every method; `group` None: a single p
 Structure. What happens at a boundary, and in which order, is decided by a pure machine,
 `boundary.Boundary` (its module doc has the rules: apply broadcasts before answering pulls, the
 newest attempt of a round, one push per attempt, initial cut, lockstep, final cut), with the pure
-`pulls.PullBook` and `fragments.SyncState` inside it. `Island` is the shell on the sync rank: it
+`pulls.PullBook` and `sync_state.SyncState` inside it. `Island` is the shell on the sync rank: it
 feeds the machine events (a step done, what the inboxes hold, a version read whole, the time) and
 carries out the operations it returns with the parts that do I/O — `island_wire.IslandWire` (reading
-BCAST / FINAL into the ranks' staging with `fragments.CutReader`, exporting INIT and pushes),
+BCAST / FINAL into the ranks' staging with `cut_reader.CutReader`, exporting INIT and pushes),
 `client.IslandClient` (the NATS thread and its inboxes) and `island_ranks.RankOps` (each rank's
 share of a collective step, over `piece_io`). A `Wait` the machine asks for is one call of
 `waiting.wait_until` on the client's arrivals (a message, a push's acks, a reconnect) with a short
@@ -88,7 +88,8 @@ from .boundary import Boundary, LockstepTimeout, Rules
 from .client import IslandClient
 from .config import IslandConfig
 from .errors import IslandUnhealthy
-from .fragments import CutReader, SyncState
+from .cut_reader import CutReader
+from .sync_state import SyncState
 from .island_modes import background_mode
 from .island_ranks import RankOps
 from .island_wire import IslandWire
@@ -177,7 +178,7 @@ class Island:
         if self._started:
             return self
         # Every rank's pieces, once: rank 0 announces the union, every rank maps fragments with it.
-        self.layout = IslandLayout(self.comm.all_gather(describe(self.adapter.shards())))
+        self.layout = IslandLayout(self.comm.all_gather(describe(self.adapter.pieces())))
         dec = self._lead_or_follow(self._start_sync_rank)
         self.gen = dec["gen"]
         if dec.get("run_finished") is not None:
@@ -194,7 +195,7 @@ class Island:
         if tokens is None:
             tokens = step_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise WireError("tokens must be a non-negative integer", field="tokens", value=tokens)
+            raise ValueError(f"tokens must be a non-negative integer, not {tokens!r}")  # the trainer's count
         if not self._started:
             raise RuntimeError("Island.start() must be called before the first boundary")
         if self.should_stop:

@@ -5,7 +5,7 @@ flight) and is held by `learner.island.Island`, which carries out the boundary m
 with it; every collective step goes through the `lead` it is given (announce, then run rank 0's part).
 
 Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get
-in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and scattered to the
+in batches of at most `fetch_batch_bytes`, checked by `cut_reader.CutReader` and scattered to the
 ranks' staging as they pass; when a version's last chunk passed and the whole version digest
 matched, `complete(fid, version, digest)` (the boundary: the machine decides how, every rank installs; the
 sync worker: parks it in `ready` for the next boundary)
@@ -44,7 +44,7 @@ from yeto.schemas.publish import PublishFailed
 
 from .boundary_ops import Commit, Push
 from .errors import NotConnected
-from .fragments import CutReader
+from .cut_reader import CutReader
 from .inbox import PublishHandle
 from .init_export import stream_init
 from .island_modes import Mode, foreground_mode

@@ -11,7 +11,7 @@ apart.
 BCAST, no seal) and restarted with `--resume` sends version v again with identical bytes: the chunks
 seen before the kill equal the ones after it, the commit record's digest on the tape is the sha256 of
 the BCAST bytes, the values equal the reference, and no (fragment, version, chunk) is ever seen with two
-chunk digests. While the syncer is down, the island's own reader (learner.fragments.CutReader) finds
+chunk digests. While the syncer is down, the island's own reader (learner.cut_reader.CutReader) finds
 no complete version in that BCAST: an island never installs a partial version. The run then finishes
 (final cut equal to the reference, exit 0), and both processes' recorded inputs replay identical.
 (c) The same kill, then the round's pushes deleted from PUSH before the restart: the redo fails (an
@@ -31,7 +31,7 @@ import orjson
 import pytest
 import torch
 
-from yeto.learner.fragments import CutReader
+from yeto.learner.cut_reader import CutReader
 from yeto.schemas import codec, subjects as S
 from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack

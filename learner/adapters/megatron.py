@@ -56,17 +56,17 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 from yeto.schemas.layout import canonical_layout, natural_key
 
-from .base import ModelAdapter, Shard, dtype_name
+from .base import ModelAdapter, Piece, dtype_name
 from .megatron_names import (Box, experts_module_path, global_expert_name, global_layer_name, local_layer_index,
                              lora_b_base, strip_wrappers, tp_box)
 
 log = logging.getLogger("yeto.megatron")
 
 _LOW = (torch.bfloat16, torch.float16)
-_SHARD_HAS_EXPERT = "expert" in getattr(Shard, "__dataclass_fields__", {})
+_PIECE_HAS_EXPERT = "expert" in getattr(Piece, "__dataclass_fields__", {})
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -166,7 +166,7 @@ class MegatronAdapter(ModelAdapter):
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any = None):
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if not chunks:
-            raise WireError("no model chunks", field="model", value=[])
+            raise ConfigError("no model chunks", field="model", value=[])
         self._entries: dict[str, _Entry] = {}
         by_param: dict[int, tuple[str, int]] = {}  # id(param) -> (canonical name, target index)
         for inner in (_unwrap(c) for c in chunks):
@@ -201,8 +201,8 @@ class MegatronAdapter(ModelAdapter):
                 layer = modules.get(local.split(".layers.")[0] + f".layers.{li}")
                 number = getattr(layer, "layer_number", None)
                 if isinstance(number, int) and number != offset + li + 1:
-                    raise WireError(f"megatron-core numbers this layer {number} but the pipeline offset gives "
-                                    f"{offset + li + 1}", field="param", value=raw)
+                    raise ConfigError(f"megatron-core numbers this layer {number} but the pipeline offset gives "
+                                      f"{offset + li + 1}", field="param", value=raw)
             exp_path = experts_module_path(local)
             expert = exp_path is not None
             expert_id = None
@@ -210,7 +210,7 @@ class MegatronAdapter(ModelAdapter):
                 mod = modules.get(exp_path)
                 nle = getattr(mod, "num_local_experts", None)
                 if not isinstance(nle, int):
-                    raise WireError("experts module without num_local_experts", field="param", value=raw)
+                    raise ConfigError("experts module without num_local_experts", field="param", value=raw)
                 ep_group = getattr(mod, "ep_group", None) or ep
                 name = global_expert_name(name, _rank(ep_group), nle)
                 expert_id = int(name[len(exp_path) + 1:].split(".", 1)[0])
@@ -231,8 +231,8 @@ class MegatronAdapter(ModelAdapter):
             if e is None:
                 e = self._entries[name] = _Entry(name, box, dt, owner, expert_id, rep, [], alias)
             elif e.box != box or e.dtype != dt:
-                raise WireError(f"two parameters map to {name} with different boxes or dtypes", field="param",
-                                value=raw)
+                raise ConfigError(f"two parameters map to {name} with different boxes or dtypes", field="param",
+                                  value=raw)
             else:
                 e.owner = e.owner or owner
                 e.alias_only = e.alias_only and alias
@@ -259,16 +259,16 @@ class MegatronAdapter(ModelAdapter):
                 if t.kind == "plain" and t.param.dtype in _LOW:
                     if optimizer is None:
                         continue  # no optimizer: the low-precision parameter is the truth
-                    raise WireError("low-precision parameter without an fp32 master in the optimizer (unsupported "
-                                    "optimizer?)", field="param", value=e.name)
+                    raise ConfigError("low-precision parameter without an fp32 master in the optimizer (unsupported "
+                                      "optimizer?)", field="param", value=e.name)
 
     @staticmethod
     def _check_master(p, m, t) -> None:
         if not isinstance(m, torch.Tensor) or m.dtype != torch.float32:
-            raise WireError("optimizer master must be float32", field="master",
-                            value=str(getattr(m, "dtype", type(m).__name__)))
+            raise ConfigError("optimizer master must be float32", field="master",
+                              value=str(getattr(m, "dtype", type(m).__name__)))
         if t.kind != "plain":
-            raise WireError("parameter has two optimizer masters", field="master", value=str(tuple(p.shape)))
+            raise ConfigError("parameter has two optimizer masters", field="master", value=str(tuple(p.shape)))
 
     def _bind_distributed(self, opt, targets: dict, by_param: dict) -> None:
         group = opt.data_parallel_group
@@ -277,12 +277,12 @@ class MegatronAdapter(ModelAdapter):
                 list(zip(opt.model_fp32_groups, opt.shard_fp32_groups)):
             for p, m in zip(params, shards):
                 if m is None:
-                    raise WireError("distributed optimizer without fp32 main params (precision-aware optimizer) is "
-                                    "not supported", field="optimizer", value="use_precision_aware_optimizer")
+                    raise ConfigError("distributed optimizer without fp32 main params (precision-aware optimizer) is "
+                                      "not supported", field="optimizer", value="use_precision_aware_optimizer")
                 r = opt._get_model_param_range_map(p)["param"]
                 if m.dtype != torch.float32 or m.numel() != r.end - r.start:
-                    raise WireError("main_param shard does not match its range", field="master",
-                                    value=(str(m.dtype), m.numel(), r.start, r.end))
+                    raise ConfigError("main_param (the distributed optimizer's shard) does not match its range",
+                                      field="master", value=(str(m.dtype), m.numel(), r.start, r.end))
                 owned[id(p)] = (m, r.start, r.end)
         members = [p for buf in opt.buffers for p in buf.param_index_map]
         mine = {}
@@ -309,23 +309,23 @@ class MegatronAdapter(ModelAdapter):
                     break
                 pos = e
             if pos != p.numel():
-                raise WireError(f"distributed optimizer ranges do not tile the parameter ({p.numel()} elements)",
-                                field="master", value=key[0])
+                raise ConfigError(f"distributed optimizer ranges do not tile the parameter ({p.numel()} elements)",
+                                  field="master", value=key[0])
 
     # ---- ModelAdapter ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
+    def pieces(self) -> list[Piece]:
         out = []
         for n in self._names:
             e = self._entries[n]
-            extra = {"expert": e.expert} if _SHARD_HAS_EXPERT else {}
-            out.append(Shard(n, e.box.global_shape, e.dtype, None if e.box.whole else e.box.slices, e.owner, **extra))
+            extra = {"expert": e.expert} if _PIECE_HAS_EXPERT else {}
+            out.append(Piece(n, e.box.global_shape, e.dtype, None if e.box.whole else e.box.slices, e.owner, **extra))
         return out
 
     def _entry(self, name: str) -> _Entry:
         e = self._entries.get(name)
         if e is None:
-            raise WireError("not a synced parameter on this rank", field="name", value=name)
+            raise ValueError(f"{name!r} is not a synced parameter on this rank")
         return e
 
     def read(self, name: str) -> torch.Tensor:
@@ -356,8 +356,8 @@ class MegatronAdapter(ModelAdapter):
     def write(self, name: str, value: torch.Tensor) -> None:
         e = self._entry(name)
         if tuple(value.shape) != e.box.view_shape and value.numel() != e.targets[0].param.numel():
-            raise WireError(f"expected the box shape {list(e.box.view_shape)}", field=f"value.{name}",
-                            value=tuple(value.shape))
+            raise ValueError(f"write of {name}: expected the box shape {list(e.box.view_shape)}, got "
+                             f"{tuple(value.shape)}")
         with torch.no_grad():
             for t in e.targets:
                 p = t.param
@@ -393,8 +393,7 @@ class MegatronAdapter(ModelAdapter):
                 v = self._pending.pop(n, None)
                 if v is None:
                     if e.targets[0].kind == "sharded":
-                        raise WireError("sync_replicas of a tensor its source rank did not write", field="names",
-                                        value=n)
+                        raise ValueError(f"sync_replicas of {n!r}, which its source rank did not write")
                     v = self.read(n).clone()
                 v = v.to(dev)
             else:
@@ -413,24 +412,24 @@ class MegatronAdapter(ModelAdapter):
 # ---- world-wide helpers (collective over `group`, default the whole world) ----------------------------
 
 def layout_all(adapter: ModelAdapter, group=None) -> list[dict]:
-    """The island's layout: every rank's shards united (what the sync rank announces at hello).
+    """The island's layout: every rank's pieces united (what the sync rank announces at hello).
     Raises when two ranks disagree on a tensor's global shape or dtype."""
-    mine = [(s.name, tuple(s.global_shape), s.dtype) for s in adapter.shards()]
+    mine = [(s.name, tuple(s.global_shape), s.dtype) for s in adapter.pieces()]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     seen: dict[str, tuple] = {}
     for rank_list in everyone:
         for name, shape, dt in rank_list:
             if seen.setdefault(name, (shape, dt)) != (shape, dt):
-                raise WireError(f"ranks disagree on {name}: {seen[name]} vs {(shape, dt)}", field="layout", value=name)
+                raise ConfigError(f"ranks disagree on {name}: {seen[name]} vs {(shape, dt)}", field="layout", value=name)
     return canonical_layout({"name": n, "shape": list(s), "dtype": d} for n, (s, d) in seen.items())
 
 
 def gather_full(adapter: ModelAdapter, group=None) -> dict[str, torch.Tensor]:
     """Every synced tensor whole, in fp32 on the CPU, on every rank (small models: tests, checks).
-    Every rank reads each of its shards (so the adapter's own collectives run), owners contribute."""
+    Every rank reads each of its pieces (so the adapter's own collectives run), owners contribute."""
     pieces = []
-    for s in adapter.shards():
+    for s in adapter.pieces():
         v = adapter.read(s.name)
         if s.owner:
             pieces.append((s.name, tuple(s.global_shape), s.local_slices, v.detach().float().cpu().clone()))
@@ -446,17 +445,17 @@ def gather_full(adapter: ModelAdapter, group=None) -> dict[str, torch.Tensor]:
             filled[name] = filled.get(name, 0) + v.numel()
     for name, t in out.items():
         if filled[name] != t.numel():
-            raise WireError(f"owners cover {filled[name]} of {t.numel()} elements", field="owner", value=name)
+            raise ConfigError(f"owners cover {filled[name]} of {t.numel()} elements", field="owner", value=name)
     return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
 
 def scatter_full(adapter: ModelAdapter, values: Mapping[str, torch.Tensor]) -> None:
     """Write whole canonical tensors (every rank passes the same `values`): each rank writes its box
     of every tensor it lists (collective only where the adapter's write is)."""
-    for s in adapter.shards():
+    for s in adapter.pieces():
         v = values[s.name]
         if list(v.shape) != list(s.global_shape):
-            raise WireError(f"expected shape {list(s.global_shape)}", field=f"values.{s.name}", value=tuple(v.shape))
+            raise ValueError(f"values[{s.name!r}]: expected shape {list(s.global_shape)}, got {tuple(v.shape)}")
         adapter.write(s.name, v[s.local_slices] if s.local_slices is not None else v)
 
 

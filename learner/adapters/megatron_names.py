@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 
 WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.")
 
@@ -96,11 +96,11 @@ def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
             prefix, local = m.group(1), int(m.group(5))
             rest = f"{m.group(2)}.{m.group(3)}{m.group(4)}"
         if not 0 <= local < num_local_experts:
-            raise WireError(f"local expert index out of range 0..{num_local_experts - 1}", field="param", value=name)
+            raise ConfigError(f"local expert index out of range 0..{num_local_experts - 1}", field="param", value=name)
         return f"{prefix}{ep_rank * num_local_experts + local}.{rest}"
-    raise WireError("expert parameter in an unsupported layout (use SequentialMLP or TE grouped GEMM with one "
-                    "tensor per expert; the legacy GroupedMLP and megatron-core's moe_single_grouped_weight keep all "
-                    "local experts in one tensor)", field="param", value=name)
+    raise ConfigError("expert parameter in an unsupported layout (use SequentialMLP or TE grouped GEMM with one "
+                      "tensor per expert; the legacy GroupedMLP and megatron-core's moe_single_grouped_weight keep all "
+                      "local experts in one tensor)", field="param", value=name)
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,13 @@ def tp_box(local_shape: tuple[int, ...], partitioned: bool, dim: int, stride: in
     if not partitioned:
         return Box(local_shape, tuple(slice(0, n) for n in local_shape), local_shape)
     if not 0 <= dim < len(local_shape):
-        raise WireError(f"partition_dim outside the {len(local_shape)}-D parameter", field=f"param.{name}.partition_dim",
-                        value=dim)
+        raise ConfigError(f"partition_dim outside the {len(local_shape)}-D parameter", field=f"param.{name}.partition_dim",
+                          value=dim)
     if stride < 1 or local_shape[dim] % stride:
-        raise WireError(f"partition_stride must divide the local size {local_shape[dim]}",
-                        field=f"param.{name}.partition_stride", value=stride)
+        raise ConfigError(f"partition_stride must divide the local size {local_shape[dim]}",
+                          field=f"param.{name}.partition_stride", value=stride)
     if not 0 <= tp_rank < tp_size:
-        raise WireError(f"tp rank outside 0..{tp_size - 1}", field="tp_rank", value=tp_rank)
+        raise ConfigError(f"tp rank outside 0..{tp_size - 1}", field="tp_rank", value=tp_rank)
     if stride == 1:
         n = local_shape[dim]
         g = local_shape[:dim] + (n * tp_size,) + local_shape[dim + 1:]

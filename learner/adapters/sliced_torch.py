@@ -23,10 +23,10 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 from yeto.schemas.layout import is_embedding, layer_index, natural_key
 
-from .base import ModelAdapter, Shard
+from .base import ModelAdapter, Piece
 
 
 def default_tp_dim(name: str, shape: Sequence[int], tp: int) -> int | None:
@@ -47,7 +47,8 @@ class SlicedTorchAdapter(ModelAdapter):
         for name in sorted(pieces, key=natural_key):
             shape, slices, owner, t = pieces[name]
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                raise WireError("pieces must be float32 tensors", field=f"pieces.{name}", value=getattr(t, "dtype", t))
+                raise ConfigError("pieces must be float32 tensors", field=f"pieces.{name}",
+                                  value=getattr(t, "dtype", t))
             self._pieces[name] = (tuple(int(s) for s in shape), None if slices is None else tuple(slices), bool(owner), t)
 
     @classmethod
@@ -76,13 +77,13 @@ class SlicedTorchAdapter(ModelAdapter):
 
     # ---- ModelAdapter ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
-        return [Shard(n, shape, "float32", slices, owner) for n, (shape, slices, owner, _) in self._pieces.items()]
+    def pieces(self) -> list[Piece]:
+        return [Piece(n, shape, "float32", slices, owner) for n, (shape, slices, owner, _) in self._pieces.items()]
 
     def _piece(self, name: str) -> torch.Tensor:
         p = self._pieces.get(name)
         if p is None:
-            raise WireError("this rank holds no piece of that tensor", field="name", value=name)
+            raise ValueError(f"this rank holds no piece of {name!r}")
         return p[3]
 
     def read(self, name: str) -> torch.Tensor:
@@ -91,8 +92,8 @@ class SlicedTorchAdapter(ModelAdapter):
     def write(self, name: str, value: torch.Tensor) -> None:
         t = self._piece(name)
         if value.numel() != t.numel():
-            raise WireError(f"expected {t.numel()} values for the box {tuple(t.shape)}", field=f"value.{name}",
-                            value=tuple(value.shape))
+            raise ValueError(f"write of {name}: expected {t.numel()} values for the box {tuple(t.shape)}, got "
+                             f"shape {tuple(value.shape)}")
         with torch.no_grad():
             t.copy_(value.reshape(t.shape))
 

@@ -23,11 +23,11 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 from yeto.schemas.layout import natural_key
 
-from ..fragments import blend_
-from .base import ModelAdapter, Shard, dtype_name
+from ..blend import blend_
+from .base import ModelAdapter, Piece, dtype_name
 
 _ALIGN = 16  # byte alignment of each tensor inside a broadcast bucket (so dtype views are legal)
 
@@ -42,7 +42,7 @@ class TorchModuleAdapter(ModelAdapter):
     def __init__(self, module: torch.nn.Module, master: Mapping[str, torch.Tensor] | None = None,
                  group: "dist.ProcessGroup | None" = None, *, bucket_bytes: int = 64 << 20):
         if bucket_bytes < _ALIGN:
-            raise WireError(f"must be at least {_ALIGN}", field="bucket_bytes", value=bucket_bytes)
+            raise ConfigError(f"must be at least {_ALIGN}", field="bucket_bytes", value=bucket_bytes)
         self.module = module
         self.group = group
         self.bucket_bytes = bucket_bytes
@@ -70,13 +70,13 @@ class TorchModuleAdapter(ModelAdapter):
             for key, m in master.items():
                 kept = owner_of.get(key)
                 if kept is None:
-                    raise WireError("master entry names no trainable parameter", field="master", value=key)
+                    raise ConfigError("master entry names no trainable parameter", field="master", value=key)
                 if kept in self._master:
-                    raise WireError("two master entries for one (tied) parameter", field="master", value=key)
+                    raise ConfigError("two master entries for one (tied) parameter", field="master", value=key)
                 p = self._params[kept]
                 if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 or tuple(m.shape) != tuple(p.shape):
-                    raise WireError(f"master must be float32 of shape {tuple(p.shape)}", field=f"master.{key}",
-                                    value=(getattr(m, "dtype", type(m).__name__), tuple(getattr(m, "shape", ()))))
+                    raise ConfigError(f"master must be float32 of shape {tuple(p.shape)}", field=f"master.{key}",
+                                      value=(getattr(m, "dtype", type(m).__name__), tuple(getattr(m, "shape", ()))))
                 self._master[kept] = m
 
         if group is not None:
@@ -89,13 +89,13 @@ class TorchModuleAdapter(ModelAdapter):
 
     # ---- ModelAdapter ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
-        return [Shard(name, tuple(p.shape), dtype_name(p.dtype), None, self.owner) for name, p in self._params.items()]
+    def pieces(self) -> list[Piece]:
+        return [Piece(name, tuple(p.shape), dtype_name(p.dtype), None, self.owner) for name, p in self._params.items()]
 
     def _param(self, name: str) -> torch.nn.Parameter:
         p = self._params.get(name)
         if p is None:
-            raise WireError("not a synced parameter of this model", field="name", value=name)
+            raise ValueError(f"{name!r} is not a synced parameter of this model")
         return p
 
     def read(self, name: str) -> torch.Tensor:
@@ -108,8 +108,8 @@ class TorchModuleAdapter(ModelAdapter):
     def write(self, name: str, value: torch.Tensor) -> None:
         p = self._param(name)
         if value.numel() != p.numel():
-            raise WireError(f"expected {p.numel()} values for shape {tuple(p.shape)}", field=f"value.{name}",
-                            value=tuple(value.shape))
+            raise ValueError(f"write of {name}: expected {p.numel()} values for shape {tuple(p.shape)}, got "
+                             f"shape {tuple(value.shape)}")
         v = value.reshape(p.shape)
         with torch.no_grad():
             m = self._master.get(name)
@@ -125,8 +125,8 @@ class TorchModuleAdapter(ModelAdapter):
         if m is None and p.dtype != torch.float32:  # read() is a copy there: the default path
             return super().blend(name, glob, alpha, shape)
         if glob.numel() != p.numel():
-            raise WireError(f"expected {p.numel()} values for shape {tuple(p.shape)}", field=f"value.{name}",
-                            value=tuple(glob.shape))
+            raise ValueError(f"blend of {name}: expected {p.numel()} values for shape {tuple(p.shape)}, got "
+                             f"shape {tuple(glob.shape)}")
         with torch.no_grad():
             if m is not None:
                 blend_(m, glob, alpha)

@@ -162,7 +162,7 @@ def make_callback_class():
             cfg = IslandConfig.from_env(world=_world_info())
             self.island = Island(self.adapter, cfg, group=_world_group()).start()
             log.info("yeto: island %s started (%d synced tensors on this rank)", cfg.island,
-                     len(self.adapter.shards()))
+                     len(self.adapter.pieces()))
 
         def on_step_end(self):
             if self.island is None or self.stopped:
