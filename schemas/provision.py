@@ -57,7 +57,7 @@ from .stream_configs import (CONSUMER_FIELDS, CUT_KINDS, DAY, ERR_STREAM_NAME_IN
 
 # The shells below, and the pure configs and island-consumer shells re-exported for callers that
 # import everything provisioning from here.
-__all__ = ['CONSUMER_FIELDS', 'CUT_KINDS', 'ConsumerTaken', 'DAY', 'ERR_STREAM_NAME_IN_USE', 'GiB', 'HOUR', 'ISLAND_ACK_WAIT_S', 'ISLAND_CONSUMER_TRIES', 'ISLAND_INACTIVE_S', 'KV_FIELDS', 'KV_PUT_ATTEMPTS', 'KV_STREAM_PREFIX', 'KiB', 'MIRROR_FIELDS', 'MiB', 'ProvisionConflict', 'ProvisionError', 'ProvisionReport', 'RunLimits', 'RunNotProvisioned', 'STREAM_FIELDS', 'SYNCER_CTL_ACK_WAIT_S', 'SYNCER_INIT_ACK_WAIT_S', 'SYNCER_PUSH_ACK_WAIT_S', 'bcast_consumer_config', 'check_run', 'config_conflicts', 'consumer_info_or_none', 'consumer_owner', 'ensure_cut_mirrors', 'ensure_island_consumer', 'ensure_island_consumers', 'final_consumer_config', 'hub_api_prefix', 'island_consumer_config', 'island_consumer_owner', 'kv', 'kv_configs', 'kv_put', 'kv_stream_name', 'mirror_configs', 'mirror_conflicts', 'mirror_source', 'missing_pieces', 'provision_run', 'push_max_bytes_for', 'remove_island_consumers', 'remove_run', 'server_refused', 'stream_configs', 'stream_info_or_none', 'syncer_consumer_configs']
+__all__ = ['CONSUMER_FIELDS', 'CUT_KINDS', 'ConsumerTaken', 'DAY', 'ERR_STREAM_NAME_IN_USE', 'GiB', 'HOUR', 'ISLAND_ACK_WAIT_S', 'ISLAND_CONSUMER_TRIES', 'ISLAND_INACTIVE_S', 'KV_FIELDS', 'KV_PUT_ATTEMPTS', 'KV_STREAM_PREFIX', 'KiB', 'MIRROR_FIELDS', 'MiB', 'ProvisionConflict', 'ProvisionError', 'ProvisionReport', 'RunLimits', 'RunNotProvisioned', 'STREAM_FIELDS', 'SYNCER_CTL_ACK_WAIT_S', 'SYNCER_INIT_ACK_WAIT_S', 'SYNCER_PUSH_ACK_WAIT_S', 'bcast_consumer_config', 'check_run', 'config_conflicts', 'consumer_info_or_none', 'consumer_owner', 'ensure_cut_mirrors', 'ensure_island_consumer', 'ensure_island_consumers', 'final_consumer_config', 'hub_api_prefix', 'island_consumer_config', 'island_consumer_owner', 'kv', 'kv_configs', 'kv_put', 'kv_stream_name', 'mirror_configs', 'mirror_conflicts', 'mirror_source', 'unprovisioned', 'provision_run', 'push_max_bytes_for', 'remove_island_consumers', 'remove_run', 'server_refused', 'stream_configs', 'stream_info_or_none', 'syncer_consumer_configs']
 
 log_ = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _wanted_names(run: str) -> list[tuple[str, str]]:
     return out
 
 
-async def missing_pieces(js, run: str) -> list[str]:
+async def unprovisioned(js, run: str) -> list[str]:
     """Labels of the run's streams and buckets that do not exist (yet)."""
     missing = []
     for label, name in _wanted_names(_check_run_id(run)):
@@ -249,7 +249,7 @@ async def check_run(
     last_logged: tuple[float, tuple[str, ...]] | None = None
     while True:
         try:
-            missing = await missing_pieces(js, run)
+            missing = await unprovisioned(js, run)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as exc:
             missing = [f"(no answer from JetStream: {type(exc).__name__})"]
         waited = time.monotonic() - t0
