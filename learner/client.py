@@ -1,22 +1,15 @@
 """The island's NATS client (docs/design.md §5.1): a background thread running nats-py's asyncio loop.
 
-The training thread never touches the network directly. The loop thread:
-
-* reads the island's CTL consumers into thread-safe inboxes (`ctl_reader.CtlReader`) and turns BCAST /
-  FINAL chunk headers into notices (`cut_notices`; the bytes stay in JetStream until the sync rank
-  fetches them at a boundary); both reject (count in `counters["rejected"]`) bad input;
-* publishes a heartbeat every `heartbeat_s`, looks for the run's final record every
-  `FINAL_POLL_S`, and drains the step-log queue.
-
-The training thread drains the inboxes (`learner.inbox`) at step boundaries and runs the calls it
-must wait for (fetching chunks, publishing a push and waiting for its acks) on the loop with
-`asyncio.run_coroutine_threadsafe(...)`, always with a timeout (`call`). Whatever a waiting
-boundary may wait for — an inbox put, a push's acks, a reconnect, a fatal error — raises
-`arrivals` (learner.waiting), so it wakes at once.
-
-Generation: one random `gen` per IslandClient (per process start); reconnects keep it, and it rides
-on every message. Health: nats-py reconnects on its own; `check_health` raises only once it gave up
-after `max_reconnects` failed attempts, or after the syncer sent a fatal error.
+Owns the connection and the loop thread: it reads the island's CTL consumers into thread-safe inboxes
+(`ctl_reader.CtlReader`), turns BCAST / FINAL chunk headers into notices (`cut_notices`; the bytes stay in
+JetStream until the sync rank fetches them), publishes a heartbeat every `heartbeat_s`, looks for the
+run's final record every `FINAL_POLL_S` and drains the step-log queue; bad input is rejected (counted in
+`counters["rejected"]`).
+Invariants: the training thread never touches the network; it drains the inboxes (`learner.inbox`) at
+step boundaries and runs what it must wait for (fetching chunks, a push and its acks) on the loop through
+`call`, always with a timeout. Whatever a waiting boundary may wait for raises `arrivals`
+(learner.waiting), so it wakes at once. One random `gen` per client (per process start), kept across
+reconnects; `check_health` raises only once nats-py gave up reconnecting, or the syncer sent a fatal error.
 """
 from __future__ import annotations
 

@@ -1,24 +1,17 @@
 """Where every rank's pieces sit in a fragment's flat layout (docs/design.md §6) — pure: no torch.distributed.
 
-An island gathers, once at start, every rank's list of pieces (`describe`): for each synced tensor the
-rank holds, its canonical name, global shape, dtype, the *box* it holds (one [start, stop) range per
-dimension, what the adapter's `Piece.local_slices` says) and whether it is the tensor's *owner* for
-that box. `IslandLayout` checks the lists (one shape and dtype per name; boxes inside the tensor;
-the owners' boxes tile every tensor exactly once) and answers the questions the per-rank scatter and
-gather ask:
-
-* `FragmentMap.runs(elem_offset, elem_count, rank)`: for a chunk of a session fragment (a span of the
-  fragment's flat layout, as `schemas.chunks.chunk_plan` cuts it), which elements of each of the
-  rank's boxes the chunk covers. Because a box's elements, read in row-major order, keep the order of
-  their global row-major indices, the covered elements are always one contiguous range [lo, hi) of
-  the box's own flat (row-major) index: one `Run` per (rank, tensor), whatever dimension the box
-  splits.
+`describe` is one rank's list of pieces (canonical name, global shape, dtype, box, owner), gathered once at
+start; `IslandLayout` checks the lists (one shape and dtype per name; boxes inside the tensor; the owners'
+boxes tile every tensor exactly once, else a ConfigError naming the tensor and the ranks) and answers what
+the per-rank scatter and gather ask:
+* `FragmentMap.runs(elem_offset, elem_count, rank)`: for a chunk (a span of the fragment's flat layout, as
+  `schemas.chunks.chunk_plan` cuts it), which elements of each of the rank's boxes it covers: always one
+  contiguous range of the box's own row-major index (a box read in row-major order keeps the order of
+  the global indices), so one `Run` per (rank, tensor), whatever dimension the box splits;
 * `FragmentMap.positions(run)`: where those elements sit in the chunk: a slice when the box is a
-  contiguous part of its tensor (whole tensors, splits along the first non-trivial dimension), else a
-  chunk-sized index tensor.
-
-Canonical names do not depend on the parallel layout, so islands with different TP/PP/EP layouts
-share one session: what differs between them is only this map.
+  contiguous part of its tensor, else a chunk-sized index tensor.
+Canonical names do not depend on the parallel layout, so islands with different TP/PP/EP layouts share one
+session: only this map differs. A session fragment no rank holds is a WireError (it came from the syncer).
 """
 from __future__ import annotations
 

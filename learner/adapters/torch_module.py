@@ -1,20 +1,16 @@
-"""Model adapter for a plain `torch.nn.Module` (single process, or a data-parallel island).
+"""Model adapter for a plain `torch.nn.Module` (single process, or a data-parallel island): the base.py contract.
 
-* Synced tensors are the trainable parameters (`requires_grad`), in canonical (natural-sort) order.
-  A tied or shared parameter appears once, under its first name in canonical order: aliases are
-  found by Parameter identity, and by identical memory (same device, address, shape, strides, dtype)
-  for distinct Parameter objects over one storage — syncing both would apply every update twice.
-* `master` (optional): name -> fp32 tensor, the optimizer's master copy of a low-precision model.
-  Where a master exists reads come from it and writes go to both master and parameter (the
-  parameter gets the master's value rounded to its dtype), so they stay consistent. A master may be
-  keyed by any of a tied parameter's names.
-* `group` (optional): the data-parallel process group of the island's replicas (pass
-  `dist.group.WORLD` for the default group; None means a single replica). Every replica holds the
-  whole model; rank 0 of the group is the owner: its values are read for pushes and INIT. The island
-  writes applied versions on every replica (each receives its values point to point, see
-  learner/piece_io.py). `sync_replicas(names)` remains for callers that want to copy the owner's
-  values to the replicas themselves: it broadcasts those tensors' bytes from the owner over the group
-  in bounded buckets of host memory (gloo-friendly: device tensors go through host copies).
+* Synced tensors: the trainable parameters (`requires_grad`), canonical (natural-sort) order; a tied or
+  shared parameter appears once, under its first name in that order (found by Parameter identity, and by
+  identical memory for distinct Parameters over one storage): syncing both would apply every update twice.
+* `master` (optional): name (any of a tied parameter's names) -> the optimizer's fp32 master copy of a
+  low-precision model. Reads come from it; writes set master and parameter (rounded to its dtype), so
+  they stay consistent.
+* `group` (optional): the data-parallel group of the island's replicas (`dist.group.WORLD` for the default
+  group; None: a single replica). Every replica holds the whole model; the group's rank 0 owns it (read for
+  pushes and INIT); the island writes every replica point to point (learner/piece_io.py).
+  `sync_replicas(names)` remains for callers that copy the owner's values to the replicas themselves: a
+  broadcast over the group in bounded buckets of host memory (gloo-friendly).
 """
 from __future__ import annotations
 
