@@ -1,41 +1,13 @@
 """In-order reading of one stream's versions, BCAST or FINAL (docs/design.md §3.6, §5.5) — pure, no I/O.
 
-`CutReader` reads one stream's versions (BCAST, or FINAL with the manifest's versions) fragment by
-fragment, chunk by chunk, *in chunk order*: the version digest (sha256 over the chunks in order) is
-streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
-
-* the last chunk seals the version: on BCAST only it carries the `version_digest` (the syncer may
-  publish chunks 0..n-2 while it is still merging, and the seal once the version is durable); FINAL
-  carries it on every chunk and every chunk must carry the one wanted (the manifest's);
-* a version completes only when every chunk of that one version passed, in order, and their bytes
-  hash to the seal's `version_digest`; then it is `held`. Until the seal lands the reading waits
-  at the last chunk (which still holds an older version), and chunks that land one by one are read
-  on at each boundary;
-* a reading is identified by (version, chunk 0's chunk `digest`): one version number may be
-  re-issued with other bytes (a syncer restarted before the version was durable merges it again),
-  so a new chunk 0 under the same version with other bytes drops the reading (read again from chunk
-  0), and so does a chunk already read re-published under that version with other bytes; the same
-  bytes re-published keep it. Chunks of two byte-streams hashed together unnoticed (a chunk fetched
-  before the notice of a change arrived) fail the seal's digest check;
-* versions are monotonic: chunks of the held version or older are not read again;
-* BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
-  already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
-  if chunk k still holds an older version than the one wanted, the newer one has not reached it yet
-  ("wait": read on at a later boundary);
-* anyone who can publish on the stream can put garbage there (unless server permissions close that, docs/design.md §13), so nothing a
-  chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
-  chunk plan, a chunk digest mismatch, NaN / Inf values, a `version_digest` missing from a seal or
-  present elsewhere on BCAST, the version held carried with another `version_digest`) or a version
-  digest mismatch at the seal is refused (WireError, the shell counts it) and drops the reading when
-  the reading met it (a bad chunk checked on its own, ahead of the reading, leaves it); the island
-  trains on. What is refused is that *message* (its stream sequence), never a version number:
-  the syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
-  garbage) are new messages and are read as usual, so a forged chunk "from the future" or with a
-  predicted version number cannot hold the real versions back. The version read is the one found
-  at chunk 0, never one a notice merely claims.
-
-Nothing is installed unless every chunk of that one version passed in order and the bytes hash to the
-seal's version digest, and a version is installed at most once: a version can never be partial or mixed.
+Owns `CutReader`: which version of each fragment to read, the version digest streamed over the chunks in
+order (no process buffers a whole fragment), and the verdict on every chunk (its doc has the rules and the
+shell's loop). The shell (learner/island_wire.py) fetches and stages; this decides.
+Invariants: nothing is installed unless every chunk of that one version passed in order and the bytes
+hash to the seal's version digest, so a version is never partial or mixed; a version is installed at most
+once and versions only grow; nothing a chunk claims is trusted beyond that chunk (a bad chunk is refused
+as a WireError, counted by the shell, and the island trains on); what is refused is a *message* (its stream
+sequence), never a version number, so forged chunks cannot hold the real versions back.
 """
 from __future__ import annotations
 
@@ -86,24 +58,44 @@ class _Reading:
 
 
 class CutReader:
-    """In-order reader of one stream's versions, every fragment (see the module docstring).
+    """In-order reader of one stream's versions, every fragment. The rules:
 
-    Shell loop, per fragment that got notices: fetch the chunk subjects `next_chunks(fid)` (in order,
-    in bounded batches), hand each message to `take`, and act on the verdict: "accept" (stage the
-    chunk on the ranks; a chunk with index 0 starts a new staging), "complete" (the last chunk passed
-    and the version digest matched: commit on the ranks), "wait" (stop this fragment for now),
-    "restart" (fetch again from chunk 0). A WireError from `take` means the chunk (or the version it
-    completed) is refused: the reading was dropped (abort the ranks' staging); read the fragment
-    again once a new message lands on one of its subjects (a new notice). Pass each message's
-    stream sequence as `seq` so that a refused message is not refused (and counted) twice.
+    * the last chunk seals the version: on BCAST only it carries the `version_digest` (the syncer may publish
+      chunks 0..n-2 while it is still merging, and the seal once the version is durable); FINAL carries it on
+      every chunk and every chunk must carry the one wanted (the manifest's);
+    * a version completes only when every chunk of that one version passed, in order, and their bytes hash to
+      the seal's `version_digest`; then it is `held`. Until the seal lands the reading waits at the last chunk
+      (which still holds an older version); chunks that land one by one are read on at each boundary;
+    * a reading is identified by (version, chunk 0's chunk `digest`): one version number may be re-issued with
+      other bytes (a syncer restarted before the version was durable merges it again), so a new chunk 0 under
+      the same version with other bytes drops the reading (read again from chunk 0), and so does a chunk
+      already read re-published under that version with other bytes; the same bytes re-published keep it.
+      Chunks of two byte-streams hashed together unnoticed fail the seal's digest check;
+    * chunks of the held version or older are not read again;
+    * BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
+      overwritten by v+1: the reading of v is dropped and v+1 read from chunk 0 ("restart"); if chunk k still
+      holds an older version than the one wanted, the newer one has not reached it yet ("wait");
+    * anyone who can publish on the stream can put garbage there (unless server permissions close that,
+      docs/design.md §13): a bad chunk (framing that does not fit the session's chunk plan, a chunk digest
+      mismatch, NaN / Inf values, a `version_digest` missing from a seal or present elsewhere on BCAST, the
+      version held carried with another `version_digest`) or a digest mismatch at the seal is refused and
+      drops the reading when the reading met it (a bad chunk checked on its own, ahead of the reading, leaves
+      it). The syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
+      garbage) are new messages and are read as usual. The version read is the one found at chunk 0, never
+      one a notice merely claims.
 
-    What is read is decided by the stream, not by notices: the version found at chunk 0 (when newer
-    than the one held) is the one read, so a forged notice or chunk claiming a version far ahead
-    cannot hold back the real versions. `check` validates a chunk on its own (framing against the
-    session's chunk plan, its digest) — for a chunk a notice pointed at, out of order.
+    Shell loop, per fragment that got notices: fetch the chunk subjects `next_chunks(fid)` (in order, in
+    bounded batches), hand each message to `take`, and act on the verdict: "accept" (stage the chunk on the
+    ranks; a chunk with index 0 starts a new staging), "complete" (the last chunk passed and the version
+    digest matched: commit on the ranks), "wait" (stop this fragment for now), "restart" (fetch again from
+    chunk 0). A WireError from `take` means the chunk (or the version it completed) is refused: the reading
+    was dropped (abort the ranks' staging); read the fragment again once a new message lands on one of its
+    subjects (a new notice). Pass each message's stream sequence as `seq` so that a refused message is not
+    refused (and counted) twice. `check` validates a chunk on its own (framing against the session's chunk
+    plan, its digest) — for a chunk a notice pointed at, out of order.
 
-    `fixed=True` (FINAL): only the versions named with `want` are read, and every chunk must carry
-    the wanted version digest (BCAST: only the last chunk, the seal, carries one).
+    `fixed=True` (FINAL): only the versions named with `want` are read, and every chunk must carry the wanted
+    version digest (BCAST: only the last chunk, the seal, carries one).
     """
 
     def __init__(self, session: Mapping, *, dtype: str | None = None, fixed: bool = False):

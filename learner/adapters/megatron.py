@@ -1,51 +1,16 @@
-"""Model adapter for megatron-core models (TP / PP with virtual stages / EP / DP, fp32 masters).
+"""Model adapter for megatron-core models (TP / PP with virtual stages / EP / DP, fp32 masters): the base.py
+contract over Megatron's own parameters and optimizer (docs/design.md §6, docs/megatron.md).
 
     adapter = MegatronAdapter(model_chunks, optimizer)   # collective over the whole world
 
-`model_chunks`: the model (or its list of virtual-pipeline chunks), wrapped (DDP, Float16Module,
-peft) or not. `optimizer`: megatron-core's optimizer as built by `get_megatron_optimizer` (a
-ChainedOptimizer is unwrapped), or None when the parameters themselves are the truth.
-
-What is synced (docs/design.md §5.4): the trainable parameters (`requires_grad`; in a LoRA run the adapters), each
-once. Names are canonical (see megatron_names: wrappers stripped, global layer index, global expert
-index; the same on every island whatever its TP/PP/EP/VPP). Tied embedding and output layer
-(`share_embeddings_and_output_weights`): with PP > 1 the last stage holds its own copy of the word
-embedding as `output_layer.weight`; it is listed under the embedding's canonical name as a non-owner
-replica of the same box, so it is written with the same values and never read for a push.
-
-Boxes and owners (base.py contract): a TP-partitioned parameter's box comes from its
-`partition_dim` / `partition_stride` and the TP group of its kind (the model's `pg_collection.tp`;
-`expt_tp` for experts); fused tensors whose layout depends on the TP size are converted, not pinned —
-a partition stride s > 1 (gated fc1) is presented as (s, rows) so the box is one box and the flat
-order is the TP=1 one; QKV needs nothing (interleaved per query group, TP splits whole groups). What
-*is* pinned by the layout fingerprint is the vocabulary padding: the embedding/output rows are
-megatron-core's padded vocabulary, so islands whose padded vocab differs (padding to a multiple of
-128·TP, say) have different shapes and are refused at hello. The owner of a box is the replica with
-data-parallel(-with-context) rank 0 (expert-data-parallel rank 0 for experts) and, for a tensor that
-is not TP-partitioned, TP rank 0.
-
-fp32 master (docs/design.md §6), found through the optimizer by attributes (no type names):
-* DistributedOptimizer: each rank owns a contiguous range of each parameter's flattened local tensor
-  (`main_param` shard, from `_get_model_param_range_map`). `read` is a collective over that
-  optimizer's data-parallel group: the owned ranges are all-gathered and placed at their offsets
-  (bitwise; nothing is summed). `write` sets the rank's owned master range and the whole model
-  parameter (no collective: every replica gets the value). Ranges are exchanged once, at construction.
-* Float16OptimizerWithFloat16Params: the full fp32 copy of the TP slice (`fp32_from_float16_groups`).
-* fp32 parameters (FP32Optimizer, or fp32 groups of the others) are their own master.
-Writes set the master, then the model parameter from it (rounded to bf16/fp16 as the optimizer's own
-main→model copy does), so they never disagree. Reads come from the master.
-
-Collectives inside `read` / `write` (base.py allows them): `read` of a DistributedOptimizer tensor
-runs an all-gather over the optimizer's data-parallel group, so every rank of that group must call
-`read` for the same names in the same order — the sharded island does; the older
-single-sync-rank Island calls `read` on rank 0 only, so there use Float16Optimizer/FP32 or DP = 1.
-
-`sync_replicas(names)` (the older Island's DP protocol: rank 0 writes, then every rank calls it)
-broadcasts each box written by the data-parallel replica group's rank 0 over that group and writes it
-on the other replicas. The sharded island writes every holder itself and does not call it.
-
-`layout_all(adapter)` and `gather_full(adapter)` / `scatter_full(adapter, values)` are collective
-helpers over the world: the island-wide layout and whole canonical tensors (tests, checkpoints).
+`model_chunks`: the model (or its list of virtual-pipeline chunks), wrapped (DDP, Float16Module, peft) or
+not; `optimizer`: megatron-core's optimizer from `get_megatron_optimizer` (a ChainedOptimizer is
+unwrapped), or None when the parameters themselves are the truth. `MegatronAdapter`'s doc has what is
+synced, the boxes and owners, and where the fp32 master lives.
+Invariants: names are canonical (megatron_names.py) and boxes TP-independent, so islands of any
+TP/PP/EP/VPP share one session; writes set the master, then the model parameter from it, so they never
+disagree; a model or optimizer the adapter cannot take is a ConfigError at construction. `layout_all`,
+`gather_full` and `scatter_full` are collective helpers over the world (tests, checkpoints).
 """
 from __future__ import annotations
 
@@ -163,6 +128,35 @@ def _leaf_optimizers(opt) -> list:
 
 
 class MegatronAdapter(ModelAdapter):
+    """The base.py contract over a megatron-core model and its optimizer.
+
+    What is synced: the trainable parameters (`requires_grad`; in a LoRA run the adapters), each once, under
+    canonical names (megatron_names: wrappers stripped, global layer index, global expert index). Tied
+    embedding and output layer (`share_embeddings_and_output_weights`): with PP > 1 the last stage's own
+    copy of the word embedding (`output_layer.weight`) is listed under the embedding's name as a non-owner
+    replica of the same box, written with the same values and never read for a push.
+
+    Boxes and owners: a TP-partitioned parameter's box comes from its `partition_dim` / `partition_stride`
+    and the TP group of its kind (the model's `pg_collection.tp`; `expt_tp` for experts); a partition stride
+    s > 1 (gated fc1) is presented as (s, rows), so the box is one box and the flat order the TP=1 one; QKV
+    needs nothing (interleaved per query group, TP splits whole groups). The padded vocabulary *is* pinned by
+    the layout fingerprint: islands whose padded vocab differs have other shapes and are refused at hello.
+    The owner of a box is the replica with data-parallel(-with-context) rank 0 (expert-data-parallel rank 0
+    for experts) and, for a tensor TP does not split, TP rank 0.
+
+    fp32 master, found through the optimizer by attributes (no type names):
+    * DistributedOptimizer: each rank owns a contiguous range of each parameter's flattened local tensor
+      (`main_param`, from `_get_model_param_range_map`, exchanged once at construction). `read` all-gathers
+      the owned ranges over the optimizer's data-parallel group and places them (bitwise; nothing summed), so
+      every rank of that group calls `read` for the same names in the same order (the island does); `write`
+      sets the rank's owned range and the whole model parameter (no collective).
+    * Float16OptimizerWithFloat16Params: the full fp32 copy of the TP slice (`fp32_from_float16_groups`).
+    * fp32 parameters (FP32Optimizer, or fp32 groups of the others) are their own master.
+    Writes set the master, then the model parameter from it (rounded as the optimizer's own main→model copy
+    does). `sync_replicas(names)` is for callers that write on one replica only: it broadcasts each box the
+    replica group's rank 0 wrote over that group (the island writes every holder itself and never calls it).
+    """
+
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any = None):
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if not chunks:
