@@ -1,7 +1,7 @@
 """Island configuration: `YETO_*` environment variables and/or keyword arguments (docs/design.md §5, §7).
 
 Owns `IslandConfig`, every setting an island reads, with its default and its check; the table of
-attributes, variables and defaults is README.md "The island (learner)" (the ms-swift plugin's own
+attributes, variables and defaults is docs/island.md (the ms-swift plugin's own
 variables: docs/megatron.md). `IslandConfig.from_env(**overrides)` reads the environment; keyword
 arguments win over it.
 Invariants: a bad value raises ConfigError naming the attribute and, in the message, the variable it

@@ -1,4 +1,4 @@
-"""Which versions a process speaks and which it accepts (README "Versions and upgrades", docs/design.md §3.10).
+"""Which versions a process speaks and which it accepts (docs/syncer.md "Versions and upgrades", docs/design.md §3.10).
 
 - **protocol** (`v` in every message, `PROTOCOL_VERSION`): the compatibility gate. A syncer admits islands
   whose hello speaks a protocol in `ACCEPTED_PROTOCOLS`; an island joins a session whose `v` is in it.

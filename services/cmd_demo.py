@@ -204,7 +204,7 @@ def run(args) -> int:
     syncers = syncer_names(shards)
     try:
         for k, name in enumerate(syncers):
-            # every shard the same run flags, its own --shard and checkpoint directory (README "Syncer shards")
+            # every shard the same run flags, its own --shard and checkpoint directory (docs/shards.md "Syncer shards")
             syncer_cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
                           "--islands", str(len(islands)), "--fragments", str(args.fragments),
                           "--sync-every", str(args.sync_every),

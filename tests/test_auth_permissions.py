@@ -572,7 +572,7 @@ async def test_observer_reads_the_state_kv_and_publishes_nothing(provisioned):
 async def test_only_the_syncer_reads_the_committed_weights_in_the_ckpt_kv(provisioned):
     """The state store (services/syncer/state_store.py) keeps params and momentum in a bucket of its own: the
     observer (promised no weights) and the islands can neither read nor write it. (The admin, which may create
-    consumers and reshape streams, is trusted with the run's bytes: README "Secured runs".)"""
+    consumers and reshape streams, is trusted with the run's bytes: docs/security.md.)"""
     from nats.js.api import DeliverPolicy
 
     s = provisioned
