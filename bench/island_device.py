@@ -96,7 +96,7 @@ def island_ops(module, master, fragments: int):
     session = build_session(ad.layout(), fragments, run="bench", push_dtype="f32", bulk_dtype="f32",
                             chunk_bytes=CHUNK_BYTES, init_island="a", sync_every=32)
     comm = Comm(None)
-    return RankOps(ad, comm, IslandLayout(comm.all_gather(describe(ad.shards()))), session, AnchorStore(), 0.5), session
+    return RankOps(ad, comm, IslandLayout(comm.all_gather(describe(ad.pieces()))), session, AnchorStore(), 0.5), session
 
 
 def stage(ops, fid: int, version: int, seed: int) -> None:

@@ -1,21 +1,15 @@
 """Per-rank values of one island rank's pieces (docs/design.md §5.5, §6) — pure torch + local files, no network.
 
-Every rank keeps, per session fragment, flat float32 values for *its own* pieces (the boxes of the
-fragment's tensors it holds, see `layout_map`), never for the whole fragment:
-
-* **staging** — the incoming version, written chunk by chunk by the per-rank scatter. A version is
-  blended into the model only after its whole digest is verified (a newer version can overwrite a
-  chunk subject in JetStream while a reader is half-way), so ranks stage first and the sync rank
-  then says commit or abort.
-* **anchor** — the raw global value Θ of the version held (what a push subtracts: d = local − Θ).
-  On commit the staging becomes the anchor for the rank's *owner* pieces (a replica never pushes).
-* **residual** — the q4 error feedback of the owner pieces; a push works on a copy that is kept only
-  once the push got through.
-
-Memory: bounded by the rank's own parameters (one f32 copy of its owned share for anchors, plus the
-staging of the fragments arriving). `directory=...` keeps all three in files there instead (read and
-written with pread/pwrite: page cache, not process memory), for hosts where an extra f32 copy of the
-rank's share does not fit in RAM; the values are the same bit for bit.
+Owns, per session fragment, flat float32 values for this rank's own pieces (never the whole fragment):
+* **staging** — the incoming version, written chunk by chunk; blended into the model only once the sync
+  rank verified its whole digest and says commit (or abort: a newer version overwrote a chunk mid-read);
+* **anchor** — the raw Θ of the version held (a push is d = local − Θ): on commit the staging becomes the
+  anchor of the rank's *owner* pieces (a replica never pushes);
+* **residual** — the q4 error feedback of the owner pieces; a push works on a copy, kept only once the
+  push got through.
+Memory: the rank's own share (one f32 copy for anchors, plus the staging of the fragments arriving).
+`directory=...` keeps all three in files there instead (pread/pwrite: page cache, not process memory) for
+hosts where that copy does not fit in RAM; the values are the same bit for bit.
 """
 from __future__ import annotations
 
@@ -26,7 +20,6 @@ from typing import Iterable, Mapping
 
 import torch
 
-from yeto.schemas.errors import WireError
 
 _F32 = 4
 _IO_MAX = 1 << 30  # bytes per pread/pwrite call (Linux moves at most ~2 GiB per call)
@@ -81,7 +74,7 @@ class _FileSlab:
     def _slot(self, name: str, lo: int, n: int) -> int:
         off, k = self.slots[name]
         if lo < 0 or lo + n > k:
-            raise WireError(f"elements [{lo}, {lo + n}) outside the {k} of {name}", field="lo", value=lo)
+            raise ValueError(f"elements [{lo}, {lo + n}) outside the {k} of {name}")  # the caller's offsets
         return (off + lo) * _F32
 
     def write(self, name: str, lo: int, values: torch.Tensor) -> None:

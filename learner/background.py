@@ -1,31 +1,14 @@
 """The sync work an island does off its training thread (docs/design.md §5.5).
 
-At a boundary the training loop waits for whatever the boundary does. Reading a landed version (fetch,
-chunk checks, the copy into staging) and publishing a push (packing, the wire's flow control, acks)
-take far longer than the two things only the boundary can do: take the push's snapshot (d = local −
-anchor, as of this step) and install a staged version into the parameters (overwrite or blend). A
-`SyncWorker` is one thread (on the island's sync rank) that does the rest while the loop trains:
-
-* **Reading**: whenever cut notices arrive, it runs the wire's BCAST reading
-  (`IslandWire.read_broadcasts`). A version that completes (every chunk passed, the version digest
-  matched) is *parked*, staged whole, not installed: the next boundary installs it (`take_ready`,
-  the boundary machine decides how), and until then that fragment is not read again (its staging
-  holds the version waiting), whatever lands for it meanwhile. In an island of several ranks staging
-  is a collective of the group: the worker runs it on a staging group of its own while the ranks train
-  (learner/stager.py), or, where there is none (an island group that is not the whole world), keeps
-  the version's stage operations with their chunks (`StageDeferred`, one fragment at a time) for
-  the installing boundary to hand out to the ranks first (the worker's mode, learner/island_modes.py).
-* **Pushing**: the boundary hands over the snapshot (`submit_push`); the worker packs it in the
-  session's push dtype and publishes it; the boundary after the acks reaps the outcome as it does
-  for a push published at the boundary (`PublishHandle`). In an island of several ranks the boundary
-  gathers the snapshot to rank 0 (collective) first; a q4 push stays at the boundary (its residual
-  scatter is collective too).
-
-One lock keeps every reading of the wire (the worker's, the final cut's on the training thread)
-one at a time; installing a parked version does not take it (the worker never touches a parked
-fragment). An error the worker meets that the wire does not count and retry is raised at the next
-boundary. The final cut is read on the training thread, as before; lockstep mode uses the worker too
-(its boundary waits for a parked version the same way it waited for a read one).
+Owns `SyncWorker`, one thread on the island's sync rank that reads landed versions (fetch, chunk checks,
+the copy into staging) and publishes pushes (packing, flow control, acks) while the loop trains, leaving
+the boundary only what it alone can do: take a push's snapshot and install a staged version.
+May touch: the wire (it owns it while it runs, handing it the worker's mode and back) and, through its
+mode, the staging group (learner/stager.py, learner/island_modes.py).
+Invariants: a version read whole is *parked* (staged, digest checked, not installed) until the next
+boundary installs it, and its fragment is not read again meanwhile; one lock keeps every reading of the
+wire one at a time (installing a parked version does not take it); an error the wire does not count and
+retry is raised at the next boundary; the final cut is read on the training thread.
 """
 from __future__ import annotations
 
@@ -47,8 +30,22 @@ POLL_S = 0.05  # wake to look at the inbox at least this often (its flag is the 
 
 
 class SyncWorker:
-    """Owns the wire while it runs: hands it the worker's mode (`mode(submit)`, learner/island_modes.py)
-    before its thread starts, and the training thread's back when it stops."""
+    """Owns the wire while it runs: hands it the worker's mode (`mode(submit)`, learner/island_modes.py) before
+    its thread starts, and the training thread's back when it stops.
+
+    * **Reading**: whenever cut notices arrive, it runs the wire's BCAST reading (`IslandWire.read_broadcasts`).
+      A version that completes is parked: the next boundary installs it (`take_ready`; the boundary machine
+      decides how), and until then that fragment is not read again, whatever lands for it meanwhile. In an
+      island of several ranks staging is a collective: the worker runs it on a staging group of its own while
+      the ranks train (learner/stager.py) or, without one (a group that is not the whole world), keeps the
+      version's stage operations with their chunks (`StageDeferred`, one fragment at a time) for the
+      installing boundary to hand to the ranks first.
+    * **Pushing**: the boundary hands over the snapshot (`submit_push`); the worker packs it in the session's
+      push dtype and publishes it; the boundary after the acks reaps the outcome as for a push published at
+      the boundary (`PublishHandle`). In an island of several ranks the boundary gathers the snapshot to rank 0
+      first; a q4 push stays at the boundary (its residual scatter is collective too).
+    Lockstep mode uses the worker too (its boundary waits for a parked version as it waited for a read one).
+    """
 
     def __init__(self, wire, mode: Callable[..., object], *, name: str = "yeto-sync"):
         self.wire = wire

@@ -1,47 +1,13 @@
 """The sync rank's boundary as a pure state machine (docs/design.md §3.9, §5.2): no I/O, no clock, no
-torch.distributed. `Island` (learner/island.py) is the shell that feeds it events and carries out the
-operations it returns, with `IslandWire` (cuts and exports), `RankOps` (the ranks) and `IslandClient`
-(the network).
+torch.distributed.
 
-Protocol. `feed(event)` returns a list of operations (learner/boundary_ops.py). All but possibly the
-last are acts the shell just carries out (commit a version, send an ack, emit the step-log event,
-log a line); a last operation that is a *request* (ReadControl, ReadBroadcasts, TakePulls, Reap,
-Push, VerifyManifest, ReadFinal, Wait) asks for input, and the machine does nothing else until the
-shell feeds the matching answer (Control, BroadcastsRead, Pulls, Pushes, PushHanded,
-ManifestChecked, FinalRead, Tick). A list that ends with `End` closes what the shell started
-(Begin, StepDone, FinalShared); `Fail` carries the exception the shell must raise. While the shell
-carries out ReadBroadcasts or ReadFinal it feeds `VersionComplete` for each version whose digest
-matched and gets back the `Commit` to run on every rank before it reads on. Every answer carries
-`now` (the shell's monotonic clock): deadlines, step times and the manifest's patience are
-computed from it, so a test drives time by hand. Inside, what an event starts runs as a generator
-that yields its requests, so the rules below read top to bottom in the order they apply; `phase`
-names where it stands.
-
-The rules, in the order a boundary applies them:
-* count the step (every fragment's steps and tokens since its anchor), step time (EMA of `now`s);
-* control messages: a manifest (or the run's final record) is offered, checked to name only the
-  session's fragments, and finalizes only once FINAL's chunk 0 headers back it (a manifest still
-  unbacked after `final_timeout_s` is dropped and counted); a shutdown stops the island;
-* apply the broadcasts that arrived, *before* answering pulls: the first version of a fragment
-  overwrites, later ones blend; each applied version supersedes the pulls of older rounds of its
-  fragment (`PullBook.committed`);
-* take the pulls that arrived (the book keeps the newest attempt per round and one copy of each);
-* lockstep: at the boundary of local step t·H/P block until round t's pull is held, answer it, and
-  block until a version of its fragment newer than the pull's base is applied (each block up to
-  `lockstep_timeout_s`, then `LockstepTimeout`); a manifest or shutdown ends the block;
-* answer ready pulls (a version held and a local step since; one push per fragment at a time; none
-  while disconnected): report pushes whose acks are all in (sent) or that failed (pending again,
-  next try), then push each ready pull;
-* a verified manifest: install its f32 versions from FINAL (overwrite, up to `final_timeout_s`) and
-  stop; after the shell shared that every rank holds it (`FinalShared`): ack, re-send the ack every
-  `ack_resend_s` until the shutdown comes (up to `shutdown_timeout_s`) — unless the run had already
-  finished (final record), when nobody is left to answer;
-* emit the step-log event.
-
-Before the first step (`Begin`): a run that already finished skips everything (its final cut is
-installed at the first boundary); the INIT island streams INIT unless versions were committed
-already; then lockstep waits for the whole cut (`lockstep_timeout_s`, else `LockstepTimeout`), the
-INIT island for up to `init_v0_timeout_s`, others for `initial_cut_timeout` (0: not at all).
+Owns `Boundary`: what happens at a step boundary and before the first step, and in which order (its doc
+has the protocol and the rules). It holds the island's `SyncState` and `PullBook`; `Island`
+(learner/island.py) is the shell that feeds it events and carries out the operations it returns
+(learner/boundary_ops.py) with `IslandWire`, `RankOps` and `IslandClient`.
+Invariants: broadcasts are applied before pulls are answered; one push per fragment at a time; a
+manifest finalizes only once FINAL backs it; time comes only from the events' `now`, so a test drives it
+by hand; a broken protocol (an event fed out of turn) is a `ProtocolError`, never a WireError.
 """
 from __future__ import annotations
 
@@ -55,7 +21,7 @@ from yeto.schemas.errors import WireError
 from .boundary_ops import (Ack, Begin, BeginFinal, BroadcastsRead, CheckHealth, Commit, End, Fail, FinalRead,
                            FinalShared, Log, Progress, Push, ReadBroadcasts, ReadControl, ReadFinal, Reap, StepDone,
                            StepLog, StreamInit, TakePulls, VerifyManifest, VersionComplete, Wait)
-from .fragments import ProtocolError, SyncState
+from .sync_state import ProtocolError, SyncState
 from .pulls import PendingPull, PullBook, due_round, max_due_step
 
 
@@ -112,7 +78,47 @@ Script = Generator[object, object, None]
 
 
 class Boundary:
-    """See the module doc. `state` (SyncState) and `book` (PullBook) are the machine's own."""
+    """The boundary machine. `state` (SyncState) and `book` (PullBook) are its own.
+
+    Protocol. `feed(event)` returns a list of operations (learner/boundary_ops.py). All but possibly the
+    last are acts the shell just carries out (commit a version, send an ack, emit the step-log event, log
+    a line); a last operation that is a *request* (ReadControl, ReadBroadcasts, TakePulls, Reap, Push,
+    VerifyManifest, ReadFinal, Wait) asks for input, and the machine does nothing else until the shell feeds
+    the matching answer (Control, BroadcastsRead, Pulls, Pushes, PushHanded, ManifestChecked, FinalRead,
+    Tick). A list that ends with `End` closes what the shell started (Begin, StepDone, FinalShared); `Fail`
+    carries the exception the shell must raise. While the shell carries out ReadBroadcasts or ReadFinal it
+    feeds `VersionComplete` for each version whose digest matched and gets back the `Commit` to run on every
+    rank before it reads on. Every answer carries `now` (the shell's monotonic clock): deadlines, step times
+    and the manifest's patience are computed from it. Inside, what an event starts runs as a generator that
+    yields its requests, so the rules below read top to bottom in the order they apply; `phase` names where
+    it stands.
+
+    The rules, in the order a boundary applies them:
+    * count the step (every fragment's steps and tokens since its anchor), step time (EMA of `now`s);
+    * control messages: a manifest (or the run's final record) is offered, checked to name only the
+      session's fragments, and finalizes only once FINAL's chunk 0 headers back it (a manifest still
+      unbacked after `final_timeout_s` is dropped and counted); a shutdown stops the island;
+    * apply the broadcasts that arrived, *before* answering pulls: the first version of a fragment
+      overwrites, later ones blend; each applied version supersedes the pulls of older rounds of its
+      fragment (`PullBook.committed`);
+    * take the pulls that arrived (the book keeps the newest attempt per round and one copy of each);
+    * lockstep: at the boundary of local step t·H/P block until round t's pull is held, answer it, and
+      block until a version of its fragment newer than the pull's base is applied (each block up to
+      `lockstep_timeout_s`, then `LockstepTimeout`); a manifest or shutdown ends the block;
+    * answer ready pulls (a version held and a local step since; one push per fragment at a time; none
+      while disconnected): report pushes whose acks are all in (sent) or that failed (pending again, next
+      try), then push each ready pull;
+    * a verified manifest: install its f32 versions from FINAL (overwrite, up to `final_timeout_s`) and
+      stop; after the shell shared that every rank holds it (`FinalShared`): ack, re-send the ack every
+      `ack_resend_s` until the shutdown comes (up to `shutdown_timeout_s`) — unless the run had already
+      finished (final record), when nobody is left to answer;
+    * emit the step-log event.
+
+    Before the first step (`Begin`): a run that already finished skips everything (its final cut is
+    installed at the first boundary); the INIT island streams INIT unless versions were committed already;
+    then lockstep waits for the whole cut (`lockstep_timeout_s`, else `LockstepTimeout`), the INIT island
+    for up to `init_v0_timeout_s`, others for `initial_cut_timeout` (0: not at all).
+    """
 
     def __init__(self, session: Mapping, rules: Rules):
         self.rules = rules
@@ -151,7 +157,7 @@ class Boundary:
                                     field="event", value=type(event).__name__)
             if isinstance(event, StepDone) and (isinstance(event.tokens, bool) or not isinstance(event.tokens, int)
                                                 or event.tokens < 0):
-                raise WireError("tokens must be a non-negative integer", field="tokens", value=event.tokens)
+                raise ValueError(f"tokens must be a non-negative integer, not {event.tokens!r}")  # the trainer's
             self.now = event.now
             script = {Begin: self._start, StepDone: self._boundary, FinalShared: self._ack_and_wait}[type(event)]
             self._script = script(event)

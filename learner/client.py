@@ -1,22 +1,15 @@
 """The island's NATS client (docs/design.md §5.1): a background thread running nats-py's asyncio loop.
 
-The training thread never touches the network directly. The loop thread:
-
-* reads the island's CTL consumers into thread-safe inboxes and turns BCAST / FINAL chunk headers
-  into notices (the bytes stay in JetStream until the sync rank fetches them at a boundary):
-  `ctl_reader.CtlReader`, which also rejects (counts in `counters["rejected"]`) bad input;
-* publishes a heartbeat every `heartbeat_s`, looks for the run's final record every
-  `FINAL_POLL_S`, and drains the step-log queue.
-
-The training thread drains the inboxes (`learner.inbox`) at step boundaries and runs the calls it
-must wait for (fetching chunks, publishing a push and waiting for its acks) on the loop with
-`asyncio.run_coroutine_threadsafe(...)`, always with a timeout (`call`). Whatever a waiting
-boundary may wait for — an inbox put, a push's acks, a reconnect, a fatal error — raises
-`arrivals` (learner.waiting), so it wakes at once.
-
-Generation: one random `gen` per IslandClient (per process start); reconnects keep it, and it rides
-on every message. Health: nats-py reconnects on its own; `check_health` raises only once it gave up
-after `max_reconnects` failed attempts, or after the syncer sent a fatal error.
+Owns the connection and the loop thread: it reads the island's CTL consumers into thread-safe inboxes
+(`ctl_reader.CtlReader`), turns BCAST / FINAL chunk headers into notices (`cut_notices`; the bytes stay in
+JetStream until the sync rank fetches them), publishes a heartbeat every `heartbeat_s`, looks for the
+run's final record every `FINAL_POLL_S` and drains the step-log queue; bad input is rejected (counted in
+`counters["rejected"]`).
+Invariants: the training thread never touches the network; it drains the inboxes (`learner.inbox`) at
+step boundaries and runs what it must wait for (fetching chunks, a push and its acks) on the loop through
+`call`, always with a timeout. Whatever a waiting boundary may wait for raises `arrivals`
+(learner.waiting), so it wakes at once. One random `gen` per client (per process start), kept across
+reconnects; `check_health` raises only once nats-py gave up reconnecting, or the syncer sent a fatal error.
 """
 from __future__ import annotations
 
@@ -47,6 +40,7 @@ from yeto.schemas.versions import VersionError
 
 from .config import IslandConfig
 from .ctl_reader import CtlReader
+from .cut_notices import watch_cuts
 from .errors import IslandUnhealthy, NotConnected
 from .inbox import CutInbox, Inbox, PublishHandle
 from .publisher import StreamPublisher
@@ -203,13 +197,13 @@ class IslandClient:
         ack = self.call(publish_retry(self.js, S.hello(self.run, self.island), msg.encode(),
                                       S.hello_msg_id(self.island, self.gen), counters=self._counters), 60)
         self.ctl = CtlReader(js=self.js, run=self.run, island=self.island, gen=self.gen, hello=hello,
-                             counters=self._counters, pulls=self.pulls, control=self.control, bcast=self.bcast,
-                             final=self.final, reject=self._reject, spawn=self._spawn,
-                             connected=lambda: self.connected, on_fatal=self.arrivals.notify)
+                             counters=self._counters, pulls=self.pulls, control=self.control, reject=self._reject,
+                             spawn=self._spawn, connected=lambda: self.connected, on_fatal=self.arrivals.notify)
         self.call(self._after_hello(ack.seq), 60)
 
     async def _after_hello(self, seq: int) -> None:
-        self._subs += await self.ctl.start(seq, self.cut_js)
+        await self.ctl.start(seq)
+        self._subs += await watch_cuts(self.cut_js, self.run, bcast=self.bcast, final=self.final, reject=self._reject)
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
 

@@ -1,43 +1,11 @@
 """Island configuration: `YETO_*` environment variables and/or keyword arguments (docs/design.md §5, §7).
 
-`IslandConfig.from_env(**overrides)` reads the environment; keyword arguments win over it. Every bad
-value raises ConfigError naming the attribute and, in the message, the variable it came from.
-
-| attribute | variable | default | meaning |
-|---|---|---|---|
-| run | YETO_RUN | (required) | run id |
-| island | YETO_ISLAND | (required) | island id |
-| nats | YETO_NATS / NATS_URL, YETO_NATS_CREDS, YETO_TLS_CA | nats://127.0.0.1:4222 | connection |
-| push_dtype | YETO_PUSH_DTYPE | auto | auto (take the session's), f32, bf16, q4 |
-| bulk_dtype | YETO_BULK_DTYPE | auto | auto, f32, bf16 |
-| alpha | YETO_DILOCO_ALPHA | 0.5 | θ = α·θ_local + (1−α)·Θ when a broadcast lands |
-| lockstep | YETO_LOCKSTEP | off | deterministic test mode (blocks at due rounds) |
-| initial_cut_timeout | YETO_DILOCO_INITIAL_CUT_TIMEOUT | 0 | seconds to install the cut before step 1 |
-| step_log | YETO_DILOCO_STEP_LOG | none | file that also gets every step-log JSON line |
-| heartbeat_s | YETO_HEARTBEAT_S | 2 | heartbeat period |
-| max_reconnects | YETO_MAX_RECONNECTS | 60 | failed reconnects before the island gives up (-1: never) |
-| reconnect_wait_s | YETO_RECONNECT_WAIT_S | 2 | pause between reconnect attempts |
-| fetch_batch_bytes | YETO_FETCH_BATCH_BYTES | 16 MiB | bytes fetched per request at a boundary (≤ 32 MiB; the next batch is fetched while one is checked, so up to two are held) |
-| steplog_queue | YETO_STEPLOG_QUEUE | 1024 | step-log events waiting for the network before drops |
-| init_v0_timeout_s | YETO_INIT_V0_TIMEOUT | 600 | INIT island: wait this long for v0 after streaming INIT |
-| lockstep_timeout_s | YETO_LOCKSTEP_TIMEOUT | 600 | lockstep: longest wait for a pull or a broadcast |
-| final_timeout_s | YETO_FINAL_TIMEOUT | 600 | longest wait for the final cut after a manifest |
-| shutdown_timeout_s | YETO_SHUTDOWN_TIMEOUT | 60 | longest wait for shutdown after the final ack |
-| session_timeout_s | YETO_SESSION_TIMEOUT | none (forever) | wait for the run's streams and session record |
-| push_timeout_s | YETO_PUSH_TIMEOUT | 120 | one push (all chunks acked) or one INIT fragment |
-| fetch_timeout_s | YETO_FETCH_TIMEOUT | 60 | one fetch batch |
-| progress | YETO_PROGRESS | on | tqdm bars (INIT, initial cut) on the sync rank |
-| anchor_dir | YETO_ANCHOR_DIR | none (memory) | each rank keeps its anchors, staging and q4 residuals in files under `<dir>/<island>-rank<r>/` instead of RAM |
-| domain | YETO_DOMAIN | none | the island's datacenter: the JetStream domain of the leaf node it connects to; the island keeps the run's mirror of the cut there and reads BCAST / FINAL from it |
-| background | YETO_BACKGROUND_SYNC | on | the island reads cuts and sends pushes on a thread of its own; the boundary only snapshots a push and installs what was read (with several ranks the worker stages on them over a gloo group of its own: learner/stager.py) (learner/background.py) |
-| staging_group | YETO_STAGING_GROUP | on | with several ranks over the whole world and `background` on, a second gloo group of the same ranks on which the worker stages versions and gathers pushes while the ranks train (learner/stager.py); off: the installing boundary hands the staging to the ranks |
-| hub_domain | YETO_HUB_DOMAIN | hub | the hub's JetStream domain, where pushes, control and the KV buckets live (used with YETO_DOMAIN) |
-
-Why α = 0.5 by default: α is the weight the island keeps on its own value. α = 0 would throw away
-every inner step taken since the island's push for that round (the broadcast was computed without
-them); α = 1 would never move towards the global model. Half and half keeps the recent local
-progress while pulling each replica to the consensus every H/P steps, the usual streaming-DiLoCo
-mixing choice; tune it per run.
+Owns `IslandConfig`, every setting an island reads, with its default and its check; the table of
+attributes, variables and defaults is docs/island.md (the ms-swift plugin's own
+variables: docs/megatron.md). `IslandConfig.from_env(**overrides)` reads the environment; keyword
+arguments win over it.
+Invariants: a bad value raises ConfigError naming the attribute and, in the message, the variable it
+came from, before the island says hello; the config is read once and never changes while the island runs.
 """
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """The island's CTL reading (docs/design.md §3.3, §5.1), on the client's loop thread: the two durable CTL
-consumers, `pull-I` (pulls) and `isl-I` (manifest / error / shutdown sent to this island), fetched
-into the client's inboxes, each message acked once it is in one; and the cut watchers' callback,
-which turns BCAST / FINAL chunk headers into notices.
+consumers, `pull-I` (pulls) and `isl-I` (manifest / error / shutdown sent to this island), fetched into
+the client's inboxes, each message acked once it is in one. BCAST / FINAL notices are not read here
+(`learner/cut_notices.py`).
 
-The consumer names are fixed per island so the server's permissions can confine an island to its
-own (services/auth.py); a new process replaces them, and a process whose consumer another
-generation took over stops (`Superseded`) instead of reading that generation's messages. Bad input
-(malformed JSON, a schema violation, a header that does not match its subject, a manifest / error /
-shutdown that does not name a generation) is rejected (counted, logged) and acked: redelivering it
-would not make it valid. A non-fatal error `unknown_member` (the syncer has no record of this
-generation, e.g. it resumed without its members) makes the reader say hello again.
+Invariants: a batch is taken only from a consumer this generation owns (names are fixed per island so
+server permissions can confine an island to its own, services/auth.py); a process whose consumer another
+generation took over stops (`Superseded`). Bad input (malformed JSON, a schema violation, a message on
+the wrong subject, a manifest / error / shutdown that names no generation) is rejected (counted, logged)
+and acked: redelivering it would not make it valid. A non-fatal `unknown_member` error makes the reader
+say hello again.
 """
 from __future__ import annotations
 
@@ -24,12 +23,12 @@ import nats.errors
 from yeto.schemas import codec
 from yeto.schemas import provision as P
 from yeto.schemas import subjects as S
-from yeto.schemas.errors import DecodeError, WireError
-from yeto.schemas.messages import BcastChunk, FinalChunk, Hello
+from yeto.schemas.errors import WireError
+from yeto.schemas.messages import Hello
 from yeto.schemas.publish import publish_retry
 
 from .errors import Superseded, SyncerRefused
-from .inbox import ChunkNotice, CutInbox, Inbox
+from .inbox import Inbox
 
 log = logging.getLogger("yeto.island")
 
@@ -41,16 +40,16 @@ OWNER_CHECK_S = 5.0  # how often an idle CTL consumer's owner is looked at (see 
 
 
 class CtlReader:
-    """One generation's CTL consumers and cut notices (see the module doc). `fatal` is set when this
-    process must stop (superseded, refused by the syncer); `counters` is the client's (loop thread)."""
+    """One generation's CTL consumers (see the module doc). `fatal` is set when this process must stop
+    (superseded, refused by the syncer); `counters` is the client's (loop thread)."""
 
     def __init__(self, *, js, run: str, island: str, gen: str, hello: dict, counters: Counter,
-                 pulls: Inbox, control: Inbox, bcast: CutInbox, final: CutInbox,
+                 pulls: Inbox, control: Inbox,
                  reject: Callable[[str, Exception], None], spawn: Callable, connected: Callable[[], bool],
                  on_fatal: Callable[[], None]):
         self.js, self.run, self.island, self.gen = js, run, island, gen
         self.counters = counters
-        self.pulls, self.control, self.bcast, self.final = pulls, control, bcast, final
+        self.pulls, self.control = pulls, control
         self._reject, self._spawn, self._connected, self._on_fatal = reject, spawn, connected, on_fatal
         self._hello = dict(hello)  # the hello's fields, for a re-hello
         self._rehellos = 0
@@ -69,9 +68,9 @@ class CtlReader:
         self._fatal = exc
         self._on_fatal()
 
-    async def start(self, hello_seq: int, cut_js) -> list:
-        """Make the CTL consumers this generation's from the hello's stream sequence, start reading
-        them, and watch BCAST / FINAL. Returns the cut subscriptions (the client closes them)."""
+    async def start(self, hello_seq: int) -> None:
+        """Make the CTL consumers this generation's from the hello's stream sequence and start reading
+        them."""
         self._hello_seq = hello_seq
         rep = await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, start_seq=hello_seq)
         log.info("island %s: CTL consumers: %s", self.island, rep)
@@ -80,13 +79,6 @@ class CtlReader:
             self.consumers[kind] = name
             sub = await self.js.pull_subscribe_bind(durable=name, stream=S.stream(self.run, "CTL"))
             self._spawn(self._ctl_pump(sub, kind), f"ctl-{kind}")
-        subs = []
-        for kind, stream, cfg in (("bcast_chunk", "BCAST", P.bcast_consumer_config(self.run)),
-                                  ("final_chunk", "FINAL", P.final_consumer_config(self.run))):
-            subs.append(await cut_js.subscribe(
-                cfg.filter_subject, stream=S.stream(self.run, stream), ordered_consumer=True, config=cfg,
-                cb=self._cut_callback(kind)))
-        return subs
 
     async def _ctl_pump(self, sub, kind: str) -> None:
         """Fetch from consumer `kind` ("pull" or "to"). Its name is the island's, not the process's:
@@ -227,34 +219,6 @@ class CtlReader:
         except Exception as exc:  # noqa: BLE001 - see the docstring
             self.counters["rehello_failed"] += 1
             log.warning("island %s: hello again failed: %r", self.island, exc)
-
-    # BCAST / FINAL notices.
-
-    def _cut_callback(self, kind: str):
-        inbox = self.bcast if kind == "bcast_chunk" else self.final
-        prefix = "bcast" if kind == "bcast_chunk" else "final"
-        header = BcastChunk if kind == "bcast_chunk" else FinalChunk
-
-        async def cb(msg) -> None:
-            try:
-                hdr = (msg.headers or {}).get(codec.CHUNK_HEADER)
-                if hdr is None:
-                    raise DecodeError("chunk message without its header", field=codec.CHUNK_HEADER, value=None)
-                meta = header.from_header(hdr)
-                toks = S.parse(self.run, msg.subject)
-                if meta.run != self.run:
-                    raise WireError("chunk names another run", field="run", value=meta.run)
-                if toks != (prefix, str(meta.fragment), str(meta.chunk)):
-                    raise WireError("chunk header does not match its subject", field="subject", value=msg.subject)
-                size = int((msg.headers or {}).get("Nats-Msg-Size", meta.nbytes))
-                if size != meta.nbytes:
-                    raise WireError(f"message holds {size} bytes", field="nbytes", value=meta.nbytes)
-            except (WireError, ValueError) as exc:
-                self._reject(f"{kind} notice on {msg.subject}", exc)
-                return
-            inbox.put(ChunkNotice(kind, msg.subject, meta.fragment, meta.chunk, meta.version, meta.nbytes, meta.to_wire()))
-
-        return cb
 
 
 __all__ = ["CtlReader", "ISLAND_CTL_KINDS", "REHELLO_CODES"]

@@ -1,20 +1,16 @@
 """The demo island: a tiny MLP learns a fixed random teacher function on CPU, synced through yeto-nats.
 
-Each island draws its training data from its own seed (heterogeneous shards of one task); held-out
-data comes from a third seed. No downloads: the data is generated.
-
     python -m yeto.learner.demo --run R --island a [--ranks 2] [--steps-max N] [--out params.safetensors]
+    python -m yeto.learner.demo eval --weights FILE    # the held-out loss of a safetensors file
 
-With `--ranks 2` the island is data-parallel over two gloo processes (gradients all-reduced); only
-rank 0 talks to NATS. After the final cut is installed, rank 0 saves the island's parameters (canonical
-names) to `--out` and prints one JSON line with its mean loss over the last 10 steps.
+Each island draws its data from its own seed (heterogeneous data of one task), held-out data from a third;
+nothing is downloaded. With `--ranks 2` the island is data-parallel over two gloo processes; rank 0 alone
+talks to NATS and, once the final cut is installed, saves the parameters (canonical names) to `--out` and
+prints one JSON line with its mean loss over the last 10 steps.
 
-`python -m yeto.learner.demo eval --weights FILE` prints the held-out loss of a safetensors file.
-
-Fault injector (tests and soak/hostile.py --poison only, never a real run): `YETO_DEMO_POISON=KIND` makes
-this island a compromised one. Its training is honest; what it pushes is not: `plus50` adds 50 to every
-value of every pushed delta, `nan` makes every pushed value NaN, `norm5x` pushes 5 x its true delta, and
-`tokens` claims c_tokens = 2^53-1 on every push (its delta honest). See `poison_island`.
+Fault injector (tests and soak/hostile.py --poison only, never a real run): `YETO_DEMO_POISON=KIND` trains
+honestly and pushes `plus50` (+50 on every value), `nan` (every value NaN), `norm5x` (5 × its true delta)
+or `tokens` (claims c_tokens = 2^53-1, its delta honest); see `poison_island`.
 """
 from __future__ import annotations
 
@@ -66,7 +62,7 @@ def teacher() -> nn.Module:
 
 
 def batch(gen: torch.Generator, n: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs from a shifted normal (the shift makes the islands' shards differ); targets from the teacher."""
+    """Inputs from a shifted normal (the shift makes the islands' data differ); targets from the teacher."""
     x = torch.randn(n, D_IN, generator=gen) + shift
     with torch.no_grad():
         y = teacher()(x) + 0.01 * torch.randn(n, 1, generator=gen)
@@ -85,11 +81,11 @@ def model_seed(island: str) -> int:
     return sum(map(ord, island))
 
 
-def shard(island: str, rank: int) -> tuple[torch.Generator, float]:
+def island_data(island: str, rank: int) -> tuple[torch.Generator, float]:
     """The data stream of one rank of an island: its generator (a fixed seed, so a run's data order is
-    reproducible) and its input shift (islands a and b see opposite shifts: heterogeneous shards)."""
-    shard_seed = {"a": 1, "b": 2}.get(island, 3 + len(island))
-    return torch.Generator().manual_seed(shard_seed * 1000 + rank), (0.3 if shard_seed % 2 else -0.3)
+    reproducible) and its input shift (islands a and b see opposite shifts: heterogeneous data)."""
+    seed = {"a": 1, "b": 2}.get(island, 3 + len(island))
+    return torch.Generator().manual_seed(seed * 1000 + rank), (0.3 if seed % 2 else -0.3)
 
 
 POISON_ENV = "YETO_DEMO_POISON"
@@ -166,7 +162,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         if rank == 0:
             print(f"[{args.island}] {POISON_ENV}={poison}: this island pushes poisoned updates (fault injector)",
                   flush=True)
-    gen, shift = shard(args.island, rank)
+    gen, shift = island_data(args.island, rank)
     losses: list[float] = []
     step = 0
     t_last = time.monotonic()

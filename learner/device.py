@@ -1,21 +1,15 @@
 """Parameters on an accelerator at the island boundary (docs/design.md §6 "Device parameters").
 
-The sync core works on host tensors: chunks, anchors, staging and the island group (gloo) are all on the
-CPU. A model on a GPU reaches it in two places only, and both are here:
-
-* `HostStaging` (exports: a push's snapshot, INIT): device values are copied into **pinned** host buffers
-  on a **side stream**, non-blocking, one copy per tensor of the pass, and waited for once (`wait`)
-  before the host reads them. The side stream first waits for the compute stream, so a copy sees every
-  kernel the training thread queued before the boundary (the optimizer step included), and training
-  kernels queued after it never wait for the copy. `record_stream` keeps the caching allocator from
-  handing a copied temporary (an fp32 view of a bf16 parameter, a gathered DistributedOptimizer shard)
-  to another kernel before its copy ran.
-* `to_device_of` (applies): a host f32 value is moved to the parameter's device before a blend (the
-  blend's two torch ops then run where the parameter lives; a plain write uses `copy_`, which crosses
-  devices by itself).
-
-CPU tensors pass through untouched (no copy: the island snapshots them itself where it must), and a
-device without CUDA streams (an NPU build whose stream API differs) falls back to a plain blocking copy.
+The sync core works on host tensors (chunks, anchors, staging, the gloo island group); a model on a GPU
+reaches it in two places only, both here:
+* `HostStaging` (exports: a push's snapshot, INIT): device values are copied into pinned host buffers on a
+  side stream, non-blocking, and waited for once (`wait`) before the host reads them. The side stream first
+  waits for the compute stream (a copy sees the optimizer step; later training kernels never wait for it),
+  and `record_stream` keeps the caching allocator from reusing a copied temporary before its copy ran.
+* `to_device_of` (applies): a host f32 value moves to the parameter's device before a blend (a plain write
+  uses `copy_`, which crosses devices by itself).
+CPU tensors pass through untouched (the island snapshots them itself where it must), and a device without
+CUDA streams (an NPU build whose stream API differs) falls back to a plain blocking copy.
 """
 from __future__ import annotations
 

@@ -1,45 +1,16 @@
 """Hybrid process groups inside an island (docs/design.md §6): gloo across nodes, the device backend inside one.
 
-Enabled with `YETO_CROSS_NODE_GLOO=1` (`install_from_env()`, which the ms-swift plugin calls at import
-time) or `install()`. Some clusters have no working device fabric between nodes (HCCL/NCCL across
-hosts fails or is not provisioned) but do have TCP, so:
-
-* `torch.distributed.new_group` is wrapped. A group whose ranks span nodes is created with backend
-  "gloo" and remembered as *hybrid*; a group inside one node is created exactly as asked (so it keeps
-  the device backend: HCCL on Ascend, NCCL on CUDA). The decision (`choose_backend`) is a pure function
-  of the rank set, the requested backend and ranks-per-node, so every rank — members and non-members,
-  which torch requires to call `new_group` for every group — makes the same calls in the same order.
-* The collectives and P2P calls of `torch.distributed` are wrapped. Called with a hybrid group, they
-  copy device tensors to fresh host tensors, run the call on gloo, and copy the results back into the
-  caller's tensors (in-place semantics kept: `all_reduce(t)` leaves the result in `t`, `all_gather`
-  fills the caller's output list). Async calls (`async_op=True`, isend/irecv, batch_isend_irecv) return
-  a handle whose `wait()` (or `get_future()`) copies back. Calls on any other group go straight to torch.
-* Nodes: rank r is on node r // ranks_per_node (launchers number ranks node by node). Ranks per node:
-  `YETO_RANKS_PER_NODE` (override), else the launcher's `LOCAL_WORLD_SIZE`, else the world size (one
-  node: nothing becomes hybrid). Both must be the same on every rank (torchrun's are).
-* Each group's choice is logged once (logger `yeto.hybrid`, INFO) by the group's lowest rank; every
-  rank keeps its own record in `choices()`.
-
-Not plain gloo semantics, on purpose, for hybrid groups only: `ReduceOp.AVG` runs as SUM then a
-division on the host (older gloo builds reject AVG); `reduce_scatter` / `reduce_scatter_tensor` /
-`all_gather_into_tensor` fall back to all_reduce + slice / all_gather into views when the installed
-gloo answers "does not support" (older torch; torch 2.13's gloo has all three natively);
-`barrier(device_ids=...)` drops the device ids (gloo has none); `pg_options` / `device_id` of the
-device backend are dropped when a group is switched to gloo. `P2POp`s built with the isend/irecv
-bound before install are accepted. Cost: none until a hybrid group exists; then each wrapped call
-binds its arguments to find the group (microseconds).
-
-Limits: `install()` must run before Megatron (or anything) does `from torch.distributed import
-all_reduce` and before it creates its groups — names bound earlier keep the unwrapped functions, and
-groups created earlier keep their backend. Groups made without `new_group` (`split_group`,
-`_new_group_with_tag`, DeviceMesh internals) are not inspected.
-
-Modules: the backend choice and node math in learner/hybrid_backend.py (pure, plus device detection),
-the wrapped calls (host copies, work handles, gloo fallbacks, the new_group record) in
+For clusters with no working device fabric between nodes (HCCL/NCCL across hosts fails or is not
+provisioned) but TCP: enabled with `YETO_CROSS_NODE_GLOO=1` (`install_from_env()`, which the ms-swift
+plugin calls at import time) or `install()`. Owns the patching of `torch.distributed`: `new_group` makes
+a group whose ranks span nodes a gloo group (remembered as *hybrid*), one inside a node exactly as asked;
+collectives and P2P calls on a hybrid group run on host copies and copy back (in-place semantics kept).
+`install`'s doc has the semantics that differ from plain gloo, and the limits.
+Invariants: the backend choice is a pure function of the rank set, the requested backend and ranks per
+node (`YETO_RANKS_PER_NODE`, else `LOCAL_WORLD_SIZE`), so every rank makes the same calls in the same
+order; calls on any other group go straight to torch; nothing changes until a hybrid group exists.
+Modules: the choice and node math in learner/hybrid_backend.py, the wrapped calls in
 learner/hybrid_calls.py; this one installs and removes them, and re-exports the public names.
-
-Test-only fake: `force_host_copy=True` / `YETO_HYBRID_FORCE_HOST_COPY=1` treats CPU tensors as device
-tensors, so on a CPU-only machine the host-copy path (fresh host tensor, run, copy back) really runs.
 """
 from __future__ import annotations
 
@@ -82,9 +53,26 @@ def _env_true(env: Mapping[str, str], var: str) -> bool:
 
 def install(force_host_copy: bool | None = None) -> None:
     """Patch torch.distributed (and distributed_c10d, whose own functions call each other through its
-    module globals). Idempotent. Must run before Megatron binds names from torch.distributed or creates
-    its groups. `force_host_copy` (test-only; default: `YETO_HYBRID_FORCE_HOST_COPY`) copies CPU tensors
-    too."""
+    module globals). Idempotent.
+
+    Called with a hybrid group, a collective or P2P call copies device tensors to fresh host tensors, runs
+    on gloo and copies the results back into the caller's tensors (`all_reduce(t)` leaves the result in
+    `t`, `all_gather` fills the caller's list); async calls (`async_op=True`, isend/irecv,
+    batch_isend_irecv) return a handle whose `wait()` (or `get_future()`) copies back. Rank r is on node
+    r // ranks_per_node (launchers number ranks node by node); each group's choice is logged once by its
+    lowest rank (logger `yeto.hybrid`) and kept on every rank in `choices()`.
+    Not plain gloo semantics, on purpose, for hybrid groups only: `ReduceOp.AVG` runs as SUM then a
+    division on the host (older gloo builds reject AVG); `reduce_scatter` / `reduce_scatter_tensor` /
+    `all_gather_into_tensor` fall back to all_reduce + slice / all_gather into views where gloo answers
+    "does not support"; `barrier(device_ids=...)` drops the ids; `pg_options` / `device_id` of the device
+    backend are dropped when a group is switched to gloo; `P2POp`s built with the isend/irecv bound
+    before install are accepted. Each wrapped call binds its arguments to find the group (microseconds).
+    Limits: it must run before Megatron (or anything) binds names from torch.distributed (`from
+    torch.distributed import all_reduce`) or creates its groups: those keep the unwrapped functions and
+    their backend. Groups made without `new_group` (`split_group`, `_new_group_with_tag`, DeviceMesh
+    internals) are not inspected.
+    `force_host_copy` (test-only; default: `YETO_HYBRID_FORCE_HOST_COPY`) treats CPU tensors as device
+    tensors, so on a CPU-only machine the host-copy path really runs."""
     if not dist.is_available():
         raise RuntimeError("hybrid groups need torch.distributed, which this torch build lacks")
     import torch.distributed.distributed_c10d as c10d

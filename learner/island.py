@@ -1,69 +1,18 @@
-"""The island's sync core (docs/design.md §3.9, §5, §6): `Island`, what a training loop calls — start-up
-(layout, hello, session, INIT, initial cut) and the step boundary — on every rank of the island.
+"""The island's sync core (docs/design.md §3.9, §5, §6): `Island`, what a training loop calls on every rank of
+the island — start-up (layout, hello, session, INIT, initial cut) and the step boundary.
 
-Use (every rank of the island group calls every method; `group` None: a single process):
-
-    island = Island(adapter, IslandConfig.from_env(), group=group).start()
+    island = Island(adapter, IslandConfig.from_env(), group=group).start()   # group None: one process
     while island.boundary(tokens=n_tokens, loss=loss):   # after every optimizer step, on every rank
         ... one training step ...
     island.close()
 
-Structure. What happens at a boundary, and in which order, is decided by a pure machine,
-`boundary.Boundary` (its module doc has the rules: apply broadcasts before answering pulls, the
-newest attempt of a round, one push per attempt, initial cut, lockstep, final cut), with the pure
-`pulls.PullBook` and `fragments.SyncState` inside it. `Island` is the shell on the sync rank: it
-feeds the machine events (a step done, what the inboxes hold, a version read whole, the time) and
-carries out the operations it returns with the parts that do I/O — `island_wire.IslandWire` (reading
-BCAST / FINAL into the ranks' staging with `fragments.CutReader`, exporting INIT and pushes),
-`client.IslandClient` (the NATS thread and its inboxes) and `island_ranks.RankOps` (each rank's
-share of a collective step, over `piece_io`). A `Wait` the machine asks for is one call of
-`waiting.wait_until` on the client's arrivals (a message, a push's acks, a reconnect) with a short
-poll as fallback. The layout of the island's pieces is `layout_map`.
-
-Ranks. Rank 0 of `group` (the sync rank) does all NATS I/O and all deciding; the others follow.
-Every step that needs the other ranks is announced with a small dict (broadcast_object_list) and
-then run by every rank (`RankOps`): the others loop on announcements until rank 0 says "end" (with
-its decision: stop, final) or "error". At start every rank's pieces are gathered once
-(`layout_map`); the hello announces the island's canonical layout, whatever its TP/PP/DP layout.
-
-Where things live. Rank 0: versions, digests, counters, pull book, the readers' positions — and at
-most one fetch batch of wire bytes (`fetch_batch_bytes`) or a few export chunks, never a fragment.
-Every rank: its own pieces' staging (the version arriving), anchor (raw Θ of the version held, owner
-pieces) and q4 residual (owner pieces), in `anchors.AnchorStore` (memory, or files under
-`YETO_ANCHOR_DIR` / `Island(..., anchor_dir=...)`: page cache instead of process memory).
-
-Reading and pushing (the wire's side of an operation): broadcast chunks are fetched in order by
-direct get in bounded batches and scattered to the ranks' staging as they arrive; when a version's
-last chunk passes and its whole digest matches, every rank commits (the first version of a fragment
-overwrites, later ones blend θ = α·θ_local + (1−α)·Θ; the staged Θ becomes the anchor) — a version
-overwritten mid-read is dropped and read again, never half-applied. A push: the owners'
-d = local − anchor gathered to rank 0 chunk by chunk, packed in the session push dtype and streamed
-while produced; `sent` once every chunk is acked, `failed` otherwise (a later boundary retries with
-try + 1). Acks not in within `ACK_WAIT_S`, or when the connection drops, are awaited in the
-background: the pull stays in flight, the boundary returns, and the boundary after the outcome
-reports it. The step-log event carries the bytes rank 0 moved to and from the other ranks
-(scatter_bytes, gather_bytes). Bad input is counted (`rejected`) and training goes on: that includes
-chunks that claim a version held or being read with another version digest (without server
-permissions, docs/design.md §13, anyone on the bus may publish them); the cut is read again when new messages land.
-
-Decisions of this shell (beyond docs/design.md §5):
-* The island's CTL consumers deliver from its hello's stream sequence (see IslandClient.provision).
-* The INIT island skips INIT when the state KV already holds `commit` (v0 exists: it is a restart),
-  then waits up to `init_v0_timeout_s` for v0 of every fragment before its first step (its weights
-  would be overwritten by v0 anyway); what has not landed by then overwrites at a boundary.
-* Lockstep mode also waits (up to `lockstep_timeout_s`, then fails) for the whole cut before the
-  first step: otherwise the step at which v0 lands, and so the run, would depend on timing.
-* A manifest seen while a lockstep boundary is blocked finalizes at that boundary.
-* INIT: rank 0 publishes on a background thread from a queue of `INIT_QUEUE_CHUNKS` packed chunks
-  while the island gathers the next ones (fragment k is on the wire while k+1 is gathered).
-* A fragment is fetched again only after a new notice for it (or a failed fetch): a reader that
-  waits for a version still being published does not poll the broker.
-* A run that finished without this process (the syncer wrote its final record, state KV `final`, and
-  exited): found at start (INIT and the initial cut are skipped) or while training (the client
-  looks every few seconds), it is offered like a manifest — checked against FINAL's chunk headers,
-  then the f32 cut is installed, digests verified, at the next boundary — and the island stops:
-  `boundary()` returns False, no ack is sent and no shutdown awaited (nobody is left to send one);
-  the step-log event of that boundary carries `extra.final_after_run`. `run_finished` tells.
+Owns the shell around the pure `boundary.Boundary` machine (which decides what happens at a boundary and
+in which order): it feeds it events (a step done, what the inboxes hold, a version read whole, the time)
+and carries out the operations it returns with the parts that do I/O: `island_wire.IslandWire` (the
+wire), `client.IslandClient` (the NATS thread), `island_ranks.RankOps` (each rank's share of a step).
+Invariants: rank 0 of `group` (the sync rank) does all NATS I/O and all deciding and announces every step
+the others run; rank 0 holds at most one fetch batch or a few export chunks, never a fragment; bad input
+is counted (`rejected`) and training goes on; a version is installed whole or not at all.
 """
 from __future__ import annotations
 
@@ -88,7 +37,8 @@ from .boundary import Boundary, LockstepTimeout, Rules
 from .client import IslandClient
 from .config import IslandConfig
 from .errors import IslandUnhealthy
-from .fragments import CutReader, SyncState
+from .cut_reader import CutReader
+from .sync_state import SyncState
 from .island_modes import background_mode
 from .island_ranks import RankOps
 from .island_wire import IslandWire
@@ -177,7 +127,7 @@ class Island:
         if self._started:
             return self
         # Every rank's pieces, once: rank 0 announces the union, every rank maps fragments with it.
-        self.layout = IslandLayout(self.comm.all_gather(describe(self.adapter.shards())))
+        self.layout = IslandLayout(self.comm.all_gather(describe(self.adapter.pieces())))
         dec = self._lead_or_follow(self._start_sync_rank)
         self.gen = dec["gen"]
         if dec.get("run_finished") is not None:
@@ -194,7 +144,7 @@ class Island:
         if tokens is None:
             tokens = step_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise WireError("tokens must be a non-negative integer", field="tokens", value=tokens)
+            raise ValueError(f"tokens must be a non-negative integer, not {tokens!r}")  # the trainer's count
         if not self._started:
             raise RuntimeError("Island.start() must be called before the first boundary")
         if self.should_stop:

@@ -7,13 +7,12 @@ Invariants: a `Mode` is chosen once, when the sync worker starts (from the world
 the push dtype), and dropped when it stops; the wire reads and pushes through whichever it was given
 (`IslandWire.use`) and never asks which one it is.
 
-Staging: `StageDirect` leads each batch to the ranks as it passes (the training thread's reading, or one
-rank's worker); `StageOnGroup` leads it on the staging group while the ranks train (learner/stager.py);
-`StageDeferred` keeps the batches for the installing boundary to lead first (a group without a staging
-group: one fragment at a time, or a whole model could wait in rank 0's memory).
-Pushes: `SendAtBoundary` gathers, packs and publishes at the boundary; `SendSnapshot` gathers at the
-boundary and leaves packing and publishing to the worker; `SendKept` has every rank keep its share at
-the boundary and the worker gather the shares on the staging group.
+Staging: `StageDirect` leads each batch to the ranks as it passes; `StageOnGroup` leads it on the staging
+group while the ranks train (learner/stager.py); `StageDeferred` keeps the batches for the installing
+boundary to lead first (no staging group: one fragment at a time, or a whole model could wait in rank 0's
+memory). Pushes: `SendAtBoundary` gathers, packs and publishes at the boundary; `SendSnapshot` gathers
+there and leaves packing and publishing to the worker; `SendKept` has every rank keep its share at the
+boundary and the worker gather the shares on the staging group.
 """
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """What every rank of an island does for one step the sync rank announces (docs/design.md §5, §6).
 
-The sync rank (rank 0 of the island group) decides; each collective step is a small typed operation
-(learner/rank_ops.py) that it shares with `Comm.share` before running it itself, and the other ranks run the same op in
-the same order (`Island` holds the loop). `RankOps` is that op's work on one rank — the same code on
-rank 0 (which also holds the wire bytes) and on the others:
+Owns: `RankOps`, one announced operation's work on one rank — the same code on rank 0 (which also holds the
+wire bytes) and on the others. May touch: this rank's adapter, anchors and the island group; never the
+network. Invariants: every rank runs the same ops in the same order (the sync rank shares each with
+`Comm.share` before running it, learner/rank_ops.py); rank 0 holds a fetched batch, never a fragment.
 
-* `stage`: chunks of an incoming version (BCAST or FINAL), scattered to the ranks' staging, chunk by
-  chunk (rank 0 holds a fetched batch, never a fragment);
+* `stage`: an incoming version's chunks (BCAST or FINAL), scattered to the ranks' staging chunk by chunk;
 * `abort`: drop a staging (a newer version overwrote it mid-read, or it was bad);
-* `commit`: the sync rank verified the version digest: every rank writes its pieces through the
-  adapter — overwrite for the first version or a final cut, θ = α·θ_local + (1 − α)·Θ later — and
-  keeps the staged Θ as the anchor of its owner pieces;
-* `export`: the fragment gathered to rank 0 chunk by chunk for a push (d = local − anchor, computed
-  by the owners on their pieces; q4: plus the owner's residual, and rank 0 returns each owner its
-  new residual) or for INIT (the values); rank 0 packs and yields each chunk as it fills;
+* `commit`: the digest was verified: every rank writes its pieces through the adapter (overwrite for the
+  first version or a final cut, the blend later) and keeps the staged Θ as its owner pieces' anchor;
+* `export`: the fragment gathered to rank 0 chunk by chunk for a push (d = local − anchor on the owners;
+  q4: with their residuals, each owner's new one sent back) or for INIT, packed chunk by chunk;
 * `residual`: keep or drop the q4 residual of the push just made.
 """
 from __future__ import annotations

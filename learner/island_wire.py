@@ -1,27 +1,14 @@
 """The sync rank's side of the wire (docs/design.md §3.6, §5.5, §6): reading cuts (BCAST and FINAL) in chunk
-order into the ranks' staging, and exporting (INIT, pushes) chunk by chunk. `IslandWire` holds its
-own state (the BCAST reader, which fragments have news, what the ranks are staging, the pushes in
-flight) and is held by `learner.island.Island`, which carries out the boundary machine's operations
-with it; every collective step goes through the `lead` it is given (announce, then run rank 0's part).
+order into the ranks' staging, and exporting (INIT, pushes) chunk by chunk.
 
-Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get
-in batches of at most `fetch_batch_bytes`, checked by `fragments.CutReader` and scattered to the
-ranks' staging as they pass; when a version's last chunk passed and the whole version digest
-matched, `complete(fid, version, digest)` (the boundary: the machine decides how, every rank installs; the
-sync worker: parks it in `ready` for the next boundary)
-runs before the next fragment is read. A version overwritten mid-read is dropped and read again
-from chunk 0. After each read, the chunks notices claimed a newer version at that the read did not
-look at (chunk 0 held nothing new, the reading waited or was refused at an earlier chunk) are fetched
-on their own and checked (`_probe`), so garbage on the stream is refused when it lands. Refused
-chunks are counted (`counters`, and `stats.rejected` for the step log).
-
-Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there
-and published as they fill; INIT publishes on a background thread from a short queue; a push's acks
-are awaited in the background (`reap` reports the outcome at a later boundary).
-
-Modes (learner/island_modes.py): how staged chunks reach the ranks and who gathers and publishes a
-push are the `Mode` the wire was handed (`use`): the training thread's by default, the sync worker's
-while it runs. The wire never asks which one it is.
+Owns `IslandWire`'s state: the BCAST reader, which fragments have news, what the ranks are staging, the
+pushes in flight, the counters (`stats.rejected` for the step log). Held by `learner.island.Island`,
+which carries out the boundary machine's operations with it. May touch: the client's fetch and publish
+calls, and the ranks only through the `lead` it is given (announce, then run rank 0's part) and the
+`Mode` it was handed (`use`; learner/island_modes.py), never asking which one it is.
+Invariants: chunks are fetched in order in batches of at most `fetch_batch_bytes` (rank 0 never holds a
+fragment); a version completes only through `cut_reader.CutReader`; a version overwritten mid-read is
+dropped and read again from chunk 0; refused chunks are counted and training goes on.
 """
 from __future__ import annotations
 
@@ -44,7 +31,7 @@ from yeto.schemas.publish import PublishFailed
 
 from .boundary_ops import Commit, Push
 from .errors import NotConnected
-from .fragments import CutReader
+from .cut_reader import CutReader
 from .inbox import PublishHandle
 from .init_export import stream_init
 from .island_modes import Mode, foreground_mode
@@ -70,7 +57,21 @@ class WireStats:
 
 
 class IslandWire:
-    """Rank 0's reading and exporting (see the module doc)."""
+    """Rank 0's reading and exporting.
+
+    Reading: a fragment is read when notices arrived for it; chunks are fetched in order by direct get in
+    batches of at most `fetch_batch_bytes`, checked by `cut_reader.CutReader` and scattered to the ranks'
+    staging as they pass; when a version's last chunk passed and the whole version digest matched,
+    `complete(fid, version, digest)` runs before the next fragment is read (at the boundary: the machine
+    decides how, every rank installs; in the sync worker: parked in `ready` for the next boundary). After
+    each read, the chunks that notices claimed a newer version at and that the read did not look at (chunk 0
+    held nothing new, the reading waited or was refused at an earlier chunk) are fetched on their own and
+    checked (`_probe`), so garbage on the stream is refused when it lands.
+
+    Exports: the owners' values gathered to rank 0 one chunk at a time (`RankOps.export`), packed there and
+    published as they fill; INIT publishes on a background thread from a short queue; a push's acks are
+    awaited in the background (`reap` reports the outcome at a later boundary).
+    """
 
     def __init__(self, *, client, config, session: dict, gen: str, ops: RankOps, lead: Callable):
         self.client, self.config, self.session, self.gen, self.ops = client, config, session, gen, ops

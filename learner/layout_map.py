@@ -1,24 +1,17 @@
 """Where every rank's pieces sit in a fragment's flat layout (docs/design.md §6) — pure: no torch.distributed.
 
-An island gathers, once at start, every rank's list of pieces (`describe`): for each synced tensor the
-rank holds, its canonical name, global shape, dtype, the *box* it holds (one [start, stop) range per
-dimension, what the adapter's `Shard.local_slices` says) and whether it is the tensor's *owner* for
-that box. `IslandLayout` checks the lists (one shape and dtype per name; boxes inside the tensor;
-the owners' boxes tile every tensor exactly once) and answers the questions the per-rank scatter and
-gather ask:
-
-* `FragmentMap.runs(elem_offset, elem_count, rank)`: for a chunk of a session fragment (a span of the
-  fragment's flat layout, as `schemas.chunks.chunk_plan` cuts it), which elements of each of the
-  rank's boxes the chunk covers. Because a box's elements, read in row-major order, keep the order of
-  their global row-major indices, the covered elements are always one contiguous range [lo, hi) of
-  the box's own flat (row-major) index: one `Run` per (rank, tensor), whatever dimension the box
-  splits.
+`describe` is one rank's list of pieces (canonical name, global shape, dtype, box, owner), gathered once at
+start; `IslandLayout` checks the lists (one shape and dtype per name; boxes inside the tensor; the owners'
+boxes tile every tensor exactly once, else a ConfigError naming the tensor and the ranks) and answers what
+the per-rank scatter and gather ask:
+* `FragmentMap.runs(elem_offset, elem_count, rank)`: for a chunk (a span of the fragment's flat layout, as
+  `schemas.chunks.chunk_plan` cuts it), which elements of each of the rank's boxes it covers: always one
+  contiguous range of the box's own row-major index (a box read in row-major order keeps the order of
+  the global indices), so one `Run` per (rank, tensor), whatever dimension the box splits;
 * `FragmentMap.positions(run)`: where those elements sit in the chunk: a slice when the box is a
-  contiguous part of its tensor (whole tensors, splits along the first non-trivial dimension), else a
-  chunk-sized index tensor.
-
-Canonical names do not depend on the parallel layout, so islands with different TP/PP/EP layouts
-share one session: what differs between them is only this map.
+  contiguous part of its tensor, else a chunk-sized index tensor.
+Canonical names do not depend on the parallel layout, so islands with different TP/PP/EP layouts share one
+session: only this map differs. A session fragment no rank holds is a WireError (it came from the syncer).
 """
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError, WireError
 from yeto.schemas.layout import canonical_layout
 
 Box = tuple[tuple[int, int], ...]
@@ -38,37 +31,37 @@ Box = tuple[tuple[int, int], ...]
 # ---- one rank's description -----------------------------------------------------------------------
 
 def box_of(local_slices: Sequence[slice] | None, shape: Sequence[int], name: str = "") -> Box:
-    """The [start, stop) ranges of a `Shard.local_slices` (None: the whole tensor). Slices may be
+    """The [start, stop) ranges of a `Piece.local_slices` (None: the whole tensor). Slices may be
     fewer than the dimensions (the rest are whole); steps other than 1 are refused."""
     shape = tuple(int(s) for s in shape)
     if local_slices is None:
         return tuple((0, s) for s in shape)
     sl = tuple(local_slices)
     if len(sl) > len(shape):
-        raise WireError(f"{len(sl)} slices for a {len(shape)}-dimensional tensor", field=f"{name}.local_slices",
-                        value=sl)
+        raise ConfigError(f"{len(sl)} slices for a {len(shape)}-dimensional tensor", field=f"{name}.local_slices",
+                          value=sl)
     out = []
     for d, size in enumerate(shape):
         s = sl[d] if d < len(sl) else slice(None)
         if not isinstance(s, slice):
-            raise WireError("local_slices must be slices", field=f"{name}.local_slices", value=sl)
+            raise ConfigError("local_slices must be slices", field=f"{name}.local_slices", value=sl)
         start, stop, step = s.indices(size)
         if step != 1:
-            raise WireError("a box must have step 1 on every dimension (fused or strided layouts must be "
-                            "presented as canonical tensors)", field=f"{name}.local_slices", value=sl)
+            raise ConfigError("a box must have step 1 on every dimension (fused or strided layouts must be "
+                              "presented as canonical tensors)", field=f"{name}.local_slices", value=sl)
         out.append((start, max(start, stop)))
     return tuple(out)
 
 
-def describe(shards: Iterable) -> list[dict]:
+def describe(pieces: Iterable) -> list[dict]:
     """This rank's rows for the island-wide gather (plain data: all_gather_object pickles it).
 
     Each row: name, shape (global), dtype, box [[start, stop], ...], owner, and, derived from the box
     for logs and for adapters that speak Megatron's terms: partition_dim (the first dimension the box
     does not cover whole, or None), offset (the box's start on it), stride (always 1: boxes are
-    contiguous ranges), expert (the shard's `expert` attribute when it has one)."""
+    contiguous ranges), expert (the piece's `expert` attribute when it has one)."""
     rows = []
-    for s in shards:
+    for s in pieces:
         shape = [int(x) for x in s.global_shape]
         box = box_of(s.local_slices, shape, s.name)
         part = next((d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d])), None)
@@ -82,7 +75,7 @@ def describe(shards: Iterable) -> list[dict]:
 # ---- pieces ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Piece:
+class RankPiece:
     """One rank's box of one tensor."""
 
     rank: int
@@ -165,28 +158,28 @@ class IslandLayout:
 
     def __init__(self, rows: Sequence[Sequence[Mapping]]):
         self.world = len(rows)
-        self.by_rank: list[list[Piece]] = [[] for _ in rows]
-        self.pieces: dict[str, list[Piece]] = {}
+        self.by_rank: list[list[RankPiece]] = [[] for _ in rows]
+        self.pieces: dict[str, list[RankPiece]] = {}
         first: dict[str, tuple[int, tuple[int, ...], str]] = {}
         for r, rank_rows in enumerate(rows):
             seen: set[str] = set()
             for row in rank_rows:
                 name = row["name"]
                 if name in seen:
-                    raise WireError(f"rank {r} lists tensor {name!r} twice", field="layout.name", value=name)
+                    raise ConfigError(f"rank {r} lists tensor {name!r} twice", field="layout.name", value=name)
                 seen.add(name)
                 shape = tuple(int(s) for s in row["shape"])
                 dtype = row.get("dtype", "float32")
                 if name in first and first[name][1:] != (shape, dtype):
                     r0, s0, d0 = first[name]
-                    raise WireError(f"tensor {name!r}: rank {r0} says shape {list(s0)} {d0}, rank {r} says "
-                                    f"{list(shape)} {dtype}", field=f"layout.{name}.shape", value=[r0, r])
+                    raise ConfigError(f"tensor {name!r}: rank {r0} says shape {list(s0)} {d0}, rank {r} says "
+                                      f"{list(shape)} {dtype}", field=f"layout.{name}.shape", value=[r0, r])
                 first.setdefault(name, (r, shape, dtype))
                 box = tuple((int(a), int(b)) for a, b in row["box"])
                 if len(box) != len(shape) or any(not 0 <= a < b <= s for (a, b), s in zip(box, shape)):
-                    raise WireError(f"tensor {name!r}: rank {r}'s box {[list(x) for x in box]} is empty or outside "
-                                    f"the shape {list(shape)}", field=f"layout.{name}.box", value=r)
-                p = Piece(r, name, shape, box, bool(row["owner"]), dtype)
+                    raise ConfigError(f"tensor {name!r}: rank {r}'s box {[list(x) for x in box]} is empty or outside "
+                                      f"the shape {list(shape)}", field=f"layout.{name}.box", value=r)
+                p = RankPiece(r, name, shape, box, bool(row["owner"]), dtype)
                 self.by_rank[r].append(p)
                 self.pieces.setdefault(name, []).append(p)
         for name, ps in self.pieces.items():
@@ -195,21 +188,21 @@ class IslandLayout:
                                         for n, ps in self.pieces.items())
 
     @staticmethod
-    def _check_tiling(name: str, pieces: list[Piece]) -> None:
+    def _check_tiling(name: str, pieces: list[RankPiece]) -> None:
         owners = [p for p in pieces if p.owner]
         numel = math.prod(pieces[0].shape)
         for i, p in enumerate(owners):
             for q in owners[i + 1:]:
                 if _overlap(p.box, q.box):
-                    raise WireError(f"tensor {name!r}: the owner boxes of ranks {p.rank} and {q.rank} overlap "
-                                    f"({[list(x) for x in p.box]} and {[list(x) for x in q.box]})",
-                                    field=f"layout.{name}.owner", value=[p.rank, q.rank])
+                    raise ConfigError(f"tensor {name!r}: the owner boxes of ranks {p.rank} and {q.rank} overlap "
+                                      f"({[list(x) for x in p.box]} and {[list(x) for x in q.box]})",
+                                      field=f"layout.{name}.owner", value=[p.rank, q.rank])
         covered = sum(p.numel for p in owners)
         if covered != numel:  # disjoint boxes inside the tensor: equal volumes means an exact tiling
-            raise WireError(f"tensor {name!r}: its owners (ranks {[p.rank for p in owners]}) cover {covered} of "
-                            f"{numel} elements; every element needs exactly one owner (holders: ranks "
-                            f"{[p.rank for p in pieces]})", field=f"layout.{name}.owner",
-                            value=[p.rank for p in owners])
+            raise ConfigError(f"tensor {name!r}: its owners (ranks {[p.rank for p in owners]}) cover {covered} of "
+                              f"{numel} elements; every element needs exactly one owner (holders: ranks "
+                              f"{[p.rank for p in pieces]})", field=f"layout.{name}.owner",
+                              value=[p.rank for p in owners])
 
     def layout(self) -> list[dict]:
         """[{name, shape, dtype}] of every tensor any rank holds, canonical order (the hello's layout)."""
@@ -225,7 +218,7 @@ class IslandLayout:
 class Run:
     """The elements [lo, hi) (flat, row-major, in the box) of one rank's piece that one chunk covers."""
 
-    piece: Piece
+    piece: RankPiece
     tensor: int  # index of the tensor in the fragment
     lo: int
     hi: int
@@ -243,7 +236,7 @@ class FragmentMap:
         self.tensors = [dict(t) for t in frag["tensors"]]
         self.numel = frag.get("numel", max(t["offset"] + t["numel"] for t in self.tensors))
         self._starts = [t["offset"] for t in self.tensors]
-        self._by_rank: list[list[list[Piece]]] = [[[] for _ in self.tensors] for _ in range(layout.world)]
+        self._by_rank: list[list[list[RankPiece]]] = [[[] for _ in self.tensors] for _ in range(layout.world)]
         for i, t in enumerate(self.tensors):
             ps = layout.pieces.get(t["name"])
             if not ps:
@@ -256,7 +249,7 @@ class FragmentMap:
                 self._by_rank[p.rank][i].append(p)
         self._merged: dict[tuple[int, str], tuple[tuple[int, ...], Box]] = {}
 
-    def pieces(self, rank: int) -> list[Piece]:
+    def pieces(self, rank: int) -> list[RankPiece]:
         """The rank's pieces of this fragment, in fragment (canonical) order."""
         return [p for ps in self._by_rank[rank] for p in ps]
 
@@ -322,4 +315,4 @@ class FragmentMap:
         return g + base
 
 
-__all__ = ["Box", "FragmentMap", "IslandLayout", "Piece", "Run", "box_of", "count_below", "describe"]
+__all__ = ["Box", "FragmentMap", "IslandLayout", "RankPiece", "Run", "box_of", "count_below", "describe"]

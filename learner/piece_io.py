@@ -1,24 +1,16 @@
 """Moving chunks between the sync rank and the ranks that hold the pieces (docs/design.md §6): the thin
 torch.distributed shell around `layout_map`.
 
-* `Comm`: the island group — `share` (rank 0's small plan to everyone, broadcast_object_list),
-  `all_gather` (objects), and `exchange` (batched isend/irecv, point to point). A single process is
-  the degenerate case: nothing travels.
-* `scatter_chunk`: rank 0 holds one chunk of a fragment (decoded from the wire, in the transfer
-  dtype); it cuts out each rank's own runs and sends each peer only those, in one message per peer.
-  Every rank hands its runs to a `sink` (staging). Bytes on the wire: the sum of the peers' own
-  slices of the chunk — about DP copies of a fragment in all, never world copies.
-* `gather_chunk`: the reverse for exports — each owner sends rank 0 its owned runs of the chunk
-  (values from a `source`), rank 0 places them; owners tile every tensor, so the chunk is complete.
-* `PieceReads`: the adapter's `read` for one pass over a fragment, on every rank that holds a tensor,
-  in fragment order (the adapter contract lets `read` run a collective over the tensor's holders);
-  values on an accelerator come to the host through pinned buffers on a side stream
-  (`learner/device.py`), so everything below works on host tensors.
-
-Every rank calls these with the same arguments in the same order (rank 0 announces each step with
-`Comm.share` first); the P2P messages between one pair of ranks then match in order. Tensors travel
-as raw bytes (uint8 views), so bf16 needs nothing from the backend. The island group must carry CPU
-tensors (gloo, or a group set up by `learner.hybrid`).
+* `Comm`: the island group — `share` (rank 0's small plan to everyone), `all_gather` (objects),
+  `exchange` (batched point-to-point isend/irecv); in a single process nothing travels.
+* `scatter_chunk`: rank 0 holds one chunk of a fragment and sends each peer only its own runs of it, one
+  message per peer (about DP copies of a fragment on the wire in all, never world copies); every rank
+  hands its runs to a `sink` (staging). `gather_chunk`: the reverse for exports, from the owners.
+* `PieceReads`: the adapter's `read` for one pass over a fragment, in fragment order; values on an
+  accelerator reach the host through `learner/device.py`, so everything here works on host tensors.
+Invariants: every rank calls these with the same arguments in the same order (rank 0 announces each step
+with `Comm.share` first), so the messages between two ranks match in order; tensors travel as raw bytes
+(bf16 needs nothing from the backend); the island group carries CPU tensors (gloo, or `learner.hybrid`).
 """
 from __future__ import annotations
 

@@ -1,70 +1,16 @@
 """The island's pending-pull ledger (docs/design.md §5.3) — pure logic, no I/O.
 
-The NATS thread feeds every pull it reads from the island's durable CTL consumer to `PullBook.offer`;
-at a step boundary the training loop asks `take_ready` which pulls to answer now, pushes them, and
-reports each push's outcome with `sent` (JetStream acknowledged every chunk) or `failed`.
-
-Rules, and why:
-
-* **Members.** A pull is answered only if its `members` name this island *with this process's
-  generation*. An entry naming this island with another generation is a slot bound to an earlier
-  process (or, once the syncer has rebound it, to a later one): it is never answered here.
-* **One live attempt per round.** A round is (fragment, step). For each round the book remembers the
-  newest (attempt, seq) it has seen, whoever it names. A pull older than that, or equal to it, is a
-  redelivery or a stale re-publication and is dropped. A newer *attempt* means the syncer restarted
-  the round and discarded its partial pushes, so it replaces whatever this island held for the round
-  (pending, in flight, or already pushed) — even when the new attempt does not name this island,
-  since a push for the old attempt would only be disposed of as "out of round".
-* **One copy per attempt.** A re-publication of the same attempt (seq + 1, sent when the syncer
-  rebinds a slot to a new generation) that still names this (island, gen) changes nothing: the copy
-  held keeps its state and its try counter, and a push already acknowledged is not sent again. If the
-  re-publication newly names this generation (our slot was just rebound to us) it becomes pending; if
-  it no longer names it (our slot was given to another generation of the island id) the held copy is
-  dropped.
-* **Generations across a restart** (the case the original design left open). A restarted learner is a
-  new process with a new generation and a fresh book, and its durable consumer `pull-I` (made anew for it) delivers
-  pulls from its hello on; the pulls it may see for a round it belonged to before the restart are
-  (a) the attempt still naming the old generation (published before the syncer noticed the restart):
-  it only raises the round's (attempt, seq) high-water mark and is not queued, so it cannot occupy the
-  round's slot; (b) the syncer's re-publication of that attempt with seq + 1 naming the new
-  generation: newer (attempt, seq), names us, queued; (c) a later attempt naming the new generation:
-  queued, replacing (b). A redelivered (a) after (b) or (c) is older than the high-water mark and
-  dropped. So a pull queued for an old generation never shadows the new one's pull of the same round.
-  Contract with the syncer: attempt numbers of a round only grow, also across a syncer restart (the
-  syncer must persist them or resume above the last one it may have published); otherwise a
-  re-launched attempt with a number this book has already seen is taken for a duplicate and ignored
-  until the round's deadline restarts it with a higher attempt.
-* **Supersession by commit.** A pull for round t of fragment F carries `base_version` b, the
-  version committed when the round was launched. The syncer never runs two rounds on one fragment at
-  once and commits them in order, so a version of F newer than b exists only once round t has
-  committed. The book therefore drops every round of F with base_version < v as soon as the island
-  applied version v of F (`committed(F, v)`: bytes whose digest matched). Later copies of such pulls
-  are dropped on arrival. A pull's own `base_version` is *not* taken as proof (it once was): without
-  server permissions (docs/design.md §13) anyone on the bus may publish a pull, and one claiming base 2^53−1 made the island drop every
-  real pull of its fragment for good. Since the broadcasts are applied before pulls are answered at
-  a boundary, the commit rule alone rarely lets a moot push out (the syncer disposes of it).
-* **Plausibility** (hostile pulls). Refused (WireError naming the field, counted by the
-  shell): a number above MAX_COUNT (2^31 − 1: no run gets near it, and values near 2^53 lose
-  precision in JSON readers); with the session's fragment count, a step that targets another
-  fragment or a base_version above the number of rounds of the fragment before it,
-  (t − 1 − F) // P (each committed round adds exactly one version); a new attempt of a round more
-  than MAX_ATTEMPT_JUMP above the newest seen (the syncer adds 1 per restart, also across its own
-  resume, and every island reads every pull in order), which would otherwise make the real attempts
-  look stale. Rounds that do not name this island are remembered only for dedup and at most
-  2·MAX_ROUNDS of them (trimmed to MAX_ROUNDS, the newest steps first), so a flood of forged pulls cannot grow the book.
-* **Readiness.** A pull waits while its fragment has no anchor or no local step since the anchor was
-  installed (`ready(fragment)` is False): the push d = local − anchor would be meaningless or zero.
-* **Tries.** A taken pull is in flight until `sent` (every chunk acknowledged: the round is done for
-  this island) or `failed` (it goes back to pending and the next push of it uses try + 1). A push is
-  recomputed from scratch for each try. Reports about an attempt or try the book no longer holds (it
-  was superseded meanwhile) are ignored and return False.
-* **Lockstep** (test mode): pass `max_step` to `take_ready` so a round is not answered before its due
-  local step; `max_due_step(local_step, H, P)` computes it, `due_round` names the round a boundary must
-  block on.
-
-Pull dicts are the decoded `pull` messages (schemas/json/pull.schema.json): fragment, step, attempt,
-seq, base_version, members [{island, gen}]. Validation of the wire form is the codec's job; the book
-only re-checks what it relies on, raising WireError naming the field.
+Owns `PullBook`: which pulls this island process (island id + generation) answers, when, and with which
+try. The NATS thread feeds it every pull read from the island's CTL consumer (`offer`); at a boundary the
+loop asks `take_ready` which pulls to answer now, pushes them and reports each outcome (`sent`: every
+chunk acknowledged, `failed`: pending again with try + 1).
+Invariants (the rules and their reasons are `PullBook`'s doc): a pull is answered only if its members name
+this (island, gen); per round only the newest (attempt, seq) counts, and one push per attempt; applying
+version v of a fragment drops its rounds with base_version < v; implausible pulls are refused (WireError
+naming the field) and what the book remembers stays bounded, so forged pulls cannot hold real ones back.
+Lockstep (test mode): `max_due_step` and `due_round` name the round a boundary must block on.
+Pull dicts are the decoded `pull` messages (schemas/json/pull.schema.json): the codec validates the wire
+form; the book re-checks only what it relies on.
 """
 from __future__ import annotations
 
@@ -156,7 +102,54 @@ def due_round(local_step: int, sync_every: int, fragments: int) -> int | None:
 
 
 class PullBook:
-    """Pending pulls of one island process (island id + connection generation)."""
+    """Pending pulls of one island process (island id + connection generation). The rules, and why:
+
+    * **Members.** A pull is answered only if its `members` name this island *with this process's
+      generation*. An entry naming this island with another generation is a slot bound to an earlier
+      process (or, once the syncer has rebound it, to a later one): it is never answered here.
+    * **One live attempt per round.** A round is (fragment, step). For each round the book remembers the
+      newest (attempt, seq) it has seen, whoever it names; a pull older than that, or equal to it, is a
+      redelivery or a stale re-publication and is dropped. A newer *attempt* means the syncer restarted the
+      round and discarded its partial pushes, so it replaces whatever this island held for the round
+      (pending, in flight, or pushed) — even when it does not name this island, since a push for the old
+      attempt would only be disposed of as "out of round".
+    * **One copy per attempt.** A re-publication of the same attempt (seq + 1, sent when the syncer rebinds
+      a slot to a new generation) that still names this (island, gen) changes nothing: the copy held keeps
+      its state and try counter, and a push already acknowledged is not sent again. One that newly names
+      this generation (our slot was just rebound to us) becomes pending; one that no longer names it (the
+      slot went to another generation of the island id) drops the held copy.
+    * **Generations across a restart.** A restarted learner has a new generation and a fresh book, and its
+      consumer `pull-I` delivers from its hello on. For a round it belonged to before, it may see (a) the
+      attempt still naming the old generation: it only raises the round's (attempt, seq) high-water mark
+      and is not queued, so it cannot occupy the round's slot; (b) the syncer's re-publication (seq + 1)
+      naming the new generation: queued; (c) a later attempt naming it: queued, replacing (b). A
+      redelivered (a) after (b) or (c) is below the mark and dropped. Contract with the syncer: attempt
+      numbers of a round only grow, across a syncer restart too; otherwise a re-launched attempt with a
+      number seen already is taken for a duplicate until the round's deadline restarts it higher.
+    * **Supersession by commit.** A pull of round t of fragment F carries `base_version` b, the version
+      committed when it was launched. The syncer runs one round of a fragment at a time and commits in
+      order, so a version of F newer than b exists only once round t committed: applying version v of F
+      (`committed(F, v)`: bytes whose digest matched) drops every round of F with base_version < v, and
+      later copies of those are dropped on arrival. A pull's own `base_version` is *not* proof: without
+      server permissions (docs/design.md §13) anyone on the bus may publish a pull, and one claiming base
+      2^53−1 would make the island drop every real pull of its fragment. Broadcasts are applied before
+      pulls are answered, so the commit rule alone rarely lets a moot push out (the syncer disposes of it).
+    * **Plausibility** (hostile pulls), refused with a WireError naming the field (counted by the shell): a
+      number above MAX_COUNT (2^31 − 1: no run gets near it; values near 2^53 lose precision in JSON
+      readers); with the session's fragment count P, a step that targets another fragment, or a
+      base_version above the rounds of the fragment before it, (t − 1 − F) // P (each committed round adds
+      one version); a new attempt more than MAX_ATTEMPT_JUMP above the newest seen (the syncer adds 1 per
+      restart and every island reads every pull in order), which would make the real attempts look stale.
+      Rounds that do not name this island are remembered for dedup only, at most 2·MAX_ROUNDS of them
+      (trimmed to MAX_ROUNDS, newest steps first), so a flood of forged pulls cannot grow the book.
+    * **Readiness.** A pull waits while its fragment has no anchor or no local step since the anchor was
+      installed (`ready(fragment)` is False): the push d = local − anchor would be meaningless or zero.
+    * **Tries.** A taken pull is in flight until `sent` (the round is done for this island) or `failed`
+      (pending again; the next push of it uses try + 1, recomputed from scratch). Reports about an attempt
+      or try the book no longer holds (superseded meanwhile) are ignored and return False.
+    * **Lockstep** (test mode): pass `max_step` to `take_ready` so a round is not answered before its due
+      local step (`max_due_step(local_step, H, P)`); `due_round` names the round a boundary must block on.
+    """
 
     def __init__(self, island: str, gen: str, *, fragments: int | None = None):
         self.island = island

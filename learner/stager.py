@@ -1,25 +1,16 @@
 """Staging a version on an island's ranks while they train (docs/design.md §5.5, §6).
 
-In an island of several ranks, staging a version (rank 0 scatters each chunk to the ranks that hold
-its pieces, `RankOps.stage`) is a collective. On the island group it could only run when every rank's
-training thread is in `boundary()`. So a second gloo group of the same ranks (`open_staging`) carries
-the stage and abort operations: rank 0's sync worker leads them as it reads, and a `Stager` thread on
-every other rank follows; the boundary that installs the version only runs its commit. A push goes
-the same way: at its boundary every rank keeps its own share of d = local − anchor (`RankOps.keep`, a
-copy), and the worker gathers the shares to rank 0 on the staging group as it sends them.
-
-Every other rank then receives two streams of rank 0's operations, the island group's (its training
-thread) and the staging group's (its Stager). `Fence` keeps them in the order rank 0 issued them where
-they touch the same thing (a fragment's staging, or its kept push: `resource`): rank 0 stamps each such
-operation with how many of the other stream's on the same thing it had issued before it, and a rank
-runs it only once it has finished that many. So a commit never runs before its version's last chunk is
-staged on that rank, the staging of the fragment's next version never starts before the rank has
-installed the one before (it would overwrite that staging), and a push is gathered only after every
-rank kept it; a boundary that installs nothing never waits for the Stager.
-
-A group other than the whole world (`dist.group.WORLD`) gets no staging group: torch would need every
-process of the world to create it. Its worker keeps a version's stage operations for the installing
-boundary instead (`StageDeferred`, learner/island_modes.py).
+Owns: the staging group (`open_staging`: a second gloo group of the same ranks, so staging need not wait
+for every training thread to reach `boundary()`), the `Stager` thread that follows rank 0's worker on every
+other rank (stage, abort, and gathering the shares of a push each rank kept at its boundary), and `Fence`.
+Invariants: `Fence` keeps the island group's and the staging group's operations in the order rank 0
+issued them where they touch the same fragment's staging or kept push (each is stamped with how many of
+the other stream's rank 0 had issued before it): a commit never runs before its version's last chunk is
+staged on that rank, the next version's staging never starts before the one before is installed, and a
+push is gathered only after every rank kept it; a boundary that installs nothing never waits.
+A group other than the whole world gets no staging group (torch would need every process of the world to
+create it): its worker defers a version's staging to the installing boundary (`StageDeferred`,
+learner/island_modes.py).
 """
 from __future__ import annotations
 

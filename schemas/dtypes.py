@@ -1,40 +1,13 @@
 """Wire dtypes: packing flat float32 tensors into bytes and back (docs/design.md §3.6, §5.4). Pure, no I/O.
 
-Three wire dtypes:
-
-* ``f32``  — the float32 bits as they are (4 bytes per value). Bitwise round trip.
-* ``bf16`` — bfloat16 (2 bytes per value), rounded from f32 by torch's round-to-nearest-even; the
-  round trip equals ``x.to(bfloat16).to(float32)`` bitwise, so values already representable in
-  bf16 come back exactly.
-* ``q4``   — 4-bit blocks: the values are cut into blocks of ``Q4_BLOCK`` = 256 (the last block is
-  padded with zeros); each block is a 4-byte f32 scale ``s = max|x|`` followed by 128 bytes of
-  nibbles (value 2i in the low nibble of byte i, value 2i+1 in the high nibble). A nibble is
-  ``sign << 3 | L`` with level ``L`` in 0..7: magnitude 0 for ``L = 0`` and ``s * 2**-(7-L)`` for
-  ``L = 1..7``, i.e. the levels s/64, s/32, s/16, s/8, s/4, s/2, s. Zero is always nibble 0 (the
-  sign bit is set only for a negative value with ``L > 0``), so the encoding is canonical.
-
-q4 rounding: each value takes the level minimizing ``|x - q|`` (nearest in the linear sense); a value
-exactly halfway between two levels takes the smaller one. The choice is made with exact operations
-on the float bit patterns (see `_q4_encode_blocks`), for every finite block, subnormals included.
-Decoding multiplies s by a power of two, which is exact unless the level falls below the normal
-range (s < 2**-120), where it is correctly rounded (at most 2**-150 off). Error bound (a = |x|):
-
-* a >= s/64:  |x - q| <= a/3 (worst case exactly at a midpoint 1.5 * s * 2**-k: error 0.5 * s * 2**-k);
-* a <  s/64:  |x - q| <= s/128 (nearest of 0 and s/64);
-* always:     |x - q| <= s/4 (half the widest gap, between s/2 and s), and the block's absmax value
-  is encoded exactly (L = 7, q = s), so an all-equal block round-trips exactly.
-
-Byte order: every wire format is little-endian. The packers below reinterpret torch memory directly
-(``Tensor.view(torch.uint8)``), which is the host byte order; every host this runs on (x86_64,
-aarch64 — Ascend and CUDA hosts included) is little-endian, so the module refuses to import on a
-big-endian host instead of paying a byte swap on every pack and unpack.
-
+`f32` (the float32 bits: a bitwise round trip), `bf16` (torch's round-to-nearest-even: the round trip is
+`x.to(bfloat16).to(float32)` bitwise) and `q4` (4-bit blocks of `Q4_BLOCK` values with an f32 scale; the
+format is docs/design.md §3.6, the rounding and its error bound `_q4_encode_blocks`).
+Invariants: every wire format is little-endian, and the packers reinterpret torch memory directly, so the
+module refuses to import on a big-endian host; every encoding is canonical (q4: zero is nibble 0); packed
+buffers are contiguous 1-D `torch.uint8` CPU tensors (`as_bytes_view` gives a memoryview without a copy).
 torch is imported by the functions that need it, not by this module: the dtype names and the byte
-arithmetic serve processes that never touch a tensor (the CLI, step-log consumers, bench/wire.py), and
-importing torch costs them seconds.
-
-Returned packed buffers are contiguous 1-D ``torch.uint8`` CPU tensors; ``as_bytes_view(t)`` turns one
-into a ``memoryview`` over the same memory (no copy) for hashing or publishing.
+arithmetic serve processes that never touch a tensor (the CLI, step-log consumers, bench/wire.py).
 """
 from __future__ import annotations
 
@@ -179,7 +152,16 @@ def _flat_f32(x: Any) -> torch.Tensor:
 
 
 def _q4_encode_blocks(blocks: torch.Tensor, out: torch.Tensor, first_block: int) -> None:
-    """Encode an (nb, 256) float32 slab into the (nb, 132) uint8 rows `out`."""
+    """Encode an (nb, 256) float32 slab into the (nb, 132) uint8 rows `out`.
+
+    Each value takes the level minimizing |x − q| (nearest in the linear sense); a value exactly halfway
+    between two levels takes the smaller one. The choice is made with exact operations on the float bit
+    patterns, for every finite block, subnormals included. Decoding multiplies s by a power of two, exact
+    unless the level falls below the normal range (s < 2**-120), where it is correctly rounded (at most
+    2**-150 off). Error bound (a = |x|): a ≥ s/64: |x − q| ≤ a/3 (worst case exactly at a midpoint
+    1.5·s·2**-k: error 0.5·s·2**-k); a < s/64: |x − q| ≤ s/128 (nearest of 0 and s/64); always
+    |x − q| ≤ s/4 (half the widest gap, between s/2 and s), and the block's absmax value is encoded exactly
+    (L = 7, q = s), so an all-equal block round-trips exactly."""
     import torch
 
     nb = blocks.shape[0]

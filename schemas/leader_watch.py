@@ -1,22 +1,15 @@
-"""Stream leader elections, as the server announces them, so a lost PubAck costs one election and not an
-ack timeout (docs/design.md §3.8).
+"""Stream leader elections, as the server announces them, so a lost PubAck costs one election and not an ack
+timeout (docs/design.md §3.8, §15.10).
 
-When a cluster node that leads a stream dies, what was published to that stream and not yet acknowledged
-will never be acknowledged: the leader that would answer is gone, and the client, connected to a live
-node, sees no reconnect (schemas/publish.py re-sends at once only on a reconnect). Until the survivors
-elect a new leader every publish is refused ("no responders"); once one is elected, nats-server announces
-it on `$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>`. Measured on a 3-node cluster on this machine:
-kill -9 of a stream's leader -> advisory 4.3-6.1 s later, and the first publish acknowledged within
-0.05 s of it. nats-server's RAFT election timeout (4-9 s) is fixed in its code, not configurable, so
-one election is the floor of a node's death.
-
-`LeaderWatch` subscribes to the advisories of the run's streams on one connection and counts elections;
-schemas/publish.py notes the count when a publish leaves and, once it moved, presumes the publish lost and
-re-sends it at once with the same `Nats-Msg-Id` (the new leader de-duplicates one that did land), and
-wakes a retry that backs off from "no responders" at the election instead of at its next attempt.
-
-Best effort by design: a missed advisory (the watch's own connection was down, an advisory not allowed to
-an identity) leaves the ack timeouts as before, nothing else.
+When a cluster node leading a stream dies, what was published to that stream and not yet acknowledged
+never will be, and a client connected to a live node sees no reconnect. Until a new leader is elected
+every publish is refused ("no responders"); then nats-server announces it on
+`$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>` (timings: bench/README.md "Measured by hand").
+`LeaderWatch` subscribes to the run's streams' advisories on one connection and counts elections;
+schemas/publish.py notes the count when a publish leaves and, once it moved, presumes the publish lost,
+re-sends it at once with the same `Nats-Msg-Id` (the new leader de-duplicates one that landed), and wakes
+a retry backing off from "no responders". Best effort by design: a missed advisory (the watch's own
+connection down, an advisory not allowed to an identity) leaves the ack timeouts as before.
 """
 from __future__ import annotations
 

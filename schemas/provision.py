@@ -1,32 +1,15 @@
 """Provisioning of a run's JetStream streams, KV buckets and consumers (docs/design.md §3.3).
 
-Who does what:
-
-* the **syncer** calls `provision_run` at start: it creates what is missing and checks what exists
-  (idempotent). An existing stream, bucket or consumer whose configuration differs on a field that
-  changes behaviour raises `ProvisionConflict` and is never modified: silently "fixing" a live run's
-  stream (say, shrinking PUSH's `max_bytes` or turning BCAST's one-message-per-subject off) would
-  change what islands see mid-run. Every conflict is found before anything is created, so a
-  conflicting start leaves the server exactly as it found it.
-* an **island** calls `check_run` (waits, polling, until every stream and bucket exists; never creates
-  one) and then `ensure_island_consumers` for its own two durable consumers on CTL (pulls, and
-  messages to it), replacing those of its previous generation.
-* `remove_run` backs `yeto run rm R`.
-
-Consumers are **durable pull consumers**, all of them (the island's cut reader, an ordered consumer, is
-the one exception, see `bcast_consumer_config`). Why pull: the reader decides when and how much to
-fetch, so a batch's bytes stay bounded (docs/design.md §15.4: a batch larger than the server's
-per-connection buffer gets the client cut off as a slow consumer — keep `fetch` batches ≲ 32 MiB), a
-slow syncer or an island busy in a training step never has bytes pushed into its process, and a
-durable survives a restart of its reader (it resumes at its ack floor). `syncer-push` is
-**headers-only**: the syncer records each chunk's stream sequence from its header and acks at once,
-and the merge reads the payloads later by sequence with direct get (PUSH has `allow_direct`), so
-the payload never crosses the wire twice.
-
-The configs are pure functions in `schemas.stream_configs` (`stream_configs`, `kv_configs`,
-`syncer_consumer_configs`, `island_consumer_config`, `bcast_consumer_config`, `mirror_configs`,
-`config_conflicts`); the async functions here and in `schemas.island_consumers` (an island's CTL
-consumers) are thin shells around them. Everything is re-exported here.
+Owns the async shells around the pure configs of `schemas.stream_configs` (streams, buckets, the
+syncer's consumers, mirrors, conflicts) and `schemas.island_consumers` (an island's CTL consumers), and
+re-exports them. The syncer calls `provision_run` at start; an island calls `check_run` (waits until every
+stream and bucket exists, never creates one), then `ensure_island_consumers`, and in a datacenter
+`ensure_cut_mirrors`; `remove_run` backs `yeto run rm R`.
+Invariants: provisioning is idempotent; an existing stream, bucket or consumer whose configuration differs
+on a field that changes behaviour raises `ProvisionConflict` and is never modified (fixing a live run's
+stream would change what islands see mid-run), and every conflict is found before anything is created.
+Every consumer is a durable pull consumer (the reader decides how many bytes to fetch, §15.4) except the
+island's ordered, headers-only cut readers; `syncer-push` is headers-only (payloads read by direct get).
 """
 
 from __future__ import annotations
@@ -57,7 +40,7 @@ from .stream_configs import (CONSUMER_FIELDS, CUT_KINDS, DAY, ERR_STREAM_NAME_IN
 
 # The shells below, and the pure configs and island-consumer shells re-exported for callers that
 # import everything provisioning from here.
-__all__ = ['CONSUMER_FIELDS', 'CUT_KINDS', 'ConsumerTaken', 'DAY', 'ERR_STREAM_NAME_IN_USE', 'GiB', 'HOUR', 'ISLAND_ACK_WAIT_S', 'ISLAND_CONSUMER_TRIES', 'ISLAND_INACTIVE_S', 'KV_FIELDS', 'KV_PUT_ATTEMPTS', 'KV_STREAM_PREFIX', 'KiB', 'MIRROR_FIELDS', 'MiB', 'ProvisionConflict', 'ProvisionError', 'ProvisionReport', 'RunLimits', 'RunNotProvisioned', 'STREAM_FIELDS', 'SYNCER_CTL_ACK_WAIT_S', 'SYNCER_INIT_ACK_WAIT_S', 'SYNCER_PUSH_ACK_WAIT_S', 'bcast_consumer_config', 'check_run', 'config_conflicts', 'consumer_info_or_none', 'consumer_owner', 'ensure_cut_mirrors', 'ensure_island_consumer', 'ensure_island_consumers', 'final_consumer_config', 'hub_api_prefix', 'island_consumer_config', 'island_consumer_owner', 'kv', 'kv_configs', 'kv_put', 'kv_stream_name', 'mirror_configs', 'mirror_conflicts', 'mirror_source', 'missing_pieces', 'provision_run', 'push_max_bytes_for', 'remove_island_consumers', 'remove_run', 'server_refused', 'stream_configs', 'stream_info_or_none', 'syncer_consumer_configs']
+__all__ = ['CONSUMER_FIELDS', 'CUT_KINDS', 'ConsumerTaken', 'DAY', 'ERR_STREAM_NAME_IN_USE', 'GiB', 'HOUR', 'ISLAND_ACK_WAIT_S', 'ISLAND_CONSUMER_TRIES', 'ISLAND_INACTIVE_S', 'KV_FIELDS', 'KV_PUT_ATTEMPTS', 'KV_STREAM_PREFIX', 'KiB', 'MIRROR_FIELDS', 'MiB', 'ProvisionConflict', 'ProvisionError', 'ProvisionReport', 'RunLimits', 'RunNotProvisioned', 'STREAM_FIELDS', 'SYNCER_CTL_ACK_WAIT_S', 'SYNCER_INIT_ACK_WAIT_S', 'SYNCER_PUSH_ACK_WAIT_S', 'bcast_consumer_config', 'check_run', 'config_conflicts', 'consumer_info_or_none', 'consumer_owner', 'ensure_cut_mirrors', 'ensure_island_consumer', 'ensure_island_consumers', 'final_consumer_config', 'hub_api_prefix', 'island_consumer_config', 'island_consumer_owner', 'kv', 'kv_configs', 'kv_put', 'kv_stream_name', 'mirror_configs', 'mirror_conflicts', 'mirror_source', 'unprovisioned', 'provision_run', 'push_max_bytes_for', 'remove_island_consumers', 'remove_run', 'server_refused', 'stream_configs', 'stream_info_or_none', 'syncer_consumer_configs']
 
 log_ = logging.getLogger(__name__)
 
@@ -224,7 +207,7 @@ def _wanted_names(run: str) -> list[tuple[str, str]]:
     return out
 
 
-async def missing_pieces(js, run: str) -> list[str]:
+async def unprovisioned(js, run: str) -> list[str]:
     """Labels of the run's streams and buckets that do not exist (yet)."""
     missing = []
     for label, name in _wanted_names(_check_run_id(run)):
@@ -249,7 +232,7 @@ async def check_run(
     last_logged: tuple[float, tuple[str, ...]] | None = None
     while True:
         try:
-            missing = await missing_pieces(js, run)
+            missing = await unprovisioned(js, run)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as exc:
             missing = [f"(no answer from JetStream: {type(exc).__name__})"]
         waited = time.monotonic() - t0

@@ -1,39 +1,13 @@
-"""JetStream publishing with backpressure handled the same way on both sides.
+"""JetStream publishing with backpressure handled the same way on both sides (docs/design.md §3.5, §3.8).
 
-A publish refused with 10077 (stream full: PUSH's max_bytes + discard-new) or 10167 (too many
-requests), or one that times out (e.g. right after a reconnect, docs/design.md §15.7), is retried with
-backoff and the SAME `Nats-Msg-Id`: JetStream's duplicate window makes a retry of a publish that did
-land harmless. Every retry is counted. `publish_async` futures can hang forever when the server answers
-with an error (docs/design.md §15.2), so everything here waits with a timeout.
-
-A PubAck is lost for good when the connection that carried the publish dies (a broker restart, or a
-cluster node's death): the server that would answer is gone. Waiting such a future out costs its whole
-timeout, and a pipeline holds dozens of them (one broadcast took 330 s after a broker restart). So every
-wait here also watches the connection: once the client has reconnected after the publish went out, the
-publish is re-sent at once with the same `Nats-Msg-Id` (counted as `publish_retry.reconnected`).
-
-Message ids nobody else can occupy (docs/design.md §3.5). JetStream de-duplicates by `Nats-Msg-Id` per stream,
-whatever the subject, and our ids are predictable (schemas/subjects.py): an island holding only its own
-credentials could publish on its own subjects, in a stream it shares with others (CTL, PUSH, INIT,
-STEPLOG), the ids the syncer's pulls or another island's pushes, heartbeats, acks will use, and JetStream
-would drop those as duplicates. So a publish into a shared stream (`subjects.in_shared_stream`) whose
-*first* attempt, with an id this process never sent before, is answered `duplicate` was not ours: it is
-re-sent at once under a fresh id (the id + `.x` + 64 random bits, which nobody can guess), counted
-(`publish.msg_id_taken`) and logged. Re-sends of our own message keep collapsing as before: a retry of
-the same publish, or a later publish of an id this process already sent (`_SENT` remembers the last
-`SENT_MEMORY` ids), takes the duplicate as its own. Consumers never read the id (they dedup in their own
-state), so the fresh id changes nothing downstream.
-
-A cluster node's death (or a hung node) loses PubAcks without a reconnect: the client sits on a live
-node, the stream's leader was on the dead one. A pipeline's timeout therefore runs from each publish's
-send (or from the previous ack, whichever is later: publishes leave in order, so on a slow link the
-queue ahead of a publish is not counted against it), and once one ack of a batch is found lost, every
-publish sent before that moment is presumed lost too and re-sent at once. Otherwise each lost ack costs
-a whole timeout one after another (6 lost acks took 21 s with a 3 s timeout). And where the connection
-has a `leader_watch.LeaderWatch` (the syncer's and the islands'), a stream leader's election after a
-publish left presumes it lost at once: the dead leader's acks are then re-sent one election after the
-node's death, not one ack timeout (docs/design.md §3.8), and a retry backing off from "no responders" wakes
-at the election.
+Owns `publish_retry` (one publish and its PubAck) and `Pipeline` (many, with bounded bytes in flight),
+and the message-id bookkeeping against squatting (`first_send`, `fresh_msg_id`, `note_taken`).
+Invariants: a retry keeps the *same* `Nats-Msg-Id` (JetStream's duplicate window makes a retry of a
+publish that did land harmless), except a first publish into a shared stream answered `duplicate`: that
+id was someone else's, and it is re-sent at once under a fresh unguessable one (`publish.msg_id_taken`);
+every wait has a timeout (`publish_async` futures can hang, §15.2) and watches the connection and, where
+there is one, the stream leader elections (`leader_watch.LeaderWatch`), so a PubAck lost with its
+connection or its leader is re-sent at once, not after a whole ack timeout; every retry is counted.
 """
 from __future__ import annotations
 
@@ -233,6 +207,16 @@ async def publish_retry(
 ):
     """Publish and wait for the PubAck; retry transient refusals with the same msg id. Returns the PubAck.
 
+    Transient: 10077 (stream full: PUSH's max_bytes + discard-new), 10167 (too many requests), a timeout
+    (e.g. right after a reconnect, docs/design.md §15.7), "no responders" (a leader election). A PubAck is
+    lost for good when the connection that carried the publish dies, so the wait also watches the
+    connection: once the client reconnected after the publish went out, it is re-sent at once
+    (`publish_retry.reconnected`). A first publish into a shared stream (`subjects.in_shared_stream`)
+    answered `duplicate` was not ours (the ids are predictable and de-duplication is per stream): it is
+    re-sent at once under `fresh_msg_id` (`publish.msg_id_taken`, logged); a re-send of our own message
+    (a retry, or an id this process sent before: `_SENT` remembers the last `SENT_MEMORY`) takes the
+    duplicate as its own. Consumers never read the id, so a fresh one changes nothing downstream.
+
     Raises PublishFailed after `attempts` (and, when the stream answered "no responders", not before
     `election_s`, default ELECTION_S), or at once for a non-transient error.
     """
@@ -293,6 +277,14 @@ class Pipeline:
     `await put(...)` sends at once with js.publish_async and only waits when `max_bytes` are unacked;
     `await flush()` waits for every ack. A refused or timed-out publish is redone with publish_retry
     (same msg id), so the result is the same as sequential publishes, only faster.
+
+    A cluster node's death (or a hung node) loses PubAcks without a reconnect: the client sits on a live
+    node, the stream's leader was on the dead one. So a publish's timeout runs from its send (or from the
+    previous ack, whichever is later: publishes leave in order, so on a slow link the queue ahead of a
+    publish is not counted against it), and once one ack of a batch is found lost, every publish sent
+    before that moment is presumed lost too and re-sent at once, rather than each costing a whole timeout
+    one after another. With a `leader_watch.LeaderWatch` on the connection, a leader election after a
+    publish left presumes it lost at once (one election, not one ack timeout, docs/design.md §3.8).
     """
 
     def __init__(self, js, *, max_bytes: int = 32 << 20, max_msgs: int = 64, timeout: float = 30.0,

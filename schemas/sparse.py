@@ -1,29 +1,16 @@
-"""Sparse push messages of the sparse outer mode (docs/design.md §4.10): per-chunk top-k, b-bit values,
-12-bit chunk-local indices, raw bytes. Pure, no I/O; both the island and the syncer import it.
+"""Sparse push messages of the sparse outer mode (docs/design.md §4.10, which has the message layout):
+per-chunk top-k, b-bit values, 12-bit chunk-local indices, raw bytes. Pure, no I/O; both sides import it.
 
-**Selection.** In every chunk (schemas/sparse_chunks.py) the values of largest magnitude are kept; among
-equal magnitudes the lower local index wins, so the choice never depends on torch.topk's order. Inside a
-chunk the kept values are listed by increasing local index.
-
-**Values.** All kept values of one tensor share one table (SparseLoCo's per-parameter quantization): with
-μ and σ their mean and sample standard deviation, 2**b equal bins cover μ ± 3σ (values beyond fall in
-the outer bins), a value's code is its bin, and the table holds each bin's mean of the values in it (0
-for an empty bin), rounded once to f32. Decoding is `table[code]`. Statistics and bin means are taken in
-float64, so the codes never hinge on a summation order. (Templar's code rounds to bins centred at
-μ − 3σ … μ + 1.5σ; the equal bins keep the sign of every kept value when μ ≈ 0, which 4 bins need.)
-
-**Message** (little-endian; no JSON, no base64):
-
-    header  "YSPK" | format u8 = 1 | value_bits u8 | tile u16 | k u16 | chunk_1d u16 | k_1d u16 | tensors u32
-    then per tensor, in the fragment's order:
-            numel u64 | kept u32 | table f32 × 2**bits | indices: 12-bit packed | codes: bits-packed
-
-`kept` is what the tensor's shape implies (`Grid.n_kept`), the chunks' entries follow one another in
-chunk order with no per-chunk counts (each chunk's count is implied too). Exact size: `push_nbytes`.
-
-A decoder refuses (DecodeError, naming the field and the value) a message of another spec, another
-tensor count or size, a count that is not the implied one, a non-finite table entry, an index outside
-its chunk or not increasing within it, set padding bits, and short or trailing bytes.
+Selection: in every chunk (schemas/sparse_chunks.py) the values of largest magnitude are kept, the lower
+local index winning among equal magnitudes (never torch.topk's order), listed by increasing local index.
+Values: all kept values of one tensor share one table: with μ and σ their mean and sample standard
+deviation, 2**b equal bins cover μ ± 3σ (values beyond fall in the outer bins), a code is its bin and the
+table holds each bin's mean (0 when empty), rounded once to f32; statistics in float64, so no code hinges
+on a summation order. (Templar rounds to bins centred at μ − 3σ … μ + 1.5σ; equal bins keep the sign of
+every kept value when μ ≈ 0, which 4 bins need.) Exact size: `push_nbytes`.
+Invariant: one encoding per message. A decoder refuses (DecodeError naming the field and the value)
+another spec, tensor count or size, a count other than the shape implies (`Grid.n_kept`), a non-finite
+table entry, an index outside its chunk or not increasing in it, set padding bits, short or trailing bytes.
 """
 from __future__ import annotations
 

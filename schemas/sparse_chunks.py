@@ -1,22 +1,14 @@
 """The chunk grid of the sparse outer mode and its bit packing (docs/design.md §4.10). Pure, no I/O.
 
-A tensor is cut into chunks the way SparseLoCo cuts it: a 2-D weight (or an N-D one, viewed as
-rows × the product of the other dimensions) into `tile` × `tile` tiles, a 1-D tensor (or a scalar)
-into runs of `chunk_1d` values. Tiles are taken from the top-left corner; where a dimension is not a
-multiple of the tile the last tile row / column is smaller (edge tiles), so no chunk spans two tile
-positions and no value is padded. Chunks are numbered in row-major order of the tile grid, and a value
-inside a chunk by its row-major position in that chunk's own shape (its *local index*, < 4096, so 12
-bits hold it).
-
-A chunk of n values keeps `ceil(k_full · n / F)` of them (at most n), where F is a full chunk's size and
-k_full the spec's k (2-D) or k_1d (1-D): a full chunk keeps exactly k, an edge chunk keeps the same
-fraction rounded up, so density is the same everywhere and a message's size is a function of the
-tensor's shape alone.
-
-Packing: 12-bit indices two to three bytes, little-endian (`a | b << 12`), an odd last index in two
-bytes with the top four bits zero (Templar's `pack_12bit_indices` order); b-bit codes 8/b to a byte,
-the first code in the low bits. Unused bits must be zero: a decoder refuses anything else, so every
-message has one encoding.
+Chunks, as SparseLoCo cuts them: a 2-D weight (an N-D one viewed as rows × the rest) into `tile` × `tile`
+tiles from the top-left corner, smaller at the edges (no chunk spans two tile positions, nothing is
+padded); a 1-D tensor or a scalar into runs of `chunk_1d` values. Chunks are numbered in row-major order
+of the grid, a value by its row-major *local index* in its chunk (< 4096: 12 bits).
+A chunk of n values keeps ceil(k_full · n / F) of them (F: a full chunk's size, k_full the spec's k or
+k_1d), so density is the same everywhere and a message's size depends on the tensor's shape alone.
+Packing: 12-bit indices two to three bytes, little-endian (`a | b << 12`), an odd last index in two bytes
+(Templar's `pack_12bit_indices` order); b-bit codes 8/b to a byte, the first in the low bits.
+Invariant: unused bits are zero (a decoder refuses anything else), so every message has one encoding.
 """
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
-"""A version of the sparse outer mode as a sparse step from the one before (docs/design.md §4.10): the bytes
-a broadcast will carry and the one function that applies them. Pure, no I/O; both sides import it.
+"""A version of the sparse outer mode as a sparse step from the one before (docs/design.md §4.10): the bytes a
+broadcast will carry and the one function that applies them. Pure, no I/O; both sides import it.
 
-The syncer's outer step changes only the coordinates some island sent: θ[i] ← θ[i] − s[i] with
-s = f32(α)·aggregate. The update carries those (i, s[i]) exactly (f32), and `apply_step_` is the single
-definition of applying them, used by the syncer to its params and by every island to its anchor: the same
-f32 subtraction on the same bits gives the same bits, so an island that applied every update since a full
-cut holds the syncer's params bit for bit.
+Invariant: `apply_step_` is the single definition of applying an update (θ[i] ← θ[i] − s[i] with
+s = f32(α)·aggregate, in f32), used by the syncer on its params and by every island on its anchor: the same
+subtraction on the same bits, so an island that applied every update since a full cut holds the syncer's
+params bit for bit.
 
-**Message** (little-endian):
-
-    header  "YSPU" | format u8 = 1 | reserved u8 = 0 | tile u16 | chunk_1d u16 | tensors u32
-    then per tensor, in the fragment's order:
-            numel u64 | n u32 | count u16 per chunk (chunk order) | 12-bit local indices | values f32 × n
-
-Entries are in chunk order, increasing local index within a chunk (schemas/sparse_chunks.py); the counts
-sum to n and none exceeds its chunk's size. Exact size: `update_nbytes`.
+Message (little-endian; exact size `update_nbytes`): a header `"YSPU" | format u8 = 1 | reserved u8 = 0 |
+tile u16 | chunk_1d u16 | tensors u32`, then per tensor, in the fragment's order, `numel u64 | n u32 |
+count u16 per chunk (chunk order) | 12-bit local indices | values f32 × n`. Entries are in chunk order,
+increasing local index within a chunk (schemas/sparse_chunks.py); the counts sum to n and none exceeds its
+chunk's size.
 """
 from __future__ import annotations
 

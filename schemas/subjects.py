@@ -2,22 +2,16 @@
 
 Layout (run R, island I, fragment F), docs/design.md §3.1:
 
-    yeto.R.ctl.hello.I | ctl.pull | ctl.to.I                             -> stream CTL
-    yeto.R.ctl.set                                                       -> no stream (a request)
-    yeto.R.ctl.hb.I | ctl.ack.I                                          -> stream HB (1 msg per subject)
-    yeto.R.push.I.F                                                      -> stream PUSH
-    yeto.R.init.F                                                        -> stream INIT
-    yeto.R.bcast.F.<chunk>                                               -> stream BCAST (1 msg per subject)
-    yeto.R.final.F.<chunk>                                               -> stream FINAL (1 msg per subject)
-    yeto.R.steplog.I                                                     -> stream STEPLOG
-    yeto.R.events.<kind>                                                 -> stream EVENTS
+    yeto.R.ctl.hello.I | ctl.pull | ctl.to.I        -> stream CTL
+    yeto.R.ctl.set                                  -> no stream (a request)
+    yeto.R.ctl.hb.I | ctl.ack.I                     -> stream HB (1 msg per subject)
+    yeto.R.push.I.F | init.F                        -> streams PUSH, INIT
+    yeto.R.bcast.F.<chunk> | final.F.<chunk>        -> streams BCAST, FINAL (1 msg per subject)
+    yeto.R.steplog.I | events.<kind>                -> streams STEPLOG, EVENTS
 
-Subjects and state are per fragment so the syncer can later be sharded by fragment with no protocol
-change (docs/design.md §10).
-
-The JetStream API subjects a client publishes to by hand (not through a nats-py method) are built here
-too: `js_api` (`$JS.API`, or `$JS.<domain>.API` for another JetStream domain), `consumer_msg_next`
-(a pull request), `kv_key` (a KV write as a plain JetStream publish).
+Subjects and state are per fragment, so syncer shards own fragments with no protocol change (§10). The
+JetStream API subjects a client publishes to by hand are built here too: `js_api` (`$JS.API`, or
+`$JS.<domain>.API`), `consumer_msg_next` (a pull request), `kv_key` (a KV write as a plain publish).
 """
 from __future__ import annotations
 

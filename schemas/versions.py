@@ -1,21 +1,16 @@
-"""Which versions a process speaks and which it accepts (README "Versions and upgrades", docs/design.md §3.10).
+"""Which versions a process speaks and which it accepts (docs/syncer.md "Versions and upgrades", docs/design.md §3.10).
 
-Three numbers, each with its own rule:
-
-- **protocol** (`v` in every message, `PROTOCOL_VERSION`): the compatibility gate. A syncer admits islands whose
-  hello speaks a protocol in `ACCEPTED_PROTOCOLS`; an island joins a session whose `v` is in it. Anything else
-  is refused before the schema is applied (`check_protocol`, called by the codec), in one line naming both
-  sides' protocol and software: a generic "must be 1" would not tell an operator which side to upgrade.
-- **software** (`software()`, e.g. "yeto-nats 0.1.0"): stated, never gated on. Islands and syncers of any
-  releases that speak the same protocol work together; the release is there for the operator (hello,
-  session, the state written, the tape) and for the refusal line.
-- **state format** (`STATE_FORMAT`): what a syncer writes to its checkpoint directory, the ckpt KV and the state
-  KV's commit record. A syncer resumes any format in `READABLE_STATE_FORMATS`, migrating older ones in memory
-  (`migrate_state`); a newer one (written by a later release) is refused naming both formats.
-
-Format history: 1 = yeto-nats 0.1.0 before versioned state (checkpoint.json `"format": 1`, no `software`;
-a commit record with no `format` at all); 2 = format 1 plus `software` on every record (and `format` on the
-commit record). tests/fixtures/state-format-1/ is format 1 as that code wrote it.
+- **protocol** (`v` in every message, `PROTOCOL_VERSION`): the compatibility gate. A syncer admits islands
+  whose hello speaks a protocol in `ACCEPTED_PROTOCOLS`; an island joins a session whose `v` is in it.
+  Anything else is refused before the schema is applied (`check_protocol`, called by the codec), in one line
+  naming both sides' protocol and software, so an operator knows which side to upgrade.
+- **software** (`software()`, e.g. "yeto-nats 0.1.0"): stated, never gated on (hello, session, the state
+  written, the tape, the refusal line).
+- **state format** (`STATE_FORMAT`): what a syncer writes to its checkpoint directory, the ckpt KV and the
+  state KV's commit record. A syncer resumes any format in `READABLE_STATE_FORMATS`, migrating older ones
+  in memory (`migrate_state`); a newer one is refused naming both formats. 1 = no `software` on the records
+  (tests/fixtures/state-format-1/ as that code wrote it); 2 = `software` on every record and `format` on
+  the commit record.
 """
 from __future__ import annotations
 

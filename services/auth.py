@@ -1,46 +1,14 @@
 """Identities and server-enforced permissions of a secured run (docs/design.md §13).
 
-`yeto auth init --run R --islands a,b --out DIR` writes, with the private files mode 0600:
-
-* `DIR/<identity>.creds` — one NATS **nkey** user seed per identity (`syncer`, each island, `observer`,
-  `admin`), made with the nats-io `nkeys` package. `--nats-creds FILE` accepts it as is
-  (schemas/conn.py hands a bare seed to nats-py's `nkeys_seed=`, a JWT .creds file to
-  `user_credentials=`). The server only ever sees public keys.
-* `DIR/auth.conf` — a nats-server `authorization` block: one nkey user per identity with its
-  publish/subscribe allow and deny lists. No `no_auth_user`: a connection without a key is refused.
-* `DIR/identities.json` — the public half (run, INIT island, name -> role and public key); a second
-  `yeto auth init` on DIR reads it, adds the new islands and keeps every existing key valid.
-* `DIR/server.conf` — a whole nats-server config: the shipped services/nats.conf settings, the users,
-  and a `tls` block when `DIR/tls/` holds a certificate (`yeto broker --config DIR/server.conf`).
-* with `--tls`: `DIR/tls/ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (made with
-  `cryptography`); clients verify the server with `--tls-ca DIR/tls/ca.pem`.
-* with `--datacenters dc1,...`: `DIR/leaf-<dc>.creds`, the leaf-node identity of each island datacenter
-  (role `leaf`: it may connect only as a leaf node; its permissions and those a leaf node serves the
-  islands with are services/leaf_auth.py's).
-
-Why nkey users in the server config rather than operator-mode JWTs: the permissions then sit in one
-readable file next to the broker (what an operator reviews), adding an island is a config reload,
-and nothing but the public keys ever leaves DIR.
-
-Permissions are built from the same `schemas.subjects` functions the processes publish with, and from
-the JetStream API subjects nats-py 2.16 really sends (nats/js/manager.py): stream info
-`$JS.API.STREAM.INFO.<stream>`, message get `$JS.API.STREAM.MSG.GET.<stream>`, direct get
-`$JS.API.DIRECT.GET.<stream>[.<subject>]`, consumer create `$JS.API.CONSUMER.CREATE.<stream>`
-(ephemeral / ordered), `...CREATE.<stream>.<name>[.<filter>]`, `...DURABLE.CREATE.<stream>.<name>`,
-info / delete / list / next, acks `$JS.ACK.<stream>.>`, flow control of ordered consumers
-`$JS.FC.<stream>.>`, KV writes `$KV.<bucket>.<key>`; replies come on the key's own inbox prefix
-`_INBOX_<public key>.>` (schemas/conn.py sets it when it connects with a seed).
-
-NATS wildcards match whole tokens only, and a consumer name is one token: so an island's consumers on
-CTL have fixed names, `pull-I` (filter `ctl.pull`) and `isl-I` (filter `ctl.to.I`), one filter subject
-each, which nats-py puts in the create subject `$JS.API.CONSUMER.CREATE.<CTL>.<name>.<filter>`. The
-server takes the consumer's name from that subject and refuses a config whose filter differs from it
-(checked in tests/test_auth_permissions.py), so the rules name both exactly: island b can neither
-create, read from, ack on, inspect nor delete island a's consumers, nor make one of its own that reads
-a's messages. The unnamed create `$JS.API.CONSUMER.CREATE.<stream>` is never allowed on CTL: the
-server accepts a `name` in its body there, and would create or reshape any consumer by that name.
-An island has no message read on CTL at all (its consumers start at its hello's sequence, taken from
-the PubAck).
+Owns `yeto auth init` (`init_auth`: the files it writes into DIR are listed there) and the permissions
+of every role (`permissions`: the JetStream API subjects they allow, and why, are listed there). May
+touch: DIR only (private files mode 0600); the server only ever sees public keys.
+Invariants: permissions are built from the same `schemas.subjects` functions the processes publish with
+and from the JetStream API subjects nats-py really sends, so what a role may do is what its process does;
+an island can neither create, read from, ack on, inspect nor delete another island's consumers, nor make
+one of its own that reads another's messages, and has no message read on CTL at all; a second
+`yeto auth init` on DIR adds islands and keeps every existing key valid; no `no_auth_user`: a connection
+without a key is refused.
 """
 from __future__ import annotations
 
@@ -106,7 +74,23 @@ _NEVER_FOR_CLIENTS = [f"{API}.STREAM.DELETE.>", f"{API}.STREAM.UPDATE.>", f"{API
 
 def permissions(run: str, name: str, role: str, public_key: str, *, init_island: str | None = None) -> dict:
     """nats-server permissions of identity `name` (role `role`, nkey `public_key`) of run `run`:
-    {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}}. Pure."""
+    {"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}}. Pure.
+
+    The JetStream API subjects nats-py 2.16 really sends (nats/js/manager.py): stream info
+    `$JS.API.STREAM.INFO.<stream>`, message get `$JS.API.STREAM.MSG.GET.<stream>`, direct get
+    `$JS.API.DIRECT.GET.<stream>[.<subject>]`, consumer create `$JS.API.CONSUMER.CREATE.<stream>`
+    (ephemeral / ordered), `...CREATE.<stream>.<name>[.<filter>]`, `...DURABLE.CREATE.<stream>.<name>`,
+    info / delete / list / next, acks `$JS.ACK.<stream>.>`, flow control of ordered consumers
+    `$JS.FC.<stream>.>`, KV writes `$KV.<bucket>.<key>`; replies come on the key's own inbox prefix
+    `_INBOX_<public key>.>` (schemas/conn.py sets it when it connects with a seed).
+    NATS wildcards match whole tokens only, and a consumer name is one token: so an island's consumers on
+    CTL have fixed names, `pull-I` (filter `ctl.pull`) and `isl-I` (filter `ctl.to.I`), one filter each,
+    which nats-py puts in the create subject `$JS.API.CONSUMER.CREATE.<CTL>.<name>.<filter>`. The server
+    takes the consumer's name from that subject and refuses a config whose filter differs from it
+    (tests/test_auth_permissions.py), so the rules name both exactly. The unnamed create
+    `$JS.API.CONSUMER.CREATE.<stream>` is never allowed on CTL: the server accepts a `name` in its body
+    there, and would create or reshape any consumer by that name. An island's consumers start at its
+    hello's sequence (taken from the PubAck), so it needs no message read on CTL."""
     check_run(run)
     st = _streams(run)
     pub: list[str]
@@ -402,7 +386,21 @@ def init_auth(run: str, islands: list[str], out: str | os.PathLike, *, init_isla
               tls: bool = False, hosts: list[str] | None = None, datacenters: list[str] | None = None) -> InitReport:
     """`yeto auth init`: create or extend DIR. Existing identities keep their keys; new islands get new
     ones; auth.conf is rewritten from the union. `datacenters`: one leaf identity `leaf-<dc>` per island
-    datacenter (added to those DIR has), for its leaf node's link to the hub (services/leaf_auth.py)."""
+    datacenter (added to those DIR has), for its leaf node's link to the hub (services/leaf_auth.py).
+
+    Writes, the private files mode 0600:
+    * `<identity>.creds` — one NATS nkey user seed per identity (`syncer`, each island, `observer`,
+      `admin`, made with the nats-io `nkeys` package); `--nats-creds FILE` takes it as is (schemas/conn.py
+      hands a bare seed to nats-py's `nkeys_seed=`, a JWT .creds file to `user_credentials=`);
+    * `auth.conf` — a nats-server `authorization` block: one nkey user per identity with its
+      publish/subscribe allow and deny lists (`permissions`);
+    * `identities.json` — the public half (run, INIT island, name -> role and public key), read back by a
+      second `yeto auth init` on DIR;
+    * `server.conf` — a whole nats-server config: services/nats.conf's settings, the users, and a `tls`
+      block when `tls/` holds a certificate (`yeto broker --config DIR/server.conf`);
+    * with `tls`: `tls/ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (made with `cryptography`);
+      clients verify the server with `--tls-ca DIR/tls/ca.pem`;
+    * with `datacenters`: `leaf-<dc>.creds` (role `leaf`: it may connect only as a leaf node)."""
     check_run(run)
     datacenters = parse_datacenters(",".join(datacenters or ()), AuthError)
     hosts = list(DEFAULT_HOSTS if hosts is None else hosts)

@@ -246,7 +246,7 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
 
 
 def _log_in_store(nodes: list[Broker], log: str | None = None) -> None:
-    """nats-server's own output (why a node exited, the permission violations the README says are logged)
+    """nats-server's own output (why a node exited, the permission violations docs/broker.md says are logged)
     goes to `nats-server.log` in the node's store, not to /dev/null; `log` (`--log`): that file
     instead (with several nodes, one per node: `<stem>-<server name><suffix>`), or "-" for our stderr."""
     for b in nodes:

@@ -1,28 +1,16 @@
-"""`yeto demo`: the end-to-end CPU demo.
+"""`yeto demo`: the end-to-end CPU demo (README.md "Quick start").
 
-Starts the embedded broker (or uses `--nats`), the syncer and two islands as separate processes — island
-`a` one process, island `b` two data-parallel gloo ranks — which train a tiny MLP on generated data
-with streaming DiLoCo, then finalize. It prints per-island progress and sync rounds, and ends with one
-JSON line: rounds (committed merges), final_loss per island (mean training loss over its last 10 steps),
-eval_loss (the syncer's exported final cut on held-out data), max_abs_diff_vs_final_cut (each island's
-saved parameters against the exported final cut: must be 0.0), and the boundary overhead from the step
-logs.
-
-`--datacenters 2` runs two sites on this host instead: a hub (broker with JetStream domain `hub`, the
-syncer, island a) and a datacenter `dc1` (a leaf node dialling the hub, islands b and c reading the cut
-from their local mirror); the JSON line then adds `wan`: the bytes the hub sent over the leaf link
-(its `/leafz` and closed leaf connections) over the bytes of all broadcast and final chunks (services/leaf.py `wan_figures`).
-With `--secure` both sites are secured by one auth directory (`--datacenters dc1`): the leaf dials the
-hub with dc1's leaf identity over TLS and serves islands b and c their own keys (services/leaf_auth.py).
-`--model-mib` widens the MLP to a few MiB so those bytes are about the cut, not control traffic.
-
-`--syncer-shards N` runs the syncer as N shard processes (`yeto syncer --shard K --shards N`, checkpoint
-directories WORK/syncer-s<K>; README "Syncer shards"); the demo waits for every one of them, and the
-final cut it checks the islands against is exported from all their directories together. N may not
-exceed `--fragments` (a shard would own no fragment).
-
-The islands run `python -m yeto.learner.demo` (this package never imports the learner). Every process logs to
-WORK/<name>.log (services/run_harness.py); the demo echoes the lines worth watching.
+Starts the embedded broker (or uses `--nats`), the syncer and two islands as separate processes (island
+`a` one process, island `b` two data-parallel gloo ranks running `python -m yeto.learner.demo`: this
+package never imports the learner), which train a tiny MLP with streaming DiLoCo, then finalize. Ends with
+one JSON line: rounds, final_loss per island, eval_loss of the exported final cut, max_abs_diff_vs_final_cut
+(each island's saved parameters against the exported final cut: must be 0.0), the boundary overhead.
+`--datacenters 2`: a hub (broker in domain `hub`, the syncer, island a) and a datacenter `dc1` (a leaf
+node, islands b and c reading their local mirror); the line adds `wan` (leaf-link bytes over the cut's
+bytes, services/leaf.py). `--secure`: one auth directory, the leaf dialling with dc1's identity over TLS.
+`--model-mib` widens the MLP. `--syncer-shards N`: N shard processes (at most `--fragments`), the final cut
+exported from all their directories together.
+Every process logs to WORK/<name>.log (services/run_harness.py); the demo echoes the lines worth watching.
 """
 from __future__ import annotations
 
@@ -216,7 +204,7 @@ def run(args) -> int:
     syncers = syncer_names(shards)
     try:
         for k, name in enumerate(syncers):
-            # every shard the same run flags, its own --shard and checkpoint directory (README "Syncer shards")
+            # every shard the same run flags, its own --shard and checkpoint directory (docs/shards.md "Syncer shards")
             syncer_cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
                           "--islands", str(len(islands)), "--fragments", str(args.fragments),
                           "--sync-every", str(args.sync_every),

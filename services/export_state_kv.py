@@ -1,19 +1,15 @@
 """`yeto export --from jetstream`: the committed cut read from JetStream, for when the syncer's host and its
 checkpoint directory are gone (docs/design.md §11).
 
-The syncer keeps each shard's committed params in the run's `ckpt` KV (services/syncer/state_store.py; the
-syncer identity alone may read it):
-`ckpt.<K>.manifest` names the versions, `ckpt.<K>.f<F>.v<N>.p.<k>` hold their bytes in chunks. This reads
-every shard's manifest, spools each fragment's params chunk by chunk into a file of a scratch directory
-(memory: one chunk), checks the spooled bytes against the version digest the manifest recorded (the same
-digest the islands checked when they installed that version; with a bf16 bulk dtype it covers only the
-bf16 rounding) and, once the run is finished, against the f32 digest of the final manifest (`final`, what
-the islands installed last: every bit), and hands the files to the directory export's writer, so both
-exports write the same file for the same cut.
-
-A running syncer purges a fragment's older chunks right after the next manifest lands: a chunk missing
-under a manifest that has since moved on starts the read over (as the directory export does when files
-go); one missing under a manifest that has not moved is an incomplete state KV and is refused, naming the key.
+Owns: reading every shard's `ckpt.<K>.manifest` and its versions' chunks (`ckpt.<K>.f<F>.v<N>.p.<k>`,
+written by services/syncer/state_store.py; only the syncer identity may read them) into files of a scratch
+directory, one chunk in memory at a time, then handing them to the directory export's writer, so both
+exports write the same file for the same cut. May touch: the run's `ckpt` and `state` KV, read only.
+Invariants: the spooled bytes match the version digest the manifest recorded (with a bf16 bulk dtype that
+covers the bf16 rounding only) and, once the run is finished, the f32 digest of the final manifest (every
+bit). A chunk missing under a manifest that has since moved on (a running syncer purges older chunks once
+the next manifest lands) starts the read over; one missing under a manifest that has not moved is an
+incomplete state KV, refused naming the key.
 """
 from __future__ import annotations
 

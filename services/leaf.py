@@ -1,19 +1,16 @@
 """Island datacenters as NATS leaf nodes (docs/design.md §12): the config of a hub broker that accepts leaf
-connections and of a leaf broker that dials out to it, each with its own JetStream domain, and the
-hub's leaf-link byte counters (monitoring `/leafz`).
+connections and of a leaf broker that dials out to it, each with its own JetStream domain, and the hub's
+leaf-link byte counters (monitoring `/leafz`).
 
-Why domains: a leaf node with JetStream and a domain of its own keeps a JetStream of its own (the
-datacenter's mirror of the cut lives there and keeps serving the islands while the WAN link is down),
-and the hub's streams stay reachable from inside the datacenter through the API prefix
-`$JS.<hub domain>.API` (nats-py: `nc.jetstream(domain="hub")`). Plain publishes (pushes, control,
-KV puts) cross the link by subject interest and land in the hub's streams as before.
+Why domains: a leaf with a JetStream domain of its own keeps the datacenter's mirror of the cut serving its
+islands while the WAN link is down, and reaches the hub's streams through `$JS.<hub domain>.API` (nats-py:
+`nc.jetstream(domain="hub")`); plain publishes (pushes, control, KV puts) cross the link by subject
+interest. Why the leaf dials out: island datacenters often accept no inbound connection; the hub listens on
+its leafnode port (7422 in deploy/nats/).
 
-Why the leaf dials out: island datacenters often accept no inbound connection; the hub listens on its
-leafnode port (7422 in deploy/nats/) and every datacenter connects to it.
-
-`yeto broker --leaf-port P [--domain hub]` runs a hub, `yeto broker --leaf-of URL --domain dc1` a leaf;
-both write their generated config next to their store (`<store-dir>/<role>.conf`), which
-`nats-server -t` accepts and an operator can copy. Production deployments use deploy/nats/ instead.
+`yeto broker --leaf-port P [--domain hub]` runs a hub, `yeto broker --leaf-of URL --domain dc1` a leaf; both
+write their generated config next to their store (`<store-dir>/<role>.conf`, which `nats-server -t`
+accepts). Production deployments use deploy/nats/ instead.
 """
 from __future__ import annotations
 

@@ -1,30 +1,17 @@
-"""Secured leaf links (docs/design.md §12): the leaf-node identity of each island datacenter and the
+"""Secured leaf links (docs/design.md §12, §13): the leaf-node identity of each island datacenter and the
 permissions on both ends of its link. Pure; services/auth.py renders and writes them.
 
-`yeto auth init --datacenters dc1,dc2` issues one nkey identity per datacenter, `leaf-<dc>` (its seed in
-`DIR/leaf-<dc>.creds`, role `leaf`). Two servers enforce what crosses a link:
-
-* **the hub** (`yeto broker --auth DIR --leaf-port P`) lets a leaf connect only with a leaf identity
-  (a plain nkey user of the same `authorization` block, `allowed_connection_types: [LEAFNODE]`, so the
-  key opens no client session). nats-server reads a leaf user's permissions from the leaf's side:
-  `publish` is what the leaf may send into the hub, `subscribe` what the hub may send to it
-  (nats-server leafnode.go reverses them on the hub). `link_permissions` gives the union of what the
-  run's islands may do on the hub, in the hub's JetStream domain (`$JS.hub.API...`), plus what the
-  datacenter's mirrors of BCAST and FINAL need (their sourcing consumer on the hub, its flow control);
-  back come only the islands' own inboxes (`_INBOX_<key>.>`), the mirrors' deliveries (`$JS.M.*`) and
-  the replies to the mirrors' requests (`$JSC.R.*`). No syncer, observer or admin subject crosses: those
-  run at the hub.
-* **the leaf** (`yeto broker --auth DIR --leaf-of URL --domain dc1`) serves the run's islands with their
-  own keys and the same permissions as the hub serves, moved into the domains an island behind a leaf
-  uses (`served_permissions`): the hub's streams and buckets through `$JS.hub.API`, its own mirrors of
-  the cut through `$JS.<dc>.API` (create them, read them). So island b connected to the leaf is refused
-  there, at the leaf, when it publishes as island a; the hub's check on the link is the second line.
-  The admin is served too, in the datacenter's domain only (`yeto run rm R --domain dc1` removes the
-  mirrors); syncer and observer keys are not served by a leaf.
-
-Why nkey users on the hub and not the leafnode `authorization { users }` block: that block takes only
-user/password (no nkeys, no permissions); a leaf that connects to a listener without it is checked
-against the server's users, which hold nkeys and permissions (nats-server auth.go isLeafNodeAuthorized).
+`yeto auth init --datacenters dc1,dc2` issues one nkey identity per datacenter, `leaf-<dc>` (role `leaf`:
+a plain nkey user with `allowed_connection_types: [LEAFNODE]`, so the key opens no client session; the
+leafnode `authorization { users }` block takes only user/password, while a leaf connecting to a listener
+without it is checked against the server's users, which hold nkeys and permissions).
+Invariants, two servers enforcing what crosses a link: the hub lets through only what the run's islands
+may do on the hub (in its domain) plus what the datacenter's mirrors of the cut need, and sends back only
+the islands' own inboxes and the mirrors' traffic (`link_permissions`, written from the leaf's side as
+nats-server reads it); no syncer, observer or admin subject crosses. The leaf serves the run's islands
+with their own keys and the hub's permissions moved into the domains an island behind a leaf uses
+(`served_permissions`), so an island is refused at its leaf first; the admin is served in the
+datacenter's domain only, syncer and observer keys not at all.
 """
 from __future__ import annotations
 
@@ -132,9 +119,12 @@ def _interest_safe(subject: str) -> str:
 
 
 def link_permissions(run: str, islands: list[tuple[str, dict]]) -> dict:
-    """The hub's permissions of a leaf identity (from the leaf's side, see the module doc), given each
-    island's (public key, hub permissions): the union of the islands' publishes to the hub, and the
-    mirrors' sourcing; back, the islands' inboxes and the mirrors' deliveries and replies. Each JetStream
+    """The hub's permissions of a leaf identity, given each island's (public key, hub permissions).
+    nats-server reads a leaf user's permissions from the leaf's side (leafnode.go reverses them on the
+    hub): `publish` is what the leaf may send into the hub — the union of the islands' publishes to the
+    hub, in the hub's domain (`$JS.hub.API...`), and the mirrors' sourcing (their consumer on the hub, its
+    flow control) — and `subscribe` what the hub may send to it: the islands' own inboxes (`_INBOX_<key>.>`),
+    the mirrors' deliveries (`$JS.M.*`) and the replies to the mirrors' requests (`$JSC.R.*`). Each JetStream
     API subject is listed as sent (`$JS.hub.API.X`: what the hub offers the leaf interest in) and as
     checked on arrival (`$JS.API.X`, see LOCAL)."""
     both = (HUB_DOMAIN, LOCAL)

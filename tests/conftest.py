@@ -115,6 +115,16 @@ async def run(nc, run_id):
     await remove_run(js, run_id)
 
 
+@pytest.fixture
+async def island_env(nc, run_id, nats_url, tmp_path):
+    """Islands on a provisioned run with the syncer's side played by hand (tests/island_support.py: imported
+    here, not at the top, so the pure tier never imports torch for it)."""
+    from tests.island_support import island_env as make_env
+
+    async with make_env(nc, run_id, nats_url, tmp_path) as make:
+        yield make
+
+
 @pytest.fixture(scope="session")
 def demo_run(nats_url, tmp_path_factory):
     """One real `yeto demo` run (syncer + island a + two-rank island b) against the session broker,

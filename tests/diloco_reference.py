@@ -86,7 +86,7 @@ class _Island:
             for n, p in self.params.items():
                 p.copy_(theta0[n])  # version 0 overwrites the island's own initial weights
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=0.0)
-        self.data = [demo.shard(spec.name, r) for r in range(spec.ranks)]
+        self.data = [demo.island_data(spec.name, r) for r in range(spec.ranks)]
         self.anchor = {n: t.clone() for n, t in theta0.items()}
         self.tokens = [0] * fragments  # tokens trained since each fragment's anchor was installed
         self.losses: list[float] = []

@@ -55,7 +55,7 @@ def main() -> int:
 
     values = gather_full(adapter)
     consistent = True
-    for s in adapter.shards():
+    for s in adapter.pieces():
         box = values[s.name][s.local_slices] if s.local_slices is not None else values[s.name]
         for param, _, _, _, _ in adapter.masters(s.name):
             consistent &= torch.equal(param.detach().cpu().reshape(box.shape), box.bfloat16())
@@ -64,7 +64,7 @@ def main() -> int:
     save_file({n: v.contiguous() for n, v in values.items()}, a.out)
     param = next(wrapped[0].parameters())
     result = {"steps": step, "device": str(param.device), "dtype": str(param.dtype),
-              "kinds": sorted({adapter.masters(s.name)[0][1] for s in adapter.shards()}),
+              "kinds": sorted({adapter.masters(s.name)[0][1] for s in adapter.pieces()}),
               "params_are_rounded_masters": bool(consistent), "shim": megatron_cpu_shim._DONE,
               "real_current_device": torch.cuda.current_device.__module__ == "torch.cuda",
               "counters": {k: v for k, v in island.counters.items() if isinstance(v, (int, float))}}

@@ -11,7 +11,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -24,11 +23,11 @@ from nats.js.errors import NotFoundError
 from yeto.schemas import codec, subjects as S
 from yeto.schemas.conn import ConnectOptions, connect
 from yeto.schemas.provision import RunLimits, island_consumer_config, provision_run
-from yeto.services.auth import init_auth, write_server_config
-from yeto.services.broker import Broker
+from yeto.services.auth import init_auth
+from tests.auth_support import connect_as, secured_broker, violations, wait_violation as _violation
 from tests.e2e_procs import SYNCER_TIMEOUTS, IslandProc, clean_env, kv_json, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc
-from tests.test_steplog_exporter import scrape
+from tests.test_steplog_support import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -45,25 +44,18 @@ class Secured:
         init_auth(self.runs["r1"], ["a", "b"], self.dirs["r1"], init_island="a")
         init_auth(self.runs["r2"], ["x"], self.dirs["r2"])
         self.ca = str(self.dirs["e2e"] / "tls" / "ca.pem")
-        conf = write_server_config([self.dirs[k] for k in self.runs], base / "server.conf")
-        self.log = base / "server.log"
-        self.broker = Broker(store_dir=base / "store", config=conf, log_file=self.log)
+        self.broker, self.log = secured_broker(base, [self.dirs[k] for k in self.runs])
 
     def creds(self, key: str, identity: str) -> str:
         return str(self.dirs[key] / f"{identity}.creds")
 
     async def conn(self, key: str, identity: str, errors: list | None = None, **kw):
         """A connection as `identity` of run `key`; server errors (permission violations) go to `errors`."""
-        async def on_error(exc):
-            if errors is not None:
-                errors.append(str(exc))
-
-        opts = ConnectOptions(url=self.broker.url, creds=self.creds(key, identity), tls_ca=self.ca,
-                              name=f"test-{key}-{identity}")
-        return await connect(opts, error_cb=on_error, allow_reconnect=False, connect_timeout=5, **kw)
+        return await connect_as(self.broker.url, self.creds(key, identity), tls_ca=self.ca, errors=errors,
+                                name=f"test-{key}-{identity}", **kw)
 
     def server_violations(self) -> list[str]:
-        return [ln for ln in self.log.read_text(errors="replace").splitlines() if "Violation" in ln]
+        return violations(self.log)
 
 
 @pytest.fixture(scope="module")
@@ -220,19 +212,6 @@ async def test_a_killed_island_restarts_through_the_secured_broker(secured, tmp_
 # A JetStream API request the server refuses gets no answer: the client waits this long. The server's
 # violation arrives at once, so a short wait keeps the file fast (each refusal used to cost 2 s).
 REFUSED_TIMEOUT = 0.5
-
-
-async def _violation(errors: list, kind: str, subject: str, timeout: float = 5.0) -> str:
-    """Wait for the server's `Permissions Violation for <kind> to "<subject>"` on this connection."""
-    # nats-py lower-cases the server's -ERR line
-    want = f'permissions violation for {kind} to "{subject}"'.lower()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for e in errors:
-            if want in e.lower():
-                return e
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {want!r} from the server; errors seen: {errors}")
 
 
 async def _pub_refused(nc, errors: list, subject: str, data: bytes = b"forged") -> None:
@@ -593,7 +572,7 @@ async def test_observer_reads_the_state_kv_and_publishes_nothing(provisioned):
 async def test_only_the_syncer_reads_the_committed_weights_in_the_ckpt_kv(provisioned):
     """The state store (services/syncer/state_store.py) keeps params and momentum in a bucket of its own: the
     observer (promised no weights) and the islands can neither read nor write it. (The admin, which may create
-    consumers and reshape streams, is trusted with the run's bytes: README "Secured runs".)"""
+    consumers and reshape streams, is trusted with the run's bytes: docs/security.md.)"""
     from nats.js.api import DeliverPolicy
 
     s = provisioned

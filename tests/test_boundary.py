@@ -12,7 +12,7 @@ import pytest
 
 from yeto.learner import boundary_ops as O
 from yeto.learner.boundary import Boundary, LockstepTimeout, Phase, Rules
-from yeto.learner.fragments import ProtocolError
+from yeto.learner.sync_state import ProtocolError
 
 ISLAND, GEN = "a", "g1"
 P = 2

@@ -51,7 +51,7 @@ def test_a_good_variable_is_the_default_and_a_flag_given_overrides_a_bad_one(mon
 
 @pytest.mark.e2e
 def test_the_dtype_variables_the_islands_share_take_auto_and_name_themselves_when_bad(monkeypatch):
-    # README's island table gives YETO_PUSH_DTYPE=auto as the default; one environment for both sides works
+    # docs/island.md's table gives YETO_PUSH_DTYPE=auto as the default; one environment for both sides works
     monkeypatch.setenv("YETO_PUSH_DTYPE", "auto")
     monkeypatch.setenv("YETO_BULK_DTYPE", "auto")
     args = build_parser().parse_args(["syncer", "--run", "r"])

@@ -260,7 +260,7 @@ async def test_run_rides_through_the_death_of_a_stream_leaders_node(cluster, run
             await wait_until(committed_without_it, 90, "two rounds committed with the leader's node down")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{await _ctl_state(js, run_id)}\n{tails(procs)}") from None
-        # kill -> the syncer's next merge, from its log (README "Failure and recovery"): the elections of
+        # kill -> the syncer's next merge, from its log (docs/syncer.md "Failure and recovery"): the elections of
         # the streams a round needs (4-9 s each), not an ack timeout
         print(f"{victim} leader's node killed -> next merge {_first_merge_after(tmp_path / 'syncer.log', killed_at):.1f}s")
         new_leader = (await _retry(lambda: js.stream_info(S.stream(run_id, victim)), "stream info")).cluster.leader

@@ -136,7 +136,7 @@ async def test_compose_up_trains_a_run_exactly_through_a_syncer_kill_and_a_broke
     islands: dict = {}
     nc = None
     try:
-        c.run("up", "-d")  # README "Docker compose": nats, syncer, syncer-standby, exporter, dashboard
+        c.run("up", "-d")  # docs/broker.md "Docker compose": nats, syncer, syncer-standby, exporter, dashboard
         c.wait_healthy("nats")
         url = "nats://127.0.0.1:4222"
         islands = {i: IslandProc(url, run, i, tmp_path, args=ISLAND_ARGS).start() for i in ("a", "b")}

@@ -13,7 +13,7 @@ import torch
 
 from yeto.learner.adapters import TorchModuleAdapter, gather_fragment, scatter_fragment
 from yeto.learner.device import HostStaging, to_device_of
-from yeto.learner.fragments import blend
+from yeto.learner.blend import blend
 from yeto.schemas.layout import build_session
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

@@ -15,7 +15,9 @@ import torch
 import xxhash
 
 from yeto.learner.anchors import AnchorStore
-from yeto.learner.fragments import CutReader, ProtocolError, SyncState, VersionConflict, blend
+from yeto.learner.blend import blend
+from yeto.learner.cut_reader import CutReader, VersionConflict
+from yeto.learner.sync_state import ProtocolError, SyncState
 from yeto.schemas.chunks import DigestMismatch
 from yeto.schemas.errors import ConfigError, WireError
 from yeto.schemas.layout import build_session
@@ -87,13 +89,13 @@ def test_versions_are_monotonic_and_a_digest_conflict_is_fatal():
     with pytest.raises(ProtocolError) as e:
         st.accept_version(0, 3, "other")
     assert e.value.field == "version_digest" and e.value.value == "other" and e.value.code == "protocol"
-    with pytest.raises(WireError):  # not new: refused, nothing changes
+    with pytest.raises(ProtocolError):  # not new: the island's own bookkeeping is wrong
         st.installed(0, 2, "d2")
     assert st.installed(0, 4, "d4") == "blend"
     assert st.states[0].version == 4 and st.versions() == {"0": 4}
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ProtocolError) as e:
         st.installed(7, 0, "d0")
-    assert e.value.field == "fragment"
+    assert e.value.field == "fragment" and not isinstance(e.value, WireError)
 
 
 def test_alpha_out_of_range_is_refused():
@@ -118,7 +120,7 @@ def test_counters_readiness_and_reset():
     st.installed(0, 1, "d1")
     assert (s0.c_steps, s0.c_tokens) == (0, 0) and not st.ready(0)
     assert not st.ready(99)  # unknown fragment: never ready
-    with pytest.raises(WireError):
+    with pytest.raises(ValueError, match="tokens must be a non-negative integer"):
         st.note_step(-1)
 
 

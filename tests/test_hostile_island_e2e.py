@@ -20,9 +20,8 @@ import orjson
 import pytest
 
 from yeto.schemas import subjects as S
-from yeto.schemas.conn import ConnectOptions, connect
-from yeto.services.auth import init_auth, write_server_config
-from yeto.services.broker import Broker
+from yeto.services.auth import init_auth
+from tests.auth_support import connect_as, secured_broker, violations
 from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, merges, tails, wait_exit,
                              wait_until)
 from tests.scripted import SyncerProc, tape, wait_provisioned
@@ -38,16 +37,14 @@ class Run:
         self.base, self.run = base, run
         self.auth = base / "auth"
         init_auth(run, ["a", "b"], self.auth, init_island="a")
-        conf = write_server_config([self.auth], base / "server.conf")
-        self.log = base / "server.log"
-        self.broker = Broker(store_dir=base / "store", config=conf, log_file=self.log).start()
+        self.broker, self.log = secured_broker(base, [self.auth])
+        self.broker.start()
 
     def creds(self, identity: str) -> str:
         return str(self.auth / f"{identity}.creds")
 
     async def conn(self, identity: str):
-        return await connect(ConnectOptions(url=self.broker.url, creds=self.creds(identity)), name=f"test-{identity}",
-                             allow_reconnect=False, connect_timeout=5)
+        return await connect_as(self.broker.url, self.creds(identity), name=f"test-{identity}")
 
     def start(self, rounds: int, tmp: Path, step_delay: str = "0.05") -> dict:
         syncer = SyncerProc(self.broker.url, self.run, tmp / "ckpt", "--islands", "2", "--fragments", str(P),
@@ -59,7 +56,7 @@ class Run:
         return {"syncer": syncer, **islands}
 
     def violations(self) -> list[str]:
-        return [ln for ln in self.log.read_text(errors="replace").splitlines() if "Violation" in ln]
+        return violations(self.log)
 
 
 async def _gen_of(js, run: str, island: str) -> str:

@@ -1,5 +1,5 @@
 """The island's sync worker (learner/background.py) against a real nats-server, the
-syncer side played by hand (tests/test_island_local.py's helpers): versions are read whole while the
+syncer side played by hand (tests/island_support.py): versions are read whole while the
 loop trains and installed only at the next boundary, exactly as a boundary that read them itself
 would; a push carries the values of the boundary that took its snapshot, whatever the parameters do
 after it; q4 error feedback and the final cut work as before.
@@ -12,18 +12,17 @@ import time
 
 import torch
 
-from tests.test_island_local import (ISLAND, anchor_flat, assemble_push, bits, boundary, dp_finish, dp_hello,  # noqa: F401 (env: fixture)
-                                     dp_island, dp_join, env, frag_values, net, publish_v, residual_flat, started,
-                                     steplog_lines, until)
 from yeto.learner.adapters import gather_fragment
 from yeto.learner.island_modes import StageDeferred
 from yeto.schemas.dtypes import q4_with_feedback, unpack
+from tests.island_support import (ISLAND, anchor_flat, assemble_push, bits, boundary, dp_finish, dp_hello, dp_island,
+                                  dp_join, frag_values, net, publish_v, residual_flat, started, steplog_lines, until)
 
 
-async def test_versions_are_read_while_training_and_installed_at_the_next_boundary(env):  # noqa: F811 - the env fixture, imported
+async def test_versions_are_read_while_training_and_installed_at_the_next_boundary(island_env):
     alpha = 0.25
-    island, session, syncer = env(net(), alpha=alpha, background=True)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), alpha=alpha, background=True)
+    await started(island_env, island, session)
     assert island.worker is not None
     before = {fid: frag_values(island, fid) for fid in (0, 1)}
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
@@ -63,9 +62,9 @@ async def test_versions_are_read_while_training_and_installed_at_the_next_bounda
     assert sum(e["bytes_in"] for e in events) >= 4 * (session["fragments"][0]["numel"] + 3 * session["fragments"][1]["numel"])
 
 
-async def test_a_push_carries_the_values_of_the_boundary_that_took_its_snapshot(env):  # noqa: F811 - the env fixture, imported
-    island, session, syncer = env(net(), background=True)
-    await started(env, island, session)
+async def test_a_push_carries_the_values_of_the_boundary_that_took_its_snapshot(island_env):
+    island, session, syncer = island_env(net(), background=True)
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -92,9 +91,9 @@ async def test_a_push_carries_the_values_of_the_boundary_that_took_its_snapshot(
     assert island.counters["pushes"] == 1
 
 
-async def test_q4_error_feedback_survives_the_worker(env, tmp_path):  # noqa: F811 - the env fixture, imported
-    island, session, syncer = env(net(), push_dtype="q4", background=True)
-    await started(env, island, session)
+async def test_q4_error_feedback_survives_the_worker(island_env, tmp_path):
+    island, session, syncer = island_env(net(), push_dtype="q4", background=True)
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -122,7 +121,7 @@ async def test_q4_error_feedback_survives_the_worker(env, tmp_path):  # noqa: F8
         residual = r
 
 
-async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(env):  # noqa: F811 - the env fixture, imported
+async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(island_env):
     """An island of several ranks whose group is not the whole world has no staging group
     (learner/stager.py): staging is a collective of its group, which only the training thread may run,
     so its worker keeps a version's stage operations and chunks (StageDeferred, learner/island_modes.py) and the boundary that
@@ -131,8 +130,8 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     staging group instead (the test below, and tests/test_island_pieces.py against an independent
     reference)."""
     alpha = 0.25
-    island, session, syncer = env(net(), alpha=alpha, background=True)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), alpha=alpha, background=True)
+    await started(island_env, island, session)
     with island.worker.lock:   # the worker's mode, kept back as in a group without a staging group
         island.wire.use(dataclasses.replace(island.wire.mode, staging=StageDeferred(island.wire.mode.staging.lead)))
     kept = island.wire.mode.staging.kept
@@ -167,12 +166,12 @@ async def test_with_several_ranks_the_worker_keeps_the_staging_for_the_boundary(
     assert torch.equal(anchor_flat(island, 1), v1) and island.state.versions() == {"0": 0, "1": 1}
 
 
-async def test_the_stopped_worker_gives_the_wire_back_the_training_threads_mode(env):  # noqa: F811 - the env fixture, imported
+async def test_the_stopped_worker_gives_the_wire_back_the_training_threads_mode(island_env):
     """The worker owns the wire while it runs (learner/island_modes.py): stopped (as before the final
     cut), it hands back the training thread's mode, and what its mode kept back from the ranks goes with
     it; the boundary then reads on the training thread and stages on the ranks directly."""
-    island, session, syncer = env(net(), background=True)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), background=True)
+    await started(island_env, island, session)
     assert island.wire.mode.background and island.wire.mode is not island.wire.foreground
     with island.worker.lock:
         island.wire.use(dataclasses.replace(island.wire.mode, staging=StageDeferred(island.wire.mode.staging.lead)))
@@ -241,7 +240,7 @@ def _staging_rank(rank: int, world: int, init_file: str, url: str, run: str, out
         dist.destroy_process_group()
 
 
-async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_train(env, tmp_path):  # noqa: F811 - the env fixture, imported
+async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_train(island_env, tmp_path):
     """An island of two gloo ranks (the whole world): the worker stages a version on every rank over a
     staging group of its own (learner/stager.py) while the ranks are between boundaries, so the boundary
     that installs it only commits. The install is still the blend, the same on both replicas, and the
@@ -251,13 +250,13 @@ async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_t
     import torch.multiprocessing as mp
 
     alpha = 0.5   # IslandConfig's default
-    _, session, syncer = env(net())
+    _, session, syncer = island_env(net())
     session = dict(session, init_island="syncer-side")
-    await env.write_session(session)
-    ctx = mp.start_processes(_staging_rank, args=(2, str(tmp_path / "pg"), env.nats_url, syncer.run, str(tmp_path)),
+    await island_env.write_session(session)
+    ctx = mp.start_processes(_staging_rank, args=(2, str(tmp_path / "pg"), island_env.nats_url, syncer.run, str(tmp_path)),
                              nprocs=2, join=False, start_method="spawn")
     try:
-        gen = (await dp_hello(env.js, syncer.run))["gen"]
+        gen = (await dp_hello(island_env.js, syncer.run))["gen"]
         for fid, seed in ((0, 1), (1, 2)):
             await syncer.bcast(fid, 0, syncer.values(fid, seed))
         await until(lambda: os.path.exists(tmp_path / "phase1"), timeout=60, what="v0 installed on both ranks")
@@ -265,7 +264,7 @@ async def test_with_several_ranks_a_version_is_staged_on_every_rank_while_they_t
         await syncer.bcast(1, 1, v1)
         await until(lambda: os.path.exists(tmp_path / "phase2"), timeout=60, what="v1 installed on both ranks")
         final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
-        await dp_finish(env.js, syncer, gen, final, 3, {"0": 1, "1": 2})
+        await dp_finish(island_env.js, syncer, gen, final, 3, {"0": 1, "1": 2})
         await dp_join(ctx)
     finally:
         for p in ctx.processes:

@@ -1,9 +1,9 @@
-"""The island against a real nats-server, with the syncer side played by hand (schemas + nats-py).
+"""The island against a real nats-server, with the syncer side played by hand (schemas + nats-py,
+tests/island_support.py).
 
 Each test provisions its own run, writes a session record, publishes broadcasts / pulls / final
 cut / manifest itself, and reads what the island publishes (pushes, INIT chunks, acks, step log)
-from the streams. The island runs its blocking calls in a worker thread (`asyncio.to_thread`) so
-this test's own event loop keeps serving the syncer side.
+from the streams.
 """
 from __future__ import annotations
 
@@ -13,241 +13,35 @@ import time
 import orjson
 import pytest
 import torch
-from torch import nn
 
 from yeto.learner.adapters import TorchModuleAdapter, gather_fragment
 from yeto.learner.config import IslandConfig
 from yeto.learner.island import ACK_RESEND_S, Island
 from yeto.schemas import codec
 from yeto.schemas import subjects as S
-from yeto.schemas.chunks import check_chunk, chunk_header, chunk_plan, digest, push_digest, version_digest
-from yeto.schemas.dtypes import as_bytes_view
+from yeto.schemas.chunks import chunk_plan, digest, version_digest
 from yeto.schemas.conn import ConnectOptions
-from yeto.schemas.dtypes import pack, q4_with_feedback, unpack, wire_align
+from yeto.schemas.dtypes import pack, q4_with_feedback, unpack
 from yeto.schemas.layout import build_session
 from yeto.schemas.provision import RunLimits, kv, provision_run, remove_run
+from tests.island_support import (CHUNK_BYTES, ISLAND, Syncer, anchor_flat, assemble, assemble_push, bits, boundary,
+                                  dp_finish, dp_hello, dp_island, dp_join, frag_values, net, own_broker, publish_v,
+                                  residual_flat, started, steplog_lines, until)
 
 pytestmark = pytest.mark.e2e
-
-CHUNK_BYTES = 1024
-ISLAND = "a"
-
-
-class Net(nn.Module):
-    """Two fragments with P=2: the embedding alone (1 chunk in f32), the layers (4 chunks in f32)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList([nn.Linear(32, 24), nn.Linear(24, 8)])
-
-
-def net(seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(torch.int32)
-
-
-class Syncer:
-    """The syncer's side of the wire, by hand."""
-
-    def __init__(self, js, run: str, session: dict):
-        self.js, self.run, self.session = js, run, session
-
-    def numel(self, fid: int) -> int:
-        return self.session["fragments"][fid]["numel"]
-
-    def values(self, fid: int, seed: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(self.numel(fid), generator=g)
-
-    async def _chunks(self, kind: str, fid: int, version: int, flat: torch.Tensor, dtype: str, extra: dict,
-                      subject, msg_id, corrupt: bool = False, only: set[int] | None = None) -> str:
-        packed = pack(flat, dtype)
-        vdig = version_digest(packed)
-        spans = chunk_plan(flat.numel(), dtype, self.session["chunk_bytes"])
-        mv = as_bytes_view(packed)
-        for sp in spans:
-            if only is not None and sp.index not in only:
-                continue
-            payload = bytes(mv[sp.byte_offset: sp.byte_offset + sp.nbytes])
-            meta = {"v": 1, "run": self.run, "fragment": fid, "version": version, "dtype": dtype,
-                    **chunk_header(spans, sp.index, payload), **extra}
-            if kind == "final_chunk" or sp.index == len(spans) - 1:  # BCAST: on the seal only
-                meta["version_digest"] = vdig
-            if corrupt:
-                meta["digest"] = "0" * 16
-            await self.js.publish(subject(fid, sp.index), payload,
-                                  headers={S.MSG_ID: msg_id(fid, version, sp.index),
-                                           codec.CHUNK_HEADER: codec.encode_header(kind, meta)})
-        return vdig
-
-    async def bcast(self, fid: int, version: int, flat: torch.Tensor, *, corrupt: bool = False,
-                    msg_id=S.bcast_msg_id, only: set[int] | None = None) -> str:
-        """Publish a version in the session bulk dtype (`only`: just those chunks); returns its
-        version digest."""
-        return await self._chunks("bcast_chunk", fid, version, flat, self.session["bulk_dtype"], {},
-                                  lambda f, k: S.bcast(self.run, f, k), msg_id, corrupt, only)
-
-    def bcast_chunks(self, fid: int) -> int:
-        unit = wire_align(self.session["bulk_dtype"])[1]
-        total = self.numel(fid) * (4 if self.session["bulk_dtype"] == "f32" else 2)
-        return -(-total // ((self.session["chunk_bytes"] // unit) * unit))
-
-    async def final(self, fid: int, version: int, flat: torch.Tensor, final_step: int) -> str:
-        return await self._chunks("final_chunk", fid, version, flat, "f32", {"final_step": final_step},
-                                  lambda f, k: S.final(self.run, f, k), S.final_msg_id)
-
-    async def pull(self, fid: int, step: int, base: int, members: list[tuple[str, str]], attempt: int = 1, seq: int = 0):
-        msg = codec.make("pull", run=self.run, fragment=fid, step=step, attempt=attempt, seq=seq, base_version=base,
-                         members=[{"island": i, "gen": g} for i, g in members])
-        await self.js.publish(S.pull(self.run), codec.encode("pull", msg),
-                              headers={S.MSG_ID: S.pull_msg_id(fid, step, attempt, seq)})
-
-    async def to_island(self, kind: str, island: str, **fields):
-        msg = codec.make(kind, run=self.run, **fields)
-        await self.js.publish(S.to_island(self.run, island), codec.encode(kind, msg),
-                              headers={S.MSG_ID: S.to_island_msg_id(island, kind, str(time.monotonic_ns()))})
-
-    async def pushes(self, island: str, fid: int, count: int, timeout: float = 10.0) -> list[tuple[dict, bytes]]:
-        """The first `count` push chunks on push.I.F, decoded headers and payloads."""
-        sub = await self.js.subscribe(S.push(self.run, island, fid), stream=S.stream(self.run, "PUSH"),
-                                      ordered_consumer=True)
-        try:
-            out = []
-            for _ in range(count):
-                m = await sub.next_msg(timeout=timeout)
-                out.append((codec.decode_header("push_chunk", m.headers[codec.CHUNK_HEADER]), m.data))
-            return out
-        finally:
-            await sub.unsubscribe()
-
-    async def push_count(self, island: str, fid: int) -> int:
-        info = await self.js.stream_info(S.stream(self.run, "PUSH"), subjects_filter=S.push(self.run, island, fid))
-        return sum((info.state.subjects or {}).values())
-
-
-def assemble(chunks: list[tuple[dict, bytes]], numel: int, chunk_bytes: int = CHUNK_BYTES) -> bytes:
-    """Check a fragment's chunks against the session's chunk plan like the syncer would (every chunk
-    once, each checked by `check_chunk`); return the fragment's bytes in chunk order."""
-    chunks = sorted(chunks, key=lambda c: c[0]["chunk"])
-    spans = chunk_plan(numel, chunks[0][0]["dtype"], chunk_bytes)
-    assert [m["chunk"] for m, _ in chunks] == list(range(len(spans)))
-    for meta, data in chunks:
-        check_chunk(spans, meta, data)
-    return b"".join(bytes(d) for _, d in chunks)
-
-
-def assemble_push(chunks: list[tuple[dict, bytes]], numel: int) -> tuple[dict, bytes]:
-    """Check one push try's chunks like the syncer would; return the last header and the payload."""
-    chunks = sorted(chunks, key=lambda c: c[0]["chunk"])
-    last = chunks[-1][0]
-    assert last["push_digest"] == push_digest([m["digest"] for m, _ in chunks])
-    return last, assemble(chunks, numel)
-
-
-@pytest.fixture
-async def env(nc, run_id, nats_url, tmp_path):
-    js = nc.jetstream()
-    await provision_run(js, run_id, RunLimits.small(storage="memory"), log=lambda _: None)
-    made: list[Island] = []
-
-    def make(model: nn.Module, *, push_dtype="f32", bulk_dtype="f32", init_island="syncer-side", sync_every=2,
-             fragments=2, store_dir=None, **cfg) -> tuple[Island, dict, Syncer]:
-        adapter = TorchModuleAdapter(model)
-        session = build_session(adapter.layout(), fragments, run=run_id, push_dtype=push_dtype, bulk_dtype=bulk_dtype,
-                                chunk_bytes=CHUNK_BYTES, init_island=init_island, sync_every=sync_every,
-                                created=time.time())
-        kw = dict(heartbeat_s=0.5, progress=False, session_timeout_s=20, lockstep_timeout_s=20, final_timeout_s=20,
-                  shutdown_timeout_s=10, push_timeout_s=20, fetch_timeout_s=10, connect_timeout_s=10,
-                  step_log=str(tmp_path / f"steplog-{len(made)}.jsonl"),
-                  # these tests read what one boundary does; the worker thread's own tests pass background=True
-                  background=False)
-        kw.update(cfg)
-        island = Island(adapter, IslandConfig(run=run_id, island=ISLAND, nats=ConnectOptions(url=nats_url), **kw),
-                        anchor_dir=store_dir)  # the keyword; cfg's anchor_dir is YETO_ANCHOR_DIR's field
-        made.append(island)
-        return island, session, Syncer(js, run_id, session)
-
-    async def write_session(session: dict):
-        await (await kv(js, run_id, "state")).put("session", codec.encode("session", session))
-
-    make.write_session = write_session
-    make.js = js
-    make.nats_url = nats_url
-    yield make
-    for island in made:
-        await asyncio.to_thread(island.close)
-    await remove_run(js, run_id)
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-async def started(make, island: Island, session: dict) -> Island:
-    await make.write_session(session)
-    await asyncio.to_thread(island.start)
-    return island
-
-
-async def boundary(island: Island, tokens: int = 1, loss=None) -> bool:
-    return await asyncio.to_thread(island.boundary, tokens, loss)
-
-
-async def publish_v(syncer: Syncer, island: Island, version: int, values: dict[int, torch.Tensor],
-                    **kw) -> dict[int, str]:
-    """Broadcast a version of each fragment given and wait until the island holds the notices."""
-    before = len(island.client.bcast)
-    digests = {fid: await syncer.bcast(fid, version, v, **kw) for fid, v in values.items()}
-    if island.worker is not None:   # the worker drains the notices: wait until it has read the versions whole
-        await until(lambda: all(island.wire.ready.get(f, (None,))[0] == version for f in values),
-                    what="versions read whole by the sync worker")
-        return digests
-    n = sum(syncer.bcast_chunks(fid) for fid in values)
-    await until(lambda: len(island.client.bcast) >= before + n, what="broadcast notices")
-    return digests
-
-
-def frag_values(island: Island, fid: int) -> torch.Tensor:
-    return gather_fragment(island.adapter, island.frags[fid])
-
-
-def anchor_flat(island: Island, fid: int) -> torch.Tensor:
-    """The island's anchor of a fragment (a single process owns every piece), in layout order."""
-    pieces = island.anchor(fid)
-    return torch.cat([pieces[t["name"]] for t in island.frags[fid]["tensors"]])
-
-
-def residual_flat(island: Island, fid: int) -> torch.Tensor:
-    pieces = island.residual(fid)
-    return torch.cat([pieces[t["name"]] for t in island.frags[fid]["tensors"]])
-
-
-def steplog_lines(island: Island) -> list[dict]:
-    with open(island.config.step_log, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
-
 
 # ---- tests ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("anchors", ["memory", "files"])
-async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env, anchors, tmp_path):
+async def test_v0_overwrites_then_a_later_version_blends_with_alpha(island_env, anchors, tmp_path):
     alpha = 0.25
     # files: through the config (YETO_ANCHOR_DIR); a file left by a SIGKILLed predecessor is removed
     rank_dir = tmp_path / "anchors" / f"{ISLAND}-rank0"
     if anchors == "files":
         rank_dir.mkdir(parents=True)
         (rank_dir / "deadbeef-anchor-f0-123456.f32").write_bytes(b"\0" * 64)
-    island, session, syncer = env(net(), alpha=alpha, **({"anchor_dir": str(tmp_path / "anchors")} if anchors == "files" else {}))
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), alpha=alpha, **({"anchor_dir": str(tmp_path / "anchors")} if anchors == "files" else {}))
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -279,9 +73,9 @@ async def test_v0_overwrites_then_a_later_version_blends_with_alpha(env, anchors
     assert events[0]["bytes_in"] == 4 * (session["fragments"][0]["numel"] + session["fragments"][1]["numel"])
 
 
-async def test_pull_is_answered_with_local_minus_anchor_and_other_gen_is_ignored(env):
-    island, session, syncer = env(net())
-    await started(env, island, session)
+async def test_pull_is_answered_with_local_minus_anchor_and_other_gen_is_ignored(island_env):
+    island, session, syncer = island_env(net())
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)  # v0 installed; counters reset
@@ -307,10 +101,10 @@ async def test_pull_is_answered_with_local_minus_anchor_and_other_gen_is_ignored
     assert steplog_lines(island)[-1]["pushes"] == 1
 
 
-async def test_bad_input_is_counted_as_rejected_and_training_goes_on(env):
-    island, session, syncer = env(net())
-    await started(env, island, session)
-    js = env.js
+async def test_bad_input_is_counted_as_rejected_and_training_goes_on(island_env):
+    island, session, syncer = island_env(net())
+    await started(island_env, island, session)
+    js = island_env.js
     await js.publish(S.pull(syncer.run), b"{not json", headers={S.MSG_ID: "garbage-1"})
     bad_pull = codec.make("pull", run=syncer.run, fragment=0, step=1, attempt=1, seq=0, base_version=0,
                           members=[{"island": ISLAND, "gen": island.gen}])
@@ -341,13 +135,13 @@ async def test_bad_input_is_counted_as_rejected_and_training_goes_on(env):
     assert steplog_lines(island)[-1]["rejected"] == 0
 
 
-async def test_a_version_overwritten_mid_read_is_never_half_applied(env):
+async def test_a_version_overwritten_mid_read_is_never_half_applied(island_env):
     """Fragment 1 (4 chunks, fetched one per batch): v1's first two chunks land and are staged while
     chunk 2 still holds v0 (the island waits there); then v2 overwrites every chunk. The island
     drops v1's staging, reads v2 from chunk 0 and blends v2 only; v1 never touches the model."""
     alpha = 0.5
-    island, session, syncer = env(net(), alpha=alpha, fetch_batch_bytes=CHUNK_BYTES)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), alpha=alpha, fetch_batch_bytes=CHUNK_BYTES)
+    await started(island_env, island, session)
     assert syncer.bcast_chunks(1) == 4
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
@@ -376,14 +170,14 @@ async def test_a_version_overwritten_mid_read_is_never_half_applied(env):
     assert [e["applies"] for e in steplog_lines(island)] == [2, 0, 1]
 
 
-async def test_a_cut_through_broadcast_is_read_as_it_lands_and_installed_only_at_its_seal(env):
+async def test_a_cut_through_broadcast_is_read_as_it_lands_and_installed_only_at_its_seal(island_env):
     """Cut-through: the syncer publishes v1's chunks 0..2 of fragment 1 one by one while it merges
     (chunk 3, the seal, still holds v0's), the seal once v1 is durable. The island reads each chunk
     as it lands (staged, never applied) and installs v1 only when the seal's digest matches; chunk
     0 re-published with the same bytes keeps the reading. A seal that does not match installs
     nothing."""
-    island, session, syncer = env(net(), fetch_batch_bytes=CHUNK_BYTES)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), fetch_batch_bytes=CHUNK_BYTES)
+    await started(island_env, island, session)
     assert syncer.bcast_chunks(1) == 4
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island) and island.state.version(1) == 0
@@ -415,13 +209,13 @@ async def test_a_cut_through_broadcast_is_read_as_it_lands_and_installed_only_at
     assert island.counters["rejected.digest_mismatch"] == 1 and island.reader.reading(1) is None
 
 
-async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refused_not_fatal(env):
+async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refused_not_fatal(island_env):
     """Regression: version 2 again with other bytes (held, or being read) used to raise ProtocolError
     and end the island. Anyone may publish on BCAST: a seal of the version held with another digest
     is refused and counted, a chunk being read with other bytes never reaches the model; the island
     keeps v2, trains on, and reads the next real version."""
-    island, session, syncer = env(net(), fetch_batch_bytes=CHUNK_BYTES)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), fetch_batch_bytes=CHUNK_BYTES)
+    await started(island_env, island, session)
     v2 = syncer.values(0, 2)
     await publish_v(syncer, island, 2, {0: v2})
     assert await boundary(island) and island.state.version(0) == 2
@@ -453,14 +247,14 @@ async def test_versions_are_monotonic_and_a_version_with_another_digest_is_refus
     assert island.counters["bcast.chunk_changed"] == 1
 
 
-async def test_a_forged_future_chunk_does_not_make_the_island_refuse_the_real_version(env):
+async def test_a_forged_future_chunk_does_not_make_the_island_refuse_the_real_version(island_env):
     """Regression: a bad-digest chunk claiming the next version (easy to guess) put that version in a
     `failed` set for good. Here it lands first, then the real v1 overwrites it and is installed; a
     forged chunk that *replaces* a real one (one message per subject) holds v2 back only until the
     syncer re-broadcasts v2 (new messages, same version); the island never installs a mixed
     version and never the same version twice."""
-    island, session, syncer = env(net())
-    await started(env, island, session)
+    island, session, syncer = island_env(net())
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -544,9 +338,9 @@ async def test_a_refused_push_is_recomputed_and_resent_with_the_next_try(nc, run
 
 
 @pytest.mark.parametrize("anchors", ["memory", "files"])
-async def test_q4_pushes_carry_error_feedback(env, anchors, tmp_path):
-    island, session, syncer = env(net(), push_dtype="q4", store_dir=tmp_path / "anchors" if anchors == "files" else None)
-    await started(env, island, session)
+async def test_q4_pushes_carry_error_feedback(island_env, anchors, tmp_path):
+    island, session, syncer = island_env(net(), push_dtype="q4", store_dir=tmp_path / "anchors" if anchors == "files" else None)
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -577,9 +371,9 @@ async def test_q4_pushes_carry_error_feedback(env, anchors, tmp_path):
     assert torch.equal(residual_flat(island, 1), r2)
 
 
-async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
-    island, session, syncer = env(net(), bulk_dtype="bf16")
-    await started(env, island, session)
+async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(island_env):
+    island, session, syncer = island_env(net(), bulk_dtype="bf16")
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -589,7 +383,7 @@ async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
     await syncer.bcast(1, 3, final[1])  # a bf16 broadcast of the final version: must never count
     digest1 = await syncer.final(1, 3, final[1], final_step=6)  # fragment 1's final first: any order
     # final acks travel on HB (the newest per island), read by the syncer's heartbeat consumer
-    ctl = await env.js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(syncer.run, "HB"))
+    ctl = await island_env.js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(syncer.run, "HB"))
     await syncer.to_island("manifest", ISLAND, final_step=6, versions={"0": 2, "1": 3},
                            version_digests={"0": version_digest(pack(final[0], "f32")), "1": digest1},
                            gen=island.gen)
@@ -633,10 +427,10 @@ async def test_finalization_installs_the_exact_f32_cut_acks_and_stops(env):
     assert steplog_lines(island)[-1]["versions"] == {"0": 2, "1": 3}
 
 
-async def test_lockstep_blocks_until_the_pull_and_its_broadcast(env):
+async def test_lockstep_blocks_until_the_pull_and_its_broadcast(island_env):
     alpha = 0.5
-    island, session, syncer = env(net(), lockstep=True, alpha=alpha, sync_every=2)  # round t due at step t
-    await env.write_session(session)
+    island, session, syncer = island_env(net(), lockstep=True, alpha=alpha, sync_every=2)  # round t due at step t
+    await island_env.write_session(session)
     start = asyncio.create_task(asyncio.to_thread(island.start))
     await asyncio.sleep(0.5)
     assert not start.done()  # lockstep waits for the whole cut before the first step
@@ -665,14 +459,14 @@ async def test_lockstep_blocks_until_the_pull_and_its_broadcast(env):
     assert island.state.version(0) == 1
 
 
-async def test_init_island_streams_its_weights_then_takes_v0(env):
+async def test_init_island_streams_its_weights_then_takes_v0(island_env):
     model = net(3)
-    island, session, syncer = env(model, init_island=ISLAND, bulk_dtype="bf16", init_v0_timeout_s=20)
-    await env.write_session(session)
+    island, session, syncer = island_env(model, init_island=ISLAND, bulk_dtype="bf16", init_v0_timeout_s=20)
+    await island_env.write_session(session)
     expected = {fid: pack(gather_fragment(island.adapter, f), "bf16") for fid, f in
                 enumerate(session["fragments"])}
     start = asyncio.create_task(asyncio.to_thread(island.start))
-    sub = await env.js.pull_subscribe_bind(durable=S.SYNCER_INIT_CONSUMER, stream=S.stream(syncer.run, "INIT"))
+    sub = await island_env.js.pull_subscribe_bind(durable=S.SYNCER_INIT_CONSUMER, stream=S.stream(syncer.run, "INIT"))
     want = sum(len(chunk_plan(f["numel"], "bf16", CHUNK_BYTES)) for f in session["fragments"])
     got: dict[int, list] = {0: [], 1: []}
     while sum(map(len, got.values())) < want:
@@ -694,12 +488,12 @@ async def test_init_island_streams_its_weights_then_takes_v0(env):
         assert torch.equal(frag_values(island, fid), v0[fid].to(torch.bfloat16).float())
 
 
-async def test_initial_cut_is_installed_before_the_first_step(env):
-    island, session, syncer = env(net(), initial_cut_timeout=10.0)
+async def test_initial_cut_is_installed_before_the_first_step(island_env):
+    island, session, syncer = island_env(net(), initial_cut_timeout=10.0)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     for fid, v in v0.items():
         await syncer.bcast(fid, 0, v)
-    await started(env, island, session)
+    await started(island_env, island, session)
     for fid in (0, 1):
         assert torch.equal(frag_values(island, fid), v0[fid])
     assert island.state.versions() == {"0": 0, "1": 0}
@@ -709,29 +503,9 @@ async def test_initial_cut_is_installed_before_the_first_step(env):
 async def test_a_push_waits_while_disconnected_and_goes_out_after_the_reconnect(tmp_path):
     """The connection drops between the pull and its boundary: no push and no try is spent; after the
     reconnect (same generation) the next boundary sends it with try 0."""
-    import nats
-
-    from yeto.services.broker import Broker
-
-    store = tmp_path / "store"
-    broker = Broker(store_dir=store).start()
-    port = broker.port
-    nc = await nats.connect(broker.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-    js = nc.jetstream()
-    run = "reconnect"
-    island = None
-    try:
-        await provision_run(js, run, RunLimits.small(), log=lambda _: None)  # file storage: survives the restart
-        adapter = TorchModuleAdapter(net())
-        session = build_session(adapter.layout(), 2, run=run, push_dtype="f32", bulk_dtype="f32",
-                                chunk_bytes=CHUNK_BYTES, init_island="syncer-side", sync_every=2, created=time.time())
-        await (await kv(js, run, "state")).put("session", codec.encode("session", session))
-        island = Island(adapter, IslandConfig(run=run, island=ISLAND, nats=ConnectOptions(url=broker.url),
-                                              reconnect_wait_s=0.2, max_reconnects=-1, progress=False,
-                                              push_timeout_s=20, connect_timeout_s=10, heartbeat_s=0.5,
-                                              background=False))  # one boundary pushes and reaps (see the env fixture)
-        await asyncio.to_thread(island.start)
-        syncer = Syncer(js, run, session)
+    async with own_broker(tmp_path, "reconnect", RunLimits.small(), push_timeout_s=20,
+                          background=False) as own:  # one boundary pushes and reaps (see the island_env fixture)
+        island, syncer = own.island, own.syncer
         v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
         await publish_v(syncer, island, 0, v0)
         assert await boundary(island)
@@ -739,80 +513,19 @@ async def test_a_push_waits_while_disconnected_and_goes_out_after_the_reconnect(
         await syncer.pull(1, 2, 0, [(ISLAND, gen)])
         await until(lambda: island.client.counters["pulls_received"] >= 1, what="pull")
 
-        broker.stop()
+        own.stop()
         await until(lambda: not island.client.connected, what="disconnect")
         assert await boundary(island)  # training goes on
         rec = island.book.record(1, 2)
         assert rec.state == "waiting" and rec.try_ == 0 and island.counters["push_failed"] == 0
         assert island.book.pending() == 1
 
-        broker = Broker(port=port, store_dir=store).start()
-        await until(lambda: island.client.connected and nc.is_connected, timeout=20, what="reconnect")
-        deadline = time.monotonic() + 20
-        while True:  # JetStream recovers its streams a moment after the server accepts connections
-            try:
-                await js.stream_info(S.stream(run, "PUSH"))
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
+        await own.restart(timeout=20)
         assert await boundary(island)
         chunks = await syncer.pushes(ISLAND, 1, syncer.bcast_chunks(1))
         assert {(m["try"], m["gen"], m["local_step"]) for m, _ in chunks} == {(0, gen, 3)}
         assert island.gen == gen and island.book.pending() == 0
         assert island.counters["disconnects"] >= 1 and island.counters["reconnects"] >= 1
-    finally:
-        if island is not None:
-            await asyncio.to_thread(island.close)
-        await remove_run(js, run)
-        await nc.close()
-        broker.stop()
-
-
-def dp_island(model: nn.Module, url: str, run: str, **cfg) -> Island:
-    """A rank's Island "dp" of a data-parallel island over the whole gloo world (not started)."""
-    import torch.distributed as dist
-
-    group = dist.group.WORLD
-    return Island(TorchModuleAdapter(model, group=group),
-                  IslandConfig(run=run, island="dp", nats=ConnectOptions(url=url), heartbeat_s=0.5, progress=False,
-                               session_timeout_s=30, final_timeout_s=30, shutdown_timeout_s=30, connect_timeout_s=10,
-                               **cfg), group=group)
-
-
-async def dp_hello(js, run: str) -> dict:
-    """The syncer's side: the first hello on CTL."""
-    ctl = await js.pull_subscribe_bind(durable=S.SYNCER_CTL_CONSUMER, stream=S.stream(run, "CTL"))
-    while True:
-        for m in await ctl.fetch(10, timeout=30):
-            await m.ack()
-            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
-            if kind == "hello":
-                return msg
-
-
-async def dp_finish(js, syncer: "Syncer", gen: str, final: dict[int, torch.Tensor], final_step: int,
-                    versions: dict[str, int]) -> None:
-    """The syncer's side of the end: the final cut, the manifest, the island's ack, then shutdown."""
-    digests = {str(fid): await syncer.final(fid, fid + 1, v, final_step=final_step) for fid, v in final.items()}
-    await syncer.to_island("manifest", "dp", final_step=final_step, versions=versions, version_digests=digests, gen=gen)
-    acked, deadline = False, time.monotonic() + 60
-    hb = await js.pull_subscribe_bind(durable=S.SYNCER_HB_CONSUMER, stream=S.stream(syncer.run, "HB"))  # acks: HB
-    while not acked:
-        assert time.monotonic() < deadline, "no final ack"
-        for m in await hb.fetch(10, timeout=30):
-            await m.ack()
-            kind, msg = codec.decode_typed(m.data, ("hello", "heartbeat", "ack"))
-            acked = acked or (kind == "ack" and msg["final_step"] == final_step and msg["gen"] == gen)
-    await syncer.to_island("shutdown", "dp", reason="done", gen=gen)
-
-
-async def dp_join(ctx, timeout: float = 60) -> None:
-    """Every rank process exited cleanly within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(ctx.join, 5):  # True once every worker exited cleanly
-        assert time.monotonic() < deadline, "the ranks did not finish"
 
 
 def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str, out: str, device: str) -> None:
@@ -845,16 +558,16 @@ def _dp_island_worker(rank: int, world: int, init_file: str, url: str, run: str,
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_and_final(env, tmp_path, device):
+async def test_data_parallel_island_keeps_replicas_identical_through_v0_blend_and_final(island_env, tmp_path, device):
     """Also with both replicas' parameters on a GPU (`cuda`): staged and exchanged on the host, written and
     blended on the device, exported through the host staging."""
     import torch.multiprocessing as mp
 
-    _, session, syncer = env(net())
+    _, session, syncer = island_env(net())
     session = dict(session, init_island="syncer-side")
-    await env.write_session(session)
-    js, run = env.js, syncer.run
-    ctx = mp.start_processes(_dp_island_worker, args=(2, str(tmp_path / "pg"), env.nats_url, run, str(tmp_path), device),
+    await island_env.write_session(session)
+    js, run = island_env.js, syncer.run
+    ctx = mp.start_processes(_dp_island_worker, args=(2, str(tmp_path / "pg"), island_env.nats_url, run, str(tmp_path), device),
                              nprocs=2, join=False, start_method="spawn")
     try:
         hello = await dp_hello(js, run)

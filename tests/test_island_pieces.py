@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from yeto.learner.adapters.sliced_torch import SlicedTorchAdapter
-from yeto.learner.fragments import blend
+from yeto.learner.blend import blend
 from yeto.schemas.layout import build_fragments
 from tests.e2e_procs import join_ranks_and_syncer, rank_processes
 from tests.scripted import LR, MU, Reference, ScriptedIsland, SyncerProc, wait_provisioned
@@ -77,7 +77,7 @@ def _island(proc: int, url: str, run: str, out: str) -> None:
             if not island.boundary(tokens=TOKENS[name]) or steps > 50:
                 break
         torch.save({"tensors": ad.tensors(), "boxes": {n: ad.box(n) for n in ad.tensors()},
-                    "owner": {s.name: s.owner for s in ad.shards()}, "finalized": island.finalized,
+                    "owner": {s.name: s.owner for s in ad.pieces()}, "finalized": island.finalized,
                     "counters": dict(island.counters), "steps": steps}, f"{out}/{name}{rank}.pt")
         island.close()
     finally:

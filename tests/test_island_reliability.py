@@ -1,43 +1,23 @@
 """The island under failures (docs/design.md §14, island side), against real nats-servers: a push in flight
 across a broker restart, and hostile messages toward the island.
 
-The syncer side is played by hand (tests.test_island_local's Syncer); the island runs its blocking
-calls in a worker thread so this test's event loop keeps serving the syncer side.
+The syncer side is played by hand (tests/island_support.py).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
-import nats
 import pytest
 import torch
 
-from yeto.learner.adapters import TorchModuleAdapter
-from yeto.learner.config import IslandConfig
-from yeto.learner.island import Island
 from yeto.schemas import codec
 from yeto.schemas import subjects as S
-from yeto.schemas.conn import ConnectOptions
-from yeto.schemas.layout import build_session
-from yeto.schemas.provision import RunLimits, kv, provision_run, remove_run
-from yeto.services.broker import Broker
-from tests.test_island_local import (CHUNK_BYTES, ISLAND, Syncer, anchor_flat, assemble_push, boundary, env,  # noqa: F401
-                                     frag_values, net, publish_v, started, steplog_lines, until)
+from yeto.schemas.provision import RunLimits
+from tests.island_support import (ISLAND, anchor_flat, assemble_push, boundary, frag_values, net, own_broker,
+                                  publish_v, started, steplog_lines, until)
 
 pytestmark = pytest.mark.e2e
-
-
-async def _streams_back(js, run: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:  # JetStream recovers its streams a moment after the server accepts connections
-        try:
-            await js.stream_info(S.stream(run, "PUSH"))
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
 
 
 async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_boundary(tmp_path):
@@ -46,25 +26,10 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
     while the boundary waits for them, and every boundary of the outage is timed; after the restart
     the syncer makes room and the push completes in the background: its pull stays pending until
     every chunk is acked, and the round is answered once."""
-    store = tmp_path / "store"
-    broker = Broker(store_dir=store).start()
-    port = broker.port
-    nc = await nats.connect(broker.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-    js = nc.jetstream()
-    run = "pushoutage"
-    island = None
-    try:
-        await provision_run(js, run, RunLimits.small(push_max_bytes=8192), log=lambda _: None)  # file storage
-        adapter = TorchModuleAdapter(net())
-        session = build_session(adapter.layout(), 2, run=run, push_dtype="f32", bulk_dtype="f32",
-                                chunk_bytes=CHUNK_BYTES, init_island="syncer-side", sync_every=2, created=time.time())
-        await (await kv(js, run, "state")).put("session", codec.encode("session", session))
-        push_timeout = 60.0
-        island = Island(adapter, IslandConfig(run=run, island=ISLAND, nats=ConnectOptions(url=broker.url),
-                                              reconnect_wait_s=0.2, max_reconnects=-1, progress=False,
-                                              push_timeout_s=push_timeout, connect_timeout_s=10, heartbeat_s=0.5))
-        await asyncio.to_thread(island.start)
-        syncer = Syncer(js, run, session)
+    push_timeout = 60.0
+    async with own_broker(tmp_path, "pushoutage", RunLimits.small(push_max_bytes=8192),  # file storage
+                          push_timeout_s=push_timeout) as own:
+        island, syncer, js, run = own.island, own.syncer, own.js, own.run
         await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
         assert await boundary(island)
         filler = S.push(run, "filler", 1)
@@ -80,7 +45,7 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
 
         pushing = asyncio.ensure_future(timed_boundary())
         await asyncio.sleep(0.3)  # the push's chunks are out; their acks cannot come
-        broker.stop()
+        own.stop()
         at_stop = await pushing
         await until(lambda: not island.client.connected, what="disconnect")
         during = [await timed_boundary() for _ in range(5)]
@@ -94,9 +59,7 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
         rec = island.book.record(1, 2)
         assert rec.state == "inflight" and rec.try_ == 0 and island.book.pending() == 1
 
-        broker = Broker(port=port, store_dir=store).start()
-        await until(lambda: island.client.connected and nc.is_connected, timeout=30, what="reconnect")
-        await _streams_back(js, run)
+        await own.restart(timeout=30)
         await js.purge_stream(S.stream(run, "PUSH"), subject=filler)  # the syncer made room
         after = []
         deadline = time.monotonic() + 45
@@ -112,26 +75,17 @@ async def test_a_push_in_flight_during_a_broker_restart_does_not_block_the_bound
         assert max(after) < 1.5, after  # a reconnect's re-sends happen in the background too
         print(f"boundary at the broker stop {at_stop:.3f}s; during the outage max {max(during):.3f}s; "
               f"after the restart max {max(after):.3f}s over {len(after)} boundaries; push try {tries}")
-    finally:
-        if island is not None:
-            await asyncio.to_thread(island.close)
-        try:
-            await remove_run(js, run)
-        except Exception:
-            pass
-        await nc.close()
-        broker.stop()
 
 
 # ---- hostile messages toward the island (docs/design.md §5.5) -------------------------------------
 
-async def test_forged_manifests_do_not_stop_or_crash_the_island(env):  # noqa: F811 - the env fixture, imported
+async def test_forged_manifests_do_not_stop_or_crash_the_island(island_env):
     """A manifest naming a fragment the session does not have raised ProtocolError (the island
     exited); one not backed by a final cut on FINAL stopped training and waited `final_timeout_s`
     for it, then raised. Both are refused and counted now, and training goes on; the real manifest
     (FINAL published first, as the syncer does) still finalizes."""
-    island, session, syncer = env(net(), final_timeout_s=1.0)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), final_timeout_s=1.0)
+    await started(island_env, island, session)
     v0 = {0: syncer.values(0, 1), 1: syncer.values(1, 2)}
     await publish_v(syncer, island, 0, v0)
     assert await boundary(island)
@@ -165,12 +119,12 @@ async def test_forged_manifests_do_not_stop_or_crash_the_island(env):  # noqa: F
         assert torch.equal(frag_values(island, fid), final[fid])
 
 
-async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(env):  # noqa: F811 - the env fixture, imported
+async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(island_env):
     """A FINAL chunk carrying the manifest's version with another digest raised ProtocolError in the
     middle of finalization; it is refused and counted now, and the real chunk (a new message on the
     subject) is installed."""
-    island, session, syncer = env(net())
-    await started(env, island, session)
+    island, session, syncer = island_env(net())
+    await started(island_env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island)
     final = {0: syncer.values(0, 10), 1: syncer.values(1, 11)}
@@ -195,9 +149,9 @@ async def test_a_forged_final_chunk_is_refused_and_the_real_final_cut_installed(
         assert torch.equal(frag_values(island, fid), final[fid])
 
 
-async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(env):  # noqa: F811 - the env fixture, imported
-    island, session, syncer = env(net())
-    await started(env, island, session)
+async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(island_env):
+    island, session, syncer = island_env(net())
+    await started(island_env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island)
     big = 2**53 - 1
@@ -209,7 +163,7 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
         n += 1
         msg = codec.make("pull", run=syncer.run, fragment=fid, step=step, attempt=attempt, seq=0, base_version=base,
                          members=[{"island": i, "gen": g} for i, g in members])
-        await env.js.publish(S.pull(syncer.run), codec.encode("pull", msg), headers={S.MSG_ID: f"forged-{n}"})
+        await island_env.js.publish(S.pull(syncer.run), codec.encode("pull", msg), headers={S.MSG_ID: f"forged-{n}"})
 
     await forged(1, 2, big, me)  # base_version far beyond the round
     await forged(1, big, 0, me)  # absurd step
@@ -230,13 +184,13 @@ async def test_hostile_pulls_are_refused_and_the_real_round_is_still_answered(en
     assert sum(e["rejected"] for e in steplog_lines(island)) >= 4 and island.counters["rejected.invalid"] >= 4
 
 
-async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(env):  # noqa: F811 - the env fixture, imported
+async def test_a_forged_chunk_0_from_far_ahead_does_not_hold_back_the_real_versions(island_env):
     """Regression found by soak/hostile.py (seed 6): a well-framed chunk 0 of fragment 1 claiming
     version 7955 (valid chunk digest) started a reading that waited for ever for that version's
     chunk 1; the notice inbox kept the highest version per subject, so the real v1 that then
     overwrote chunk 0 was never read. Pushes went stale and the run stalled."""
-    island, session, syncer = env(net())
-    await started(env, island, session)
+    island, session, syncer = island_env(net())
+    await started(island_env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island)
     await syncer.bcast(1, 7955, syncer.values(1, 9), only={0}, msg_id=lambda f, v, k: f"forged.{f}.{v}.{k}")

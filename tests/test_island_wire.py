@@ -1,5 +1,5 @@
 """IslandWire's reading of BCAST against a real nats-server (the syncer side played by hand, with the
-helpers of tests/test_island_local.py): every bad chunk that lands is refused and counted when it
+helpers of tests/island_support.py): every bad chunk that lands is refused and counted when it
 lands, whatever the reading of that fragment is doing (tests/test_island_badinput_e2e.py CI flake:
 a corrupted seal landed while a reading waited at an earlier chunk, and was never counted).
 """
@@ -10,21 +10,21 @@ import time
 
 import torch
 
-from tests.test_island_local import anchor_flat, boundary, env, net, publish_v, started, steplog_lines, until  # noqa: F401 (env: fixture)
+from tests.island_support import anchor_flat, boundary, net, publish_v, started, steplog_lines, until
 
 
 async def _notices(island, n: int, what: str) -> None:
     await until(lambda: len(island.client.bcast) >= n, what=what)
 
 
-async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(env):  # noqa: F811 - the env fixture, imported
+async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(island_env):
     """Fragment 1 (4 chunks): v1's chunks 0-1 landed and were staged; chunk 2 still holds v0 (the
     syncer is between two publishes), so the reading waits there. A corrupted chunk then replaces the
     seal (chunk 3), claiming a version far ahead. It is refused and counted at the next boundary, not
     whenever the reading reaches chunk 3 (if ever: the real seal may overwrite it first), and the
     reading of v1 is kept: once the real chunk 2 and seal land, v1 is installed."""
-    island, session, syncer = env(net(), fetch_batch_bytes=4096)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), fetch_batch_bytes=4096)
+    await started(island_env, island, session)
     assert syncer.bcast_chunks(1) == 4
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island) and island.state.version(1) == 0
@@ -47,12 +47,12 @@ async def test_a_bad_chunk_ahead_of_a_waiting_reading_is_refused_when_it_lands(e
     assert island.counters["rejected.digest_mismatch"] == 1
 
 
-async def test_every_bad_chunk_of_one_fragment_is_counted_not_only_the_first_a_reading_meets(env):  # noqa: F811 - the env fixture, imported
+async def test_every_bad_chunk_of_one_fragment_is_counted_not_only_the_first_a_reading_meets(island_env):
     """Two corrupted chunks land on fragment 1 (4 chunks) together: chunk 1 and chunk 3. The reading
     is refused at chunk 1; chunk 3 is refused and counted at the same boundary (it used to be looked
     at only by a later reading, and never if a real chunk overwrote it first)."""
-    island, session, syncer = env(net(), fetch_batch_bytes=4096)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), fetch_batch_bytes=4096)
+    await started(island_env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island) and island.state.version(1) == 0
     v1 = syncer.values(1, 3)
@@ -92,13 +92,13 @@ def _count_fetches(island, on_first=None) -> dict:
     return calls
 
 
-async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_one_by_one(env):  # noqa: F811 - the env fixture, imported
+async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_one_by_one(island_env):
     """Only v1's chunk 0 has landed when the reading starts; chunks 1-3 land during its first fetch
     (the syncer publishing as the island reads). The reading takes the new notices before its next
     batch and fetches the three in one request (it used to see only the notices it started with, and
     fetched a whole 256 MiB version 1 MiB per request, one round trip each)."""
-    island, session, syncer = env(net(), fetch_batch_bytes=4096)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), fetch_batch_bytes=4096)
+    await started(island_env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island) and island.state.version(1) == 0
     v1 = syncer.values(1, 3)
@@ -119,13 +119,13 @@ async def test_chunks_landing_while_a_version_is_read_are_fetched_together_not_o
     assert calls == {"now": [1, 3], "ahead": []}
 
 
-async def test_the_next_batch_is_fetched_while_the_one_before_is_checked(env):  # noqa: F811 - the env fixture, imported
+async def test_the_next_batch_is_fetched_while_the_one_before_is_checked(island_env):
     """A version that has landed whole, one chunk per batch: the first batch is fetched and waited
     for, each later one was fetched ahead while the batch before it was checked and staged; the
     version installed is the one published, bit for bit. A reading refused at a corrupted chunk
     drops the batch fetched ahead, and reads the real chunk once it lands."""
-    island, session, syncer = env(net(), fetch_batch_bytes=1024)
-    await started(env, island, session)
+    island, session, syncer = island_env(net(), fetch_batch_bytes=1024)
+    await started(island_env, island, session)
     await publish_v(syncer, island, 0, {0: syncer.values(0, 1), 1: syncer.values(1, 2)})
     assert await boundary(island) and island.state.version(1) == 0
     assert [s.nbytes for s in island.reader.spans[1]][:3] == [1024] * 3 and len(island.reader.spans[1]) == 4

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from yeto.learner.adapters.base import Shard
+from yeto.learner.adapters.base import Piece
 from yeto.learner.layout_map import IslandLayout, _merged, box_of, count_below, describe
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError, WireError
 
 
 def row(name, shape, box, owner=True, dtype="float32"):
@@ -132,13 +132,13 @@ def test_a_pipeline_rank_with_no_piece_gets_no_runs():
 
 
 def test_describe_derives_partition_dim_and_offset_from_the_box():
-    rows = describe([Shard("w", (8, 6), "bfloat16", (slice(None), slice(3, 6)), True),
-                     Shard("b", (8,), "float32", None, False)])
+    rows = describe([Piece("w", (8, 6), "bfloat16", (slice(None), slice(3, 6)), True),
+                     Piece("b", (8,), "float32", None, False)])
     assert rows[0]["box"] == [[0, 8], [3, 6]] and rows[0]["partition_dim"] == 1 and rows[0]["offset"] == 3
     assert rows[0]["stride"] == 1 and rows[0]["dtype"] == "bfloat16" and rows[0]["owner"] is True
     assert rows[1]["box"] == [[0, 8]] and rows[1]["partition_dim"] is None and rows[1]["owner"] is False
     assert box_of((slice(2, 4),), (6, 5)) == ((2, 4), (0, 5))
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:  # the adapter's boxes: the model's configuration, not the wire
         box_of((slice(0, 6, 2),), (6,), "w")
     assert e.value.field == "w.local_slices"
 
@@ -156,7 +156,7 @@ def test_describe_derives_partition_dim_and_offset_from_the_box():
     ([[row("w", (6, 2), ((0, 7), (0, 2)))]], ["'w'", "rank 0", "outside"]),
 ])
 def test_bad_layouts_name_the_tensor_and_the_ranks(rows, words):
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         IslandLayout(rows)
     for w in words:
         assert w in str(e.value), str(e.value)

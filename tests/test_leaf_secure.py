@@ -29,6 +29,7 @@ from yeto.schemas.provision import CUT_KINDS, RunLimits, ensure_cut_mirrors, kv,
 from yeto.services import leaf as L
 from yeto.services.auth import init_auth
 from yeto.services.broker import Broker, free_port
+from tests.auth_support import connect_as, violations, wait_violation
 from tests.e2e_procs import clean_env, wait_until
 
 DC = "dc1"
@@ -49,18 +50,12 @@ class Pair:
 
     async def conn(self, where: str, who: str, errors: list | None = None):
         """A connection as identity `who` to the hub or the leaf; server errors go to `errors`."""
-        async def on_error(exc):
-            if errors is not None:
-                errors.append(str(exc))
-
         b = self.hub if where == "hub" else self.leaf
-        opts = ConnectOptions(url=b.url.replace("nats://", "tls://"), creds=str(self.auth / f"{who}.creds"),
-                              tls_ca=self.ca, name=f"test-{where}-{who}")
-        return await connect(opts, error_cb=on_error, allow_reconnect=False, connect_timeout=5)
+        return await connect_as(b.url.replace("nats://", "tls://"), str(self.auth / f"{who}.creds"), tls_ca=self.ca,
+                                errors=errors, name=f"test-{where}-{who}")
 
     def violations(self) -> list[str]:
-        return [ln for name in ("hub.log", f"{DC}.log")
-                for ln in (self.work / name).read_text(errors="replace").splitlines() if "Violation" in ln]
+        return violations(self.work / "hub.log", self.work / f"{DC}.log")
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +81,6 @@ def pair(tmp_path_factory):
         hub.stop()
         for b in (hub, leaf):
             b.served.cleanup()
-
-
-async def _violation(errors: list, subject: str, timeout: float = 5.0) -> None:
-    want = f'permissions violation for publish to "{subject}"'.lower()   # nats-py lower-cases -ERR
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(want in e.lower() for e in errors):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {want!r} from the server; errors seen: {errors}")
 
 
 async def _no_msg(js, stream: str, subject: str) -> bool:
@@ -124,13 +109,13 @@ async def test_island_b_behind_the_leaf_reaches_the_hub_as_itself_and_never_as_i
         for subject in (S.hello(run, "a"), S.push(run, "a", 0), S.heartbeat(run, "a"), S.init_all(run).replace("*", "0")):
             await b.publish(subject, b"forged by b")
             await b.flush()
-            await _violation(errors, subject)
+            await wait_violation(errors, "publish", subject)
         assert await _no_msg(hub_js, S.stream(run, "CTL"), S.hello(run, "a"))
         assert await _no_msg(hub_js, S.stream(run, "PUSH"), S.push(run, "a", 0))
         # nor may it read a's push on the hub through the hub's domain
         with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
             await b.jetstream(domain=L.HUB_DOMAIN, timeout=REFUSED_TIMEOUT).get_msg(S.stream(run, "PUSH"), seq=1)
-        await _violation(errors, f"$JS.hub.API.STREAM.MSG.GET.{S.stream(run, 'PUSH')}")
+        await wait_violation(errors, "publish", f"$JS.hub.API.STREAM.MSG.GET.{S.stream(run, 'PUSH')}")
         leaf_log = (pair.work / f"{DC}.log").read_text(errors="replace")
         assert f'Publish Violation - Subject "{S.push(run, "a", 0)}"' in leaf_log
     finally:
@@ -180,7 +165,7 @@ async def test_islands_behind_the_leaf_read_the_hubs_kv_and_write_none(pair):
         assert got.value == b"from the syncer"
         with pytest.raises(Exception):
             await kv_put(b.jetstream(domain=L.HUB_DOMAIN, timeout=REFUSED_TIMEOUT), run, "state", "probe", b"b", attempts=1)
-        await _violation(errors, f"$JS.hub.API.{S.kv_key(run, 'state', 'probe')}")
+        await wait_violation(errors, "publish", f"$JS.hub.API.{S.kv_key(run, 'state', 'probe')}")
     finally:
         await b.close()
         await hub.close()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import megatron_tiny as T
 from yeto.learner.adapters.megatron import EMBEDDING, MegatronAdapter, gather_full, layout_all, scatter_full
 from yeto.learner.adapters.megatron_names import strip_wrappers
-from yeto.learner.fragments import blend
+from yeto.learner.blend import blend
 from yeto.schemas.layout import layout_fingerprint
 from tests.extras import require
 
@@ -71,8 +71,8 @@ def _gpt(rank: int, world: int, init_file: str, ckpt: str) -> None:
     ref = gather_full(ref_adapter)
     _check_reference(ref, _own_values(ref_chunks[0]))
     ref_fp = layout_fingerprint(layout_all(ref_adapter))
-    assert all(s.local_slices is None for s in ref_adapter.shards())
-    assert [s.owner for s in ref_adapter.shards()] == [rank == 0] * len(ref)
+    assert all(s.local_slices is None for s in ref_adapter.pieces())
+    assert [s.owner for s in ref_adapter.pieces()] == [rank == 0] * len(ref)
     save_mcore_checkpoint(T.swift_args(), ref_chunks, iteration=1, output_dir=f"{ckpt}/ref")
 
     T.layout(tp=2, pp=2, vpp=2)
@@ -81,16 +81,16 @@ def _gpt(rank: int, world: int, init_file: str, ckpt: str) -> None:
     load_mcore_checkpoint(T.swift_args(mcore_model=f"{ckpt}/ref"), chunks)
     adapter = MegatronAdapter(chunks)
     # names: global layer indices (stage 1, chunk 0 holds layer 1; stage 0, chunk 1 holds layer 2)
-    names = {s.name for s in adapter.shards()}
+    names = {s.name for s in adapter.pieces()}
     stage, tp_rank = rank // 2, rank % 2  # megatron's default order tp-cp-ep-dp-pp
     want_layers = {0, 2} if stage == 0 else {1, 3}
     got_layers = {int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}
     assert got_layers == want_layers, (rank, got_layers)
     assert EMBEDDING in names  # stage 0 has the embedding, stage 1 its tied copy (output_layer)
-    emb = next(s for s in adapter.shards() if s.name == EMBEDDING)
+    emb = next(s for s in adapter.pieces() if s.name == EMBEDDING)
     assert emb.owner == (stage == 0)
     assert emb.local_slices == (slice(tp_rank * 32, (tp_rank + 1) * 32), slice(0, T.HIDDEN))
-    fc1 = next(s for s in adapter.shards() if s.name == FC1) if stage == 0 else None
+    fc1 = next(s for s in adapter.pieces() if s.name == FC1) if stage == 0 else None
     if fc1 is not None:  # gated fc1: (gate/up, rows, hidden), rank r holds rows r*16:(r+1)*16 of both
         assert fc1.global_shape == (2, 32, T.HIDDEN)
         assert fc1.local_slices == (slice(0, 2), slice(tp_rank * 16, (tp_rank + 1) * 16), slice(0, T.HIDDEN))
@@ -140,12 +140,12 @@ def _moe(rank: int, world: int, init_file: str, ckpt: str) -> None:
     chunks[0].load_state_dict(sd["model0"])
     adapter = MegatronAdapter(chunks)
     stage, ep_rank = rank // 2, rank % 2
-    mine = [s for s in adapter.shards() if ".mlp.experts." in s.name]
+    mine = [s for s in adapter.pieces() if ".mlp.experts." in s.name]
     # this rank's experts: global indices ep_rank*2 + {0, 1}, in its stage's layers only
     got = {(int(s.name.split(".")[2]), int(s.name.split(".")[5])) for s in mine}
     assert got == {(layer, ep_rank * 2 + j) for layer in ((0, 1) if stage == 0 else (2, 3)) for j in (0, 1)}, got
     assert all(s.owner and s.local_slices is None for s in mine)  # expert TP 1, expert DP 1: whole, owned
-    router = [s for s in adapter.shards() if s.name.endswith("mlp.router.weight")]
+    router = [s for s in adapter.pieces() if s.name.endswith("mlp.router.weight")]
     assert router and all(s.owner == (ep_rank == 0) for s in router)  # replicated over TP: TP rank 0 owns
 
     _assert_bitwise(gather_full(adapter), ref, "MoE TP2/PP2/EP2 export vs the TP1/EP1 model")
@@ -172,7 +172,7 @@ def _check_optimizer(distributed: bool, moe: bool, device: str = "cpu") -> None:
     for step in range(2):
         T.train_step(wrapped, opt, T.tokens(step))
     adapter = MegatronAdapter(wrapped, opt)
-    shards = adapter.shards()
+    shards = adapter.pieces()
     assert {adapter.masters(s.name)[0][1] for s in shards} == {kind}
     if moe:  # ChainedOptimizer of a dense and an expert optimizer, each over its own data-parallel group
         assert len(opt.chained_optimizers) == 2
@@ -282,7 +282,7 @@ def _exchange(rank: int, world: int, init_file: str) -> None:
     a = MegatronAdapter(a_chunks)
     a_layout, a_values = layout_all(a), gather_full(a)
     a_loss = T.loss_per_token(a_chunks, toks)
-    assert any(s.local_slices is not None for s in a.shards() if ".mlp.experts." in s.name)  # experts TP-split
+    assert any(s.local_slices is not None for s in a.pieces() if ".mlp.experts." in s.name)  # experts TP-split
 
     T.layout(tp=1, ep=4)  # island B: TP 1 x DP 4, EP 4
     b_chunks = T.build(T.config(moe=True), moe=True, seed=2)
@@ -330,8 +330,8 @@ def _lora_b_of_gated_fc1(rank: int) -> None:
     T.layout(tp=2)
     tree = _lora_tree(T.config(layers=1))
     ad = MegatronAdapter(tree)
-    assert [s.name for s in ad.shards()] == [name]  # the frozen base layer is not synced
-    s = ad.shards()[0]
+    assert [s.name for s in ad.pieces()] == [name]  # the frozen base layer is not synced
+    s = ad.pieces()[0]
     tp_rank = rank % 2
     assert s.global_shape == (2, 32, 4) and s.local_slices == (slice(0, 2), slice(tp_rank * 16, tp_rank * 16 + 16),
                                                                slice(0, 4))

@@ -6,7 +6,7 @@ import torch
 
 from yeto.learner.adapters.megatron_names import (experts_module_path, global_expert_name, global_layer_name,
                                              strip_wrappers, tp_box)
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 
 
 def test_wrappers_layers_and_experts():
@@ -26,12 +26,12 @@ def test_wrappers_layers_and_experts():
     assert seq == grp == "decoder.layers.1.mlp.experts.3.linear_fc2.weight"
     assert global_expert_name("decoder.layers.0.mlp.experts.linear_fc1.lora_A.default.weight0", 2, 4) == \
         "decoder.layers.0.mlp.experts.8.linear_fc1.lora_A.default.weight"
-    with pytest.raises(WireError):
+    with pytest.raises(ConfigError):
         global_expert_name("decoder.layers.0.mlp.experts.weight1", 0, 2)  # legacy GroupedMLP
-    with pytest.raises(WireError, match="moe_single_grouped_weight"):
+    with pytest.raises(ConfigError, match="moe_single_grouped_weight"):
         # megatron-core >= 0.19 `moe_single_grouped_weight`: all local experts in one unindexed tensor
         global_expert_name("decoder.layers.0.mlp.experts.linear_fc1.weight", 0, 2)
-    with pytest.raises(WireError):
+    with pytest.raises(ConfigError):
         global_expert_name("decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight", 0, 2)
 
 
@@ -67,9 +67,9 @@ def test_box_of_each_rank_is_its_megatron_piece_of_the_canonical_tensor(dim, str
 def test_unpartitioned_and_bad_attributes():
     b = tp_box((4, 5), False, -1, 1, 1, 2)
     assert b.whole and b.global_shape == (4, 5)
-    with pytest.raises(WireError):
+    with pytest.raises(ConfigError):
         tp_box((5, 4), True, 0, 2, 0, 2)  # stride does not divide
-    with pytest.raises(WireError):
+    with pytest.raises(ConfigError):
         tp_box((4,), True, 1, 1, 0, 2)  # no such dim
 
 

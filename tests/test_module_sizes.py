@@ -16,11 +16,3 @@ def test_no_module_over_600_lines():
     over = {p: n for p, n in sizes.items() if n > LIMIT}
     assert not over, f"modules over {LIMIT} lines (split them by what they hold): {over}"
 
-
-def test_shard_in_a_file_name_means_a_syncer_shard():
-    """`shard` names the syncer's shards (docs/design.md §10); a rank's part of the model is a piece
-    (learner/piece_io.py), and Megatron's own "sharded" tensors keep Megatron's word inside the adapter."""
-    learner = sorted(p.name for p in (ROOT / "learner").rglob("*.py"))
-    assert "piece_io.py" in learner and not [n for n in learner if "shard" in n], learner
-    tests = sorted(p.name for p in (ROOT / "tests").glob("test_*shard*.py"))
-    assert tests and all("island" not in n and "piece" not in n for n in tests), tests

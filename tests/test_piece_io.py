@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from yeto.learner.adapters.sliced_torch import SlicedTorchAdapter
 from yeto.learner.anchors import AnchorStore
-from yeto.learner.fragments import blend
+from yeto.learner.blend import blend
 from yeto.learner.island_ranks import RankOps
 from yeto.learner.rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
 from yeto.learner.layout_map import IslandLayout, describe
@@ -87,13 +87,13 @@ def _steps(rank, world, out_dir, case, bulk, device: str = "cpu") -> None:
     comm = Comm(dist.group.WORLD if world > 1 else None)
     ad = SlicedTorchAdapter.build(SHAPES, values=lambda n, s: full(n, 0).to(device), tp_dim=tp_dim,
                                   **coords(case, rank))
-    layout = IslandLayout(comm.all_gather(describe(ad.shards())))
+    layout = IslandLayout(comm.all_gather(describe(ad.pieces())))
     session = the_session(bulk)
     ops = RankOps(ad, comm, layout, session, AnchorStore(), ALPHA)
     frags = session["fragments"]
     assert {t.device.type for t in ad.tensors().values()} == {device}
     snap = lambda: {n: t.cpu().clone() for n, t in ad.tensors().items()}  # noqa: E731
-    out = {"boxes": {n: ad.box(n) for n in ad.tensors()}, "owner": {s.name: s.owner for s in ad.shards()}}
+    out = {"boxes": {n: ad.box(n) for n in ad.tensors()}, "owner": {s.name: s.owner for s in ad.pieces()}}
 
     def stage(fid, version, seed, batches):
         spans = chunk_plan(frags[fid]["numel"], bulk, CHUNK_BYTES)

@@ -22,8 +22,7 @@ from yeto.services.steplog.dashboard import Dashboard, serve_dashboard
 from yeto.services.steplog.exporter import Exporter, serve_exporter
 from yeto.services.steplog.shards import STALE_S, ShardBoard
 from yeto.services.steplog.tail import render_text, tail
-from tests.test_steplog_exporter import http_get, scrape
-from tests.test_steplog_support import until
+from tests.test_steplog_support import http_get, scrape, until
 
 
 def status(shard: int | None, shards: int, *, age: float = 0.0, phase: str = "rounds", step: int = 7,

@@ -25,8 +25,7 @@ import pytest
 
 from yeto.services.steplog.consume import SourceOptions
 from yeto.services.steplog.dashboard import Dashboard, serve_dashboard
-from tests.test_steplog_exporter import http_get
-from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, publish_all, scenario, until
+from tests.test_steplog_support import MALFORMED, SyntheticRun, add_malformed, http_get, publish_all, scenario, until
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"

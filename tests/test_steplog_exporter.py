@@ -8,41 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from yeto.services.steplog.consume import SourceOptions
 from yeto.services.steplog.exporter import Exporter, serve_exporter
-from tests.test_steplog_support import MALFORMED, add_malformed, provision, publish_all, remove_run, scenario
+from tests.test_steplog_support import (MALFORMED, add_malformed, provision, publish_all, remove_run, scenario,
+                                       http_get, scrape)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, dict, bytes]:
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-    await writer.drain()
-    raw = await asyncio.wait_for(reader.read(), 10)  # the server closes after one response
-    writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), headers, body
-
-
-def samples(text: str) -> dict[tuple, float]:
-    """(sample name, sorted labels without run) -> value; also checks every sample names the run."""
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = dict(s.labels)
-            out[(s.name, tuple(sorted((k, v) for k, v in labels.items() if k != "run")))] = (s.value, labels.get("run"))
-    return out
-
-
-async def scrape(port) -> dict:
-    status, headers, body = await http_get(port, "/metrics")
-    assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    return samples(body.decode())
 
 
 async def _until_scraped(port, name, labels, value, timeout=10.0):

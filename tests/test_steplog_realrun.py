@@ -18,8 +18,7 @@ from yeto.services.steplog.consume import SourceOptions
 from yeto.services.steplog.exporter import Exporter, serve_exporter
 from yeto.services.steplog.tail import tail
 from tests.test_steplog_dashboard import ARTIFACTS, Served, browser  # noqa: F401  (browser: a fixture)
-from tests.test_steplog_support import until as _until
-from tests.test_steplog_exporter import scrape
+from tests.test_steplog_support import scrape, until as _until
 
 
 def _steplog(demo_run, island: str) -> list[dict]:

@@ -1,5 +1,6 @@
-"""Shared builders for the step-log dashboard tests (no tests here), and `until` (a condition polled on
-the loop) that the tail, dashboard, exporter and shard-status tests share; their `run` fixture (a
+"""Shared builders for the step-log dashboard tests (no tests here), `until` (a condition polled on
+the loop) that the tail, dashboard, exporter and shard-status tests share, and `scrape` (an exporter's
+/metrics over HTTP, `http_get`) that the exporter, dashboard and secured-run tests read metrics with; their `run` fixture (a
 provisioned run) is tests/conftest.py's.
 
 `SyntheticRun` builds step-log events and syncer tape records the way the islands and the syncer do:
@@ -15,6 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from yeto.schemas import codec, subjects as S
 from yeto.schemas.provision import RunLimits, provision_run, remove_run
@@ -167,3 +169,31 @@ async def until(cond, timeout: float = 10.0, what: str = "condition"):
         if loop.time() > deadline:
             raise AssertionError(f"{what} not reached in {timeout} s")
         await asyncio.sleep(0.05)
+
+
+async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, dict, bytes]:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)  # the server closes after one response
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """(sample name, sorted labels without run) -> value; also checks every sample names the run."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            out[(s.name, tuple(sorted((k, v) for k, v in labels.items() if k != "run")))] = (s.value, labels.get("run"))
+    return out
+
+
+async def scrape(port) -> dict:
+    status, headers, body = await http_get(port, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    return samples(body.decode())

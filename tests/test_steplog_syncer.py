@@ -13,7 +13,7 @@ from yeto.services.steplog.consume import SourceOptions
 from yeto.services.steplog.exporter import Exporter, serve_exporter
 from tests.e2e_procs import wait_until
 from tests.scripted import close_run, start_run, tape
-from tests.test_steplog_exporter import scrape
+from tests.test_steplog_support import scrape
 
 
 async def _until(cond, timeout=30.0, what="condition"):

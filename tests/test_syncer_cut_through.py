@@ -11,7 +11,7 @@ apart.
 BCAST, no seal) and restarted with `--resume` sends version v again with identical bytes: the chunks
 seen before the kill equal the ones after it, the commit record's digest on the tape is the sha256 of
 the BCAST bytes, the values equal the reference, and no (fragment, version, chunk) is ever seen with two
-chunk digests. While the syncer is down, the island's own reader (learner.fragments.CutReader) finds
+chunk digests. While the syncer is down, the island's own reader (learner.cut_reader.CutReader) finds
 no complete version in that BCAST: an island never installs a partial version. The run then finishes
 (final cut equal to the reference, exit 0), and both processes' recorded inputs replay identical.
 (c) The same kill, then the round's pushes deleted from PUSH before the restart: the redo fails (an
@@ -25,90 +25,22 @@ import asyncio
 import copy
 import hashlib
 import re
-import signal
 
 import orjson
 import pytest
 import torch
 
-from yeto.learner.fragments import CutReader
-from yeto.schemas import codec, subjects as S
+from yeto.learner.cut_reader import CutReader
+from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import pack, unpack
 from yeto.schemas.errors import WireError
 from yeto.services.syncer.checkpoint import CheckpointDir
 from tests.e2e_procs import wait_until
-from tests.scripted import (LR, MU, Reference, close_run, finish_on_reference, push_round, replay_segments,
-                            start_run, tape, tiny_layout, wait_status, wait_tape)
+from tests.broadcast_support import RUN_ARGS, TOKENS, bcast_state, watched_run
+from tests.scripted import finish_on_reference, push_round, replay_segments, tape, wait_status, wait_tape
 
 pytestmark = pytest.mark.timeout(120)
-
-# P = 2: fragment 0 = embed (3 chunks of 1 KiB), fragment 1 = layers (~66k f32 values, ~258 chunks): the
-# merge and broadcast of fragment 1 take long enough to be caught in the middle.
-LAYOUT = tiny_layout(4, 128)
-RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--strict", "--outer-lr", str(LR),
-            "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--status-every", "0.5")
-TOKENS = {"a": 200, "b": 100}
-
-
-class BcastLog:
-    """Every BCAST message of a run as the server stored it (ordered consumer): (fragment, version,
-    chunk) -> the chunk digests seen (must stay one), the server timestamps of each version's chunk 0
-    and seal, and an optional hook called on each message (the kill)."""
-
-    def __init__(self, js, run: str):
-        self.js, self.run = js, run
-        self.chunk_digests: dict[tuple[int, int, int], set[str]] = {}
-        self.first: dict[tuple[int, int], float] = {}     # (fragment, version) -> chunk 0's timestamp
-        self.sealed: dict[tuple[int, int], float] = {}    # (fragment, version) -> the seal's timestamp
-        self.hook = None
-        self.sub = None
-
-    async def start(self) -> "BcastLog":
-        self.sub = await self.js.subscribe(S.bcast(self.run, 0, 0).rsplit(".", 2)[0] + ".>",
-                                           stream=S.stream(self.run, "BCAST"), ordered_consumer=True, cb=self._on)
-        return self
-
-    async def _on(self, msg) -> None:
-        meta = codec.decode_header("bcast_chunk", msg.headers[codec.CHUNK_HEADER])
-        key = (meta["fragment"], meta["version"])
-        self.chunk_digests.setdefault((*key, meta["chunk"]), set()).add(meta["digest"])
-        ts = msg.metadata.timestamp.timestamp()
-        if meta["chunk"] == 0:
-            self.first.setdefault(key, ts)
-        if "version_digest" in meta:
-            self.sealed.setdefault(key, ts)
-        if self.hook is not None:
-            self.hook(meta)
-
-    async def kill_mid_broadcast(self, syncer, fid: int, version: int, play) -> bool:
-        """Run `play()` (a round) with a hook that SIGKILLs `syncer` once chunk 3 of `version` of `fid` is
-        in BCAST; wait for that kill or the version's seal. True when the syncer was killed (reaped)."""
-        def hook(meta):
-            if (meta["fragment"], meta["version"]) == (fid, version) and meta["chunk"] >= 3 \
-                    and syncer.proc.poll() is None:
-                syncer.proc.send_signal(signal.SIGKILL)
-        self.hook = hook
-        try:
-            await play()
-            for _ in range(200):
-                if syncer.proc.poll() is not None or (fid, version) in self.sealed:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            self.hook = None
-        if syncer.proc.poll() is None:
-            return False
-        syncer.proc.wait()
-        return True
-
-    def two_digests(self) -> list:
-        return [(k, sorted(v)) for k, v in self.chunk_digests.items() if len(v) > 1]
-
-    async def stop(self) -> None:
-        if self.sub is not None:
-            await self.sub.unsubscribe()
-
 
 async def _commit_times(js, run: str) -> list[tuple[float, dict]]:
     """Every `commit` record of the state KV still in its stream, with the server's timestamp."""
@@ -126,28 +58,15 @@ async def _commit_times(js, run: str) -> list[tuple[float, dict]]:
         await sub.unsubscribe()
 
 
-async def _bcast_state(js, run: str, session: dict, fid: int) -> list[tuple[dict, bytes, int]]:
-    """(header, payload, stream sequence) on each of the fragment's chunk subjects, in chunk order."""
-    f = next(f for f in session["fragments"] if f["id"] == fid)
-    out = []
-    for s in chunk_plan(f["numel"], session["bulk_dtype"], session["chunk_bytes"]):
-        m = await js.get_msg(S.stream(run, "BCAST"), subject=S.bcast(run, fid, s.index), direct=True)
-        out.append((codec.decode_header("bcast_chunk", m.headers[codec.CHUNK_HEADER]), m.data, m.seq))
-    return out
-
-
 async def _play(isls, ref, gen, t: int) -> None:
     await push_round(isls, ref, gen, t, TOKENS)
 
 
 @pytest.mark.parametrize("mode", ["with-commit", "cut-through", "after-commit"])
 async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats_url, run_id, tmp_path, mode):
-    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], tmp_path / "ckpt", *RUN_ARGS,
-                                         "--total-steps", "4", "--broadcast", mode, layout=LAYOUT)
-    a = isls[0]
-    log = await BcastLog(a.js, run_id).start()
-    try:
-        ref, gen = Reference(init), torch.Generator().manual_seed(3)
+    async with watched_run(nats_url, run_id, tmp_path / "ckpt", *RUN_ARGS, "--total-steps", "4", "--broadcast", mode,
+                           seed=3) as (syncer, isls, ref, gen, log):
+        a = isls[0]
         for t in (1, 2, 3, 4):
             await _play(isls, ref, gen, t)
             fid, v = (t - 1) % 2, (t + 1) // 2
@@ -181,21 +100,15 @@ async def test_chunks_go_out_before_the_commit_record_and_the_seal_after_it(nats
             assert d["broadcast_mode"] == mode
             assert d["early_chunks"] == (n[m["fragment"]] - 1 if mode != "after-commit" else 0), d
         assert log.two_digests() == []
-    finally:
-        await log.stop()
-        await close_run(isls, syncer, run_id)
 
 
 @pytest.mark.timeout(240)
 async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_bytes(nats_url, run_id, tmp_path):
     ckpt = tmp_path / "ckpt"
-    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", "10",
-                                         "--broadcast", "cut-through", layout=LAYOUT)
-    a = isls[0]
-    js = a.js
-    log = await BcastLog(js, run_id).start()
-    try:
-        ref, gen = Reference(init), torch.Generator().manual_seed(8)
+    async with watched_run(nats_url, run_id, ckpt, *RUN_ARGS, "--total-steps", "10", "--broadcast", "cut-through",
+                           seed=8) as (syncer, isls, ref, gen, log):
+        a = isls[0]
+        js = a.js
         for t in (1, 2):
             await _play(isls, ref, gen, t)
             torch.testing.assert_close(await a.wait_version((t - 1) % 2, 1), ref.value((t - 1) % 2), rtol=1e-6, atol=1e-6)
@@ -216,7 +129,7 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
         t, v = killed_at
 
         # ---- the syncer is down mid-broadcast: early chunks of v in BCAST, no seal, v not committed
-        state = await _bcast_state(js, run_id, a.session, fid)
+        state = await bcast_state(js, run_id, a.session, fid)
         versions = [meta["version"] for meta, _, _ in state]
         assert versions[0] == v and versions[-1] == v - 1, versions
         assert not any("version_digest" in meta for meta, _, _ in state[:-1])
@@ -244,7 +157,7 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
                                 timeout=60)
         assert merge["detail"].get("redone") is True and merge["version"] == v, merge
         commit = await wait_tape(js, run_id, lambda r: r["step"] == t and r["fragment"] == fid, kind="commit")
-        after = await _bcast_state(js, run_id, a.session, fid)
+        after = await bcast_state(js, run_id, a.session, fid)
         assert [meta["version"] for meta, _, _ in after] == [v] * len(after)
         assert {c: digest(data) for c, data in ((meta["chunk"], data) for meta, data, _ in after) if c in early} == early
         whole = hashlib.sha256(b"".join(data for _, data, _ in after)).hexdigest()
@@ -263,9 +176,6 @@ async def test_sigkill_mid_cut_through_broadcast_then_resume_reissues_identical_
         assert log.two_digests() == [], "a chunk of one version number was sent with two different byte strings"
         segs = replay_segments(nats_url, run_id)
         assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
-    finally:
-        await log.stop()
-        await close_run(isls, syncer, run_id)
 
 
 @pytest.mark.timeout(180)
@@ -279,13 +189,10 @@ async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_r
     lives on and finishes the run."""
     ckpt = tmp_path / "ckpt"
     total = 4
-    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", str(total),
-                                         "--broadcast", "cut-through", layout=LAYOUT)
-    a = isls[0]
-    js = a.js
-    log = await BcastLog(js, run_id).start()
-    try:
-        ref, gen = Reference(init), torch.Generator().manual_seed(11)
+    async with watched_run(nats_url, run_id, ckpt, *RUN_ARGS, "--total-steps", str(total), "--broadcast", "cut-through",
+                           seed=11) as (syncer, isls, ref, gen, log):
+        a = isls[0]
+        js = a.js
         await _play(isls, ref, gen, 1)
         torch.testing.assert_close(await a.wait_version(0, 1), ref.value(0), rtol=1e-6, atol=1e-6)
 
@@ -308,7 +215,7 @@ async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_r
         t, v = killed_at
 
         # ---- down mid-broadcast: early chunks of v in BCAST, no seal; an island's reader stages them
-        state = await _bcast_state(js, run_id, a.session, fid)
+        state = await bcast_state(js, run_id, a.session, fid)
         versions = [meta["version"] for meta, _, _ in state]
         assert versions[0] == v and versions[-1] == v - 1, versions
         early = {meta["chunk"]: digest(data) for meta, data, _ in state if meta["version"] == v}
@@ -343,7 +250,7 @@ async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_r
         await wait_status(js, run_id, lambda st: st["counters"].get("merge_redo_failed") == 1
                           and not st["counters"].get("merge_redone"))
         for _ in range(100):
-            resent = await _bcast_state(js, run_id, a.session, fid)
+            resent = await bcast_state(js, run_id, a.session, fid)
             if all(meta["version"] == v - 1 for meta, _, _ in resent):
                 break
             await asyncio.sleep(0.05)
@@ -367,7 +274,7 @@ async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_r
         params, _ = ck.load_fragment(fid, v, a.frag(fid)["numel"])
         torch.testing.assert_close(params, ref.value(fid), rtol=1e-6, atol=1e-6)
         assert commit["detail"]["version_digest"] == hashlib.sha256(pack(params, "f32").numpy().tobytes()).hexdigest()
-        after = await _bcast_state(js, run_id, a.session, fid)
+        after = await bcast_state(js, run_id, a.session, fid)
         # (the restarted round's chunks of version v carry new Nats-Msg-Ids: under the killed syncer's
         # `bcast.F.v.C` JetStream would drop them as duplicates and BCAST would keep v - 1 there)
         assert [meta["version"] for meta, _, _ in after] == [v] * len(after)
@@ -405,6 +312,3 @@ async def test_sigkill_mid_broadcast_then_pushes_purged_the_redo_fails_and_the_r
         assert f"fragment {fid} version {v} cannot be merged again" in out
         segs = replay_segments(nats_url, run_id)
         assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
-    finally:
-        await log.stop()
-        await close_run(isls, syncer, run_id)

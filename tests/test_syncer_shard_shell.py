@@ -20,19 +20,11 @@ import torch
 
 from yeto.schemas import subjects as S
 from yeto.schemas.provision import RunLimits, kv_put, provision_run
-from tests.scripted import (LR, MU, Reference, ScriptedIsland, SyncerProc, close_run, replay_segments, snapshot_dir, tape,
-                            tiny_layout, wait_provisioned, wait_tape)
+from tests.scripted import Reference, SyncerProc, replay_segments, snapshot_dir, tape, wait_tape
+from tests.shard_support import (RUN_ARGS, STEPS, ShardedRun, finish, play_round, state_value, wait_proc,
+                                 wait_status_key)
 
 pytestmark = pytest.mark.timeout(180)  # process starts take seconds each on a loaded machine
-
-LAYOUT = tiny_layout(4, 32)  # P=2: fragment 0 = embed, fragment 1 = layers
-STEPS = 4
-RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--total-steps", str(STEPS), "--strict",
-            "--outer-lr", str(LR), "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--status-every", "0.5",
-            "--shards", "2",
-            # scripted islands send no heartbeats: on a loaded machine the run outlasted the default 30 s
-            # member timeout and the coordinator marked both islands gone (no round could launch)
-            "--member-timeout", "600")
 
 
 async def _kv(js, run: str, kind: str = "state") -> dict[str, object]:
@@ -54,108 +46,6 @@ async def _kv(js, run: str, kind: str = "state") -> dict[str, object]:
     return out
 
 
-async def _kv_value(js, run: str, key: str, timeout: float = 20.0):
-    kv = await js.key_value(S.kv_bucket(run, "state"))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            e = await kv.get(key)
-            if e and e.value:
-                return orjson.loads(e.value)
-        except Exception:
-            pass
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"state KV {key} never written")
-
-
-async def wait_status_key(js, run: str, key: str, pred, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    st = None
-    while time.monotonic() < deadline:
-        st = await _kv_value(js, run, key)
-        if pred(st):
-            return st
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"state KV {key} never matched; last: {st}")
-
-
-async def _wait_proc(proc: SyncerProc, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while proc.proc.poll() is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert proc.proc.poll() is not None, f"syncer still running:\n{proc.output()[-3000:]}"
-    return proc.proc.returncode
-
-
-class ShardedRun:
-    """Shard 0 started first; the islands say hello; shard 1 (a fresh follower) starts once the session
-    is pinned; the INIT island sends every fragment's INIT (shard 1's wait in its work queue)."""
-
-    def __init__(self, nats_url: str, run: str, tmp_path):
-        self.url, self.run, self.tmp = nats_url, run, tmp_path
-        self.ckpt = [tmp_path / "s0", tmp_path / "s1"]
-        self.shards = [SyncerProc(nats_url, run, self.ckpt[k], *RUN_ARGS, "--shard", str(k),
-                                  log=tmp_path / f"shard{k}.log") for k in range(2)]
-        self.isls: list[ScriptedIsland] = []
-
-    async def start(self, *, seed: int = 0) -> dict[int, torch.Tensor]:
-        import nats
-
-        from yeto.schemas.dtypes import pack, unpack
-
-        self.shards[0].start()
-        for name in ("a", "b"):
-            self.isls.append(ScriptedIsland(await nats.connect(self.url), self.run, name, LAYOUT))
-        a = self.isls[0]
-        await wait_provisioned(a.js, self.run)
-        for isl in self.isls:
-            await isl.connect_consumer()
-        for isl in self.isls:
-            await isl.hello()
-            await asyncio.sleep(0.05)
-        for isl in self.isls:
-            await isl.wait_session()
-        self.shards[1].start()
-        gen = torch.Generator().manual_seed(seed)
-        bulk = a.session["bulk_dtype"]
-        init = {f["id"]: unpack(pack(torch.randn(f["numel"], generator=gen), bulk), bulk, f["numel"])
-                for f in a.session["fragments"]}
-        await a.send_init(init)
-        return init
-
-    async def close(self) -> None:
-        for p in self.shards[1:]:
-            p.stop()
-        await close_run(self.isls, self.shards[0], self.run)
-
-
-async def _play(run: ShardedRun, ref: Reference, t: int, gen: torch.Generator, attempt: int | None = None,
-                timeout: float = 30.0) -> None:
-    a, b = run.isls
-    fid = (t - 1) % 2
-    tokens = {"a": 200, "b": 100}
-    deltas = []
-    for isl in run.isls:
-        pull = await isl.expect_pull(t, attempt=attempt, timeout=timeout)
-        assert pull["fragment"] == fid
-        deltas.append(torch.randn(isl.frag(fid)["numel"], generator=gen) * 0.1)
-        await isl.push(pull, deltas[-1], c_tokens=tokens[isl.island])
-    ref.round(fid, deltas, [tokens["a"], tokens["b"]])
-    torch.testing.assert_close(await a.wait_version(fid, (t + 1) // 2), ref.value(fid), rtol=1e-6, atol=1e-6)
-
-
-async def _finish(run: ShardedRun) -> dict:
-    """Both islands get the manifest and ack; both shards exit 0. Returns the manifest."""
-    manifests = {}
-    for isl in run.isls:
-        _, m = await isl.expect(lambda k, m: k == "manifest", timeout=30)
-        manifests[isl.island] = m
-        await isl.ack(m["final_step"])
-    for p in run.shards:
-        assert await _wait_proc(p, 60) == 0, p.output()[-3000:]
-    return manifests["a"]
-
-
 async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats_url, run_id, tmp_path):
     run = ShardedRun(nats_url, run_id, tmp_path)
     try:
@@ -167,11 +57,11 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         ref = Reference(init)
         gen = torch.Generator().manual_seed(3)
         # shard 1 follows the coordinator: its status record says so, and it holds fragment 1 only
-        st1 = await _kv_value(js, run_id, "syncer.1")
+        st1 = await state_value(js, run_id, "syncer.1")
         assert (st1["shard"], st1["shards"], st1["fragments"]) == (1, 2, [1]) and st1["rss_bytes"] > 0
         for t in range(1, STEPS + 1):
-            await _play(run, ref, t, gen)
-        manifest = await _finish(run)
+            await play_round(run, ref, t, gen)
+        manifest = await finish(run)
 
         # the manifest covers both fragments, with the f32 final cut's digests as published in FINAL
         assert manifest["final_step"] == STEPS and manifest["versions"] == {"0": 2, "1": 2}
@@ -236,7 +126,7 @@ async def test_two_shards_each_commit_their_own_fragment_and_finish_one_run(nats
         await state.delete("final")
         for k in (1, 0):
             run.shards[k].start("--resume")
-            assert await _wait_proc(run.shards[k], 60) == 0, run.shards[k].output()[-3000:]
+            assert await wait_proc(run.shards[k], 60) == 0, run.shards[k].output()[-3000:]
         kv2 = await _kv(js, run_id)
         assert kv2["final.1"] == kv["final.1"] and kv2["final"]["version_digests"] == manifest["version_digests"]
     finally:
@@ -252,7 +142,7 @@ async def test_a_fresh_follower_refuses_when_its_shard_already_committed(nats_ur
         await kv_put(js, run_id, "state", "commit.0", orjson.dumps({"committed_step": 3, "versions": {"0": 2}}))
         await kv_put(js, run_id, "state", "commit.1", orjson.dumps({"committed_step": 2, "versions": {"1": 1}}))
         follower = SyncerProc(nats_url, run_id, tmp_path / "s1", *RUN_ARGS, "--shard", "1").start()
-        rc = await _wait_proc(follower, 60)
+        rc = await wait_proc(follower, 60)
         out = follower.output()
         assert rc == 2, out[-2000:]
         assert "shard 1/2 already committed" in out and "commit.1" in out and "--resume" in out
@@ -265,7 +155,7 @@ async def test_a_fresh_follower_refuses_when_its_shard_already_committed(nats_ur
         try:
             await asyncio.sleep(4)
             assert follower2.proc.poll() is None, follower2.output()[-2000:]   # waiting for a session
-            st = await _kv_value(js, run_id, "syncer.1")
+            st = await state_value(js, run_id, "syncer.1")
             assert st["phase"] == "pinning" and st["fragments"] == [1]
         finally:
             follower2.stop()
@@ -283,23 +173,23 @@ async def test_a_killed_follower_is_reported_missing_resumes_alone_and_the_run_f
         ref = Reference(init)
         gen = torch.Generator().manual_seed(4)
         for t in (1, 2):
-            await _play(run, ref, t, gen)
+            await play_round(run, ref, t, gen)
         # shard 1's round 4 is in flight (strict: launched right after step 2 committed): kill it
         for isl in run.isls:
             await isl.expect_pull(4, attempt=1)
         ck_before = snapshot_dir(run.ckpt[1])
         run.shards[1].kill()
         # the coordinator keeps running its own rounds meanwhile
-        await _play(run, ref, 3, gen)
+        await play_round(run, ref, 3, gen)
         rec = await wait_tape(js, run_id, lambda r: r["reason"].startswith("shard 1 missing"), timeout=40, kind="error")
         assert rec["detail"]["code"] == "shard_missing" and rec["detail"]["fragments"] == [1]
         await wait_status_key(js, run_id, "syncer.0", lambda st: st["shards_missing"] == [1])
         assert snapshot_dir(run.ckpt[1]) == ck_before
         run.shards[1].start("--resume")
         # the round in flight is launched again with a new attempt, from the checkpointed version
-        await _play(run, ref, 4, gen, attempt=2)
+        await play_round(run, ref, 4, gen, attempt=2)
         await wait_tape(js, run_id, lambda r: r["reason"] == "shard 1 back", timeout=20, kind="error")
-        manifest = await _finish(run)
+        manifest = await finish(run)
         assert manifest["versions"] == {"0": 2, "1": 2}
         for fid in (0, 1):
             _, vals, meta = await a.read_cut(fid, final=True)
@@ -325,24 +215,24 @@ async def test_a_killed_coordinator_resumes_while_the_follower_keeps_committing(
         js = a.js
         ref = Reference(init)
         gen = torch.Generator().manual_seed(5)
-        await _play(run, ref, 1, gen)
+        await play_round(run, ref, 1, gen)
         for isl in run.isls:                      # the coordinator's round 3 is in flight
             await isl.expect_pull(3, attempt=1)
         run.shards[0].kill()
         # the follower runs its rounds with the membership it last read
-        await _play(run, ref, 2, gen)
-        await _play(run, ref, 4, gen)
+        await play_round(run, ref, 2, gen)
+        await play_round(run, ref, 4, gen)
         # The status record is written every --status-every (0.5 s): the broadcast seen above may be newer.
         deadline = time.monotonic() + 20
-        while (st1 := await _kv_value(js, run_id, "syncer.1"))["committed_step"] < 4 and time.monotonic() < deadline:
+        while (st1 := await state_value(js, run_id, "syncer.1"))["committed_step"] < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert st1["committed_step"] == 4 and st1["versions"] == {"1": 2}
-        final1 = await _kv_value(js, run_id, "final.1")       # its final cut is out; it is done
+        final1 = await state_value(js, run_id, "final.1")       # its final cut is out; it is done
         assert final1["versions"] == {"1": 2}
-        assert await _wait_proc(run.shards[1], 60) == 0
+        assert await wait_proc(run.shards[1], 60) == 0
         run.shards[0].start("--resume")
-        await _play(run, ref, 3, gen, attempt=2)
-        manifest = await _finish(run)
+        await play_round(run, ref, 3, gen, attempt=2)
+        manifest = await finish(run)
         assert manifest["versions"] == {"0": 2, "1": 2}
         assert manifest["version_digests"]["1"] == final1["version_digests"]["1"]
         for fid in (0, 1):

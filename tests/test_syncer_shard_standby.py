@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.scripted import Reference, SyncerProc, tape
-from tests.test_syncer_shard_shell import RUN_ARGS, ShardedRun, _play
+from tests.shard_support import RUN_ARGS, ShardedRun, finish, play_round
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,18 +65,6 @@ class TwinShards(ShardedRun):
         await super().close()
 
 
-async def _finish_all(run: TwinShards, procs: list[SyncerProc]) -> dict:
-    manifests = {}
-    for isl in run.isls:
-        _, m = await isl.expect(lambda k, m: k == "manifest", timeout=60)
-        manifests[isl.island] = m
-        await isl.ack(m["final_step"])
-    for p in procs:
-        rc = await asyncio.to_thread(p.wait, 60)
-        assert rc == 0, p.output()[-3000:]
-    return manifests["a"]
-
-
 async def _final_cut_is_the_reference(a, ref: Reference, manifest: dict, js, run_id: str) -> None:
     """The final cut (versions 2 of both fragments) equals the independent reference, its digests are the
     manifest's, and every (fragment, version) 0..2 was committed with one digest."""
@@ -99,8 +87,8 @@ async def test_a_shards_owner_killed_its_standby_on_an_empty_directory_takes_ove
         js = a.js
         ref = Reference(init)
         gen = torch.Generator().manual_seed(11)
-        await _play(run, ref, 1, gen)
-        await _play(run, ref, 2, gen)
+        await play_round(run, ref, 1, gen)
+        await play_round(run, ref, 2, gen)
         owners = {k: await run.owner(k) for k in (0, 1)}
         victim, standby = owners[killed]
         # the killed shard's next round is in flight (strict: launched right after the step before committed)
@@ -111,18 +99,18 @@ async def test_a_shards_owner_killed_its_standby_on_an_empty_directory_takes_ove
         t_kill = time.monotonic()
         # the other shard's round goes on meanwhile
         if killed == 1:
-            await _play(run, ref, 3, gen)
+            await play_round(run, ref, 3, gen)
         # the standby takes the lease (a dead pid on this host: at once; the TTL otherwise), restores from
         # the state KV into its empty directory and launches the round again with a new attempt
-        await _play(run, ref, t, gen, attempt=2, timeout=60)
+        await play_round(run, ref, t, gen, attempt=2, timeout=60)
         took = time.monotonic() - t_kill
         if killed == 0:
-            await _play(run, ref, 4, gen)
+            await play_round(run, ref, 4, gen)
         out = standby.output()
         assert "restored run" in out and "from the state KV" in out, out[-3000:]
         # (its lease may already be released: a follower exits right after its final cut)
         other_owner, other_standby = owners[1 - killed]
-        manifest = await _finish_all(run, [standby, other_owner, other_standby])
+        manifest = await finish(run, [standby, other_owner, other_standby], manifest_timeout=60)
         print(f"shard {killed}: kill -> its round merged again by the standby in {took:.1f}s")
         await _final_cut_is_the_reference(a, ref, manifest, js, run_id)
         # the standby of the shard nobody killed stood by to the end and wrote nothing
@@ -152,22 +140,22 @@ async def test_a_follower_covering_the_coordinator_takes_its_role_when_it_dies(n
         js = a.js
         ref = Reference(init)
         gen = torch.Generator().manual_seed(13)
-        await _play(run, ref, 1, gen)
-        await _play(run, ref, 2, gen)
+        await play_round(run, ref, 1, gen)
+        await play_round(run, ref, 2, gen)
         assert await _lease_pid(js, run_id, 0) == run.shards[0].proc.pid   # the cover only stood by
         for isl in run.isls:
             await isl.expect_pull(3, attempt=1)
         run.shards[0].kill()
         t_kill = time.monotonic()
-        await _play(run, ref, 3, gen, attempt=2, timeout=60)
+        await play_round(run, ref, 3, gen, attempt=2, timeout=60)
         took = time.monotonic() - t_kill
-        await _play(run, ref, 4, gen)
+        await play_round(run, ref, 4, gen)
         cover = run.shards[1]
         assert await _lease_pid(js, run_id, 0) == cover.proc.pid
         out = cover.output()
         assert "[shard 0/2]" in out and "took over run lease.0" in out and "restored run" in out, out[-3000:]
         assert "fragments from the standby's warm copy" in out, out[-3000:]
-        manifest = await _finish_all(run, [cover])
+        manifest = await finish(run, [cover], manifest_timeout=60)
         print(f"coordinator killed -> its round merged again by the covering follower in {took:.1f}s")
         await _final_cut_is_the_reference(a, ref, manifest, js, run_id)
         assert (tmp_path / "s1-cover-s0" / "checkpoint.json").exists()

@@ -26,18 +26,13 @@ from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest
 from yeto.schemas.dtypes import unpack
 from yeto.services.syncer.checkpoint import CheckpointDir
-from tests.scripted import (LR, MU, Reference, close_run, finish_on_reference, push_round, replay_segments,
-                            snapshot_dir, start_run, syncer_status, tape, tiny_layout, wait_status, wait_tape)
-from tests.test_syncer_cut_through import BcastLog, _bcast_state
+from tests.broadcast_support import RUN_ARGS as BROADCAST_RUN_ARGS, TOKENS, bcast_state, watched_run
+from tests.scripted import (finish_on_reference, push_round, replay_segments, snapshot_dir, syncer_status, tape,
+                            wait_status, wait_tape)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-# P = 2: fragment 0 = embed (3 chunks of 1 KiB), fragment 1 = layers (~258 chunks): its merge and broadcast
-# take long enough to be caught in the middle.
-LAYOUT = tiny_layout(4, 128)
-RUN_ARGS = ("--islands", "2", "--fragments", "2", "--sync-every", "2", "--strict", "--outer-lr", str(LR),
-            "--outer-momentum", str(MU), "--chunk-bytes", "1024", "--status-every", "0.5", "--speculate", "on")
-TOKENS = {"a": 200, "b": 100}
+RUN_ARGS = (*BROADCAST_RUN_ARGS, "--speculate", "on")
 
 
 def _chunks(isl, fid: int) -> int:
@@ -55,13 +50,10 @@ async def _merge_record(js, run_id: str, t: int) -> dict:
 
 async def test_sigkill_during_a_speculative_merge_then_resume(nats_url, run_id, tmp_path):
     ckpt = tmp_path / "ckpt"
-    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", "6",
-                                         layout=LAYOUT)
-    a, b = isls
-    js = a.js
-    log = await BcastLog(js, run_id).start()
-    try:
-        ref, gen = Reference(init), torch.Generator().manual_seed(11)
+    async with watched_run(nats_url, run_id, ckpt, *RUN_ARGS, "--total-steps", "6",
+                           seed=11) as (syncer, isls, ref, gen, log):
+        a, b = isls
+        js = a.js
         for t in (1, 2, 3):
             await _play(isls, ref, gen, t)
         # the rounds so far were merged from their speculative sums, every chunk of them
@@ -85,7 +77,7 @@ async def test_sigkill_during_a_speculative_merge_then_resume(nats_url, run_id, 
             await asyncio.sleep(0.05)
         assert pending == 0
         files_before = snapshot_dir(ckpt)
-        bcast_before = await _bcast_state(js, run_id, a.session, fid)
+        bcast_before = await bcast_state(js, run_id, a.session, fid)
         syncer.proc.send_signal(signal.SIGKILL)
         syncer.proc.wait()
 
@@ -95,7 +87,7 @@ async def test_sigkill_during_a_speculative_merge_then_resume(nats_url, run_id, 
         assert held.versions == {0: 2, 1: 1} and held.committed_step == 3
         intent = CheckpointDir(ckpt).read_intent(fid)
         assert intent is None or intent["merge"]["version"] != 2
-        assert [(m, d) for m, d, _ in await _bcast_state(js, run_id, a.session, fid)] == \
+        assert [(m, d) for m, d, _ in await bcast_state(js, run_id, a.session, fid)] == \
                [(m, d) for m, d, _ in bcast_before]
         commit = orjson.loads((await (await js.key_value(S.kv_bucket(run_id, "state"))).get("commit")).value)
         assert commit["committed_step"] == 3 and commit["versions"] == {"0": 2, "1": 1}
@@ -116,20 +108,14 @@ async def test_sigkill_during_a_speculative_merge_then_resume(nats_url, run_id, 
         assert (await js.stream_info(S.stream(run_id, "PUSH"))).state.messages == 0
         segs = replay_segments(nats_url, run_id)
         assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
-    finally:
-        await log.stop()
-        await close_run(isls, syncer, run_id)
 
 
 async def test_sigkill_after_adopting_a_speculative_merge_then_redo_gives_its_bytes(nats_url, run_id, tmp_path):
     ckpt = tmp_path / "ckpt"
-    syncer, isls, init = await start_run(nats_url, run_id, ["a", "b"], ckpt, *RUN_ARGS, "--total-steps", "10",
-                                         "--broadcast", "cut-through", layout=LAYOUT)
-    a = isls[0]
-    js = a.js
-    log = await BcastLog(js, run_id).start()
-    try:
-        ref, gen = Reference(init), torch.Generator().manual_seed(12)
+    async with watched_run(nats_url, run_id, ckpt, *RUN_ARGS, "--total-steps", "10", "--broadcast", "cut-through",
+                           seed=12) as (syncer, isls, ref, gen, log):
+        a = isls[0]
+        js = a.js
         for t in (1, 2):
             await _play(isls, ref, gen, t)
 
@@ -150,7 +136,7 @@ async def test_sigkill_after_adopting_a_speculative_merge_then_redo_gives_its_by
             in syncer.output(), syncer.output()[-3000:]
 
         # ---- down mid-broadcast: early chunks of v (from the adopted sums) in BCAST, no seal, v not committed
-        state = await _bcast_state(js, run_id, a.session, fid)
+        state = await bcast_state(js, run_id, a.session, fid)
         early = {meta["chunk"]: digest(data) for meta, data, _ in state if meta["version"] == v}
         assert len(early) >= 3 and not any("version_digest" in meta for meta, _, _ in state[:-1])
         ck = CheckpointDir(ckpt)
@@ -162,7 +148,7 @@ async def test_sigkill_after_adopting_a_speculative_merge_then_redo_gives_its_by
         assert merge["detail"].get("redone") is True and merge["version"] == v, merge
         assert merge["detail"]["speculated_chunks"] == 0 and merge["detail"]["push_chunks_read"] > 0, merge["detail"]
         commit = await wait_tape(js, run_id, lambda r: r["step"] == t and r["fragment"] == fid, kind="commit")
-        after = await _bcast_state(js, run_id, a.session, fid)
+        after = await bcast_state(js, run_id, a.session, fid)
         assert [meta["version"] for meta, _, _ in after] == [v] * len(after)
         assert {meta["chunk"]: digest(data) for meta, data, _ in after if meta["chunk"] in early} == early
         whole = hashlib.sha256(b"".join(data for _, data, _ in after)).hexdigest()
@@ -179,6 +165,3 @@ async def test_sigkill_after_adopting_a_speculative_merge_then_redo_gives_its_by
         assert all(m["detail"]["speculated_chunks"] > 0 for m in merges if m["step"] > t), merges
         await asyncio.sleep(0.3)
         assert log.two_digests() == [], "a chunk of one version number was sent with two different byte strings"
-    finally:
-        await log.stop()
-        await close_run(isls, syncer, run_id)

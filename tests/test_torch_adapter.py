@@ -9,13 +9,14 @@ from torch import nn
 
 from yeto.learner.adapters import (
     ModelAdapter,
-    Shard,
+    Piece,
+    SlicedTorchAdapter,
     TorchModuleAdapter,
     fragment_names,
     gather_fragment,
     scatter_fragment,
 )
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError, WireError
 from yeto.schemas.layout import build_session, natural_key
 
 
@@ -52,7 +53,7 @@ def session_for(adapter, fragments=3):
 def test_tied_weight_appears_once_under_its_first_canonical_name():
     m = tiny()
     ad = TorchModuleAdapter(m)
-    names = [s.name for s in ad.shards()]
+    names = [s.name for s in ad.pieces()]
     assert "embed.weight" in names and "lm_head.weight" not in names
     assert ad.aliases["embed.weight"] == ["embed.weight", "lm_head.weight"]
     assert names == sorted(names, key=natural_key)  # layers.2 before layers.10
@@ -65,7 +66,7 @@ def test_distinct_parameters_over_one_storage_appear_once():
     m = tiny(layers=1)
     m.alias = nn.Parameter(m.layers[0].weight.data)  # another Parameter object, same memory
     ad = TorchModuleAdapter(m)
-    names = [s.name for s in ad.shards()]
+    names = [s.name for s in ad.pieces()]
     assert "alias" in names and "layers.0.weight" not in names
     assert ad.aliases["alias"] == ["alias", "layers.0.weight"]  # "alias" sorts first
 
@@ -74,7 +75,7 @@ def test_only_trainable_parameters_are_synced():
     m = tiny()
     for p in m.layers[1].parameters():
         p.requires_grad_(False)
-    names = [s.name for s in TorchModuleAdapter(m).shards()]
+    names = [s.name for s in TorchModuleAdapter(m).pieces()]
     assert "layers.1.weight" not in names and "layers.1.bias" not in names
     assert "layers.0.weight" in names and "layers.2.bias" in names
 
@@ -82,15 +83,15 @@ def test_only_trainable_parameters_are_synced():
 def test_shards_and_layout_describe_the_model():
     m = tiny(layers=2).to(torch.bfloat16)
     ad = TorchModuleAdapter(m)
-    sh = {s.name: s for s in ad.shards()}
-    assert sh["embed.weight"] == Shard("embed.weight", (10, 4), "bfloat16", None, True)
+    sh = {s.name: s for s in ad.pieces()}
+    assert sh["embed.weight"] == Piece("embed.weight", (10, 4), "bfloat16", None, True)
     assert {"name": "layers.1.bias", "shape": [4], "dtype": "bfloat16"} in ad.layout()
     assert isinstance(ad, ModelAdapter)
 
 
 def test_unsupported_parameter_dtype_is_refused():
     m = tiny(layers=1).double()
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         TorchModuleAdapter(m)
     assert "dtype" in e.value.field
 
@@ -118,20 +119,39 @@ def test_write_without_master_updates_the_parameter_and_its_tied_alias():
     v = torch.arange(40, dtype=torch.float32).view(10, 4)
     ad.write("embed.weight", v.reshape(-1))  # flat values are reshaped
     assert torch.equal(m.embed.weight, v) and torch.equal(m.lm_head.weight, v)
-    with pytest.raises(WireError):
+    with pytest.raises(ValueError, match="write of embed.weight: expected 40 values"):
         ad.write("embed.weight", torch.zeros(3))
-    with pytest.raises(WireError):
+    with pytest.raises(ValueError, match="'lm_head.weight' is not a synced parameter"):
         ad.read("lm_head.weight")  # an alias is not a synced name
 
 
 def test_master_must_match_its_parameter():
     m = tiny(layers=1)
-    with pytest.raises(WireError) as e:
+    with pytest.raises(ConfigError) as e:
         TorchModuleAdapter(m, master={"layers.0.weight": torch.zeros(3, 3)})
     assert e.value.field == "master.layers.0.weight"
-    with pytest.raises(WireError):
+    with pytest.raises(ConfigError):
         TorchModuleAdapter(m, master={"nope": torch.zeros(1)})
 
+
+
+def test_misuse_is_never_a_wire_error():
+    """A receiver counts and drops a WireError and trains on; a caller's misuse of an adapter (a name it
+    does not sync, a value of the wrong shape) or a model it cannot take is a bug to fix, so it must not
+    look like garbage from the wire (docs/design.md §6 "Adapters")."""
+    ad = TorchModuleAdapter(tiny(layers=1))
+    sliced = SlicedTorchAdapter.build({"w": (4, 2)}, tp=2, tp_rank=1)
+    misuse = [lambda: ad.read("ghost"), lambda: ad.write("embed.weight", torch.zeros(3)),
+              lambda: ad.blend("embed.weight", torch.zeros(3), 0.5, (3,)),
+              lambda: sliced.read("ghost"), lambda: sliced.write("w", torch.zeros(3)),
+              lambda: gather_fragment(ad, {"id": 0, "numel": 1, "tensors": [
+                  {"name": "ghost", "shape": [1], "offset": 0, "numel": 1}]}),
+              lambda: TorchModuleAdapter(tiny(layers=1).double()),
+              lambda: TorchModuleAdapter(tiny(layers=1), bucket_bytes=1)]
+    for call in misuse:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert not isinstance(e.value, WireError), repr(e.value)
 
 # ---- gather / scatter -----------------------------------------------------------------------------
 
@@ -169,13 +189,13 @@ def test_gather_scatter_round_trip_is_bitwise(dtype, with_master):
 def test_gather_refuses_a_fragment_that_does_not_match_the_model():
     ad = TorchModuleAdapter(tiny(layers=1))
     frag = {"id": 0, "numel": 16, "tensors": [{"name": "layers.0.weight", "shape": [2, 8], "offset": 0, "numel": 16}]}
-    with pytest.raises(WireError):
+    with pytest.raises(ValueError, match="has shape \\[2, 8\\]; the model holds \\[4, 4\\]"):
         gather_fragment(ad, frag)
     frag = {"id": 0, "numel": 4, "tensors": [{"name": "ghost", "shape": [4], "offset": 0, "numel": 4}]}
-    with pytest.raises(WireError):
+    with pytest.raises(ValueError, match="'ghost' is not a synced tensor"):
         gather_fragment(ad, frag)
     good = {"id": 0, "numel": 4, "tensors": [{"name": "layers.0.bias", "shape": [4], "offset": 0, "numel": 4}]}
-    with pytest.raises(WireError):
+    with pytest.raises(ValueError, match="flat must be a 1-D tensor of 4 values"):
         scatter_fragment(ad, good, torch.zeros(5))
 
 
@@ -263,7 +283,7 @@ def test_blend_in_place_gives_the_bits_of_the_default_read_blend_write(model_dty
         return TorchModuleAdapter(m, master=master)
 
     fast, slow = make(), make()
-    for s in fast.shards():
+    for s in fast.pieces():
         glob = torch.randn(torch.Size(s.global_shape).numel(), generator=torch.Generator().manual_seed(7))
         before = fast.read(s.name).double().reshape(-1).clone()
         fast.blend(s.name, glob, alpha, tuple(s.global_shape))
@@ -273,5 +293,5 @@ def test_blend_in_place_gives_the_bits_of_the_default_read_blend_write(model_dty
         want = alpha * before + (1 - alpha) * glob.double()
         tol = 1e-6 if with_master or model_dtype == torch.float32 else 1e-2  # a bf16 parameter holds 8 bits
         assert torch.allclose(fast.read(s.name).double().reshape(-1), want, rtol=0, atol=tol), s.name
-    with pytest.raises(WireError, match="value.embed.weight"):
+    with pytest.raises(ValueError, match="blend of embed.weight"):
         fast.blend("embed.weight", torch.zeros(3), alpha, (3,))

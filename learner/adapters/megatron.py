@@ -1,51 +1,16 @@
-"""Model adapter for megatron-core models (TP / PP with virtual stages / EP / DP, fp32 masters).
+"""Model adapter for megatron-core models (TP / PP with virtual stages / EP / DP, fp32 masters): the base.py
+contract over Megatron's own parameters and optimizer (docs/design.md §6, docs/megatron.md).
 
     adapter = MegatronAdapter(model_chunks, optimizer)   # collective over the whole world
 
-`model_chunks`: the model (or its list of virtual-pipeline chunks), wrapped (DDP, Float16Module,
-peft) or not. `optimizer`: megatron-core's optimizer as built by `get_megatron_optimizer` (a
-ChainedOptimizer is unwrapped), or None when the parameters themselves are the truth.
-
-What is synced (docs/design.md §5.4): the trainable parameters (`requires_grad`; in a LoRA run the adapters), each
-once. Names are canonical (see megatron_names: wrappers stripped, global layer index, global expert
-index; the same on every island whatever its TP/PP/EP/VPP). Tied embedding and output layer
-(`share_embeddings_and_output_weights`): with PP > 1 the last stage holds its own copy of the word
-embedding as `output_layer.weight`; it is listed under the embedding's canonical name as a non-owner
-replica of the same box, so it is written with the same values and never read for a push.
-
-Boxes and owners (base.py contract): a TP-partitioned parameter's box comes from its
-`partition_dim` / `partition_stride` and the TP group of its kind (the model's `pg_collection.tp`;
-`expt_tp` for experts); fused tensors whose layout depends on the TP size are converted, not pinned —
-a partition stride s > 1 (gated fc1) is presented as (s, rows) so the box is one box and the flat
-order is the TP=1 one; QKV needs nothing (interleaved per query group, TP splits whole groups). What
-*is* pinned by the layout fingerprint is the vocabulary padding: the embedding/output rows are
-megatron-core's padded vocabulary, so islands whose padded vocab differs (padding to a multiple of
-128·TP, say) have different shapes and are refused at hello. The owner of a box is the replica with
-data-parallel(-with-context) rank 0 (expert-data-parallel rank 0 for experts) and, for a tensor that
-is not TP-partitioned, TP rank 0.
-
-fp32 master (docs/design.md §6), found through the optimizer by attributes (no type names):
-* DistributedOptimizer: each rank owns a contiguous range of each parameter's flattened local tensor
-  (`main_param` shard, from `_get_model_param_range_map`). `read` is a collective over that
-  optimizer's data-parallel group: the owned ranges are all-gathered and placed at their offsets
-  (bitwise; nothing is summed). `write` sets the rank's owned master range and the whole model
-  parameter (no collective: every replica gets the value). Ranges are exchanged once, at construction.
-* Float16OptimizerWithFloat16Params: the full fp32 copy of the TP slice (`fp32_from_float16_groups`).
-* fp32 parameters (FP32Optimizer, or fp32 groups of the others) are their own master.
-Writes set the master, then the model parameter from it (rounded to bf16/fp16 as the optimizer's own
-main→model copy does), so they never disagree. Reads come from the master.
-
-Collectives inside `read` / `write` (base.py allows them): `read` of a DistributedOptimizer tensor
-runs an all-gather over the optimizer's data-parallel group, so every rank of that group must call
-`read` for the same names in the same order — the sharded island does; the older
-single-sync-rank Island calls `read` on rank 0 only, so there use Float16Optimizer/FP32 or DP = 1.
-
-`sync_replicas(names)` (the older Island's DP protocol: rank 0 writes, then every rank calls it)
-broadcasts each box written by the data-parallel replica group's rank 0 over that group and writes it
-on the other replicas. The sharded island writes every holder itself and does not call it.
-
-`layout_all(adapter)` and `gather_full(adapter)` / `scatter_full(adapter, values)` are collective
-helpers over the world: the island-wide layout and whole canonical tensors (tests, checkpoints).
+`model_chunks`: the model (or its list of virtual-pipeline chunks), wrapped (DDP, Float16Module, peft) or
+not; `optimizer`: megatron-core's optimizer from `get_megatron_optimizer` (a ChainedOptimizer is
+unwrapped), or None when the parameters themselves are the truth. `MegatronAdapter`'s doc has what is
+synced, the boxes and owners, and where the fp32 master lives.
+Invariants: names are canonical (megatron_names.py) and boxes TP-independent, so islands of any
+TP/PP/EP/VPP share one session; writes set the master, then the model parameter from it, so they never
+disagree; a model or optimizer the adapter cannot take is a ConfigError at construction. `layout_all`,
+`gather_full` and `scatter_full` are collective helpers over the world (tests, checkpoints).
 """
 from __future__ import annotations
 
@@ -56,17 +21,17 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 from yeto.schemas.layout import canonical_layout, natural_key
 
-from .base import ModelAdapter, Shard, dtype_name
+from .base import ModelAdapter, Piece, dtype_name
 from .megatron_names import (Box, experts_module_path, global_expert_name, global_layer_name, local_layer_index,
                              lora_b_base, strip_wrappers, tp_box)
 
 log = logging.getLogger("yeto.megatron")
 
 _LOW = (torch.bfloat16, torch.float16)
-_SHARD_HAS_EXPERT = "expert" in getattr(Shard, "__dataclass_fields__", {})
+_PIECE_HAS_EXPERT = "expert" in getattr(Piece, "__dataclass_fields__", {})
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -163,10 +128,39 @@ def _leaf_optimizers(opt) -> list:
 
 
 class MegatronAdapter(ModelAdapter):
+    """The base.py contract over a megatron-core model and its optimizer.
+
+    What is synced: the trainable parameters (`requires_grad`; in a LoRA run the adapters), each once, under
+    canonical names (megatron_names: wrappers stripped, global layer index, global expert index). Tied
+    embedding and output layer (`share_embeddings_and_output_weights`): with PP > 1 the last stage's own
+    copy of the word embedding (`output_layer.weight`) is listed under the embedding's name as a non-owner
+    replica of the same box, written with the same values and never read for a push.
+
+    Boxes and owners: a TP-partitioned parameter's box comes from its `partition_dim` / `partition_stride`
+    and the TP group of its kind (the model's `pg_collection.tp`; `expt_tp` for experts); a partition stride
+    s > 1 (gated fc1) is presented as (s, rows), so the box is one box and the flat order the TP=1 one; QKV
+    needs nothing (interleaved per query group, TP splits whole groups). The padded vocabulary *is* pinned by
+    the layout fingerprint: islands whose padded vocab differs have other shapes and are refused at hello.
+    The owner of a box is the replica with data-parallel(-with-context) rank 0 (expert-data-parallel rank 0
+    for experts) and, for a tensor TP does not split, TP rank 0.
+
+    fp32 master, found through the optimizer by attributes (no type names):
+    * DistributedOptimizer: each rank owns a contiguous range of each parameter's flattened local tensor
+      (`main_param`, from `_get_model_param_range_map`, exchanged once at construction). `read` all-gathers
+      the owned ranges over the optimizer's data-parallel group and places them (bitwise; nothing summed), so
+      every rank of that group calls `read` for the same names in the same order (the island does); `write`
+      sets the rank's owned range and the whole model parameter (no collective).
+    * Float16OptimizerWithFloat16Params: the full fp32 copy of the TP slice (`fp32_from_float16_groups`).
+    * fp32 parameters (FP32Optimizer, or fp32 groups of the others) are their own master.
+    Writes set the master, then the model parameter from it (rounded as the optimizer's own main→model copy
+    does). `sync_replicas(names)` is for callers that write on one replica only: it broadcasts each box the
+    replica group's rank 0 wrote over that group (the island writes every holder itself and never calls it).
+    """
+
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any = None):
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if not chunks:
-            raise WireError("no model chunks", field="model", value=[])
+            raise ConfigError("no model chunks", field="model", value=[])
         self._entries: dict[str, _Entry] = {}
         by_param: dict[int, tuple[str, int]] = {}  # id(param) -> (canonical name, target index)
         for inner in (_unwrap(c) for c in chunks):
@@ -201,8 +195,8 @@ class MegatronAdapter(ModelAdapter):
                 layer = modules.get(local.split(".layers.")[0] + f".layers.{li}")
                 number = getattr(layer, "layer_number", None)
                 if isinstance(number, int) and number != offset + li + 1:
-                    raise WireError(f"megatron-core numbers this layer {number} but the pipeline offset gives "
-                                    f"{offset + li + 1}", field="param", value=raw)
+                    raise ConfigError(f"megatron-core numbers this layer {number} but the pipeline offset gives "
+                                      f"{offset + li + 1}", field="param", value=raw)
             exp_path = experts_module_path(local)
             expert = exp_path is not None
             expert_id = None
@@ -210,7 +204,7 @@ class MegatronAdapter(ModelAdapter):
                 mod = modules.get(exp_path)
                 nle = getattr(mod, "num_local_experts", None)
                 if not isinstance(nle, int):
-                    raise WireError("experts module without num_local_experts", field="param", value=raw)
+                    raise ConfigError("experts module without num_local_experts", field="param", value=raw)
                 ep_group = getattr(mod, "ep_group", None) or ep
                 name = global_expert_name(name, _rank(ep_group), nle)
                 expert_id = int(name[len(exp_path) + 1:].split(".", 1)[0])
@@ -231,8 +225,8 @@ class MegatronAdapter(ModelAdapter):
             if e is None:
                 e = self._entries[name] = _Entry(name, box, dt, owner, expert_id, rep, [], alias)
             elif e.box != box or e.dtype != dt:
-                raise WireError(f"two parameters map to {name} with different boxes or dtypes", field="param",
-                                value=raw)
+                raise ConfigError(f"two parameters map to {name} with different boxes or dtypes", field="param",
+                                  value=raw)
             else:
                 e.owner = e.owner or owner
                 e.alias_only = e.alias_only and alias
@@ -259,16 +253,16 @@ class MegatronAdapter(ModelAdapter):
                 if t.kind == "plain" and t.param.dtype in _LOW:
                     if optimizer is None:
                         continue  # no optimizer: the low-precision parameter is the truth
-                    raise WireError("low-precision parameter without an fp32 master in the optimizer (unsupported "
-                                    "optimizer?)", field="param", value=e.name)
+                    raise ConfigError("low-precision parameter without an fp32 master in the optimizer (unsupported "
+                                      "optimizer?)", field="param", value=e.name)
 
     @staticmethod
     def _check_master(p, m, t) -> None:
         if not isinstance(m, torch.Tensor) or m.dtype != torch.float32:
-            raise WireError("optimizer master must be float32", field="master",
-                            value=str(getattr(m, "dtype", type(m).__name__)))
+            raise ConfigError("optimizer master must be float32", field="master",
+                              value=str(getattr(m, "dtype", type(m).__name__)))
         if t.kind != "plain":
-            raise WireError("parameter has two optimizer masters", field="master", value=str(tuple(p.shape)))
+            raise ConfigError("parameter has two optimizer masters", field="master", value=str(tuple(p.shape)))
 
     def _bind_distributed(self, opt, targets: dict, by_param: dict) -> None:
         group = opt.data_parallel_group
@@ -277,12 +271,12 @@ class MegatronAdapter(ModelAdapter):
                 list(zip(opt.model_fp32_groups, opt.shard_fp32_groups)):
             for p, m in zip(params, shards):
                 if m is None:
-                    raise WireError("distributed optimizer without fp32 main params (precision-aware optimizer) is "
-                                    "not supported", field="optimizer", value="use_precision_aware_optimizer")
+                    raise ConfigError("distributed optimizer without fp32 main params (precision-aware optimizer) is "
+                                      "not supported", field="optimizer", value="use_precision_aware_optimizer")
                 r = opt._get_model_param_range_map(p)["param"]
                 if m.dtype != torch.float32 or m.numel() != r.end - r.start:
-                    raise WireError("main_param shard does not match its range", field="master",
-                                    value=(str(m.dtype), m.numel(), r.start, r.end))
+                    raise ConfigError("main_param (the distributed optimizer's shard) does not match its range",
+                                      field="master", value=(str(m.dtype), m.numel(), r.start, r.end))
                 owned[id(p)] = (m, r.start, r.end)
         members = [p for buf in opt.buffers for p in buf.param_index_map]
         mine = {}
@@ -309,23 +303,23 @@ class MegatronAdapter(ModelAdapter):
                     break
                 pos = e
             if pos != p.numel():
-                raise WireError(f"distributed optimizer ranges do not tile the parameter ({p.numel()} elements)",
-                                field="master", value=key[0])
+                raise ConfigError(f"distributed optimizer ranges do not tile the parameter ({p.numel()} elements)",
+                                  field="master", value=key[0])
 
     # ---- ModelAdapter ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
+    def pieces(self) -> list[Piece]:
         out = []
         for n in self._names:
             e = self._entries[n]
-            extra = {"expert": e.expert} if _SHARD_HAS_EXPERT else {}
-            out.append(Shard(n, e.box.global_shape, e.dtype, None if e.box.whole else e.box.slices, e.owner, **extra))
+            extra = {"expert": e.expert} if _PIECE_HAS_EXPERT else {}
+            out.append(Piece(n, e.box.global_shape, e.dtype, None if e.box.whole else e.box.slices, e.owner, **extra))
         return out
 
     def _entry(self, name: str) -> _Entry:
         e = self._entries.get(name)
         if e is None:
-            raise WireError("not a synced parameter on this rank", field="name", value=name)
+            raise ValueError(f"{name!r} is not a synced parameter on this rank")
         return e
 
     def read(self, name: str) -> torch.Tensor:
@@ -356,8 +350,8 @@ class MegatronAdapter(ModelAdapter):
     def write(self, name: str, value: torch.Tensor) -> None:
         e = self._entry(name)
         if tuple(value.shape) != e.box.view_shape and value.numel() != e.targets[0].param.numel():
-            raise WireError(f"expected the box shape {list(e.box.view_shape)}", field=f"value.{name}",
-                            value=tuple(value.shape))
+            raise ValueError(f"write of {name}: expected the box shape {list(e.box.view_shape)}, got "
+                             f"{tuple(value.shape)}")
         with torch.no_grad():
             for t in e.targets:
                 p = t.param
@@ -393,8 +387,7 @@ class MegatronAdapter(ModelAdapter):
                 v = self._pending.pop(n, None)
                 if v is None:
                     if e.targets[0].kind == "sharded":
-                        raise WireError("sync_replicas of a tensor its source rank did not write", field="names",
-                                        value=n)
+                        raise ValueError(f"sync_replicas of {n!r}, which its source rank did not write")
                     v = self.read(n).clone()
                 v = v.to(dev)
             else:
@@ -413,24 +406,24 @@ class MegatronAdapter(ModelAdapter):
 # ---- world-wide helpers (collective over `group`, default the whole world) ----------------------------
 
 def layout_all(adapter: ModelAdapter, group=None) -> list[dict]:
-    """The island's layout: every rank's shards united (what the sync rank announces at hello).
+    """The island's layout: every rank's pieces united (what the sync rank announces at hello).
     Raises when two ranks disagree on a tensor's global shape or dtype."""
-    mine = [(s.name, tuple(s.global_shape), s.dtype) for s in adapter.shards()]
+    mine = [(s.name, tuple(s.global_shape), s.dtype) for s in adapter.pieces()]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     seen: dict[str, tuple] = {}
     for rank_list in everyone:
         for name, shape, dt in rank_list:
             if seen.setdefault(name, (shape, dt)) != (shape, dt):
-                raise WireError(f"ranks disagree on {name}: {seen[name]} vs {(shape, dt)}", field="layout", value=name)
+                raise ConfigError(f"ranks disagree on {name}: {seen[name]} vs {(shape, dt)}", field="layout", value=name)
     return canonical_layout({"name": n, "shape": list(s), "dtype": d} for n, (s, d) in seen.items())
 
 
 def gather_full(adapter: ModelAdapter, group=None) -> dict[str, torch.Tensor]:
     """Every synced tensor whole, in fp32 on the CPU, on every rank (small models: tests, checks).
-    Every rank reads each of its shards (so the adapter's own collectives run), owners contribute."""
+    Every rank reads each of its pieces (so the adapter's own collectives run), owners contribute."""
     pieces = []
-    for s in adapter.shards():
+    for s in adapter.pieces():
         v = adapter.read(s.name)
         if s.owner:
             pieces.append((s.name, tuple(s.global_shape), s.local_slices, v.detach().float().cpu().clone()))
@@ -446,17 +439,17 @@ def gather_full(adapter: ModelAdapter, group=None) -> dict[str, torch.Tensor]:
             filled[name] = filled.get(name, 0) + v.numel()
     for name, t in out.items():
         if filled[name] != t.numel():
-            raise WireError(f"owners cover {filled[name]} of {t.numel()} elements", field="owner", value=name)
+            raise ConfigError(f"owners cover {filled[name]} of {t.numel()} elements", field="owner", value=name)
     return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
 
 def scatter_full(adapter: ModelAdapter, values: Mapping[str, torch.Tensor]) -> None:
     """Write whole canonical tensors (every rank passes the same `values`): each rank writes its box
     of every tensor it lists (collective only where the adapter's write is)."""
-    for s in adapter.shards():
+    for s in adapter.pieces():
         v = values[s.name]
         if list(v.shape) != list(s.global_shape):
-            raise WireError(f"expected shape {list(s.global_shape)}", field=f"values.{s.name}", value=tuple(v.shape))
+            raise ValueError(f"values[{s.name!r}]: expected shape {list(s.global_shape)}, got {tuple(v.shape)}")
         adapter.write(s.name, v[s.local_slices] if s.local_slices is not None else v)
 
 

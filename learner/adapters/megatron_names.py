@@ -1,35 +1,23 @@
 """Canonical names and TP boxes for megatron-core parameters: pure functions, no torch.distributed.
 
-A canonical name is the same on every island whatever its TP/PP/EP/VPP sizes (docs/design.md §6):
-
-* wrapper prefixes are dropped (`module.` of DDP / Float16Module, `base_model.model.` of a peft
-  model, `_orig_mod.` of torch.compile);
-* `decoder.layers.<local>.` becomes `decoder.layers.<offset + local>.` where the offset is the one
-  megatron-core gives the chunk (`get_transformer_layer_offset(config, vp_stage, pp_rank)`, virtual
-  pipeline stages included);
-* an expert parameter (found by module path: under `<...>.mlp.experts`) gets the global expert index
-  `ep_rank × num_local_experts + local`, written `<...>.mlp.experts.<E>.<rest>` for both expert
-  layouts megatron-core has (SequentialMLP: `experts.local_experts.<j>.linear_fc1.weight`; TE grouped
-  GEMM: `experts.linear_fc1.weight<j>`), so islands with different expert implementations share names.
-  One tensor for all local experts is refused: the legacy GroupedMLP (`experts.weight1`) and TE grouped
-  GEMM with megatron-core's `moe_single_grouped_weight` (≥ 0.19; `experts.linear_fc1.weight`, no index).
-
-TP boxes come from megatron-core's own parameter attributes (`tensor_model_parallel`, `partition_dim`,
-`partition_stride`) and the TP group size. A partition stride s > 1 means megatron-core cut the
-dimension into tp·s chunks and gave rank r the chunks r, r + tp, … (gated fc1 of SwiGLU: s = 2,
-[gate_r; up_r] on rank r). Concatenating the ranks' pieces would give a layout that depends on the TP
-size, so such a dimension is presented as two: (s, global/s) — the gate/up split first, then the
-TP-split rows — and rank r holds the single box [:, r·c:(r+1)·c]. Its flat (row-major) order is the
-TP=1 order [gate; up], the same on every island. Stride-1 tensors (QKV included: megatron-core keeps
-QKV interleaved per query group, and TP splits whole groups, so the concatenation of the ranks' pieces
-is the TP=1 tensor) keep their shape.
+Invariant: a canonical name and a box's global shape are the same on every island whatever its
+TP/PP/EP/VPP sizes (docs/design.md §6), so islands with different parallel layouts share one session:
+* wrapper prefixes are dropped (`module.` of DDP / Float16Module, `base_model.model.` of peft,
+  `_orig_mod.` of torch.compile);
+* `decoder.layers.<local>.` becomes `decoder.layers.<offset + local>.`, the offset being megatron-core's
+  for the chunk (`get_transformer_layer_offset(config, vp_stage, pp_rank)`, virtual stages included);
+* an expert parameter (under `<...>.mlp.experts`) gets its global expert index, `<...>.mlp.experts.<E>.`
+  for both expert layouts megatron-core has (`global_expert_name`);
+* a TP box comes from megatron-core's own attributes (`tensor_model_parallel`, `partition_dim`,
+  `partition_stride`) and the TP size; a dimension cut with a stride is presented as two (`tp_box`).
+A layout these rules cannot name the same everywhere (all local experts in one tensor) is a ConfigError.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 
 WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.")
 
@@ -84,8 +72,11 @@ def local_layer_index(name: str) -> int | None:
 
 def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
     """Local expert index -> global (`ep_rank × num_local_experts + local`) in canonical form
-    `<...>.mlp.experts.<E>.<rest>`. Raises for an expert parameter whose layout is unknown (the legacy
-    GroupedMLP keeps all local experts in one `weight1` / `weight2` tensor)."""
+    `<...>.mlp.experts.<E>.<rest>`, for both expert layouts megatron-core has (SequentialMLP:
+    `experts.local_experts.<j>.linear_fc1.weight`; TE grouped GEMM: `experts.linear_fc1.weight<j>`), so
+    islands with different expert implementations share names. One tensor for all local experts is
+    refused: the legacy GroupedMLP (`experts.weight1`) and TE grouped GEMM with megatron-core's
+    `moe_single_grouped_weight` (≥ 0.19; `experts.linear_fc1.weight`, no index)."""
     for rx in (_SEQUENTIAL, _GROUPED):
         m = rx.match(name)
         if not m:
@@ -96,11 +87,11 @@ def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
             prefix, local = m.group(1), int(m.group(5))
             rest = f"{m.group(2)}.{m.group(3)}{m.group(4)}"
         if not 0 <= local < num_local_experts:
-            raise WireError(f"local expert index out of range 0..{num_local_experts - 1}", field="param", value=name)
+            raise ConfigError(f"local expert index out of range 0..{num_local_experts - 1}", field="param", value=name)
         return f"{prefix}{ep_rank * num_local_experts + local}.{rest}"
-    raise WireError("expert parameter in an unsupported layout (use SequentialMLP or TE grouped GEMM with one "
-                    "tensor per expert; the legacy GroupedMLP and megatron-core's moe_single_grouped_weight keep all "
-                    "local experts in one tensor)", field="param", value=name)
+    raise ConfigError("expert parameter in an unsupported layout (use SequentialMLP or TE grouped GEMM with one "
+                      "tensor per expert; the legacy GroupedMLP and megatron-core's moe_single_grouped_weight keep all "
+                      "local experts in one tensor)", field="param", value=name)
 
 
 @dataclass(frozen=True)
@@ -118,18 +109,26 @@ class Box:
 
 def tp_box(local_shape: tuple[int, ...], partitioned: bool, dim: int, stride: int, tp_rank: int, tp_size: int,
            name: str = "") -> Box:
-    """The canonical global shape and this rank's box for a local TP piece (see the module doc)."""
+    """The canonical global shape and this rank's box for a local TP piece.
+
+    A partition stride s > 1 means megatron-core cut the dimension into tp·s chunks and gave rank r the
+    chunks r, r + tp, … (gated fc1 of SwiGLU: s = 2, [gate_r; up_r] on rank r). Concatenating the ranks'
+    pieces would give a layout that depends on the TP size, so such a dimension is presented as two:
+    (s, global/s) — the gate/up split first, then the TP-split rows — and rank r holds the single box
+    [:, r·c:(r+1)·c], whose flat (row-major) order is the TP=1 order [gate; up] on every island. Stride-1
+    tensors keep their shape (QKV included: megatron-core keeps QKV interleaved per query group and TP
+    splits whole groups, so the ranks' pieces concatenated are the TP=1 tensor)."""
     local_shape = tuple(int(n) for n in local_shape)
     if not partitioned:
         return Box(local_shape, tuple(slice(0, n) for n in local_shape), local_shape)
     if not 0 <= dim < len(local_shape):
-        raise WireError(f"partition_dim outside the {len(local_shape)}-D parameter", field=f"param.{name}.partition_dim",
-                        value=dim)
+        raise ConfigError(f"partition_dim outside the {len(local_shape)}-D parameter", field=f"param.{name}.partition_dim",
+                          value=dim)
     if stride < 1 or local_shape[dim] % stride:
-        raise WireError(f"partition_stride must divide the local size {local_shape[dim]}",
-                        field=f"param.{name}.partition_stride", value=stride)
+        raise ConfigError(f"partition_stride must divide the local size {local_shape[dim]}",
+                          field=f"param.{name}.partition_stride", value=stride)
     if not 0 <= tp_rank < tp_size:
-        raise WireError(f"tp rank outside 0..{tp_size - 1}", field="tp_rank", value=tp_rank)
+        raise ConfigError(f"tp rank outside 0..{tp_size - 1}", field="tp_rank", value=tp_rank)
     if stride == 1:
         n = local_shape[dim]
         g = local_shape[:dim] + (n * tp_size,) + local_shape[dim + 1:]

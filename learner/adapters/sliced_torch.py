@@ -1,21 +1,16 @@
-"""A plain-torch *sharded* adapter: each rank holds boxes of a model's tensors, as Megatron's TP/PP/DP
-would cut them, without Megatron. It is the reference implementation of the sharded-adapter contract
-(`base.py`) for tests and benchmarks (tests/test_piece_io.py, tests/test_island_pieces.py,
-bench/island_memory.py), and the simplest example for a new framework's adapter.
+"""A plain-torch adapter whose ranks hold boxes of a model's tensors, as Megatron's TP/PP/DP would cut them,
+without Megatron: the reference implementation of the base.py contract for tests and benchmarks, and the
+simplest example for a new framework's adapter.
 
 `SlicedTorchAdapter.build(shapes, tp=, tp_rank=, pp=, pp_rank=, dp_rank=, values=)`:
-
-* PP: a tensor lives on one pipeline stage — layer i of L on stage i·pp // L; tensors without a layer
-  index on stage 0 if embedding-like (`schemas.layout.is_embedding`), else on the last stage. Ranks
-  of other stages do not list it.
-* TP: `tp_dim(name, shape)` names the dimension a tensor is split along (default: dimension 0 when it
-  has at least `tp` rows and 2+ dimensions; otherwise the tensor is replicated across TP ranks); TP
-  rank t holds rows [⌊t·n/tp⌋, ⌊(t+1)·n/tp⌋) of that dimension.
-* DP: every data-parallel replica holds the same boxes; the owner of a box is DP rank 0 (and, for a
-  tensor TP does not split, TP rank 0), so owners tile every tensor exactly once.
-
-`values(name, shape)` gives a tensor's global float32 values (default zeros); each rank keeps only
-its box (a copy), so memory is the rank's share (one tensor's global values at a time while building).
+* PP: layer i of L lives on stage i·pp // L; a tensor without a layer index on stage 0 if embedding-like
+  (`schemas.layout.is_embedding`), else on the last stage; ranks of other stages do not list it.
+* TP: `tp_dim(name, shape)` names the split dimension (default 0 when it has at least `tp` rows and 2+
+  dimensions; else the tensor is replicated across TP ranks); TP rank t holds rows [⌊t·n/tp⌋, ⌊(t+1)·n/tp⌋).
+* DP: every replica holds the same boxes; DP rank 0 (and TP rank 0, for a tensor TP does not split) owns
+  them, so owners tile every tensor exactly once.
+`values(name, shape)` gives a tensor's global float32 values (default zeros); each rank keeps a copy of its
+box only (one tensor's global values at a time while building).
 """
 from __future__ import annotations
 
@@ -23,10 +18,10 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 from yeto.schemas.layout import is_embedding, layer_index, natural_key
 
-from .base import ModelAdapter, Shard
+from .base import ModelAdapter, Piece
 
 
 def default_tp_dim(name: str, shape: Sequence[int], tp: int) -> int | None:
@@ -47,7 +42,8 @@ class SlicedTorchAdapter(ModelAdapter):
         for name in sorted(pieces, key=natural_key):
             shape, slices, owner, t = pieces[name]
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                raise WireError("pieces must be float32 tensors", field=f"pieces.{name}", value=getattr(t, "dtype", t))
+                raise ConfigError("pieces must be float32 tensors", field=f"pieces.{name}",
+                                  value=getattr(t, "dtype", t))
             self._pieces[name] = (tuple(int(s) for s in shape), None if slices is None else tuple(slices), bool(owner), t)
 
     @classmethod
@@ -76,13 +72,13 @@ class SlicedTorchAdapter(ModelAdapter):
 
     # ---- ModelAdapter ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
-        return [Shard(n, shape, "float32", slices, owner) for n, (shape, slices, owner, _) in self._pieces.items()]
+    def pieces(self) -> list[Piece]:
+        return [Piece(n, shape, "float32", slices, owner) for n, (shape, slices, owner, _) in self._pieces.items()]
 
     def _piece(self, name: str) -> torch.Tensor:
         p = self._pieces.get(name)
         if p is None:
-            raise WireError("this rank holds no piece of that tensor", field="name", value=name)
+            raise ValueError(f"this rank holds no piece of {name!r}")
         return p[3]
 
     def read(self, name: str) -> torch.Tensor:
@@ -91,8 +87,8 @@ class SlicedTorchAdapter(ModelAdapter):
     def write(self, name: str, value: torch.Tensor) -> None:
         t = self._piece(name)
         if value.numel() != t.numel():
-            raise WireError(f"expected {t.numel()} values for the box {tuple(t.shape)}", field=f"value.{name}",
-                            value=tuple(value.shape))
+            raise ValueError(f"write of {name}: expected {t.numel()} values for the box {tuple(t.shape)}, got "
+                             f"shape {tuple(value.shape)}")
         with torch.no_grad():
             t.copy_(value.reshape(t.shape))
 

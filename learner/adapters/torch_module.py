@@ -1,20 +1,16 @@
-"""Model adapter for a plain `torch.nn.Module` (single process, or a data-parallel island).
+"""Model adapter for a plain `torch.nn.Module` (single process, or a data-parallel island): the base.py contract.
 
-* Synced tensors are the trainable parameters (`requires_grad`), in canonical (natural-sort) order.
-  A tied or shared parameter appears once, under its first name in canonical order: aliases are
-  found by Parameter identity, and by identical memory (same device, address, shape, strides, dtype)
-  for distinct Parameter objects over one storage — syncing both would apply every update twice.
-* `master` (optional): name -> fp32 tensor, the optimizer's master copy of a low-precision model.
-  Where a master exists reads come from it and writes go to both master and parameter (the
-  parameter gets the master's value rounded to its dtype), so they stay consistent. A master may be
-  keyed by any of a tied parameter's names.
-* `group` (optional): the data-parallel process group of the island's replicas (pass
-  `dist.group.WORLD` for the default group; None means a single replica). Every replica holds the
-  whole model; rank 0 of the group is the owner: its values are read for pushes and INIT. The island
-  writes applied versions on every replica (each receives its values point to point, see
-  learner/piece_io.py). `sync_replicas(names)` remains for callers that want to copy the owner's
-  values to the replicas themselves: it broadcasts those tensors' bytes from the owner over the group
-  in bounded buckets of host memory (gloo-friendly: device tensors go through host copies).
+* Synced tensors: the trainable parameters (`requires_grad`), canonical (natural-sort) order; a tied or
+  shared parameter appears once, under its first name in that order (found by Parameter identity, and by
+  identical memory for distinct Parameters over one storage): syncing both would apply every update twice.
+* `master` (optional): name (any of a tied parameter's names) -> the optimizer's fp32 master copy of a
+  low-precision model. Reads come from it; writes set master and parameter (rounded to its dtype), so
+  they stay consistent.
+* `group` (optional): the data-parallel group of the island's replicas (`dist.group.WORLD` for the default
+  group; None: a single replica). Every replica holds the whole model; the group's rank 0 owns it (read for
+  pushes and INIT); the island writes every replica point to point (learner/piece_io.py).
+  `sync_replicas(names)` remains for callers that copy the owner's values to the replicas themselves: a
+  broadcast over the group in bounded buckets of host memory (gloo-friendly).
 """
 from __future__ import annotations
 
@@ -23,11 +19,11 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from yeto.schemas.errors import WireError
+from yeto.schemas.errors import ConfigError
 from yeto.schemas.layout import natural_key
 
-from ..fragments import blend_
-from .base import ModelAdapter, Shard, dtype_name
+from ..blend import blend_
+from .base import ModelAdapter, Piece, dtype_name
 
 _ALIGN = 16  # byte alignment of each tensor inside a broadcast bucket (so dtype views are legal)
 
@@ -42,7 +38,7 @@ class TorchModuleAdapter(ModelAdapter):
     def __init__(self, module: torch.nn.Module, master: Mapping[str, torch.Tensor] | None = None,
                  group: "dist.ProcessGroup | None" = None, *, bucket_bytes: int = 64 << 20):
         if bucket_bytes < _ALIGN:
-            raise WireError(f"must be at least {_ALIGN}", field="bucket_bytes", value=bucket_bytes)
+            raise ConfigError(f"must be at least {_ALIGN}", field="bucket_bytes", value=bucket_bytes)
         self.module = module
         self.group = group
         self.bucket_bytes = bucket_bytes
@@ -70,13 +66,13 @@ class TorchModuleAdapter(ModelAdapter):
             for key, m in master.items():
                 kept = owner_of.get(key)
                 if kept is None:
-                    raise WireError("master entry names no trainable parameter", field="master", value=key)
+                    raise ConfigError("master entry names no trainable parameter", field="master", value=key)
                 if kept in self._master:
-                    raise WireError("two master entries for one (tied) parameter", field="master", value=key)
+                    raise ConfigError("two master entries for one (tied) parameter", field="master", value=key)
                 p = self._params[kept]
                 if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 or tuple(m.shape) != tuple(p.shape):
-                    raise WireError(f"master must be float32 of shape {tuple(p.shape)}", field=f"master.{key}",
-                                    value=(getattr(m, "dtype", type(m).__name__), tuple(getattr(m, "shape", ()))))
+                    raise ConfigError(f"master must be float32 of shape {tuple(p.shape)}", field=f"master.{key}",
+                                      value=(getattr(m, "dtype", type(m).__name__), tuple(getattr(m, "shape", ()))))
                 self._master[kept] = m
 
         if group is not None:
@@ -89,13 +85,13 @@ class TorchModuleAdapter(ModelAdapter):
 
     # ---- ModelAdapter ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
-        return [Shard(name, tuple(p.shape), dtype_name(p.dtype), None, self.owner) for name, p in self._params.items()]
+    def pieces(self) -> list[Piece]:
+        return [Piece(name, tuple(p.shape), dtype_name(p.dtype), None, self.owner) for name, p in self._params.items()]
 
     def _param(self, name: str) -> torch.nn.Parameter:
         p = self._params.get(name)
         if p is None:
-            raise WireError("not a synced parameter of this model", field="name", value=name)
+            raise ValueError(f"{name!r} is not a synced parameter of this model")
         return p
 
     def read(self, name: str) -> torch.Tensor:
@@ -108,8 +104,8 @@ class TorchModuleAdapter(ModelAdapter):
     def write(self, name: str, value: torch.Tensor) -> None:
         p = self._param(name)
         if value.numel() != p.numel():
-            raise WireError(f"expected {p.numel()} values for shape {tuple(p.shape)}", field=f"value.{name}",
-                            value=tuple(value.shape))
+            raise ValueError(f"write of {name}: expected {p.numel()} values for shape {tuple(p.shape)}, got "
+                             f"shape {tuple(value.shape)}")
         v = value.reshape(p.shape)
         with torch.no_grad():
             m = self._master.get(name)
@@ -125,8 +121,8 @@ class TorchModuleAdapter(ModelAdapter):
         if m is None and p.dtype != torch.float32:  # read() is a copy there: the default path
             return super().blend(name, glob, alpha, shape)
         if glob.numel() != p.numel():
-            raise WireError(f"expected {p.numel()} values for shape {tuple(p.shape)}", field=f"value.{name}",
-                            value=tuple(glob.shape))
+            raise ValueError(f"blend of {name}: expected {p.numel()} values for shape {tuple(p.shape)}, got "
+                             f"shape {tuple(glob.shape)}")
         with torch.no_grad():
             if m is not None:
                 blend_(m, glob, alpha)

@@ -1,51 +1,16 @@
-"""ms-swift plugin: streaming DiLoCo for `megatron sft` / `megatron pt` (docs/design.md §5, §6).
+"""ms-swift plugin: streaming DiLoCo for `megatron sft` / `megatron pt` (docs/design.md §6, docs/megatron.md).
 
     megatron sft ... --external_plugins /path/to/learner/plugins/yeto_swift_plugin.py
 
-(the yeto-nats package must be installed in the training environment; docs/megatron.md has the full
-launch lines and every YETO_* variable).
-
-At import this file only registers and patches — ms-swift 4.6 imports plugins under a hashed module
-name (`_swift_external_<sha256>`) and imports them again in every dataloader worker:
-
-* in a dataloader worker: nothing at all;
-* `YETO_CROSS_NODE_GLOO=1`: hybrid process groups are installed (learner.hybrid) — ms-swift imports
-  plugins while parsing its arguments, before it initializes torch.distributed and Megatron's groups;
-* when ms-swift's Megatron side is loaded: `YetoCallback` is registered as the Megatron callback
-  `yeto` (so `--callbacks yeto` works) and `BaseMegatronTrainer.__init__` is wrapped to add it to
-  every Megatron trainer that does not already have it (so nothing else is needed).
-Importing the file twice (another module name, a worker replay) changes nothing: the work lives in
-the module `learner.plugins.yeto_swift_plugin`, once per process. (ms-swift puts the plugin's folder
-on sys.path: learner/plugins holds nothing that could shadow another module's name.)
-
-The callback, on every rank:
-* `on_train_begin` (before the first step): builds `MegatronAdapter(trainer.wrapped_models,
-  trainer.optimizer)` and `Island(...).start()` — hello, session, INIT (the INIT island), the initial cut
-  (`YETO_DILOCO_INITIAL_CUT_TIMEOUT`);
-* `on_step_end` (after every optimizer step, skipped steps included): `island.boundary(tokens, loss)` with
-  tokens = global_batch_size × seq_length (`YETO_TOKENS_PER_STEP` overrides) and loss = the step's
-  training loss (`step_loss`, below); when the boundary says stop (final cut installed and
-  acknowledged, or a shutdown) training stops after this step;
-* `on_train_end`: if the run has not been finalized yet, idle boundaries (no training, tokens 0)
-  go on until the final cut arrives or `YETO_FINAL_TIMEOUT` passes; then the final cut is written with
-  ms-swift's own `save_mcore_checkpoint` as a Megatron (torch_dist) checkpoint in
-  `YETO_FINAL_CUT_DIR` (default `<output_dir>/yeto-final-cut`; `none` skips it), loadable with
-  `--mcore_model` (`--mcore_adapter` for LoRA), plus safetensors in HF layout through mcore-bridge when
-  `--save_safetensors` is on and the model has a bridge.
-
-The step's loss. ms-swift 4.6 calls `on_step_end()` with no arguments and before it folds the step's
-metrics into its log (`run_train_step`: `metrics, ... = self.train_step(...)`, `on_step_end`, then
-`_aggregated_metrics(metrics, ...)`), and keeps them nowhere else: so the callback wraps the trainer's
-`train_step` (an instance attribute) to keep the list of per-microbatch metric dicts that megatron-core's
-forward_backward_func returned. That list is filled on the last pipeline stage only. `step_loss` turns
-it into the number ms-swift's log shows for a one-step logging window, by ms-swift's own rules:
-`loss_parts` accumulates the `loss` entries as `_aggregated_metrics` does ([sum, count] entries summed;
-scalar entries as [sum, n]); when ms-swift's `MegatronTrainer._log_callback` would (`megatron sft/pt`,
-task_type causal_lm) the last stage sums them over the data+context-parallel group — its `loss` is the
-token-weighted mean over the global batch; then the last stage broadcasts [sum, count] over the
-pipeline group, so every rank passes the same loss (the sync rank, rank 0, is on the first stage).
-None when the step had no loss (count 0, no `loss` metric). Cost per step: one 2-float all-reduce
-(DP × CP > 1) and one 2-float broadcast (PP > 1).
+(the yeto-nats package must be installed in the training environment; docs/megatron.md has the launch
+lines, every YETO_* variable and what the callback does at each training event).
+Owns the `YetoCallback` (on every rank: the island's start before step 1, a boundary after every optimizer
+step with the step's tokens and loss, the final cut written when training ends) and the import-time hook
+that installs it (`register`). May touch: ms-swift's trainer (its `train_step`, wrapped to keep the
+step's metrics) and Megatron's groups; nothing at import in a dataloader worker.
+Invariants: importing the file twice (another module name, a worker replay) changes nothing; every rank
+passes the same loss to the boundary (`step_loss`); learner/plugins holds nothing that could shadow
+another module's name (ms-swift puts the plugin's folder on sys.path).
 """
 from __future__ import annotations
 
@@ -78,7 +43,15 @@ def _in_dataloader_worker() -> bool:
 
 def register() -> dict:
     """Idempotent: install hybrid groups (if asked) and hook ms-swift's Megatron trainers. Returns what
-    is in place ({"registered", "hybrid"})."""
+    is in place ({"registered", "hybrid"}).
+
+    ms-swift 4.6 imports plugins under a hashed module name (`_swift_external_<sha256>`) while parsing its
+    arguments (before it initializes torch.distributed and Megatron's groups), and again in every
+    dataloader worker: in a worker nothing happens; `YETO_CROSS_NODE_GLOO=1` installs the hybrid groups
+    (learner.hybrid) now, before Megatron makes its groups; once ms-swift's Megatron side is loaded,
+    `YetoCallback` is registered as the Megatron callback `yeto` (`--callbacks yeto` works) and
+    `BaseMegatronTrainer.__init__` is wrapped to add it to every Megatron trainer that lacks it. The work
+    lives in the module `learner.plugins.yeto_swift_plugin`, once per process."""
     if _in_dataloader_worker():
         return dict(_STATE)
     if not _STATE["hybrid"]:
@@ -123,7 +96,15 @@ _CALLBACK_CLS = None
 
 
 def make_callback_class():
-    """The MegatronCallback subclass (built on first use: ms-swift is imported only then)."""
+    """The MegatronCallback subclass (built on first use: ms-swift is imported only then). On every rank:
+
+    * `on_train_begin`: `MegatronAdapter(trainer.wrapped_models, trainer.optimizer)` and `Island(...).start()`
+      (hello, session, INIT on the INIT island, the initial cut);
+    * `on_step_end` (after every optimizer step, skipped steps included): `island.boundary(tokens, loss)`,
+      tokens = global_batch_size × seq_length (`YETO_TOKENS_PER_STEP` overrides), loss = `step_loss`;
+      when the boundary says stop (final cut installed and acknowledged, or a shutdown) training stops;
+    * `on_train_end`: until the run is finalized, idle boundaries (tokens 0) until the final cut arrives
+      or `YETO_FINAL_TIMEOUT` passes; then `write_final_cut`."""
     global _CALLBACK_CLS
     if _CALLBACK_CLS is not None:
         return _CALLBACK_CLS
@@ -162,7 +143,7 @@ def make_callback_class():
             cfg = IslandConfig.from_env(world=_world_info())
             self.island = Island(self.adapter, cfg, group=_world_group()).start()
             log.info("yeto: island %s started (%d synced tensors on this rank)", cfg.island,
-                     len(self.adapter.shards()))
+                     len(self.adapter.pieces()))
 
         def on_step_end(self):
             if self.island is None or self.stopped:
@@ -266,7 +247,18 @@ def _reduces_loss_over_dp(trainer) -> bool:
 
 def step_loss(trainer, metrics) -> float | None:
     """The step's training loss, the same on every rank (collective: every rank of the island calls it):
-    the number ms-swift logs for this step with a one-step logging window. See the module doc."""
+    the number ms-swift logs for this step with a one-step logging window.
+
+    ms-swift 4.6 calls `on_step_end()` with no arguments and before it folds the step's metrics into its
+    log (`run_train_step`: `train_step`, `on_step_end`, then `_aggregated_metrics`), and keeps them
+    nowhere else, so the callback wraps the trainer's `train_step` to keep the per-microbatch metric
+    dicts megatron-core's forward_backward_func returned (`metrics`: filled on the last pipeline stage
+    only). `loss_parts` accumulates their `loss` entries as `_aggregated_metrics` does; where ms-swift's
+    `MegatronTrainer._log_callback` would (`megatron sft/pt`, task_type causal_lm) the last stage sums them
+    over the data+context-parallel group (the token-weighted mean over the global batch); then the last
+    stage broadcasts [sum, count] over the pipeline group (the sync rank, rank 0, is on the first stage).
+    None when the step had no loss. Cost per step: one 2-float all-reduce (DP × CP > 1) and one 2-float
+    broadcast (PP > 1)."""
     import torch
     import torch.distributed as dist
 
@@ -296,8 +288,11 @@ def _mean(v) -> float | None:
 
 
 def write_final_cut(trainer) -> str | None:
-    """Write the installed final cut with ms-swift's own saver (collective: every rank calls it).
-    Returns the directory, or None when YETO_FINAL_CUT_DIR=none."""
+    """Write the installed final cut with ms-swift's own saver (collective: every rank calls it): a
+    Megatron (torch_dist) checkpoint in `YETO_FINAL_CUT_DIR` (default `<output_dir>/yeto-final-cut`),
+    loadable with `--mcore_model` (`--mcore_adapter` for LoRA), plus HF-layout safetensors through
+    mcore-bridge when `--save_safetensors` is on and the model has a bridge. Returns the directory, or
+    None when YETO_FINAL_CUT_DIR=none."""
     args = trainer.args
     out = os.environ.get(ENV_FINAL_DIR, "").strip() or os.path.join(args.output_dir, "yeto-final-cut")
     if out.lower() == "none":

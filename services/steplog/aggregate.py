@@ -1,24 +1,17 @@
 """Step-log and syncer-tape aggregation: raw messages in, state out (pure: no I/O, no clock).
 
-Everything the dashboards show is derived here, so `tail`, `exporter` and `dashboard` agree and the
-logic is tested without a broker:
-
-* `Aggregator.feed(subject, data)` decodes one message of a run's STEPLOG (`yeto.R.steplog.I`) or
-  EVENTS (`yeto.R.events.<kind>`) stream with `schemas.codec`, checks it against its subject, and
-  folds it into per-island state (`IslandState`), per-round state (`RoundState`) and run totals.
-  A message that is not valid JSON, fails the schema, names another run, or contradicts its subject
-  is skipped and counted in `malformed` (by reason): a bad publisher never stops a dashboard.
-* `ChartModel` turns the same records into bounded time series for the web dashboard, with
-  `snapshot()` for a new viewer and `take_delta()` for the points added since the last call.
-
-Version lag: the syncer's current version of a fragment is the highest version seen in a merge or
-commit record, in the `state` KV commit record (`seed_versions`), or held by any island (an island
-only ever holds committed versions, so its version is a lower bound on the syncer's — this keeps the
-lag non-negative when a viewer starts mid-run and has seen no merge yet).
-
-Syncer shards: the `state` KV status records (`syncer`, `syncer.<K>`) and commit records (`commit`,
-`commit.<K>`) go to `feed_state(key, value)`, folded by `shards.ShardBoard` (per-shard phase, rounds
-in flight, last commit, memory, missing shards); `shard_rows(now)` is what the viewers show.
+Owns everything the dashboards show, so `tail`, `exporter` and `dashboard` agree and the logic is tested
+without a broker:
+* `Aggregator.feed(subject, data)` decodes one STEPLOG (`yeto.R.steplog.I`) or EVENTS
+  (`yeto.R.events.<kind>`) message, checks it against its subject and folds it into per-island
+  (`IslandState`), per-round (`RoundState`) and run totals; `feed_state(key, value)` takes the `state` KV's
+  syncer status and commit records (`shards.ShardBoard`; `shard_rows(now)` is what the viewers show).
+* `ChartModel`: the same records as bounded time series for the web dashboard (`snapshot()`,
+  `take_delta()`).
+Invariants: a message that is not JSON, fails its schema, names another run or contradicts its subject
+is skipped and counted in `malformed` (by reason): a bad publisher never stops a dashboard. The syncer's
+version of a fragment is the highest seen in a merge or commit record, the commit record, or held by
+any island (islands hold committed versions only), so version lag is never negative.
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """Per-shard syncer state for the viewers (pure: records in, rows out; the clock is an argument).
 
-Every syncer process writes its status record to the run's `state` KV every `--status-every` seconds:
-key `syncer` when the run has one syncer, `syncer.<K>` for shard K of N (schemas.shards.state_key),
-with phase, committed step, versions of its own fragments, rounds in flight, peak RSS (`rss_bytes`),
-`updated_at` (unix time), `exited` (its last record), and for the coordinator (shard 0) the shards it
-judges missing (`shards_missing`). Each shard's durable commit record is `commit` / `commit.<K>`.
-
-`ShardBoard.put(key, value)` takes those KV entries (any other key is ignored; a record that is not
-one is counted in `malformed`, the previous one kept); `rows(now)` gives one row per expected shard,
-0..N-1 with N the largest `shards` any record names, so a shard whose record never came still has a
-row. A shard is **missing** when its record is absent, when it has not been updated for `STALE_S`
-seconds, when it exited before its final cut (phase other than `done`), or when the coordinator lists
-it in `shards_missing`; a shard that exited done is `exited`.
-
-A record's age: for one the viewer saw arrive (a live KV update, `seen_at` on the viewer's clock),
-the time since it arrived, so a shard host whose clock is off cannot look missing or fresh; for one
-read at the viewer's start, the time since its `updated_at` (the writer's clock; nothing better).
+Reads: the status record every syncer writes to the run's `state` KV every `--status-every` seconds (key
+`syncer`, or `syncer.<K>` for shard K of N, schemas.shards.state_key: phase, committed step, versions of
+its fragments, rounds in flight, `rss_bytes`, `updated_at`, `exited`, and on the coordinator the shards
+it judges missing) and each shard's commit record (`commit` / `commit.<K>`).
+`ShardBoard.put(key, value)` takes those entries (other keys ignored; a malformed record is counted in
+`malformed` and the previous one kept); `rows(now)` gives one row per expected shard 0..N-1 (N: the largest
+`shards` any record names), so a shard whose record never came still has a row.
+Invariants: a shard is **missing** when its record is absent, older than `STALE_S`, exited before its
+final cut, or listed missing by the coordinator; one that exited done is `exited`. A record's age is
+measured on the viewer's clock from when it arrived (a host with a skewed clock cannot look missing or
+fresh); only a record read at the viewer's start falls back to its `updated_at`.
 """
 from __future__ import annotations
 

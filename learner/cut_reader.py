@@ -1,46 +1,13 @@
-"""Per-fragment sync bookkeeping and in-order reading of a cut (docs/design.md §3.6, §5.5) — pure, no I/O.
+"""In-order reading of one stream's versions, BCAST or FINAL (docs/design.md §3.6, §5.5) — pure, no I/O.
 
-`SyncState` (the sync rank's view) holds, per fragment of the session, the version the island holds,
-that version's digest, and the inner-step and token counters since it was installed. The values —
-each rank's staging, anchor (raw Θ of the held version) and q4 residual — live on the ranks, per
-piece (`learner.anchors.AnchorStore`); `blend` is the math they apply.
-
-`CutReader` reads one stream's versions (BCAST, or FINAL with the manifest's versions) fragment by
-fragment, chunk by chunk, *in chunk order*: the version digest (sha256 over the chunks in order) is
-streamed as chunks pass, so no process ever buffers a whole fragment. Rules:
-
-* the last chunk seals the version: on BCAST only it carries the `version_digest` (the syncer may
-  publish chunks 0..n-2 while it is still merging, and the seal once the version is durable); FINAL
-  carries it on every chunk and every chunk must carry the one wanted (the manifest's);
-* a version completes only when every chunk of that one version passed, in order, and their bytes
-  hash to the seal's `version_digest`; then it is `held`. Until the seal lands the reading waits
-  at the last chunk (which still holds an older version), and chunks that land one by one are read
-  on at each boundary;
-* a reading is identified by (version, chunk 0's chunk `digest`): one version number may be
-  re-issued with other bytes (a syncer restarted before the version was durable merges it again),
-  so a new chunk 0 under the same version with other bytes drops the reading (read again from chunk
-  0), and so does a chunk already read re-published under that version with other bytes; the same
-  bytes re-published keep it. Chunks of two byte-streams hashed together unnoticed (a chunk fetched
-  before the notice of a change arrived) fail the seal's digest check;
-* versions are monotonic: chunks of the held version or older are not read again;
-* BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
-  already overwritten by v+1: the reading of v is dropped and v+1 is read from chunk 0 ("restart");
-  if chunk k still holds an older version than the one wanted, the newer one has not reached it yet
-  ("wait": read on at a later boundary);
-* anyone who can publish on the stream can put garbage there (unless server permissions close that, docs/design.md §13), so nothing a
-  chunk claims is trusted beyond that chunk: a bad chunk (framing that does not fit the session's
-  chunk plan, a chunk digest mismatch, NaN / Inf values, a `version_digest` missing from a seal or
-  present elsewhere on BCAST, the version held carried with another `version_digest`) or a version
-  digest mismatch at the seal is refused (WireError, the shell counts it) and drops the reading when
-  the reading met it (a bad chunk checked on its own, ahead of the reading, leaves it); the island
-  trains on. What is refused is that *message* (its stream sequence), never a version number:
-  the syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
-  garbage) are new messages and are read as usual, so a forged chunk "from the future" or with a
-  predicted version number cannot hold the real versions back. The version read is the one found
-  at chunk 0, never one a notice merely claims.
-
-Nothing is installed unless every chunk of that one version passed in order and the bytes hash to the
-seal's version digest, and a version is installed at most once: a version can never be partial or mixed.
+Owns `CutReader`: which version of each fragment to read, the version digest streamed over the chunks in
+order (no process buffers a whole fragment), and the verdict on every chunk (its doc has the rules and the
+shell's loop). The shell (learner/island_wire.py) fetches and stages; this decides.
+Invariants: nothing is installed unless every chunk of that one version passed in order and the bytes
+hash to the seal's version digest, so a version is never partial or mixed; a version is installed at most
+once and versions only grow; nothing a chunk claims is trusted beyond that chunk (a bad chunk is refused
+as a WireError, counted by the shell, and the island trains on); what is refused is a *message* (its stream
+sequence), never a version number, so forged chunks cannot hold the real versions back.
 """
 from __future__ import annotations
 
@@ -49,21 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
-import torch
 
-from yeto.schemas.chunks import DigestMismatch, VersionDigest, check_chunk, check_digest
+from yeto.schemas.chunks import ChunkSpan, DigestMismatch, VersionDigest, check_chunk, check_digest, chunk_plan
 from yeto.schemas.dtypes import BULK_DTYPES, packed_nbytes
-from yeto.schemas.errors import ConfigError, WireError
-from yeto.schemas.chunks import ChunkSpan, chunk_plan
+from yeto.schemas.errors import WireError
 
-from .device import to_device_of
-
-
-class ProtocolError(WireError):
-    """The island's own bookkeeping broke an invariant (never raised for anything read off the wire:
-    that is refused and counted as a WireError, see VersionConflict)."""
-
-    code = "protocol"
+from .sync_state import check_count, session_numels
 
 
 class VersionConflict(WireError):
@@ -71,27 +29,6 @@ class VersionConflict(WireError):
     of the two is garbage someone published; the chunk is refused, not fatal."""
 
     code = "version_conflict"
-
-
-def _check_count(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise WireError("must be a non-negative integer", field=field, value=value)
-    return value
-
-
-def session_numels(session: Mapping) -> dict[int, int]:
-    frags = session.get("fragments")
-    if not isinstance(frags, list) or not frags:
-        raise WireError("session must list its fragments", field="fragments", value=frags)
-    out = {}
-    for i, f in enumerate(frags):
-        fid, n = f.get("id"), f.get("numel")
-        if isinstance(fid, bool) or not isinstance(fid, int) or fid in out:
-            raise WireError("fragment id must be a unique integer", field=f"fragments.{i}.id", value=fid)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise WireError("fragment numel must be a positive integer", field=f"fragments.{i}.numel", value=n)
-        out[fid] = n
-    return out
 
 
 # An IEEE float is NaN or ±Inf exactly when its exponent bits are all ones.
@@ -103,103 +40,6 @@ def all_finite(payload: Any, dtype: str) -> bool:
     word, mask = _EXP_MASK[dtype]
     bits = np.frombuffer(payload, dtype=np.dtype(word).newbyteorder("<"))
     return not bool(np.any((bits & mask) == mask))
-
-
-def blend(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
-    """θ = α·θ_local + (1 − α)·Θ as a new float32 tensor (neither input is modified: `local` may alias
-    the live model). It runs on `local`'s device: a host Θ is moved there first."""
-    return local.to(torch.float32).mul(alpha).add_(to_device_of(glob, local), alpha=1.0 - alpha)
-
-
-def blend_(local: torch.Tensor, glob: torch.Tensor, alpha: float) -> torch.Tensor:
-    """`blend` written into `local` (float32, any shape; `glob` flat): the same two ops, the same bits."""
-    return local.mul_(alpha).add_(to_device_of(glob, local).view(local.shape), alpha=1.0 - alpha)
-
-
-# ---- per-fragment bookkeeping ----------------------------------------------------------------------
-
-@dataclass
-class FragmentState:
-    fid: int
-    numel: int
-    version: int | None = None  # None until the first version is installed
-    digest: str | None = None  # version digest (sha256 of the bulk-dtype bytes) of `version`
-    c_steps: int = 0  # inner steps since the version was installed
-    c_tokens: int = 0  # tokens trained since the version was installed (the push's merge weight)
-
-    @property
-    def steps_since_reset(self) -> int:
-        # The push counter and the readiness counter count the same thing: steps since the anchor.
-        return self.c_steps
-
-
-class SyncState:
-    """The island's view of every fragment of the session (see the module docstring)."""
-
-    def __init__(self, session: Mapping, island: str, gen: str, alpha: float):
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise ConfigError("alpha must be a number in [0, 1]", field="alpha", value=alpha)
-        self.island = island
-        self.gen = gen
-        self.alpha = float(alpha)
-        self.states: dict[int, FragmentState] = {fid: FragmentState(fid, n) for fid, n in session_numels(session).items()}
-
-    def _state(self, fid: int) -> FragmentState:
-        st = self.states.get(fid)
-        if st is None:
-            raise WireError(f"no such fragment in the session (ids {sorted(self.states)})", field="fragment", value=fid)
-        return st
-
-    def accept_version(self, fid: int, version: int, digest: str) -> str:
-        """Classify a broadcast version without changing state: "new" (newer than the one held, or
-        the first), "same" (the version held, same digest), "old" (older: ignored).
-        Raises ProtocolError for the version held with another digest (the reader refuses such
-        chunks before they get here)."""
-        st = self._state(fid)
-        _check_count(version, "version")
-        if st.version is None or version > st.version:
-            return "new"
-        if version < st.version:
-            return "old"
-        if digest != st.digest:
-            raise ProtocolError(f"fragment {fid} version {version} arrived with digest {st.digest} before",
-                                field="version_digest", value=digest)
-        return "same"
-
-    def needs_local(self, fid: int) -> bool:
-        """Whether installing the next version blends (a version is held), else it overwrites."""
-        return self._state(fid).version is not None
-
-    def installed(self, fid: int, version: int, digest: str) -> str:
-        """Record that every rank installed `version` (its values are now the ranks' anchors).
-        Returns how it was installed: "first" (overwrite) or "blend". Counters reset."""
-        st = self._state(fid)
-        if self.accept_version(fid, version, digest) != "new":
-            raise WireError(f"fragment {fid} already holds version {st.version}", field="version", value=version)
-        mode = "blend" if st.version is not None else "first"
-        st.version, st.digest = version, digest
-        st.c_steps = st.c_tokens = 0
-        return mode
-
-    def note_step(self, tokens: int) -> None:
-        """One inner step of `tokens` tokens completed: every fragment's counters grow."""
-        _check_count(tokens, "tokens")
-        for st in self.states.values():
-            st.c_steps += 1
-            st.c_tokens += tokens
-
-    def ready(self, fid: int) -> bool:
-        """A pull of this fragment can be answered: a version (so anchors) is held and a local step
-        was taken since."""
-        st = self.states.get(fid)
-        return st is not None and st.version is not None and st.c_steps >= 1
-
-    def versions(self) -> dict[str, int]:
-        """{fragment id (as a string, for JSON): version held} for the step log; unversioned ones absent."""
-        return {str(fid): st.version for fid, st in sorted(self.states.items()) if st.version is not None}
-
-    def version(self, fid: int) -> int | None:
-        return self._state(fid).version
 
 
 # ---- reading a cut in chunk order ------------------------------------------------------------------
@@ -218,24 +58,44 @@ class _Reading:
 
 
 class CutReader:
-    """In-order reader of one stream's versions, every fragment (see the module docstring).
+    """In-order reader of one stream's versions, every fragment. The rules:
 
-    Shell loop, per fragment that got notices: fetch the chunk subjects `next_chunks(fid)` (in order,
-    in bounded batches), hand each message to `take`, and act on the verdict: "accept" (stage the
-    chunk on the ranks; a chunk with index 0 starts a new staging), "complete" (the last chunk passed
-    and the version digest matched: commit on the ranks), "wait" (stop this fragment for now),
-    "restart" (fetch again from chunk 0). A WireError from `take` means the chunk (or the version it
-    completed) is refused: the reading was dropped (abort the ranks' staging); read the fragment
-    again once a new message lands on one of its subjects (a new notice). Pass each message's
-    stream sequence as `seq` so that a refused message is not refused (and counted) twice.
+    * the last chunk seals the version: on BCAST only it carries the `version_digest` (the syncer may publish
+      chunks 0..n-2 while it is still merging, and the seal once the version is durable); FINAL carries it on
+      every chunk and every chunk must carry the one wanted (the manifest's);
+    * a version completes only when every chunk of that one version passed, in order, and their bytes hash to
+      the seal's `version_digest`; then it is `held`. Until the seal lands the reading waits at the last chunk
+      (which still holds an older version); chunks that land one by one are read on at each boundary;
+    * a reading is identified by (version, chunk 0's chunk `digest`): one version number may be re-issued with
+      other bytes (a syncer restarted before the version was durable merges it again), so a new chunk 0 under
+      the same version with other bytes drops the reading (read again from chunk 0), and so does a chunk
+      already read re-published under that version with other bytes; the same bytes re-published keep it.
+      Chunks of two byte-streams hashed together unnoticed fail the seal's digest check;
+    * chunks of the held version or older are not read again;
+    * BCAST keeps one message per chunk subject, so a reader half-way through version v may find chunk k
+      overwritten by v+1: the reading of v is dropped and v+1 read from chunk 0 ("restart"); if chunk k still
+      holds an older version than the one wanted, the newer one has not reached it yet ("wait");
+    * anyone who can publish on the stream can put garbage there (unless server permissions close that,
+      docs/design.md §13): a bad chunk (framing that does not fit the session's chunk plan, a chunk digest
+      mismatch, NaN / Inf values, a `version_digest` missing from a seal or present elsewhere on BCAST, the
+      version held carried with another `version_digest`) or a digest mismatch at the seal is refused and
+      drops the reading when the reading met it (a bad chunk checked on its own, ahead of the reading, leaves
+      it). The syncer's real chunks of the same version (a re-broadcast, or a chunk that overwrote the
+      garbage) are new messages and are read as usual. The version read is the one found at chunk 0, never
+      one a notice merely claims.
 
-    What is read is decided by the stream, not by notices: the version found at chunk 0 (when newer
-    than the one held) is the one read, so a forged notice or chunk claiming a version far ahead
-    cannot hold back the real versions. `check` validates a chunk on its own (framing against the
-    session's chunk plan, its digest) — for a chunk a notice pointed at, out of order.
+    Shell loop, per fragment that got notices: fetch the chunk subjects `next_chunks(fid)` (in order, in
+    bounded batches), hand each message to `take`, and act on the verdict: "accept" (stage the chunk on the
+    ranks; a chunk with index 0 starts a new staging), "complete" (the last chunk passed and the version
+    digest matched: commit on the ranks), "wait" (stop this fragment for now), "restart" (fetch again from
+    chunk 0). A WireError from `take` means the chunk (or the version it completed) is refused: the reading
+    was dropped (abort the ranks' staging); read the fragment again once a new message lands on one of its
+    subjects (a new notice). Pass each message's stream sequence as `seq` so that a refused message is not
+    refused (and counted) twice. `check` validates a chunk on its own (framing against the session's chunk
+    plan, its digest) — for a chunk a notice pointed at, out of order.
 
-    `fixed=True` (FINAL): only the versions named with `want` are read, and every chunk must carry
-    the wanted version digest (BCAST: only the last chunk, the seal, carries one).
+    `fixed=True` (FINAL): only the versions named with `want` are read, and every chunk must carry the wanted
+    version digest (BCAST: only the last chunk, the seal, carries one).
     """
 
     def __init__(self, session: Mapping, *, dtype: str | None = None, fixed: bool = False):
@@ -286,7 +146,7 @@ class CutReader:
         `vdigest` is the notice's version digest, None for a BCAST chunk other than the seal:
         digests are compared only when there is one."""
         fid = self._fid(fid)
-        _check_count(version, "version")
+        check_count(version, "version")
         if vdigest is not None and not isinstance(vdigest, str):
             raise WireError("version_digest must be a string", field="version_digest", value=vdigest)
         h = self.held.get(fid)
@@ -373,7 +233,7 @@ class CutReader:
         if meta.get("fragment") != fid or meta.get("chunk") != index:
             raise WireError("chunk header does not match its subject", field="subject",
                             value=(fid, index, meta.get("fragment"), meta.get("chunk")))
-        v = _check_count(meta.get("version"), "version")
+        v = check_count(meta.get("version"), "version")
         vd = meta.get("version_digest")
         if index == n - 1 or self.fixed:
             if not isinstance(vd, str):
@@ -490,4 +350,4 @@ class CutReader:
         return "complete"
 
 
-__all__ = ["CutReader", "FragmentState", "ProtocolError", "SyncState", "VersionConflict", "all_finite", "blend", "blend_", "session_numels"]
+__all__ = ["CutReader", "VersionConflict", "all_finite"]
