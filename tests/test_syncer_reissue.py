@@ -12,7 +12,7 @@ import torch
 
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import Merge, MergeInput
 from yeto.services.syncer.cut import Cut
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.merge import Merger
@@ -47,12 +47,12 @@ def test_a_reissued_version_gets_its_own_message_ids_and_no_other_version_does()
 def test_the_merge_intent_keeps_the_resend_id_of_a_reissued_version():
     cut = _cut()
     merger = Merger(None, "r", Counter(), cut, PushLedger(), None, lr=0.7, momentum=0.9, attempts={4: 2})
-    member = R.MergeInput(island="a", gen="g", weight=1.0, try_=0, c_tokens=10, c_steps=1, base_version=3,
+    member = MergeInput(island="a", gen="g", weight=1.0, try_=0, c_tokens=10, c_steps=1, base_version=3,
                           local_step=8)
-    merge = R.Merge(step=8, fragment=1, attempt=2, version=4, base_version=3, members=(member,))
+    merge = Merge(step=8, fragment=1, attempt=2, version=4, base_version=3, members=(member,))
     assert merger.intent(merge, [])["reissue"] is None
     cut.reissue[1] = (4, 1733300000123)
     intent = merger.intent(merge, [])
     assert intent["reissue"] == 1733300000123
-    later = R.Merge(step=10, fragment=1, attempt=1, version=5, base_version=4, members=(member,))
+    later = Merge(step=10, fragment=1, attempt=1, version=5, base_version=4, members=(member,))
     assert merger.intent(later, [])["reissue"] is None     # only the re-issued version number

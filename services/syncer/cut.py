@@ -27,7 +27,7 @@ from yeto.schemas.dtypes import pack, packed_nbytes
 from yeto.schemas.messages import cut_chunk
 from yeto.schemas.provision import kv_put
 from yeto.schemas.publish import Pipeline, publish_retry
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import CommitV0, PublishFinal, PublishShardFinal, Rebroadcast, SendManifest
 from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
 from yeto.services.syncer.lease import Fenced
 from yeto.services.syncer.tape import TapeWriter
@@ -205,7 +205,7 @@ class Cut:
             bb.add(s.elem_offset, s.elem_count)
         return bb
 
-    async def commit_v0(self, a: R.CommitV0, attempts: dict[int, int]) -> None:
+    async def commit_v0(self, a: CommitV0, attempts: dict[int, int]) -> None:
         for fid in a.fragments:
             fr = self.frags[fid]
             if fr.params is None:
@@ -362,7 +362,7 @@ class Cut:
         self.counters["bytes_broadcast"] += sent
         return sent
 
-    async def rebroadcast(self, a: R.Rebroadcast) -> None:
+    async def rebroadcast(self, a: Rebroadcast) -> None:
         """The committed bytes of a version again (the machine saw a sign that BCAST lost them). Awaited
         in the loop, not spawned: no merge of this fragment starts (changing its params, broadcasting
         the next version on the same subjects) before it is out. A failure is counted, never fatal."""
@@ -389,7 +389,7 @@ class Cut:
                           "reason": a.reason, "detail": {"version_digest": vdigest, "resend": resend, "bytes": sent,
                                                          "seconds": time.time() - t0}}, kind="rebroadcast")
 
-    async def publish_final(self, a: R.PublishFinal) -> None:
+    async def publish_final(self, a: PublishFinal) -> None:
         """The f32 final cut (the machine emits PublishFinal once); its digests hash the f32 bytes and
         are checked against the manifest. The checkpoint is marked final (with the machine's
         finalization record) before FinalPublished lets the manifests go out."""
@@ -401,7 +401,7 @@ class Cut:
         await self.record_final(a.record)
         log.info("final cut published (step %d)", a.final_step)
 
-    async def publish_shard_final(self, a: R.PublishShardFinal) -> dict[int, str]:
+    async def publish_shard_final(self, a: PublishShardFinal) -> dict[int, str]:
         """Sharded: this shard's fragments' f32 final cut to FINAL, then the checkpoint marked final
         with {"shard_final": true, final_step, versions} (a restarted shard then only re-writes
         `final.<K>`), then `final.<K>` in the state KV (what the coordinator waits for). A crash before
@@ -470,7 +470,7 @@ class Cut:
             self.counters["final_record_error"] += 1
             log.error("writing the final record to the state KV failed: %r", exc)
 
-    async def send_manifest(self, a: R.SendManifest) -> None:
+    async def send_manifest(self, a: SendManifest) -> None:
         versions = {str(k): int(v) for k, v in a.versions.items()}
         msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
                          version_digests={str(k): v for k, v in sorted(self.final_digests.items())}, gen=a.gen)

@@ -23,7 +23,8 @@ import torch
 
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest as chunk_digest
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import Merge
+from yeto.services.syncer.events import MergeDone
 from yeto.services.syncer.checkpoint import VersionFiles
 from yeto.services.syncer.lease import Fenced
 from yeto.services.syncer.actions import action_from_json, action_to_json
@@ -134,14 +135,14 @@ class Merger:
         """`yeto run set`'s outer values in force: the speculative merge forecasts the next merge with them
         (a forecast made with others is discarded at the merge, which reads the pushes instead)."""
         if self.spec is not None:
-            self.spec.lr, self.spec.momentum = self.hyper(R.Merge(0, 0, 0, 0, 0, (), outer=settings))
+            self.spec.lr, self.spec.momentum = self.hyper(Merge(0, 0, 0, 0, 0, (), outer=settings))
 
-    def hyper(self, a: R.Merge) -> tuple[float, float]:
+    def hyper(self, a: Merge) -> tuple[float, float]:
         """The outer learning rate and momentum of this merge: the flags', or what `yeto run set` put in
         force when the machine decided it (Merge.outer), never read later than that."""
         return float(a.outer.get("outer_lr", self.lr)), float(a.outer.get("outer_momentum", self.momentum))
 
-    def intent(self, a: R.Merge, tries: list[PushTry]) -> dict:
+    def intent(self, a: Merge, tries: list[PushTry]) -> dict:
         """What redoing this merge needs besides the checkpointed params and momentum (see `redo`)."""
         reissue = self.cut.reissue.get(a.fragment)
         return {"merge": action_to_json(a), "lr": self.lr, "momentum": self.momentum,
@@ -155,13 +156,13 @@ class Merger:
                            "digests": {str(k): v for k, v in t.digests.items()}, "push_digest": t.push_digest}
                           for t in tries]}
 
-    async def redo(self, intent: dict) -> tuple[R.MergeDone, list[int]]:
+    async def redo(self, intent: dict) -> tuple[MergeDone, list[int]]:
         """Redo a cut-through merge a killed syncer had begun (its intent): the same pushes, read by the
         same stream sequences and checked against the same chunk digests, merged with the same weights
         and hyper-parameters on the checkpointed params and momentum, give the same bytes under the same
         version number. Raises MergeError when a push is gone from PUSH (then nothing was changed)."""
         a = action_from_json(intent["merge"])
-        if not isinstance(a, R.Merge):
+        if not isinstance(a, Merge):
             raise MergeError(f"merge intent holds a {type(a).__name__}, not a Merge")
         for t in intent["tries"]:
             key = tuple(t["key"])
@@ -184,7 +185,7 @@ class Merger:
                                                              fr.numel)
             raise
 
-    async def merge(self, a: R.Merge, *, redone: bool = False) -> tuple[R.MergeDone, list[int]]:
+    async def merge(self, a: Merge, *, redone: bool = False) -> tuple[MergeDone, list[int]]:
         """Merge, outer step, durable commit, broadcast: the MergeDone to feed back, and the PUSH
         sequences of the round for `cleanup` (after MergeDone, off the commit path). A speculative merge
         of this very round (speculate.py) is adopted here: its chunks are finished from their summed Δ."""
@@ -197,7 +198,7 @@ class Merger:
             if spec is not None:
                 self.spec.release(spec)
 
-    async def _merge(self, a: R.Merge, redone: bool, spec, t0: float) -> tuple[R.MergeDone, list[int]]:
+    async def _merge(self, a: Merge, redone: bool, spec, t0: float) -> tuple[MergeDone, list[int]]:
         fid = a.fragment
         fr = self.cut.frags[fid]
         dtype = self.ledger.push_dtype(fid, a.step, a.attempt, self.cut.session["push_dtype"])
@@ -326,7 +327,7 @@ class Merger:
                  ",".join(m.island for m in a.members), merge_s, merge_to_broadcast_s,
                  ", redone after a restart" if redone else "")
         # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
-        return R.MergeDone(step=a.step, fragment=fid, version=a.version, merge_to_broadcast_s=merge_to_broadcast_s,
+        return MergeDone(step=a.step, fragment=fid, version=a.version, merge_to_broadcast_s=merge_to_broadcast_s,
                            now=time.time()), seqs
 
     async def cleanup(self, fid: int, seqs: list[int]) -> None:

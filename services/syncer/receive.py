@@ -34,7 +34,8 @@ from yeto.schemas.ids import GEN_RE
 from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas import messages as M
 from yeto.schemas.versions import VersionError
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import InitDrop, InitStore, SendError
+from yeto.services.syncer.events import FinalAck, Heartbeat, Hello, InitChunk, PushComplete
 from yeto.services.syncer.cut import Cut
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.intake_limit import IntakeLimits
@@ -51,7 +52,7 @@ INIT_ROOM_WAIT_S = 5.0          # the longest one chunk waits for room (well und
 
 class Receiver:
     def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter,
-                 queue: asyncio.Queue, send_error: Callable[[R.SendError], Awaitable[None]]):
+                 queue: asyncio.Queue, send_error: Callable[[SendError], Awaitable[None]]):
         self.js, self.run_id, self.counters = js, run_id, counters
         self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
         self._doomed: list[int] = []                   # refused push chunks to delete (_delete_later)
@@ -168,17 +169,17 @@ class Receiver:
             if own_fp != m["layout_fingerprint"]:
                 err = WireError(why, field="layout_fingerprint", value=m["layout_fingerprint"], code="layout_mismatch")
                 await self.reject(f"hello on {msg.subject}", err, island=m["island"], gen=m["gen"])
-                await self.send_error(R.SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
+                await self.send_error(SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
                 return
-            await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
+            await self.queue.put(Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
                                          layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
                                          bulk_dtype=m["bulk_dtype"], now=now, software=m.get("software")))
         elif kind == "heartbeat":
-            await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
+            await self.queue.put(Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
                                              step_time_s=m.get("step_time_s"), now=now,
                                              leaving=bool(m.get("leaving", False))))
         else:
-            await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
+            await self.queue.put(FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
 
     async def refuse_protocol(self, subject: str, exc: VersionError, subj_island: str | None) -> None:
         """A message in a protocol this syncer does not accept (schemas/versions.py): counted and taped like
@@ -188,7 +189,7 @@ class Receiver:
         gen = exc.gen if isinstance(exc.gen, str) and GEN_RE.fullmatch(exc.gen) else None
         await self.reject(f"{exc.kind} on {subject}", exc, island=subj_island, gen=gen)
         if exc.kind == "hello" and gen is not None and subj_island is not None and exc.island == subj_island:
-            await self.send_error(R.SendError(subj_island, gen, exc.code, str(exc), True, "v"))
+            await self.send_error(SendError(subj_island, gen, exc.code, str(exc), True, "v"))
 
     async def on_init(self, msg) -> None:
         """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
@@ -224,7 +225,7 @@ class Receiver:
         await self._init_room()
         self.init_pending[key] = (span, values)
         self.init_pending_bytes += values.numel() * values.element_size()
-        await self.queue.put(R.InitChunk(island=head.island, gen=head.gen, fragment=fid, chunk=k,
+        await self.queue.put(InitChunk(island=head.island, gen=head.gen, fragment=fid, chunk=k,
                                          chunks=len(spans), now=time.time()))
 
     async def _init_room(self) -> None:
@@ -303,7 +304,7 @@ class Receiver:
             self.spec.on_chunk(meta)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
-            await self.queue.put(R.PushComplete(
+            await self.queue.put(PushComplete(
                 island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
                 base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
                 valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
@@ -322,7 +323,7 @@ class Receiver:
             batch, self._doomed = self._doomed[:DELETE_IN_FLIGHT], self._doomed[DELETE_IN_FLIGHT:]
             await asyncio.gather(*(delete_push_seqs(self.js, self.run_id, self.counters, [q]) for q in batch))
 
-    def store_init(self, a: R.InitStore) -> None:
+    def store_init(self, a: InitStore) -> None:
         span, values = self.init_pending.pop((a.gen, a.fragment, a.chunk))
         self.init_pending_bytes -= values.numel() * values.element_size()
         fr = self.cut.frags[a.fragment]
@@ -331,7 +332,7 @@ class Receiver:
             fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
         fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
 
-    def drop_init(self, a: R.InitDrop) -> None:
+    def drop_init(self, a: InitDrop) -> None:
         dropped = self.init_pending.pop((a.gen, a.fragment, a.chunk), None)
         if dropped is not None:
             self.init_pending_bytes -= dropped[1].numel() * dropped[1].element_size()

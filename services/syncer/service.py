@@ -35,10 +35,16 @@ import orjson
 from yeto.schemas import codec, leader_watch, shards as SH, subjects as S
 from yeto.schemas.chunks import max_chunk_bytes
 from yeto.schemas.conn import connect, server_max_payload
-from yeto.schemas.messages import Error, Pull, Shutdown
+from yeto.schemas import messages as M   # the wire's Shutdown, beside the machine's action of that name
 from yeto.schemas.provision import kv as kv_handle, kv_put, provision_run
 from yeto.schemas.publish import publish_retry
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import (
+    Action, AdoptSession, ApplySettings, CommitV0, Done, InitDrop, InitStore, Merge, PublishFinal, PublishPull,
+    PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember,
+    WriteSession,
+)
+from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
+from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
 from yeto.services.syncer.event_queue import EventQueue
@@ -51,9 +57,9 @@ from yeto.services.syncer.merge import Merger
 from yeto.services.syncer.receive import Receiver
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
 from yeto.services.syncer.settings_desk import SettingsDesk
-from yeto.services.syncer.service_config import OuterConfig, ServiceConfig  # noqa: F401 - OuterConfig: callers import it from here
+from yeto.services.syncer.service_config import ServiceConfig
 from yeto.services.syncer.state_store import StateStore
-from yeto.services.syncer.startup import Startup, SyncerError  # noqa: F401 - SyncerError: callers import it from here
+from yeto.services.syncer.startup import Startup, SyncerError
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -78,7 +84,7 @@ class SyncerService(Startup):
         self.cfg = cfg
         self.run_id = cfg.machine.run
         self.counters: Counter = Counter()
-        self.machine: R.RoundMachine | None = None
+        self.machine: RoundMachine | None = None
         self.ckpt = CheckpointDir(cfg.checkpoint_dir)
         self.ledger = PushLedger(hold_bytes=cfg.push_memory_bytes or 0)   # auto: set with the session
         # Built once connected: the tape writer, the global model (cut), then intake and merge.
@@ -87,7 +93,7 @@ class SyncerService(Startup):
         self.receiver: Receiver | None = None
         self.merger: Merger | None = None
         self.queue = EventQueue()   # liveness (hello, heartbeat) before the rest: services/syncer/event_queue.py
-        self.done: R.Done | None = None
+        self.done: Done | None = None
         self.nc = None
         self.js = None
         self.state_kv = None
@@ -107,7 +113,7 @@ class SyncerService(Startup):
         self._pulls_written: dict[int, int] = {}
         self.recorder = InputRecorder(self._proc)
         self._pending_inputs: dict | None = None   # an input record the recorder handed back, not yet taped
-        self._pending_actions: list[R.Action] = []  # produced at start (resume), carried out by the loop
+        self._pending_actions: list[Action] = []  # produced at start (resume), carried out by the loop
         self.lease: RunLease | None = None
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
@@ -312,13 +318,13 @@ class SyncerService(Startup):
                 event = self.queue.get_nowait()
                 await asyncio.sleep(0)   # let intake and tasks run between queued events
             elif timeout <= 0.0:
-                event = R.Tick(now=time.time())
+                event = Tick(now=time.time())
             else:
                 try:
                     event = await asyncio.wait_for(self.queue.get(), timeout=timeout)
                 except asyncio.TimeoutError:
-                    event = R.Tick(now=time.time())
-            past_tick = event.now if isinstance(event, R.Tick) and wake is not None and wake <= event.now else None
+                    event = Tick(now=time.time())
+            past_tick = event.now if isinstance(event, Tick) and wake is not None and wake <= event.now else None
             if isinstance(event, BaseException):
                 raise event
             actions = self._feed(event)
@@ -326,7 +332,7 @@ class SyncerService(Startup):
             await self._apply_async(actions)
             await self._status()
 
-    def _feed(self, event: R.Event) -> list[R.Action]:
+    def _feed(self, event: Event) -> list[Action]:
         """Hand one event to the machine, recording it and what it produced for `yeto replay`."""
         try:
             actions = self.machine.handle(event)
@@ -421,7 +427,7 @@ class SyncerService(Startup):
 
     # ---- the actions (one handler per action type, `ACTIONS` below) -----------------------------------
 
-    async def _write_session(self, a: R.WriteSession) -> None:
+    async def _write_session(self, a: WriteSession) -> None:
         self._take_session(a.session)
         await asyncio.to_thread(self.ckpt.write_session, a.session)
         await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
@@ -429,7 +435,7 @@ class SyncerService(Startup):
         log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                  len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
 
-    async def _adopt_session(self, a: R.AdoptSession) -> None:
+    async def _adopt_session(self, a: AdoptSession) -> None:
         # A follower takes the session the coordinator pinned (the state KV already holds it).
         self._take_session(a.session)
         await asyncio.to_thread(self.ckpt.write_session, a.session)
@@ -437,12 +443,12 @@ class SyncerService(Startup):
         log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
                  len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
 
-    async def _write_member(self, a: R.WriteMember) -> None:
+    async def _write_member(self, a: WriteMember) -> None:
         await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
 
-    async def _publish_pull(self, a: R.PublishPull) -> None:
+    async def _publish_pull(self, a: PublishPull) -> None:
         p = dict(a.pull)
-        msg = Pull(run=self.run_id, **p)
+        msg = M.Pull(run=self.run_id, **p)
         self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
         if self.merger is not None:
             self.merger.expect(p)
@@ -451,8 +457,8 @@ class SyncerService(Startup):
                             S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,
                             attempts=CTL_PUBLISH_ATTEMPTS)
 
-    async def _send_error(self, a: R.SendError) -> None:
-        msg = Error(run=self.run_id, code=a.code, message=a.message, fatal=a.fatal, field=a.field, gen=a.gen)
+    async def _send_error(self, a: SendError) -> None:
+        msg = M.Error(run=self.run_id, code=a.code, message=a.message, fatal=a.fatal, field=a.field, gen=a.gen)
         await publish_retry(self.js, S.to_island(self.run_id, a.island), msg.encode(),
                             S.to_island_msg_id(a.island, "error", f"{a.gen}.{self.tape.next_key()}"), counters=self.counters,
                             attempts=CTL_PUBLISH_ATTEMPTS)
@@ -462,41 +468,41 @@ class SyncerService(Startup):
         else:
             log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
 
-    async def _store_init(self, a: R.InitStore) -> None:
+    async def _store_init(self, a: InitStore) -> None:
         self.receiver.store_init(a)
         if a.chunk == 0:
             self._mem(f"INIT fragment {a.fragment} begins")
 
-    async def _drop_init(self, a: R.InitDrop) -> None:
+    async def _drop_init(self, a: InitDrop) -> None:
         self.receiver.drop_init(a)
 
-    async def _release(self, a: R.Release) -> None:
+    async def _release(self, a: Release) -> None:
         seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
         await self.merger.delete_seqs(seqs)
 
-    async def _tape(self, a: R.Tape) -> None:
+    async def _tape(self, a: Tape) -> None:
         await self.tape.write(dict(a.event), kind=a.event.get("kind", "event"))
 
-    async def _send_manifest(self, a: R.SendManifest) -> None:
+    async def _send_manifest(self, a: SendManifest) -> None:
         await self.cut.send_manifest(a)
 
-    async def _record_final(self, a: R.RecordFinal) -> None:
+    async def _record_final(self, a: RecordFinal) -> None:
         await self.cut.record_final(a.record)
 
-    async def _shutdown(self, a: R.Shutdown) -> None:
-        msg = Shutdown(run=self.run_id, reason=a.reason, gen=a.gen)
+    async def _shutdown(self, a: Shutdown) -> None:
+        msg = M.Shutdown(run=self.run_id, reason=a.reason, gen=a.gen)
         await publish_retry(self.js, S.to_island(self.run_id, a.island), msg.encode(),
                             S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters,
                             attempts=CTL_PUBLISH_ATTEMPTS)
 
-    async def _rebroadcast(self, a: R.Rebroadcast) -> None:
+    async def _rebroadcast(self, a: Rebroadcast) -> None:
         await self.cut.rebroadcast(a)
 
-    async def _apply_settings(self, a: R.ApplySettings) -> None:
+    async def _apply_settings(self, a: ApplySettings) -> None:
         self.merger.use_outer(a.settings)   # the speculative merge forecasts with them too
         await self.desk.apply(a)
 
-    async def _done(self, a: R.Done) -> None:
+    async def _done(self, a: Done) -> None:
         self.done = a
 
     def _spawn(self, coro) -> None:
@@ -539,30 +545,30 @@ class SyncerService(Startup):
                       pushes_held=self.ledger.held_bytes,
                       init_pending=self.receiver.init_pending_bytes if self.receiver is not None else 0)
 
-    async def _merge(self, a: R.Merge) -> None:
+    async def _merge(self, a: Merge) -> None:
         self._mem(f"merge step {a.step} begins")
         done, seqs = await self.merger.merge(a)
         self._mem(f"merge step {a.step} committed")
         await self.queue.put(done)
         await self.merger.cleanup(a.fragment, seqs)
 
-    async def _commit_v0(self, a: R.CommitV0) -> None:
+    async def _commit_v0(self, a: CommitV0) -> None:
         self._mem("INIT in, version 0 begins")
         await self.cut.commit_v0(a, self._attempts_seen)
         self._mem("version 0 committed")
-        await self.queue.put(R.V0Done(now=time.time()))
+        await self.queue.put(V0Done(now=time.time()))
 
-    async def _publish_shard_final(self, a: R.PublishShardFinal) -> None:
+    async def _publish_shard_final(self, a: PublishShardFinal) -> None:
         self._mem("final cut begins")
         await self.cut.publish_shard_final(a)
         self._mem("final cut published")
-        await self.queue.put(R.FinalPublished(now=time.time()))
+        await self.queue.put(FinalPublished(now=time.time()))
 
-    async def _publish_final(self, a: R.PublishFinal) -> None:
+    async def _publish_final(self, a: PublishFinal) -> None:
         self._mem("final cut begins")
         await self.cut.publish_final(a)
         self._mem("final cut published")
-        await self.queue.put(R.FinalPublished(now=time.time()))
+        await self.queue.put(FinalPublished(now=time.time()))
 
     async def _write_pulls_record(self) -> None:
         """Before a pull is published: remember its attempt durably (state KV `pulls`), so a restarted
@@ -583,11 +589,11 @@ class SyncerService(Startup):
 
     # Action type -> its handler, as the round machine keeps a handler per event type (tests/test_syncer_actions.py).
     ACTIONS = {
-        R.WriteSession: _write_session, R.AdoptSession: _adopt_session, R.WriteMember: _write_member,
-        R.PublishPull: _publish_pull, R.SendError: _send_error, R.InitStore: _store_init, R.InitDrop: _drop_init,
-        R.Release: _release, R.Tape: _tape, R.SendManifest: _send_manifest, R.RecordFinal: _record_final,
-        R.Shutdown: _shutdown, R.Rebroadcast: _rebroadcast, R.ApplySettings: _apply_settings, R.Done: _done,
-        R.Merge: _in_task(_merge), R.CommitV0: _in_task(_commit_v0), R.PublishFinal: _in_task(_publish_final),
-        R.PublishShardFinal: _in_task(_publish_shard_final),
+        WriteSession: _write_session, AdoptSession: _adopt_session, WriteMember: _write_member,
+        PublishPull: _publish_pull, SendError: _send_error, InitStore: _store_init, InitDrop: _drop_init,
+        Release: _release, Tape: _tape, SendManifest: _send_manifest, RecordFinal: _record_final,
+        Shutdown: _shutdown, Rebroadcast: _rebroadcast, ApplySettings: _apply_settings, Done: _done,
+        Merge: _in_task(_merge), CommitV0: _in_task(_commit_v0), PublishFinal: _in_task(_publish_final),
+        PublishShardFinal: _in_task(_publish_shard_final),
     }
     del _in_task

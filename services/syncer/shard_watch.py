@@ -31,7 +31,8 @@ import orjson
 
 from yeto.schemas import codec, shards as SH
 from yeto.schemas.errors import WireError
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.events import MemberSeen, SessionSeen, ShardFinal
 
 log = logging.getLogger("yeto.syncer")
 
@@ -77,7 +78,7 @@ def parse_shard_final(k: int, value: bytes, *, fragments: int, shards: int) -> t
 
 
 class ShardWatch:
-    def __init__(self, *, js, run_id: str, config: R.SyncerConfig, state_kv, members_kv, queue: asyncio.Queue,
+    def __init__(self, *, js, run_id: str, config: SyncerConfig, state_kv, members_kv, queue: asyncio.Queue,
                  cut, tape, counters: Counter, machine: Callable[[], Any], status_every_s: float,
                  poll_s: float = POLL_S):
         self.js, self.run_id, self.cfg = js, run_id, config
@@ -155,7 +156,7 @@ class ShardWatch:
         except WireError as exc:
             await self._bad("session", "session", e.revision, str(exc))
             return
-        await self.queue.put(R.SessionSeen(session=session, now=time.time()))
+        await self.queue.put(SessionSeen(session=session, now=time.time()))
         # The members the coordinator admitted so far come right after (the machine keeps records
         # read before the session until it has one).
 
@@ -202,7 +203,7 @@ class ShardWatch:
                 await self._bad("members", island, rev, f"a {type(record).__name__}, not an object")
                 continue
             # The machine checks the fields (sharding._member_fields) and tapes a bad record itself.
-            await self.queue.put(R.MemberSeen(island=island, record=record, now=time.time()))
+            await self.queue.put(MemberSeen(island=island, record=record, now=time.time()))
 
     # ---- coordinator ------------------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class ShardWatch:
         # Digests first: the machine's manifests (after the last ShardFinal) carry every fragment's.
         self.cut.final_digests.update(digests)
         log.info("shard %d/%d: final cut in (step %d, versions %s)", k, self.cfg.shards, step, versions)
-        await self.queue.put(R.ShardFinal(shard=k, final_step=step, versions=versions, now=time.time()))
+        await self.queue.put(ShardFinal(shard=k, final_step=step, versions=versions, now=time.time()))
         return True
 
     async def _poll_status(self) -> None:

@@ -15,7 +15,8 @@ import orjson
 
 from yeto.schemas import shards as SH
 from yeto.schemas.versions import StateFormatError, check_state_format, software
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.events import Tick
+from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import FORMAT, CheckpointDir, CheckpointError
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.lease import FlagMismatch, RunLease, lease_key, read_key
@@ -259,7 +260,7 @@ class Startup:
                        "committed_step": state.committed_step, "members": members, "now": time.time(),
                        "min_attempts": {str(s): a + 1 for s, a in published.items()}, "final": final_record}
             try:
-                self.machine = R.RoundMachine.restore(
+                self.machine = RoundMachine.restore(
                     mc, session, state.versions, state.committed_step, members, now=restore["now"],
                     min_attempts={s: a + 1 for s, a in published.items()}, final=final_record,
                 )
@@ -313,7 +314,7 @@ class Startup:
                                    "attempt": 1, "reason": "syncer resumed from checkpoint"}, kind="restart")
             # `yeto run set`'s settings in force when the last owner stopped: back before the first round
             kept = SettingsDesk.kept_event(await self._kv_get(self.state_kv, self._key("settings")), time.time())
-            self._apply((self._feed(kept) if kept is not None else []) + self._feed(R.Tick(now=time.time())))
+            self._apply((self._feed(kept) if kept is not None else []) + self._feed(Tick(now=time.time())))
         else:
             if self.ckpt.exists():
                 raise SyncerError(
@@ -333,7 +334,7 @@ class Startup:
                         f"run {self.run_id}: {self.label} already committed (state KV {self._key('commit')}: step "
                         f"{commit.get('committed_step')}, versions {commit.get('versions')}): pass --resume with its "
                         f"checkpoint directory, or remove the run with `yeto run rm {self.run_id}`")
-            self.machine = R.RoundMachine(mc)
+            self.machine = RoundMachine(mc)
             await self.tape.write(self.recorder.start(mc, None, time.time()), kind=INPUT_KIND)
 
     async def _resume_shard_final(self, state, final_record: dict | None) -> None:
