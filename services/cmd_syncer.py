@@ -200,7 +200,7 @@ async def _with_cover(own, cover_cfg) -> int:
     cover's (a takeover that could not finish the run)."""
     from yeto.schemas.provision import ProvisionError
     from yeto.services.syncer.service import SyncerService
-    from yeto.services.syncer.startup import SyncerError
+    from yeto.services.syncer.errors import SyncerError
 
     async def covering() -> int:
         SHARD_LABEL.set(cover_cfg.machine.shard)
@@ -244,7 +244,7 @@ def run(args) -> int:
     from yeto.services.syncer.config import SyncerConfig
     from yeto.services.syncer.service import SyncerService
     from yeto.services.syncer.service_config import OuterConfig, ServiceConfig
-    from yeto.services.syncer.startup import SyncerError
+    from yeto.services.syncer.errors import SyncerError
 
     # Every log line of a shard names it (several shards' logs often end up side by side).
     label = SH.label(args.shard, args.shards) if isinstance(args.shard, int) and isinstance(args.shards, int) \

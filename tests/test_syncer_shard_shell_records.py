@@ -68,7 +68,7 @@ async def test_a_shard_whose_final_cut_is_in_is_never_missing_however_it_exits(n
     watch = ShardWatch(js=js, run_id=run_id, config=cfg, state_kv=await kv_handle(js, run_id, "state"),
                        members_kv=await kv_handle(js, run_id, "members"), queue=queue, cut=cut,
                        tape=TapeWriter(js, run_id, counters, "t", shard=0), counters=counters,
-                       machine=lambda: None, status_every_s=0.1)
+                       machine=None, status_every_s=0.1)
     watch.missing_after_s = 0.5   # (15 s by default)
     for k in (1, 2):
         await kv_put(js, run_id, "state", f"syncer.{k}", orjson.dumps({"phase": "running", "shard": k}))

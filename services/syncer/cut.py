@@ -184,6 +184,27 @@ class Cut:
     def owns(self, fid: int) -> bool:
         return SH.owns(fid, self.shard, self.shards)
 
+    def fence(self, commit_rev: int) -> None:
+        """This process owns the run now (services/syncer/run_claim.py): the commit record is written
+        revision-checked from `commit_rev`, the revision it holds now (see put_commit_record)."""
+        self.commit_rev = commit_rev
+
+    def reissue_version(self, fid: int, version: int, resend: int) -> None:
+        """Fragment `fid`'s `version` gets other bytes than a killed syncer had begun to send (its redo
+        failed, or a redo of a re-issued version): its chunks go under the resend id `resend`."""
+        self.reissue[fid] = (version, resend)
+
+    def add_final_digests(self, digests: dict[int, str]) -> None:
+        """f32 version digests of final-cut fragments: this shard's, computed again on a resume, and (on
+        the coordinator) the other shards' from their `final.<K>` records, for the manifests."""
+        self.final_digests.update(digests)
+
+    def load(self, versions: dict[int, int]) -> None:
+        """--resume: every own fragment's params and momentum at `versions` from the checkpoint directory
+        (CheckpointError when a file is missing or short, KeyError when a fragment has no version)."""
+        for fid, fr in self.frags.items():
+            fr.params, fr.momentum = self.ckpt.load_fragment(fid, versions[fid], fr.numel)
+
     def set_session(self, session: dict) -> None:
         self.session = session
         for f in session["fragments"]:

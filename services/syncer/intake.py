@@ -120,6 +120,20 @@ class PushLedger:
         self.dropped: list[DroppedTry] = []        # incomplete tries forgotten, for the shell to tape
         self._tombstones: dict[PushKey, int] = {}  # dropped incomplete try -> committed_step when dropped
 
+    def set_budget(self, hold_bytes: int) -> None:
+        """The push bytes kept in memory from now on (the session is known: `--push-memory-mib auto`)."""
+        if hold_bytes < 0:
+            raise ValueError(f"hold_bytes must be >= 0, got {hold_bytes!r}")
+        self.hold_bytes = hold_bytes
+
+    def resume(self, committed_step: int, *, hold_bytes: int) -> None:
+        """A resumed syncer's ledger, before any chunk: rounds up to the checkpoint's `committed_step` are
+        committed (their redelivered chunks are closed)."""
+        if self.tries or self.released:
+            raise RuntimeError("a ledger resumes before it has recorded anything")
+        self.committed_step = committed_step
+        self.set_budget(hold_bytes)
+
     def closed(self, meta: dict, *, redelivered: bool = False) -> str | None:
         """Why a chunk can never count (its try released, or a redelivery of a committed round), else None."""
         key = key_of(meta)

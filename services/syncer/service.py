@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import resource
 import time
 from collections import Counter
 
@@ -59,7 +57,10 @@ from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
 from yeto.services.syncer.settings_desk import SettingsDesk
 from yeto.services.syncer.service_config import ServiceConfig
 from yeto.services.syncer.state_store import StateStore
-from yeto.services.syncer.startup import Startup, SyncerError
+from yeto.services.syncer.status import status_record
+from yeto.services.syncer.errors import SyncerError
+from yeto.services.syncer.opening import RunOpening
+from yeto.services.syncer.run_claim import RunClaim
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -74,12 +75,7 @@ MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's n
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (bytes): what its fragments' params and momentum cost."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
-
-
-class SyncerService(Startup):
+class SyncerService:
     def __init__(self, cfg: ServiceConfig):
         self.cfg = cfg
         self.run_id = cfg.machine.run
@@ -107,7 +103,6 @@ class SyncerService(Startup):
         self._proc = f"{int(time.time() * 1000):x}" + (f"s{mc.shard}" if mc.sharded else "")
         self.watch: ShardWatch | None = None
         self._attempts_seen: dict[int, int] = {}
-        self._unsealed: set[int] = set()   # --resume: fragments whose BCAST holds a killed merge's unsealed chunks
         self._status_t = 0.0
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
@@ -117,7 +112,6 @@ class SyncerService(Startup):
         self.lease: RunLease | None = None
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
-        self.standby_done = False           # stood by until the run finished: nothing was ours to do
         self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
 
     async def run(self) -> int:
@@ -136,23 +130,6 @@ class SyncerService(Startup):
             log.warning("%s: SIGTERM: handing run %s over after the event in hand", self.label, self.run_id)
             self.handover = HandOver(self.run_id)
             self.queue.put_nowait(self.handover)
-
-    def _run_flags(self) -> dict:
-        """The run flags every syncer of a run must agree on (a standby with others refuses to start)."""
-        mc = self.cfg.machine
-        return {"islands": mc.islands, "fragments": mc.fragments, "sync_every": mc.sync_every,
-                "total_steps": mc.total_steps, "push_dtype": mc.push_dtype, "bulk_dtype": mc.bulk_dtype,
-                "shards": mc.shards, "strict": mc.strict}
-
-    async def _run_finished(self) -> bool:
-        """A standby's question: has the run (this shard) finished, so that there is nothing to take over?
-        A follower shard is done once its final cut is recorded; the coordinator once the run's `final`."""
-        mc = self.cfg.machine
-        key = SH.final_key(self.shard) if mc.sharded and not mc.coordinator else "final"
-        try:
-            return await self._kv_get(self.state_kv, key) is not None
-        except Exception:  # noqa: BLE001 - no answer now: ask again at the next poll
-            return False
 
     async def _guard(self) -> None:
         """Before anything that makes a version visible: still the owner (asks the KV after a pause)."""
@@ -183,7 +160,7 @@ class SyncerService(Startup):
             if self.cfg.machine.chunk_bytes > bound:
                 log.warning("--chunk-bytes %d exceeds what the server's max_payload %d allows with headers; using %d",
                             self.cfg.machine.chunk_bytes, server_max_payload(self.nc), bound)
-                self.cfg.machine = dataclasses.replace(self.cfg.machine, chunk_bytes=bound)
+                self.cfg = dataclasses.replace(self.cfg, machine=dataclasses.replace(self.cfg.machine, chunk_bytes=bound))
             mc = self.cfg.machine
             report = await provision_run(self.js, self.run_id, self.cfg.limits, push_headers_only=False,
                                          shard=mc.shard, shards=mc.shards, fragments=mc.fragments)
@@ -197,11 +174,16 @@ class SyncerService(Startup):
             if self.cfg.state_store == "jetstream":
                 self.cut.store = StateStore(self.js, self.run_id, self.ckpt_kv, self.counters, shard=mc.shard,
                                             chunk_bytes=mc.chunk_bytes, guard=self._guard)
-            if not await self._own_the_run():
-                return 0
+            claim = RunClaim(mc, state_kv=self.state_kv, ckpt=self.ckpt, cut=self.cut, counters=self.counters,
+                             resume=self.cfg.resume, standby_only=self.cfg.standby_only,
+                             lease_ttl_s=self.cfg.lease_ttl_s, label=self.label)
+            self.lease = claim.lease   # held from here on: closed at exit whatever happens
+            claimed = await claim.claim()
+            if claimed is None:
+                return 0   # the run finished: nothing was ours to do
             install_handover(self._request_handover)   # SIGTERM: handover.py
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
-            await self._start_machine()
+            await self._open(claimed.resume)
             self.desk = SettingsDesk(self.nc, self.js, self.run_id, self.counters, self.queue, shard=mc.shard,
                                      shards=mc.shards, key=self._key("settings"))
             await self.desk.start()
@@ -275,6 +257,26 @@ class SyncerService(Startup):
             log.warning("%s took over %.0f s at exit: left behind", what, timeout_s)
         except Exception as exc:  # noqa: BLE001 - the exit goes on; the reason is logged
             log.warning("%s failed at exit: %r", what, exc)
+
+    async def _open(self, resume: bool) -> None:
+        """The round machine, fresh or resumed (opening.py); a resumed one is fed before the loop starts
+        what the last owner's settings were and a Tick, whose actions the loop carries out first."""
+        mc = self.cfg.machine
+        opening = RunOpening(mc, resume=resume, js=self.js, state_kv=self.state_kv, members_kv=self.members_kv,
+                             ckpt=self.ckpt, cut=self.cut, ledger=self.ledger, tape=self.tape, recorder=self.recorder,
+                             counters=self.counters, label=self.label, new_merger=self._new_merger,
+                             push_budget=self.push_budget)
+        opened = await opening.open()
+        self.machine = opened.machine
+        self._attempts_seen.update(opened.attempts)
+        kept = await opening.settle(opened)
+        if mc.sharded:
+            self.watch = ShardWatch(js=self.js, run_id=self.run_id, config=mc, state_kv=self.state_kv,
+                                    members_kv=self.members_kv, queue=self.queue, cut=self.cut, tape=self.tape,
+                                    counters=self.counters, machine=self.machine, members_seen=opened.member_revs,
+                                    status_every_s=self.cfg.status_every_s)
+        if opened.resumed is not None:
+            self._apply((self._feed(kept) if kept is not None else []) + self._feed(Tick(now=time.time())))
 
     def _new_merger(self) -> Merger:
         return Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
@@ -386,35 +388,10 @@ class SyncerService(Startup):
             self.counters["status_error"] += 1
             log.warning("writing the status record failed: %r", exc)
 
-    def status_record(self, *, final: bool = False) -> dict:
-        """The `state` KV key `syncer` (`syncer.<K>` when sharded): where the syncer stands and every counter (JSON)."""
-        m = self.machine
-        return {
-            "pid": os.getpid(),
-            "started_at": self._started_at,
-            "updated_at": time.time(),
-            "exited": final,
-            "phase": m.phase.value,
-            "committed_step": m.committed_step,
-            "total_steps": self.cfg.machine.total_steps,
-            "versions": {str(k): v for k, v in m.versions.items()},
-            "live": sorted(i for i, mem in m.members.items() if mem.live),
-            "rounds_in_flight": [{"step": r.step, "fragment": r.fragment, "attempt": r.attempt,
-                                  "answered": r.answered, "expected": len(r.slots)}
-                                 for _, r in sorted(m.rounds.items())],
-            "counters": dict(sorted(self.counters.items())),
-            "rounds": dict(sorted(m.counters.items())),
-            # per shard (schemas/shards.py); with one shard: shard 0 of 1, every fragment
-            "shard": self.shard,
-            "shards": self.shards,
-            "fragments": list(self.cfg.machine.own_fragments),
-            "rss_bytes": peak_rss_bytes(),
-            **({"shards_missing": sorted(self.watch.missing)} if self.watch is not None and self.cfg.machine.coordinator
-               else {}),
-        }
-
     async def _write_status(self, *, final: bool = False) -> None:
-        await kv_put(self.js, self.run_id, "state", self._key("syncer"), orjson.dumps(self.status_record(final=final)),
+        rec = status_record(self.machine, self.cfg.machine, self.counters, started_at=self._started_at,
+                            missing=self.watch.missing if self.watch is not None else None, final=final)
+        await kv_put(self.js, self.run_id, "state", self._key("syncer"), orjson.dumps(rec),
                      counters=self.counters)
 
     async def _do(self, a) -> None:
@@ -521,9 +498,9 @@ class SyncerService(Startup):
 
     def _take_session(self, session: dict) -> None:
         """A session pinned or adopted: this syncer's fragments, its push budget, and its merge loop started
-        (a resume does the same in Startup and after the merger exists)."""
+        (a resume does the same in opening.py and after the merger exists)."""
         self.cut.set_session(session)
-        self.ledger.hold_bytes = self.push_budget()
+        self.ledger.set_budget(self.push_budget())
         if self.merger is not None:   # else the prewarm right after its creation covers it
             self.merger.prewarm(self.cfg.machine.islands)
 

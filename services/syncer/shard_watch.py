@@ -25,7 +25,7 @@ import logging
 import re
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
@@ -33,6 +33,7 @@ from yeto.schemas import codec, shards as SH
 from yeto.schemas.errors import WireError
 from yeto.services.syncer.config import SyncerConfig
 from yeto.services.syncer.events import MemberSeen, SessionSeen, ShardFinal
+from yeto.services.syncer.rounds import RoundMachine
 
 log = logging.getLogger("yeto.syncer")
 
@@ -79,8 +80,10 @@ def parse_shard_final(k: int, value: bytes, *, fragments: int, shards: int) -> t
 
 class ShardWatch:
     def __init__(self, *, js, run_id: str, config: SyncerConfig, state_kv, members_kv, queue: asyncio.Queue,
-                 cut, tape, counters: Counter, machine: Callable[[], Any], status_every_s: float,
-                 poll_s: float = POLL_S):
+                 cut, tape, counters: Counter, machine: RoundMachine | None, status_every_s: float,
+                 members_seen: dict[str, int] | None = None, poll_s: float = POLL_S):
+        """`machine`: the follower's (whether it has pinned a session yet); `members_seen`: the revisions of
+        the members records a restored machine already holds (not fed again)."""
         self.js, self.run_id, self.cfg = js, run_id, config
         self.state_kv, self.members_kv, self.queue = state_kv, members_kv, queue
         self.cut, self.tape, self.counters, self.machine = cut, tape, counters, machine
@@ -89,7 +92,7 @@ class ShardWatch:
         self.missing_after_s = max(MISSING_MIN_S, 3 * status_every_s)
         self._session_rev = 0
         self._members_seq = 0                      # members stream's last sequence read
-        self._members_rev: dict[str, int] = {}     # island -> revision last fed (or skipped as bad)
+        self._members_rev: dict[str, int] = dict(members_seen or {})   # island -> revision last fed (or skipped as bad)
         self._final_rev: dict[int, int] = {}       # shard -> final.<K> revision last read
         self._final_in: set[int] = set()           # shards whose final cut was taken: never missing after it
         self._started = time.monotonic()
@@ -97,10 +100,6 @@ class ShardWatch:
         self.missing: dict[int, str] = {}          # shard -> why (coordinator)
         self._status_t = 0.0
         self._bad_taped: set[tuple[str, int]] = set()
-
-    def seed_members(self, records_with_rev: dict[str, int]) -> None:
-        """Revisions of the members records a restored machine already holds (not fed again)."""
-        self._members_rev.update(records_with_rev)
 
     async def run(self) -> None:
         while True:
@@ -121,8 +120,7 @@ class ShardWatch:
                 self._status_t = now
                 await self._poll_status()
         else:
-            m = self.machine()
-            if m is not None and m.session is None:
+            if self.machine.session is None:
                 await self._poll_session()
             await self._poll_members()
 
