@@ -17,16 +17,6 @@ def test_init_intake_pauses_while_too_many_bytes_wait_for_the_machine_then_resum
     monkeypatch.setattr(RX, "INIT_ROOM_WAIT_S", 0.3)
     rx = RX.Receiver(None, "r1", Counter(), None, None, None, asyncio.Queue(), None)
 
-    class _Frag:
-        params = None
-        momentum = None
-        numel = 4
-
-    class _Cut:
-        frags = {0: _Frag()}
-
-    rx.cut = _Cut()
-
     async def scenario():
         rx.init_pending[("g", 0, 0)] = (None, torch.zeros(2))     # 8 bytes waiting: at the bound
         rx.init_pending_bytes = 8

@@ -134,6 +134,11 @@ class PushLedger:
         self.committed_step = committed_step
         self.set_budget(hold_bytes)
 
+    def restore_try(self, t: PushTry) -> None:
+        """The redo of an interrupted merge (merge.Merger.redo): a complete try as the merge's intent recorded
+        it, its chunks read back from PUSH by their stream sequences."""
+        self.tries[t.key] = t
+
     def closed(self, meta: dict, *, redelivered: bool = False) -> str | None:
         """Why a chunk can never count (its try released, or a redelivery of a committed round), else None."""
         key = key_of(meta)

@@ -20,14 +20,15 @@ import orjson
 
 from yeto.schemas import shards as SH
 from yeto.schemas.versions import StateFormatError, check_state_format, software
-from yeto.services.syncer.checkpoint import FORMAT, CheckpointDir, CheckpointError, CheckpointState
+from yeto.services.syncer.checkpoint import FORMAT, CheckpointError, CheckpointState
 from yeto.services.syncer.config import SyncerConfig
-from yeto.services.syncer.cut import Cut
+from yeto.services.syncer.cut import CutPublisher
 from yeto.services.syncer.errors import SyncerError
 from yeto.services.syncer.events import Reconfigure
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.kv_reads import kv_entry, kv_json
 from yeto.services.syncer.merge import Merger
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
 from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.settings_desk import SettingsDesk
@@ -61,11 +62,12 @@ class Opened:
 
 
 class RunOpening:
-    def __init__(self, mc: SyncerConfig, *, resume: bool, js, state_kv, members_kv, ckpt: CheckpointDir, cut: Cut,
-                 ledger: PushLedger, tape: TapeWriter, recorder: InputRecorder, counters: Counter, label: str,
-                 new_merger: Callable[[], Merger], push_budget: Callable[[], int]):
+    def __init__(self, mc: SyncerConfig, *, resume: bool, js, state_kv, members_kv, model: ModelStore,
+                 publisher: CutPublisher, ledger: PushLedger, tape: TapeWriter, recorder: InputRecorder,
+                 counters: Counter, label: str, new_merger: Callable[[], Merger], push_budget: Callable[[], int]):
         self.mc, self.resume, self.js, self.state_kv, self.members_kv = mc, resume, js, state_kv, members_kv
-        self.ckpt, self.cut, self.ledger, self.tape, self.recorder = ckpt, cut, ledger, tape, recorder
+        self.model, self.publisher, self.ledger, self.tape, self.recorder = model, publisher, ledger, tape, recorder
+        self.ckpt = model.ckpt   # read here (the checkpoint a resume continues); the model store writes it
         self.counters, self.label = counters, label
         self.new_merger = new_merger      # a merger as the shell builds them (the redo of an interrupted merge)
         self.push_budget = push_budget    # the push bytes the ledger keeps, once the session is known
@@ -136,17 +138,17 @@ class RunOpening:
             raise SyncerError(
                 f"--resume: state KV says step {commit['committed_step']} is committed but checkpoint "
                 f"{self.ckpt.path} holds only step {state.committed_step}: wrong checkpoint directory?")
-        self.cut.set_session(session)
+        self.model.set_session(session)
         self.ledger.resume(state.committed_step, hold_bytes=self.push_budget())
         try:
-            self.cut.load(state.versions)
+            self.model.load(state.versions)
         except (CheckpointError, KeyError) as exc:
             raise SyncerError(f"--resume: checkpoint {self.ckpt.path} is incomplete: {exc}") from None
         # The checkpoint is the source of truth for bytes: check it against the digests it recorded
         # (and broadcast) before serving it again.
         digests = {}
-        for fid in sorted(self.cut.frags):
-            digests[fid] = await asyncio.to_thread(self.cut.bulk_digest, fid, session["bulk_dtype"])
+        for fid in sorted(self.model.frags):
+            digests[fid] = await asyncio.to_thread(self.model.bulk_digest, fid, session["bulk_dtype"])
             want = state.version_digests.get(fid)
             if want is not None and digests[fid] != want:
                 raise SyncerError(
@@ -155,7 +157,7 @@ class RunOpening:
         unsealed: set[int] = set()
         if not state.final:
             state = await self._redo_interrupted_merges(state, unsealed)
-            digests.update({fid: state.version_digests[fid] for fid in self.cut.frags if fid in state.version_digests})
+            digests.update({fid: state.version_digests[fid] for fid in self.model.frags if fid in state.version_digests})
         members, member_revs = await self._read_members()
         final_record = state.final_record
         if state.final and final_record is None:
@@ -199,35 +201,33 @@ class RunOpening:
         await self.tape.write(self.recorder.start(mc, r.restore, time.time(), resumed_state=r.resumed_state),
                               kind=INPUT_KIND)
         # Bring the state KV in line with the checkpoint (the checkpoint is written first).
-        await self.cut.write_commit_record(state)
+        await self.model.write_commit_record(state)
         # A crash between the durable commit and its tape records: write the ones the tape lacks.
         await self.tape.retape(state)
         if mc.sharded:
             await self._resume_shard_final(state, final_record)
         elif final_record is not None and not final_record.get("finished"):
             # Finalization continues: manifests carry the f32 cut's digests (the cut is in FINAL).
-            self.cut.add_final_digests({fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
-                                        for fid in sorted(self.cut.frags)})
+            self.publisher.add_final_digests(await self.publisher.final_cut_digests())
         if final_record is not None and final_record.get("finished"):
             log.info("run %s already finished at step %d (final cut in FINAL; export it with `yeto export`): "
                      "nothing to do", self.run_id, state.committed_step)
             # A run finished by a syncer that wrote no final record (or lost it): write it now.
             if not mc.sharded:
-                self.cut.add_final_digests({fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32")
-                                            for fid in sorted(self.cut.frags)})
+                self.publisher.add_final_digests(await self.publisher.final_cut_digests())
             versions = state.versions if not mc.sharded else \
                 {int(k): int(v) for k, v in (final_record.get("versions") or {}).items()}
-            await self.cut.write_final_kv(int(final_record.get("final_step", state.committed_step)), versions)
+            await self.publisher.write_final_kv(int(final_record.get("final_step", state.committed_step)), versions)
         # A crash between the durable commit and the end of its broadcast leaves BCAST without the
         # newest version: broadcast the checkpointed cut again. Same bytes, same Nats-Msg-Ids, so
         # JetStream drops what it already holds inside the duplicate window; islands ignore a
         # version they already hold.
         if not state.final:
-            for fid in sorted(self.cut.frags):
+            for fid in sorted(self.model.frags):
                 # Over a killed merge's unsealed chunks the committed version must land, not be dropped
                 # as a duplicate of its first broadcast: new Nats-Msg-Ids (as a re-broadcast's).
                 resend = time.time_ns() // 1_000_000 if fid in r.unsealed else None
-                await self.cut.broadcast(fid, state.versions[fid], r.digests[fid], resend=resend)
+                await self.publisher.broadcast(fid, state.versions[fid], r.digests[fid], resend=resend)
         log.info("resumed run %s from %s at step %d, versions %s", self.run_id, self.ckpt.path,
                  state.committed_step, state.versions)
         nxt = mc.next_own_step(state.committed_step)
@@ -243,7 +243,7 @@ class RunOpening:
         state after those commits. When a push is gone (PUSH's max_age passed while the syncer was
         down) it cannot be: the round restarts as usual, and islands drop the early chunks they hold
         because the new chunks differ (the seal's digest would refuse a mix anyway)."""
-        for fid in sorted(self.cut.frags):
+        for fid in sorted(self.model.frags):
             intent = await asyncio.to_thread(self.ckpt.read_intent, fid)
             if intent is None:
                 continue
@@ -262,10 +262,10 @@ class RunOpening:
                 await self.tape.write({"kind": "error", "t": time.time(), "step": merge.get("step"), "fragment": fid,
                                        "reason": f"interrupted merge of version {merge.get('version')} not redone: {exc!r}"},
                                       kind="error")
-                await asyncio.to_thread(self.ckpt.drop_intent, fid)
+                await asyncio.to_thread(self.model.drop_intent, fid)
                 unsealed.add(fid)
                 # The restarted round gives this version number other bytes: new Nats-Msg-Ids for them.
-                self.cut.reissue_version(fid, merge.get("version"), time.time_ns() // 1_000_000)
+                self.publisher.reissue_version(fid, merge.get("version"), time.time_ns() // 1_000_000)
                 continue
             self.counters["merge_redone"] += 1
             await merger.cleanup(fid, seqs)
@@ -280,13 +280,13 @@ class RunOpening:
         mc = self.mc
         if final_record is None:
             return
-        own = {fid: await asyncio.to_thread(self.cut.bulk_digest, fid, "f32") for fid in sorted(self.cut.frags)}
-        self.cut.add_final_digests(own)
+        own = await self.publisher.final_cut_digests()
+        self.publisher.add_final_digests(own)
         key = SH.final_key(mc.shard)
         if await kv_json(self.state_kv, key) is None:
             step = int(final_record.get("final_step", state.committed_step))
             log.info("writing %s again: this shard stopped after its final cut, before recording it", key)
-            await self.cut.write_shard_final_kv(step, dict(state.versions), own)
+            await self.publisher.write_shard_final_kv(step, dict(state.versions), own)
         if mc.coordinator and not final_record.get("shard_final"):
             # The manifest was recorded, so every shard's final record was in: read them back.
             for k in range(1, mc.shards):
@@ -298,7 +298,7 @@ class RunOpening:
                     _, _, digs = parse_shard_final(k, e.value, fragments=mc.fragments, shards=mc.shards)
                 except ShardRecordError as exc:
                     raise SyncerError(f"--resume: state KV {SH.final_key(k)}: {exc}") from None
-                self.cut.add_final_digests(digs)
+                self.publisher.add_final_digests(digs)
 
     async def _read_members(self) -> tuple[dict[str, dict], dict[str, int]]:
         """Every record of the members KV, and each one's revision. Read from the bucket's stream (its subjects, then a get per

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 from yeto.schemas import shards as SH
-from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointError
+from yeto.services.syncer.checkpoint import CheckpointError
 from yeto.services.syncer.config import SyncerConfig
-from yeto.services.syncer.cut import Cut
 from yeto.services.syncer.errors import SyncerError
 from yeto.services.syncer.kv_reads import kv_json
 from yeto.services.syncer.lease import FlagMismatch, RunLease, lease_key, read_key
-from yeto.services.syncer.state_store import WARM_DIR
+from yeto.services.syncer.model_store import ModelStore
 
 log = logging.getLogger("yeto.syncer")
 
@@ -43,9 +41,10 @@ class RunClaim:
     """Owns the run or stands by (`claim`). The lease is built here and held by the shell from the start
     (`lease`): it refreshes it, releases it at a clean exit and closes it whatever happens."""
 
-    def __init__(self, mc: SyncerConfig, *, state_kv, ckpt: CheckpointDir, cut: Cut, counters: Counter,
+    def __init__(self, mc: SyncerConfig, *, state_kv, model: ModelStore, counters: Counter,
                  resume: bool, standby_only: bool, lease_ttl_s: float, label: str):
-        self.mc, self.state_kv, self.ckpt, self.cut, self.counters = mc, state_kv, ckpt, cut, counters
+        self.mc, self.state_kv, self.model, self.counters = mc, state_kv, model, counters
+        self.ckpt = model.ckpt   # read here (does it hold a checkpoint?); the model store writes it
         self.resume, self.standby_only, self.lease_ttl_s, self.label = resume, standby_only, lease_ttl_s, label
         self.run_id = mc.run
         self.lease = RunLease(state_kv, lease_key(mc.shard, mc.shards), ttl_s=lease_ttl_s, flags=run_flags(mc),
@@ -84,7 +83,7 @@ class RunClaim:
             raise SyncerError(f"run {self.run_id} is owned by a syncer with other run flags: {exc}") from None
         if not owner:
             warming = (asyncio.create_task(self._keep_warm())
-                       if self.cut.store is not None and not self.ckpt.exists() else None)
+                       if self.model.state_store is not None and not self.ckpt.exists() else None)
             try:
                 lapsed = await self.lease.wait_for_lapse(self.finished)
             finally:
@@ -93,13 +92,13 @@ class RunClaim:
                     await asyncio.gather(warming, return_exceptions=True)
             if not lapsed:
                 log.info("run %s finished while this syncer stood by: nothing to do", self.run_id)
-                await asyncio.to_thread(shutil.rmtree, self.ckpt.path / WARM_DIR, True)
+                await self.model.drop_warm()
                 return None
         resume = self.resume
         commit = await kv_json(self.state_kv, self._key("commit"))
         if commit is not None and not self.ckpt.exists():
             # Another host's syncer committed (the previous owner, or this syncer's pod before it was moved)
-            if self.cut.store is not None and await self.cut.store.has_state():
+            if await self.model.has_stored_state():
                 await self._restore_from_jetstream()
             elif not owner and not resume:
                 await self.lease.release()   # not ours to run: leave it to a syncer that holds the state
@@ -113,24 +112,22 @@ class RunClaim:
             log.info("run %s: %s holds a checkpoint: continuing from it (as --resume)", self.run_id, self.ckpt.path)
             resume = True
         # Fencing: the commit record is written revision-checked from now on, starting from its revision
-        # now; a resumed owner rewrites it first (the old owner's next write then fails: cut.py).
+        # now; a resumed owner rewrites it first (the old owner's next write then fails: model_store.py).
         rev, _ = await read_key(self.state_kv, self._key("commit"))
-        self.cut.fence(rev)
-        if self.cut.store is not None:   # what a save torn by the previous owner's death left (state_store.py)
-            await self.cut.store.purge_unnamed()
+        self.model.fence(rev)
+        await self.model.purge_unnamed()   # what a save torn by the previous owner's death left (state_store.py)
         return Claimed(resume=resume)
 
     async def _keep_warm(self) -> None:
         """A standby's warm copy of the committed cut (state_store.py `warm`), refreshed every half lease TTL
         (at least every 2 s) until the takeover cancels it. Never raises: a pass that fails is tried again."""
-        warm = CheckpointDir(self.ckpt.path / WARM_DIR)
         every = max(0.5, min(2.0, self.lease_ttl_s / 2))
         numels = None
         while True:
             if self.ckpt.exists():
                 # The owner's checkpoint appeared in this directory: it is shared (a volume both mount), and the
                 # takeover continues from those files; a warm copy beside them is only disk.
-                await asyncio.to_thread(shutil.rmtree, warm.path, True)
+                await self.model.drop_warm()
                 return
             try:
                 if numels is None:
@@ -139,10 +136,10 @@ class RunClaim:
                         own = set(self.mc.own_fragments)
                         numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in own}
                 if numels is not None:
-                    n = await self.cut.store.warm(warm, numels)
+                    n = await self.model.warm(numels)
                     if n:
                         log.info("standby: %d fragment version%s fetched into the warm copy %s", n,
-                                 "s" if n > 1 else "", warm.path)
+                                 "s" if n > 1 else "", self.model.warm_path)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a cache: the takeover fetches what it lacks
@@ -158,14 +155,11 @@ class RunClaim:
             raise SyncerError(f"run {self.run_id}: the state KV holds committed state but no session")
         numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in set(self.mc.own_fragments)}
         t0 = time.perf_counter()
-        warm_path = self.ckpt.path / WARM_DIR
         before = self.counters["state_store.restored_warm"]
         try:
-            state = await self.cut.store.restore_into(self.ckpt, session, numels,
-                                                      warm=CheckpointDir(warm_path) if warm_path.is_dir() else None)
+            state = await self.model.restore(session, numels)
         except (RuntimeError, CheckpointError) as exc:
             raise SyncerError(f"run {self.run_id}: restoring the committed state from the state KV failed: {exc}") from None
-        await asyncio.to_thread(shutil.rmtree, warm_path, True)
         log.warning("restored run %s's committed state (step %d, versions %s) from the state KV into %s in %.1f s "
                     "(%d of %d fragments from the standby's warm copy)", self.run_id, state.committed_step,
                     state.versions, self.ckpt.path, time.perf_counter() - t0,

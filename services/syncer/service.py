@@ -44,14 +44,16 @@ from yeto.services.syncer.actions import (
 from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
 from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
-from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
+from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, CutPublisher
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
 from yeto.services.syncer.intake import PushLedger, auto_push_memory_bytes
 from yeto.services.syncer.lease import Fenced, RunLease
 from yeto.services.syncer.shard_watch import ShardWatch
+from yeto.services.syncer.speculate import Speculator
 from yeto.services.syncer import memtrace
 from yeto.services.syncer.merge import Merger
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.receive import Receiver
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
 from yeto.services.syncer.settings_desk import SettingsDesk
@@ -81,11 +83,12 @@ class SyncerService:
         self.run_id = cfg.machine.run
         self.counters: Counter = Counter()
         self.machine: RoundMachine | None = None
-        self.ckpt = CheckpointDir(cfg.checkpoint_dir)
         self.ledger = PushLedger(hold_bytes=cfg.push_memory_bytes or 0)   # auto: set with the session
-        # Built once connected: the tape writer, the global model (cut), then intake and merge.
+        # Built once connected: the tape writer, the global model (model store) and its publisher (BCAST,
+        # FINAL, manifests), then intake and merge.
         self.tape: TapeWriter | None = None
-        self.cut: Cut | None = None
+        self.model: ModelStore | None = None
+        self.publisher: CutPublisher | None = None
         self.receiver: Receiver | None = None
         self.merger: Merger | None = None
         self.queue = EventQueue()   # liveness (hello, heartbeat) before the rest: services/syncer/event_queue.py
@@ -170,11 +173,13 @@ class SyncerService:
             self.ckpt_kv = await kv_handle(self.js, self.run_id, "ckpt")
             self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc,
                                    shard=mc.shard if mc.sharded else None)
-            self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape, shard=mc.shard, shards=mc.shards)
-            if self.cfg.state_store == "jetstream":
-                self.cut.store = StateStore(self.js, self.run_id, self.ckpt_kv, self.counters, shard=mc.shard,
-                                            chunk_bytes=mc.chunk_bytes, guard=self._guard)
-            claim = RunClaim(mc, state_kv=self.state_kv, ckpt=self.ckpt, cut=self.cut, counters=self.counters,
+            store = StateStore(self.js, self.run_id, self.ckpt_kv, self.counters, shard=mc.shard,
+                               chunk_bytes=mc.chunk_bytes, guard=self._guard) if self.cfg.state_store == "jetstream" else None
+            # Every durable write and every chunk published asks `_guard` first: a deposed owner does neither.
+            self.model = ModelStore(self.js, self.run_id, self.counters, CheckpointDir(self.cfg.checkpoint_dir),
+                                    shard=mc.shard, shards=mc.shards, state_store=store, guard=self._guard)
+            self.publisher = CutPublisher(self.js, self.run_id, self.counters, self.model, self.tape, guard=self._guard)
+            claim = RunClaim(mc, state_kv=self.state_kv, model=self.model, counters=self.counters,
                              resume=self.cfg.resume, standby_only=self.cfg.standby_only,
                              lease_ttl_s=self.cfg.lease_ttl_s, label=self.label)
             self.lease = claim.lease   # held from here on: closed at exit whatever happens
@@ -187,16 +192,19 @@ class SyncerService:
             self.desk = SettingsDesk(self.nc, self.js, self.run_id, self.counters, self.queue, shard=mc.shard,
                                      shards=mc.shards, key=self._key("settings"))
             await self.desk.start()
-            self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
-                                     self._do)
-            self.merger = self._new_merger()
-            self.receiver.spec = self.merger.spec   # intake tells the speculative merge of every push chunk recorded
-            if self.cut.session is not None:   # resumed: the merge loop is known now (outer.prewarm)
+            # the speculative merge: intake tells it of every push chunk recorded, the merge adopts its sums
+            spec = Speculator(self.model, self.ledger, self.counters, lr=self.cfg.outer.lr,
+                              momentum=self.cfg.outer.momentum, max_token_factor=mc.max_token_factor,
+                              equal_weights=mc.equal_weights) if self.cfg.speculate else None
+            self.receiver = Receiver(self.js, self.run_id, self.counters, self.model, self.ledger, self.tape, self.queue,
+                                     self._do, speculator=spec)
+            self.merger = self._new_merger(speculator=spec)
+            if self.model.session is not None:   # resumed: the merge loop is known now (outer.prewarm)
                 self.merger.prewarm(mc.islands)
             rx = self.receiver
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
-            ready = None if mc.coordinator else (lambda: self.cut.session is not None)
+            ready = None if mc.coordinator else (lambda: self.model.session is not None)
             self._tasks += [
                 asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
                                                rx.on_init, INIT_FETCH_BATCH, ready=ready)),
@@ -263,7 +271,8 @@ class SyncerService:
         what the last owner's settings were and a Tick, whose actions the loop carries out first."""
         mc = self.cfg.machine
         opening = RunOpening(mc, resume=resume, js=self.js, state_kv=self.state_kv, members_kv=self.members_kv,
-                             ckpt=self.ckpt, cut=self.cut, ledger=self.ledger, tape=self.tape, recorder=self.recorder,
+                             model=self.model, publisher=self.publisher, ledger=self.ledger, tape=self.tape,
+                             recorder=self.recorder,
                              counters=self.counters, label=self.label, new_merger=self._new_merger,
                              push_budget=self.push_budget)
         opened = await opening.open()
@@ -272,17 +281,17 @@ class SyncerService:
         kept = await opening.settle(opened)
         if mc.sharded:
             self.watch = ShardWatch(js=self.js, run_id=self.run_id, config=mc, state_kv=self.state_kv,
-                                    members_kv=self.members_kv, queue=self.queue, cut=self.cut, tape=self.tape,
+                                    members_kv=self.members_kv, queue=self.queue, publisher=self.publisher, tape=self.tape,
                                     counters=self.counters, machine=self.machine, members_seen=opened.member_revs,
                                     status_every_s=self.cfg.status_every_s)
         if opened.resumed is not None:
             self._apply((self._feed(kept) if kept is not None else []) + self._feed(Tick(now=time.time())))
 
-    def _new_merger(self) -> Merger:
-        return Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
+    def _new_merger(self, speculator: Speculator | None = None) -> Merger:
+        """A merger with the shell's flags (the redo of an interrupted merge gets one that never speculates)."""
+        return Merger(self.js, self.run_id, self.counters, self.model, self.publisher, self.ledger, self.tape,
                       lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen,
-                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer,
-                      speculate=self.cfg.machine if self.cfg.speculate else None)
+                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer, speculator=speculator)
 
     async def _on_error(self, exc):
         self.counters["nats_error"] += 1
@@ -406,7 +415,7 @@ class SyncerService:
 
     async def _write_session(self, a: WriteSession) -> None:
         self._take_session(a.session)
-        await asyncio.to_thread(self.ckpt.write_session, a.session)
+        await asyncio.to_thread(self.model.write_session, a.session)
         await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
         self._mem("session pinned")
         log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
@@ -415,10 +424,10 @@ class SyncerService:
     async def _adopt_session(self, a: AdoptSession) -> None:
         # A follower takes the session the coordinator pinned (the state KV already holds it).
         self._take_session(a.session)
-        await asyncio.to_thread(self.ckpt.write_session, a.session)
+        await asyncio.to_thread(self.model.write_session, a.session)
         self._mem("session adopted")
         log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
-                 len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
+                 len(a.session["fragments"]), sorted(self.model.frags), a.session["push_dtype"], a.session["bulk_dtype"])
 
     async def _write_member(self, a: WriteMember) -> None:
         await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
@@ -461,10 +470,10 @@ class SyncerService:
         await self.tape.write(dict(a.event), kind=a.event.get("kind", "event"))
 
     async def _send_manifest(self, a: SendManifest) -> None:
-        await self.cut.send_manifest(a)
+        await self.publisher.send_manifest(a)
 
     async def _record_final(self, a: RecordFinal) -> None:
-        await self.cut.record_final(a.record)
+        await self.publisher.record_final(a.record)
 
     async def _shutdown(self, a: Shutdown) -> None:
         msg = M.Shutdown(run=self.run_id, reason=a.reason, gen=a.gen)
@@ -473,7 +482,7 @@ class SyncerService:
                             attempts=CTL_PUBLISH_ATTEMPTS)
 
     async def _rebroadcast(self, a: Rebroadcast) -> None:
-        await self.cut.rebroadcast(a)
+        await self.publisher.rebroadcast(a)
 
     async def _apply_settings(self, a: ApplySettings) -> None:
         self.merger.use_outer(a.settings)   # the speculative merge forecasts with them too
@@ -499,7 +508,7 @@ class SyncerService:
     def _take_session(self, session: dict) -> None:
         """A session pinned or adopted: this syncer's fragments, its push budget, and its merge loop started
         (a resume does the same in opening.py and after the merger exists)."""
-        self.cut.set_session(session)
+        self.model.set_session(session)
         self.ledger.set_budget(self.push_budget())
         if self.merger is not None:   # else the prewarm right after its creation covers it
             self.merger.prewarm(self.cfg.machine.islands)
@@ -509,7 +518,7 @@ class SyncerService:
         f32 bytes of the fragments this syncer owns (the session must be set)."""
         if self.cfg.push_memory_bytes is not None:
             return self.cfg.push_memory_bytes
-        budget = auto_push_memory_bytes(sum(f.numel for f in self.cut.frags.values()))
+        budget = auto_push_memory_bytes(sum(f.numel for f in self.model.frags.values()))
         log.info("push memory (auto): %.0f MiB of pushes kept from intake to the merge", budget / (1 << 20))
         return budget
 
@@ -517,7 +526,7 @@ class SyncerService:
         """`YETO_MEM_TRACE`: RSS and the big allocations this shell knows of (services/syncer/memtrace.py)."""
         if not memtrace.enabled():
             return
-        frags = self.cut.frags.values() if self.cut is not None else ()
+        frags = self.model.frags.values() if self.model is not None else ()
         memtrace.mark(phase, fragments=sum(f.params.numel() * 8 for f in frags if f.params is not None),
                       pushes_held=self.ledger.held_bytes,
                       init_pending=self.receiver.init_pending_bytes if self.receiver is not None else 0)
@@ -531,19 +540,19 @@ class SyncerService:
 
     async def _commit_v0(self, a: CommitV0) -> None:
         self._mem("INIT in, version 0 begins")
-        await self.cut.commit_v0(a, self._attempts_seen)
+        await self.publisher.commit_v0(a, self._attempts_seen)
         self._mem("version 0 committed")
         await self.queue.put(V0Done(now=time.time()))
 
     async def _publish_shard_final(self, a: PublishShardFinal) -> None:
         self._mem("final cut begins")
-        await self.cut.publish_shard_final(a)
+        await self.publisher.publish_shard_final(a)
         self._mem("final cut published")
         await self.queue.put(FinalPublished(now=time.time()))
 
     async def _publish_final(self, a: PublishFinal) -> None:
         self._mem("final cut begins")
-        await self.cut.publish_final(a)
+        await self.publisher.publish_final(a)
         self._mem("final cut published")
         await self.queue.put(FinalPublished(now=time.time()))
 
