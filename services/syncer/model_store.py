@@ -92,10 +92,11 @@ class ModelStore:
     def init_chunk(self, fid: int, elem_offset: int, values: torch.Tensor) -> None:
         """INIT: one chunk of version 0's params (momentum starts at zero)."""
         fr = self.frags[fid]
-        if fr.params is None:
-            fr = self.frags[fid] = Frag(fr.numel, torch.zeros(fr.numel, dtype=torch.float32),
-                                        torch.zeros(fr.numel, dtype=torch.float32))
-        fr.params[elem_offset: elem_offset + values.numel()] = values
+        params = fr.params
+        if params is None:
+            params = torch.zeros(fr.numel, dtype=torch.float32)
+            self.frags[fid] = Frag(fr.numel, params, torch.zeros(fr.numel, dtype=torch.float32))
+        params[elem_offset: elem_offset + values.numel()] = values
 
     def load(self, versions: dict[int, int]) -> None:
         """--resume: every own fragment's params and momentum at `versions` from the checkpoint directory

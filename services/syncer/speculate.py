@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from typing import Awaitable, Callable
 
 import torch
 
@@ -47,6 +48,30 @@ class Speculation:
         self.worker: asyncio.Future | None = None
         self.step = OuterStep(f.weights, f.lr, f.momentum)   # its gradient(): the merge kernel's coefficients
         self.nbytes = 0
+
+    def allocate(self, numel: int) -> int:
+        """The f32 buffer the sums go into, at the first chunk summed; returns its bytes."""
+        self.grad, self.nbytes = torch.empty(numel, dtype=torch.float32), numel * 4
+        return self.nbytes
+
+    def free(self) -> int:
+        """The buffer dropped (the merge is done with it, or the round was abandoned); returns its bytes."""
+        freed, self.grad, self.nbytes = self.nbytes, None, 0
+        return freed
+
+    def queue_chunk(self, k: int, payloads: list) -> None:
+        """Chunk k's pushes, taken from the ledger, for the worker to sum."""
+        self.taken.add(k)
+        self.queue.append((k, payloads))
+
+    def next_batch(self) -> list[tuple[int, list]]:
+        batch, self.queue = self.queue, []
+        return batch
+
+    def keep_summing(self, work: Callable[["Speculation"], Awaitable[None]]) -> None:
+        """A worker sums the queued chunks: `work(self)` is started unless one is running (one per round)."""
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.ensure_future(work(self))
 
     def sum_chunks(self, batch: list[tuple[int, list]]) -> None:
         """Worker thread: Δ of each (chunk, payloads) into grad."""
@@ -120,13 +145,10 @@ class Speculator:
             if not spec_rules.fits(need, self.in_use, budget):
                 self.counters["speculate.no_room"] += 1
                 return
-            sp.grad, sp.nbytes = torch.empty(self.model.frags[fid].numel, dtype=torch.float32), need
-            self.in_use += need
+            self.in_use += sp.allocate(self.model.frags[fid].numel)
         for k in ready:
-            sp.taken.add(k)
-            sp.queue.append((k, [self.ledger.take(t, k) for t in tries]))
-        if sp.worker is None or sp.worker.done():
-            sp.worker = asyncio.ensure_future(self._work(sp))
+            sp.queue_chunk(k, [self.ledger.take(t, k) for t in tries])
+        sp.keep_summing(self._work)
 
     def _open(self, pull: dict) -> Speculation | None:
         fid, step, attempt = int(pull["fragment"]), int(pull["step"]), int(pull["attempt"])
@@ -154,7 +176,7 @@ class Speculator:
 
     async def _work(self, sp: Speculation) -> None:
         while sp.queue:
-            batch, sp.queue = sp.queue, []
+            batch = sp.next_batch()
             await asyncio.to_thread(sp.sum_chunks, batch)
             self.counters["speculate.chunks"] += len(batch)
 
@@ -188,9 +210,7 @@ class Speculator:
 
     def release(self, sp: Speculation) -> None:
         if sp.grad is not None:
-            sp.grad = None
-            self.in_use -= sp.nbytes
-            sp.nbytes = 0
+            self.in_use -= sp.free()
 
     def _drop(self, key: tuple, why: str) -> None:
         sp = self.specs.pop(key)
