@@ -199,7 +199,8 @@ async def _with_cover(own, cover_cfg) -> int:
     shard's label; the cover's failure never stops this shard's syncer. Exit: this shard's code, else the
     cover's (a takeover that could not finish the run)."""
     from yeto.schemas.provision import ProvisionError
-    from yeto.services.syncer.service import SyncerError, SyncerService
+    from yeto.services.syncer.service import SyncerService
+    from yeto.services.syncer.errors import SyncerError
 
     async def covering() -> int:
         SHARD_LABEL.set(cover_cfg.machine.shard)
@@ -240,8 +241,10 @@ def run(args) -> int:
         return 2
     from yeto.schemas import shards as SH
     from yeto.schemas.provision import ProvisionError, RunLimits
-    from yeto.services.syncer.rounds import SyncerConfig
-    from yeto.services.syncer.service import OuterConfig, ServiceConfig, SyncerError, SyncerService
+    from yeto.services.syncer.config import SyncerConfig
+    from yeto.services.syncer.service import SyncerService
+    from yeto.services.syncer.service_config import OuterConfig, ServiceConfig
+    from yeto.services.syncer.errors import SyncerError
 
     # Every log line of a shard names it (several shards' logs often end up side by side).
     label = SH.label(args.shard, args.shards) if isinstance(args.shard, int) and isinstance(args.shards, int) \

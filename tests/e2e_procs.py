@@ -142,7 +142,7 @@ async def join_ranks_and_syncer(ctx, syncer, timeout: float) -> None:
 async def kv_keys(kv) -> set[str]:
     """The bucket's live keys, from its stream's subjects and a get each (a deleted or purged key has only its
     marker). Not nats-py's `kv.keys()`: its watcher can report none while the first entries are in flight
-    (NoKeysError on a loaded machine; services/syncer/startup.py `_read_members` reads the same way)."""
+    (NoKeysError on a loaded machine; services/syncer/opening.py `_read_members` reads the same way)."""
     from nats.js.errors import KeyNotFoundError
 
     info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")

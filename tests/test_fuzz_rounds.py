@@ -27,7 +27,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from yeto.schemas import codec
 from yeto.schemas.layout import layout_fingerprint
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import (
+    Action, CommitV0, Merge, PublishPull, Release, SendError, Tape, WriteMember, WriteSession,
+)
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.events import (
+    Event, FinalAck, FinalPublished, Heartbeat, Hello, InitComplete, MergeDone, PushComplete, Tick, V0Done,
+)
+from yeto.services.syncer.rounds import RoundMachine
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -40,7 +47,7 @@ GENS = ("0000000000000001", "0000000000000002", "0000000000000003")
 
 
 CONFIGS = st.builds(
-    lambda frags, per, total, pipeline, quorum, strict, lag, eq, max_norm, outlier, token_factor: R.SyncerConfig(
+    lambda frags, per, total, pipeline, quorum, strict, lag, eq, max_norm, outlier, token_factor: SyncerConfig(
         run=RUN, islands=2, fragments=frags, sync_every=frags * per, total_steps=total, pipeline=pipeline,
         quorum=quorum, quorum_timeout_s=5.0, grace_ms=500.0, strict=strict, max_base_lag=lag, equal_weights=eq,
         member_timeout_s=8.0, final_timeout_s=20.0, max_push_norm=max_norm, outlier_factor=outlier,
@@ -79,9 +86,9 @@ EVENTS = st.one_of(
 class Shell:
     """Plays the I/O shell's part and checks every action against the invariants."""
 
-    def __init__(self, cfg: R.SyncerConfig):
+    def __init__(self, cfg: SyncerConfig):
         self.cfg = cfg
-        self.m = R.RoundMachine(cfg)   # the real session builder
+        self.m = RoundMachine(cfg)   # the real session builder
         self.now = 1000.0
         self.versions: dict[int, int] = {}
         self.committed = 0
@@ -91,13 +98,13 @@ class Shell:
         self.figures: dict[tuple, tuple] = {}                   # same key -> (norm, non_finite, c_tokens)
         self.quarantined: set[tuple] = set()                   # same key, taped quarantined
         self.gens: dict[str, str] = {}                          # island -> gen of its last hello
-        self.owed: list[R.Event] = []                           # the shell's answers not fed yet
-        self.merging: R.Merge | None = None
+        self.owed: list[Event] = []                           # the shell's answers not fed yet
+        self.merging: Merge | None = None
         self.final_published = False
         self.wild = False                                       # good pushes get any norm, NaN/Inf included
 
     # -- feeding ---------------------------------------------------------------------------------
-    def feed(self, ev: R.Event) -> None:
+    def feed(self, ev: Event) -> None:
         for a in self.m.handle(ev):   # must never raise
             self.check(a)
 
@@ -113,15 +120,15 @@ class Shell:
             if isl == "zz":
                 fp = "e" * 64
             self.gens.setdefault(isl, gen)
-            self.feed(R.Hello(isl, gen, LAYOUT, fp, pd, bd, self.now))
+            self.feed(Hello(isl, gen, LAYOUT, fp, pd, bd, self.now))
             if fp == FP and pd == "auto" and bd == "auto":
                 self.gens[isl] = gen
         elif kind == "hb":
             _, isl, gen, local, st_s = e
-            self.feed(R.Heartbeat(isl, gen, local, st_s, self.now))
+            self.feed(Heartbeat(isl, gen, local, st_s, self.now))
         elif kind == "init":
             _, isl, gen, frag = e
-            self.feed(R.InitComplete(isl, gen, frag, self.now))
+            self.feed(InitComplete(isl, gen, frag, self.now))
         elif kind == "push":
             _, isl, gen, step, frag, attempt, try_, base, valid, tokens = e
             step = step if step is not None else (min(self.inflight) if self.inflight else 1)
@@ -143,10 +150,10 @@ class Shell:
                             return
         elif kind == "tick":
             self.now += e[1]
-            self.feed(R.Tick(self.now))
+            self.feed(Tick(self.now))
         elif kind == "ack":
             _, isl, gen, fs = e
-            self.feed(R.FinalAck(isl, self.gens.get(isl, gen) if gen == GENS[0] else gen,
+            self.feed(FinalAck(isl, self.gens.get(isl, gen) if gen == GENS[0] else gen,
                                  self.committed if fs is None else fs, self.now))
         elif kind == "answer":
             self.answer()
@@ -167,7 +174,7 @@ class Shell:
             norm, nf = 0.5 + h % 1000 / 10.0, int(h % 11 == 0)
         norm, tokens = self.figures.setdefault(key, (norm, nf, tokens))[0::2]
         nf = self.figures[key][1]
-        ev = R.PushComplete(isl, gen, frag, step, attempt, try_, base, 10, 5, tokens, valid,
+        ev = PushComplete(isl, gen, frag, step, attempt, try_, base, 10, 5, tokens, valid,
                             None if valid else "digest_mismatch: fuzz", self.now, norm=math.nan if nf else norm,
                             non_finite=nf)
         if valid:
@@ -175,9 +182,9 @@ class Shell:
         self.feed(ev)
 
     # -- checking every action -------------------------------------------------------------------
-    def check(self, a: R.Action) -> None:
+    def check(self, a: Action) -> None:
         cfg = self.cfg
-        if isinstance(a, R.PublishPull):
+        if isinstance(a, PublishPull):
             p = a.pull
             codec.make("pull", run=RUN, **p)       # well-formed on the wire
             assert p["fragment"] == cfg.fragment_of(p["step"])
@@ -189,7 +196,7 @@ class Shell:
                 assert p["step"] <= cfg.total_steps
                 self.inflight[p["step"]] = p["fragment"]
             self.pulls.setdefault((p["step"], p["attempt"]), []).append(p)
-        elif isinstance(a, R.Merge):
+        elif isinstance(a, Merge):
             assert self.merging is None, "a second merge while one is outstanding"
             assert a.step == self.committed + 1, "steps commit in order"
             assert self.inflight.get(a.step) == a.fragment
@@ -223,42 +230,42 @@ class Shell:
                 cap = cfg.max_token_factor * claims[(len(claims) - 1) // 2]
                 assert all(m.c_tokens <= cap for m in a.members), "a claim above the token cap weighs in full"
             self.merging = a
-            self.owed.append(R.MergeDone(a.step, a.fragment, a.version, 0.01, self.now))
-        elif isinstance(a, R.Release):
+            self.owed.append(MergeDone(a.step, a.fragment, a.version, 0.01, self.now))
+        elif isinstance(a, Release):
             mg = self.merging
             if mg is not None and (a.step, a.fragment, a.attempt) == (mg.step, mg.fragment, mg.attempt):
                 assert (a.island, a.gen, a.try_) not in {(m.island, m.gen, m.try_) for m in mg.members}, \
                     "released a push the outstanding merge still reads"
-        elif isinstance(a, R.CommitV0):
+        elif isinstance(a, CommitV0):
             assert not self.versions, "version 0 twice"
             assert tuple(a.fragments) == tuple(range(cfg.fragments))
-            self.owed.append(R.V0Done(self.now))
-        elif isinstance(a, R.Tape):
+            self.owed.append(V0Done(self.now))
+        elif isinstance(a, Tape):
             codec.validate("event", {"v": 1, "run": RUN, **a.event})
             ev = a.event
             if ev["kind"] == "disposition" and ev["disposition"] == "quarantined":
                 self.quarantined.add((ev["island"], ev["gen"], ev["step"], ev["attempt"], ev["try"]))
-        elif isinstance(a, R.SendError):
+        elif isinstance(a, SendError):
             fields = {"run": RUN, "code": a.code, "message": a.message, "fatal": a.fatal, "gen": a.gen}
             if a.field is not None:
                 fields["field"] = a.field
             codec.make("error", **fields)
-        elif isinstance(a, R.WriteMember):
+        elif isinstance(a, WriteMember):
             assert a.record["gen"] in GENS
-        elif isinstance(a, R.WriteSession):
+        elif isinstance(a, WriteSession):
             codec.validate("session", a.session)
         elif type(a).__name__ == "PublishFinal":
             assert not self.final_published, "a second final cut"
             assert self.committed == cfg.total_steps and not self.inflight
             assert {int(k): v for k, v in a.versions.items()} == self.versions
             self.final_published = True
-            self.owed.append(R.FinalPublished(self.now))
+            self.owed.append(FinalPublished(self.now))
         elif type(a).__name__ in ("SendManifest", "Finalize"):
             assert {int(k): v for k, v in a.versions.items()} == self.versions
             assert a.final_step == self.committed == cfg.total_steps
-        assert isinstance(a, R.Action)
+        assert isinstance(a, Action)
 
-    def merged(self, ev: R.MergeDone) -> None:
+    def merged(self, ev: MergeDone) -> None:
         pass
 
 
@@ -267,12 +274,12 @@ def _feed_answers(shell: Shell) -> None:
     orig = shell.feed
 
     def feed(ev):
-        if isinstance(ev, R.MergeDone):
+        if isinstance(ev, MergeDone):
             shell.versions[ev.fragment] = ev.version
             shell.committed = ev.step
             shell.inflight.pop(ev.step, None)
             shell.merging = None
-        elif isinstance(ev, R.V0Done):
+        elif isinstance(ev, V0Done):
             shell.versions = {f: 0 for f in range(shell.cfg.fragments)}
         orig(ev)
 
@@ -282,10 +289,10 @@ def _feed_answers(shell: Shell) -> None:
 def _boot(shell: Shell) -> None:
     """Islands a and b say hello, a (the INIT island) completes INIT, version 0 is committed."""
     for isl in ("a", "b"):
-        shell.feed(R.Hello(isl, GENS[0], LAYOUT, FP, "auto", "auto", shell.now))
+        shell.feed(Hello(isl, GENS[0], LAYOUT, FP, "auto", "auto", shell.now))
         shell.gens[isl] = GENS[0]
     for f in range(shell.cfg.fragments):
-        shell.feed(R.InitComplete("a", GENS[0], f, shell.now))
+        shell.feed(InitComplete("a", GENS[0], f, shell.now))
     shell.answer()
     assert shell.m.phase == "running"
 
@@ -320,11 +327,11 @@ def test_a_run_with_noise_still_commits_every_step_once_in_order(cfg, noise, rnd
             shell.step(e)
             continue
         for isl in ("a", "b"):
-            shell.feed(R.Heartbeat(isl, GENS[0], 1, 0.01, shell.now))
+            shell.feed(Heartbeat(isl, GENS[0], 1, 0.01, shell.now))
             shell.step(("good_push", isl, 100))
         shell.answer()
         shell.now += 0.3
-        shell.feed(R.Tick(shell.now))
+        shell.feed(Tick(shell.now))
     while shell.owed:
         shell.answer()
     assert shell.committed == cfg.total_steps, (shell.committed, shell.m.phase, shell.m.counters)
@@ -334,7 +341,7 @@ def test_a_run_with_noise_still_commits_every_step_once_in_order(cfg, noise, rnd
 
 
 THREE = st.builds(
-    lambda total, quorum, strict, max_norm, outlier, token_factor: R.SyncerConfig(
+    lambda total, quorum, strict, max_norm, outlier, token_factor: SyncerConfig(
         run=RUN, islands=3, fragments=1, sync_every=1, total_steps=total, quorum=quorum, quorum_timeout_s=5.0,
         grace_ms=500.0, strict=strict, member_timeout_s=8.0, final_timeout_s=20.0, max_push_norm=max_norm,
         outlier_factor=outlier, max_token_factor=token_factor),
@@ -360,9 +367,9 @@ def test_three_members_with_wild_pushes_never_merge_a_quarantined_one(cfg, event
     shell.wild = True
     _feed_answers(shell)
     for isl in ("a", "b", "c"):
-        shell.feed(R.Hello(isl, GENS[0], LAYOUT, FP, "auto", "auto", shell.now))
+        shell.feed(Hello(isl, GENS[0], LAYOUT, FP, "auto", "auto", shell.now))
         shell.gens[isl] = GENS[0]
-    shell.feed(R.InitComplete("a", GENS[0], 0, shell.now))
+    shell.feed(InitComplete("a", GENS[0], 0, shell.now))
     shell.answer()
     assert shell.m.phase == "running"
     for e in events:

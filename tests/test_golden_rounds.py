@@ -24,10 +24,12 @@ import pytest
 from yeto.schemas.layout import layout_fingerprint
 from yeto.services.syncer.actions import action_from_json, action_to_json
 from yeto.services.syncer.events import event_from_json, event_to_json
-from yeto.services.syncer.rounds import (
-    CommitV0, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, Merge, MergeDone, PublishFinal, PublishPull,
-    PushComplete, RoundMachine, SyncerConfig, Tick, V0Done,
+from yeto.services.syncer.actions import CommitV0, Merge, PublishFinal, PublishPull
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.events import (
+    FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, MergeDone, PushComplete, Tick, V0Done,
 )
+from yeto.services.syncer.rounds import RoundMachine
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "rounds"
 REGEN = os.environ.get("YETO_REGEN_GOLDEN") == "1"

@@ -13,7 +13,8 @@ import pytest
 
 from yeto.services.syncer.events import EVENT_TYPES, Tick, event_from_json
 from yeto.services.syncer.machine_state import TRANSITIONS, IllegalTransition, MachineState
-from yeto.services.syncer.rounds import RoundMachine, SyncerConfig
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.state import Phase
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """docs/design.md §2: the code stays in small modules whose names say what they hold — none of schemas/,
-services/ or learner/ over 600 lines (the syncer's shell was 857 before its start-up moved to
-services/syncer/startup.py)."""
+services/ or learner/ over 600 lines (the syncer's shell was 857 before its start-up moved out: now
+services/syncer/run_claim.py and services/syncer/opening.py)."""
 from __future__ import annotations
 
 from pathlib import Path

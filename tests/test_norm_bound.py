@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from yeto.services.syncer.config import NORM_HISTORY
-from yeto.services.syncer.rounds import Heartbeat, Merge, MergeDone, PushComplete, RoundMachine, Tick
+from yeto.services.syncer.actions import Merge
+from yeto.services.syncer.events import Heartbeat, MergeDone, PushComplete, Tick
+from yeto.services.syncer.rounds import RoundMachine
 from tests.test_quarantine import GEN, launched, quarantined, valid_event
 from tests.test_rounds import dispositions, of
 

@@ -10,10 +10,10 @@ import math
 import pytest
 
 from yeto.services.syncer.outer import weights_for
-from yeto.services.syncer.rounds import (
-    DISPOSITIONS, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES, Heartbeat, Hello, InitComplete, Merge, PushComplete,
-    Release, RoundMachine, Tick, V0Done,
-)
+from yeto.services.syncer.actions import Merge, Release
+from yeto.services.syncer.config import DISPOSITIONS, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES
+from yeto.services.syncer.events import Heartbeat, Hello, InitComplete, PushComplete, Tick, V0Done
+from yeto.services.syncer.rounds import RoundMachine
 from tests.test_rounds import FP, LAYOUT, _validator, cfg, dispositions, machine, merge_done, of, pulls, tapes
 
 GEN = {i: i + "1" * 15 for i in "abcd"}

@@ -8,13 +8,15 @@ import jsonschema
 import pytest
 
 from yeto.schemas.errors import WireError
-from yeto.services.syncer.rounds import (
-    HOPELESS_RESTART_S,
-    CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, InitDrop, InitStore, Merge,
-    MergeDone, PublishFinal,
-    PublishPull, PushComplete, Rebroadcast, RecordFinal, Release, RoundMachine, SendError, SendManifest, Shutdown, SyncerConfig,
-    Tape, Tick, V0Done, WriteMember, WriteSession,
+from yeto.services.syncer.actions import (
+    CommitV0, Done, InitDrop, InitStore, Merge, PublishFinal, PublishPull, Rebroadcast, RecordFinal, Release,
+    SendError, SendManifest, Shutdown, Tape, WriteMember, WriteSession,
 )
+from yeto.services.syncer.config import HOPELESS_RESTART_S, SyncerConfig
+from yeto.services.syncer.events import (
+    FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MergeDone, PushComplete, Tick, V0Done,
+)
+from yeto.services.syncer.rounds import RoundMachine
 
 LAYOUT = [{"name": "w", "shape": [4], "dtype": "f32"}]
 FP = "f" * 64

@@ -13,11 +13,16 @@ from yeto.schemas.errors import ConfigError
 from yeto.services.syncer import round_rules
 from yeto.services.syncer.actions import action_from_json, action_to_json
 from yeto.services.syncer.events import event_from_json, event_to_json
-from yeto.services.syncer.rounds import (
-    AdoptSession, CommitV0, Done, FinalAck, FinalPublished, Heartbeat, Hello, InitComplete, MemberSeen, Merge,
-    MergeDone, PublishFinal, PublishPull, PublishShardFinal, PushComplete, RecordFinal, RoundMachine, SendManifest,
-    SessionSeen, ShardFinal, Shutdown, SyncerConfig, Tick, V0Done, WriteMember, WriteSession,
+from yeto.services.syncer.actions import (
+    AdoptSession, CommitV0, Done, Merge, PublishFinal, PublishPull, PublishShardFinal, RecordFinal, SendManifest,
+    Shutdown, WriteMember, WriteSession,
 )
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.events import (
+    FinalAck, FinalPublished, Heartbeat, Hello, InitComplete, MemberSeen, MergeDone, PushComplete, SessionSeen,
+    ShardFinal, Tick, V0Done,
+)
+from yeto.services.syncer.rounds import RoundMachine
 
 from tests.test_rounds import FP, GEN, LAYOUT, Builder, of, tapes
 

@@ -3,7 +3,8 @@ timeout). The machine must never leave a due time in the past (the shell's loop 
 the heartbeats that would have brought the islands back), and the run must go on as soon as they return."""
 from __future__ import annotations
 
-from yeto.services.syncer.rounds import Heartbeat, RoundMachine, Tick
+from yeto.services.syncer.events import Heartbeat, Tick
+from yeto.services.syncer.rounds import RoundMachine
 
 from tests.test_rounds import GEN, Builder, cfg, pulls, push, start, tapes
 

@@ -1,4 +1,4 @@
-"""The speculative merge's shell (services/syncer/speculate.Speculator) in process, on a real Cut and push
+"""The speculative merge's shell (services/syncer/speculate.Speculator) in process, on a real model store and push
 ledger, fed chunk headers as intake records them: which chunks it sums and when, that the sums are the
 merge kernel's Δ bit for bit, what it frees and holds, and when it adopts, throws away or drops them.
 (The merge that finishes from them runs against a real nats-server in tests/test_syncer_speculate_kill.py.)"""
@@ -13,8 +13,8 @@ import torch
 from yeto.schemas.chunks import chunk_header, chunk_plan, push_digest
 from yeto.schemas.dtypes import pack
 from yeto.services.syncer.actions import Merge, MergeInput
-from yeto.services.syncer.cut import Cut
 from yeto.services.syncer.intake import PushLedger
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import OuterStep
 from yeto.services.syncer.speculate import Speculator
 
@@ -26,13 +26,13 @@ LR, MU = 0.7, 0.9
 
 
 def _setup(hold_bytes=1 << 20):
-    cut = Cut(None, "r", Counter(), None, None)
-    cut.set_session({"fragments": [{"id": 0, "numel": N}], "bulk_dtype": "f32", "push_dtype": "f32",
+    model = ModelStore(None, "r", Counter(), None)
+    model.set_session({"fragments": [{"id": 0, "numel": N}], "bulk_dtype": "f32", "push_dtype": "f32",
                      "chunk_bytes": 4096})
     ledger = PushLedger(hold_bytes=hold_bytes)
     counters = Counter()
-    spec = Speculator(cut, ledger, counters, lr=LR, momentum=MU, max_token_factor=4.0, equal_weights=False)
-    return cut, ledger, counters, spec
+    spec = Speculator(model, ledger, counters, lr=LR, momentum=MU, max_token_factor=4.0, equal_weights=False)
+    return model, ledger, counters, spec
 
 
 def _pull(attempt=1):
@@ -75,7 +75,7 @@ def _deltas():
 
 def test_chunks_are_summed_as_both_arrive_and_adopted_bit_for_bit():
     async def go():
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.expect(_pull())
         d = _deltas()
         ca, cb = _chunks("a", d["a"]), _chunks("b", d["b"])
@@ -106,7 +106,7 @@ def _only_a() -> Merge:
 @pytest.mark.parametrize("merge,why", [(_merge(weights=(0.5, 0.5)), "weights"), (_only_a(), "members")])
 def test_another_merge_throws_the_sums_away(merge, why, caplog):
     async def go():
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.expect(_pull())
         d = _deltas()
         _feed(ledger, spec, [c for pair in zip(_chunks("a", d["a"]), _chunks("b", d["b"])) for c in pair])
@@ -119,7 +119,7 @@ def test_another_merge_throws_the_sums_away(merge, why, caplog):
 
 def test_other_hyperparameters_throw_the_sums_away():
     async def go():
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.expect(_pull())
         d = _deltas()
         _feed(ledger, spec, [c for pair in zip(_chunks("a", d["a"]), _chunks("b", d["b"])) for c in pair])
@@ -130,7 +130,7 @@ def test_other_hyperparameters_throw_the_sums_away():
 
 def test_a_restarted_round_drops_the_old_attempt_and_speculates_the_new():
     async def go():
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.expect(_pull())
         d = _deltas()
         _feed(ledger, spec, [c for pair in zip(_chunks("a", d["a"])[:2], _chunks("b", d["b"])[:2]) for c in pair])
@@ -152,7 +152,7 @@ def test_chunks_not_held_are_left_to_the_merge_and_the_budget_bounds_the_buffer(
         d = _deltas()
         # room for 2 chunks of pushes. Arriving in turn, each pair is summed and freed at once: every chunk
         # is summed within that room.
-        cut, ledger, counters, spec = _setup(hold_bytes=2 * 4096)
+        model, ledger, counters, spec = _setup(hold_bytes=2 * 4096)
         spec.expect(_pull())
         _feed(ledger, spec, [c for pair in zip(_chunks("a", d["a"]), _chunks("b", d["b"])) for c in pair])
         sp = await spec.adopt(_merge(), lr=LR, momentum=MU)
@@ -160,13 +160,13 @@ def test_chunks_not_held_are_left_to_the_merge_and_the_budget_bounds_the_buffer(
         spec.release(sp)
         # a's whole push first: its first two chunks fill the room, b's find none; nothing can be summed
         # and the merge takes a's two from memory and reads the rest back from PUSH, as without speculation
-        cut, ledger, counters, spec = _setup(hold_bytes=2 * 4096)
+        model, ledger, counters, spec = _setup(hold_bytes=2 * 4096)
         spec.expect(_pull())
         _feed(ledger, spec, _chunks("a", d["a"]))
         _feed(ledger, spec, _chunks("b", d["b"]), seq0=10)
         assert await spec.adopt(_merge(), lr=LR, momentum=MU) is None and ledger.held_bytes == 2 * 4096
         # a budget below the fragment's f32 size: no buffer at all, nothing taken from the ledger
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.budget = N * 4 - 1
         spec.expect(_pull())
         _feed(ledger, spec, [c for pair in zip(_chunks("a", d["a"]), _chunks("b", d["b"])) for c in pair])
@@ -177,7 +177,7 @@ def test_chunks_not_held_are_left_to_the_merge_and_the_budget_bounds_the_buffer(
 
 def test_a_member_that_never_pushes_means_no_speculation():
     async def go():
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.expect(_pull())
         _feed(ledger, spec, _chunks("a", _deltas()["a"]))
         assert not spec.specs and ledger.held_bytes == N * 4   # a's push stays held for the merge
@@ -187,7 +187,7 @@ def test_a_member_that_never_pushes_means_no_speculation():
 
 def test_an_invalid_push_stops_the_sums():
     async def go():
-        cut, ledger, counters, spec = _setup()
+        model, ledger, counters, spec = _setup()
         spec.expect(_pull())
         d = _deltas()
         ca, cb = _chunks("a", d["a"]), _chunks("b", d["b"])

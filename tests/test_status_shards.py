@@ -27,7 +27,7 @@ from tests.test_steplog_support import http_get, scrape, until
 
 def status(shard: int | None, shards: int, *, age: float = 0.0, phase: str = "rounds", step: int = 7,
            versions: dict | None = None, flight: tuple = (9,), rss: int = 3 << 30, missing=(), exited=False) -> bytes:
-    """A status record as the syncer writes it (services/syncer/service.py status_record + shard fields)."""
+    """A status record as the syncer writes it (services/syncer/status.py status_record + shard fields)."""
     rec = {"pid": 4242, "started_at": time.time() - 100, "updated_at": time.time() - age, "exited": exited,
            "phase": phase, "committed_step": step, "total_steps": 40,
            "versions": {str(f): v for f, v in (versions or {}).items()}, "live": ["a", "b"],

@@ -1,6 +1,6 @@
 """services/syncer/cut.BulkBytes: the new version packed once (the merge packs and hashes each chunk after
 its outer step; the broadcast sends the same bytes). Its bytes and version digest must equal what
-schemas.dtypes.pack and Cut.bulk_digest give, for any partition of the fragment into `add` ranges."""
+schemas.dtypes.pack and ModelStore.bulk_digest give, for any partition of the fragment into `add` ranges."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,8 @@ import torch
 
 from yeto.schemas.chunks import VersionDigest, chunk_plan
 from yeto.schemas.dtypes import pack
-from yeto.services.syncer.cut import BulkBytes, Cut, CutError
+from yeto.services.syncer.cut import BulkBytes, CutError, CutPublisher
+from yeto.services.syncer.model_store import ModelStore
 
 
 def _params(n=10_007):
@@ -26,16 +27,17 @@ def test_bytes_and_digest_equal_pack_and_a_sha256_over_the_bulk_chunks(dtype, st
     for off in range(0, x.numel(), step):
         bb.add(off, min(step, x.numel() - off))
     want = VersionDigest()
-    for s in chunk_plan(x.numel(), dtype, 4096):   # as Cut.bulk_digest and the old broadcast packed them
+    for s in chunk_plan(x.numel(), dtype, 4096):   # as ModelStore.bulk_digest and the old broadcast packed them
         got, ref = bb.chunk(s.elem_offset, s.elem_count), pack(x[s.elem_offset: s.elem_offset + s.elem_count], dtype)
         assert torch.equal(got, ref), s
         want.update(ref)
     assert bb.hexdigest() == want.hexdigest()
-    # the digest the syncer checks a resumed checkpoint against (Cut.bulk_digest) and its own packing
-    cut = Cut(None, "r", None, None, None)
-    cut.set_session({"fragments": [{"id": 0, "numel": x.numel()}], "bulk_dtype": dtype, "chunk_bytes": 4096})
-    cut.frags[0].params = x
-    assert cut.bulk_digest(0, dtype) == bb.hexdigest() == cut.bulk_bytes(0).hexdigest()
+    # the digest the syncer checks a resumed checkpoint against (ModelStore.bulk_digest) and its own packing
+    model = ModelStore(None, "r", None, None)
+    model.set_session({"fragments": [{"id": 0, "numel": x.numel()}], "bulk_dtype": dtype, "chunk_bytes": 4096})
+    model.init_chunk(0, 0, x)
+    publisher = CutPublisher(None, "r", None, model, None)
+    assert model.bulk_digest(0, dtype) == bb.hexdigest() == publisher.bulk_bytes(0).hexdigest()
     # f32 bytes are the params themselves (no copy); bf16 lives in one buffer of half the size
     assert (bb.buf is None) == (dtype == "f32")
     if dtype == "bf16":

@@ -11,21 +11,11 @@ def test_init_intake_pauses_while_too_many_bytes_wait_for_the_machine_then_resum
     import torch
 
     from yeto.services.syncer import receive as RX
-    from yeto.services.syncer import rounds as R
+    from yeto.services.syncer.actions import InitDrop
 
     monkeypatch.setattr(RX, "INIT_PENDING_BYTES", 8)
     monkeypatch.setattr(RX, "INIT_ROOM_WAIT_S", 0.3)
     rx = RX.Receiver(None, "r1", Counter(), None, None, None, asyncio.Queue(), None)
-
-    class _Frag:
-        params = None
-        momentum = None
-        numel = 4
-
-    class _Cut:
-        frags = {0: _Frag()}
-
-    rx.cut = _Cut()
 
     async def scenario():
         rx.init_pending[("g", 0, 0)] = (None, torch.zeros(2))     # 8 bytes waiting: at the bound
@@ -34,7 +24,7 @@ def test_init_intake_pauses_while_too_many_bytes_wait_for_the_machine_then_resum
         waiter = asyncio.create_task(rx._init_room())
         await asyncio.sleep(0.05)
         assert not waiter.done()                                  # paused while the machine has not answered
-        rx.drop_init(R.InitDrop("g", 0, 0, "duplicate"))
+        rx.drop_init(InitDrop("g", 0, 0, "duplicate"))
         await asyncio.wait_for(waiter, 1.0)
         assert rx.init_pending_bytes == 0 and rx.counters["init.intake_paused"] == 1
         rx.init_pending[("g", 0, 1)] = (None, torch.zeros(4))

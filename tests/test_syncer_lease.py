@@ -127,22 +127,16 @@ async def test_a_released_lease_is_taken_at_once(state_kv):
 
 async def test_the_commit_record_refuses_a_deposed_owners_write(nc, run_id, state_kv, tmp_path):
     from yeto.services.syncer.checkpoint import CheckpointDir
-    from yeto.services.syncer.cut import Cut
-    from yeto.services.syncer.tape import TapeWriter
+    from yeto.services.syncer.model_store import ModelStore
     from collections import Counter
 
     js = nc.jetstream(timeout=10)
-    cuts = []
-    for name in ("old", "new"):
-        c = Counter()
-        cut = Cut(js, run_id, c, CheckpointDir(tmp_path / name), TapeWriter(js, run_id, c, name))
-        cuts.append(cut)
-    old, new = cuts
-    old.commit_rev = 0
+    old, new = (ModelStore(js, run_id, Counter(), CheckpointDir(tmp_path / name)) for name in ("old", "new"))
+    old.fence(0)
     await old.put_commit_record(b'{"committed_step": 1}')
     await old.put_commit_record(b'{"committed_step": 2}')
     # the new owner takes the run over: its first write is over the revision it found
-    new.commit_rev = (await state_kv.get(S.kv_key(run_id, "state", "commit").rsplit(".", 1)[-1])).revision
+    new.fence((await state_kv.get(S.kv_key(run_id, "state", "commit").rsplit(".", 1)[-1])).revision)
     await new.put_commit_record(b'{"committed_step": 2}')
     with pytest.raises(Fenced, match="moved on from revision"):
         await old.put_commit_record(b'{"committed_step": 3}')

@@ -50,10 +50,12 @@ async def test_a_shard_whose_final_cut_is_in_is_never_missing_however_it_exits(n
     import asyncio
     import time
     from collections import Counter
-    from types import SimpleNamespace
 
     from yeto.schemas.provision import RunLimits, kv as kv_handle, kv_put, provision_run
-    from yeto.services.syncer import rounds as R
+    from yeto.services.syncer.config import SyncerConfig
+    from yeto.services.syncer.cut import CutPublisher
+    from yeto.services.syncer.events import ShardFinal
+    from yeto.services.syncer.model_store import ModelStore
     from yeto.services.syncer.shard_watch import ShardWatch
     from yeto.services.syncer.tape import TapeWriter
     from tests.scripted import tape
@@ -61,13 +63,14 @@ async def test_a_shard_whose_final_cut_is_in_is_never_missing_however_it_exits(n
     js = nc.jetstream(timeout=10)
     await provision_run(js, run_id, RunLimits.small(), shard=0, shards=3, fragments=3)
     counters = Counter()
-    cfg = R.SyncerConfig(run=run_id, islands=2, fragments=3, sync_every=3, total_steps=6, shard=0, shards=3)
+    cfg = SyncerConfig(run=run_id, islands=2, fragments=3, sync_every=3, total_steps=6, shard=0, shards=3)
     queue: asyncio.Queue = asyncio.Queue()
-    cut = SimpleNamespace(final_digests={})   # what the watch fills from a final record: the digests
+    # what the watch fills from a final record: the digests, in the cut publisher's final_digests
+    publisher = CutPublisher(js, run_id, counters, ModelStore(js, run_id, counters, None, shard=0, shards=3), None)
     watch = ShardWatch(js=js, run_id=run_id, config=cfg, state_kv=await kv_handle(js, run_id, "state"),
-                       members_kv=await kv_handle(js, run_id, "members"), queue=queue, cut=cut,
+                       members_kv=await kv_handle(js, run_id, "members"), queue=queue, publisher=publisher,
                        tape=TapeWriter(js, run_id, counters, "t", shard=0), counters=counters,
-                       machine=lambda: None, status_every_s=0.1)
+                       machine=None, status_every_s=0.1)
     watch.missing_after_s = 0.5   # (15 s by default)
     for k in (1, 2):
         await kv_put(js, run_id, "state", f"syncer.{k}", orjson.dumps({"phase": "running", "shard": k}))
@@ -75,7 +78,7 @@ async def test_a_shard_whose_final_cut_is_in_is_never_missing_however_it_exits(n
         {"shard": 1, "final_step": 6, "versions": {"1": 2}, "version_digests": {"1": D}}))
     await watch.poll_once()
     got = await asyncio.wait_for(queue.get(), 5)
-    assert isinstance(got, R.ShardFinal) and got.shard == 1 and cut.final_digests == {1: D}
+    assert isinstance(got, ShardFinal) and got.shard == 1 and publisher.final_digests == {1: D}
     deadline = time.monotonic() + 10
     while 2 not in watch.missing and time.monotonic() < deadline:
         await asyncio.sleep(0.2)

@@ -17,7 +17,9 @@ from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas.versions import VersionError
 from yeto.services.syncer.checkpoint import MANIFEST, CheckpointDir, CheckpointError, CheckpointState
 from yeto.services.syncer.recording import InputRecorder
-from yeto.services.syncer.rounds import Hello, RoundMachine, WriteSession
+from yeto.services.syncer.actions import WriteSession
+from yeto.services.syncer.events import Hello
+from yeto.services.syncer.rounds import RoundMachine
 
 pytestmark = pytest.mark.pure
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from yeto.schemas import shards as SH
 from yeto.schemas.codec import load_schema
-from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES  # noqa: F401  (re-exported: the syncer's names)
+from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
 from yeto.schemas.errors import ConfigError
 
 _CHUNK_BYTES_RANGE = tuple(load_schema("session")["properties"]["chunk_bytes"][k] for k in ("minimum", "maximum"))

@@ -1,13 +1,14 @@
-"""The global model as the syncer holds it: every fragment's f32 params and momentum, their durable
-commits (checkpoint directory, then the state KV `commit` record, then the broadcast: durable before
-broadcast), re-broadcasts, and the f32 final cut with its manifests and the state KV `final` record.
+"""The cut as the islands read it, published by the syncer: each committed version on BCAST (durable
+before its seal: `commit` asks the model store, services/syncer/model_store.py, to make it durable first,
+then seals or broadcasts it), re-broadcasts, the f32 final cut on FINAL with its manifests, and the state
+KV's `final` records. It reads the params from the model store and writes nothing there; it owns what only
+the wire needs: the message ids of re-issued versions (`reissue_version`) and the final cut's digests.
 
-Syncer shards (schemas/shards.py): a shard's Cut holds its own fragments only (`set_session` keeps
-those), so params and momentum take memory per shard; its commit record is `commit.<K>`; its final cut
-is published by `publish_shard_final` (the checkpoint marked {"shard_final": true, ...}, the f32
-digests in the state KV `final.<K>`). The coordinator's `final_digests` hold every fragment's f32
-digest once the other shards' `final.<K>` records are in (the shell fills them), for the manifests
-and the run's `final` key.
+Syncer shards (schemas/shards.py): a shard publishes its own fragments only; its final cut is published by
+`publish_shard_final` (the checkpoint marked {"shard_final": true, ...}, the f32 digests in the state KV
+`final.<K>`). The coordinator's `final_digests` hold every fragment's f32 digest once the other shards'
+`final.<K>` records are in (services/syncer/shard_watch.py adds them), for the manifests and the run's
+`final` key.
 """
 from __future__ import annotations
 
@@ -15,21 +16,20 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import orjson
 import torch
 
-from yeto.schemas import codec, shards as SH, subjects as S, versions
+from yeto.schemas import codec, shards as SH, subjects as S
 from yeto.schemas.chunks import VersionDigest, chunk_plan
 from yeto.schemas.dtypes import pack, packed_nbytes
 from yeto.schemas.messages import cut_chunk
 from yeto.schemas.provision import kv_put
 from yeto.schemas.publish import Pipeline, publish_retry
-from yeto.services.syncer import rounds as R
-from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
-from yeto.services.syncer.lease import Fenced
+from yeto.services.syncer.actions import CommitV0, PublishFinal, PublishShardFinal, Rebroadcast, SendManifest
+from yeto.services.syncer.checkpoint import VersionFiles
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -43,13 +43,6 @@ CTL_PUBLISH_ATTEMPTS = 40
 
 class CutError(RuntimeError):
     pass
-
-
-@dataclass
-class Frag:
-    numel: int
-    params: torch.Tensor | None = None
-    momentum: torch.Tensor | None = None
 
 
 class BulkBytes:
@@ -110,22 +103,24 @@ class BroadcastStream:
     then. The chunks go out in order on one pipeline, and `flush` waits for their acks before the seal,
     so the seal is the version's last message in the stream."""
 
-    def __init__(self, cut: "Cut", fid: int, version: int, packed: BulkBytes):
-        if packed.dtype != cut.session["bulk_dtype"]:
-            raise CutError(f"broadcast in {cut.session['bulk_dtype']} of bytes packed in {packed.dtype}")
-        self.cut, self.fid, self.version, self.packed = cut, fid, version, packed
-        self.spans = chunk_plan(packed.params.numel(), packed.dtype, cut.session["chunk_bytes"])
-        self.pipe = cut.pipeline()
+    def __init__(self, publisher: "CutPublisher", fid: int, version: int, packed: BulkBytes):
+        session = publisher.model.session
+        if packed.dtype != session["bulk_dtype"]:
+            raise CutError(f"broadcast in {session['bulk_dtype']} of bytes packed in {packed.dtype}")
+        self.publisher, self.fid, self.version, self.packed = publisher, fid, version, packed
+        self.counters = publisher.counters
+        self.spans = chunk_plan(packed.params.numel(), packed.dtype, session["chunk_bytes"])
+        self.pipe = publisher.pipeline()
         self.next = 0          # index of the next chunk to send
         self.early = 0         # chunks sent before the seal
         self.sent = 0          # bytes sent
         self.seconds = 0.0     # time spent sending (copies and publishes; not waiting for acks at the seal)
 
     async def _put(self, s, vdigest: str | None) -> None:
-        await self.cut.guard()   # a deposed owner sends no chunk (lease.py)
+        await self.publisher.guard()   # a deposed owner sends no chunk (lease.py)
         t0 = time.perf_counter()
         buf = self.packed.chunk(s.elem_offset, s.elem_count)
-        subject, msg_id, hdrs = self.cut.chunk_message(self.fid, self.version, self.packed.dtype, self.spans, s, buf,
+        subject, msg_id, hdrs = self.publisher.chunk_message(self.fid, self.version, self.packed.dtype, self.spans, s, buf,
                                                        vdigest)
         await self.pipe.put(subject, buf, msg_id, hdrs)
         self.sent += buf.numel()
@@ -153,62 +148,64 @@ class BroadcastStream:
             s = self.spans[self.next]
             await self._put(s, vdigest if self.next == len(self.spans) - 1 else None)
         await self.pipe.flush()
-        self.cut.counters["bytes_broadcast"] += self.sent
+        self.counters["bytes_broadcast"] += self.sent
         return self.sent
 
 
 async def _no_guard() -> None:
-    """No lease (a Cut used on its own: tests, tools)."""
+    """No lease (a publisher used on its own: tests, tools)."""
 
 
-class Cut:
-    def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, tape: TapeWriter, *,
-                 shard: int = 0, shards: int = 1):
-        self.js, self.run_id, self.counters, self.ckpt, self.tape = js, run_id, counters, ckpt, tape
-        self.shard, self.shards = shard, shards
-        # Fencing (services/syncer/lease.py): the commit record's revision this owner wrote last (None:
-        # unconditional writes), and the check that raises Fenced once the lease is not ours to trust.
-        self.commit_rev: int | None = None
-        # The committed state kept in JetStream for a standby on another host (state_store.py); None: the
-        # checkpoint directory only (`--state-store local`).
-        self.store = None
-        self.guard: Callable[[], Awaitable[None]] = _no_guard
-        self.session: dict | None = None
-        self.frags: dict[int, Frag] = {}          # this shard's fragments (every fragment with one shard)
+class CutPublisher:
+    def __init__(self, js, run_id: str, counters: Counter, model: ModelStore, tape: TapeWriter, *,
+                 guard: Callable[[], Awaitable[None]] = _no_guard):
+        self.js, self.run_id, self.counters, self.model, self.tape = js, run_id, counters, model, tape
+        # Before every chunk: raises Fenced once the lease is not ours to trust (services/syncer/lease.py).
+        self.guard = guard
         self.final_digests: dict[int, str] = {}   # fragment -> f32 version digest of the final cut
         # fragment -> (version, resend id): a version number whose first chunks a killed syncer had sent with
         # other bytes (its redo failed and the round restarted). Its new chunks need ids of their own, or
         # JetStream drops them as duplicates of the old ones within the duplicate window (120 s).
         self.reissue: dict[int, tuple[int, int]] = {}
 
-    def owns(self, fid: int) -> bool:
-        return SH.owns(fid, self.shard, self.shards)
+    def reissue_version(self, fid: int, version: int, resend: int) -> None:
+        """Fragment `fid`'s `version` gets other bytes than a killed syncer had begun to send (its redo
+        failed, or a redo of a re-issued version): its chunks go under the resend id `resend`."""
+        self.reissue[fid] = (version, resend)
 
-    def set_session(self, session: dict) -> None:
-        self.session = session
-        for f in session["fragments"]:
-            if self.owns(f["id"]):   # another shard's fragment never takes memory here
-                self.frags.setdefault(f["id"], Frag(numel=f["numel"]))
+    def resend_id(self, fid: int, version: int) -> int | None:
+        """The resend id `version` of `fid` goes out under when it was re-issued (None: its first ids)."""
+        reissued = self.reissue.get(fid)
+        return reissued[1] if reissued is not None and reissued[0] == version else None
 
-    def bulk_digest(self, fid: int, dtype: str) -> str:
-        fr = self.frags[fid]
-        h = VersionDigest()
-        for s in chunk_plan(fr.numel, dtype, self.session["chunk_bytes"]):
-            h.update(pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype))
-        return h.hexdigest()
+    def add_final_digests(self, digests: dict[int, str]) -> None:
+        """f32 version digests of final-cut fragments: this shard's, computed again on a resume, and (on
+        the coordinator) the other shards' from their `final.<K>` records, for the manifests."""
+        self.final_digests.update(digests)
+
+    def packer(self, fid: int) -> BulkBytes:
+        """An empty BulkBytes over the fragment's params in the session's bulk dtype: the merge packs and
+        hashes each span right after its outer step (the broadcast then sends those bytes)."""
+        return BulkBytes(self.model.frags[fid].params, self.model.session["bulk_dtype"])
 
     def bulk_bytes(self, fid: int) -> BulkBytes:
         """The fragment's current params packed once in the session's bulk dtype (see BulkBytes)."""
-        fr = self.frags[fid]
-        bb = BulkBytes(fr.params, self.session["bulk_dtype"])
-        for s in chunk_plan(fr.numel, bb.dtype, self.session["chunk_bytes"]):
+        bb = self.packer(fid)
+        for s in chunk_plan(bb.params.numel(), bb.dtype, self.model.session["chunk_bytes"]):
             bb.add(s.elem_offset, s.elem_count)
         return bb
 
-    async def commit_v0(self, a: R.CommitV0, attempts: dict[int, int]) -> None:
+    async def final_cut_digests(self) -> dict[int, str]:
+        """f32 version digests of this shard's fragments as they are now (the final cut's bytes)."""
+        return {fid: await asyncio.to_thread(self.model.bulk_digest, fid, "f32") for fid in sorted(self.model.frags)}
+
+    def stream(self, fid: int, version: int, packed: BulkBytes) -> "BroadcastStream":
+        """A new version's chunks sent before it is durable (cut-through, with-commit): see BroadcastStream."""
+        return BroadcastStream(self, fid, version, packed)
+
+    async def commit_v0(self, a: CommitV0, attempts: dict[int, int]) -> None:
         for fid in a.fragments:
-            fr = self.frags[fid]
-            if fr.params is None:
+            if self.model.frags[fid].params is None:
                 raise CutError(f"version 0: fragment {fid} has no INIT data")
         await self.commit({fid: 0 for fid in a.fragments}, step=0, attempts=attempts)
         log.info("version 0 committed and broadcast for %d fragments", len(a.fragments))
@@ -237,34 +234,18 @@ class Cut:
                 packed[fid] = await asyncio.to_thread(self.bulk_bytes, fid)
         digests = {fid: packed[fid].hexdigest() for fid in new_versions}
         t_digest = time.perf_counter()
-        prev = self.ckpt.read_state() if self.ckpt.exists() else None
-        versions = dict(prev.versions) if prev else {}
-        vdig = dict(prev.version_digests) if prev else {}
-        versions.update(new_versions)
-        vdig.update(digests)
-        state = CheckpointState(
-            run=self.run_id, session_fingerprint=self.session["session_fingerprint"],
-            layout_fingerprint=self.session["layout_fingerprint"],
-            committed_step=max(step, prev.committed_step if prev else 0), versions=versions, version_digests=vdig,
-            attempts={s: a for s, a in attempts.items() if s > step},
-            tape=list(records) + [{"kind": "commit", "t": time.time(), "step": step, "fragment": fid, "version": v,
-                                   "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
-        )
-        frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in new_versions}
+        state, prev = self.model.next_state(new_versions, digests, step=step, attempts=attempts, records=records)
         streamed = dict(streamed or {})
         streams = dict(streams or {})
         # While the version is made durable, the chunks before the seal go out (with-commit; cut-through sent
         # them during the merge) and their acks come in: they must be in BCAST before the seal (which makes
         # the version whole for the islands) goes out.
-        await self.guard()   # a deposed owner writes no checkpoint (lease.py): the directory may be a standby's too
-        await asyncio.gather(asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False),
+        await self.guard()   # a deposed owner writes no checkpoint and sends no chunk (lease.py)
+        await asyncio.gather(self.model.save_checkpoint(state, new_versions, streamed),
                              *(st.flush() for st in streams.values()))
-        store_s = 0.0
-        if self.store is not None:
-            previous = {fid: prev.versions[fid] for fid in new_versions if prev and fid in prev.versions}
-            store_s = await self.store.save(state, frags, previous, streamed=stored)
+        store_s = await self.model.save_state_store(state, new_versions, prev, stored)
         t_ckpt = time.perf_counter()
-        await self.write_commit_record(state)
+        await self.model.write_commit_record(state)
         t_kv = time.perf_counter()
         for fid, v in new_versions.items():
             if fid in streams:
@@ -290,34 +271,8 @@ class Cut:
             await self.tape.write(rec, kind=rec["kind"], msg_id=TapeWriter.record_msg_id(rec))
         # The older files go once the version is out (deleting 2 x 256 MiB took ~0.1 s before the KV
         # record); before the fragment's next merge streams its files, which the glob would match.
-        await asyncio.to_thread(self.ckpt.prune, state, new_versions)
+        await self.model.prune(state, new_versions)
         return timings
-
-    async def write_commit_record(self, state: CheckpointState) -> None:
-        # stamped with the state format and this release (schemas/versions.py): a record without them is format 1
-        rec = versions.stamp({"committed_step": state.committed_step,
-                              "versions": {str(k): v for k, v in state.versions.items()},
-                              "version_digests": {str(k): v for k, v in state.version_digests.items()}})
-        await self.put_commit_record(orjson.dumps(rec))
-
-    async def put_commit_record(self, value: bytes) -> None:
-        """The commit record, revision-checked once this process owns the run (`commit_rev`, set by the
-        lease: services/syncer/lease.py): a new owner rewrites it first, so a deposed owner's write
-        (and with it the seal, which follows it) fails instead of landing after the takeover."""
-        from nats.js.errors import APIError
-
-        await self.guard()
-        key = SH.state_key("commit", self.shard, self.shards)
-        try:
-            ack = await kv_put(self.js, self.run_id, "state", key, value, counters=self.counters,
-                               expected_rev=self.commit_rev)
-        except APIError as exc:
-            if self.commit_rev is not None and exc.err_code in (10071, 10164):
-                raise Fenced(f"the state KV's {key!r} record moved on from revision {self.commit_rev} (another "
-                             f"syncer owns the run now): this process publishes nothing more") from None
-            raise
-        if self.commit_rev is not None:
-            self.commit_rev = ack.seq
 
     def chunk_message(self, fid: int, version: int, dtype: str, spans, s, buf, vdigest: str | None, *,
                       final_step: int | None = None, resend: int | None = None) -> tuple[str, str, dict]:
@@ -327,8 +282,8 @@ class Cut:
         if final_step is not None:
             subject, msg_id = S.final(self.run_id, fid, s.index), S.final_msg_id(fid, version, s.index)
         else:
-            if resend is None and self.reissue.get(fid, (None, None))[0] == version:
-                resend = self.reissue[fid][1]
+            if resend is None:
+                resend = self.resend_id(fid, version)
             subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
         return subject, msg_id, {codec.CHUNK_HEADER: meta.header()}
 
@@ -341,9 +296,9 @@ class Cut:
                          resend: int | None = None, packed: BulkBytes | None = None) -> int:
         """Every chunk of the fragment (`packed`: the bytes the version digest hashed; else packed here).
         Pipeline.put makes the one copy nats-py needs (bytes); nothing here copies."""
-        fr = self.frags[fid]
-        dtype = "f32" if final_step is not None else self.session["bulk_dtype"]
-        spans = chunk_plan(fr.numel, dtype, self.session["chunk_bytes"])
+        fr = self.model.frags[fid]
+        dtype = "f32" if final_step is not None else self.model.session["bulk_dtype"]
+        spans = chunk_plan(fr.numel, dtype, self.model.session["chunk_bytes"])
         pipe = self.pipeline()
         sent = 0
         if packed is not None and packed.dtype != dtype:
@@ -362,14 +317,14 @@ class Cut:
         self.counters["bytes_broadcast"] += sent
         return sent
 
-    async def rebroadcast(self, a: R.Rebroadcast) -> None:
+    async def rebroadcast(self, a: Rebroadcast) -> None:
         """The committed bytes of a version again (the machine saw a sign that BCAST lost them). Awaited
         in the loop, not spawned: no merge of this fragment starts (changing its params, broadcasting
         the next version on the same subjects) before it is out. A failure is counted, never fatal."""
         t0 = time.time()
         try:
-            st = await asyncio.to_thread(self.ckpt.read_state)
-            if st.versions.get(a.fragment) != a.version or self.frags[a.fragment].params is None:
+            st = await asyncio.to_thread(self.model.read_state)
+            if st.versions.get(a.fragment) != a.version or self.model.frags[a.fragment].params is None:
                 self.counters["rebroadcast.skipped"] += 1
                 log.warning("re-broadcast of fragment %d version %d skipped: the checkpoint holds version %s",
                             a.fragment, a.version, st.versions.get(a.fragment))
@@ -389,65 +344,52 @@ class Cut:
                           "reason": a.reason, "detail": {"version_digest": vdigest, "resend": resend, "bytes": sent,
                                                          "seconds": time.time() - t0}}, kind="rebroadcast")
 
-    async def publish_final(self, a: R.PublishFinal) -> None:
+    async def publish_final(self, a: PublishFinal) -> None:
         """The f32 final cut (the machine emits PublishFinal once); its digests hash the f32 bytes and
         are checked against the manifest. The checkpoint is marked final (with the machine's
         finalization record) before FinalPublished lets the manifests go out."""
         digests = {}
-        for fid in sorted(self.frags):
-            digests[fid] = await asyncio.to_thread(self.bulk_digest, fid, "f32")
+        for fid in sorted(self.model.frags):
+            digests[fid] = await asyncio.to_thread(self.model.bulk_digest, fid, "f32")
             await self.broadcast(fid, int(a.versions[fid]), digests[fid], final_step=a.final_step)
         self.final_digests = digests
         await self.record_final(a.record)
         log.info("final cut published (step %d)", a.final_step)
 
-    async def publish_shard_final(self, a: R.PublishShardFinal) -> dict[int, str]:
+    async def publish_shard_final(self, a: PublishShardFinal) -> dict[int, str]:
         """Sharded: this shard's fragments' f32 final cut to FINAL, then the checkpoint marked final
         with {"shard_final": true, final_step, versions} (a restarted shard then only re-writes
         `final.<K>`), then `final.<K>` in the state KV (what the coordinator waits for). A crash before
         the checkpoint is marked publishes the same bytes again (same Nats-Msg-Ids). Returns the
         digests (fragment -> f32 version digest)."""
         versions = {int(k): int(v) for k, v in a.versions.items()}
-        if sorted(versions) != sorted(self.frags):
-            raise CutError(f"final cut of fragments {sorted(versions)}, this shard holds {sorted(self.frags)}")
+        if sorted(versions) != sorted(self.model.frags):
+            raise CutError(f"final cut of fragments {sorted(versions)}, this shard holds {sorted(self.model.frags)}")
         digests = {}
-        for fid in sorted(self.frags):
-            digests[fid] = await asyncio.to_thread(self.bulk_digest, fid, "f32")
+        for fid in sorted(self.model.frags):
+            digests[fid] = await asyncio.to_thread(self.model.bulk_digest, fid, "f32")
             await self.broadcast(fid, versions[fid], digests[fid], final_step=a.final_step)
         self.final_digests.update(digests)
-
-        def mark():
-            st = self.ckpt.read_state()
-            st.final = True
-            st.final_record = {"shard_final": True, "final_step": int(a.final_step),
-                               "versions": {str(k): v for k, v in sorted(versions.items())}}
-            self.ckpt.commit(st, {})
-            return st
-        st = await asyncio.to_thread(mark)
-        if self.store is not None:   # the state KV's manifest too: a standby restoring it knows the cut is out
-            await self.store.save_manifest(st)
+        # the state store's manifest too: a standby restoring it knows the cut is out
+        await self.model.mark_final({"shard_final": True, "final_step": int(a.final_step),
+                                     "versions": {str(k): v for k, v in sorted(versions.items())}})
         await self.write_shard_final_kv(int(a.final_step), versions, digests)
         log.info("final cut of fragments %s published (step %d)", sorted(versions), a.final_step)
         return digests
 
     def shard_final_record(self, final_step: int, versions: dict[int, int], digests: dict[int, str]) -> dict:
-        return {"shard": self.shard, "final_step": int(final_step),
+        return {"shard": self.model.shard, "final_step": int(final_step),
                 "versions": {str(k): int(v) for k, v in sorted(versions.items())},
                 "version_digests": {str(k): digests[k] for k in sorted(versions)}}
 
     async def write_shard_final_kv(self, final_step: int, versions: dict[int, int], digests: dict[int, str]) -> None:
-        await kv_put(self.js, self.run_id, "state", SH.final_key(self.shard),
+        await kv_put(self.js, self.run_id, "state", SH.final_key(self.model.shard),
                      orjson.dumps(self.shard_final_record(final_step, versions, digests)), counters=self.counters)
 
     async def record_final(self, record: dict) -> None:
-        def write():
-            st = self.ckpt.read_state()
-            st.final, st.final_record = True, dict(record)
-            self.ckpt.commit(st, {})
-            return st
-        st = await asyncio.to_thread(write)
-        if self.store is not None:
-            await self.store.save_manifest(st)
+        """The machine's finalization record (RecordFinal): the checkpoint marked final with it, and once the
+        run is finished the state KV's `final` key."""
+        await self.model.mark_final(record)
         if record.get("finished"):
             await self.write_final_kv(int(record["final_step"]), {int(k): int(v) for k, v in record["versions"].items()})
 
@@ -470,7 +412,7 @@ class Cut:
             self.counters["final_record_error"] += 1
             log.error("writing the final record to the state KV failed: %r", exc)
 
-    async def send_manifest(self, a: R.SendManifest) -> None:
+    async def send_manifest(self, a: SendManifest) -> None:
         versions = {str(k): int(v) for k, v in a.versions.items()}
         msg = codec.make("manifest", run=self.run_id, final_step=a.final_step, versions=versions,
                          version_digests={str(k): v for k, v in sorted(self.final_digests.items())}, gen=a.gen)

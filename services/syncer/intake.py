@@ -63,6 +63,40 @@ class PushTry:
     def norm(self) -> float:
         return math.sqrt(self.sumsq)
 
+    def invalidate(self, reason: str) -> None:
+        """The try is unusable; the first reason is the one the tape records."""
+        self.invalid = self.invalid or reason
+
+    def record(self, meta: dict, seq: int, *, sumsq: float, non_finite: int) -> None:
+        """Chunk meta["chunk"] is in, at stream sequence `seq` (the last chunk carries the push digest)."""
+        idx = meta["chunk"]
+        self.seqs[idx] = seq
+        self.digests[idx] = meta["digest"]
+        self.sumsq += sumsq
+        self.non_finite += non_finite
+        if "push_digest" in meta:
+            self.push_digest = meta["push_digest"]
+
+    def hold(self, idx: int, payload: bytes) -> None:
+        self.held[idx] = payload
+
+    def take(self, idx: int) -> bytes | None:
+        return self.held.pop(idx, None)
+
+    def drop_held(self) -> int:
+        """Every payload kept for the merge forgotten; returns their bytes."""
+        freed = sum(len(d) for d in self.held.values())
+        self.held.clear()
+        return freed
+
+    def finish(self) -> None:
+        """Its last missing chunk arrived: the push digest must bind the chunks in order."""
+        self.done = True
+        if self.invalid is None:
+            want = push_digest([self.digests[i] for i in range(self.chunks)])
+            if self.push_digest != want:
+                self.invalid = f"push_digest {self.push_digest} does not match its chunks ({want})"
+
     @property
     def complete(self) -> bool:
         return len(self.seqs) == self.chunks
@@ -120,6 +154,25 @@ class PushLedger:
         self.dropped: list[DroppedTry] = []        # incomplete tries forgotten, for the shell to tape
         self._tombstones: dict[PushKey, int] = {}  # dropped incomplete try -> committed_step when dropped
 
+    def set_budget(self, hold_bytes: int) -> None:
+        """The push bytes kept in memory from now on (the session is known: `--push-memory-mib auto`)."""
+        if hold_bytes < 0:
+            raise ValueError(f"hold_bytes must be >= 0, got {hold_bytes!r}")
+        self.hold_bytes = hold_bytes
+
+    def resume(self, committed_step: int, *, hold_bytes: int) -> None:
+        """A resumed syncer's ledger, before any chunk: rounds up to the checkpoint's `committed_step` are
+        committed (their redelivered chunks are closed)."""
+        if self.tries or self.released:
+            raise RuntimeError("a ledger resumes before it has recorded anything")
+        self.committed_step = committed_step
+        self.set_budget(hold_bytes)
+
+    def restore_try(self, t: PushTry) -> None:
+        """The redo of an interrupted merge (merge.Merger.redo): a complete try as the merge's intent recorded
+        it, its chunks read back from PUSH by their stream sequences."""
+        self.tries[t.key] = t
+
     def closed(self, meta: dict, *, redelivered: bool = False) -> str | None:
         """Why a chunk can never count (its try released, or a redelivery of a committed round), else None."""
         key = key_of(meta)
@@ -150,59 +203,50 @@ class PushLedger:
         # try, swept and taped a second time (soak/hostile.py, a CI run: 5 records for 4 overlap tries).
         if key in self.released or key in self._tombstones:
             return None
-        t = self.tries.get(key)
-        if t is None:
-            self._opened_at[key] = self.committed_step
-            t = self.tries[key] = PushTry(
-                key=key, chunks=meta["chunks"], total=meta["total"], dtype=meta["dtype"],
-                base_version=meta["base_version"], local_step=meta["local_step"],
-                c_steps=meta["c_steps"], c_tokens=meta["c_tokens"],
-            )
-            if expected_total is None and chunk_ok:
-                t.invalid = f"unknown fragment {meta['fragment']}"
-            elif expected_total is not None and meta["total"] != expected_total:
-                t.invalid = f"push total {meta['total']} bytes, the session's fragment takes {expected_total}"
+        t = self.tries.get(key) or self._open(key, meta, expected_total, chunk_ok)
         if t.done:
             return None
         if meta["chunks"] != t.chunks or meta["total"] != t.total:
-            t.invalid = t.invalid or f"chunks/total changed within one push ({meta['chunks']}/{meta['total']} vs {t.chunks}/{t.total})"
+            t.invalidate(f"chunks/total changed within one push ({meta['chunks']}/{meta['total']} vs {t.chunks}/{t.total})")
         idx = meta["chunk"]
         if idx in t.seqs:
             # A resend of one chunk under the same try (JetStream's dedup window missed it): keep the first.
             return None
         if not chunk_ok:
-            t.invalid = t.invalid or (chunk_reason or f"chunk {idx} rejected")
-        t.seqs[idx] = seq
-        t.digests[idx] = meta["digest"]
-        t.sumsq += sumsq
-        t.non_finite += non_finite
-        if "push_digest" in meta:
-            t.push_digest = meta["push_digest"]
+            t.invalidate(chunk_reason or f"chunk {idx} rejected")
+        t.record(meta, seq, sumsq=sumsq, non_finite=non_finite)
         if payload is not None and chunk_ok and t.invalid is None and self.held_bytes + len(payload) <= self.hold_bytes:
-            t.held[idx] = payload
+            t.hold(idx, payload)
             self.held_bytes += len(payload)
         if t.complete:
-            t.done = True
-            if t.invalid is None:
-                want = push_digest([t.digests[i] for i in range(t.chunks)])
-                if t.push_digest != want:
-                    t.invalid = f"push_digest {t.push_digest} does not match its chunks ({want})"
+            t.finish()
         if t.invalid is not None:
             self._release(t)   # an invalid try is never merged: its bytes go now
         return t if t.done else None
 
+    def _open(self, key: PushKey, meta: dict, expected_total: int | None, chunk_ok: bool) -> PushTry:
+        """A try's first chunk: the try, judged against the size the session's fragment takes."""
+        self._opened_at[key] = self.committed_step
+        t = PushTry(key=key, chunks=meta["chunks"], total=meta["total"], dtype=meta["dtype"],
+                    base_version=meta["base_version"], local_step=meta["local_step"],
+                    c_steps=meta["c_steps"], c_tokens=meta["c_tokens"])
+        if expected_total is None and chunk_ok:
+            t.invalidate(f"unknown fragment {meta['fragment']}")
+        elif expected_total is not None and meta["total"] != expected_total:
+            t.invalidate(f"push total {meta['total']} bytes, the session's fragment takes {expected_total}")
+        self.tries[key] = t
+        return t
+
     def take(self, t: PushTry, chunk: int) -> bytes | None:
         """Chunk `chunk` of try `t` as received at intake (checked against its digest there), handed over
         once and forgotten; None when it was not kept (the budget was full, or after a restart)."""
-        data = t.held.pop(chunk, None)
+        data = t.take(chunk)
         if data is not None:
             self.held_bytes -= len(data)
         return data
 
     def _release(self, t: PushTry) -> None:
-        if t.held:
-            self.held_bytes -= sum(len(d) for d in t.held.values())
-            t.held.clear()
+        self.held_bytes -= t.drop_held()
 
     def expect_pull(self, pull: dict) -> None:
         """A pull went out: a push dtype it names (`yeto run set push_dtype`) is what its pushes must carry."""

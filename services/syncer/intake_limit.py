@@ -49,6 +49,12 @@ class _Suppressed:
     last_at: float = 0.0
     codes: dict[str, int] = field(default_factory=dict)
 
+    def add(self, code: str, now: float) -> None:
+        """One more rejection of the burst, not taped on its own."""
+        self.count += 1
+        self.last_at = now
+        self.codes[code] = self.codes.get(code, 0) + 1
+
 
 class IntakeLimits:
     def __init__(self, *, ctl_rate: float = CTL_RATE, ctl_burst: float = CTL_BURST, tape_rate: float = TAPE_RATE,
@@ -73,12 +79,7 @@ class IntakeLimits:
             b = self._tape_buckets[identity] = Bucket(*self._tape)
         if b.take(now):
             return True
-        s = self._suppressed.get(identity)
-        if s is None:
-            s = self._suppressed[identity] = _Suppressed(first_at=now)
-        s.count += 1
-        s.last_at = now
-        s.codes[code] = s.codes.get(code, 0) + 1
+        self._suppressed.setdefault(identity, _Suppressed(first_at=now)).add(code, now)
         return False
 
     def take_summaries(self, now: float, quiet_s: float = 1.0, *, force: bool = False) -> list[dict]:

@@ -1,6 +1,7 @@
 """The merge of a completed round: the accepted pushes read back from the PUSH stream chunk by chunk
 (direct gets, in member order), the weighted mean and the f32 Nesterov outer step (services/syncer/outer),
-the durable commit and broadcast (services/syncer/cut), then the round's pushes deleted from PUSH.
+the durable commit and broadcast (services/syncer/cut.py; the model store, services/syncer/model_store.py,
+makes the version durable before its seal), then the round's pushes deleted from PUSH.
 Each chunk's new params and momentum are written into the new version's checkpoint `.tmp` files as soon
 as its outer step is done (checkpoint.VersionFiles), so the commit only fsyncs and renames them.
 Memory: O(members x chunk) bytes beside the fragment's params and momentum.
@@ -23,12 +24,12 @@ import torch
 
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest as chunk_digest
-from yeto.services.syncer import rounds as R
-from yeto.services.syncer.checkpoint import VersionFiles
-from yeto.services.syncer.lease import Fenced
-from yeto.services.syncer.actions import action_from_json, action_to_json
-from yeto.services.syncer.cut import BroadcastStream, BulkBytes, Cut
+from yeto.services.syncer.actions import Merge, action_from_json, action_to_json
+from yeto.services.syncer.cut import CutPublisher
+from yeto.services.syncer.events import MergeDone
 from yeto.services.syncer.intake import PushLedger, PushTry
+from yeto.services.syncer.lease import Fenced
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view, prewarm
 from yeto.services.syncer.speculate import Speculator
 from yeto.services.syncer.tape import TapeWriter
@@ -64,23 +65,21 @@ async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
 
 
 class Merger:
-    def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter, *,
-                 lr: float, momentum: float, attempts: dict[int, int], broadcast: str = "cut-through",
-                 ckpt_writer: str = "inline", speculate=None):
+    def __init__(self, js, run_id: str, counters: Counter, model: ModelStore, publisher: CutPublisher,
+                 ledger: PushLedger, tape: TapeWriter, *, lr: float, momentum: float, attempts: dict[int, int],
+                 broadcast: str = "cut-through", ckpt_writer: str = "inline", speculator: Speculator | None = None):
         if broadcast not in BROADCAST_MODES:
             raise ValueError(f"broadcast mode {broadcast!r} is not one of {BROADCAST_MODES}")
         if ckpt_writer not in CKPT_WRITERS:
             raise ValueError(f"checkpoint writer {ckpt_writer!r} is not one of {CKPT_WRITERS}")
         self.js, self.run_id, self.counters = js, run_id, counters
-        self.cut, self.ledger, self.tape = cut, ledger, tape
+        self.model, self.publisher, self.ledger, self.tape = model, publisher, ledger, tape
         self.lr, self.momentum = lr, momentum
         self.attempts = attempts          # step -> highest attempt published (the shell keeps it current)
         self.broadcast, self.ckpt_writer = broadcast, ckpt_writer
-        # the speculative merge (speculate.py): `speculate` the round machine's config (its weighting), or
-        # None with --speculate off
-        self.spec = None if speculate is None else Speculator(
-            cut, ledger, counters, lr=lr, momentum=momentum, max_token_factor=speculate.max_token_factor,
-            equal_weights=speculate.equal_weights)
+        # the speculative merge (speculate.py), which intake tells of every push chunk recorded; None with
+        # --speculate off (and for the redo of an interrupted merge, which never speculates)
+        self.spec = speculator
 
     def expect(self, pull: dict) -> None:
         """A pull was published: its pushes' dtype is known (the ledger) and its round may be merged
@@ -93,11 +92,11 @@ class Merger:
         """Have the outer-step loop for a merge of `members` pushes built (or loaded from the compile
         cache) in the background once the session is known, so the first merge uses it (outer.prewarm;
         another member count, a merge with islands missing, is built when first needed)."""
-        s = self.cut.session
+        s = self.model.session
         if s is None:
             return
         for n in sorted({chunk_plan(fr.numel, s["push_dtype"], s["chunk_bytes"])[0].elem_count
-                         for fr in self.cut.frags.values()}):
+                         for fr in self.model.frags.values()}):
             if prewarm(s["push_dtype"], n, members):
                 log.info("outer step: loop for %d members x %d values prepared at start", members, n)
             if self.spec is not None:   # the loop finishing a speculated chunk: one f32 input, its Δ
@@ -134,20 +133,19 @@ class Merger:
         """`yeto run set`'s outer values in force: the speculative merge forecasts the next merge with them
         (a forecast made with others is discarded at the merge, which reads the pushes instead)."""
         if self.spec is not None:
-            self.spec.lr, self.spec.momentum = self.hyper(R.Merge(0, 0, 0, 0, 0, (), outer=settings))
+            self.spec.use_outer(*self.hyper(Merge(0, 0, 0, 0, 0, (), outer=settings)))
 
-    def hyper(self, a: R.Merge) -> tuple[float, float]:
+    def hyper(self, a: Merge) -> tuple[float, float]:
         """The outer learning rate and momentum of this merge: the flags', or what `yeto run set` put in
         force when the machine decided it (Merge.outer), never read later than that."""
         return float(a.outer.get("outer_lr", self.lr)), float(a.outer.get("outer_momentum", self.momentum))
 
-    def intent(self, a: R.Merge, tries: list[PushTry]) -> dict:
+    def intent(self, a: Merge, tries: list[PushTry]) -> dict:
         """What redoing this merge needs besides the checkpointed params and momentum (see `redo`)."""
-        reissue = self.cut.reissue.get(a.fragment)
         return {"merge": action_to_json(a), "lr": self.lr, "momentum": self.momentum,
                 # the resend id of a version number re-issued after a failed redo: a redo of this merge
                 # must send under the same ids, or chunks only a killed syncer sent would shadow it
-                "reissue": reissue[1] if reissue is not None and reissue[0] == a.version else None,
+                "reissue": self.publisher.resend_id(a.fragment, a.version),
                 "attempts": {str(k): v for k, v in self.attempts.items()},
                 "tries": [{"key": list(t.key), "chunks": t.chunks, "total": t.total, "dtype": t.dtype,
                            "base_version": t.base_version, "local_step": t.local_step, "c_steps": t.c_steps,
@@ -155,36 +153,33 @@ class Merger:
                            "digests": {str(k): v for k, v in t.digests.items()}, "push_digest": t.push_digest}
                           for t in tries]}
 
-    async def redo(self, intent: dict) -> tuple[R.MergeDone, list[int]]:
+    async def redo(self, intent: dict) -> tuple[MergeDone, list[int]]:
         """Redo a cut-through merge a killed syncer had begun (its intent): the same pushes, read by the
         same stream sequences and checked against the same chunk digests, merged with the same weights
         and hyper-parameters on the checkpointed params and momentum, give the same bytes under the same
         version number. Raises MergeError when a push is gone from PUSH (then nothing was changed)."""
         a = action_from_json(intent["merge"])
-        if not isinstance(a, R.Merge):
+        if not isinstance(a, Merge):
             raise MergeError(f"merge intent holds a {type(a).__name__}, not a Merge")
         for t in intent["tries"]:
             key = tuple(t["key"])
-            self.ledger.tries[key] = PushTry(
+            self.ledger.restore_try(PushTry(
                 key=key, chunks=t["chunks"], total=t["total"], dtype=t["dtype"], base_version=t["base_version"],
                 local_step=t["local_step"], c_steps=t["c_steps"], c_tokens=t["c_tokens"],
                 seqs={int(k): v for k, v in t["seqs"].items()}, digests={int(k): v for k, v in t["digests"].items()},
-                push_digest=t["push_digest"], done=True)
+                push_digest=t["push_digest"], done=True))
         self.attempts.update({int(k): v for k, v in intent["attempts"].items()})
         self.lr, self.momentum = float(intent["lr"]), float(intent["momentum"])
         if intent.get("reissue") is not None:
-            self.cut.reissue[a.fragment] = (a.version, int(intent["reissue"]))
-        fr = self.cut.frags[a.fragment]
+            self.publisher.reissue_version(a.fragment, a.version, int(intent["reissue"]))
         try:
             return await self.merge(a, redone=True)
         except BaseException:
-            # A failed redo (a push gone) may have stepped some chunks: back to the checkpointed version,
-            # read again from its files rather than a whole copy held beside the fragment.
-            fr.params, fr.momentum = await asyncio.to_thread(self.cut.ckpt.load_fragment, a.fragment, a.version - 1,
-                                                             fr.numel)
+            # A failed redo (a push gone) may have stepped some chunks: back to the checkpointed version.
+            await self.model.reload(a.fragment, a.version - 1)
             raise
 
-    async def merge(self, a: R.Merge, *, redone: bool = False) -> tuple[R.MergeDone, list[int]]:
+    async def merge(self, a: Merge, *, redone: bool = False) -> tuple[MergeDone, list[int]]:
         """Merge, outer step, durable commit, broadcast: the MergeDone to feed back, and the PUSH
         sequences of the round for `cleanup` (after MergeDone, off the commit path). A speculative merge
         of this very round (speculate.py) is adopted here: its chunks are finished from their summed Δ."""
@@ -197,11 +192,11 @@ class Merger:
             if spec is not None:
                 self.spec.release(spec)
 
-    async def _merge(self, a: R.Merge, redone: bool, spec, t0: float) -> tuple[R.MergeDone, list[int]]:
+    async def _merge(self, a: Merge, redone: bool, spec, t0: float) -> tuple[MergeDone, list[int]]:
         fid = a.fragment
-        fr = self.cut.frags[fid]
-        dtype = self.ledger.push_dtype(fid, a.step, a.attempt, self.cut.session["push_dtype"])
-        spans = chunk_plan(fr.numel, dtype, self.cut.session["chunk_bytes"])
+        session = self.model.session
+        dtype = self.ledger.push_dtype(fid, a.step, a.attempt, session["push_dtype"])
+        spans = chunk_plan(self.model.frags[fid].numel, dtype, session["chunk_bytes"])
         tries = []
         for m in a.members:
             t = self.ledger.tries.get((m.island, m.gen, fid, a.step, a.attempt, m.try_))
@@ -231,33 +226,33 @@ class Merger:
         nxt = asyncio.create_task(fetch(0))
         # The new params of a chunk are final after its outer step: pack and hash them there, in the same
         # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
-        bulk = BulkBytes(fr.params, self.cut.session["bulk_dtype"])
+        bulk = self.publisher.packer(fid)
         stream = None
         t_intent = time.perf_counter()
-        await self.cut.guard()   # a deposed owner writes no intent and no version files (lease.py)
+        await self.model.guard()   # a deposed owner writes no intent and no version files (lease.py)
         if self.broadcast in EARLY_MODES:
             # Durable before the first chunk goes out: a restarted syncer must send these same bytes.
-            intent = self.intent(a, tries)
-            await asyncio.to_thread(self.cut.ckpt.write_intent, fid, intent)
-            if self.cut.store is not None:   # a standby on another host must redo this merge the same way
-                await self.cut.store.put_intent(fid, intent)
-            stream = BroadcastStream(self.cut, fid, a.version, bulk)
+            await self.model.write_intent(fid, self.intent(a, tries))
+            stream = self.publisher.stream(fid, a.version, bulk)
         intent_s = time.perf_counter() - t_intent
         # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
         files = None
         if self.ckpt_writer != "whole":
-            files = await asyncio.to_thread(VersionFiles, self.cut.ckpt, fid, a.version, fr.params, fr.momentum,
+            files = await asyncio.to_thread(self.model.version_files, fid, a.version,
                                             thread=self.ckpt_writer == "thread")
         # ... and into the state KV, so the commit waits only for the last acks (state_store.StateStream)
-        stored = None if self.cut.store is None else self.cut.store.stream(fid, a.version, fr.params, fr.momentum)
+        stored = self.model.state_stream(fid, a.version)
 
         def step(deltas, s):
+            # the outer step of span s, in place in the model store (its one writer of a merged fragment)
             t = time.perf_counter()
-            sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
             if deltas is None:
-                presummed(fr.params[sl], fr.momentum[sl], [spec.grad[sl]], out=scratch[: s.elem_count])
+                sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
+                self.model.update(fid, s.elem_offset, s.elem_count, lambda params, momentum: presummed(
+                    params, momentum, [spec.grad[sl]], out=scratch[: s.elem_count]))
             else:
-                outer_step(fr.params[sl], fr.momentum[sl], deltas, out=scratch[: s.elem_count])
+                self.model.update(fid, s.elem_offset, s.elem_count, lambda params, momentum: outer_step(
+                    params, momentum, deltas, out=scratch[: s.elem_count]))
             outer = time.perf_counter() - t
             bulk.add(s.elem_offset, s.elem_count)
             if files is not None:
@@ -272,7 +267,7 @@ class Merger:
                 fetch_s += time.perf_counter() - t   # waiting for push bytes (not hidden by the prefetch)
                 if k + 1 < len(spans):
                     nxt = asyncio.create_task(fetch(k + 1))  # prefetch while this chunk is merged
-                await self.cut.guard()   # woken from a pause after a takeover: not one more chunk written
+                await self.model.guard()   # woken from a pause after a takeover: not one more chunk written
                 outer_s += await asyncio.to_thread(step, deltas, s)
                 if stream is not None and self.broadcast == "cut-through":
                     await stream.put_ready()     # every broadcast chunk now packed, but never the seal
@@ -309,7 +304,7 @@ class Merger:
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
         try:
-            await self.cut.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
+            await self.publisher.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
                                   packed={fid: bulk}, streamed={fid: files} if files is not None else None,
                                   streams={fid: stream} if stream is not None else None,
                                   stored={fid: stored} if stored is not None else None)
@@ -326,7 +321,7 @@ class Merger:
                  ",".join(m.island for m in a.members), merge_s, merge_to_broadcast_s,
                  ", redone after a restart" if redone else "")
         # The whole sync (merge, checkpoint, broadcast): what adaptive grace subtracts.
-        return R.MergeDone(step=a.step, fragment=fid, version=a.version, merge_to_broadcast_s=merge_to_broadcast_s,
+        return MergeDone(step=a.step, fragment=fid, version=a.version, merge_to_broadcast_s=merge_to_broadcast_s,
                            now=time.time()), seqs
 
     async def cleanup(self, fid: int, seqs: list[int]) -> None:

@@ -34,12 +34,14 @@ from yeto.schemas.ids import GEN_RE
 from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas import messages as M
 from yeto.schemas.versions import VersionError
-from yeto.services.syncer import rounds as R
-from yeto.services.syncer.cut import Cut
+from yeto.services.syncer.actions import InitDrop, InitStore, SendError
+from yeto.services.syncer.events import FinalAck, Heartbeat, Hello, InitChunk, PushComplete
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.intake_limit import IntakeLimits
 from yeto.services.syncer.merge import delete_push_seqs
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import delta_view
+from yeto.services.syncer.speculate import Speculator
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -50,16 +52,17 @@ INIT_ROOM_WAIT_S = 5.0          # the longest one chunk waits for room (well und
 
 
 class Receiver:
-    def __init__(self, js, run_id: str, counters: Counter, cut: Cut, ledger: PushLedger, tape: TapeWriter,
-                 queue: asyncio.Queue, send_error: Callable[[R.SendError], Awaitable[None]]):
+    def __init__(self, js, run_id: str, counters: Counter, model: ModelStore, ledger: PushLedger, tape: TapeWriter,
+                 queue: asyncio.Queue, send_error: Callable[[SendError], Awaitable[None]], *,
+                 speculator: Speculator | None = None):
         self.js, self.run_id, self.counters = js, run_id, counters
-        self.cut, self.ledger, self.tape, self.queue, self.send_error = cut, ledger, tape, queue, send_error
+        self.model, self.ledger, self.tape, self.queue, self.send_error = model, ledger, tape, queue, send_error
         self._doomed: list[int] = []                   # refused push chunks to delete (_delete_later)
         self._deleter: asyncio.Future | None = None
         self.limits = IntakeLimits()   # per-identity bounds on CTL/heartbeat intake and on taped rejections
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
         self.init_pending_bytes = 0
-        self.spec = None   # the speculative merge (speculate.Speculator), told of every push chunk recorded
+        self.spec = speculator   # the speculative merge (speculate.py), told of every push chunk recorded
 
     async def consume(self, kind: str, durable: str, handler, batch: int, *,
                       ready: Callable[[], bool] | None = None) -> None:
@@ -168,17 +171,17 @@ class Receiver:
             if own_fp != m["layout_fingerprint"]:
                 err = WireError(why, field="layout_fingerprint", value=m["layout_fingerprint"], code="layout_mismatch")
                 await self.reject(f"hello on {msg.subject}", err, island=m["island"], gen=m["gen"])
-                await self.send_error(R.SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
+                await self.send_error(SendError(m["island"], m["gen"], "layout_mismatch", why, True, "layout_fingerprint"))
                 return
-            await self.queue.put(R.Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
+            await self.queue.put(Hello(island=m["island"], gen=m["gen"], layout=m["layout"],
                                          layout_fingerprint=m["layout_fingerprint"], push_dtype=m["push_dtype"],
                                          bulk_dtype=m["bulk_dtype"], now=now, software=m.get("software")))
         elif kind == "heartbeat":
-            await self.queue.put(R.Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
+            await self.queue.put(Heartbeat(island=m["island"], gen=m["gen"], local_step=m["local_step"],
                                              step_time_s=m.get("step_time_s"), now=now,
                                              leaving=bool(m.get("leaving", False))))
         else:
-            await self.queue.put(R.FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
+            await self.queue.put(FinalAck(island=m["island"], gen=m["gen"], final_step=m["final_step"], now=now))
 
     async def refuse_protocol(self, subject: str, exc: VersionError, subj_island: str | None) -> None:
         """A message in a protocol this syncer does not accept (schemas/versions.py): counted and taped like
@@ -188,7 +191,7 @@ class Receiver:
         gen = exc.gen if isinstance(exc.gen, str) and GEN_RE.fullmatch(exc.gen) else None
         await self.reject(f"{exc.kind} on {subject}", exc, island=subj_island, gen=gen)
         if exc.kind == "hello" and gen is not None and subj_island is not None and exc.island == subj_island:
-            await self.send_error(R.SendError(subj_island, gen, exc.code, str(exc), True, "v"))
+            await self.send_error(SendError(subj_island, gen, exc.code, str(exc), True, "v"))
 
     async def on_init(self, msg) -> None:
         """One INIT chunk: its framing is checked here (bad ones are refused, counted and taped); which
@@ -197,18 +200,18 @@ class Receiver:
         head: M.InitChunk | None = None
         try:
             head = M.InitChunk.from_header((msg.headers or {}).get(codec.CHUNK_HEADER, ""))
-            if self.cut.session is None:
+            if self.model.session is None:
                 raise WireError("INIT chunk before the session is pinned", field="fragment", value=head.fragment, code="no_session")
             if head.run != self.run_id:
                 raise WireError(f"INIT chunk of another run on run {self.run_id}'s stream", field="run",
                                 value=head.run, code="subject_mismatch")
             fid = head.fragment
-            fr = self.cut.frags.get(fid)
+            fr = self.model.frags.get(fid)
             if fr is None:
                 raise WireError("unknown fragment", field="fragment", value=fid, code="unknown_fragment")
-            if head.dtype != self.cut.session["bulk_dtype"]:
-                raise WireError(f"INIT dtype must be the session's bulk dtype {self.cut.session['bulk_dtype']}", field="dtype", value=head.dtype)
-            spans = chunk_plan(fr.numel, head.dtype, self.cut.session["chunk_bytes"])
+            if head.dtype != self.model.session["bulk_dtype"]:
+                raise WireError(f"INIT dtype must be the session's bulk dtype {self.model.session['bulk_dtype']}", field="dtype", value=head.dtype)
+            spans = chunk_plan(fr.numel, head.dtype, self.model.session["chunk_bytes"])
             span = check_chunk(spans, head.to_wire(), msg.data)
             k = span.index
             values = delta_view(msg.data, head.dtype, span.elem_count)
@@ -224,7 +227,7 @@ class Receiver:
         await self._init_room()
         self.init_pending[key] = (span, values)
         self.init_pending_bytes += values.numel() * values.element_size()
-        await self.queue.put(R.InitChunk(island=head.island, gen=head.gen, fragment=fid, chunk=k,
+        await self.queue.put(InitChunk(island=head.island, gen=head.gen, fragment=fid, chunk=k,
                                          chunks=len(spans), now=time.time()))
 
     async def _init_room(self) -> None:
@@ -261,13 +264,13 @@ class Receiver:
             return
         ok, reason, expected_total = True, None, None
         sumsq, non_finite = 0.0, 0
-        fr = self.cut.frags.get(meta["fragment"])
-        if self.cut.session is None or fr is None:
+        fr = self.model.frags.get(meta["fragment"])
+        if self.model.session is None or fr is None:
             # No round can ever target it: refuse the chunk here (tape + counter) rather than let a
             # try that cannot complete sit in the ledger.
-            why = ("no session pinned yet" if self.cut.session is None
-                   else f"the session has {len(self.cut.session['fragments'])} fragments" if self.cut.owns(meta["fragment"])
-                   else f"fragment of another syncer shard than shard {self.cut.shard}/{self.cut.shards}")
+            why = ("no session pinned yet" if self.model.session is None
+                   else f"the session has {len(self.model.session['fragments'])} fragments" if self.model.owns(meta["fragment"])
+                   else f"fragment of another syncer shard than shard {self.model.shard}/{self.model.shards}")
             await self.reject(f"push chunk on {msg.subject}",
                                WireError(f"unknown fragment ({why})", field="fragment", value=meta["fragment"],
                                          code="unknown_fragment"), island=subj_island, gen=meta["gen"])
@@ -275,11 +278,11 @@ class Receiver:
             return
         else:
             try:
-                want = self.ledger.push_dtype(meta["fragment"], meta["step"], meta["attempt"], self.cut.session["push_dtype"])
+                want = self.ledger.push_dtype(meta["fragment"], meta["step"], meta["attempt"], self.model.session["push_dtype"])
                 if meta["dtype"] != want:
-                    whose = "session's" if want == self.cut.session["push_dtype"] else "round's (yeto run set)"
+                    whose = "session's" if want == self.model.session["push_dtype"] else "round's (yeto run set)"
                     raise WireError(f"push dtype must be the {whose} {want}", field="dtype", value=meta["dtype"])
-                spans = chunk_plan(fr.numel, meta["dtype"], self.cut.session["chunk_bytes"])
+                spans = chunk_plan(fr.numel, meta["dtype"], self.model.session["chunk_bytes"])
                 expected_total = plan_nbytes(spans)
                 span = check_chunk(spans, meta, msg.data)
                 values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
@@ -303,7 +306,7 @@ class Receiver:
             self.spec.on_chunk(meta)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
-            await self.queue.put(R.PushComplete(
+            await self.queue.put(PushComplete(
                 island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
                 base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
                 valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
@@ -322,16 +325,12 @@ class Receiver:
             batch, self._doomed = self._doomed[:DELETE_IN_FLIGHT], self._doomed[DELETE_IN_FLIGHT:]
             await asyncio.gather(*(delete_push_seqs(self.js, self.run_id, self.counters, [q]) for q in batch))
 
-    def store_init(self, a: R.InitStore) -> None:
+    def store_init(self, a: InitStore) -> None:
         span, values = self.init_pending.pop((a.gen, a.fragment, a.chunk))
         self.init_pending_bytes -= values.numel() * values.element_size()
-        fr = self.cut.frags[a.fragment]
-        if fr.params is None:
-            fr.params = torch.zeros(fr.numel, dtype=torch.float32)
-            fr.momentum = torch.zeros(fr.numel, dtype=torch.float32)
-        fr.params[span.elem_offset: span.elem_offset + span.elem_count] = values
+        self.model.init_chunk(a.fragment, span.elem_offset, values)
 
-    def drop_init(self, a: R.InitDrop) -> None:
+    def drop_init(self, a: InitDrop) -> None:
         dropped = self.init_pending.pop((a.gen, a.fragment, a.chunk), None)
         if dropped is not None:
             self.init_pending_bytes -= dropped[1].numel() * dropped[1].element_size()

@@ -34,6 +34,13 @@ class Segment:
     def resumed(self) -> bool:
         return bool(self.start and self.start.get("restore"))
 
+    def add(self, detail: Mapping[str, Any]) -> None:
+        """One `input` record's detail: batch 0 is the start record, the others event batches."""
+        if detail["batch"] == 0:
+            self.start = dict(detail)
+        else:
+            self.batches[detail["batch"]] = dict(detail)
+
 
 @dataclass
 class Difference:
@@ -72,11 +79,7 @@ def segments(records: Iterable[Mapping[str, Any]]) -> list[Segment]:
         d = rec.get("detail")
         if not isinstance(d, Mapping) or not isinstance(d.get("proc"), str) or not isinstance(d.get("batch"), int):
             raise TapeError(f"input record without detail.proc / detail.batch: {dict(rec)!r:.300}")
-        seg = out.setdefault(d["proc"], Segment(d["proc"]))
-        if d["batch"] == 0:
-            seg.start = dict(d)
-        else:
-            seg.batches[d["batch"]] = dict(d)
+        out.setdefault(d["proc"], Segment(d["proc"])).add(d)
     return list(out.values())
 
 

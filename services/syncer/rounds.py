@@ -78,32 +78,14 @@ from typing import Any, Callable, Mapping, Sequence
 from yeto.schemas.errors import ConfigError
 
 from yeto.services.syncer import finalize, init_rules, membership, pushes, round_rules, settings_rules, sharding
-from yeto.services.syncer.actions import (
-    Action, AdoptSession, ApplySettings, CommitV0, Done, InitDrop, InitStore, Merge, MergeInput, PublishFinal,
-    PublishPull, PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape,
-    WriteMember, WriteSession,
-)
-from yeto.services.syncer.config import (
-    BULK_DTYPES, DISPOSITIONS, FIRST_ATTEMPT, HOPELESS_RESTART_S, OUTLIER_MIN_PUSHES, PUSH_DTYPES, SyncerConfig,
-)
+from yeto.services.syncer.actions import Action, CommitV0, Done, SendManifest
+from yeto.services.syncer.config import SyncerConfig
 from yeto.services.syncer.events import (
     Event, FinalAck, FinalPublished, Heartbeat, Hello, InitChunk, InitComplete, MemberSeen, MergeDone, PushComplete,
     Reconfigure, SessionSeen, ShardFinal, Tick, V0Done,
 )
 from yeto.services.syncer.machine_state import MachineState, Output
-from yeto.services.syncer.state import Member, Phase, Round, _Final
-
-__all__ = [
-    "SyncerConfig", "RoundMachine", "Member", "Round", "Phase", "MachineState",
-    # events
-    "Event", "Hello", "InitComplete", "PushComplete", "Heartbeat", "MergeDone", "V0Done", "Tick", "FinalAck",
-    "FinalPublished", "InitChunk", "SessionSeen", "MemberSeen", "ShardFinal", "Reconfigure",
-    # actions
-    "Action", "WriteSession", "WriteMember", "PublishPull", "SendError", "MergeInput", "Merge", "Release",
-    "Tape", "CommitV0", "InitStore", "InitDrop", "PublishFinal", "SendManifest", "RecordFinal", "Shutdown", "Done",
-    "Rebroadcast", "PublishShardFinal", "AdoptSession", "ApplySettings",
-    "PUSH_DTYPES", "BULK_DTYPES", "FIRST_ATTEMPT", "DISPOSITIONS", "OUTLIER_MIN_PUSHES", "HOPELESS_RESTART_S",
-]
+from yeto.services.syncer.state import Member, Phase, _Final
 
 
 class RoundMachine:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import resource
 import time
 from collections import Counter
 
@@ -35,25 +33,36 @@ import orjson
 from yeto.schemas import codec, leader_watch, shards as SH, subjects as S
 from yeto.schemas.chunks import max_chunk_bytes
 from yeto.schemas.conn import connect, server_max_payload
-from yeto.schemas.messages import Error, Pull, Shutdown
+from yeto.schemas import messages as M   # the wire's Shutdown, beside the machine's action of that name
 from yeto.schemas.provision import kv as kv_handle, kv_put, provision_run
 from yeto.schemas.publish import publish_retry
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import (
+    Action, AdoptSession, ApplySettings, CommitV0, Done, InitDrop, InitStore, Merge, PublishFinal, PublishPull,
+    PublishShardFinal, Rebroadcast, RecordFinal, Release, SendError, SendManifest, Shutdown, Tape, WriteMember,
+    WriteSession,
+)
+from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
+from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
-from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, Cut
+from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, CutPublisher
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
 from yeto.services.syncer.intake import PushLedger, auto_push_memory_bytes
 from yeto.services.syncer.lease import Fenced, RunLease
 from yeto.services.syncer.shard_watch import ShardWatch
+from yeto.services.syncer.speculate import Speculator
 from yeto.services.syncer import memtrace
 from yeto.services.syncer.merge import Merger
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.receive import Receiver
 from yeto.services.syncer.recording import INPUT_KIND, InputRecorder
 from yeto.services.syncer.settings_desk import SettingsDesk
-from yeto.services.syncer.service_config import OuterConfig, ServiceConfig  # noqa: F401 - OuterConfig: callers import it from here
+from yeto.services.syncer.service_config import ServiceConfig
 from yeto.services.syncer.state_store import StateStore
-from yeto.services.syncer.startup import Startup, SyncerError  # noqa: F401 - SyncerError: callers import it from here
+from yeto.services.syncer.status import status_record
+from yeto.services.syncer.errors import SyncerError
+from yeto.services.syncer.opening import RunOpening
+from yeto.services.syncer.run_claim import RunClaim
 from yeto.services.syncer.tape import TapeWriter
 
 log = logging.getLogger("yeto.syncer")
@@ -68,26 +77,22 @@ MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's n
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (bytes): what its fragments' params and momentum cost."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
-
-
-class SyncerService(Startup):
+class SyncerService:
     def __init__(self, cfg: ServiceConfig):
         self.cfg = cfg
         self.run_id = cfg.machine.run
         self.counters: Counter = Counter()
-        self.machine: R.RoundMachine | None = None
-        self.ckpt = CheckpointDir(cfg.checkpoint_dir)
+        self.machine: RoundMachine | None = None
         self.ledger = PushLedger(hold_bytes=cfg.push_memory_bytes or 0)   # auto: set with the session
-        # Built once connected: the tape writer, the global model (cut), then intake and merge.
+        # Built once connected: the tape writer, the global model (model store) and its publisher (BCAST,
+        # FINAL, manifests), then intake and merge.
         self.tape: TapeWriter | None = None
-        self.cut: Cut | None = None
+        self.model: ModelStore | None = None
+        self.publisher: CutPublisher | None = None
         self.receiver: Receiver | None = None
         self.merger: Merger | None = None
         self.queue = EventQueue()   # liveness (hello, heartbeat) before the rest: services/syncer/event_queue.py
-        self.done: R.Done | None = None
+        self.done: Done | None = None
         self.nc = None
         self.js = None
         self.state_kv = None
@@ -101,17 +106,15 @@ class SyncerService(Startup):
         self._proc = f"{int(time.time() * 1000):x}" + (f"s{mc.shard}" if mc.sharded else "")
         self.watch: ShardWatch | None = None
         self._attempts_seen: dict[int, int] = {}
-        self._unsealed: set[int] = set()   # --resume: fragments whose BCAST holds a killed merge's unsealed chunks
         self._status_t = 0.0
         self._started_at = time.time()
         self._pulls_written: dict[int, int] = {}
         self.recorder = InputRecorder(self._proc)
         self._pending_inputs: dict | None = None   # an input record the recorder handed back, not yet taped
-        self._pending_actions: list[R.Action] = []  # produced at start (resume), carried out by the loop
+        self._pending_actions: list[Action] = []  # produced at start (resume), carried out by the loop
         self.lease: RunLease | None = None
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
-        self.standby_done = False           # stood by until the run finished: nothing was ours to do
         self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
 
     async def run(self) -> int:
@@ -130,23 +133,6 @@ class SyncerService(Startup):
             log.warning("%s: SIGTERM: handing run %s over after the event in hand", self.label, self.run_id)
             self.handover = HandOver(self.run_id)
             self.queue.put_nowait(self.handover)
-
-    def _run_flags(self) -> dict:
-        """The run flags every syncer of a run must agree on (a standby with others refuses to start)."""
-        mc = self.cfg.machine
-        return {"islands": mc.islands, "fragments": mc.fragments, "sync_every": mc.sync_every,
-                "total_steps": mc.total_steps, "push_dtype": mc.push_dtype, "bulk_dtype": mc.bulk_dtype,
-                "shards": mc.shards, "strict": mc.strict}
-
-    async def _run_finished(self) -> bool:
-        """A standby's question: has the run (this shard) finished, so that there is nothing to take over?
-        A follower shard is done once its final cut is recorded; the coordinator once the run's `final`."""
-        mc = self.cfg.machine
-        key = SH.final_key(self.shard) if mc.sharded and not mc.coordinator else "final"
-        try:
-            return await self._kv_get(self.state_kv, key) is not None
-        except Exception:  # noqa: BLE001 - no answer now: ask again at the next poll
-            return False
 
     async def _guard(self) -> None:
         """Before anything that makes a version visible: still the owner (asks the KV after a pause)."""
@@ -177,7 +163,7 @@ class SyncerService(Startup):
             if self.cfg.machine.chunk_bytes > bound:
                 log.warning("--chunk-bytes %d exceeds what the server's max_payload %d allows with headers; using %d",
                             self.cfg.machine.chunk_bytes, server_max_payload(self.nc), bound)
-                self.cfg.machine = dataclasses.replace(self.cfg.machine, chunk_bytes=bound)
+                self.cfg = dataclasses.replace(self.cfg, machine=dataclasses.replace(self.cfg.machine, chunk_bytes=bound))
             mc = self.cfg.machine
             report = await provision_run(self.js, self.run_id, self.cfg.limits, push_headers_only=False,
                                          shard=mc.shard, shards=mc.shards, fragments=mc.fragments)
@@ -187,28 +173,38 @@ class SyncerService(Startup):
             self.ckpt_kv = await kv_handle(self.js, self.run_id, "ckpt")
             self.tape = TapeWriter(self.js, self.run_id, self.counters, self._proc,
                                    shard=mc.shard if mc.sharded else None)
-            self.cut = Cut(self.js, self.run_id, self.counters, self.ckpt, self.tape, shard=mc.shard, shards=mc.shards)
-            if self.cfg.state_store == "jetstream":
-                self.cut.store = StateStore(self.js, self.run_id, self.ckpt_kv, self.counters, shard=mc.shard,
-                                            chunk_bytes=mc.chunk_bytes, guard=self._guard)
-            if not await self._own_the_run():
-                return 0
+            store = StateStore(self.js, self.run_id, self.ckpt_kv, self.counters, shard=mc.shard,
+                               chunk_bytes=mc.chunk_bytes, guard=self._guard) if self.cfg.state_store == "jetstream" else None
+            # Every durable write and every chunk published asks `_guard` first: a deposed owner does neither.
+            self.model = ModelStore(self.js, self.run_id, self.counters, CheckpointDir(self.cfg.checkpoint_dir),
+                                    shard=mc.shard, shards=mc.shards, state_store=store, guard=self._guard)
+            self.publisher = CutPublisher(self.js, self.run_id, self.counters, self.model, self.tape, guard=self._guard)
+            claim = RunClaim(mc, state_kv=self.state_kv, model=self.model, counters=self.counters,
+                             resume=self.cfg.resume, standby_only=self.cfg.standby_only,
+                             lease_ttl_s=self.cfg.lease_ttl_s, label=self.label)
+            self.lease = claim.lease   # held from here on: closed at exit whatever happens
+            claimed = await claim.claim()
+            if claimed is None:
+                return 0   # the run finished: nothing was ours to do
             install_handover(self._request_handover)   # SIGTERM: handover.py
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
-            await self._start_machine()
+            await self._open(claimed.resume)
             self.desk = SettingsDesk(self.nc, self.js, self.run_id, self.counters, self.queue, shard=mc.shard,
                                      shards=mc.shards, key=self._key("settings"))
             await self.desk.start()
-            self.receiver = Receiver(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape, self.queue,
-                                     self._do)
-            self.merger = self._new_merger()
-            self.receiver.spec = self.merger.spec   # intake tells the speculative merge of every push chunk recorded
-            if self.cut.session is not None:   # resumed: the merge loop is known now (outer.prewarm)
+            # the speculative merge: intake tells it of every push chunk recorded, the merge adopts its sums
+            spec = Speculator(self.model, self.ledger, self.counters, lr=self.cfg.outer.lr,
+                              momentum=self.cfg.outer.momentum, max_token_factor=mc.max_token_factor,
+                              equal_weights=mc.equal_weights) if self.cfg.speculate else None
+            self.receiver = Receiver(self.js, self.run_id, self.counters, self.model, self.ledger, self.tape, self.queue,
+                                     self._do, speculator=spec)
+            self.merger = self._new_merger(speculator=spec)
+            if self.model.session is not None:   # resumed: the merge loop is known now (outer.prewarm)
                 self.merger.prewarm(mc.islands)
             rx = self.receiver
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
-            ready = None if mc.coordinator else (lambda: self.cut.session is not None)
+            ready = None if mc.coordinator else (lambda: self.model.session is not None)
             self._tasks += [
                 asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
                                                rx.on_init, INIT_FETCH_BATCH, ready=ready)),
@@ -270,11 +266,32 @@ class SyncerService(Startup):
         except Exception as exc:  # noqa: BLE001 - the exit goes on; the reason is logged
             log.warning("%s failed at exit: %r", what, exc)
 
-    def _new_merger(self) -> Merger:
-        return Merger(self.js, self.run_id, self.counters, self.cut, self.ledger, self.tape,
+    async def _open(self, resume: bool) -> None:
+        """The round machine, fresh or resumed (opening.py); a resumed one is fed before the loop starts
+        what the last owner's settings were and a Tick, whose actions the loop carries out first."""
+        mc = self.cfg.machine
+        opening = RunOpening(mc, resume=resume, js=self.js, state_kv=self.state_kv, members_kv=self.members_kv,
+                             model=self.model, publisher=self.publisher, ledger=self.ledger, tape=self.tape,
+                             recorder=self.recorder,
+                             counters=self.counters, label=self.label, new_merger=self._new_merger,
+                             push_budget=self.push_budget)
+        opened = await opening.open()
+        self.machine = opened.machine
+        self._attempts_seen.update(opened.attempts)
+        kept = await opening.settle(opened)
+        if mc.sharded:
+            self.watch = ShardWatch(js=self.js, run_id=self.run_id, config=mc, state_kv=self.state_kv,
+                                    members_kv=self.members_kv, queue=self.queue, publisher=self.publisher, tape=self.tape,
+                                    counters=self.counters, machine=self.machine, members_seen=opened.member_revs,
+                                    status_every_s=self.cfg.status_every_s)
+        if opened.resumed is not None:
+            self._apply((self._feed(kept) if kept is not None else []) + self._feed(Tick(now=time.time())))
+
+    def _new_merger(self, speculator: Speculator | None = None) -> Merger:
+        """A merger with the shell's flags (the redo of an interrupted merge gets one that never speculates)."""
+        return Merger(self.js, self.run_id, self.counters, self.model, self.publisher, self.ledger, self.tape,
                       lr=self.cfg.outer.lr, momentum=self.cfg.outer.momentum, attempts=self._attempts_seen,
-                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer,
-                      speculate=self.cfg.machine if self.cfg.speculate else None)
+                      broadcast=self.cfg.broadcast, ckpt_writer=self.cfg.ckpt_writer, speculator=speculator)
 
     async def _on_error(self, exc):
         self.counters["nats_error"] += 1
@@ -312,13 +329,13 @@ class SyncerService(Startup):
                 event = self.queue.get_nowait()
                 await asyncio.sleep(0)   # let intake and tasks run between queued events
             elif timeout <= 0.0:
-                event = R.Tick(now=time.time())
+                event = Tick(now=time.time())
             else:
                 try:
                     event = await asyncio.wait_for(self.queue.get(), timeout=timeout)
                 except asyncio.TimeoutError:
-                    event = R.Tick(now=time.time())
-            past_tick = event.now if isinstance(event, R.Tick) and wake is not None and wake <= event.now else None
+                    event = Tick(now=time.time())
+            past_tick = event.now if isinstance(event, Tick) and wake is not None and wake <= event.now else None
             if isinstance(event, BaseException):
                 raise event
             actions = self._feed(event)
@@ -326,7 +343,7 @@ class SyncerService(Startup):
             await self._apply_async(actions)
             await self._status()
 
-    def _feed(self, event: R.Event) -> list[R.Action]:
+    def _feed(self, event: Event) -> list[Action]:
         """Hand one event to the machine, recording it and what it produced for `yeto replay`."""
         try:
             actions = self.machine.handle(event)
@@ -380,35 +397,10 @@ class SyncerService(Startup):
             self.counters["status_error"] += 1
             log.warning("writing the status record failed: %r", exc)
 
-    def status_record(self, *, final: bool = False) -> dict:
-        """The `state` KV key `syncer` (`syncer.<K>` when sharded): where the syncer stands and every counter (JSON)."""
-        m = self.machine
-        return {
-            "pid": os.getpid(),
-            "started_at": self._started_at,
-            "updated_at": time.time(),
-            "exited": final,
-            "phase": m.phase.value,
-            "committed_step": m.committed_step,
-            "total_steps": self.cfg.machine.total_steps,
-            "versions": {str(k): v for k, v in m.versions.items()},
-            "live": sorted(i for i, mem in m.members.items() if mem.live),
-            "rounds_in_flight": [{"step": r.step, "fragment": r.fragment, "attempt": r.attempt,
-                                  "answered": r.answered, "expected": len(r.slots)}
-                                 for _, r in sorted(m.rounds.items())],
-            "counters": dict(sorted(self.counters.items())),
-            "rounds": dict(sorted(m.counters.items())),
-            # per shard (schemas/shards.py); with one shard: shard 0 of 1, every fragment
-            "shard": self.shard,
-            "shards": self.shards,
-            "fragments": list(self.cfg.machine.own_fragments),
-            "rss_bytes": peak_rss_bytes(),
-            **({"shards_missing": sorted(self.watch.missing)} if self.watch is not None and self.cfg.machine.coordinator
-               else {}),
-        }
-
     async def _write_status(self, *, final: bool = False) -> None:
-        await kv_put(self.js, self.run_id, "state", self._key("syncer"), orjson.dumps(self.status_record(final=final)),
+        rec = status_record(self.machine, self.cfg.machine, self.counters, started_at=self._started_at,
+                            missing=self.watch.missing if self.watch is not None else None, final=final)
+        await kv_put(self.js, self.run_id, "state", self._key("syncer"), orjson.dumps(rec),
                      counters=self.counters)
 
     async def _do(self, a) -> None:
@@ -421,28 +413,28 @@ class SyncerService(Startup):
 
     # ---- the actions (one handler per action type, `ACTIONS` below) -----------------------------------
 
-    async def _write_session(self, a: R.WriteSession) -> None:
+    async def _write_session(self, a: WriteSession) -> None:
         self._take_session(a.session)
-        await asyncio.to_thread(self.ckpt.write_session, a.session)
+        await asyncio.to_thread(self.model.write_session, a.session)
         await kv_put(self.js, self.run_id, "state", "session", codec.encode("session", a.session), counters=self.counters)
         self._mem("session pinned")
         log.info("session pinned: %d fragments, push %s, bulk %s, INIT island %s",
                  len(a.session["fragments"]), a.session["push_dtype"], a.session["bulk_dtype"], a.session["init_island"])
 
-    async def _adopt_session(self, a: R.AdoptSession) -> None:
+    async def _adopt_session(self, a: AdoptSession) -> None:
         # A follower takes the session the coordinator pinned (the state KV already holds it).
         self._take_session(a.session)
-        await asyncio.to_thread(self.ckpt.write_session, a.session)
+        await asyncio.to_thread(self.model.write_session, a.session)
         self._mem("session adopted")
         log.info("session adopted from the coordinator: %d fragments (this shard: %s), push %s, bulk %s",
-                 len(a.session["fragments"]), sorted(self.cut.frags), a.session["push_dtype"], a.session["bulk_dtype"])
+                 len(a.session["fragments"]), sorted(self.model.frags), a.session["push_dtype"], a.session["bulk_dtype"])
 
-    async def _write_member(self, a: R.WriteMember) -> None:
+    async def _write_member(self, a: WriteMember) -> None:
         await kv_put(self.js, self.run_id, "members", a.island, orjson.dumps(a.record), counters=self.counters)
 
-    async def _publish_pull(self, a: R.PublishPull) -> None:
+    async def _publish_pull(self, a: PublishPull) -> None:
         p = dict(a.pull)
-        msg = Pull(run=self.run_id, **p)
+        msg = M.Pull(run=self.run_id, **p)
         self._attempts_seen[p["step"]] = max(self._attempts_seen.get(p["step"], 0), p["attempt"])
         if self.merger is not None:
             self.merger.expect(p)
@@ -451,8 +443,8 @@ class SyncerService(Startup):
                             S.pull_msg_id(p["fragment"], p["step"], p["attempt"], p["seq"]), counters=self.counters,
                             attempts=CTL_PUBLISH_ATTEMPTS)
 
-    async def _send_error(self, a: R.SendError) -> None:
-        msg = Error(run=self.run_id, code=a.code, message=a.message, fatal=a.fatal, field=a.field, gen=a.gen)
+    async def _send_error(self, a: SendError) -> None:
+        msg = M.Error(run=self.run_id, code=a.code, message=a.message, fatal=a.fatal, field=a.field, gen=a.gen)
         await publish_retry(self.js, S.to_island(self.run_id, a.island), msg.encode(),
                             S.to_island_msg_id(a.island, "error", f"{a.gen}.{self.tape.next_key()}"), counters=self.counters,
                             attempts=CTL_PUBLISH_ATTEMPTS)
@@ -462,41 +454,41 @@ class SyncerService(Startup):
         else:
             log.warning("error to %s/%s: %s: %s", a.island, a.gen, a.code, a.message)
 
-    async def _store_init(self, a: R.InitStore) -> None:
+    async def _store_init(self, a: InitStore) -> None:
         self.receiver.store_init(a)
         if a.chunk == 0:
             self._mem(f"INIT fragment {a.fragment} begins")
 
-    async def _drop_init(self, a: R.InitDrop) -> None:
+    async def _drop_init(self, a: InitDrop) -> None:
         self.receiver.drop_init(a)
 
-    async def _release(self, a: R.Release) -> None:
+    async def _release(self, a: Release) -> None:
         seqs = self.ledger.pop_try((a.island, a.gen, a.fragment, a.step, a.attempt, a.try_))
         await self.merger.delete_seqs(seqs)
 
-    async def _tape(self, a: R.Tape) -> None:
+    async def _tape(self, a: Tape) -> None:
         await self.tape.write(dict(a.event), kind=a.event.get("kind", "event"))
 
-    async def _send_manifest(self, a: R.SendManifest) -> None:
-        await self.cut.send_manifest(a)
+    async def _send_manifest(self, a: SendManifest) -> None:
+        await self.publisher.send_manifest(a)
 
-    async def _record_final(self, a: R.RecordFinal) -> None:
-        await self.cut.record_final(a.record)
+    async def _record_final(self, a: RecordFinal) -> None:
+        await self.publisher.record_final(a.record)
 
-    async def _shutdown(self, a: R.Shutdown) -> None:
-        msg = Shutdown(run=self.run_id, reason=a.reason, gen=a.gen)
+    async def _shutdown(self, a: Shutdown) -> None:
+        msg = M.Shutdown(run=self.run_id, reason=a.reason, gen=a.gen)
         await publish_retry(self.js, S.to_island(self.run_id, a.island), msg.encode(),
                             S.to_island_msg_id(a.island, "shutdown", a.gen), counters=self.counters,
                             attempts=CTL_PUBLISH_ATTEMPTS)
 
-    async def _rebroadcast(self, a: R.Rebroadcast) -> None:
-        await self.cut.rebroadcast(a)
+    async def _rebroadcast(self, a: Rebroadcast) -> None:
+        await self.publisher.rebroadcast(a)
 
-    async def _apply_settings(self, a: R.ApplySettings) -> None:
+    async def _apply_settings(self, a: ApplySettings) -> None:
         self.merger.use_outer(a.settings)   # the speculative merge forecasts with them too
         await self.desk.apply(a)
 
-    async def _done(self, a: R.Done) -> None:
+    async def _done(self, a: Done) -> None:
         self.done = a
 
     def _spawn(self, coro) -> None:
@@ -515,9 +507,9 @@ class SyncerService(Startup):
 
     def _take_session(self, session: dict) -> None:
         """A session pinned or adopted: this syncer's fragments, its push budget, and its merge loop started
-        (a resume does the same in Startup and after the merger exists)."""
-        self.cut.set_session(session)
-        self.ledger.hold_bytes = self.push_budget()
+        (a resume does the same in opening.py and after the merger exists)."""
+        self.model.set_session(session)
+        self.ledger.set_budget(self.push_budget())
         if self.merger is not None:   # else the prewarm right after its creation covers it
             self.merger.prewarm(self.cfg.machine.islands)
 
@@ -526,7 +518,7 @@ class SyncerService(Startup):
         f32 bytes of the fragments this syncer owns (the session must be set)."""
         if self.cfg.push_memory_bytes is not None:
             return self.cfg.push_memory_bytes
-        budget = auto_push_memory_bytes(sum(f.numel for f in self.cut.frags.values()))
+        budget = auto_push_memory_bytes(sum(f.numel for f in self.model.frags.values()))
         log.info("push memory (auto): %.0f MiB of pushes kept from intake to the merge", budget / (1 << 20))
         return budget
 
@@ -534,35 +526,35 @@ class SyncerService(Startup):
         """`YETO_MEM_TRACE`: RSS and the big allocations this shell knows of (services/syncer/memtrace.py)."""
         if not memtrace.enabled():
             return
-        frags = self.cut.frags.values() if self.cut is not None else ()
+        frags = self.model.frags.values() if self.model is not None else ()
         memtrace.mark(phase, fragments=sum(f.params.numel() * 8 for f in frags if f.params is not None),
                       pushes_held=self.ledger.held_bytes,
                       init_pending=self.receiver.init_pending_bytes if self.receiver is not None else 0)
 
-    async def _merge(self, a: R.Merge) -> None:
+    async def _merge(self, a: Merge) -> None:
         self._mem(f"merge step {a.step} begins")
         done, seqs = await self.merger.merge(a)
         self._mem(f"merge step {a.step} committed")
         await self.queue.put(done)
         await self.merger.cleanup(a.fragment, seqs)
 
-    async def _commit_v0(self, a: R.CommitV0) -> None:
+    async def _commit_v0(self, a: CommitV0) -> None:
         self._mem("INIT in, version 0 begins")
-        await self.cut.commit_v0(a, self._attempts_seen)
+        await self.publisher.commit_v0(a, self._attempts_seen)
         self._mem("version 0 committed")
-        await self.queue.put(R.V0Done(now=time.time()))
+        await self.queue.put(V0Done(now=time.time()))
 
-    async def _publish_shard_final(self, a: R.PublishShardFinal) -> None:
+    async def _publish_shard_final(self, a: PublishShardFinal) -> None:
         self._mem("final cut begins")
-        await self.cut.publish_shard_final(a)
+        await self.publisher.publish_shard_final(a)
         self._mem("final cut published")
-        await self.queue.put(R.FinalPublished(now=time.time()))
+        await self.queue.put(FinalPublished(now=time.time()))
 
-    async def _publish_final(self, a: R.PublishFinal) -> None:
+    async def _publish_final(self, a: PublishFinal) -> None:
         self._mem("final cut begins")
-        await self.cut.publish_final(a)
+        await self.publisher.publish_final(a)
         self._mem("final cut published")
-        await self.queue.put(R.FinalPublished(now=time.time()))
+        await self.queue.put(FinalPublished(now=time.time()))
 
     async def _write_pulls_record(self) -> None:
         """Before a pull is published: remember its attempt durably (state KV `pulls`), so a restarted
@@ -583,11 +575,11 @@ class SyncerService(Startup):
 
     # Action type -> its handler, as the round machine keeps a handler per event type (tests/test_syncer_actions.py).
     ACTIONS = {
-        R.WriteSession: _write_session, R.AdoptSession: _adopt_session, R.WriteMember: _write_member,
-        R.PublishPull: _publish_pull, R.SendError: _send_error, R.InitStore: _store_init, R.InitDrop: _drop_init,
-        R.Release: _release, R.Tape: _tape, R.SendManifest: _send_manifest, R.RecordFinal: _record_final,
-        R.Shutdown: _shutdown, R.Rebroadcast: _rebroadcast, R.ApplySettings: _apply_settings, R.Done: _done,
-        R.Merge: _in_task(_merge), R.CommitV0: _in_task(_commit_v0), R.PublishFinal: _in_task(_publish_final),
-        R.PublishShardFinal: _in_task(_publish_shard_final),
+        WriteSession: _write_session, AdoptSession: _adopt_session, WriteMember: _write_member,
+        PublishPull: _publish_pull, SendError: _send_error, InitStore: _store_init, InitDrop: _drop_init,
+        Release: _release, Tape: _tape, SendManifest: _send_manifest, RecordFinal: _record_final,
+        Shutdown: _shutdown, Rebroadcast: _rebroadcast, ApplySettings: _apply_settings, Done: _done,
+        Merge: _in_task(_merge), CommitV0: _in_task(_commit_v0), PublishFinal: _in_task(_publish_final),
+        PublishShardFinal: _in_task(_publish_shard_final),
     }
     del _in_task

@@ -19,7 +19,8 @@ import orjson
 from yeto.schemas import codec, subjects as S
 from yeto.schemas.errors import WireError
 from yeto.schemas.provision import kv_put
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.actions import ApplySettings
+from yeto.services.syncer.events import Reconfigure
 
 log = logging.getLogger("yeto.syncer")
 
@@ -46,11 +47,11 @@ class SettingsDesk:
             self.sub = None
 
     @staticmethod
-    def kept_event(kept: Any, now: float) -> R.Reconfigure | None:
+    def kept_event(kept: Any, now: float) -> Reconfigure | None:
         """The Reconfigure that restores what the state KV kept (None: nothing kept or unreadable)."""
         if not isinstance(kept, dict) or not isinstance(kept.get("settings"), dict) or not kept["settings"]:
             return None
-        return R.Reconfigure(KEPT, dict(kept["settings"]), "state KV", now)
+        return Reconfigure(KEPT, dict(kept["settings"]), "state KV", now)
 
     async def _answer(self, reply: str, **fields: Any) -> None:
         if not reply:
@@ -81,9 +82,9 @@ class SettingsDesk:
             return
         self.waiting.setdefault(m["id"], []).append(msg.reply)
         log.info("settings request %s from %s: %s", m["id"], m.get("by", "?"), m["set"])
-        await self.queue.put(R.Reconfigure(m["id"], dict(m["set"]), m.get("by", ""), time.time()))
+        await self.queue.put(Reconfigure(m["id"], dict(m["set"]), m.get("by", ""), time.time()))
 
-    async def apply(self, a: R.ApplySettings) -> None:
+    async def apply(self, a: ApplySettings) -> None:
         """Carry out the machine's answer: keep what is in force, then answer whoever asked."""
         if a.ok and (a.changed or a.id == KEPT):
             await kv_put(self.js, self.run_id, "state", self.key,

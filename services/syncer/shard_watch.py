@@ -7,8 +7,8 @@ owns what; services/syncer/sharding.py is what the round machine does with it).
   last sequence says whether anything changed; a few changes are read by sequence, many (or a first
   read) by listing the keys.
 - **The coordinator** (shard 0) polls `final.<K>` of every other shard (-> `ShardFinal` per new
-  revision, after filling the Cut's `final_digests` with that shard's digests: the manifests and the
-  run's `final` key need every fragment's) and, every status interval, `syncer.<K>`: a shard with no
+  revision, after adding that shard's digests to the cut publisher's `final_digests`: the manifests and
+  the run's `final` key need every fragment's) and, every status interval, `syncer.<K>`: a shard with no
   status record, one whose record stopped changing, or one that exited before its final cut, for
   `missing_after_s` (3 x --status-every, at least 15 s) is *missing*: taped once as an `error` record
   `shard K missing: ...`, `shard K back` when it returns, and listed in `missing`.
@@ -25,13 +25,16 @@ import logging
 import re
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
 from yeto.schemas import codec, shards as SH
 from yeto.schemas.errors import WireError
-from yeto.services.syncer import rounds as R
+from yeto.services.syncer.config import SyncerConfig
+from yeto.services.syncer.cut import CutPublisher
+from yeto.services.syncer.events import MemberSeen, SessionSeen, ShardFinal
+from yeto.services.syncer.rounds import RoundMachine
 
 log = logging.getLogger("yeto.syncer")
 
@@ -46,7 +49,7 @@ class ShardRecordError(ValueError):
 
 
 def parse_shard_final(k: int, value: bytes, *, fragments: int, shards: int) -> tuple[int, dict[int, int], dict[int, str]]:
-    """(final_step, versions, digests) of a `final.<K>` record (cut.Cut.shard_final_record), checked:
+    """(final_step, versions, digests) of a `final.<K>` record (cut.CutPublisher.shard_final_record), checked:
     the shard named is K, the fragments are exactly K's, versions are counts, digests sha256 hex."""
     try:
         rec = orjson.loads(value)
@@ -77,18 +80,20 @@ def parse_shard_final(k: int, value: bytes, *, fragments: int, shards: int) -> t
 
 
 class ShardWatch:
-    def __init__(self, *, js, run_id: str, config: R.SyncerConfig, state_kv, members_kv, queue: asyncio.Queue,
-                 cut, tape, counters: Counter, machine: Callable[[], Any], status_every_s: float,
-                 poll_s: float = POLL_S):
+    def __init__(self, *, js, run_id: str, config: SyncerConfig, state_kv, members_kv, queue: asyncio.Queue,
+                 publisher: CutPublisher, tape, counters: Counter, machine: RoundMachine | None, status_every_s: float,
+                 members_seen: dict[str, int] | None = None, poll_s: float = POLL_S):
+        """`machine`: the follower's (whether it has pinned a session yet); `members_seen`: the revisions of
+        the members records a restored machine already holds (not fed again)."""
         self.js, self.run_id, self.cfg = js, run_id, config
         self.state_kv, self.members_kv, self.queue = state_kv, members_kv, queue
-        self.cut, self.tape, self.counters, self.machine = cut, tape, counters, machine
+        self.publisher, self.tape, self.counters, self.machine = publisher, tape, counters, machine
         self.poll_s = poll_s
         self.status_every_s = status_every_s
         self.missing_after_s = max(MISSING_MIN_S, 3 * status_every_s)
         self._session_rev = 0
         self._members_seq = 0                      # members stream's last sequence read
-        self._members_rev: dict[str, int] = {}     # island -> revision last fed (or skipped as bad)
+        self._members_rev: dict[str, int] = dict(members_seen or {})   # island -> revision last fed (or skipped as bad)
         self._final_rev: dict[int, int] = {}       # shard -> final.<K> revision last read
         self._final_in: set[int] = set()           # shards whose final cut was taken: never missing after it
         self._started = time.monotonic()
@@ -96,10 +101,6 @@ class ShardWatch:
         self.missing: dict[int, str] = {}          # shard -> why (coordinator)
         self._status_t = 0.0
         self._bad_taped: set[tuple[str, int]] = set()
-
-    def seed_members(self, records_with_rev: dict[str, int]) -> None:
-        """Revisions of the members records a restored machine already holds (not fed again)."""
-        self._members_rev.update(records_with_rev)
 
     async def run(self) -> None:
         while True:
@@ -120,8 +121,7 @@ class ShardWatch:
                 self._status_t = now
                 await self._poll_status()
         else:
-            m = self.machine()
-            if m is not None and m.session is None:
+            if self.machine.session is None:
                 await self._poll_session()
             await self._poll_members()
 
@@ -155,7 +155,7 @@ class ShardWatch:
         except WireError as exc:
             await self._bad("session", "session", e.revision, str(exc))
             return
-        await self.queue.put(R.SessionSeen(session=session, now=time.time()))
+        await self.queue.put(SessionSeen(session=session, now=time.time()))
         # The members the coordinator admitted so far come right after (the machine keeps records
         # read before the session until it has one).
 
@@ -202,7 +202,7 @@ class ShardWatch:
                 await self._bad("members", island, rev, f"a {type(record).__name__}, not an object")
                 continue
             # The machine checks the fields (sharding._member_fields) and tapes a bad record itself.
-            await self.queue.put(R.MemberSeen(island=island, record=record, now=time.time()))
+            await self.queue.put(MemberSeen(island=island, record=record, now=time.time()))
 
     # ---- coordinator ------------------------------------------------------------------------------
 
@@ -222,9 +222,9 @@ class ShardWatch:
             await self._bad("final", SH.final_key(k), revision, str(exc))
             return False
         # Digests first: the machine's manifests (after the last ShardFinal) carry every fragment's.
-        self.cut.final_digests.update(digests)
+        self.publisher.add_final_digests(digests)
         log.info("shard %d/%d: final cut in (step %d, versions %s)", k, self.cfg.shards, step, versions)
-        await self.queue.put(R.ShardFinal(shard=k, final_step=step, versions=versions, now=time.time()))
+        await self.queue.put(ShardFinal(shard=k, final_step=step, versions=versions, now=time.time()))
         return True
 
     async def _poll_status(self) -> None:

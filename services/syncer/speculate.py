@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from typing import Awaitable, Callable
 
 import torch
 
@@ -29,6 +30,7 @@ from yeto.schemas.chunks import chunk_plan
 from yeto.services.syncer import spec_rules
 from yeto.services.syncer.actions import Merge
 from yeto.services.syncer.intake import PushLedger, PushTry
+from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import OuterStep, delta_view
 
 log = logging.getLogger("yeto.syncer")
@@ -47,6 +49,30 @@ class Speculation:
         self.step = OuterStep(f.weights, f.lr, f.momentum)   # its gradient(): the merge kernel's coefficients
         self.nbytes = 0
 
+    def allocate(self, numel: int) -> int:
+        """The f32 buffer the sums go into, at the first chunk summed; returns its bytes."""
+        self.grad, self.nbytes = torch.empty(numel, dtype=torch.float32), numel * 4
+        return self.nbytes
+
+    def free(self) -> int:
+        """The buffer dropped (the merge is done with it, or the round was abandoned); returns its bytes."""
+        freed, self.grad, self.nbytes = self.nbytes, None, 0
+        return freed
+
+    def queue_chunk(self, k: int, payloads: list) -> None:
+        """Chunk k's pushes, taken from the ledger, for the worker to sum."""
+        self.taken.add(k)
+        self.queue.append((k, payloads))
+
+    def next_batch(self) -> list[tuple[int, list]]:
+        batch, self.queue = self.queue, []
+        return batch
+
+    def keep_summing(self, work: Callable[["Speculation"], Awaitable[None]]) -> None:
+        """A worker sums the queued chunks: `work(self)` is started unless one is running (one per round)."""
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.ensure_future(work(self))
+
     def sum_chunks(self, batch: list[tuple[int, list]]) -> None:
         """Worker thread: Δ of each (chunk, payloads) into grad."""
         for k, payloads in batch:
@@ -57,15 +83,19 @@ class Speculation:
 
 
 class Speculator:
-    def __init__(self, cut, ledger: PushLedger, counters: Counter, *, lr: float, momentum: float,
+    def __init__(self, model: ModelStore, ledger: PushLedger, counters: Counter, *, lr: float, momentum: float,
                  max_token_factor: float | None, equal_weights: bool, budget: int | None = None):
-        self.cut, self.ledger, self.counters = cut, ledger, counters
+        self.model, self.ledger, self.counters = model, ledger, counters
         self.lr, self.momentum = lr, momentum
         self.max_token_factor, self.equal_weights = max_token_factor, equal_weights
         self.budget = budget
         self.pulls: dict[tuple[int, int], dict] = {}            # (fragment, step) -> its latest pull
         self.specs: dict[tuple[int, int, int], Speculation] = {}  # (fragment, step, attempt)
         self.in_use = 0
+
+    def use_outer(self, lr: float, momentum: float) -> None:
+        """`yeto run set`'s outer values in force: the next forecasts are made with them."""
+        self.lr, self.momentum = lr, momentum
 
     def expect(self, pull: dict) -> None:
         """A pull went out (PublishPull): its round may be speculated; an older attempt's sums are dropped."""
@@ -93,7 +123,7 @@ class Speculator:
     def _on_chunk(self, meta: dict) -> None:
         fid, step, attempt, k = meta["fragment"], meta["step"], meta["attempt"], meta["chunk"]
         pull = self.pulls.get((fid, step))
-        if pull is None or int(pull["attempt"]) != attempt or self.cut.session is None:
+        if pull is None or int(pull["attempt"]) != attempt or self.model.session is None:
             return
         sp = self.specs.get((fid, step, attempt))
         among = (k,)
@@ -110,22 +140,19 @@ class Speculator:
         if not ready:
             return
         if sp.grad is None:
-            need = self.cut.frags[fid].numel * 4
-            budget = self.budget if self.budget is not None else max(f.numel for f in self.cut.frags.values()) * 4
+            need = self.model.frags[fid].numel * 4
+            budget = self.budget if self.budget is not None else max(f.numel for f in self.model.frags.values()) * 4
             if not spec_rules.fits(need, self.in_use, budget):
                 self.counters["speculate.no_room"] += 1
                 return
-            sp.grad, sp.nbytes = torch.empty(self.cut.frags[fid].numel, dtype=torch.float32), need
-            self.in_use += need
+            self.in_use += sp.allocate(self.model.frags[fid].numel)
         for k in ready:
-            sp.taken.add(k)
-            sp.queue.append((k, [self.ledger.take(t, k) for t in tries]))
-        if sp.worker is None or sp.worker.done():
-            sp.worker = asyncio.ensure_future(self._work(sp))
+            sp.queue_chunk(k, [self.ledger.take(t, k) for t in tries])
+        sp.keep_summing(self._work)
 
     def _open(self, pull: dict) -> Speculation | None:
         fid, step, attempt = int(pull["fragment"]), int(pull["step"]), int(pull["attempt"])
-        if fid not in self.cut.frags:
+        if fid not in self.model.frags:
             return None
         claims: dict[tuple[str, str], list] = {}
         keys: dict[tuple[str, str], list] = {}
@@ -140,16 +167,16 @@ class Speculator:
                                  equal_weights=self.equal_weights)
         if fc is None:
             return None
-        s = self.cut.session
+        s = self.model.session
         sp = Speculation(fc, [keys[(island, gen)][0] for island, gen, _ in fc.members],
-                         chunk_plan(self.cut.frags[fid].numel, pull.get("push_dtype", s["push_dtype"]), s["chunk_bytes"]),
+                         chunk_plan(self.model.frags[fid].numel, pull.get("push_dtype", s["push_dtype"]), s["chunk_bytes"]),
                          pull.get("push_dtype", s["push_dtype"]))
         self.specs[(fid, step, attempt)] = sp
         return sp
 
     async def _work(self, sp: Speculation) -> None:
         while sp.queue:
-            batch, sp.queue = sp.queue, []
+            batch = sp.next_batch()
             await asyncio.to_thread(sp.sum_chunks, batch)
             self.counters["speculate.chunks"] += len(batch)
 
@@ -183,9 +210,7 @@ class Speculator:
 
     def release(self, sp: Speculation) -> None:
         if sp.grad is not None:
-            sp.grad = None
-            self.in_use -= sp.nbytes
-            sp.nbytes = 0
+            self.in_use -= sp.free()
 
     def _drop(self, key: tuple, why: str) -> None:
         sp = self.specs.pop(key)

@@ -1,0 +1,252 @@
+"""The global model as a syncer holds it (docs/design.md §4.6, §4.7, §11): the session, every own fragment's
+f32 params and momentum, and their durable copies — the checkpoint directory (checkpoint.py), the committed
+state kept in JetStream for a standby on another host (`--state-store jetstream`, state_store.py) and the
+state KV's `commit` record, written revision-checked once this process owns the run (fencing, lease.py).
+
+This store is their only writer: INIT chunks (intake), a resume's load and a failed redo's reload, the
+merge's outer step (`update`, span by span, in place) and the durable half of every commit all go through
+its methods. What the islands read of the model — BCAST, FINAL, the manifests — is the cut publisher's
+(services/syncer/cut.py), which reads the params here and asks this store to make a version durable
+before its seal goes out.
+
+Syncer shards (schemas/shards.py): a shard's store holds its own fragments only (`set_session` keeps
+those), so params and momentum take memory per shard; its commit record is `commit.<K>`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import orjson
+import torch
+
+from yeto.schemas import shards as SH, versions
+from yeto.schemas.chunks import VersionDigest, chunk_plan
+from yeto.schemas.dtypes import pack
+from yeto.schemas.provision import kv_put
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
+from yeto.services.syncer.lease import Fenced
+from yeto.services.syncer.state_store import WARM_DIR, StateStore, StateStream
+
+
+@dataclass(frozen=True)
+class Frag:
+    """One own fragment: its size, and its params and momentum once INIT or a checkpoint gave them. Frozen:
+    the store replaces a fragment's record when it loads other tensors, and steps the tensors in place."""
+    numel: int
+    params: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None
+
+
+async def _no_guard() -> None:
+    """No lease (a store used on its own: tests, tools)."""
+
+
+class ModelStore:
+    def __init__(self, js, run_id: str, counters: Counter, ckpt: CheckpointDir, *, shard: int = 0, shards: int = 1,
+                 state_store: StateStore | None = None, guard: Callable[[], Awaitable[None]] = _no_guard):
+        self.js, self.run_id, self.counters, self.ckpt = js, run_id, counters, ckpt
+        self.shard, self.shards = shard, shards
+        # The committed state kept in JetStream for a standby on another host (state_store.py); None: the
+        # checkpoint directory only (`--state-store local`).
+        self.state_store = state_store
+        # Before every durable write: raises Fenced once the lease is not ours to trust (lease.py).
+        self.guard = guard
+        # Fencing: the commit record's revision this owner wrote last (None: unconditional writes, until `fence`).
+        self.commit_rev: int | None = None
+        self.session: dict | None = None
+        self.frags: dict[int, Frag] = {}          # this shard's fragments (every fragment with one shard)
+
+    # ---- what it holds (read by intake, the merge, the publisher) --------------------------------------
+
+    def owns(self, fid: int) -> bool:
+        return SH.owns(fid, self.shard, self.shards)
+
+    def bulk_digest(self, fid: int, dtype: str) -> str:
+        fr = self.frags[fid]
+        h = VersionDigest()
+        for s in chunk_plan(fr.numel, dtype, self.session["chunk_bytes"]):
+            h.update(pack(fr.params[s.elem_offset: s.elem_offset + s.elem_count], dtype))
+        return h.hexdigest()
+
+    def read_state(self) -> CheckpointState:
+        return self.ckpt.read_state()
+
+    # ---- the session and the tensors ------------------------------------------------------------------
+
+    def set_session(self, session: dict) -> None:
+        self.session = session
+        for f in session["fragments"]:
+            if self.owns(f["id"]) and f["id"] not in self.frags:   # another shard's fragment never takes memory here
+                self.frags[f["id"]] = Frag(numel=f["numel"])
+
+    def write_session(self, session: dict) -> None:
+        """The pinned (or adopted) session into the checkpoint directory (a file the resume reads)."""
+        self.ckpt.write_session(session)
+
+    def init_chunk(self, fid: int, elem_offset: int, values: torch.Tensor) -> None:
+        """INIT: one chunk of version 0's params (momentum starts at zero)."""
+        fr = self.frags[fid]
+        params = fr.params
+        if params is None:
+            params = torch.zeros(fr.numel, dtype=torch.float32)
+            self.frags[fid] = Frag(fr.numel, params, torch.zeros(fr.numel, dtype=torch.float32))
+        params[elem_offset: elem_offset + values.numel()] = values
+
+    def load(self, versions: dict[int, int]) -> None:
+        """--resume: every own fragment's params and momentum at `versions` from the checkpoint directory
+        (CheckpointError when a file is missing or short, KeyError when a fragment has no version)."""
+        for fid, fr in list(self.frags.items()):
+            self.frags[fid] = Frag(fr.numel, *self.ckpt.load_fragment(fid, versions[fid], fr.numel))
+
+    async def reload(self, fid: int, version: int) -> None:
+        """Back to a checkpointed version, read again from its files (a redo that failed may have stepped
+        some spans) rather than a whole copy held beside the fragment."""
+        fr = self.frags[fid]
+        params, momentum = await asyncio.to_thread(self.ckpt.load_fragment, fid, version, fr.numel)
+        self.frags[fid] = Frag(fr.numel, params, momentum)
+
+    def update(self, fid: int, elem_offset: int, elem_count: int, step: Callable[[torch.Tensor, torch.Tensor], Any]):
+        """The merge's outer step on one span, in place: `step(params[span], momentum[span])`, whose result
+        is returned. The spans' new bytes are then packed, written and broadcast before the next commit of
+        this fragment (the commit order: one merge of a fragment at a time)."""
+        fr = self.frags[fid]
+        return step(fr.params[elem_offset: elem_offset + elem_count], fr.momentum[elem_offset: elem_offset + elem_count])
+
+    # ---- the durable copies ---------------------------------------------------------------------------
+
+    def version_files(self, fid: int, version: int, *, thread: bool) -> VersionFiles:
+        """The new version's checkpoint files, written span by span as the merge makes them."""
+        fr = self.frags[fid]
+        return VersionFiles(self.ckpt, fid, version, fr.params, fr.momentum, thread=thread)
+
+    def state_stream(self, fid: int, version: int) -> StateStream | None:
+        """The new version put into the state store span by span as the merge makes it (None: no store)."""
+        if self.state_store is None:
+            return None
+        fr = self.frags[fid]
+        return self.state_store.stream(fid, version, fr.params, fr.momentum)
+
+    async def write_intent(self, fid: int, intent: dict) -> None:
+        """A merge's inputs, durable before its first chunk goes out (checkpoint.CheckpointDir.write_intent),
+        and in the state store too: a standby on another host must redo the merge the same way."""
+        await asyncio.to_thread(self.ckpt.write_intent, fid, intent)
+        if self.state_store is not None:
+            await self.state_store.put_intent(fid, intent)
+
+    def drop_intent(self, fid: int) -> None:
+        self.ckpt.drop_intent(fid)
+
+    def next_state(self, new_versions: dict[int, int], digests: dict[int, str], *, step: int,
+                   attempts: dict[int, int], records: list[dict]) -> tuple[CheckpointState, CheckpointState | None]:
+        """The checkpoint state after committing `new_versions` (their digests) at `step`, and the one before."""
+        prev = self.ckpt.read_state() if self.ckpt.exists() else None
+        vers = dict(prev.versions) if prev else {}
+        vdig = dict(prev.version_digests) if prev else {}
+        vers.update(new_versions)
+        vdig.update(digests)
+        state = CheckpointState(
+            run=self.run_id, session_fingerprint=self.session["session_fingerprint"],
+            layout_fingerprint=self.session["layout_fingerprint"],
+            committed_step=max(step, prev.committed_step if prev else 0), versions=vers, version_digests=vdig,
+            attempts={s: a for s, a in attempts.items() if s > step},
+            tape=list(records) + [{"kind": "commit", "t": time.time(), "step": step, "fragment": fid, "version": v,
+                                   "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
+        )
+        return state, prev
+
+    async def save_checkpoint(self, state: CheckpointState, fids, streamed: dict[int, VersionFiles]) -> None:
+        """The new versions' files (streamed ones only fsynced and renamed) and the manifest naming them;
+        older files stay until `prune` (the version is out by then)."""
+        await self.guard()   # a deposed owner writes no checkpoint (lease.py): the directory may be a standby's too
+        frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in fids}
+        await asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False)
+
+    async def save_state_store(self, state: CheckpointState, fids, prev: CheckpointState | None,
+                               stored: dict[int, StateStream] | None) -> float:
+        """The new versions into the state store (those the merge streamed: their acks only), then its
+        manifest; returns the seconds it took (0 without a store)."""
+        if self.state_store is None:
+            return 0.0
+        frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in fids}
+        previous = {fid: prev.versions[fid] for fid in fids if prev and fid in prev.versions}
+        return await self.state_store.save(state, frags, previous, streamed=stored)
+
+    async def prune(self, state: CheckpointState, fids) -> None:
+        await asyncio.to_thread(self.ckpt.prune, state, fids)
+
+    async def mark_final(self, record: dict) -> CheckpointState:
+        """The checkpoint (and the state store's manifest) marked final with the machine's finalization record."""
+        def write():
+            st = dataclasses.replace(self.ckpt.read_state(), final=True, final_record=dict(record))
+            self.ckpt.commit(st, {})
+            return st
+        st = await asyncio.to_thread(write)
+        if self.state_store is not None:
+            await self.state_store.save_manifest(st)
+        return st
+
+    def fence(self, commit_rev: int) -> None:
+        """This process owns the run now (services/syncer/run_claim.py): the commit record is written
+        revision-checked from `commit_rev`, the revision it holds now (see put_commit_record)."""
+        self.commit_rev = commit_rev
+
+    async def write_commit_record(self, state: CheckpointState) -> None:
+        # stamped with the state format and this release (schemas/versions.py): a record without them is format 1
+        rec = versions.stamp({"committed_step": state.committed_step,
+                              "versions": {str(k): v for k, v in state.versions.items()},
+                              "version_digests": {str(k): v for k, v in state.version_digests.items()}})
+        await self.put_commit_record(orjson.dumps(rec))
+
+    async def put_commit_record(self, value: bytes) -> None:
+        """The commit record, revision-checked once this process owns the run (`fence`, lease.py): a new
+        owner rewrites it first, so a deposed owner's write (and with it the seal, which follows it) fails
+        instead of landing after the takeover."""
+        from nats.js.errors import APIError
+
+        await self.guard()
+        key = SH.state_key("commit", self.shard, self.shards)
+        try:
+            ack = await kv_put(self.js, self.run_id, "state", key, value, counters=self.counters,
+                               expected_rev=self.commit_rev)
+        except APIError as exc:
+            if self.commit_rev is not None and exc.err_code in (10071, 10164):
+                raise Fenced(f"the state KV's {key!r} record moved on from revision {self.commit_rev} (another "
+                             f"syncer owns the run now): this process publishes nothing more") from None
+            raise
+        if self.commit_rev is not None:
+            self.commit_rev = ack.seq
+
+    # ---- a takeover's copy of the committed state (state_store.py) ------------------------------------
+
+    @property
+    def warm_path(self):
+        return self.ckpt.path / WARM_DIR
+
+    async def has_stored_state(self) -> bool:
+        return self.state_store is not None and await self.state_store.has_state()
+
+    async def warm(self, numels: dict[int, int]) -> int:
+        """A standby's pass over the warm copy (state_store.StateStore.warm); the fragments fetched."""
+        return await self.state_store.warm(CheckpointDir(self.warm_path), numels)
+
+    async def drop_warm(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.warm_path, True)
+
+    async def restore(self, session: dict, numels: dict[int, int]) -> CheckpointState:
+        """The committed state from the state store into the (empty) checkpoint directory, the warm copy's
+        fragments moved into place; the warm copy goes after."""
+        warm = self.warm_path
+        state = await self.state_store.restore_into(self.ckpt, session, numels,
+                                                    warm=CheckpointDir(warm) if warm.is_dir() else None)
+        await self.drop_warm()
+        return state
+
+    async def purge_unnamed(self) -> None:
+        if self.state_store is not None:   # what a save torn by the previous owner's death left (state_store.py)
+            await self.state_store.purge_unnamed()
