@@ -141,7 +141,9 @@ def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
         return torch.empty(0, dtype=torch.int64, device=values.device), table.float()
     v = values.double()
     centred = v - v.mean()
-    sigma = float(centred.norm()) / math.sqrt(n - 1) if n > 1 else 0.0
+    # σ as sqrt(Σc² / (n−1)), in this order: values on a bin edge (ties are common in small chunks) must fall
+    # in the same bin for any implementation of the format's definition (norm() rounds otherwise)
+    sigma = math.sqrt(float((centred * centred).sum()) / (n - 1)) if n > 1 else 0.0
     width = 2 * SIGMAS * sigma / nb
     if width > 0 and math.isfinite(width):
         codes = torch.floor(centred / width).clamp_(-(nb // 2), nb // 2 - 1).to(torch.int64) + nb // 2

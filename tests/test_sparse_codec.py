@@ -101,6 +101,16 @@ def test_round_trip_matches_the_reference(shapes, spec, seed, ties):
     check_against_reference(xs, spec)
 
 
+def test_values_on_a_bin_edge_fall_in_the_reference_bin():
+    """Few kept values of few distinct magnitudes put values exactly on a bin edge (c / width an integer):
+    σ must be computed as the definition says, sqrt(Σc² / (n−1)), or they land one bin off (Hypothesis
+    found shapes=[(226,)], k_1d=1 with ties: codes [2, 1, 1, 1] against the reference's [3, 1, 1, 1])."""
+    for seed in range(60):
+        x = torch.randint(-3, 4, (226,), generator=torch.Generator().manual_seed(seed)).float() * 0.5
+        for c1 in (64, 10, 1):
+            check_against_reference([x], SparseSpec(tile=64, k=64, chunk_1d=c1, k_1d=1, value_bits=2))
+
+
 def test_edge_tiles_of_a_2d_weight_keep_the_same_density():
     # 130 x 70 in 64 x 64 tiles: 2 full, 2 right edge (64 x 6), 1 bottom (2 x 64), 1 corner (2 x 6)
     x = torch.randn(130, 70, generator=torch.Generator().manual_seed(1))
