@@ -33,7 +33,8 @@ from typing import Callable
 # What a lame duck node may take to exit: nats-server evicts the clients still connected over
 # lame_duck_duration (services/nats.conf: 30 s, the least it accepts) after lame_duck_grace_period (2 s).
 LDM_EXIT_S = 45.0
-HEALTHY_S = 120.0          # a restarted node's /healthz must answer 200 within this
+HEALTHY_S = 120.0          # a restarted node must have caught up within this
+STABLE_S = 1.0             # ... and stayed caught up this long (its /healthz flaps while it catches up)
 STEP_DOWN_S = 5.0          # one stream's leader moved (the transfer itself is ~10 ms plus a vote)
 STATUS_FILE = "roll-status.json"
 REQUEST_FILE = "roll-request.json"
@@ -71,7 +72,8 @@ def refusal(target: str, healthy: dict[str, bool]) -> str | None:
     catching up, stopping another leaves the RAFT groups without a majority, which stalls the run."""
     bad = sorted(n for n, ok in healthy.items() if n != target and not ok)
     if bad:
-        return (f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy (/healthz): stopping {target} now "
+        return (f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy (/healthz, or behind a RAFT group's leader): "
+                f"stopping {target} now "
                 f"would leave the cluster without a majority; the roll stops here (nothing else was stopped)")
     return None
 
@@ -92,6 +94,36 @@ def leaders_of(jsz: dict | None, name: str) -> tuple[list[tuple[str, str]], list
                 continue
             (moved if cl.get("replicas") else alone).append((acc.get("name") or acc.get("id") or "", st["name"]))
     return moved, alone
+
+
+def lagging(views: dict[str, dict | None], name: str) -> list[str]:
+    """What node `name` has not caught up on, as each RAFT group's leader sees it: the streams and consumers
+    whose leader lists `name` as a replica that is not current, and the meta group. `views`: every node's
+    `/jsz?accounts=true&streams=true&consumers=true` (None: no answer). Only a group's leader knows whether a
+    follower is current (a follower's own view says `current: false` of everyone), so each group is judged by
+    the view of the node it names as leader. [] : caught up. Why not `/healthz` alone: it answers 200 right
+    after a start, before the node has learnt what it hosts, then 503 while it catches up (measured here),
+    and a roll that stopped the next node in that window would leave the groups without a majority."""
+    out = []
+
+    def judge(what: str, cl: dict | None, leader_view: str) -> None:
+        cl = cl or {}
+        if cl.get("leader") != leader_view or leader_view == name:
+            return
+        for r in cl.get("replicas") or []:
+            if r.get("name") == name and not r.get("current"):
+                out.append(what)
+
+    for node, z in views.items():
+        if not z:
+            continue
+        judge("the meta group", z.get("meta_cluster"), node)
+        for acc in z.get("account_details") or []:
+            for st in acc.get("stream_detail") or []:
+                judge(f"stream {st.get('name')}", st.get("cluster"), node)
+                for c in st.get("consumer_detail") or []:
+                    judge(f"consumer {st.get('name')} > {c.get('name')}", c.get("cluster"), node)
+    return sorted(set(out))
 
 
 @dataclass
@@ -147,27 +179,41 @@ def is_healthy(http_base: str) -> bool:
     return http_get(f"{http_base}/healthz")[0] == 200
 
 
-def jsz(http_base: str) -> dict | None:
-    code, body = http_get(f"{http_base}/jsz?accounts=true&streams=true")
+def jsz(http_base: str, consumers: bool = False) -> dict | None:
+    code, body = http_get(f"{http_base}/jsz?accounts=true&streams=true" + ("&consumers=true" if consumers else ""))
     try:
         return json.loads(body) if code == 200 else None
     except ValueError:
         return None
 
 
-def wait_healthy(http_base: str, timeout: float = HEALTHY_S, aborted: Callable[[], bool] = lambda: False) -> float:
-    """Until `/healthz` answers 200 (the node's JetStream is up and its RAFT groups are current); the
-    seconds waited. RollError past `timeout` or when `aborted()`."""
+def caught_up(name: str, http_bases: dict[str, str]) -> tuple[bool, str]:
+    """(node `name` answers /healthz 200 and no group leader sees it behind, what is not so yet)."""
+    if not is_healthy(http_bases[name]):
+        code, body = http_get(f"{http_bases[name]}/healthz")
+        return False, f"/healthz {code} {body[:160].decode(errors='replace')}".strip()
+    behind = lagging({n: jsz(h, consumers=True) for n, h in http_bases.items()}, name)
+    return (not behind), (f"behind on {', '.join(behind[:5])}" + (f" and {len(behind) - 5} more" if len(behind) > 5 else "")
+                          if behind else "caught up")
+
+
+def wait_caught_up(name: str, http_bases: dict[str, str], timeout: float = HEALTHY_S,
+                   aborted: Callable[[], bool] = lambda: False, stable_s: float = STABLE_S) -> float:
+    """Until node `name` is caught up (`caught_up`) and stays so for `stable_s` (its /healthz flaps while it
+    learns what it hosts); the seconds waited. RollError past `timeout` or when `aborted()`."""
     t0 = time.monotonic()
-    while not is_healthy(http_base):
+    since = None
+    while True:
+        ok, why = caught_up(name, http_bases)
+        now = time.monotonic()
+        since = (since or now) if ok else None
+        if since is not None and now - since >= stable_s:
+            return now - t0
         if aborted():
-            raise RollError(f"stopped while waiting for {http_base}/healthz")
-        if time.monotonic() - t0 > timeout:
-            code, body = http_get(f"{http_base}/healthz")
-            raise RollError(f"{http_base}/healthz did not answer 200 within {timeout:.0f}s (last: {code} "
-                            f"{body[:200].decode(errors='replace')})")
-        time.sleep(0.2)
-    return time.monotonic() - t0
+            raise RollError(f"stopped while waiting for {name} to catch up")
+        if now - t0 > timeout:
+            raise RollError(f"{name} did not catch up within {timeout:.0f}s ({why})")
+        time.sleep(0.1)
 
 
 # ---- I/O: moving leaders ---------------------------------------------------------------------------------
@@ -280,7 +326,8 @@ def roll(nodes: list[Node], status: RollStatus, report: Callable[[RollStatus], N
     while True:
         if aborted():
             raise RollError("stopped by a signal before the roll ended")
-        healthy = {n.name: is_healthy(n.http) for n in nodes}
+        bases = {n.name: n.http for n in nodes}
+        healthy = {n.name: caught_up(n.name, bases)[0] for n in nodes}
         meta = next((m for m in (meta_leader_of(jsz(n.http)) for n in nodes if healthy[n.name]) if m), None)
         order = plan(names, status.done, meta)
         status.order = status.done + order
@@ -308,10 +355,10 @@ def roll(nodes: list[Node], status: RollStatus, report: Callable[[RollStatus], N
                               f"store")
         node.broker.start()
         started(by_name[target])
-        step("healthz", target, f"{target}: started; waiting for {node.http}/healthz")
-        waited = wait_healthy(node.http, aborted=aborted)
+        step("healthz", target, f"{target}: started; waiting for {node.http}/healthz and its RAFT groups to catch up")
+        waited = wait_caught_up(target, bases, aborted=aborted)
         status.done.append(target)
-        step("done", target, f"{target}: healthy {waited:.1f}s after its start, {time.monotonic() - t_down:.1f}s after its "
+        step("done", target, f"{target}: caught up {waited:.1f}s after its start, {time.monotonic() - t_down:.1f}s after its "
                              f"exit ({len(status.done)} of {len(names)} restarted)")
 
 
