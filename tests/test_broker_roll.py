@@ -135,6 +135,48 @@ async def test_a_client_moves_off_a_node_in_lame_duck_mode_while_it_still_runs(t
             await bare.close()
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_an_islands_cut_watcher_whose_server_stops_is_back_within_two_seconds(tmp_path):
+    """An island watches BCAST through an ordered consumer: one replica, in memory, on one server. That server
+    stopping (lame duck mode here) takes the consumer with it; with the cut config's short idle heartbeat
+    (stream_configs.CUT_IDLE_HEARTBEAT_S) nats-py re-creates it on a live server within 1-2 s (with its default
+    5 s: 10-20 s without a notice)."""
+    from yeto.schemas import subjects as S
+    from yeto.schemas.stream_configs import bcast_consumer_config
+
+    run = "roll"
+    with Cluster(3, store_dir=tmp_path / "c", log_dir=tmp_path) as c:
+        nc = await connect(ConnectOptions(url=",".join(c.urls)), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        js = nc.jetstream(timeout=5)
+        stream = S.stream(run, "BCAST")
+        await js.add_stream(StreamConfig(name=stream, subjects=[S.bcast_all(run)], num_replicas=3,
+                                         max_msgs_per_subject=1))
+        got: list[float] = []
+
+        async def seen(msg):
+            got.append(time.monotonic())
+
+        cfg = bcast_consumer_config(run)
+        sub = await js.subscribe(cfg.filter_subject, stream=stream, ordered_consumer=True, config=cfg, cb=seen)
+        await publish_retry(js, S.bcast(run, 0, 0), b"x", "first")
+        host = (await sub.consumer_info()).cluster.leader
+        node = c.nodes[c.index_of(host)].proc
+        t0 = time.monotonic()
+        node.send_signal(signal.SIGUSR2)
+        for i in range(80):     # a chunk every 0.1 s for 8 s, as a syncer broadcasting would
+            await publish_retry(js, S.bcast(run, 0, i % 4), str(i).encode(), f"m{i}", timeout=5)
+            await asyncio.sleep(0.1)
+        t_end = time.monotonic()
+        after = [t for t in got if t >= t0]
+        gaps = [b - a for a, b in zip([t0] + after, after + [t_end])]
+        print(f"consumer on {host}: it exited {'yes' if node.poll() is not None else 'no'}; longest gap between two "
+              f"notices {max(gaps):.2f}s, {len(after)} of 80 seen")
+        await nc.close()
+    assert node.poll() is not None
+    assert max(gaps) < 3.0, sorted(gaps)[-3:]     # the last one: until the end (nothing seen after a gap)
+
+
 def _start_cluster(tmp_path) -> tuple[subprocess.Popen, list[str], object]:
     port, route, mon = free_port_block(3), free_port_block(3), free_port_block(3)
     log = tmp_path / "broker.out"
