@@ -209,7 +209,8 @@ class IslandClient:
         self.call(self._after_hello(ack.seq), 60)
 
     async def _after_hello(self, seq: int) -> None:
-        self._subs += await self.ctl.start(seq, self.cut_js)
+        # a datacenter's mirror lags the hub by design: a pull ahead of it is no sign of a lost watcher
+        self._subs += await self.ctl.start(seq, self.cut_js, rewatch=self.cut_js is self.js)
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
 
@@ -376,6 +377,8 @@ class IslandClient:
         task = asyncio.get_running_loop().create_task(coro, name=f"yeto-{name}")
 
         def done(t: asyncio.Task) -> None:
+            if t in self._tasks:   # short tasks come and go for the whole run (ctl_reader's held pulls)
+                self._tasks.remove(t)
             if not t.cancelled() and t.exception() is not None and not self._closing:
                 log.error("island %s: background task %s crashed: %r", self.island, name, t.exception())
                 self._fatal = IslandUnhealthy(f"background task {name} crashed: {t.exception()!r}")
@@ -521,6 +524,8 @@ class IslandClient:
             except Exception:
                 pass
         self._subs.clear()
+        if self.ctl is not None:
+            await self.ctl.stop_watching()   # a watcher made again since start (ctl_reader.CUT_NOTICE_WAIT_S)
         if self.ctl is not None and self.ctl.consumers and self.nc.is_connected:
             try:  # this generation's consumers are garbage once the process ends (a newer one's are not)
                 await asyncio.wait_for(P.remove_island_consumers(self.js, self.run, self.island, self.gen), 5.0)

@@ -38,6 +38,19 @@ ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
 REHELLO_CODES = frozenset({"unknown_member"})
 CTL_FETCH_BATCH = 64
 OWNER_CHECK_S = 5.0  # how often an idle CTL consumer's owner is looked at (see _ctl_pump)
+# A pull names the version its round starts from (`base_version`), sealed on BCAST before the round launched. When
+# the cut watcher has announced no such version of that fragment, the pull waits for the notice (the seal and the
+# pull race on two consumers: it is usually in flight) up to CUT_NOTICE_WAIT_S; past that the watcher's server has
+# likely stopped (a node restarted: its ordered consumer went with it), so the watcher is made again and the pull
+# waits up to CUT_REWATCH_WAIT_S for its notices. Handed on before them, the pull would be answered with a base
+# the syncer refuses as stale, and the round restarted (docs/design.md §7.1).
+# Only a plausible gap is waited for (a node's restart costs a few versions; a pull claiming a base far ahead is
+# garbage the pull book refuses), and the watcher is made again at most once per CUT_REWATCH_EVERY_S (pulls
+# forged on an open broker must not keep it busy).
+CUT_NOTICE_WAIT_S = 0.3
+CUT_REWATCH_WAIT_S = 1.0
+CUT_BEHIND_MAX = 16
+CUT_REWATCH_EVERY_S = 2.0
 
 
 class CtlReader:
@@ -59,6 +72,12 @@ class CtlReader:
         self._last_seq: dict[str, int] = {}  # kind -> stream sequence of the last message taken
         self._fatal: BaseException | None = None
         self.closing = False
+        self._cut_js = None
+        self._cut_subs: dict[str, object] = {}   # kind -> the cut watcher's subscription
+        self._bcast_seen: dict[int, int] = {}    # fragment -> the newest version a BCAST notice announced
+        self._rewatch_pulls = False               # pulls may re-create the BCAST watcher (read from the hub)
+        self._rewatching: asyncio.Lock | None = None
+        self._rewatched_at = float("-inf")
 
     @property
     def fatal(self) -> BaseException | None:
@@ -69,10 +88,14 @@ class CtlReader:
         self._fatal = exc
         self._on_fatal()
 
-    async def start(self, hello_seq: int, cut_js) -> list:
+    async def start(self, hello_seq: int, cut_js, *, rewatch: bool = True) -> list:
         """Make the CTL consumers this generation's from the hello's stream sequence, start reading
-        them, and watch BCAST / FINAL. Returns the cut subscriptions (the client closes them)."""
+        them, and watch BCAST / FINAL. Returns the cut subscriptions (the client closes them; `stop_watching`
+        closes the ones made since). `rewatch`: a pull may re-create the BCAST watcher (see CUT_NOTICE_WAIT_S;
+        not for a datacenter's mirror, which lags the hub by design)."""
         self._hello_seq = hello_seq
+        self._cut_js, self._rewatch_pulls = cut_js, rewatch
+        self._rewatching = asyncio.Lock()
         rep = await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, start_seq=hello_seq)
         log.info("island %s: CTL consumers: %s", self.island, rep)
         for kind in S.ISLAND_CONSUMER_KINDS:
@@ -80,13 +103,69 @@ class CtlReader:
             self.consumers[kind] = name
             sub = await self.js.pull_subscribe_bind(durable=name, stream=S.stream(self.run, "CTL"))
             self._spawn(self._ctl_pump(sub, kind), f"ctl-{kind}")
-        subs = []
-        for kind, stream, cfg in (("bcast_chunk", "BCAST", P.bcast_consumer_config(self.run)),
-                                  ("final_chunk", "FINAL", P.final_consumer_config(self.run))):
-            subs.append(await cut_js.subscribe(
-                cfg.filter_subject, stream=S.stream(self.run, stream), ordered_consumer=True, config=cfg,
-                cb=self._cut_callback(kind)))
-        return subs
+        return [await self._watch(kind) for kind in ("bcast_chunk", "final_chunk")]
+
+    async def _watch(self, kind: str):
+        """Watch BCAST or FINAL: an ordered consumer of the newest message of every chunk subject, then new ones."""
+        stream, cfg = (("BCAST", P.bcast_consumer_config(self.run)) if kind == "bcast_chunk"
+                       else ("FINAL", P.final_consumer_config(self.run)))
+        sub = await self._cut_js.subscribe(cfg.filter_subject, stream=S.stream(self.run, stream), ordered_consumer=True,
+                                           config=cfg, cb=self._cut_callback(kind))
+        self._cut_subs[kind] = sub
+        return sub
+
+    async def _rewatch_bcast(self) -> None:
+        """Make the BCAST watcher again: the newest chunk of every subject is announced anew (the inbox keeps the
+        newest notice per subject, the reader reads no version twice)."""
+        async with self._rewatching:
+            old = self._cut_subs.get("bcast_chunk")
+            if old is not None:
+                try:
+                    await old.unsubscribe()
+                except Exception:  # noqa: BLE001 - its server is gone, or it was closed: a new one is made anyway
+                    pass
+            await self._watch("bcast_chunk")
+
+    async def stop_watching(self) -> None:
+        for sub in self._cut_subs.values():
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - closed with the connection anyway
+                pass
+        self._cut_subs.clear()
+
+    def _cut_behind(self, pull: dict) -> bool:
+        seen = self._bcast_seen.get(pull.get("fragment"))
+        return self._rewatch_pulls and seen is not None and isinstance(pull.get("base_version"), int) \
+            and seen < pull["base_version"] <= seen + CUT_BEHIND_MAX
+
+    async def _pull_after_cut(self, pull: dict) -> None:
+        """Hand `pull` on once the BCAST watcher announced its base version (see CUT_NOTICE_WAIT_S), or after
+        the waits in any case. Never raises: the pull is handed on whatever happens."""
+        fid, base = pull["fragment"], pull["base_version"]
+        loop = asyncio.get_running_loop()
+        try:
+            until = loop.time() + CUT_NOTICE_WAIT_S
+            while self._bcast_seen.get(fid, -1) < base and loop.time() < until:
+                await asyncio.sleep(0.02)
+            if self._bcast_seen.get(fid, -1) < base and self._connected() and not self.closing \
+                    and loop.time() - self._rewatched_at >= CUT_REWATCH_EVERY_S:
+                self._rewatched_at = loop.time()
+                self.counters["cut_rewatch"] += 1
+                log.warning("island %s: round %s of fragment %s starts from version %s, which the cut watcher has not "
+                            "announced (its server stopped?): watching BCAST again", self.island, pull.get("step"),
+                            fid, base)
+                await self._rewatch_bcast()
+                until = loop.time() + CUT_REWATCH_WAIT_S
+                while self._bcast_seen.get(fid, -1) < base and loop.time() < until:
+                    await asyncio.sleep(0.02)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the ordered consumer's own heartbeat check still re-creates it
+            self.counters["cut_rewatch_failed"] += 1
+            log.debug("island %s: watching BCAST again: %r", self.island, exc)
+        finally:
+            self.pulls.put(pull)
 
     async def _ctl_pump(self, sub, kind: str) -> None:
         """Fetch from consumer `kind` ("pull" or "to"). Its name is the island's, not the process's:
@@ -186,7 +265,10 @@ class CtlReader:
             return
         if kind == "pull":
             self.counters["pulls_received"] += 1
-            self.pulls.put(msg)
+            if self._cut_behind(msg):
+                self._spawn(self._pull_after_cut(msg), "pull-after-cut")
+            else:
+                self.pulls.put(msg)
             return
         if msg.get("gen") is None:
             # The syncer names the generation in every message to an island; one without it could
@@ -252,6 +334,8 @@ class CtlReader:
             except (WireError, ValueError) as exc:
                 self._reject(f"{kind} notice on {msg.subject}", exc)
                 return
+            if kind == "bcast_chunk":
+                self._bcast_seen[meta.fragment] = max(meta.version, self._bcast_seen.get(meta.fragment, -1))
             inbox.put(ChunkNotice(kind, msg.subject, meta.fragment, meta.chunk, meta.version, meta.nbytes, meta.to_wire()))
 
         return cb

@@ -302,6 +302,12 @@ class Rolling(Chaos):
         res = self._verdict(tape_recs, wall, left, timed_out)
         res.update(commit_gaps(tape_recs))
         res.update({"ops": self.ops, "failed": self.failed, "handover_rcs": self.handover_rcs})
+        # `yeto run set` took effect: every merge from some round on carries the outer lr set (Merge.outer)
+        lr = sorted({r["step"] for r in tape_recs if r.get("kind") == "merge"
+                     and ((r.get("detail") or {}).get("outer") or {}).get("outer_lr") == a.outer_lr})
+        res["outer_lr_from"] = lr[0] if lr else None
+        if not lr or lr != list(range(lr[0], a.rounds + 1)):
+            self.failed.append(f"outer_lr={a.outer_lr} is not on every merge from some round on (rounds {lr[:3]}..)")
         return res
 
 
@@ -362,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if res[key]:
             print(f"  {key}: {res[key]}", flush=True)
     print(f"  syncer exit codes: hand-overs {res['handover_rcs']}, last owner {res['syncer_rcs']}; islands equal to the "
-          f"final cut: {res['islands_equal']}", flush=True)
+          f"final cut: {res['islands_equal']}; outer_lr={a.outer_lr} merged from round {res['outer_lr_from']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"rolling": res, "args": vars(a)}, default=str, indent=1))
     gap, median = res["max_commit_gap_s"], res["median_round_s"]
