@@ -310,9 +310,9 @@ class Node:
 
 def roll(nodes: list[Node], status: RollStatus, report: Callable[[RollStatus], None], *, connect_opts=None,
          aborted: Callable[[], bool] = lambda: False, started: Callable[[int], None] = lambda i: None) -> None:
-    """Restart every node once, one at a time (followers first, the meta leader last): check every node is
-    healthy, move the node's stream leaders to `preferred_peer`, lame duck mode, start it on its store, wait
-    for its `/healthz`. `report(status)` after every step (the status file, the log); `started(i)` once node
+    """Restart every node once, one at a time (followers first, the meta leader last): check every other node is
+    healthy and caught up, move the node's stream leaders to `preferred_peer`, lame duck mode, start it on its
+    store, wait until it caught up (`wait_caught_up`). `report(status)` after every step (the status file, the log); `started(i)` once node
     i is back (the supervisor's restart policy). RollError when a step fails or a check refuses: the nodes
     not yet restarted are left running, untouched."""
     names = [n.name for n in nodes]

@@ -12,15 +12,16 @@ planned operation after the other, each once the previous one is over:
 
   broker-roll     `yeto broker roll`: every broker node restarted, followers first, the meta leader last
                   (stream leaders stepped down, lame duck mode, /healthz before the next; services/broker_roll.py)
-  handover        SIGTERM to the owning syncer: it releases the lease, the standby takes over at once; a new
-                  standby (an empty directory) is started and warms up
+  handover        SIGTERM to the owning syncer (once its standby stands by with a warm copy): it releases the
+                  lease, the standby takes over at once; a new standby (an empty directory) is started, and warms
+                  up while the next operations run
   island-a        SIGTERM to island a (it says it leaves), started again (a new generation takes the cut)
   outer-lr        `yeto run set RUN outer_lr=<x>`
   handover        the same again, to the standby started after the first one
   island-b        SIGTERM to island b, started again
 
-An operation is over when what it restarted is back at work: the roll command exited 0; a merge by the new
-owner and the new standby's first warm copy; a merge that the island's new generation answered; the settings
+An operation is over when what it restarted is back at work, and the next one starts one round later: the roll
+command exited 0; a merge by the new owner; a merge that the island's new generation answered; the settings
 answered. Then the run finishes on its own.
 
 Checks (the same as soak/chaos.py's, soak/chaos_checks.py `verdict`): `lost` (a round without its merge or
@@ -168,9 +169,10 @@ class Rolling(Chaos):
         return f"nodes restarted in order {', '.join(order)}"
 
     async def handover(self) -> str:
+        # the standby started after the previous hand-over warmed up meanwhile (the operations between overlap it)
+        await self._until(f"{self.standby.name} standing by with a warm copy", lambda: self._standing_by(self.standby),
+                          180)
         owner, standby = self.syncer, self.standby
-        if not self._standing_by(standby):
-            raise RuntimeError(f"{standby.name} is not standing by: a hand-over would have nobody to go to")
         at = self.watch.committed
         owner.killed = True   # a planned stop: its exit status is not a crash
         owner.send(signal.SIGTERM)
@@ -180,10 +182,8 @@ class Rolling(Chaos):
             raise RuntimeError(f"{owner.name} exited {rc} on SIGTERM, not 143 (a planned hand-over):\n{owner.tail()}")
         await self._until(f"{standby.name} owning the run", lambda: self.syncer is standby, 60)
         await self._until(f"a merge by {standby.name}", lambda: self.watch.committed > at, 60)
-        self.standby = self.start_syncer(resume=False)
-        await self._until(f"{self.standby.name} standing by with a warm copy",
-                          lambda: self._standing_by(self.standby), 180)
-        return f"{owner.name} exited {rc}; {standby.name} owns the run; {self.standby.name} stands by"
+        self.standby = self.start_syncer(resume=False)   # standing by before the next hand-over
+        return f"{owner.name} exited {rc}; {standby.name} owns the run; {self.standby.name} started as the standby"
 
     def _standing_by(self, c) -> bool:
         text = c.this_life() if c is not None else ""
@@ -212,10 +212,9 @@ class Rolling(Chaos):
         return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "set"
 
     async def schedule(self) -> None:
-        """The operations of OPS, one after the other, each once the previous one is over and two more rounds
+        """The operations of OPS, one after the other, each once the previous one is over and one more round
         merged."""
         await self._until("version 0 and the first rounds", lambda: self.watch.committed >= 3, 300)
-        await self._until("the standby", lambda: self._standing_by(self.standby), 180)
         do = {"broker-roll": self.broker_roll, "handover": self.handover, "island-a": lambda: self.restart_island("a"),
               "outer-lr": self.outer_lr, "island-b": lambda: self.restart_island("b")}
         for name in OPS:
@@ -231,7 +230,7 @@ class Rolling(Chaos):
             log(self.t0, f"{name}: {op['detail']} ({op['ended'] - op['started']:.1f}s)")
             if self.failed:
                 return
-            await self._rounds(2)
+            await self._rounds(1)
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
@@ -351,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the full results as JSON here")
     a = p.parse_args(argv)
     if a.rounds < 40:
-        p.error(f"--rounds must be >= 40 (six operations, each followed by two rounds, before the end), got {a.rounds}")
+        p.error(f"--rounds must be >= 40 (six operations, each followed by a round, before the end), got {a.rounds}")
     # what Chaos (soak/chaos.py) reads from its arguments: two islands of one rank, two syncers on their own
     # directories (standby), everything replicated on the three nodes
     a.islands, a.seed, a.init_island, a.standby, a.replicas, a.cluster, a.port = 2, 1, "a", True, 3, 3, 0

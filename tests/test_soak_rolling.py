@@ -24,8 +24,8 @@ LAST = re.compile(r"^rolling lost=(\d+) double=(\d+) final_equal=(true|false) ma
 @pytest.mark.timeout(600)
 def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     out_json = tmp_path / "rolling.json"
-    # 240 rounds of ~0.45 s: the six operations were over by round ~150 on the loaded 2-core VM (soak/README.md)
-    cmd = [sys.executable, str(ROOT / "soak" / "rolling.py"), "--rounds", "240", "--timeout", "500",
+    # 200 rounds of ~0.45 s: the six operations were over by round ~RR on the loaded 2-core VM (soak/README.md)
+    cmd = [sys.executable, str(ROOT / "soak" / "rolling.py"), "--rounds", "200", "--timeout", "500",
            "--progress-every", "30", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
     out = proc.stdout + proc.stderr
@@ -44,4 +44,4 @@ def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     # the outer lr set mid-run is on every merge from the round after the request on (the tape's merge records)
     set_at = next(o["round"] for o in res["ops"] if o["name"] == "outer-lr")
     assert res["outer_lr_from"] is not None and set_at < res["outer_lr_from"] <= set_at + 10, tail
-    assert res["committed"] == 240 and proc.returncode == 0, tail
+    assert res["committed"] == 200 and proc.returncode == 0, tail
