@@ -363,6 +363,8 @@ class IslandClient:
         self.arrivals.notify()
         self._counters["reconnects"] += 1
         log.warning("island %s: NATS reconnected", self.island)
+        if self.ctl is not None and self.ctl.consumers and not self._closing:
+            self._spawn(self.ctl.after_reconnect(), "ctl-after-reconnect")   # deliveries lost with the old connection
 
     async def _on_closed(self) -> None:
         if not self._closing:

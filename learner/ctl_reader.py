@@ -218,6 +218,28 @@ class CtlReader:
                 except Exception:  # redelivered later; the pull book keeps one copy
                     pass
 
+    async def after_reconnect(self) -> None:
+        """After the client moved to another server (a node restarted or in lame duck mode: docs/design.md §7.1). A
+        message the server handed to a fetch on the lost connection is redelivered only after the consumer's ack
+        wait (30 s), and for that long its pull stays unanswered and its round waits (soak/rolling.py saw it). So a
+        consumer of this generation that holds deliveries nobody acked is made again from the message after the
+        last one taken, as when it is gone (`_check_consumer`): they come again at once. Never raises."""
+        ctl = S.stream(self.run, "CTL")
+        for kind, name in list(self.consumers.items()):
+            try:
+                info = await P.consumer_info_or_none(self.js, ctl, name)
+                if info is None or P.consumer_owner(info) != self.gen or not info.num_ack_pending:
+                    continue
+                await self.js.delete_consumer(ctl, name)
+                self.counters["ctl_consumer_reset"] += 1
+                log.warning("island %s: CTL consumer %s held %d deliveries lost with the old connection: made again",
+                            self.island, name, info.num_ack_pending)
+                await self._check_consumer(kind, recreate=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the ack wait still redelivers them
+                log.debug("island %s: CTL consumer %s after a reconnect: %r", self.island, name, exc)
+
     async def _check_consumer(self, kind: str, *, recreate: bool) -> bool:
         """True when consumer `kind` is this generation's. Another generation's: this process was
         superseded (fatal). Gone and `recreate`: made again (False: fetch again)."""

@@ -439,3 +439,41 @@ async def test_a_pull_ahead_of_the_cut_watcher_waits_for_its_notice_and_a_lost_w
     await seal(4)
     await until(lambda: len(c.bcast) >= 1, what="the notice of version 4")
     assert arrivals() == [("bcast", 4)]
+
+
+async def test_deliveries_lost_with_a_connection_come_again_at_once_after_the_reconnect(js, run_id):
+    """docs/design.md §7.1: a pull the server handed to a fetch on a connection that then went away (its node
+    restarted) would come again only after the consumer's 30 s ack wait; after the reconnect the reader makes
+    the consumer again from the message after the last one taken, and it comes at once."""
+    from collections import Counter
+
+    from yeto.learner.ctl_reader import CtlReader
+    from yeto.learner.inbox import Inbox
+    from yeto.schemas import provision as P
+
+    gen = "c" * 16
+    await P.ensure_island_consumers(js, run_id, ISLAND, gen, start_seq=1)
+    reader = CtlReader(js=js, run=run_id, island=ISLAND, gen=gen, hello={}, counters=Counter(), pulls=Inbox(),
+                       control=Inbox(), bcast=None, final=None, reject=lambda *a: None, spawn=None,
+                       connected=lambda: True, on_fatal=lambda: None)
+    reader.consumers = {kind: S.island_consumer(ISLAND, kind) for kind in S.ISLAND_CONSUMER_KINDS}
+    pull = dict(fragment=0, step=1, attempt=1, seq=0, base_version=0, members=[{"island": ISLAND, "gen": gen}])
+    await js.publish(S.pull(run_id), codec.encode("pull", codec.make("pull", run=run_id, **pull)),
+                     headers={S.MSG_ID: "p1"})
+    ctl = S.stream(run_id, "CTL")
+    lost = await js.pull_subscribe_bind(durable=S.island_pull_consumer(ISLAND), stream=ctl)
+    assert len(await lost.fetch(1, timeout=5)) == 1          # delivered, never acked: lost with its connection
+    await lost.unsubscribe()
+    assert (await js.consumer_info(ctl, S.island_pull_consumer(ISLAND))).num_ack_pending == 1
+    await reader.after_reconnect()
+    assert reader.counters["ctl_consumer_reset"] == 1 and reader.counters["ctl_consumer_recreated"] == 1
+    again = await js.pull_subscribe_bind(durable=S.island_pull_consumer(ISLAND), stream=ctl)
+    t0 = time.monotonic()
+    (m,) = await again.fetch(1, timeout=5)
+    assert time.monotonic() - t0 < 2.0 and codec.decode_typed(m.data, ("pull",))[1]["step"] == 1
+    owner = P.consumer_owner(await js.consumer_info(ctl, S.island_pull_consumer(ISLAND)))
+    assert owner == gen                                       # still this generation's
+    await m.ack()
+    await asyncio.sleep(0.2)
+    await reader.after_reconnect()                            # nothing unacked: the consumer is left alone
+    assert reader.counters["ctl_consumer_reset"] == 1
