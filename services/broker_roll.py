@@ -35,6 +35,8 @@ from typing import Callable
 LDM_EXIT_S = 45.0
 HEALTHY_S = 120.0          # a restarted node must have caught up within this
 STABLE_S = 1.0             # ... and stayed caught up this long (its /healthz flaps while it catches up)
+PEERS_WAIT_S = 20.0        # before a node stops, the others get this long to be caught up (a group they follow may
+                           # have just moved its leader); past it the roll stops, naming them
 STEP_DOWN_S = 5.0          # one stream's leader moved (the transfer itself is ~10 ms plus a vote)
 STATUS_FILE = "roll-status.json"
 REQUEST_FILE = "roll-request.json"
@@ -309,14 +311,17 @@ class Node:
 
 
 def roll(nodes: list[Node], status: RollStatus, report: Callable[[RollStatus], None], *, connect_opts=None,
-         aborted: Callable[[], bool] = lambda: False, started: Callable[[int], None] = lambda i: None) -> None:
+         aborted: Callable[[], bool] = lambda: False, started: Callable[[int], None] = lambda i: None,
+         peers_wait_s: float = PEERS_WAIT_S) -> None:
     """Restart every node once, one at a time (followers first, the meta leader last): check every other node is
-    healthy and caught up, move the node's stream leaders to `preferred_peer`, lame duck mode, start it on its
-    store, wait until it caught up (`wait_caught_up`). `report(status)` after every step (the status file, the log); `started(i)` once node
+    healthy and caught up (waiting up to `peers_wait_s` for them), move the node's stream leaders to
+    `preferred_peer`, lame duck mode, start it on its store, wait until it caught up (`wait_caught_up`). `report(status)` after every step (the status file, the log); `started(i)` once node
     i is back (the supervisor's restart policy). RollError when a step fails or a check refuses: the nodes
     not yet restarted are left running, untouched."""
     names = [n.name for n in nodes]
     by_name = {n.name: i for i, n in enumerate(nodes)}
+    waiting_since: dict[str, float] = {}   # target -> since when its peers are awaited
+    said: set[str] = set()
 
     def step(phase: str, node: str | None, line: str) -> None:
         status.phase, status.node = phase, node
@@ -335,6 +340,12 @@ def roll(nodes: list[Node], status: RollStatus, report: Callable[[RollStatus], N
             break
         target = order[0]
         why = refusal(target, healthy)
+        if why and time.monotonic() - waiting_since.setdefault(target, time.monotonic()) < peers_wait_s:
+            if target not in said:
+                said.add(target)
+                step("check", target, f"before {target} stops: {why.split(':')[0]}; waiting up to {peers_wait_s:.0f}s")
+            time.sleep(0.5)
+            continue
         if why:
             raise RollError(why)
         node = nodes[by_name[target]]
