@@ -24,7 +24,7 @@ LAST = re.compile(r"^rolling lost=(\d+) double=(\d+) final_equal=(true|false) ma
 @pytest.mark.timeout(600)
 def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     out_json = tmp_path / "rolling.json"
-    # 200 rounds of ~0.45 s: the six operations were over by round ~RR on the loaded 2-core VM (soak/README.md)
+    # 200 rounds of ~0.45 s: the six operations were over by round ~90-110 on the loaded 2-core VM (soak/README.md)
     cmd = [sys.executable, str(ROOT / "soak" / "rolling.py"), "--rounds", "200", "--timeout", "500",
            "--progress-every", "30", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
