@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="roll: ask the `yeto broker --cluster N` running on --store-dir to restart every node one at a "
                         "time (stream leaders moved first, lame duck mode, /healthz before the next; followers first, "
                         "the meta leader last), print its progress, exit 0 once all are back")
-    b.add_argument("--timeout", dest="roll_timeout", type=float, default=900.0,
+    b.add_argument("--timeout", dest="roll_timeout", type=float, default=900.0, metavar="S",
                    help="roll: give up following it after this many seconds (default %(default)s)")
     b.add_argument("--port", type=int, default=env_value("YETO_BROKER_PORT", int, 4222), help="client port (env YETO_BROKER_PORT; default %(default)s)")
     b.add_argument("--host", default=os.environ.get("YETO_BROKER_HOST", "127.0.0.1"), help="listen address (env YETO_BROKER_HOST; default %(default)s)")
