@@ -40,7 +40,7 @@ from yeto.schemas.versions import VersionError
 
 from .config import IslandConfig
 from .ctl_reader import CtlReader
-from .cut_notices import watch_cuts
+from .cut_notices import CutWatcher
 from .errors import IslandUnhealthy, NotConnected
 from .inbox import CutInbox, Inbox, PublishHandle
 from .publisher import StreamPublisher
@@ -117,6 +117,7 @@ class IslandClient:
         self._subs: list = []
         self._wake: asyncio.Event | None = None
         self.ctl: CtlReader | None = None  # once the hello is out
+        self.cuts: CutWatcher | None = None  # the BCAST / FINAL watchers, once the hello is acked
         self._bad_final: bytes | None = None  # a final record refused already (counted once)
 
     # ---- lifecycle (training thread) ------------------------------------------------------------
@@ -202,8 +203,10 @@ class IslandClient:
         self.call(self._after_hello(ack.seq), 60)
 
     async def _after_hello(self, seq: int) -> None:
-        await self.ctl.start(seq)
-        self._subs += await watch_cuts(self.cut_js, self.run, bcast=self.bcast, final=self.final, reject=self._reject)
+        self.cuts = CutWatcher(self.cut_js, self.run, bcast=self.bcast, final=self.final, reject=self._reject)
+        self._subs += await self.cuts.start()
+        # a datacenter's mirror lags the hub by design: a pull ahead of it is no sign of a lost watcher
+        await self.ctl.start(seq, self.cuts if self.cut_js is self.js else None)
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self._steplog_loop(), "steplog")
 
@@ -356,6 +359,8 @@ class IslandClient:
         self.arrivals.notify()
         self._counters["reconnects"] += 1
         log.warning("island %s: NATS reconnected", self.island)
+        if self.ctl is not None and self.ctl.consumers and not self._closing:
+            self._spawn(self.ctl.after_reconnect(), "ctl-after-reconnect")   # deliveries lost with the old connection
 
     async def _on_closed(self) -> None:
         if not self._closing:
@@ -370,6 +375,8 @@ class IslandClient:
         task = asyncio.get_running_loop().create_task(coro, name=f"yeto-{name}")
 
         def done(t: asyncio.Task) -> None:
+            if t in self._tasks:   # short tasks come and go for the whole run (ctl_reader's held pulls)
+                self._tasks.remove(t)
             if not t.cancelled() and t.exception() is not None and not self._closing:
                 log.error("island %s: background task %s crashed: %r", self.island, name, t.exception())
                 self._fatal = IslandUnhealthy(f"background task {name} crashed: {t.exception()!r}")
@@ -515,6 +522,8 @@ class IslandClient:
             except Exception:
                 pass
         self._subs.clear()
+        if self.cuts is not None:
+            await self.cuts.stop()   # a watcher made again since start (ctl_reader.CUT_NOTICE_WAIT_S)
         if self.ctl is not None and self.ctl.consumers and self.nc.is_connected:
             try:  # this generation's consumers are garbage once the process ends (a newer one's are not)
                 await asyncio.wait_for(P.remove_island_consumers(self.js, self.run, self.island, self.gen), 5.0)

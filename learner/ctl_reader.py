@@ -37,6 +37,19 @@ ISLAND_CTL_KINDS = ("pull", "manifest", "error", "shutdown")
 REHELLO_CODES = frozenset({"unknown_member"})
 CTL_FETCH_BATCH = 64
 OWNER_CHECK_S = 5.0  # how often an idle CTL consumer's owner is looked at (see _ctl_pump)
+# A pull names the version its round starts from (`base_version`), sealed on BCAST before the round launched. When
+# the cut watcher has announced no such version of that fragment, the pull waits for the notice (the seal and the
+# pull race on two consumers: it is usually in flight) up to CUT_NOTICE_WAIT_S; past that the watcher's server has
+# likely stopped (a node restarted: its ordered consumer went with it), so the watcher is made again and the pull
+# waits up to CUT_REWATCH_WAIT_S for its notices. Handed on before them, the pull would be answered with a base
+# the syncer refuses as stale, and the round restarted (docs/design.md §7.1).
+# Only a plausible gap is waited for (a node's restart costs a few versions; a pull claiming a base far ahead is
+# garbage the pull book refuses), and the watcher is made again at most once per CUT_REWATCH_EVERY_S (pulls
+# forged on an open broker must not keep it busy).
+CUT_NOTICE_WAIT_S = 0.3
+CUT_REWATCH_WAIT_S = 1.0
+CUT_BEHIND_MAX = 16
+CUT_REWATCH_EVERY_S = 2.0
 
 
 class CtlReader:
@@ -58,6 +71,8 @@ class CtlReader:
         self._last_seq: dict[str, int] = {}  # kind -> stream sequence of the last message taken
         self._fatal: BaseException | None = None
         self.closing = False
+        self._cuts = None                  # the CutWatcher a pull may wait for (None: pulls go on at once)
+        self._rewatched_at = float("-inf")
 
     @property
     def fatal(self) -> BaseException | None:
@@ -68,10 +83,13 @@ class CtlReader:
         self._fatal = exc
         self._on_fatal()
 
-    async def start(self, hello_seq: int) -> None:
+    async def start(self, hello_seq: int, cuts=None) -> None:
         """Make the CTL consumers this generation's from the hello's stream sequence and start reading
-        them."""
+        them. `cuts`: the process's CutWatcher (learner/cut_notices.py) a pull waits for when it names a base
+        version not yet announced (see CUT_NOTICE_WAIT_S); None for a datacenter's mirror, which lags the hub
+        by design."""
         self._hello_seq = hello_seq
+        self._cuts = cuts
         rep = await P.ensure_island_consumers(self.js, self.run, self.island, self.gen, start_seq=hello_seq)
         log.info("island %s: CTL consumers: %s", self.island, rep)
         for kind in S.ISLAND_CONSUMER_KINDS:
@@ -79,6 +97,40 @@ class CtlReader:
             self.consumers[kind] = name
             sub = await self.js.pull_subscribe_bind(durable=name, stream=S.stream(self.run, "CTL"))
             self._spawn(self._ctl_pump(sub, kind), f"ctl-{kind}")
+
+    def _cut_behind(self, pull: dict) -> bool:
+        if self._cuts is None or not self._cuts.announced(pull.get("fragment")):
+            return False
+        seen = self._cuts.seen(pull["fragment"])
+        return isinstance(pull.get("base_version"), int) and seen < pull["base_version"] <= seen + CUT_BEHIND_MAX
+
+    async def _pull_after_cut(self, pull: dict) -> None:
+        """Hand `pull` on once the BCAST watcher announced its base version (see CUT_NOTICE_WAIT_S), or after
+        the waits in any case. Never raises: the pull is handed on whatever happens."""
+        fid, base = pull["fragment"], pull["base_version"]
+        loop = asyncio.get_running_loop()
+        try:
+            until = loop.time() + CUT_NOTICE_WAIT_S
+            while self._cuts.seen(fid) < base and loop.time() < until:
+                await asyncio.sleep(0.02)
+            if self._cuts.seen(fid) < base and self._connected() and not self.closing \
+                    and loop.time() - self._rewatched_at >= CUT_REWATCH_EVERY_S:
+                self._rewatched_at = loop.time()
+                self.counters["cut_rewatch"] += 1
+                log.warning("island %s: round %s of fragment %s starts from version %s, which the cut watcher has not "
+                            "announced (its server stopped?): watching BCAST again", self.island, pull.get("step"),
+                            fid, base)
+                await self._cuts.rewatch_bcast()
+                until = loop.time() + CUT_REWATCH_WAIT_S
+                while self._cuts.seen(fid) < base and loop.time() < until:
+                    await asyncio.sleep(0.02)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the ordered consumer's own heartbeat check still re-creates it
+            self.counters["cut_rewatch_failed"] += 1
+            log.debug("island %s: watching BCAST again: %r", self.island, exc)
+        finally:
+            self.pulls.put(pull)
 
     async def _ctl_pump(self, sub, kind: str) -> None:
         """Fetch from consumer `kind` ("pull" or "to"). Its name is the island's, not the process's:
@@ -131,6 +183,28 @@ class CtlReader:
                 except Exception:  # redelivered later; the pull book keeps one copy
                     pass
 
+    async def after_reconnect(self) -> None:
+        """After the client moved to another server (a node restarted or in lame duck mode: docs/design.md §7.1). A
+        message the server handed to a fetch on the lost connection is redelivered only after the consumer's ack
+        wait (30 s), and for that long its pull stays unanswered and its round waits (soak/rolling.py saw it). So a
+        consumer of this generation that holds deliveries nobody acked is made again from the message after the
+        last one taken, as when it is gone (`_check_consumer`): they come again at once. Never raises."""
+        ctl = S.stream(self.run, "CTL")
+        for kind, name in list(self.consumers.items()):
+            try:
+                info = await P.consumer_info_or_none(self.js, ctl, name)
+                if info is None or P.consumer_owner(info) != self.gen or not info.num_ack_pending:
+                    continue
+                await self.js.delete_consumer(ctl, name)
+                self.counters["ctl_consumer_reset"] += 1
+                log.warning("island %s: CTL consumer %s held %d deliveries lost with the old connection: made again",
+                            self.island, name, info.num_ack_pending)
+                await self._check_consumer(kind, recreate=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the ack wait still redelivers them
+                log.debug("island %s: CTL consumer %s after a reconnect: %r", self.island, name, exc)
+
     async def _check_consumer(self, kind: str, *, recreate: bool) -> bool:
         """True when consumer `kind` is this generation's. Another generation's: this process was
         superseded (fatal). Gone and `recreate`: made again (False: fetch again)."""
@@ -178,7 +252,10 @@ class CtlReader:
             return
         if kind == "pull":
             self.counters["pulls_received"] += 1
-            self.pulls.put(msg)
+            if self._cut_behind(msg):
+                self._spawn(self._pull_after_cut(msg), "pull-after-cut")
+            else:
+                self.pulls.put(msg)
             return
         if msg.get("gen") is None:
             # The syncer names the generation in every message to an island; one without it could

@@ -8,6 +8,7 @@ is rejected (counted, logged) and dropped; the island trains on.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from yeto.schemas import codec
@@ -19,25 +20,82 @@ from yeto.schemas.messages import BcastChunk, FinalChunk
 from .inbox import ChunkNotice, CutInbox
 
 
-async def watch_cuts(cut_js, run: str, *, bcast: CutInbox, final: CutInbox,
-                     reject: Callable[[str, Exception], None]) -> list:
-    """Watch BCAST and FINAL on `cut_js` (the hub's, or an island datacenter's mirrors). Returns the
-    subscriptions (the client closes them)."""
-    subs = []
-    for kind, stream, cfg, inbox in (("bcast_chunk", "BCAST", P.bcast_consumer_config(run), bcast),
-                                     ("final_chunk", "FINAL", P.final_consumer_config(run), final)):
-        subs.append(await cut_js.subscribe(
-            cfg.filter_subject, stream=S.stream(run, stream), ordered_consumer=True, config=cfg,
-            cb=notice_callback(kind, run, inbox, reject)))
-    return subs
+class CutWatcher:
+    """The BCAST and FINAL watchers of one island process on `cut_js` (the hub's, or an island datacenter's
+    mirrors), and the newest version BCAST announced per fragment (`seen`): a pull that names a base version
+    beyond it waits for its notice (learner/ctl_reader.py, docs/design.md §7.1)."""
+
+    KINDS = ("bcast_chunk", "final_chunk")
+
+    def __init__(self, cut_js, run: str, *, bcast: CutInbox, final: CutInbox,
+                 reject: Callable[[str, Exception], None]):
+        self.cut_js, self.run = cut_js, run
+        self._inboxes = {"bcast_chunk": bcast, "final_chunk": final}
+        self._reject = reject
+        self._subs: dict[str, object] = {}    # kind -> its watcher's subscription
+        self._seen: dict[int, int] = {}       # fragment -> the newest version a BCAST notice announced
+        self._rewatching = asyncio.Lock()
+
+    async def start(self) -> list:
+        """Watch both streams; returns the subscriptions (the client closes them; `stop` closes the ones
+        made since)."""
+        return [await self._watch(kind) for kind in self.KINDS]
+
+    def seen(self, fragment: int) -> int:
+        """The newest version of `fragment` a BCAST notice announced (-1: none yet)."""
+        return self._seen.get(fragment, -1)
+
+    def announced(self, fragment) -> bool:
+        return fragment in self._seen
+
+    async def _watch(self, kind: str):
+        """An ordered consumer of the newest message of every chunk subject, then of new ones."""
+        stream, cfg = (("BCAST", P.bcast_consumer_config(self.run)) if kind == "bcast_chunk"
+                       else ("FINAL", P.final_consumer_config(self.run)))
+        sub = await self.cut_js.subscribe(cfg.filter_subject, stream=S.stream(self.run, stream),
+                                          ordered_consumer=True, config=cfg, cb=self._callback(kind))
+        self._subs[kind] = sub
+        return sub
+
+    async def rewatch_bcast(self) -> None:
+        """Make the BCAST watcher again (its server stopped: the ordered consumer went with it): the newest
+        chunk of every subject is announced anew (the inbox keeps the newest notice per subject, the reader
+        reads no version twice)."""
+        async with self._rewatching:
+            old = self._subs.get("bcast_chunk")
+            if old is not None:
+                try:
+                    await old.unsubscribe()
+                except Exception:  # noqa: BLE001 - its server is gone, or it was closed: a new one is made anyway
+                    pass
+            await self._watch("bcast_chunk")
+
+    async def stop(self) -> None:
+        for sub in self._subs.values():
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - closed with the connection anyway
+                pass
+        self._subs.clear()
+
+    def _callback(self, kind: str):
+        check = notice_callback(kind, self.run, self._inboxes[kind], self._reject)
+
+        async def cb(msg) -> None:
+            notice = await check(msg)
+            if notice is not None and kind == "bcast_chunk":
+                self._seen[notice.fragment] = max(notice.version, self.seen(notice.fragment))
+
+        return cb
 
 
 def notice_callback(kind: str, run: str, inbox: CutInbox, reject: Callable[[str, Exception], None]):
-    """The message callback that checks one `kind` chunk header and puts its notice in `inbox`."""
+    """The message callback that checks one `kind` chunk header and puts its notice in `inbox` (returned;
+    None when rejected)."""
     prefix = "bcast" if kind == "bcast_chunk" else "final"
     header = BcastChunk if kind == "bcast_chunk" else FinalChunk
 
-    async def cb(msg) -> None:
+    async def cb(msg) -> ChunkNotice | None:
         try:
             hdr = (msg.headers or {}).get(codec.CHUNK_HEADER)
             if hdr is None:
@@ -53,10 +111,12 @@ def notice_callback(kind: str, run: str, inbox: CutInbox, reject: Callable[[str,
                 raise WireError(f"message holds {size} bytes", field="nbytes", value=meta.nbytes)
         except (WireError, ValueError) as exc:  # ValueError: S.parse, int() of a forged size header
             reject(f"{kind} notice on {msg.subject}", exc)
-            return
-        inbox.put(ChunkNotice(kind, msg.subject, meta.fragment, meta.chunk, meta.version, meta.nbytes, meta.to_wire()))
+            return None
+        notice = ChunkNotice(kind, msg.subject, meta.fragment, meta.chunk, meta.version, meta.nbytes, meta.to_wire())
+        inbox.put(notice)
+        return notice
 
     return cb
 
 
-__all__ = ["notice_callback", "watch_cuts"]
+__all__ = ["CutWatcher", "notice_callback"]

@@ -220,6 +220,22 @@ async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extr
                                                    CONNECT_TIMEOUT_ENV, exc)
 
     kw["error_cb"] = on_error
+    user_ldm_cb = kw.get("lame_duck_mode_cb")
+
+    async def on_lame_duck():
+        # The server is about to stop (lame duck mode: a planned restart, docs/design.md §7.1). nats-py only
+        # reports it; move to another server of the pool now, while this one still routes the replies of what
+        # is in flight (a publish whose ack is lost is re-sent after the reconnect, schemas/publish.py), not at
+        # its eviction up to lame_duck_duration later. With one server there is nowhere to go: stay.
+        others = [u for u in nc.servers if nc.connected_url is None or u.netloc != nc.connected_url.netloc]
+        if others:
+            logging.getLogger("yeto.conn").info("nats at %s: the server enters lame duck mode; moving to another",
+                                                redact(str(nc.connected_url.geturl() if nc.connected_url else where)))
+            await nc.force_reconnect()
+        if user_ldm_cb is not None:
+            await user_ldm_cb()
+
+    kw["lame_duck_mode_cb"] = on_lame_duck
 
     def after_connect(cb):
         # a half-open client closed below must not tell the caller it was disconnected or closed

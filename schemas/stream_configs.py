@@ -307,12 +307,21 @@ def island_consumer_config(
     )
 
 
+# An ordered consumer is one replica in memory on one server: when that server stops (a node restarted, in lame
+# duck mode or killed) the consumer is gone, and nats-py notices only when two idle heartbeats in a row did not
+# come (its default 5 s: 10-20 s without cut notices, islands pushing on stale versions that the syncer refuses).
+# With 0.5 s it re-creates the consumer from the next sequence on a live server within 1-2 s (docs/design.md §7.1);
+# the price is two small heartbeat messages a second on an idle cut.
+CUT_IDLE_HEARTBEAT_S = 0.5
+
+
 def _cut_config(filter_subject: str, headers_only: bool) -> api.ConsumerConfig:
     return api.ConsumerConfig(
         deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
         ack_policy=api.AckPolicy.NONE,
         filter_subject=filter_subject,
         headers_only=headers_only,
+        idle_heartbeat=CUT_IDLE_HEARTBEAT_S,
     )
 
 

@@ -152,7 +152,10 @@ def permissions(run: str, name: str, role: str, public_key: str, *, init_island:
         for s in st.values():
             pub += [f"{API}.STREAM.CREATE.{s}", f"{API}.STREAM.UPDATE.{s}", f"{API}.STREAM.DELETE.{s}",
                     f"{API}.STREAM.INFO.{s}", f"{API}.CONSUMER.*.{s}", f"{API}.CONSUMER.*.{s}.>",
-                    f"{API}.CONSUMER.DURABLE.CREATE.{s}.*"]
+                    f"{API}.CONSUMER.DURABLE.CREATE.{s}.*",
+                    # a planned broker restart moves the run's stream leaders off a node first (`yeto broker
+                    # --auth DIR` asks as the admin: services/broker_roll.py, docs/design.md §7.1)
+                    f"{API}.STREAM.LEADER.STEPDOWN.{s}"]
         # provisioning and `yeto run set` (a request to the syncers on S.settings, in no stream): no other
         # message of the run, no KV write, no read of the weights
         pub.append(S.settings(run))

@@ -18,6 +18,13 @@ def _cmd_broker(args) -> int:
     from yeto.services.cmd_broker import run_foreground
 
     store = args.store_dir or os.path.join(os.getcwd(), "yeto-data", "jetstream")
+    if args.action == "roll":
+        from yeto.services.cmd_broker import request_roll
+
+        if not args.roll_timeout > 0:
+            print(f"yeto broker roll: --timeout must be a number of seconds > 0, got {args.roll_timeout}", file=sys.stderr)
+            return 2
+        return request_roll(store, timeout=args.roll_timeout)
     if args.cluster < 0:
         print(f"yeto broker: --cluster must be 0 (one server) or a number of servers >= 1, got {args.cluster}",
               file=sys.stderr)
@@ -128,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show the traceback of an expected error too (also YETO_LOG_LEVEL=DEBUG)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("broker", help="run the embedded nats-server (JetStream) in the foreground")
+    b = sub.add_parser("broker", help="run the embedded nats-server (JetStream) in the foreground; `yeto broker roll`: "
+                       "restart a running --cluster's nodes one at a time")
+    b.add_argument("action", nargs="?", choices=["roll"], default=None,
+                   help="roll: ask the `yeto broker --cluster N` running on --store-dir to restart every node one at a "
+                        "time (stream leaders moved first, lame duck mode, /healthz before the next; followers first, "
+                        "the meta leader last), print its progress, exit 0 once all are back")
+    b.add_argument("--timeout", dest="roll_timeout", type=float, default=900.0, metavar="S",
+                   help="roll: give up following it after this many seconds (default %(default)s)")
     b.add_argument("--port", type=int, default=env_value("YETO_BROKER_PORT", int, 4222), help="client port (env YETO_BROKER_PORT; default %(default)s)")
     b.add_argument("--host", default=os.environ.get("YETO_BROKER_HOST", "127.0.0.1"), help="listen address (env YETO_BROKER_HOST; default %(default)s)")
     b.add_argument("--store-dir", default=os.environ.get("YETO_BROKER_STORE"), help="JetStream store directory (env YETO_BROKER_STORE; default ./yeto-data/jetstream)")

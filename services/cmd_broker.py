@@ -1,12 +1,15 @@
 """`yeto broker`: one nats-server or a loopback cluster (services.broker) in the foreground, and what a
 secured broker needs (docs/design.md §13): `--auth DIR` serves DIR's identities (services.auth, `AuthServe`, also
 used by `yeto demo --secure`), with TLS when DIR/tls exists; the rule that refuses a non-loopback
-listener without authorization; the reload of every node's config on SIGHUP.
+listener without authorization; the reload of every node's config on SIGHUP; planned restarts
+(services/broker_roll.py, docs/design.md §7.1): a local cluster rolls its nodes on SIGUSR1 (`yeto broker roll`,
+`request_roll` here), one `--node K` hands its leaders over and leaves through lame duck mode on SIGTERM.
 """
 from __future__ import annotations
 
 import atexit
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -15,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from yeto.services import broker_roll as R
 from yeto.services.broker import Broker, BrokerError, Cluster, check_config
 from yeto.services.broker_supervisor import RestartPolicy
 
@@ -180,13 +184,17 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
     routes then stay on loopback. SIGHUP reloads the config of every server (rebuilt from DIR first).
     leaf (with auth): the secured hub or leaf role (services.leaf.LeafRole, see AuthServe).
     """
-    stop = {"flag": False, "reload": False}
+    stop = {"flag": False, "reload": False, "roll": False, "signals": 0}
 
     def _on_signal(signum, frame):
         stop["flag"] = True
+        stop["signals"] += 1     # a second one cuts a planned stop short (lame duck mode, a roll)
 
     def _on_hup(signum, frame):
         stop["reload"] = True
+
+    def _on_usr1(signum, frame):
+        stop["roll"] = True      # `yeto broker roll` (request_roll): handled between two supervision passes
 
     served = AuthServe(auth, config, leaf=leaf) if auth else None
     if served is not None:
@@ -194,6 +202,8 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_hup)
+    signal.signal(signal.SIGUSR1, _on_usr1)
+    roller = None
     secured = f"; {served.summary}" if served is not None else ""
     if cluster and node is not None:
         # One node of the cluster alone: the layout --cluster N gives it on this host, or its own host's
@@ -211,7 +221,15 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
         print(f"yeto broker ready: {_shown_urls(b.url, served)} (node {cluster_name}-{node} of cluster {cluster_name} "
               f"of {cluster}, routes {routes}; it joins the others as they come; store {b.store_dir}, log "
               f"{_shown_log(b)}, monitoring http://{b.host}:{b.http_port}{secured})", flush=True)
-        stopper = b.stop
+
+        def stopper():
+            # A planned stop (SIGTERM/SIGINT: systemd, Kubernetes, an operator): hand the leaders over and
+            # leave through lame duck mode, so the cluster holds no election for this node (§7.1)
+            if stop["flag"] and b.proc is not None and b.proc.poll() is None:
+                rc = R.hand_over_and_stop(_name(b, node - 1), b, _say, connect_opts=_roll_connect_opts(served),
+                                          aborted=lambda: stop["signals"] > 1)
+                _say(f"{_name(b, node - 1)}: exited with {rc}")
+            b.stop()
     elif cluster:
         c = Cluster(cluster, port, store_dir, name=cluster_name, config=config, host=host,
                     cluster_port=cluster_port if cluster_port is not None else port + 2000,
@@ -226,6 +244,8 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
               f"after {c.waited_s:.1f}s; routes {c.cluster_port}..{c.cluster_port + cluster - 1}, monitoring "
               f"{','.join(f'http://{n.host}:{n.http_port}' for n in nodes)}; {logs}{secured})", flush=True)
         stopper = c.stop
+        pid_file = _write_pid(c.store_dir)
+        roller = lambda policy: _roll(nodes, c.store_dir, served, stop, policy)  # noqa: E731
     else:
         broker = Broker(port=port, store_dir=store_dir, config=config, host=host, http_port=http_port)
         nodes = [broker]
@@ -236,10 +256,12 @@ def run_foreground(port: int, store_dir: str, config: str | None, host: str = "1
               f"{secured})", flush=True)
         stopper = broker.stop
     try:
-        supervise(nodes, stop, served)
+        supervise(nodes, stop, served, roller=roller)
         rc = 0
     finally:
         stopper()
+        if roller is not None:
+            _remove_pid(pid_file)
         if served is not None:
             served.cleanup()
     return rc
@@ -282,11 +304,13 @@ def _log_tail(b: Broker, n: int = 5) -> str:
     return "".join(f"\n    {ln}" for ln in lines)
 
 
-def supervise(nodes: list[Broker], stop: dict, served: AuthServe | None, *, poll_s: float = 0.2) -> None:
+def supervise(nodes: list[Broker], stop: dict, served: AuthServe | None, *, poll_s: float = 0.2,
+              roller=None) -> None:
     """Until SIGINT/SIGTERM: a nats-server that exits on its own is restarted on its own store, after
     the RestartPolicy's delay (logged with the reason from its log), while the others keep serving: a
     cluster rides through the death of any node, as the README promises (before, one node's death
-    stopped them all)."""
+    stopped them all). SIGUSR1: `roller(policy)` restarts every node on purpose (a local cluster), while
+    this loop waits: a node the roll stopped is not a death."""
     policy = RestartPolicy()
     now = time.monotonic()
     for i in range(len(nodes)):
@@ -295,6 +319,14 @@ def supervise(nodes: list[Broker], stop: dict, served: AuthServe | None, *, poll
         if stop["reload"]:
             stop["reload"] = False
             _reload(nodes, served)
+        if stop["roll"]:
+            stop["roll"] = False
+            if roller is not None:
+                roller(policy)
+            else:
+                _say("yeto broker: SIGUSR1 (a roll) needs --cluster N on this host: a single server has no peer to "
+                     "hand its clients to, and one --node K is restarted by SIGTERM and its service manager")
+            stop["roll"] = False   # a request that came during the roll was answered by it
         now = time.monotonic()
         for i, b in enumerate(nodes):
             if b.proc is not None and b.proc.poll() is None:
@@ -343,3 +375,136 @@ def _reload(nodes: list[Broker], served: AuthServe | None) -> None:
         print(f"yeto broker: reload refused, still serving the previous config: {exc}", file=sys.stderr, flush=True)
         return
     print(f"yeto broker: reloaded ({what})", flush=True)
+
+
+# ---- planned restarts (services/broker_roll.py, docs/design.md §7.1) ------------------------------------------
+
+def _say(line: str) -> None:
+    print(f"yeto broker: {line}", flush=True)
+
+
+def _roll_connect_opts(served: AuthServe | None):
+    """Who asks for the stepdowns: anyone on an open broker; with --auth the admin identity (its permissions
+    allow the run's stream stepdowns), else the readiness probe's (refused: lame duck mode then moves them)."""
+    if served is None:
+        return None
+    admin = served.dir / "admin.creds"
+    if admin.exists():
+        from yeto.schemas.conn import ConnectOptions
+
+        return ConnectOptions(url="", creds=str(admin), tls_ca=served.ca, name="yeto-broker-roll")
+    return served.probe_options("")
+
+
+def _write_pid(store: Path) -> Path:
+    """`<store>/yeto-broker.pid`: where `yeto broker roll` finds the broker to signal."""
+    path = Path(store) / R.PID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    R.write_atomic(path, f"{os.getpid()}\n")
+    return path
+
+
+def _remove_pid(path: Path) -> None:
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except OSError:
+        pass
+
+
+def _roll(nodes: list[Broker], store: Path, served: AuthServe | None, stop: dict, policy: RestartPolicy) -> None:
+    """SIGUSR1: restart every node once, planned (broker_roll.roll), reporting in `<store>/roll-status.json`
+    under the id `yeto broker roll` left in `<store>/roll-request.json`. A failure is reported, never fatal:
+    the broker keeps serving and supervising."""
+    store = Path(store)
+    try:
+        rid = json.loads((store / R.REQUEST_FILE).read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        rid = f"signal-{int(time.time())}"   # SIGUSR1 sent by hand
+    status = R.RollStatus(id=rid)
+    shown = [0]
+
+    def report(st: R.RollStatus) -> None:
+        R.write_atomic(store / R.STATUS_FILE, st.to_json())
+        for line in st.log[len(st.log) - (st.lines - shown[0]):] if st.lines > shown[0] else []:
+            _say(f"roll: {line}")
+        shown[0] = st.lines
+
+    names = [R.Node(_name(b, i), b) for i, b in enumerate(nodes)]
+    status.say(f"roll {rid}: restarting {len(nodes)} nodes one at a time (followers first, the meta leader last)")
+    report(status)
+    try:
+        R.roll(names, status, report, connect_opts=_roll_connect_opts(served),
+               aborted=lambda: stop["flag"], started=lambda i: policy.started(i, time.monotonic()))
+        status.state, status.phase, status.node = "done", "done", None
+        status.say(f"roll {rid}: every node restarted in {time.time() - status.started:.1f}s: {', '.join(status.done)}")
+    except Exception as exc:  # noqa: BLE001 - reported to `yeto broker roll`; the broker serves on
+        status.state, status.error = "failed", str(exc) if isinstance(exc, R.RollError) else repr(exc)
+        status.say(f"roll {rid} failed at {status.node or 'the start'} ({status.phase}): {status.error}")
+    report(status)
+
+
+def _pid_alive_broker(pid: int) -> bool:
+    """Process `pid` runs and is a `yeto broker` (a stale pid file may name a pid reused by anything)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"broker" in argv and any(b"yeto" in a for a in argv)
+
+
+def request_roll(store: str | os.PathLike, timeout: float = 900.0, poll_s: float = 0.2) -> int:
+    """`yeto broker roll`: ask the `yeto broker --cluster N` running on `store` to restart its nodes (SIGUSR1,
+    under a fresh id in roll-request.json), print its progress from roll-status.json, and return 0 once every
+    node is back, 1 when the roll failed or did not end within `timeout` (2: nothing to ask)."""
+    import uuid
+
+    store = Path(store)
+    pid_file = store / R.PID_FILE
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        print(f"yeto broker roll: no `yeto broker --cluster N` runs with --store-dir {store} (no readable {pid_file}); "
+              f"give the --store-dir it was started with", file=sys.stderr)
+        return 2
+    if not _pid_alive_broker(pid):
+        print(f"yeto broker roll: {pid_file} names pid {pid}, which is not a running `yeto broker`: it stopped "
+              f"(a stale file)", file=sys.stderr)
+        return 2
+    status_file = store / R.STATUS_FILE
+    try:
+        prev = R.RollStatus.from_json(status_file.read_text())
+    except (OSError, ValueError, TypeError):
+        prev = None
+    if prev is not None and prev.state == "rolling" and time.time() - prev.updated < R.HEALTHY_S + R.LDM_EXIT_S:
+        print(f"yeto broker roll: roll {prev.id} is under way (node {prev.node}, {prev.phase}); wait for it to end",
+              file=sys.stderr)
+        return 1
+    rid = uuid.uuid4().hex[:12]
+    R.write_atomic(store / R.REQUEST_FILE, json.dumps({"id": rid, "at": time.time()}))
+    os.kill(pid, signal.SIGUSR1)
+    print(f"yeto broker roll: asked yeto broker (pid {pid}) to restart its nodes one at a time (roll {rid})", flush=True)
+    deadline = time.monotonic() + timeout
+    shown = 0
+    while True:
+        try:
+            st = R.RollStatus.from_json(status_file.read_text())
+        except (OSError, ValueError, TypeError):
+            st = None
+        if st is not None and st.id == rid:
+            new = st.lines - shown
+            for line in st.log[max(0, len(st.log) - new):] if new > 0 else []:
+                print(f"  {line}", flush=True)
+            shown = st.lines
+            if st.state == "done":
+                return 0
+            if st.state == "failed":
+                print(f"yeto broker roll: failed: {st.error}", file=sys.stderr)
+                return 1
+        if not _pid_alive_broker(pid):
+            print(f"yeto broker roll: yeto broker (pid {pid}) exited before the roll ended", file=sys.stderr)
+            return 1
+        if time.monotonic() > deadline:
+            print(f"yeto broker roll: the roll did not end within {timeout:.0f}s (see {status_file})", file=sys.stderr)
+            return 1
+        time.sleep(poll_s)

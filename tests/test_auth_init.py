@@ -297,6 +297,10 @@ def _may(perms: dict, kind: str, subject: str) -> bool:
     ("admin", "publish", "yeto.r.ctl.pull", False),
     ("admin", "publish", "$KV.yeto_r_state.session", False),
     ("admin", "publish", "$JS.API.DIRECT.GET.YETO_r_BCAST", False),
+    ("admin", "publish", "$JS.API.STREAM.LEADER.STEPDOWN.YETO_r_PUSH", True),        # a planned broker restart
+    ("admin", "publish", "$JS.API.STREAM.LEADER.STEPDOWN.KV_yeto_r_state", True),
+    ("admin", "publish", "$JS.API.STREAM.LEADER.STEPDOWN.YETO_r2_PUSH", False),
+    ("a", "publish", "$JS.API.STREAM.LEADER.STEPDOWN.YETO_r_PUSH", False),
 ])
 def test_rules(who, kind, subject, allowed):
     from yeto.services.auth import permissions

@@ -1,7 +1,8 @@
 """docs/design.md §7: `yeto broker --cluster N --node K` starts one node of a cluster alone (one node per host, or one
 restarted by hand), and `--peers` gives each node its own host's ports. Three real `yeto broker` processes
 form one JetStream cluster (a meta leader, an R3 stream on all three); one stopped and started again by
-hand rejoins on its store and catches up. Bad combinations are refused naming the flag.
+hand rejoins on its store and catches up; stopped by SIGTERM, a node first hands its stream leaders over and leaves
+through lame duck mode (docs/design.md §7.1). Bad combinations are refused naming the flag.
 """
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ async def _peers_current(urls: list[str], want_msgs: int, timeout: float = 90) -
         await nc.close()
 
 
+async def _lead(stream: str, server: str, urls: list[str]) -> str:
+    """Make `server` the leader of `stream` (a stepdown with it as the preferred peer); the leader after."""
+    import json
+
+    nc = await nats.connect(servers=urls)
+    try:
+        js = nc.jetstream(timeout=10)
+        for _ in range(20):
+            if (await js.stream_info(stream)).cluster.leader == server:
+                break
+            await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                             json.dumps({"placement": {"preferred": server}}).encode(), timeout=5)
+            await asyncio.sleep(0.3)
+        return (await js.stream_info(stream)).cluster.leader
+    finally:
+        await nc.close()
+
+
 def _stop(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -109,9 +128,14 @@ def test_three_nodes_started_one_by_one_form_a_cluster_and_one_restarted_by_hand
             assert line.startswith(f"yeto broker ready: {urls[k - 1]} (node yeto-{k} of cluster yeto of 3"), line
         wait_jetstream(urls, 90)
         assert asyncio.run(_peers_current(urls, 1)) == ["yeto-1", "yeto-2", "yeto-3"]
-        # node 2 stopped, a message stored by the other two, node 2 started again by hand: it catches up
+        # node 2 stopped, a message stored by the other two, node 2 started again by hand: it catches up.
+        # The stop is planned (SIGTERM, docs/design.md §7.1): yeto-2, made the stream's leader first, hands the
+        # leadership over before it leaves through lame duck mode
+        assert asyncio.run(_lead("NODES", "yeto-2", urls)) == "yeto-2"
         procs[2].send_signal(signal.SIGTERM)
         assert procs[2].wait(30) == 0
+        said = open(logs[2]).read()
+        assert "yeto-2: 1 of 1 stream leaders moved" in said and "lame duck mode (SIGUSR2)" in said, said
         assert asyncio.run(_peers_current([urls[0], urls[2]], 2, timeout=5)) != ["yeto-1", "yeto-2", "yeto-3"]
         procs[2], logs[2] = _node(tmp_path, 2, *common)
         _ready(logs[2], procs[2])

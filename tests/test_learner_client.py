@@ -387,3 +387,93 @@ def test_cut_inbox_keeps_the_newest_notice_per_chunk_subject():
     assert len(inbox) == 3
     assert sorted((n.fragment, n.chunk, n.version) for n in inbox.drain()) == [(0, 0, 2), (0, 1, 1), (1, 0, 1)]
     assert len(inbox) == 0 and inbox.drain() == []
+
+
+async def test_a_pull_ahead_of_the_cut_watcher_waits_for_its_notice_and_a_lost_watcher_is_made_again(
+        js, run_id, nats_url, clients):
+    """docs/design.md §7.1: a pull names its base version, sealed on BCAST before the round launched. Its notice
+    in flight: the pull waits for it. The watcher lost (its server stopped; here its subscription is dropped under
+    it, and no heartbeat check has noticed yet): made again, and the pull is handed on after the notice, so the
+    boundary reads the version before it answers instead of pushing on a base the syncer refuses."""
+    import hashlib
+
+    from yeto.learner import ctl_reader
+    from yeto.schemas.messages import BcastChunk
+
+    c = await provisioned(clients, run_id, nats_url)
+
+    async def seal(version: int) -> None:
+        data = bytes([version]) * 8
+        meta = BcastChunk(run=run_id, fragment=0, version=version, dtype="f32", chunk=0, chunks=1, offset=0, nbytes=8,
+                          total=8, digest=hashlib.sha256(data).hexdigest()[:16], version_digest="0" * 64)
+        await js.publish(S.bcast(run_id, 0, 0), data, headers={codec.CHUNK_HEADER: meta.header(),
+                                                               S.MSG_ID: f"v{version}"})
+
+    def pull(step: int, base: int) -> bytes:
+        return codec.encode("pull", codec.make("pull", run=run_id, fragment=0, step=step, attempt=1, seq=0,
+                                               base_version=base, members=[{"island": ISLAND, "gen": c.gen}]))
+
+    def arrivals():
+        """What reached the inboxes, in order: ("bcast", version) / ("pull", base)."""
+        return [("bcast", n.version) for n in c.bcast.drain()] + [("pull", p["base_version"]) for p in c.pulls.drain()]
+
+    await seal(1)
+    await until(lambda: len(c.bcast) >= 1, what="the notice of version 1")
+    assert arrivals() == [("bcast", 1)]
+    # the pull and the seal it starts from race (two consumers): a pull that outruns the notice waits for it
+    await js.publish(S.pull(run_id), pull(3, 2), headers={S.MSG_ID: "p3"})
+    await asyncio.sleep(0.1)
+    await seal(2)
+    await until(lambda: len(c.pulls) >= 1, what="the pull of round 3")
+    assert arrivals() == [("bcast", 2), ("pull", 2)] and c.counters["cut_rewatch"] == 0
+    # the watcher lost: a pull past what it announced makes it again, and waits for its notices
+    await c.cuts._subs["bcast_chunk"].unsubscribe()
+    await seal(3)
+    t0 = time.monotonic()
+    await js.publish(S.pull(run_id), pull(5, 3), headers={S.MSG_ID: "p5"})
+    await until(lambda: len(c.pulls) >= 1, what="the pull of round 5")
+    took = time.monotonic() - t0
+    assert arrivals() == [("bcast", 3), ("pull", 3)] and c.counters["cut_rewatch"] == 1
+    assert ctl_reader.CUT_NOTICE_WAIT_S <= took < ctl_reader.CUT_NOTICE_WAIT_S + ctl_reader.CUT_REWATCH_WAIT_S
+    # and it keeps watching
+    await seal(4)
+    await until(lambda: len(c.bcast) >= 1, what="the notice of version 4")
+    assert arrivals() == [("bcast", 4)]
+
+
+async def test_deliveries_lost_with_a_connection_come_again_at_once_after_the_reconnect(js, run_id):
+    """docs/design.md §7.1: a pull the server handed to a fetch on a connection that then went away (its node
+    restarted) would come again only after the consumer's 30 s ack wait; after the reconnect the reader makes
+    the consumer again from the message after the last one taken, and it comes at once."""
+    from collections import Counter
+
+    from yeto.learner.ctl_reader import CtlReader
+    from yeto.learner.inbox import Inbox
+    from yeto.schemas import provision as P
+
+    gen = "c" * 16
+    await P.ensure_island_consumers(js, run_id, ISLAND, gen, start_seq=1)
+    reader = CtlReader(js=js, run=run_id, island=ISLAND, gen=gen, hello={}, counters=Counter(), pulls=Inbox(),
+                       control=Inbox(), reject=lambda *a: None, spawn=None,
+                       connected=lambda: True, on_fatal=lambda: None)
+    reader.consumers = {kind: S.island_consumer(ISLAND, kind) for kind in S.ISLAND_CONSUMER_KINDS}
+    pull = dict(fragment=0, step=1, attempt=1, seq=0, base_version=0, members=[{"island": ISLAND, "gen": gen}])
+    await js.publish(S.pull(run_id), codec.encode("pull", codec.make("pull", run=run_id, **pull)),
+                     headers={S.MSG_ID: "p1"})
+    ctl = S.stream(run_id, "CTL")
+    lost = await js.pull_subscribe_bind(durable=S.island_pull_consumer(ISLAND), stream=ctl)
+    assert len(await lost.fetch(1, timeout=5)) == 1          # delivered, never acked: lost with its connection
+    await lost.unsubscribe()
+    assert (await js.consumer_info(ctl, S.island_pull_consumer(ISLAND))).num_ack_pending == 1
+    await reader.after_reconnect()
+    assert reader.counters["ctl_consumer_reset"] == 1 and reader.counters["ctl_consumer_recreated"] == 1
+    again = await js.pull_subscribe_bind(durable=S.island_pull_consumer(ISLAND), stream=ctl)
+    t0 = time.monotonic()
+    (m,) = await again.fetch(1, timeout=5)
+    assert time.monotonic() - t0 < 2.0 and codec.decode_typed(m.data, ("pull",))[1]["step"] == 1
+    owner = P.consumer_owner(await js.consumer_info(ctl, S.island_pull_consumer(ISLAND)))
+    assert owner == gen                                       # still this generation's
+    await m.ack()
+    await asyncio.sleep(0.2)
+    await reader.after_reconnect()                            # nothing unacked: the consumer is left alone
+    assert reader.counters["ctl_consumer_reset"] == 1

@@ -137,11 +137,11 @@ def test_rule_modules_are_plain_functions_over_state_config_output_with_no_cycle
                 assert issubclass(getattr(__import__(f"yeto.services.syncer.{name}", fromlist=[node.name]),
                                           node.name), Exception), f"{name}.{node.name}: rules keep no objects"
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_parse") and node.args.args:
-                first = [a.arg for a in node.args.args[:3]]
-                if first[:1] == ["s"]:
-                    # a rule (s, cfg, out, ...) or a query of the two (s, cfg) that writes nothing
-                    assert first[:2] == ["s", "cfg"] and first[2:] in ([], ["out"]) \
-                        or node.name == "_machine_settings", (name, node.name, first)
+                args = [a.arg for a in node.args.args]
+                if args[:1] == ["s"]:
+                    # a rule that emits takes (s, cfg, out, ...); a query that emits nothing takes what it reads
+                    assert args[:3] == ["s", "cfg", "out"] or "out" not in args \
+                        or node.name == "_machine_settings", (name, node.name, args)
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 value = node.value
                 assert isinstance(value, (ast.Constant, ast.Tuple, ast.BinOp, ast.UnaryOp)), \

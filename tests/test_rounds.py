@@ -675,23 +675,30 @@ def test_liveness_leave_not_captured_then_heartbeat_revives():
 
 
 
-def test_an_island_that_says_it_leaves_is_gone_at_once_and_its_round_restarts_without_it():
-    # A planned stop (the island's launcher sent SIGTERM): its last heartbeat says so.
-    m = nonstrict(quorum=None, fragments=1, sync_every=4, member_timeout_s=20.0, quorum_timeout_s=100.0)
+def test_an_island_that_says_it_leaves_is_gone_at_once_and_its_round_completes_without_it():
+    # A planned stop (the island's launcher sent SIGTERM): its last heartbeat says so. No grace window here
+    # (grace_ms 0), so the merge follows the leave at once.
+    m = nonstrict(quorum=None, fragments=1, sync_every=4, member_timeout_s=20.0, quorum_timeout_s=100.0, grace_ms=0.0)
     launch_first(m)
     m.handle(push(m, "a", 1, now=5.0))
     acts = m.handle(Heartbeat("b", GEN["b"], 5, 1.0, 6.0, leaving=True))
     (lv,) = tapes(acts, "leave")
     assert lv["island"] == "b" and "said it is stopping" in lv["reason"] and not m.members["b"].live
     assert m.counters["leave.said"] == 1 and of(acts, WriteMember)
+    # the round stops waiting for b at once: b is excused from its quorum (pushes.excuse), so it merges a's push,
+    # neither at the member timeout (20 s of silence) or its deadline (100 s) nor after a restart that would ask a
+    # to push again (HOPELESS_RESTART_S later)
+    (mg,) = of(acts, Merge)
     # a heartbeat of that generation sent before the leaving one but delivered after it revives nothing
     m.handle(Heartbeat("b", GEN["b"], 4, 1.0, 6.5))
     assert not m.members["b"].live and m.counters["ignored.heartbeat_after_leave"] == 1
-    # the round stops waiting for b now: it restarts without b soon after the leave, long before the member
-    # timeout (20 s of silence) or its deadline (100 s)
-    assert not pulls(m.handle(Tick(6.0 + HOPELESS_RESTART_S - 0.1)))
-    (p,) = pulls(m.handle(Tick(6.0 + HOPELESS_RESTART_S)))
-    assert p["attempt"] == 2 and [x["island"] for x in p["members"]] == ["a"]
+    assert [i.island for i in mg.members] == ["a"] and mg.attempt == 1 and m.rounds[1].quorum == 1
+    assert not pulls(m.handle(Tick(6.0 + HOPELESS_RESTART_S + 1)))
+    # in strict mode every member is waited for: the leave excuses nothing
+    st = machine(fragments=1, sync_every=4, quorum_timeout_s=100.0)
+    assert pulls(start(st))
+    st.handle(push(st, "a", 1, now=5.0))
+    assert not of(st.handle(Heartbeat("b", GEN["b"], 5, 1.0, 6.0, leaving=True)) + st.handle(Tick(6.1)), Merge)
     # a new process of the island (a new generation) joins again
     m.handle(hello("b", gen="b2" * 8, now=10.0))
     assert m.members["b"].live and m.members["b"].gen == "b2" * 8 and not m.members["b"].left

@@ -51,7 +51,8 @@ Rule functions of services/syncer/rounds.RoundMachine over (state, config, outpu
   completes with the others (after the grace window, as for a member that did not answer); only when
   nobody is left does it restart as for a missing member. Before this, a compromised island that
   quarantined every push held every round of a 2-island run (default quorum: every member) below
-  quorum, restarting for ever. A push judged at completion was first taped `accepted`; its
+  quorum, restarting for ever. A member that said it leaves (membership.leave, `said`) is excused the
+  same way (round_rules.check_round), so a planned island stop costs no restart. A push judged at completion was first taped `accepted`; its
   `quarantined` record follows and supersedes it.
 """
 from __future__ import annotations
@@ -122,7 +123,7 @@ def on_push(s: MachineState, cfg: SyncerConfig, out: Output, ev: PushComplete, n
             # attempt: its slot cannot count towards quorum any more.
             slot.refused = disposition
         if quarantined_now:
-            _excuse(s, cfg, out, r, now)
+            excuse(s, cfg, out, r, now)
     s.counters[f"disposition.{disposition}"] += 1
     staleness = current - ev.base_version if current is not None and ev.base_version <= current else None
     detail = {"staleness": staleness, "local_step": ev.local_step}
@@ -270,22 +271,32 @@ def _quarantine_answer(s: MachineState, cfg: SyncerConfig, out: Output, r: Round
                   gen=a.gen, disposition="quarantined", base_version=a.base_version, reason=reason,
                   detail={"local_step": a.local_step, "quarantine": rule}, **{"try": a.try_})
     out.emit(Release(island, a.gen, r.step, r.fragment, r.attempt, a.try_, "quarantined"))
-    _excuse(s, cfg, out, r, now)
+    excuse(s, cfg, out, r, now)
     if r.answered < r.quorum:
         r.quorum_at = r.grace_s = None   # below quorum again: a later push reaches it afresh
 
 
-def _excuse(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
-    """A member whose push was quarantined is excused from the attempt's quorum (not in strict mode,
-    which waits for every member): quorum becomes at most the members not quarantined (and at least
-    1), for the rest of the attempt (a later try of that member that is accepted is merged, but not
-    waited for). Without this a compromised island that quarantines every push (NaN, a norm far out) would
-    hold every round of a run whose quorum is every member below quorum, restarting for ever: a
-    2-island run with the default quorum never committed again. The round completes with the
+def left_on_purpose(s: MachineState, island: str, gen: str) -> bool:
+    """The slot's process said it stops (its leaving heartbeat: membership.leave said=True) and no newer
+    generation has taken the slot over: it will not answer."""
+    m = s.members.get(island)
+    return m is not None and m.gen == gen and m.left and not m.live
+
+
+def excuse(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    """A member whose push was quarantined, or that said it leaves (a planned stop: SIGTERM, `close()`), is
+    excused from the attempt's quorum (not in strict mode, which waits for every member): quorum becomes
+    at most the members not excused (and at least 1), for the rest of the attempt (a later try of that
+    member that is accepted is merged, but not waited for). Without this a compromised island that
+    quarantines every push (NaN, a norm far out) would hold every round of a run whose quorum is every
+    member below quorum, restarting for ever: a 2-island run with the default quorum never committed again;
+    and a round whose member left restarted HOPELESS_RESTART_S later and asked the others to push again
+    (soak/rolling.py measured a 3.9 s gap between two rounds' merges for it). The round completes with the
     others (after the grace window, as for a member that did not answer)."""
     if cfg.strict:
         return
-    excused = sum(1 for slot in r.slots.values() if slot.answer is None and slot.refused == "quarantined")
+    excused = sum(1 for i, slot in r.slots.items() if slot.answer is None and (
+        slot.refused == "quarantined" or left_on_purpose(s, i, slot.gen)))
     r.quorum = max(1, min(r.quorum, len(r.slots) - excused))
     if r.quorum_at is None and r.answered >= r.quorum:
         _reach_quorum(s, cfg, out, r, now)

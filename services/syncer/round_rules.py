@@ -31,6 +31,11 @@ def _hopeful(s: MachineState, cfg: SyncerConfig, out: Output, r: Round) -> int:
 
 
 def check_round(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    # A member that said it leaves will not answer: excused from the quorum (pushes.excuse), so the round
+    # completes with the others' pushes now instead of restarting and asking them again (docs/design.md §7.1).
+    if not cfg.strict and any(slot.answer is None and pushes.left_on_purpose(s, i, slot.gen)
+                              for i, slot in r.slots.items()):
+        pushes.excuse(s, cfg, out, r, now)
     # Outliers are judged when the round would complete; removing one re-judges the round below.
     if r.answered == len(r.slots) and not pushes.screen_outliers(s, cfg, out, r, now):
         pushes.complete(s, cfg, out, r, now)
