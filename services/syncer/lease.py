@@ -120,6 +120,7 @@ _OPEN: set[str] = set()
 
 
 _FINISHED = object()   # RunLease._poll_once: the run is over
+SLOW_POLL_S = 2.0
 
 
 class RunLease:
@@ -212,13 +213,19 @@ class RunLease:
     async def _poll_once(self, finished: Callable[[], Awaitable[bool]]):
         """_FINISHED when the run is finished; None after a failed read (a broker away: the caller sleeps
         and looks again, its clock running on); else the key as read, (revision, record)."""
+        t0 = time.monotonic()
         if await finished():
             return _FINISHED
+        t1 = time.monotonic()
         try:
             return await self._read()
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.debug("lease read failed: %r", exc)
             return None
+        finally:
+            if time.monotonic() - t0 > SLOW_POLL_S:   # a standby that sees a release late: say where it waited
+                log.warning("%s: a look at the lease took %.1f s (run finished? %.1f s, the key %.1f s)", self.label,
+                            time.monotonic() - t0, t1 - t0, time.monotonic() - t1)
 
     def _holder_died_here(self) -> bool:
         """The holder ran on this host and its process is gone (a syncer restarted after a kill): no TTL

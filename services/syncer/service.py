@@ -44,6 +44,7 @@ from yeto.services.syncer.actions import (
 from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
 from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
+from yeto.services.syncer.consumer_reset import reset_lost_deliveries
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, CutPublisher
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
@@ -75,6 +76,10 @@ PUSH_FETCH_BATCH = 8
 INIT_FETCH_BATCH = 8
 MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's next wake-up is already past
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
+# A planned hand-over waits this long for the cancelled intake tasks: what they had not acked is redelivered to
+# the standby, and every second here is a second without rounds. Once in soak/rolling.py, right after a broker
+# roll, they took the whole EXIT_STEP_S (a 25 s stall): which task and where it hung is logged now.
+HANDOVER_STOP_S = 3.0
 
 
 class SyncerService:
@@ -115,6 +120,8 @@ class SyncerService:
         self.lease: RunLease | None = None
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
+        self._consumers: dict[str, str] = {}   # stream kind -> the durable this syncer reads it with
+        self._side_tasks: set[asyncio.Task] = set()
         self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
 
     async def run(self) -> int:
@@ -205,10 +212,14 @@ class SyncerService:
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
             ready = None if mc.coordinator else (lambda: self.model.session is not None)
+            self._consumers = {"INIT": SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
+                               "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards)}
+            if mc.coordinator:
+                self._consumers.update({"HB": S.SYNCER_HB_CONSUMER, "CTL": S.SYNCER_CTL_CONSUMER})
             self._tasks += [
-                asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
+                asyncio.create_task(rx.consume("INIT", self._consumers["INIT"],
                                                rx.on_init, INIT_FETCH_BATCH, ready=ready)),
-                asyncio.create_task(rx.consume("PUSH", SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
+                asyncio.create_task(rx.consume("PUSH", self._consumers["PUSH"],
                                                rx.on_push, PUSH_FETCH_BATCH, ready=ready)),
             ]
             if mc.coordinator:
@@ -222,7 +233,13 @@ class SyncerService:
             # Every step of the way out is bounded: a syncer whose run is over must exit.
             for t in self._tasks:
                 t.cancel()
-            await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers")
+            await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers",
+                                HANDOVER_STOP_S if self.handover is not None else EXIT_STEP_S)
+            for t in self._tasks:
+                if not t.done():
+                    frames = t.get_stack(limit=3)
+                    log.warning("left behind at exit: %s at %s", t.get_coro().__qualname__,
+                                "; ".join(f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}" for f in frames))
             if self.tape is not None and self.fenced is None:
                 if self.receiver is not None:
                     await self._bounded(self.receiver.flush_limits(force=True), "taping the rate-limited rejections")
@@ -305,6 +322,11 @@ class SyncerService:
 
     async def _on_reconnect(self):
         log.info("reconnected to NATS")
+        if self._consumers and self.handover is None and self.done is None:
+            # deliveries handed to a fetch on the lost connection (consumer_reset.py)
+            self._side_tasks.add(t := asyncio.create_task(
+                reset_lost_deliveries(self.js, self.run_id, dict(self._consumers), self.counters)))
+            t.add_done_callback(self._side_tasks.discard)
 
     def _key(self, name: str) -> str:
         """This shard's state KV key `name` (`syncer`, `commit`, `pulls`): `<name>.<K>` when sharded."""
