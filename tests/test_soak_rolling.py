@@ -45,7 +45,7 @@ def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     assert res["outer_lr_from"] is not None and set_at < res["outer_lr_from"] <= set_at + 10, tail
     assert res["committed"] == 200, tail
     if float(gap) > float(median) + 3.0:
-        # KNOWN DEFECT (issue 42's note, 2026-12-07): on a loaded machine, about one run in three, the standby
+        # KNOWN DEFECT (docs/design.md §7.1, "Open"; soak/README.md): on a loaded machine, about one run in three, the standby
         # takes 20-25 s to take over at the first hand-over right after the broker roll (the owner released
         # the lease at once; the standby's lease polls see it late; cause not found yet). Everything else
         # above holds in those runs; this bound is the one left to fix, so the test reports it as xfail, not

@@ -76,10 +76,7 @@ PUSH_FETCH_BATCH = 8
 INIT_FETCH_BATCH = 8
 MIN_WAIT_S = 0.05          # the shortest wait for an event when the machine's next wake-up is already past
 EXIT_STEP_S = 25.0          # the longest one step of the exit path may take (above the tape flush's own 20 s)
-# A planned hand-over waits this long for the cancelled intake tasks: what they had not acked is redelivered to
-# the standby, and every second here is a second without rounds. Once in soak/rolling.py, right after a broker
-# roll, they took the whole EXIT_STEP_S (a 25 s stall): which task and where it hung is logged now.
-HANDOVER_STOP_S = 3.0
+HANDOVER_STOP_S = 3.0  # a hand-over's wait for its cancelled intake tasks (once 25 s: design §7.1); unacked comes again
 
 
 class SyncerService:
@@ -213,9 +210,8 @@ class SyncerService:
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
             ready = None if mc.coordinator else (lambda: self.model.session is not None)
             self._consumers = {"INIT": SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
-                               "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards)}
-            if mc.coordinator:
-                self._consumers.update({"HB": S.SYNCER_HB_CONSUMER, "CTL": S.SYNCER_CTL_CONSUMER})
+                               "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
+                               **({"HB": S.SYNCER_HB_CONSUMER, "CTL": S.SYNCER_CTL_CONSUMER} if mc.coordinator else {})}
             self._tasks += [
                 asyncio.create_task(rx.consume("INIT", self._consumers["INIT"],
                                                rx.on_init, INIT_FETCH_BATCH, ready=ready)),
@@ -235,11 +231,9 @@ class SyncerService:
                 t.cancel()
             await self._bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping the consumers",
                                 HANDOVER_STOP_S if self.handover is not None else EXIT_STEP_S)
-            for t in self._tasks:
-                if not t.done():
-                    frames = t.get_stack(limit=3)
-                    log.warning("left behind at exit: %s at %s", t.get_coro().__qualname__,
-                                "; ".join(f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}" for f in frames))
+            for t in (t for t in self._tasks if not t.done()):
+                log.warning("left behind at exit: %s at %s", t.get_coro().__qualname__, "; ".join(
+                    f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}" for f in t.get_stack(limit=3)))
             if self.tape is not None and self.fenced is None:
                 if self.receiver is not None:
                     await self._bounded(self.receiver.flush_limits(force=True), "taping the rate-limited rejections")
@@ -322,10 +316,9 @@ class SyncerService:
 
     async def _on_reconnect(self):
         log.info("reconnected to NATS")
-        if self._consumers and self.handover is None and self.done is None:
-            # deliveries handed to a fetch on the lost connection (consumer_reset.py)
-            self._side_tasks.add(t := asyncio.create_task(
-                reset_lost_deliveries(self.js, self.run_id, dict(self._consumers), self.counters)))
+        if self._consumers and self.handover is None and self.done is None:   # deliveries lost with the connection
+            t = asyncio.create_task(reset_lost_deliveries(self.js, self.run_id, dict(self._consumers), self.counters))
+            self._side_tasks.add(t)
             t.add_done_callback(self._side_tasks.discard)
 
     def _key(self, name: str) -> str:
