@@ -55,7 +55,8 @@ def test_yeto_broker_cluster_prints_the_url_list_and_stops_every_node(tmp_path):
         line = proc.stdout.readline()
         urls = [f"nats://127.0.0.1:{port + i}" for i in range(3)]
         assert f"ready: {','.join(urls)} " in line, line
-        assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["yeto-1", "yeto-2", "yeto-3"]
+        # a store per node (beside them the supervisor's pid file, written around the ready line)
+        assert sorted(p.name for p in (tmp_path / "s").iterdir() if p.is_dir()) == ["yeto-1", "yeto-2", "yeto-3"]
 
         async def check():
             for u in urls:  # each node on its own: all three are members of one JetStream cluster

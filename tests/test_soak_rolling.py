@@ -24,8 +24,9 @@ LAST = re.compile(r"^rolling lost=(\d+) double=(\d+) final_equal=(true|false) ma
 @pytest.mark.timeout(600)
 def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     out_json = tmp_path / "rolling.json"
-    # 200 rounds of ~0.45 s: the six operations were over by round ~90-110 on the loaded 2-core VM (soak/README.md)
-    cmd = [sys.executable, str(ROOT / "soak" / "rolling.py"), "--rounds", "200", "--timeout", "500",
+    # 200 rounds of ~0.45 s: the six operations were over by round ~90-110 on the loaded 2-core VM (soak/README.md),
+    # but under a full CI run once not before round 200 ("the run ended first"): 320 rounds
+    cmd = [sys.executable, str(ROOT / "soak" / "rolling.py"), "--rounds", "320", "--timeout", "500",
            "--progress-every", "30", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
     out = proc.stdout + proc.stderr
@@ -43,11 +44,11 @@ def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     # the outer lr set mid-run is on every merge from the round after the request on (the tape's merge records)
     set_at = next(o["round"] for o in res["ops"] if o["name"] == "outer-lr")
     assert res["outer_lr_from"] is not None and set_at < res["outer_lr_from"] <= set_at + 10, tail
-    assert res["committed"] == 200, tail
+    assert res["committed"] == 320, tail
     if float(gap) > float(median) + 3.0:
-        # KNOWN DEFECT (docs/design.md §7.1, "Open"; soak/README.md): on a loaded machine, about one run in three, the standby
-        # takes 20-25 s to take over at the first hand-over right after the broker roll (the owner released
-        # the lease at once; the standby's lease polls see it late; cause not found yet). Everything else
+        # KNOWN DEFECT (docs/design.md §7.1, "Open"; soak/README.md): on a loaded machine, about one run in three, a
+        # 20-30 s gap at the first hand-over right after the broker roll (the standby's late takeover, or the
+        # syncer's deliveries lost with its connection: 30 s ack wait). Everything else
         # above holds in those runs; this bound is the one left to fix, so the test reports it as xfail, not
         # as a pass.
         pytest.xfail(f"max_commit_gap_s={gap} > median_round_s={median} + 3 (known: the standby's late takeover "

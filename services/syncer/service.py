@@ -44,7 +44,6 @@ from yeto.services.syncer.actions import (
 from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
 from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
-from yeto.services.syncer.consumer_reset import reset_lost_deliveries
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, CutPublisher
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
@@ -117,8 +116,6 @@ class SyncerService:
         self.lease: RunLease | None = None
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
-        self._consumers: dict[str, str] = {}   # stream kind -> the durable this syncer reads it with
-        self._side_tasks: set[asyncio.Task] = set()
         self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
 
     async def run(self) -> int:
@@ -209,13 +206,10 @@ class SyncerService:
             # Per shard (schemas/stream_configs.syncer_consumer_configs): only the coordinator reads CTL.
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
             ready = None if mc.coordinator else (lambda: self.model.session is not None)
-            self._consumers = {"INIT": SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
-                               "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
-                               **({"HB": S.SYNCER_HB_CONSUMER, "CTL": S.SYNCER_CTL_CONSUMER} if mc.coordinator else {})}
             self._tasks += [
-                asyncio.create_task(rx.consume("INIT", self._consumers["INIT"],
+                asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
                                                rx.on_init, INIT_FETCH_BATCH, ready=ready)),
-                asyncio.create_task(rx.consume("PUSH", self._consumers["PUSH"],
+                asyncio.create_task(rx.consume("PUSH", SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
                                                rx.on_push, PUSH_FETCH_BATCH, ready=ready)),
             ]
             if mc.coordinator:
@@ -316,10 +310,6 @@ class SyncerService:
 
     async def _on_reconnect(self):
         log.info("reconnected to NATS")
-        if self._consumers and self.handover is None and self.done is None:   # deliveries lost with the connection
-            t = asyncio.create_task(reset_lost_deliveries(self.js, self.run_id, dict(self._consumers), self.counters))
-            self._side_tasks.add(t)
-            t.add_done_callback(self._side_tasks.discard)
 
     def _key(self, name: str) -> str:
         """This shard's state KV key `name` (`syncer`, `commit`, `pulls`): `<name>.<K>` when sharded."""
