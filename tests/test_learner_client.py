@@ -20,6 +20,8 @@ from yeto.schemas.errors import ConfigError, IdError, WireError
 from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas.provision import RunLimits, provision_run, remove_run
 
+from tests.island_support import until
+
 ISLAND = "a"
 LAYOUT = [{"name": "embed.weight", "shape": [4, 2], "dtype": "float32"},
           {"name": "layers.0.weight", "shape": [2, 2], "dtype": "float32"}]
@@ -55,14 +57,6 @@ async def provisioned(clients, run_id, nats_url, **kw) -> IslandClient:
     await asyncio.to_thread(c.start)
     await asyncio.to_thread(c.provision, dict(HELLO))
     return c
-
-
-async def until(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_hello_and_heartbeats_arrive_valid_with_one_generation(js, run_id, nats_url, clients):
