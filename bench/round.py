@@ -54,8 +54,9 @@ fragment's f32 size (median of `--allreduce-repeat` after one warm-up), run afte
 two never share the CPU. Peak RSS (VmHWM, sampled) of every process is printed. Islands save their
 final parameters; `final_equal` says they hold bitwise the same bytes (the final cut).
 Bytes per round through the broker: the broker's /connz (the embedded one's monitoring port, or
-`--nats-monitor`) when the warm-up's and the last round's merge records go by; per timed round, what the
-islands sent and received and what the syncer sent and received, each also in model sizes (the
+`--nats-monitor`) when the warm-up's and the last round's merge records go by (the islands' reads: when the
+first push of those rounds is accepted, a point where no island is reading a version); per timed round, what
+the islands sent and received and what the syncer sent and received, each also in model sizes (the
 fragment's f32 bytes), then `round bytes_per_model_byte=<x>` (all of it: in and out of the broker).
 The last line is `round ratio_vs_allreduce=<x>`: median round / median all_reduce (the headline is
 f32 push and bulk, 2 islands).
@@ -207,19 +208,22 @@ TRAFFIC = (("islands_out", "from islands (pushes, step logs)"), ("syncer_in", "t
            ("syncer_out", "from the syncer (BCAST, state KV, tape)"), ("islands_in", "to islands (BCAST, pulls)"))
 
 
-def traffic(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], rounds: int) -> dict[str, float]:
+def traffic(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], rounds: int,
+            reads: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]] | None = None) -> dict[str, float]:
     """Bytes per round through the broker between two /connz snapshots, by who sent or received them: islands
     are the `yeto-island-*` connections, the syncer `yeto-syncer-*` (the bench's own observer is left out).
-    `total` is every byte in and out of the broker on those connections."""
-    def delta(prefix: str) -> tuple[int, int]:
+    `reads`, when given, is the pair of snapshots the islands' received bytes are counted between (taken where
+    no island is reading). `total` is every byte in and out of the broker on those connections."""
+    def delta(prefix: str, before: dict, after: dict) -> tuple[int, int]:
         got = sent = 0
         for name, (i, o) in after.items():
             if name.startswith(prefix):
                 i0, o0 = before.get(name, (0, 0))
                 got, sent = got + i - i0, sent + o - o0
         return got, sent
-    isl, syn = delta("yeto-island-"), delta("yeto-syncer-")
-    out = {"islands_out": isl[0], "islands_in": isl[1], "syncer_out": syn[0], "syncer_in": syn[1]}
+    isl, syn = delta("yeto-island-", before, after), delta("yeto-syncer-", before, after)
+    isl_in = delta("yeto-island-", *reads)[1] if reads else isl[1]
+    out = {"islands_out": isl[0], "islands_in": isl_in, "syncer_out": syn[0], "syncer_in": syn[1]}
     out = {k: v / rounds for k, v in out.items()}
     out["total"] = sum(out.values())
     return out
@@ -240,9 +244,10 @@ class Observer:
     def __init__(self, url: str, run: str, rounds: dict[int, RoundObs], *, monitor: str | None = None,
                  snap_steps: tuple[int, ...] = ()):
         self.url, self.run, self.rounds = url, run, rounds
-        # the broker's monitoring URL: /connz snapshots when the merge records of `snap_steps` go by
+        # the broker's monitoring URL: /connz snapshots when the merge records and the first accepted pushes of
+        # `snap_steps` go by
         self.monitor, self.snap_steps = monitor, snap_steps
-        self.snaps: dict[int, dict[str, tuple[int, int]]] = {}
+        self.snaps: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}
         self.bcast_bytes = None
         self.errors: list[str] = []
         self._ready = threading.Event()
@@ -308,8 +313,17 @@ class Observer:
             try:
                 rec = orjson.loads(msg.data)
                 note_event(rec, now, self.rounds)
-                if self.monitor and rec.get("kind") == "merge" and rec.get("step") in self.snap_steps:
-                    self.snaps[rec["step"]] = conn_bytes(await asyncio.to_thread(connz))
+                if self.monitor and rec.get("step") in self.snap_steps:
+                    # pushes and the syncer's writes are counted between merge records (every push of the round
+                    # is in, none of the next: lockstep); the islands' reads between the first accepted push of
+                    # a round (both islands hold the previous version, nobody can read this one yet): at a merge
+                    # record an island may already be reading the version in flight (cut-through broadcast)
+                    point = {"merge": "merge", "disposition": "accept"}.get(rec.get("kind"))
+                    if point == "accept" and rec.get("disposition") != "accepted":
+                        point = None
+                    if point and (point, rec["step"]) not in self.snaps:
+                        self.snaps[(point, rec["step"])] = {}
+                        self.snaps[(point, rec["step"])] = conn_bytes(await asyncio.to_thread(connz))
             except Exception as exc:  # noqa: BLE001
                 self.errors.append(f"event: {exc!r}")
 
@@ -524,8 +538,12 @@ def main(argv: list[str] | None = None) -> int:
         frag = info["fragment_bytes"] or 0
         numel = frag // (4 if args.bulk_dtype == "f32" else 2)
         snaps, total = info["snaps"], args.warmup + args.rounds
-        if args.warmup in snaps and total in snaps:
-            print(fmt_traffic(traffic(snaps[args.warmup], snaps[total], args.rounds), numel * 4), flush=True)
+        # pushes: between the warm-up's and the last round's merge records (rounds warm-up+1 .. last); reads:
+        # between the first accepted pushes of the warm-up's and the last round (versions warm-up .. last-1)
+        keys = [("merge", args.warmup), ("merge", total), ("accept", args.warmup), ("accept", total)]
+        if all(snaps.get(k) for k in keys):
+            print(fmt_traffic(traffic(snaps[keys[0]], snaps[keys[1]], args.rounds, reads=(snaps[keys[2]], snaps[keys[3]])),
+                              numel * 4), flush=True)
         else:
             print("bytes per round through the broker: - (no monitoring endpoint: give --nats-monitor with --nats)",
                   flush=True)

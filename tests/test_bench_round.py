@@ -184,3 +184,14 @@ def test_traffic_counts_islands_and_syncer_between_two_connz_snapshots_and_leave
     assert t == {"islands_out": 200.0, "islands_in": 400.0, "syncer_out": 300.0, "syncer_in": 200.0, "total": 1100.0}
     line = bench.fmt_traffic(t, model_bytes=100).splitlines()
     assert line[-1] == "round bytes_per_model_byte=11.00" and "to islands (BCAST, pulls) 0.0 MiB (4.00)" in line[0]
+
+
+def test_traffic_counts_the_islands_reads_between_their_own_snapshots_when_given():
+    """The islands' received bytes come from the `reads` pair (taken where no island reads a version), the rest from
+    the merge-record pair: an island half-way through reading a version at a merge record no longer moves them."""
+    bench = _load()
+    # /connz's in_bytes is what the client sent, out_bytes what the server sent it
+    snap = lambda sent, got: bench.conn_bytes({"connections": [  # noqa: E731
+        {"name": "yeto-island-a-1", "in_bytes": sent, "out_bytes": got}]})
+    t = bench.traffic(snap(0, 1000), snap(150, 1400), rounds=2, reads=(snap(0, 900), snap(0, 1300)))
+    assert t["islands_out"] == 75.0 and t["islands_in"] == 200.0 and t["total"] == 275.0

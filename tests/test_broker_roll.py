@@ -141,7 +141,9 @@ async def test_an_islands_cut_watcher_whose_server_stops_is_back_within_two_seco
     """An island watches BCAST through an ordered consumer: one replica, in memory, on one server. That server
     stopping (lame duck mode here) takes the consumer with it; with the cut config's short idle heartbeat
     (stream_configs.CUT_IDLE_HEARTBEAT_S) nats-py re-creates it on a live server within 1-2 s (with its default
-    5 s: 10-20 s without a notice)."""
+    5 s: 10-20 s without a notice). Measured per publish: from its ack to the first notice of it or a later one
+    (one message per subject is kept, so a watcher may skip to a newer one); a publisher held up by the stream
+    leader's move is not the watcher's delay."""
     from yeto.schemas import subjects as S
     from yeto.schemas.stream_configs import bcast_consumer_config
 
@@ -152,29 +154,35 @@ async def test_an_islands_cut_watcher_whose_server_stops_is_back_within_two_seco
         stream = S.stream(run, "BCAST")
         await js.add_stream(StreamConfig(name=stream, subjects=[S.bcast_all(run)], num_replicas=3,
                                          max_msgs_per_subject=1))
-        got: list[float] = []
+        got: list[tuple[float, int]] = []
 
-        async def seen(msg):
-            got.append(time.monotonic())
+        async def seen(msg):   # the cut config delivers headers only: which publish it is, from its message id
+            mid = (msg.headers or {}).get("Nats-Msg-Id", "")
+            if mid.startswith("m"):
+                got.append((time.monotonic(), int(mid[1:])))
 
         cfg = bcast_consumer_config(run)
         sub = await js.subscribe(cfg.filter_subject, stream=stream, ordered_consumer=True, config=cfg, cb=seen)
         await publish_retry(js, S.bcast(run, 0, 0), b"x", "first")
         host = (await sub.consumer_info()).cluster.leader
         node = c.nodes[c.index_of(host)].proc
-        t0 = time.monotonic()
         node.send_signal(signal.SIGUSR2)
+        acked: list[float] = []
         for i in range(80):     # a chunk every 0.1 s for 8 s, as a syncer broadcasting would
             await publish_retry(js, S.bcast(run, 0, i % 4), str(i).encode(), f"m{i}", timeout=5)
+            acked.append(time.monotonic())
             await asyncio.sleep(0.1)
-        t_end = time.monotonic()
-        after = [t for t in got if t >= t0]
-        gaps = [b - a for a, b in zip([t0] + after, after + [t_end])]
-        print(f"consumer on {host}: it exited {'yes' if node.poll() is not None else 'no'}; longest gap between two "
-              f"notices {max(gaps):.2f}s, {len(after)} of 80 seen")
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end and not (got and got[-1][1] == 79):
+            await asyncio.sleep(0.05)
+        t_end = min(t_end, time.monotonic())
+        # each publish: how long until the watcher saw it or a newer one (until the end when it never did)
+        delays = [next((t for t, j in got if j >= i and t >= a), t_end) - a for i, a in enumerate(acked)]
+        print(f"consumer on {host}: it exited {'yes' if node.poll() is not None else 'no'}; longest wait from a "
+              f"publish to its notice {max(delays):.2f}s, {len(got)} of 80 seen")
         await nc.close()
     assert node.poll() is not None
-    assert max(gaps) < 3.0, sorted(gaps)[-3:]     # the last one: until the end (nothing seen after a gap)
+    assert max(delays) < 3.0, sorted(delays)[-3:]
 
 
 def _start_cluster(tmp_path) -> tuple[subprocess.Popen, list[str], object]:
