@@ -45,6 +45,12 @@ __all__ = ['CONSUMER_FIELDS', 'CUT_KINDS', 'ConsumerTaken', 'DAY', 'ERR_STREAM_N
 log_ = logging.getLogger(__name__)
 
 
+def _remade_from_its_floor(field_: str, existing, wanted) -> bool:
+    """A syncer consumer made again from the message after its ack floor (services/syncer/consumer_reset.py:
+    deliveries lost with a connection) starts `by_start_sequence`; it reads on as the configured `all` did."""
+    return field_ == "deliver_policy" and existing == "by_start_sequence" and wanted == "all"
+
+
 async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerConfig]], report: ProvisionReport) -> None:
     """Check every consumer first (on streams that exist), raise on any conflict, then create."""
     conflicts, to_create = [], []
@@ -55,6 +61,8 @@ async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerCo
             to_create.append((stream_name, cfg, what))
             continue
         for f, e, w in config_conflicts(info.config, cfg, "consumer"):
+            if _remade_from_its_floor(f, e, w):
+                continue
             conflicts.append((what, stream_name, f, e, w))
         report.existing.append(what)
     if conflicts:
@@ -185,7 +193,8 @@ async def provision_run(
         info = await consumer_info_or_none(js, stream_name, cfg.durable_name)
         if info is not None:
             conflicts += [(f"consumer {stream_name}/{cfg.durable_name}", stream_name, f, e, w)
-                          for f, e, w in config_conflicts(info.config, cfg, "consumer")]
+                          for f, e, w in config_conflicts(info.config, cfg, "consumer")
+                          if not _remade_from_its_floor(f, e, w)]
     if S.stream(run, "PUSH") not in missing_names:
         conflicts += await _shard_count_conflicts(js, run, shards, fragments)
     if conflicts:

@@ -44,6 +44,7 @@ from yeto.services.syncer.actions import (
 from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
 from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
+from yeto.services.syncer.consumer_reset import reset_lost_deliveries
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, CutPublisher
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
@@ -117,6 +118,13 @@ class SyncerService:
         self.fenced: Fenced | None = None   # set once another syncer took the run over: nothing more goes out
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
         self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
+        # stream kind -> the durable this shard reads it with (only the coordinator reads CTL and HB)
+        self._consumers = {"INIT": SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
+                           "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards)}
+        if mc.coordinator:
+            self._consumers.update(HB=S.SYNCER_HB_CONSUMER, CTL=S.SYNCER_CTL_CONSUMER)
+        self._reading = False   # the intake tasks run: a reconnect from here on may have lost deliveries
+        self._side_tasks: set[asyncio.Task] = set()
 
     async def run(self) -> int:
         memtrace.start()
@@ -189,6 +197,10 @@ class SyncerService:
                 return 0   # the run finished: nothing was ours to do
             install_handover(self._request_handover)   # SIGTERM: handover.py
             self._tasks.append(asyncio.create_task(self.lease.keep(self._lease_lost)))
+            # What the previous owner fetched and never acked (it was handed over, killed or fenced) would come
+            # again only after the ack wait (30 s): soak/rolling.py's 20-25 s gaps at a hand-over. Nobody can
+            # ack it now, so the consumers holding such deliveries are made again from their ack floor.
+            await reset_lost_deliveries(self.js, self.run_id, self._consumers, self.counters)
             await self._open(claimed.resume)
             self.desk = SettingsDesk(self.nc, self.js, self.run_id, self.counters, self.queue, shard=mc.shard,
                                      shards=mc.shards, key=self._key("settings"))
@@ -207,15 +219,16 @@ class SyncerService:
             # A follower reads INIT and PUSH once it holds the session (Receiver.consume's `ready`).
             ready = None if mc.coordinator else (lambda: self.model.session is not None)
             self._tasks += [
-                asyncio.create_task(rx.consume("INIT", SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
-                                               rx.on_init, INIT_FETCH_BATCH, ready=ready)),
-                asyncio.create_task(rx.consume("PUSH", SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards),
-                                               rx.on_push, PUSH_FETCH_BATCH, ready=ready)),
+                asyncio.create_task(rx.consume("INIT", self._consumers["INIT"], rx.on_init, INIT_FETCH_BATCH,
+                                               ready=ready)),
+                asyncio.create_task(rx.consume("PUSH", self._consumers["PUSH"], rx.on_push, PUSH_FETCH_BATCH,
+                                               ready=ready)),
             ]
             if mc.coordinator:
                 # Heartbeats on their own stream and consumer: nothing queued on CTL, INIT or PUSH delays them.
-                self._tasks[:0] = [asyncio.create_task(rx.consume("HB", S.SYNCER_HB_CONSUMER, rx.on_ctl, FETCH_BATCH)),
-                                   asyncio.create_task(rx.consume("CTL", S.SYNCER_CTL_CONSUMER, rx.on_ctl, FETCH_BATCH))]
+                self._tasks[:0] = [asyncio.create_task(rx.consume("HB", self._consumers["HB"], rx.on_ctl, FETCH_BATCH)),
+                                   asyncio.create_task(rx.consume("CTL", self._consumers["CTL"], rx.on_ctl, FETCH_BATCH))]
+            self._reading = True
             if self.watch is not None:
                 self._tasks.append(asyncio.create_task(self.watch.run()))
             await self._main_loop()
@@ -310,6 +323,11 @@ class SyncerService:
 
     async def _on_reconnect(self):
         log.info("reconnected to NATS")
+        if self._reading and self.handover is None and self.done is None and self.fenced is None:
+            # deliveries handed to a fetch on the lost connection (consumer_reset.py)
+            self._side_tasks.add(t := asyncio.create_task(
+                reset_lost_deliveries(self.js, self.run_id, dict(self._consumers), self.counters)))
+            t.add_done_callback(self._side_tasks.discard)
 
     def _key(self, name: str) -> str:
         """This shard's state KV key `name` (`syncer`, `commit`, `pulls`): `<name>.<K>` when sharded."""
