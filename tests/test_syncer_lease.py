@@ -11,7 +11,7 @@ import pytest
 
 from yeto.schemas import subjects as S
 from yeto.schemas.provision import RunLimits, kv as kv_handle, provision_run
-from yeto.services.syncer.lease import (OWNER_TRUST, Fenced, FlagMismatch, LeaseBook, RunLease, flag_mismatches,
+from yeto.services.syncer.lease import (OWNER_TRUST, Fenced, FlagMismatch, LeaseBook, RunLease, flag_mismatches, read_key,
                                    lease_key)
 
 FLAGS = {"islands": 2, "fragments": 2, "sync_every": 4, "total_steps": 8, "push_dtype": "f32", "bulk_dtype": "f32",
@@ -123,6 +123,27 @@ async def test_a_released_lease_is_taken_at_once(state_kv):
     await a.release()
     b = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
     assert await b.acquire()                        # no 30 s wait: the key holds no lease
+
+
+async def test_a_release_over_a_stale_revision_still_leaves_the_key_to_a_standby_at_once(state_kv):
+    """A refresh that landed while its ack was lost (around a broker node's restart) leaves the owner's book a
+    revision behind the key: the release reads the key and, still its own, deletes it at the revision read."""
+    a = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
+    assert await a.acquire()
+    await state_kv.put("lease", orjson.dumps(a.record()))   # our record again, a revision the book never saw
+    await a.release()
+    assert (await read_key(state_kv, "lease"))[1] is None
+    b = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
+    assert await b.acquire()                        # no 30 s wait
+
+
+async def test_a_release_leaves_a_key_another_owner_holds(state_kv):
+    a = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
+    assert await a.acquire()
+    other = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
+    await state_kv.put("lease", orjson.dumps(other.record()))   # taken over meanwhile
+    await a.release()
+    assert orjson.loads((await state_kv.get("lease")).value)["owner"] == other.me
 
 
 async def test_the_commit_record_refuses_a_deposed_owners_write(nc, run_id, state_kv, tmp_path):

@@ -121,6 +121,7 @@ _OPEN: set[str] = set()
 
 _FINISHED = object()   # RunLease._poll_once: the run is over
 SLOW_POLL_S = 2.0
+RELEASE_ATTEMPTS = 3
 
 
 class RunLease:
@@ -321,10 +322,27 @@ class RunLease:
         _OPEN.discard(self.me)
 
     async def release(self) -> None:
-        """At a clean exit: leave the key to a standby at once (a revision-checked delete)."""
+        """At a clean exit: leave the key to a standby at once (a revision-checked delete). The revision held
+        may be stale (a refresh that landed while its ack was lost, as around a broker node's restart): then
+        the key is read and, still ours, deleted at the revision read. A release that fails leaves the standby
+        the TTL to wait out, so it is said (a hand-over that costs a TTL looks like a slow standby)."""
         if self.book.role != "owner":
             return
-        try:
-            await self.kv.delete(self.key, last=self.book.rev)
-        except Exception as exc:  # noqa: BLE001 - the lease lapses by itself
-            log.debug("lease release failed: %r", exc)
+        last, err = self.book.rev, None
+        for _ in range(RELEASE_ATTEMPTS):
+            try:
+                await self.kv.delete(self.key, last=last)
+                return
+            except Exception as exc:  # noqa: BLE001 - a wrong revision, or no answer: look at the key
+                err = exc
+            try:
+                rev, held = await self._read()
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+                await asyncio.sleep(0.2)
+                continue
+            if not held or held.get("owner") != self.me:
+                return   # gone already (an earlier delete whose ack was lost), or not ours to release
+            last = rev
+        log.warning("%s: releasing the lease of run %s failed (%r): a standby takes over once its TTL (%.0f s) "
+                    "lapses", self.label, self.key, err, self.book.ttl_s)
