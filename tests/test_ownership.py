@@ -52,9 +52,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "services/cmd_syncer.py": (1, "logging.Filter: a filter adds its field to the LogRecord it is handed"),
     "services/cli.py": (1, "argparse: the parsed Namespace is the command's input, normalized before dispatch"),
     # outside the syncer's shell, left to their owners (listed in the shell's ownership report to the lead)
-    "services/steplog/aggregate.py": (51, "the step-log fold writes its own per-island and per-round records "
-                                          "through local names, as the machine's rules do (to move into "
-                                          "IslandState/RoundState methods)"),
     "services/steplog/consume.py": (1, "sets the feed's seed_state hook from outside (to become an argument)"),
     "services/steplog/dashboard.py": (2, "registers a listener into the feed's list and closes a viewer's flag "
                                          "(to become feed.listen() / viewer.close())"),
