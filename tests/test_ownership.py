@@ -86,8 +86,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "learner/piece_io.py": (2, "counts bytes into the communicator's per-purpose counters"),
     "learner/plugins/yeto_swift_plugin.py": (8, "the ms-swift plugin patches ms-swift's trainer and callback "
                                                  "map and sets its args"),
-    "learner/pulls.py": (10, "the pull book writes its pull records through local names"),
-    "learner/sync_state.py": (6, "the sync state writes its per-fragment records through loop names"),
     "learner/stager.py": (2, "sets the fence and stream on the communicator it stages for"),
 }
 
