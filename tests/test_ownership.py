@@ -57,8 +57,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
                                          "(to become feed.listen() / viewer.close())"),
     "services/steplog/exporter.py": (1, "registers a listener into the feed's list (to become feed.listen())"),
     "services/steplog/shards.py": (1, "stamps seen_at on a shard row it holds in a table (to become a method)"),
-    "services/broker_supervisor.py": (5, "updates its per-node restart records through a local name (to become "
-                                         "methods of the node record)"),
     "services/cmd_broker.py": (3, "sets log_file on the broker handles it is handed (to become a constructor "
                                   "argument)"),
     "services/cmd_demo.py": (1, "adds the hub's and the leaf's auth servers to the secure demo's record"),
@@ -69,8 +67,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "schemas/island_consumers.py": (2, "the same, for island consumers' ProvisionReport"),
     "schemas/leader_watch.py": (1, "keeps the subscriptions of the watcher it creates across an await"),
     # learner/: not yet moved into methods of their owners (a next step of docs/design.md §2)
-    "learner/adapters/megatron.py": (11, "the adapter fills the parameter and target records of the plan it "
-                                         "builds, through loop names"),
     "learner/anchors.py": (3, "fills the output buffers a caller hands it (out.t, out.slots, out.size)"),
     "learner/background.py": (1, "sets the size on a staging handle the worker hands back"),
     "learner/client.py": (3, "the client thread sets a flag and a callback on its ctl reader and step log"),
