@@ -62,9 +62,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "services/cmd_demo.py": (1, "adds the hub's and the leaf's auth servers to the secure demo's record"),
     "services/leaf.py": (2, "sets the auth server and the config on the broker handle it is handed (to become "
                             "constructor arguments)"),
-    "schemas/provision.py": (7, "provisioning steps note what they found or made into the ProvisionReport "
-                                "they are handed (to become report methods)"),
-    "schemas/island_consumers.py": (2, "the same, for island consumers' ProvisionReport"),
     "schemas/leader_watch.py": (1, "keeps the subscriptions of the watcher it creates across an await"),
     # learner/: not yet moved into methods of their owners (a next step of docs/design.md §2)
     "learner/anchors.py": (3, "fills the output buffers a caller hands it (out.t, out.slots, out.size)"),
