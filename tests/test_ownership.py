@@ -52,11 +52,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "services/cmd_syncer.py": (1, "logging.Filter: a filter adds its field to the LogRecord it is handed"),
     "services/cli.py": (1, "argparse: the parsed Namespace is the command's input, normalized before dispatch"),
     # outside the syncer's shell, left to their owners (listed in the shell's ownership report to the lead)
-    "services/steplog/consume.py": (1, "sets the feed's seed_state hook from outside (to become an argument)"),
-    "services/steplog/dashboard.py": (2, "registers a listener into the feed's list and closes a viewer's flag "
-                                         "(to become feed.listen() / viewer.close())"),
-    "services/steplog/exporter.py": (1, "registers a listener into the feed's list (to become feed.listen())"),
-    "services/steplog/shards.py": (1, "stamps seen_at on a shard row it holds in a table (to become a method)"),
     "services/cmd_broker.py": (3, "sets log_file on the broker handles it is handed (to become a constructor "
                                   "argument)"),
     "services/cmd_demo.py": (1, "adds the hub's and the leaf's auth servers to the secure demo's record"),
