@@ -52,11 +52,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "services/cmd_syncer.py": (1, "logging.Filter: a filter adds its field to the LogRecord it is handed"),
     "services/cli.py": (1, "argparse: the parsed Namespace is the command's input, normalized before dispatch"),
     # outside the syncer's shell, left to their owners (listed in the shell's ownership report to the lead)
-    "services/cmd_broker.py": (3, "sets log_file on the broker handles it is handed (to become a constructor "
-                                  "argument)"),
-    "services/cmd_demo.py": (1, "adds the hub's and the leaf's auth servers to the secure demo's record"),
-    "services/leaf.py": (2, "sets the auth server and the config on the broker handle it is handed (to become "
-                            "constructor arguments)"),
     "schemas/leader_watch.py": (1, "keeps the subscriptions of the watcher it creates across an await"),
     # learner/: not yet moved into methods of their owners (a next step of docs/design.md §2)
     "learner/anchors.py": (3, "fills the output buffers a caller hands it (out.t, out.slots, out.size)"),
