@@ -54,22 +54,13 @@ ALLOWED: dict[str, tuple[int, str]] = {
     # outside the syncer's shell, left to their owners (listed in the shell's ownership report to the lead)
     "schemas/leader_watch.py": (1, "keeps the subscriptions of the watcher it creates across an await"),
     # learner/: not yet moved into methods of their owners (a next step of docs/design.md §2)
-    "learner/anchors.py": (3, "fills the output buffers a caller hands it (out.t, out.slots, out.size)"),
-    "learner/background.py": (1, "sets the size on a staging handle the worker hands back"),
-    "learner/client.py": (3, "the client thread sets a flag and a callback on its ctl reader and step log"),
     "learner/demo.py": (7, "the demo wires a poisoned push into its wire and ops, and sets a parameter's "
                            "gradient, argparse's port"),
-    "learner/cut_reader.py": (2, "the cut reader writes its readings through loop names"),
     "learner/hybrid.py": (16, "patches torch.distributed (c10d) and keeps the patch's module state"),
     "learner/hybrid_calls.py": (12, "patched collectives bind their call arguments and keep per-group choices "
                                     "in the patch's module state and thread-local depth"),
-    "learner/init_export.py": (1, "counts INIT bytes into the wire's counters"),
-    "learner/island.py": (2, "the island writes its client's progress fields (local_step, step_time_s)"),
-    "learner/island_wire.py": (4, "the wire adds into its stats record's fields"),
-    "learner/piece_io.py": (2, "counts bytes into the communicator's per-purpose counters"),
     "learner/plugins/yeto_swift_plugin.py": (8, "the ms-swift plugin patches ms-swift's trainer and callback "
                                                  "map and sets its args"),
-    "learner/stager.py": (2, "sets the fence and stream on the communicator it stages for"),
 }
 
 
