@@ -42,20 +42,17 @@ COPIES = {"copy", "deepcopy", "replace"}
 # `s` and keep nothing of their own (tests/test_machine_state.py checks that shape).
 MACHINE = {f"services/syncer/{m}.py" for m in ("rounds", "machine_state", *RULES)}
 
-# module -> (writes it has, why they are allowed)
+# module -> (writes it has, why they are allowed): another library's objects, set the way that library
+# documents, or patched on purpose
 ALLOWED: dict[str, tuple[int, str]] = {
-    # true exceptions: another library's objects, set the way that library documents
     "services/syncer/checkpoint.py": (2, "ctypes: a foreign function's prototype is declared by setting its "
                                          "argtypes/restype"),
     "services/syncer/outer.py": (3, "torch._inductor.config: torch's knobs are module attributes; a threading.local "
                                    "holds each thread's own scratch buffer"),
     "services/cmd_syncer.py": (1, "logging.Filter: a filter adds its field to the LogRecord it is handed"),
     "services/cli.py": (1, "argparse: the parsed Namespace is the command's input, normalized before dispatch"),
-    # outside the syncer's shell, left to their owners (listed in the shell's ownership report to the lead)
-    "schemas/leader_watch.py": (1, "keeps the subscriptions of the watcher it creates across an await"),
-    # learner/: not yet moved into methods of their owners (a next step of docs/design.md §2)
-    "learner/demo.py": (7, "the demo wires a poisoned push into its wire and ops, and sets a parameter's "
-                           "gradient, argparse's port"),
+    "learner/demo.py": (6, "demo-only hooks: the fault injector (tests and soak only) wraps its wire's push and "
+                           "its ops' pack; the gloo rendezvous's MASTER_ADDR in os.environ; argparse's port"),
     "learner/hybrid.py": (16, "patches torch.distributed (c10d) and keeps the patch's module state"),
     "learner/hybrid_calls.py": (12, "patched collectives bind their call arguments and keep per-group choices "
                                     "in the patch's module state and thread-local depth"),
