@@ -14,7 +14,7 @@ LIMIT = 15
 # services/syncer/ is being restructured in parallel; its modules are shortened there. Temporary: the lead
 # shrinks this set, and the test fails for an entry that already fits, so it can only shrink.
 SYNCER_LONG = {
-    "services/syncer/pushes.py", "services/syncer/rounds.py",
+    "services/syncer/rounds.py",
 }
 # What a contract does not carry: the code's history (git has it).
 HISTORY = re.compile(r"\b(used to|previously|formerly|originally|at first|in the old|the original design)\b", re.I)
