@@ -28,9 +28,10 @@ _IO_MAX = 1 << 30  # bytes per pread/pwrite call (Linux moves at most ~2 GiB per
 class _MemSlab:
     """Named flat f32 arrays in memory."""
 
-    def __init__(self, numels: Mapping[str, int], zero: bool = False):
+    def __init__(self, numels: Mapping[str, int], zero: bool = False, *, values: dict | None = None):
         make = torch.zeros if zero else torch.empty
-        self.t = {n: make(k, dtype=torch.float32) for n, k in numels.items()}
+        # `values`: the arrays themselves (a clone's), instead of new ones of `numels`
+        self.t = values if values is not None else {n: make(k, dtype=torch.float32) for n, k in numels.items()}
 
     def write(self, name: str, lo: int, values: torch.Tensor) -> None:
         self.t[name][lo: lo + values.numel()].copy_(values)
@@ -43,9 +44,7 @@ class _MemSlab:
         self.t = {n: v for n, v in self.t.items() if n in keep}
 
     def clone(self) -> "_MemSlab":
-        out = _MemSlab({})
-        out.t = {n: v.clone() for n, v in self.t.items()}
-        return out
+        return _MemSlab({}, values={n: v.clone() for n, v in self.t.items()})
 
     def nbytes(self) -> int:
         return sum(v.numel() * _F32 for v in self.t.values())
@@ -103,9 +102,8 @@ class _FileSlab:
     def clone(self) -> "_FileSlab":
         path = f"{self.path}.{uuid.uuid4().hex[:8]}"
         shutil.copyfile(self.path, path)
-        out = _FileSlab(path, {}, create=False)
-        out.slots, out.size = dict(self.slots), self.size
-        return out
+        # the same names in the same order: the same slots (each follows the one before)
+        return _FileSlab(path, {n: k for n, (_, k) in self.slots.items()}, create=False)
 
     def nbytes(self) -> int:
         return 0  # no process memory

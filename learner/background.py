@@ -155,7 +155,7 @@ class SyncWorker:
             return
         finally:
             self.busy_s += time.perf_counter() - t
-        handle.nbytes = inner.nbytes
+        handle.sized(inner.nbytes)
 
         def settle(f: concurrent.futures.Future) -> None:
             if f.cancelled():

@@ -147,6 +147,10 @@ class IslandClient:
     def rejected_total(self) -> int:
         return self._counters.get("rejected", 0)
 
+    def progress(self, local_step: int, step_time_s: float | None) -> None:
+        """The training thread's progress, for the next heartbeat."""
+        self.local_step, self.step_time_s = local_step, step_time_s
+
     def check_health(self) -> None:
         """Raise if the island must stop: a fatal error from the syncer, a crashed background task,
         or the connection given up after `max_reconnects` failed reconnects. A connection that is
@@ -164,7 +168,7 @@ class IslandClient:
         consumer and close the connection. Idempotent."""
         self._closing = True
         if self.ctl is not None:
-            self.ctl.closing = True
+            self.ctl.stop_reading()
         loop = self.loop
         if loop is not None and loop.is_running():
             try:
@@ -177,7 +181,7 @@ class IslandClient:
             if not loop.is_running():
                 loop.close()
         self.loop = None
-        self.steplog.on_put = None
+        self.steplog.wake_with(None)
         self.steplog.close()
 
     # ---- provisioning and the session (training thread) -----------------------------------------
@@ -346,7 +350,7 @@ class IslandClient:
             except RuntimeError:  # loop closed
                 pass
 
-        self.steplog.on_put = wake
+        self.steplog.wake_with(wake)
 
     async def _on_disconnected(self) -> None:
         self.arrivals.notify()

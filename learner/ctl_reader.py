@@ -74,6 +74,10 @@ class CtlReader:
         self._cuts = None                  # the CutWatcher a pull may wait for (None: pulls go on at once)
         self._rewatched_at = float("-inf")
 
+    def stop_reading(self) -> None:
+        """The client is closing: the pumps stop at their next turn, and no pull waits for a cut."""
+        self.closing = True
+
     @property
     def fatal(self) -> BaseException | None:
         return self._fatal

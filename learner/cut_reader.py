@@ -56,6 +56,11 @@ class _Reading:
     def next(self) -> int:
         return len(self.digests)
 
+    def passed(self, payload, digest: str | None) -> None:
+        """The next chunk passed: its bytes go into the version digest, its chunk digest is kept."""
+        self.hasher.update(payload)
+        self.digests.append(digest)
+
 
 class CutReader:
     """In-order reader of one stream's versions, every fragment. The rules:
@@ -331,8 +336,7 @@ class CutReader:
             if index != 0:
                 return "restart"
             rd = self._reading[fid] = _Reading(v, VersionDigest())
-        rd.hasher.update(payload)
-        rd.digests.append(meta.get("digest"))
+        rd.passed(payload, meta.get("digest"))
         if rd.next < len(self.spans[fid]):
             return "accept"
         del self._reading[fid]

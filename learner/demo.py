@@ -175,7 +175,7 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         if world > 1:
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=group)
-                p.grad /= world
+                p.grad.div_(world)
         opt.step()
         step += 1
         lv = float(loss.detach())

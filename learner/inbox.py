@@ -37,6 +37,10 @@ class PublishHandle:
     def done(self) -> bool:
         return self.future.done()
 
+    def sized(self, nbytes: int) -> None:
+        """A handle given out before its publish ran (learner/background.py): the bytes it handed over."""
+        self.nbytes = nbytes
+
     def result(self) -> int:
         """The payload bytes sent; raises the stream's error (or CancelledError). Only once done()."""
         self.future.result(0)

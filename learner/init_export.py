@@ -84,7 +84,7 @@ def stream_init(wire, lead) -> None:
         bar.close()
     if err:
         raise err[0]
-    wire.counters["init_bytes"] += sent[0]
+    wire.count("init_bytes", sent[0])
     log.info("island %s: INIT sent %d bytes in %d fragments in %.1fs", wire.config.island, sent[0], len(fids),
              time.monotonic() - t0)
 

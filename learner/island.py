@@ -392,7 +392,7 @@ class Island:
         now = time.monotonic
         match op:
             case O.Progress():
-                c.local_step, c.step_time_s = op.local_step, op.step_time_s
+                c.progress(op.local_step, op.step_time_s)
             case O.CheckHealth():
                 c.check_health()
             case O.Log():

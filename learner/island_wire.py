@@ -55,6 +55,12 @@ class WireStats:
     bytes_in: int = 0
     rejected: int = 0
 
+    def add(self, *, export_s: float = 0.0, apply_s: float = 0.0, bytes_in: int = 0, rejected: int = 0) -> None:
+        self.export_s += export_s
+        self.apply_s += apply_s
+        self.bytes_in += bytes_in
+        self.rejected += rejected
+
 
 class IslandWire:
     """Rank 0's reading and exporting.
@@ -116,18 +122,21 @@ class IslandWire:
 
     def _reject(self, what: str, exc: Exception) -> None:
         with self._stats_lock:
-            self.stats.rejected += 1
+            self.stats.add(rejected=1)
             self.counters[f"rejected.{getattr(exc, 'code', type(exc).__name__)}"] += 1
         log.warning("island %s: rejected %s: %s", self.config.island, what, exc)
 
     def _bytes_in(self, n: int) -> None:
         with self._stats_lock:
-            self.stats.bytes_in += n
+            self.stats.add(bytes_in=n)
 
     def add_time(self, export_s: float = 0.0, apply_s: float = 0.0) -> None:
         with self._stats_lock:
-            self.stats.export_s += export_s
-            self.stats.apply_s += apply_s
+            self.stats.add(export_s=export_s, apply_s=apply_s)
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.counters[key] += n
 
     def take_stats(self) -> WireStats:
         """What the wire did since the last call (counted into `counters`), for a step-log event."""

@@ -48,6 +48,13 @@ class Comm:
     def lead(self) -> bool:
         return self.rank == 0
 
+    def fence_with(self, fence, stream: str) -> None:
+        """From now on order what this group shares against another group's (learner/stager.py's Fence)."""
+        self.fence, self.stream = fence, stream
+
+    def count_bytes(self, purpose: str, n: int) -> None:
+        self.bytes[purpose] += n
+
     def share(self, obj=None):
         """Rank 0's object on every rank."""
         if self.world == 1:
@@ -108,7 +115,7 @@ def scatter_chunk(comm: Comm, fm: FragmentMap, elem_offset: int, elem_count: int
             else:
                 buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
                 sends.append((r, buf))
-                comm.bytes[purpose] += buf.numel() * buf.element_size()
+                comm.count_bytes(purpose, buf.numel() * buf.element_size())
         comm.exchange(sends, ())
         return
     runs = fm.runs(elem_offset, elem_count, comm.rank, owned=owned)
@@ -140,7 +147,7 @@ def gather_chunk(comm: Comm, fm: FragmentMap, elem_offset: int, elem_count: int,
                 recvs.append((r, torch.empty(sum(x.count for x in runs), dtype=torch.float32), runs))
         comm.exchange((), [(r, buf) for r, buf, _ in recvs])
         for _, buf, runs in recvs:
-            comm.bytes[purpose] += buf.numel() * buf.element_size()
+            comm.count_bytes(purpose, buf.numel() * buf.element_size())
             pos = 0
             for run in runs:
                 out[fm.positions(run, elem_offset)] = buf[pos: pos + run.count]

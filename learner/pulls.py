@@ -57,6 +57,30 @@ class _Round:
     try_: int = 0  # the in-flight try, or the next one to send
     push_dtype: str | None = None  # the pull's dtype when it names one (a runtime change), else None
 
+    # the book's transitions of one round (PullBook's rules say when each applies)
+    def republished(self, seq: int) -> None:
+        self.seq = seq
+
+    def claim(self) -> None:
+        """The held attempt now names this process: pending afresh, from try 0."""
+        self.mine, self.state, self.try_ = True, WAITING, 0
+
+    def release(self) -> None:
+        """The held attempt no longer names this process: kept for dedup only."""
+        self.mine, self.state = False, None
+
+    def take(self) -> PendingPull:
+        self.state = INFLIGHT
+        return PendingPull(self.fragment, self.step, self.attempt, self.seq, self.base_version, self.try_,
+                           self.push_dtype)
+
+    def done(self) -> None:
+        self.state = DONE
+
+    def retry(self) -> None:
+        self.state = WAITING
+        self.try_ += 1
+
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
@@ -212,16 +236,16 @@ class PullBook:
 
         if r is not None and attempt == r.attempt:
             # A re-publication of the attempt held (a slot was rebound).
-            r.seq = seq
+            r.republished(seq)
             if mine and r.mine:
                 self.counters["republished"] += 1
                 return False
             if mine:
-                r.mine, r.state, r.try_ = True, WAITING, 0
+                r.claim()
                 return True
             if r.mine:
                 self.counters["slot_lost"] += 1
-            r.mine, r.state = False, None
+            r.release()
             self.counters["not_member"] += 1
             return False
 
@@ -280,8 +304,7 @@ class PullBook:
                 continue
             if not ready(r.fragment):
                 continue
-            r.state = INFLIGHT
-            out.append(PendingPull(r.fragment, r.step, r.attempt, r.seq, r.base_version, r.try_, r.push_dtype))
+            out.append(r.take())
         return out
 
     def _inflight(self, fragment: int, step: int, attempt: int, try_: int) -> _Round | None:
@@ -301,7 +324,7 @@ class PullBook:
         if r is None:
             self.counters["late_report"] += 1
             return False
-        r.state = DONE
+        r.done()
         return True
 
     def failed(self, fragment: int, step: int, attempt: int, try_: int) -> bool:
@@ -310,8 +333,7 @@ class PullBook:
         if r is None:
             self.counters["late_report"] += 1
             return False
-        r.state = WAITING
-        r.try_ += 1
+        r.retry()
         self.counters["failed"] += 1
         return True
 

@@ -102,7 +102,7 @@ def open_staging(comm) -> tuple["object", Fence]:
     fence = Fence()
     staging = Comm(dist.new_group(ranks=comm.ranks, backend="gloo"), fence=fence, stream="staging")
     staging.bytes = comm.bytes   # one count per purpose, whichever group moved them (step-log counters)
-    comm.fence, comm.stream = fence, "island"
+    comm.fence_with(fence, "island")
     return staging, fence
 
 

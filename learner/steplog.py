@@ -15,7 +15,7 @@ import collections
 import os
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import orjson
 
@@ -62,6 +62,10 @@ class StepLog:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "ab", buffering=0)  # one write per line: no partial lines buffered
         self.on_put = None  # set by the client: wakes its sender (called outside the lock)
+
+    def wake_with(self, fn: Callable[[], None] | None) -> None:
+        """Call `fn` after each put (the client's sender; None: nobody)."""
+        self.on_put = fn
 
     def emit(self, **kw: Any) -> dict:
         """Build, file and queue one event (keywords of `make_event` but run/island/gen/dropped)."""

@@ -60,6 +60,15 @@ class FragmentState:
         # The push counter and the readiness counter count the same thing: steps since the anchor.
         return self.c_steps
 
+    def install(self, version: int, digest: str) -> None:
+        """Hold `version` (SyncState.installed checked it is new): the counters start again."""
+        self.version, self.digest = version, digest
+        self.c_steps = self.c_tokens = 0
+
+    def step(self, tokens: int) -> None:
+        self.c_steps += 1
+        self.c_tokens += tokens
+
 
 class SyncState:
     """The island's view of every fragment of the session (see the module doc)."""
@@ -106,8 +115,7 @@ class SyncState:
         if self.accept_version(fid, version, digest) != "new":
             raise ProtocolError(f"fragment {fid} already holds version {st.version}", field="version", value=version)
         mode = "blend" if st.version is not None else "first"
-        st.version, st.digest = version, digest
-        st.c_steps = st.c_tokens = 0
+        st.install(version, digest)
         return mode
 
     def note_step(self, tokens: int) -> None:
@@ -115,8 +123,7 @@ class SyncState:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:  # the trainer's count
             raise ValueError(f"tokens must be a non-negative integer, not {tokens!r}")
         for st in self.states.values():
-            st.c_steps += 1
-            st.c_tokens += tokens
+            st.step(tokens)
 
     def ready(self, fid: int) -> bool:
         """A pull of this fragment can be answered: a version (so anchors) is held and a local step

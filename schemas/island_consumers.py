@@ -69,7 +69,7 @@ async def ensure_island_consumer(
                              if f != "deliver_policy"]  # its start is where it was created; it kept its place
                 if conflicts:
                     raise ProvisionConflict(run, conflicts)
-                report.existing.append(what)
+                report.note_found(what)
                 return report
             if not replace:
                 raise ConsumerTaken(cfg.name, owner)
@@ -82,7 +82,7 @@ async def ensure_island_consumer(
         except APIError as exc:  # created meanwhile by another process: look again
             last = exc
             continue
-        report.created.append(what)
+        report.note_created(what)
         return report
     raise server_refused(what, last) if last is not None else ProvisionError(f"creating {what} failed")
 

@@ -49,6 +49,10 @@ class LeaderWatch:
         self._changed.set()
         self._changed = asyncio.Event()      # one event per election: waiters of this one are woken
 
+    def keep(self, sub) -> None:
+        """A subscription that feeds this watch (`stop` ends it)."""
+        self._subs.append(sub)
+
     async def wait(self, timeout: float) -> bool:
         """Sleep up to `timeout`; True when an election came first."""
         ev = self._changed
@@ -92,6 +96,6 @@ async def watch(nc, run: str) -> LeaderWatch:
         w.on_elected(name)
 
     for subject in run_advisories(run):
-        w._subs.append(await nc.subscribe(subject, cb=on_msg))
+        w.keep(await nc.subscribe(subject, cb=on_msg))
     _WATCHES[nc] = w
     return w

@@ -64,7 +64,7 @@ async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerCo
             if _remade_from_its_floor(f, e, w):
                 continue
             conflicts.append((what, stream_name, f, e, w))
-        report.existing.append(what)
+        report.note_found(what)
     if conflicts:
         raise ProvisionConflict(run, conflicts)
     for stream_name, cfg, what in to_create:
@@ -72,7 +72,7 @@ async def _ensure_consumers(js, run: str, wanted: list[tuple[str, api.ConsumerCo
             await js.add_consumer(stream_name, config=cfg)
         except APIError as exc:
             raise server_refused(what, exc) from exc
-        report.created.append(what)
+        report.note_created(what)
 
 
 async def _check_streams(js, wanted, report: ProvisionReport, label: str, conflicts_of) -> tuple[list, list]:
@@ -84,7 +84,7 @@ async def _check_streams(js, wanted, report: ProvisionReport, label: str, confli
             missing.append(cfg)
             continue
         conflicts += [(f"{label} {cfg.name}", cfg.name, f, e, w) for f, e, w in conflicts_of(info.config, cfg)]
-        report.existing.append(f"{label} {cfg.name}")
+        report.note_found(f"{label} {cfg.name}")
     return missing, conflicts
 
 
@@ -103,10 +103,10 @@ async def _add_streams(js, run: str, cfgs, report: ProvisionReport, label: str, 
                     c = conflicts_of(info.config, cfg)
                     if c:
                         raise ProvisionConflict(run, [(what, cfg.name, f, e, w) for f, e, w in c]) from exc
-                    report.existing.append(what)
+                    report.note_found(what)
                     continue
             raise server_refused(what, exc) from exc
-        report.created.append(what)
+        report.note_created(what)
 
 
 async def _add_kv(js, run: str, kcfg: api.KeyValueConfig, report: ProvisionReport) -> None:
@@ -122,10 +122,10 @@ async def _add_kv(js, run: str, kcfg: api.KeyValueConfig, report: ProvisionRepor
                 c = config_conflicts(info.config, kcfg, "kv")
                 if c:
                     raise ProvisionConflict(run, [(what, sname, f, e, w) for f, e, w in c]) from exc
-                report.existing.append(what)
+                report.note_found(what)
                 return
         raise server_refused(what, exc) from exc
-    report.created.append(what)
+    report.note_created(what)
 
 
 async def _shard_count_conflicts(js, run: str, shards: int, fragments: int | None) -> list:
@@ -184,7 +184,7 @@ async def provision_run(
             missing_kvs.append(kcfg)
             continue
         conflicts += [(f"kv {kcfg.bucket}", sname, f, e, w) for f, e, w in config_conflicts(info.config, kcfg, "kv")]
-        report.existing.append(f"kv {kcfg.bucket}")
+        report.note_found(f"kv {kcfg.bucket}")
     missing_names = {c.name for c in missing_streams}
     wanted_consumers = [(S.stream(run, kind), cfg) for kind, cfg in consumers.values()]
     for stream_name, cfg in wanted_consumers:

@@ -60,6 +60,12 @@ class ProvisionReport:
     created: list[str] = field(default_factory=list)
     existing: list[str] = field(default_factory=list)
 
+    def note_created(self, what: str) -> None:
+        self.created.append(what)
+
+    def note_found(self, what: str) -> None:
+        self.existing.append(what)
+
     @property
     def changed(self) -> bool:
         return bool(self.created)

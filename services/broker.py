@@ -112,6 +112,10 @@ class Broker:
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
 
+    def log_to(self, log_file: str | os.PathLike | None) -> None:
+        """Where nats-server's output goes from the next start on ("-": our stderr, None: nowhere)."""
+        self.log_file = log_file
+
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"

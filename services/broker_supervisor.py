@@ -17,6 +17,18 @@ class _Node:
     restarts: int = 0
     due: float | None = None       # when the pending restart is due (None: running or not yet seen dead)
 
+    def started(self, now: float) -> None:
+        self.started_at, self.due = now, None
+
+    def died(self, now: float, policy: RestartPolicy) -> float:
+        """Seen dead at `now`, for the first time since its start: schedule the restart, return its delay."""
+        lived = None if self.started_at is None else now - self.started_at
+        self.quick_deaths = 0 if lived is not None and lived >= policy.stable_s else self.quick_deaths + 1
+        delay = min(policy.max_s, policy.first_s * 2 ** self.quick_deaths)
+        self.due = now + delay
+        self.restarts += 1
+        return delay
+
 
 @dataclass
 class RestartPolicy:
@@ -29,20 +41,14 @@ class RestartPolicy:
         return self.nodes.setdefault(i, _Node())
 
     def started(self, i: int, now: float) -> None:
-        n = self._node(i)
-        n.started_at, n.due = now, None
+        self._node(i).started(now)
 
     def exited(self, i: int, now: float) -> float:
         """Node i is seen dead at `now` (once per death): the delay before its restart."""
         n = self._node(i)
         if n.due is not None:              # already scheduled: the same death seen again
             return max(0.0, n.due - now)
-        lived = None if n.started_at is None else now - n.started_at
-        n.quick_deaths = 0 if lived is not None and lived >= self.stable_s else n.quick_deaths + 1
-        delay = min(self.max_s, self.first_s * 2 ** n.quick_deaths)
-        n.due = now + delay
-        n.restarts += 1
-        return delay
+        return n.died(now, self)
 
     def due(self, i: int, now: float) -> bool:
         n = self._node(i)

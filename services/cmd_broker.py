@@ -273,16 +273,16 @@ def _log_in_store(nodes: list[Broker], log: str | None = None) -> None:
     instead (with several nodes, one per node: `<stem>-<server name><suffix>`), or "-" for our stderr."""
     for b in nodes:
         if log == "-":
-            b.log_file = "-"
+            b.log_to("-")
         elif log:
             path = Path(log)
             if len(nodes) > 1:
                 path = path.with_name(f"{path.stem}-{_server_name(b)}{path.suffix}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            b.log_file = path
+            b.log_to(path)
         elif b.log_file is None:
             b.store_dir.mkdir(parents=True, exist_ok=True)
-            b.log_file = b.store_dir / "nats-server.log"
+            b.log_to(b.store_dir / "nats-server.log")
 
 
 def _server_name(b: Broker) -> str:

@@ -107,6 +107,10 @@ class _Secure:
         self.served = AuthServe(self.dir)
         self.others = []   # the AuthServe of a secured hub and leaf (two datacenters)
 
+    def keep(self, *served) -> None:
+        """Clean up these AuthServes (a secured hub's and leaf's) with the demo's own."""
+        self.others += served
+
     def cleanup(self) -> None:
         for s in [self.served, *self.others]:
             s.cleanup()
@@ -182,7 +186,7 @@ def run(args) -> int:
         # secured: the hub admits dc1's leaf identity only, the leaf serves islands b and c their own keys
         broker, leaf_node = start_hub_and_leaf(work, "dc1", auth_dir=secure.dir if secure else None)
         if secure:
-            secure.others += [broker.served, leaf_node.served]
+            secure.keep(broker.served, leaf_node.served)
         url, leaf_url = (_shown(b.url, secure) for b in (broker, leaf_node))
         islands = [("a", 1, None, None), ("b", 1, leaf_url, "dc1"), ("c", 1, leaf_url, "dc1")]
         print(f"yeto demo: hub {url} (domain hub), datacenter dc1 leaf node {leaf_url}", flush=True)

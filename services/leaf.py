@@ -174,14 +174,12 @@ def write_config(store_dir: str | os.PathLike, role: str, text: str) -> Path:
     return path
 
 
-def _secured(b: Broker, auth_dir, role: LeafRole) -> Broker:
-    """Serve `auth_dir`'s identities on `b` in `role` (the config `yeto broker --auth DIR` would serve,
-    private; `b.served` is the AuthServe to clean up)."""
+def _auth_serve(auth_dir, role: LeafRole):
+    """`auth_dir`'s identities served in `role`: the config `yeto broker --auth DIR` would serve, private
+    (the Broker keeps it as `served`, to clean up)."""
     from yeto.services.cmd_broker import AuthServe
 
-    b.served = AuthServe(auth_dir, leaf=role)
-    b.config = b.served.config
-    return b
+    return AuthServe(auth_dir, leaf=role)
 
 
 def hub_broker(*, leaf_port: int, domain: str = HUB_DOMAIN, store_dir=None, port=None, host="127.0.0.1",
@@ -190,7 +188,9 @@ def hub_broker(*, leaf_port: int, domain: str = HUB_DOMAIN, store_dir=None, port
     b = Broker(port=port, store_dir=store_dir, host=host, http_port=http_port, log_file=log_file)
     b.domain, b.leaf_port, b.served = domain, leaf_port, None
     if auth_dir is not None:
-        return _secured(b, auth_dir, LeafRole(domain=domain, leaf_port=leaf_port, leaf_host=host))
+        b.served = _auth_serve(auth_dir, LeafRole(domain=domain, leaf_port=leaf_port, leaf_host=host))
+        b.config = b.served.config
+        return b
     b.config = write_config(b.store_dir, "hub", hub_config_text(domain=domain, leaf_port=leaf_port, leaf_host=host))
     return b
 
@@ -202,7 +202,9 @@ def leaf_broker(*, leaf_of: str, domain: str, store_dir=None, port=None, host="1
     b = Broker(port=port, store_dir=store_dir, host=host, http_port=http_port, log_file=log_file)
     b.domain, b.served = domain, None
     if auth_dir is not None:
-        return _secured(b, auth_dir, LeafRole(domain=domain, leaf_of=leaf_of))
+        b.served = _auth_serve(auth_dir, LeafRole(domain=domain, leaf_of=leaf_of))
+        b.config = b.served.config
+        return b
     b.config = write_config(b.store_dir, "leaf", leaf_config_text(domain=domain, leaf_of=leaf_of))
     return b
 

@@ -93,6 +93,17 @@ class _Target:
     group: Any = None  # sharded: the optimizer's data-parallel group
     ranges: list[tuple[int, int]] = field(default_factory=list)  # sharded: every group rank's range
 
+    def full_master(self, master: torch.Tensor) -> None:
+        """A Float16Module's fp32 copy in the optimizer is this parameter's master."""
+        self.kind, self.master = "full", master
+
+    def sharded_master(self, master: torch.Tensor | None, start: int, end: int, group: Any) -> None:
+        """The distributed optimizer holds this rank's range [start, end) of the master (None: no range here)."""
+        self.kind, self.master, self.start, self.end, self.group = "sharded", master, start, end, group
+
+    def set_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        self.ranges = ranges
+
 
 @dataclass
 class _Entry:
@@ -104,6 +115,16 @@ class _Entry:
     replica_group: Any
     targets: list[_Target]
     alias_only: bool = False  # only the tied replica (last stage's output layer) is on this rank
+
+    def join(self, owner: bool, alias: bool) -> None:
+        """Another local parameter maps to this name: the rank owns the box if any of them does."""
+        self.owner = self.owner or owner
+        self.alias_only = self.alias_only and alias
+
+    def add(self, param: torch.nn.Parameter, alias: bool) -> None:
+        self.targets.append(_Target(param))
+        if alias:  # the replica must never be the read source while a primary exists on this rank
+            self.targets.sort(key=lambda t: t.param is param)
 
 
 def _base_stride(base, dim: int, stride: int) -> int:
@@ -228,12 +249,9 @@ class MegatronAdapter(ModelAdapter):
                 raise ConfigError(f"two parameters map to {name} with different boxes or dtypes", field="param",
                                   value=raw)
             else:
-                e.owner = e.owner or owner
-                e.alias_only = e.alias_only and alias
+                e.join(owner, alias)
             by_param[id(p)] = (name, len(e.targets))
-            e.targets.append(_Target(p))
-            if alias:  # the replica must never be the read source while a primary exists on this rank
-                e.targets.sort(key=lambda t: t.param is p)
+            e.add(p, alias)
 
     def _bind_optimizer(self, optimizer, by_param: dict) -> None:
         targets = {id(t.param): t for e in self._entries.values() for t in e.targets}
@@ -246,7 +264,7 @@ class MegatronAdapter(ModelAdapter):
                         t = targets.get(id(p))
                         if t is not None:
                             self._check_master(p, m, t)
-                            t.kind, t.master = "full", m
+                            t.full_master(m)
             # any other optimizer (FP32Optimizer): parameters are their own masters
         for e in self._entries.values():
             for t in e.targets:
@@ -287,7 +305,7 @@ class MegatronAdapter(ModelAdapter):
             m, s, e = owned.get(id(p), (None, 0, 0))
             mine[key] = (s, e)
             t = targets[id(p)]
-            t.kind, t.master, t.start, t.end, t.group = "sharded", m, s, e, group
+            t.sharded_master(m, s, e, group)
         everyone: list = [None] * _size(group)
         dist.all_gather_object(everyone, mine, group=group)
         for p in members:
@@ -295,7 +313,7 @@ class MegatronAdapter(ModelAdapter):
             if key is None:
                 continue
             t = targets[id(p)]
-            t.ranges = [r.get(key, (0, 0)) for r in everyone]
+            t.set_ranges([r.get(key, (0, 0)) for r in everyone])
             spans = sorted((s, e) for s, e in t.ranges if e > s)
             pos = 0
             for s, e in spans:

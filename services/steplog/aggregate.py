@@ -74,6 +74,37 @@ class IslandState:
     export_sum_s: float = 0.0
     apply_sum_s: float = 0.0
 
+    def take_step(self, m: Mapping[str, Any]) -> None:
+        """Fold one step-log record of this island (a new generation: its process restarted)."""
+        if m["gen"] != self.gen:
+            self.gen = m["gen"]
+            self.gens += 1
+        elif m["step"] < self.step:
+            self.out_of_order += 1
+        self.events += 1
+        self.step, self.t = m["step"], m["t"]
+        self.boundary_s, self.export_s, self.apply_s = m["boundary_s"], m["export_s"], m["apply_s"]
+        self.boundary_sum_s += m["boundary_s"]
+        self.export_sum_s += m["export_s"]
+        self.apply_sum_s += m["apply_s"]
+        self.pending_pulls = m["pending_pulls"]
+        self.versions = {int(f): v for f, v in m["versions"].items()}
+        self.loss = m.get("loss")
+        self.dropped = m.get("dropped", self.dropped)
+        self.extra = dict(m.get("extra") or {})
+        for k in STEP_COUNTERS:
+            self.last[k] = m[k]
+            self.totals[k] += m[k]
+
+    def presence(self, joined: bool, gen: str) -> None:
+        """A join or leave record; a join of a new generation counts it."""
+        self.live = joined
+        if gen != self.gen and joined:
+            self.gen, self.gens = gen, self.gens + 1
+
+    def disposition(self, d: str) -> None:
+        self.dispositions[d] += 1
+
     def lag(self, syncer_versions: Mapping[int, int]) -> dict[int, int]:
         """Fragment -> versions this island is behind the syncer (fragments the island holds)."""
         return {f: max(0, syncer_versions.get(f, v) - v) for f, v in sorted(self.versions.items())}
@@ -109,6 +140,51 @@ class RoundState:
     t_first: float = 0.0
     t_last: float = 0.0
     reason: str | None = None  # the last restart / error reason
+
+    def touch(self, m: Mapping[str, Any]) -> None:
+        """Any tape record naming this round: its time span and fragment."""
+        self.t_first = self.t_first or m["t"]
+        self.t_last = max(self.t_last, m["t"])
+        if "fragment" in m:
+            self.fragment = m["fragment"]
+
+    def timed_out(self) -> None:
+        self.quorum_timeouts += 1
+
+    def merged(self, m: Mapping[str, Any]) -> None:
+        self.attempt, self.version = m["attempt"], m["version"]
+        # the syncer writes `commit` (durable, broadcast) before `merge`: never step back from committed
+        if self.status != "committed":
+            self.status = "merged"
+        self.base_version = m.get("base_version", self.base_version)
+        self.quorum = m.get("quorum", self.quorum)
+        self.expected = len(m["expected"]) if "expected" in m else self.expected
+        self.responded = len(m["responded"])
+        self.quorum_s, self.grace_s, self.sync_s = m.get("quorum_s"), m.get("grace_s"), m.get("sync_s")
+        self.staleness = dict(m.get("staleness") or {})
+        self.weights = dict(m["weights"])
+
+    def committed(self, version: int) -> None:
+        self.status, self.version = "committed", version
+
+    def restarted(self, m: Mapping[str, Any]) -> None:
+        """A restart record (attempt >= 2: a restart; attempt 1: the syncer resumed): the round opens again."""
+        if m["attempt"] >= 2:
+            self.restarts += 1
+        self.attempt, self.reason = m["attempt"], m["reason"]
+        self.base_version = m.get("base_version", self.base_version)
+        self.quorum = m.get("quorum", self.quorum)
+        if "expected" in m:
+            self.expected = len(m["expected"])
+        self.responded = 0
+        self.status = "open"
+
+    def disposition(self, d: str, attempt: int) -> None:
+        self.dispositions[d] += 1
+        self.attempt = max(self.attempt, attempt)
+
+    def errored(self, reason: str) -> None:
+        self.reason = reason
 
 
 def is_quorum_timeout(msg: Mapping[str, Any]) -> bool:
@@ -250,25 +326,7 @@ class Aggregator:
 
     def _steplog(self, m: dict) -> None:
         st = self.island(m["island"])
-        if m["gen"] != st.gen:
-            st.gen = m["gen"]
-            st.gens += 1
-        elif m["step"] < st.step:
-            st.out_of_order += 1
-        st.events += 1
-        st.step, st.t = m["step"], m["t"]
-        st.boundary_s, st.export_s, st.apply_s = m["boundary_s"], m["export_s"], m["apply_s"]
-        st.boundary_sum_s += m["boundary_s"]
-        st.export_sum_s += m["export_s"]
-        st.apply_sum_s += m["apply_s"]
-        st.pending_pulls = m["pending_pulls"]
-        st.versions = {int(f): v for f, v in m["versions"].items()}
-        st.loss = m.get("loss")
-        st.dropped = m.get("dropped", st.dropped)
-        st.extra = dict(m.get("extra") or {})
-        for k in STEP_COUNTERS:
-            st.last[k] = m[k]
-            st.totals[k] += m[k]
+        st.take_step(m)
         for f, v in st.versions.items():
             self._syncer_version(f, v)
 
@@ -289,64 +347,40 @@ class Aggregator:
         if kind in ("merge", "restart", "disposition") or (
                 kind in ("commit", "error") and m.get("step", 0) >= 1 and (kind == "commit" or "attempt" in m)):
             r = self.round(m["step"])
-            r.t_first = r.t_first or m["t"]
-            r.t_last = max(r.t_last, m["t"])
-            if "fragment" in m:
-                r.fragment = m["fragment"]
+            r.touch(m)
         if is_quorum_timeout(m):
             self.quorum_timeouts += 1
             if r is not None:
-                r.quorum_timeouts += 1
+                r.timed_out()
         if kind == "merge":
             self.merges += 1
-            r.attempt, r.version = m["attempt"], m["version"]
-            # the syncer writes `commit` (durable, broadcast) before `merge`: never step back from committed
-            if r.status != "committed":
-                r.status = "merged"
-            r.base_version = m.get("base_version", r.base_version)
-            r.quorum = m.get("quorum", r.quorum)
-            r.expected = len(m["expected"]) if "expected" in m else r.expected
-            r.responded = len(m["responded"])
-            r.quorum_s, r.grace_s, r.sync_s = m.get("quorum_s"), m.get("grace_s"), m.get("sync_s")
-            r.staleness = dict(m.get("staleness") or {})
-            r.weights = dict(m["weights"])
+            r.merged(m)
             self._syncer_version(m["fragment"], m["version"])
             self.committed_step = max(self.committed_step or 0, m["step"])
         elif kind == "commit":
             self._syncer_version(m["fragment"], m["version"])
             if r is not None:
-                r.status, r.version = "committed", m["version"]
+                r.committed(m["version"])
                 self.committed_step = max(self.committed_step or 0, m["step"])
         elif kind == "restart":
             if m["attempt"] >= 2:
                 self.restarts += 1
-                r.restarts += 1
             else:
                 self.syncer_resumes += 1
-            r.attempt, r.reason = m["attempt"], m["reason"]
-            r.base_version = m.get("base_version", r.base_version)
-            r.quorum = m.get("quorum", r.quorum)
-            if "expected" in m:
-                r.expected = len(m["expected"])
-            r.responded = 0
-            r.status = "open"
+            r.restarted(m)
         elif kind == "disposition":
             d = m["disposition"]
             self.dispositions[d] += 1
-            r.dispositions[d] += 1
-            r.attempt = max(r.attempt, m["attempt"])
+            r.disposition(d, m["attempt"])
             if self._wanted(m["island"]):
-                self.island(m["island"]).dispositions[d] += 1
+                self.island(m["island"]).disposition(d)
         elif kind in ("join", "leave"):
             if self._wanted(m["island"]):
-                st = self.island(m["island"])
-                st.live = kind == "join"
-                if m["gen"] != st.gen and kind == "join":
-                    st.gen, st.gens = m["gen"], st.gens + 1
+                self.island(m["island"]).presence(kind == "join", m["gen"])
         elif kind == "error":
             self.errors += 1
             if r is not None:
-                r.reason = m["reason"]
+                r.errored(m["reason"])
         elif kind == "final":
             self.final_step = m["step"]
         elif kind == "settings":

@@ -67,13 +67,17 @@ class Feed:
         self.listener_errors = 0
         self.received = 0
         self.state_received = 0
-        self.seed_state = True  # commit records raise the syncer's versions (not while replaying from the start)
 
-    def on_state(self, key: str, value: bytes | None, *, live: bool = False) -> bool:
+    def listen(self, fn: Listener) -> None:
+        """Call `fn(record, subject, data)` for every message after the Aggregator saw it."""
+        self.listeners.append(fn)
+
+    def on_state(self, key: str, value: bytes | None, *, live: bool = False, seed: bool = True) -> bool:
         """`live`: the entry is an update that arrived now (not a value read at start), so its age
-        starts now on this host's clock (see shards.py)."""
+        starts now on this host's clock (see shards.py). `seed`: commit records raise the syncer's
+        versions (not while replaying from the start)."""
         self.state_received += 1
-        return self.agg.feed_state(key, value, seed=self.seed_state, seen_at=time.time() if live else None)
+        return self.agg.feed_state(key, value, seed=seed, seen_at=time.time() if live else None)
 
     def on_message(self, subject: str, data: bytes) -> Record | None:
         self.received += 1
@@ -128,9 +132,11 @@ async def wait_for_streams(js, run: str, *, poll_s: float = 1.0, timeout_s: floa
 STATE_INITIAL_WAIT_S = 5.0
 
 
-async def watch_state(js, run: str, feed: Feed, *, initial_wait_s: float = STATE_INITIAL_WAIT_S):
-    """Follow the run's `state` KV (every key's newest value, then each write) into `feed.on_state`:
-    the shards' status records (`syncer`, `syncer.<K>`) and commit records (`commit`, `commit.<K>`).
+async def watch_state(js, run: str, feed: Feed, *, initial_wait_s: float = STATE_INITIAL_WAIT_S,
+                      seed: bool = True):
+    """Follow the run's `state` KV (every key's newest value, then each write) into `feed.on_state`
+    (`seed`: see there): the shards' status records (`syncer`, `syncer.<K>`) and commit records
+    (`commit`, `commit.<K>`).
 
     One ordered consumer on the bucket's stream (what `nats kv watch` does; an observer identity may
     create it), callback-driven like the stream subscriptions. Returns the subscription once the
@@ -146,7 +152,7 @@ async def watch_state(js, run: str, feed: Feed, *, initial_wait_s: float = STATE
         op = (msg.headers or {}).get("KV-Operation")
         key = msg.subject[len(prefix):] if msg.subject.startswith(prefix) else msg.subject
         try:
-            feed.on_state(key, None if op in ("DEL", "PURGE") else msg.data, live=initial.is_set())
+            feed.on_state(key, None if op in ("DEL", "PURGE") else msg.data, live=initial.is_set(), seed=seed)
         finally:
             try:
                 if msg.metadata.num_pending == 0:
@@ -202,9 +208,8 @@ async def subscribe(nc, opts: SourceOptions, feed: Feed, *, say: Callable[[str],
     await wait_for_streams(js, opts.run, say=say, timeout_s=wait_timeout_s)
     subs = []
     # the shards' status and commit records; with --from-start the replayed merges set the versions
-    feed.seed_state = not opts.from_start
     try:
-        subs.append(await watch_state(js, opts.run, feed))
+        subs.append(await watch_state(js, opts.run, feed, seed=not opts.from_start))
     except Exception as exc:  # no state bucket yet, or no right to read it: the step log still shows
         log.warning("run %s: not following the state KV (syncer shard status): %r", opts.run, exc)
         if not opts.from_start:

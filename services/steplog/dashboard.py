@@ -40,6 +40,10 @@ class _Viewer:
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=CLIENT_QUEUE)
         self.closed = False
 
+    def close(self) -> None:
+        """Dropped by the dashboard: its stream ends."""
+        self.closed = True
+
 
 class Dashboard:
     """Aggregator + ChartModel + SSE fan-out (no network here: `routes()` plugs into HttpServer)."""
@@ -49,7 +53,7 @@ class Dashboard:
         self.agg = Aggregator(run, island=island)
         self.feed = Feed(self.agg)
         self.chart = ChartModel(self.agg, max_points=max_points, clock=time.time)
-        self.feed.listeners.append(lambda rec, _s, _d: self.chart.add(rec))
+        self.feed.listen(lambda rec, _s, _d: self.chart.add(rec))
         self.flush_s = flush_s
         self.clients: set[_Viewer] = set()
         self.dropped_clients = 0
@@ -72,7 +76,7 @@ class Dashboard:
                 reached += 1
             except asyncio.QueueFull:
                 self.clients.discard(v)
-                v.closed = True  # its stream ends; the browser reconnects and gets a fresh snapshot
+                v.close()  # its stream ends; the browser reconnects and gets a fresh snapshot
                 self.dropped_clients += 1
         return reached
 

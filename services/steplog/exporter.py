@@ -216,7 +216,7 @@ class Exporter:
         self.agg = Aggregator(run, island=island)
         self.feed = Feed(self.agg)
         self.metrics = RunMetrics(self.agg, self.feed, clock=clock)
-        self.feed.listeners.append(lambda rec, _s, _d: self.metrics.observe(rec))
+        self.feed.listen(lambda rec, _s, _d: self.metrics.observe(rec))
 
     def routes(self) -> dict:
         return {

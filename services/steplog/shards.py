@@ -96,7 +96,7 @@ class Status:
         return max(0.0, now - (self.seen_at if self.seen_at is not None else self.updated_at))
 
 
-def parse_status(key: str, shard: int | None, rec: Any) -> Status:
+def parse_status(key: str, shard: int | None, rec: Any, seen_at: float | None = None) -> Status:
     if not isinstance(rec, dict):
         raise RecordError(f"{key}: a status record is an object, got {type(rec).__name__}")
     if shard is None:  # the unsharded key: a record from before shards has no shard fields
@@ -135,7 +135,7 @@ def parse_status(key: str, shard: int | None, rec: Any) -> Status:
                   committed_step=_int(rec, "committed_step", key), versions=_versions(rec, key),
                   rounds_in_flight=flight, rss_bytes=_int(rec, "rss_bytes", key, required=False), exited=exited,
                   fragments=frags, shards_missing=sorted(set(missing)), live=live,
-                  total_steps=_int(rec, "total_steps", key, lo=1, required=False))
+                  total_steps=_int(rec, "total_steps", key, lo=1, required=False), seen_at=seen_at)
 
 
 @dataclass
@@ -200,8 +200,7 @@ class ShardBoard:
         try:
             rec = orjson.loads(value)
             if base == "syncer":
-                table[shard] = parse_status(key, shard, rec)
-                table[shard].seen_at = seen_at
+                table[shard] = parse_status(key, shard, rec, seen_at)
             else:
                 table[shard] = parse_commit(key, rec)
         except (orjson.JSONDecodeError, RecordError) as exc:

@@ -262,7 +262,7 @@ async def tail(nc, opts: SourceOptions, *, console: Console | None = None, json_
         if count is not None and accepted >= count:
             stop.set()
 
-    feed.listeners.append(on_rec)
+    feed.listen(on_rec)
     say = (lambda line: print(line, file=sys.stderr)) if json_out is not None else (console or Console(stderr=True)).print
     subs = await subscribe(nc, opts, feed, say=say)
     if ready is not None:

@@ -88,7 +88,10 @@ class Merge(Action):
 
 @dataclass(frozen=True)
 class Release(Action):
-    """The payload of this push will never be merged: its chunks may be deleted from PUSH."""
+    """The payload of this push will never be merged: its chunks may be deleted from PUSH at once
+    (rejected pushes, pushes discarded by a restart). The machine never releases the identity of a push
+    a pending merge still needs; the shell deletes accepted pushes after `MergeDone` itself. Release may
+    repeat for the same identity: deletion must be idempotent."""
     island: str
     gen: str
     step: int

@@ -2,34 +2,15 @@
 
 One pair of raw little-endian f32 files per fragment and version (`frag-F-vN.params`,
 `frag-F-vN.momentum`) and `checkpoint.json`, which names the current files, the version per fragment,
-the committed global step and the session fingerprint. A commit writes the new fragment files (fsync),
-then replaces `checkpoint.json` atomically (write, fsync, rename, fsync the directory), then deletes the
-fragment's older files: a crash at any point leaves either the old or the new version complete, never a
-mix, so a restarted syncer never re-issues a version number with different bytes. What a crash leaves
-behind (a `*.tmp` file, the new version's files the manifest never named) is never read, and the
-fragment's next commit deletes it. A file that cannot be used (missing, torn, not the manifest's
-format) raises CheckpointError naming it.
-
-A merge streams the new version instead (VersionFiles): each chunk's new params and momentum go into
-the version's `*.tmp` files (page cache) as soon as its outer step is done, and the commit only
-fsyncs both, renames them and writes the manifest. The order and the crash semantics above are the
-same: until the renames the files are `*.tmp` leftovers, after them files no manifest names, and the
-manifest is replaced only after both are durable.
-
-A cut-through merge (services/syncer/merge.py) sends a version's chunks before the version is
-durable, so a restarted syncer must be able to send the same bytes again: before its first chunk goes
-out, the merge writes its **intent** (`intent-F.json`: the Merge action, the pushes' stream sequences
-and chunk digests, the outer hyper-parameters and the attempts; written, fsynced, renamed). A resumed
-syncer that finds an intent for the version after the checkpointed one redoes that merge from the same
-pushes (they stay in PUSH until the commit) on the same checkpointed params and momentum: the same
-bytes. An intent for a version already committed is stale and ignored (the next one replaces it).
-
-While it streams, VersionFiles asks the kernel to start writing each file back every
-`WRITEBACK_BYTES` (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: it starts the writes, waits for
-nothing), so the commit's fsync finds the data mostly on disk already (512 MiB here: fsync 0.15 ->
-0.01 s, the writes +0.05 s). The older versions' files are deleted after the commit (`prune`), off
-the path to the state KV record and the seal; a crash before that leaves them to the next commit.
-
+the committed global step and the session fingerprint; a merge streams its new version into them as it
+goes (`VersionFiles`), and a cut-through merge records its **intent** first (`write_intent`; the seal and
+the intent: docs/design.md §8).
+Invariants: a commit writes the new fragment files (fsync), then replaces `checkpoint.json` atomically
+(write, fsync, rename, fsync the directory), then deletes the fragment's older files: a crash at any
+point leaves either the old or the new version complete, never a mix, so a restarted syncer never
+re-issues a version number with different bytes. What a crash leaves behind (a `*.tmp` file, the new
+version's files the manifest never named) is never read, and the fragment's next commit deletes it. A
+file that cannot be used (missing, torn, not the manifest's format) raises CheckpointError naming it.
 Files, not the Object Store: its client is too slow for GB objects (docs/design.md §15.3).
 """
 from __future__ import annotations
@@ -117,7 +98,15 @@ class VersionFiles:
     waits for the writes, fsyncs both files once and renames them. `thread=True` writes on a thread of
     its own beside the merge (add only queues the chunk); else add writes inline. `seconds`: time spent
     writing (page cache); `wait_s`: how long `finish` waited for a writer thread still behind.
-    `abort` closes and deletes the .tmp files (a failed merge; a crash leaves them to the next commit)."""
+    `abort` closes and deletes the .tmp files (a failed merge; a crash leaves them to the next commit).
+
+    The files stay `*.tmp` (page cache) until the commit, which only fsyncs both, renames them and writes
+    the manifest: the order and crash semantics of the module doc hold (until the renames the files are
+    `*.tmp` leftovers, after them files no manifest names, and the manifest is replaced only after both
+    are durable). While it streams it asks the kernel to start writing each file back every
+    `WRITEBACK_BYTES` (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: it starts the writes, waits for
+    nothing), so the commit's fsync finds the data mostly on disk already (512 MiB here: fsync 0.15 ->
+    0.01 s, the writes +0.05 s)."""
 
     def __init__(self, ckpt: "CheckpointDir", fragment: int, version: int, params: torch.Tensor,
                  momentum: torch.Tensor, *, thread: bool = False):
@@ -368,7 +357,8 @@ class CheckpointDir:
 
     def prune(self, state: CheckpointState, fragments: Iterable[int]) -> None:
         """Delete the files of `fragments` that `state` (committed) no longer names: older versions and
-        what a crash left. Callers that commit with prune=False run it once the version is out."""
+        what a crash left. Callers that commit with prune=False run it once the version is out (off the path
+        to the state KV record and the seal; a crash before that leaves them to the next commit)."""
         for fid in fragments:
             keep = {q.name for q in self.files(fid, state.versions[fid])}
             for old in self.path.glob(f"frag-{fid}-v*"):
@@ -379,7 +369,13 @@ class CheckpointDir:
         return self.path / f"intent-{fragment}.json"
 
     def write_intent(self, fragment: int, intent: dict) -> None:
-        """Durably record a cut-through merge's inputs before its first chunk is sent (see the module doc)."""
+        """Durably record a cut-through merge's inputs before its first chunk is sent (`intent-F.json`: the
+        Merge action, the pushes' stream sequences and chunk digests, the outer hyper-parameters and the
+        attempts; written, fsynced, renamed). A cut-through merge sends a version's chunks before it is
+        durable, so a resumed syncer that finds an intent for the version after the checkpointed one redoes
+        that merge from the same pushes (they stay in PUSH until the commit) on the same checkpointed params
+        and momentum: the same bytes. An intent for a version already committed is stale and ignored (the
+        next one replaces it)."""
         self.path.mkdir(parents=True, exist_ok=True)
         path = self.intent_path(fragment)
         tmp = path.with_suffix(".tmp")

@@ -1,16 +1,13 @@
 """Where a compiled merge loop is kept between syncer starts (`YETO_COMPILE_CACHE`).
 
 Compiling the fused outer-step loop with AOTInductor takes ~40 s of one core on a small host, once per
-(member count, delta dtype, chunk length). Without a cache every `yeto syncer` start paid it again, and a
-run shorter than that never used the compiled loop. The package it builds (`.pt2`) is kept here and a
-later start loads it in well under a second.
-
-A package is kept only after it passed the bitwise check against the eager twin (outer.py), and it is
-checked again every time it is loaded, so a stale or damaged file costs a rebuild, never a wrong bit.
-The key holds everything the compiled code depends on: the loop's source, torch and Python versions, the
+(member count, delta dtype, chunk length); without a cache every `yeto syncer` start pays it again. The
+package it builds (`.pt2`) is kept here and a later start loads it in well under a second.
+Invariants: a package is kept only after it passed the bitwise check against the eager twin (outer.py),
+and is checked again at every load, so a stale or damaged file costs a rebuild, never a wrong bit. The
+key holds everything the compiled code depends on: the loop's source, torch and Python versions, the
 machine and its CPU's vector extensions (a package built with AVX-512 must never load on a host without
 it: that is SIGILL, not an exception), the delta dtypes and the chunk length.
-
 `YETO_COMPILE_CACHE`: a directory (default `$XDG_CACHE_HOME/yeto/outer`, else `~/.cache/yeto/outer`);
 `0`/`off` keeps nothing on disk. Several syncers (shards of one host) may share it: each writes its own
 temporary file and renames it into place, and any complete file is a valid one.

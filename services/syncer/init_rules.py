@@ -7,20 +7,11 @@ Rule functions of services/syncer/rounds.RoundMachine over (state, config, outpu
   feeds back a single `V0Done(now)`. Rounds launch only after that.
 - **INIT and generations**: version 0 comes from one process of the INIT island. The shell feeds
   each INIT chunk whose framing it checked as `InitChunk` and keeps its bytes until the machine
-  answers `InitStore` (write them) or `InitDrop` (free them) — exactly one per chunk. A fragment's
-  chunks come from one generation; a chunk of a retired generation is refused (`stale_gen`), one of
-  another island (`not_init_island`) or fragment (`unknown_fragment`) too: counted and taped, no
-  error message (a flood of chunks must not become a flood of errors). A chunk of a generation not
-  seen yet (its hello comes through another consumer, so it may arrive later) is *held* — no
-  waiting — and replayed when that generation's hello is admitted; at most `MAX_HELD_GENS` unseen
-  generations are held (a further one is refused, `unknown_gen`), and held chunks are dropped when
-  their generation is retired or version 0 is decided. A new generation of the INIT island while
-  `phase == "init"` clears every initialized fragment (counter `init.restart`, a `session` tape
-  record): INIT restarts with the new process, which sends everything again. `InitComplete` (a whole
-  fragment at once) follows the same generation rules for callers that check fragments themselves:
-  one of a retired generation is ignored (`ignored.init_stale_gen`), one of an unseen generation held
-  (`init.held`) and replayed at its hello. Once `CommitV0` is out, INIT is over: a new generation
-  changes nothing about version 0.
+  answers `InitStore` (write them) or `InitDrop` (free them) — exactly one per chunk; which chunks
+  are taken, refused or held is `on_init_chunk`'s doc (`on_init`: a whole fragment at once). A new
+  generation of the INIT island while `phase == "init"` clears every initialized fragment (counter
+  `init.restart`, a `session` tape record): INIT restarts with the new process, which sends everything
+  again. Once `CommitV0` is out, INIT is over: a new generation changes nothing about version 0.
 """
 from __future__ import annotations
 
@@ -32,6 +23,9 @@ from yeto.services.syncer.state import Member, Phase
 
 
 def on_init(s: MachineState, cfg: SyncerConfig, out: Output, ev: InitComplete, now: float) -> None:
+    """A whole fragment at once (for callers that check fragments themselves), under `on_init_chunk`'s
+    generation rules: one of a retired generation is ignored (`ignored.init_stale_gen`), one of an unseen
+    generation held (`init.held`) and replayed at its hello."""
     if s.session is None or ev.island != s.init_island:
         out.reject(ev.island, ev.gen, "not_init_island",
                         f"INIT data is taken only from the INIT island {s.init_island!r}",
@@ -98,8 +92,13 @@ MAX_HELD_GENS = 2   # unseen INIT generations whose chunks are held at once (a r
 def on_init_chunk(s: MachineState, cfg: SyncerConfig, out: Output, ev: InitChunk, now: float) -> None:
     """Version 0 comes from one process (generation) of the INIT island: a fragment's chunks are
     taken from one generation; a chunk of the island's current generation starts a fragment that
-    holds another generation's chunks over; a retired generation's chunk is refused; a chunk of a
-    generation not seen yet is held until its hello (CTL and INIT are separate consumers)."""
+    holds another generation's chunks over. A chunk of a retired generation is refused (`stale_gen`),
+    one of another island (`not_init_island`) or fragment (`unknown_fragment`) too: counted and taped,
+    no error message (a flood of chunks must not become a flood of errors). A chunk of a generation not
+    seen yet (its hello comes through another consumer, CTL, so it may arrive later) is *held* — no
+    waiting — and replayed when that generation's hello is admitted; at most `MAX_HELD_GENS` unseen
+    generations are held (a further one is refused, `unknown_gen`), and held chunks are dropped when
+    their generation is retired or version 0 is decided."""
     if s.session is None or ev.island != s.init_island:
         _refuse_init_chunk(s, cfg, out, ev, "not_init_island",
                                 f"INIT data is taken only from the INIT island {s.init_island!r}", now, "island")

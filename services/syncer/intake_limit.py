@@ -1,20 +1,15 @@
 """Per-identity limits on the syncer's intake: pure token buckets, fed the time (no clock, no I/O).
 
-One island (one identity: in a secured run the server lets an island publish only on subjects that carry
-its own id, so the subject's island token *is* the identity) can send on its own subjects as fast as its
-link allows. Without a bound, a flood of its hellos, heartbeats or acks, or of malformed messages that
-each cost a tape record, keeps the syncer's intake and its tape busy (seen: a flood delayed honest
-heartbeats past the member timeout; the wedge wrote 730 tape records a second). Two limits:
-
-- **messages** (`allow`): CTL and heartbeat messages beyond `rate`/s (bursts of `burst`) from one identity
-  are acked and dropped before they are decoded, counted `rate_limited.<stream>`. An honest island
-  sends one heartbeat per YETO_HEARTBEAT_S (2 s by default), one hello per process start and a few acks
-  at the end: the defaults leave it two orders of magnitude of room. Pushes are not limited by count (an
-  honest push is hundreds of chunks in a second): PUSH's max_bytes bounds them, and the tape limit below
-  bounds what a bad one costs.
-- **tape records** (`tape`): rejections beyond the tape's rate from one identity are still counted
-  (`rejected`, `rejected.<code>`) but not taped one by one; the burst is taped once, as one record that
-  says how many were left out (`take_summaries`).
+An identity is the subject's island token (in a secured run the server lets an island publish only on
+subjects that carry its own id). Without a bound, one island's flood of hellos, heartbeats or acks, or of
+malformed messages that each cost a tape record, keeps the syncer's intake and its tape busy (seen: a
+flood delayed honest heartbeats past the member timeout; the wedge wrote 730 tape records a second).
+Owns two limits per identity:
+- **messages** (`allow`): CTL and heartbeat messages beyond `rate`/s (bursts of `burst`) are acked and
+  dropped before they are decoded, counted `rate_limited.<stream>`; pushes are not limited by count.
+- **tape records** (`tape`): rejections beyond the tape's rate are still counted (`rejected`,
+  `rejected.<code>`) but not taped one by one; a burst is taped once, as one record that says how many
+  were left out (`take_summaries`).
 """
 from __future__ import annotations
 
@@ -66,7 +61,12 @@ class IntakeLimits:
         self._suppressed: dict[str, _Suppressed] = {}
 
     def allow(self, identity: str, now: float) -> bool:
-        """Whether one more CTL / heartbeat message of `identity` may be handled now."""
+        """Whether one more CTL / heartbeat message of `identity` may be handled now.
+
+        An honest island sends one heartbeat per YETO_HEARTBEAT_S (2 s by default), one hello per process
+        start and a few acks at the end: the defaults leave it two orders of magnitude of room. Pushes are
+        not limited by count (an honest push is hundreds of chunks in a second): PUSH's max_bytes bounds
+        them, and the tape limit bounds what a bad one costs."""
         b = self._msg_buckets.get(identity)
         if b is None:
             b = self._msg_buckets[identity] = Bucket(*self._ctl)

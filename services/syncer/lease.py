@@ -2,22 +2,17 @@
 
 A run's rounds, commits and seals come from exactly one syncer process at a time. The owner holds the
 state KV key `lease` (`lease.<K>` for shard K) and rewrites it every `ttl/3` with a revision-checked
-update (`Nats-Expected-Last-Subject-Sequence`), so two writers can never both succeed from the same
-revision. A syncer that finds the key held by another process becomes a **standby**: it says so once
-(owner, host, pid, since when), watches the key, and takes over when the key's revision has not moved
-for a whole TTL *on its own clock* — no wall clocks are compared across hosts; only the update that
-names the revision it watched wins, so two standbys never both take over.
-
-The owner trusts its lease only for `OWNER_TRUST` x TTL after it *sent* the refresh that was last
-acknowledged (`LeaseBook.valid`): a standby cannot take over before a TTL has passed since it *saw*
-that revision, which is later. An owner that was paused (SIGSTOP, a GC pause, a VM migration, a
-partition) wakes with its trust lapsed on the monotonic clock, publishes nothing until a
-revision-checked refresh succeeds, and stops when that refresh finds the key moved (`Fenced`). The
-commit record is itself written revision-checked (cut.py), and a new owner rewrites it first, so
-even a write the old owner had already started cannot land after a takeover.
-
-`LeaseBook` is the pure part (what the key holds, what this process may do, when a standby takes
-over), tested directly; `RunLease` is its I/O shell on a nats-py KeyValue handle.
+update (`Nats-Expected-Last-Subject-Sequence`). A syncer that finds the key held by another process
+becomes a **standby**: it says so once (owner, host, pid, since when), watches the key, and takes over
+when the key's revision has not moved for a whole TTL *on its own clock*.
+Invariants: two writers can never both succeed from the same revision, and only the update that names
+the revision a standby watched wins, so two standbys never both take over; no wall clocks are compared
+across hosts. The owner trusts its lease only for `OWNER_TRUST` x TTL after it *sent* the refresh last
+acknowledged (`LeaseBook.valid`), so an owner that was paused (SIGSTOP, a GC pause, a VM migration, a
+partition) publishes nothing until a revision-checked refresh succeeds, and stops when that refresh
+finds the key moved (`Fenced`); the commit record is itself written revision-checked (cut.py) and a new
+owner rewrites it first. `LeaseBook` is the pure part (what the key holds, what this process may do,
+when a standby takes over), tested directly; `RunLease` is its I/O shell on a nats-py KeyValue handle.
 """
 from __future__ import annotations
 
@@ -34,7 +29,9 @@ import orjson
 log = logging.getLogger("yeto.syncer")
 
 DEFAULT_TTL_S = 10.0
-OWNER_TRUST = 0.75      # of a TTL after the last acknowledged refresh was sent: margin for a slow ack
+# Of a TTL after the last acknowledged refresh was sent: a standby cannot take over before a TTL has passed
+# since it *saw* that revision, which is later; the rest is margin for a slow ack.
+OWNER_TRUST = 0.75
 REFRESHES_PER_TTL = 3   # the owner rewrites the key this often per TTL (two lost refreshes cost nothing)
 
 

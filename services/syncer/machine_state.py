@@ -5,8 +5,7 @@ rule modules (membership.py, init_rules.py, round_rules.py, pushes.py, finalize.
 settings_rules.py, rebroadcasts.py) are functions over `(s, cfg, out, ...)`: the state, the config in
 force and the `Output`; they read and write only the state, emit only through the output and keep
 nothing of their own.
-
-The phase moves only through `MachineState.enter`, which checks `TRANSITIONS` and raises
+Invariants: the phase moves only through `MachineState.enter`, which checks `TRANSITIONS` and raises
 `IllegalTransition` (a programming error, never an input error) on any other move:
 
     pinning -> init -> committing_v0 -> running -> finalizing -> done

@@ -4,19 +4,15 @@ Rule functions of services/syncer/rounds.RoundMachine over (state, config, outpu
 the machine's `MachineState` and emit through its `Output`; they hold no state of their own.
 
 - **init_island named**: hellos from other islands are *queued* (not refused, not admitted) until the
-  INIT island's hello pins the session; then they are re-examined in arrival order. A dtype mismatch
-  is refused at once (it does not depend on the session). A queued island that sends a newer
-  generation replaces its queued hello.
-- **Pinning checks the hello's own fingerprint**: the session builder recomputes the layout
-  fingerprint; if it differs from the one the hello claims, the hello is refused (layout_mismatch).
-  A layout the builder refuses (WireError / ValueError) is refused with the error's code.
+  INIT island's hello pins the session (`_pin` checks the hello's own layout); then they are re-examined
+  in arrival order. A dtype mismatch is refused at once (it does not depend on the session). A queued
+  island that sends a newer generation replaces its queued hello.
 - **Members**: any number of islands may join (N only gates version 0). A member silent for
   `member_timeout_s` or longer leaves; a heartbeat of its current generation brings it back.
   A hello with a generation the island had before is a stale replay and is ignored.
 - **Unknown members**: a heartbeat of an island, or of a generation of it, the machine has no record
-  of (a resumed syncer that lost the members record, a hello lost with a killed syncer) gets a
-  non-fatal `SendError` with code `unknown_member` (at most once per member timeout per generation):
-  the island must send hello again.
+  of gets a non-fatal `SendError` with code `unknown_member` (`_ask_hello`): the island must send
+  hello again.
 """
 from __future__ import annotations
 
@@ -87,6 +83,9 @@ def on_hello(s: MachineState, cfg: SyncerConfig, out: Output, ev: Hello, now: fl
 
 def _pin(s: MachineState, cfg: SyncerConfig, out: Output, ev: Hello, now: float,
          builder: Callable[..., dict] | None) -> bool:
+    """Pinning checks the hello's own fingerprint: the session builder recomputes the layout fingerprint;
+    if it differs from the one the hello claims, the hello is refused (layout_mismatch). A layout the
+    builder refuses (WireError / ValueError) is refused with the error's code."""
     builder = builder or default_builder()
     try:
         session = builder(
@@ -230,6 +229,8 @@ def leave(s: MachineState, cfg: SyncerConfig, out: Output, m: Member, now: float
 
 
 def _ask_hello(s: MachineState, cfg: SyncerConfig, out: Output, island: str, gen: str, now: float) -> None:
+    """An island, or a generation of it, the machine has no record of (a resumed syncer that lost the
+    members record, a hello lost with a killed syncer) is told to send hello again."""
     # Once per member timeout per generation: heartbeats come every few seconds, errors need not.
     last = s.hello_asked.get((island, gen))
     if last is not None and now - last < cfg.member_timeout_s:

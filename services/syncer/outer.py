@@ -3,38 +3,16 @@
 Every island pushes d = local - anchor for a fragment. The outer gradient is the negated weighted mean
 of those deltas, Δ = -Σ wᵢ dᵢ / Σ wᵢ, so an outer step with lr = 1, μ = 0 lands exactly on the weighted
 mean of the islands' local values (Θ - Δ = anchor + mean d). The update is Nesterov momentum applied to
-Δ, as `torch.optim.SGD(nesterov=True)` does, so the two agree to f32 rounding (the `0` kernel below
-runs SGD's operations in SGD's order):
+Δ, as `torch.optim.SGD(nesterov=True)` does, so the two agree to f32 rounding:
 
     buf = μ·buf + Δ
     Θ   = Θ - lr·(Δ + μ·buf)
 
-The shell prepares one `OuterStep` per merge and calls it per chunk with slices of the fragment's
-params and momentum (`outer_step_` is the one-call form); every operation is elementwise, so chunking
-never changes a single bit of the result.
-
-**Kernels** (`YETO_OUTER_COMPILE`, read when a merge prepares its `OuterStep`; one process must keep
-one setting, and a resumed syncer must get the same one, or a re-merged round may differ in the last
-bit):
-- `async` (default): the step as one loop, compiled on CPU (AOTInductor, else `torch.compile`) in a
-  background thread as soon as the syncer's session is pinned (`prewarm`, for the expected member
-  count), else the first time a merge needs it (per member count, delta dtype and chunk length: about
-  a minute of one core, once per process, and once per host with the compile cache, compile_cache.py),
-  checked bitwise against its eager twin, and used from then on; until then, and wherever it is not
-  compiled (no C++ compiler, tensors not on CPU, a chunk under COMPILE_MIN_NUMEL elements or of
-  another length, e.g. a fragment's last chunk), the eager twin computes the same bits. The loop
-  reads every delta, params and momentum once and writes params and momentum once. Every product and
-  sum is rounded on its own (no fused multiply-add, which a C++ or Triton compiler may or may not
-  choose: the check before use refuses a compile that did).
-- `sync`: the same, but the merge waits for the compile instead of starting on the twin.
-- `0`: eager torch ops, the SGD form op for op (`add_(x, alpha=a)`: a fused multiply-add on CPU),
-  ~M+4 passes over a chunk, in cache for 1 MiB chunks; differs from the fused loop by at most a
-  rounding per op. The default until measured slower than the compiled loop (bench/merge.py, figures
-  in bench/README.md: 0.39 of a plain in-place add against 0.81-0.83 for the compiled loop).
-
-`delta_view` decodes a push chunk's wire bytes for the merge without a copy (f32 and bf16 are read in
-place; outer_step_ upcasts bf16 exactly): copying every chunk into fresh memory cost more than the
-outer step itself (bench/merge.py).
+Owns `OuterStep` (one per merge, called per chunk with slices of the fragment's params and momentum;
+`outer_step_` is the one-call form), its kernels (`YETO_OUTER_COMPILE`: `_CompiledKernels.mode`) and
+`delta_view`. Invariants: every operation is elementwise, so chunking never changes a single bit; one
+process keeps one kernel setting, and a resumed syncer must get the same one, or a re-merged round may
+differ in the last bit.
 """
 from __future__ import annotations
 
@@ -66,6 +44,8 @@ def delta_view(buf: Any, wire_dtype: str, numel: int) -> torch.Tensor:
     f32 and bf16 are viewed in place, no copy (the tensor keeps `buf` alive; never write to it); q4,
     or a buffer whose address does not suit the dtype's alignment, is decoded into a new f32 tensor by
     `schemas.dtypes.unpack`. A buffer of the wrong length raises the same DecodeError as unpack.
+    (outer_step_ upcasts bf16 exactly.) No copy because copying every chunk into fresh memory cost more
+    than the outer step itself (bench/merge.py).
     """
     global _frombuffer_warned
     spec = _VIEW_DTYPES.get(wire_dtype)
@@ -232,7 +212,7 @@ def outer_step_(
     unspecified).
 
     One call, one `OuterStep` (the shell prepares one per merge instead). Which kernel runs:
-    YETO_OUTER_COMPILE (module doc); here `sync` compiles the loop for this slice's length, `async`
+    YETO_OUTER_COMPILE (`_CompiledKernels.mode`); here `sync` compiles the loop for this slice's length, `async`
     uses only a loop already compiled for it.
     """
     _check_slice(params, momentum, deltas, len(weights))
@@ -351,6 +331,25 @@ class _CompiledKernels:
 
     @staticmethod
     def mode() -> str:
+        """`YETO_OUTER_COMPILE`, read when a merge prepares its `OuterStep`:
+
+        - `async` (default): the step as one loop, compiled on CPU (AOTInductor, else `torch.compile`) in a
+          background thread as soon as the syncer's session is pinned (`prewarm`, for the expected member
+          count), else the first time a merge needs it (per member count, delta dtype and chunk length:
+          about a minute of one core, once per process, and once per host with the compile cache,
+          compile_cache.py), checked bitwise against its eager twin, and used from then on; until then,
+          and wherever it is not compiled (no C++ compiler, tensors not on CPU, a chunk under
+          COMPILE_MIN_NUMEL elements or of another length, e.g. a fragment's last chunk), the eager twin
+          computes the same bits. The loop reads every delta, params and momentum once and writes params
+          and momentum once. Every product and sum is rounded on its own (no fused multiply-add, which a
+          C++ or Triton compiler may or may not choose: the check before use refuses a compile that did).
+        - `sync`: the same, but the merge waits for the compile instead of starting on the twin.
+        - `0`: eager torch ops, the SGD form op for op (`add_(x, alpha=a)`: a fused multiply-add on CPU;
+          SGD's operations in SGD's order), ~M+4 passes over a chunk, in cache for 1 MiB chunks; differs
+          from the fused loop by at most a rounding per op. The default until measured slower than the
+          compiled loop (bench/merge.py, figures in bench/README.md: 0.39 of a plain in-place add against
+          0.81-0.83 for the compiled loop).
+        """
         m = os.environ.get("YETO_OUTER_COMPILE", "async").strip().lower() or "async"
         if m not in MODES:
             raise ValueError(f"YETO_OUTER_COMPILE must be one of {', '.join(MODES)}, got {m!r}")

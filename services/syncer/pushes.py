@@ -3,57 +3,16 @@
 Rule functions of services/syncer/rounds.RoundMachine over (state, config, output): see machine_state.py.
 
 - **Weights**: c_tokens (or 1 with equal_weights), normalized; all zero -> equal (weights.weights_for).
-  A claim is bounded before it weighs (`max_token_factor` F, default 4). The syncer cannot check a claim
-  (tokens per step differ per island, and c_steps is claimed too), but it can refuse to let one island's
-  word outweigh the others'. Among the round's positive claims (claims of 0 take no part, so an island
-  that counts no tokens changes nothing) take the lower medians (the smaller middle value for an even
-  count) of the claims (R_claim), of the tokens per step c_tokens / c_steps (R_tps) and of the c_steps
-  (R_steps); a claim is capped at the larger of F x R_claim and F x R_tps x min(c_steps, F x R_steps).
-  The second term keeps an honest island's accumulated claim (one that skipped rounds, or trains faster,
-  covers more steps: 1408 tokens over 11 steps beside 256 over 4 was cut to 1024 by the first term
-  alone), while a claim of 2^53-1 gets at most F x the tokens per step of the others over at most F x
-  their steps. With lower medians one island of a round of two or more never moves a reference by
-  lying. Computed in exact rationals, F taken as the decimal it was given (2.5 caps a median of 3 at
-  7.5, not 7): a cut claim weighs with that exact limit (a float when it is not whole). A clamped claim
-  is counted (`tokens.clamped`) and shown in the merge record (`weights` hold the used values,
-  `detail.token_clamp` {island: {claimed, used, limit}}).
-- **Quarantine** (defence in depth against a compromised or buggy island): the shell reports each
-  complete push's L2 norm and count of non-finite values (summed chunk by chunk as they arrive; no
-  whole-model copy). A push that would be accepted is instead `quarantined`:
-  - on arrival, when it holds any NaN/Inf (always), or when its norm exceeds `max_push_norm` (off by
-    default);
-  - judged when the round is about to complete, against the pushes accepted this attempt: when its
-    norm exceeds `outlier_factor` x the round's lower median norm (off by default; it needs at least
-    `OUTLIER_MIN_PUSHES` = 3 accepted pushes, and a median of 0 judges nothing);
-  - judged then too, **on by default** (`push_norm_factor` K = 4, `--push-norm-factor`): when its norm
-    exceeds K x the fragment's *reference norm*. Each expected member's value is the lower median of
-    its own last `NORM_HISTORY` (8) merged push norms of that fragment and its push of this attempt;
-    the reference is the lower median of those values over the members, and it judges only with
-    values from `NORM_MIN_ISLANDS` (2) islands or more (a single-island run is never judged). This
-    needs no tuning and works from two islands and the first round on: in a round of two, the
-    smaller member's value is the reference. An attacker cannot ratchet it up: every island counts
-    once, the history holds only norms that were merged (so at most K x an honest reference; a
-    quarantined norm never enters), and one island of two (or a minority) can never raise a lower
-    median — it can only lower it, which shrinks what the others may push (training slows) but never
-    lets a large push in. Honest pushes are untouched while they stay within K x the others' (the
-    demo's runs peak near 1.5: soak/hostile.py --poison prints `max_norm_ratio`); an island whose
-    pushes are honestly more than K x larger (more than K x faster, say) is quarantined: raise K or
-    turn the bound off (`--push-norm-factor off`). When *every* push of an attempt (two or more) exceeds
-    the history's limit, the history is stale (islands that trained unsynced through a broker outage
-    push many steps' worth at once), and the attempt's own lower median is the reference instead
-    (counted `norm_bound.history_stale`): without that, such a run restarted the round for ever. The history is the machine's, not the checkpoint's:
-    a machine made by `restore` (--resume) starts without one, its first rounds judge against their own
-    pushes (as a run's first rounds do), and `yeto replay` rebuilds it from the recorded events.
-  A quarantined push is taped (rule, figures, limit), counted (`disposition.quarantined`,
-  `quarantine.<rule>`), released and never merged; its slot counts as refused (like a stale base). Its
-  member is **excused from the attempt's quorum** (not in strict mode, which waits for every member):
-  the quorum becomes at most the members not quarantined, for the rest of the attempt, so the round
-  completes with the others (after the grace window, as for a member that did not answer); only when
-  nobody is left does it restart as for a missing member. Before this, a compromised island that
-  quarantined every push held every round of a 2-island run (default quorum: every member) below
-  quorum, restarting for ever. A member that said it leaves (membership.leave, `said`) is excused the
-  same way (round_rules.check_round), so a planned island stop costs no restart. A push judged at completion was first taped `accepted`; its
-  `quarantined` record follows and supersedes it.
+  A claim is bounded before it weighs (`max_token_factor` F, default 4; how and why: weights.cap_claims).
+  A clamped claim is counted (`tokens.clamped`) and shown in the merge record (`weights` hold the used
+  values, `detail.token_clamp` {island: {claimed, used, limit}}).
+- **Quarantine** (defence in depth against a compromised or buggy island, docs/design.md §9): the shell
+  reports each complete push's L2 norm and count of non-finite values (summed chunk by chunk as they
+  arrive; no whole-model copy). A push that would be accepted is instead `quarantined` on arrival when it
+  holds any NaN/Inf or its norm exceeds `max_push_norm` (off by default) (`_quarantine_rule`), and when the
+  round is about to complete when its norm is far above the others' (`screen_outliers`). It is taped
+  (rule, figures, limit), counted (`disposition.quarantined`, `quarantine.<rule>`), released and never
+  merged; its slot counts as refused (like a stale base) and its member is excused from the quorum (`excuse`).
 """
 from __future__ import annotations
 
@@ -163,7 +122,8 @@ def screen_outliers(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, n
 
 def _screen_outlier_rule(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> bool:
     """Quarantine every accepted push whose norm exceeds outlier_factor x the lower median of the norms
-    accepted this attempt (outliers included, so removing one never lowers the reference for the rest)."""
+    accepted this attempt (outliers included, so removing one never lowers the reference for the rest).
+    Off by default; it needs at least OUTLIER_MIN_PUSHES accepted pushes, and a median of 0 judges nothing."""
     factor = cfg.outlier_factor
     if factor is None or len(r.norms) < OUTLIER_MIN_PUSHES:
         return False
@@ -221,7 +181,16 @@ def _norm_reference(s: MachineState, cfg: SyncerConfig, out: Output, r: Round) -
 def _screen_norm_bound(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> bool:
     """Quarantine every accepted push whose norm exceeds push_norm_factor x the reference norm
     (`_norm_reference`; this attempt's norms include pushes already removed, so a removal never moves
-    the reference for the rest and a second screening removes nothing more)."""
+    the reference for the rest and a second screening removes nothing more).
+
+    On by default (K = 4, `--push-norm-factor`): it needs no tuning and works from two islands and the
+    first round on (in a round of two, the smaller member's value is the reference). Honest pushes are
+    untouched while they stay within K x the others' (the demo's runs peak near 1.5: soak/hostile.py
+    --poison prints `max_norm_ratio`); an island whose pushes are honestly more than K x larger (more than
+    K x faster, say) is quarantined: raise K or turn the bound off (`--push-norm-factor off`). When every
+    push of an attempt (two or more) exceeds the history's limit, the attempt's own lower median is the
+    reference instead (`norm_bound.history_stale`, below). `yeto replay` rebuilds the history from the
+    recorded events."""
     factor = cfg.push_norm_factor
     if factor is None:
         return False

@@ -1,9 +1,11 @@
 """Re-broadcast of a fragment's committed version (a rule of the round machine, services/syncer/rounds.py).
 
 BCAST keeps one message per chunk subject, so a forged chunk, a purge or a broker that lost its last
-writes can leave a committed version incomplete there for good. Asked for by round_rules (a round past
+writes can leave a committed version incomplete there for good (the islands stay on an older version,
+push stale bases, and no round of that fragment commits again). Asked for by round_rules (a round past
 its deadline below quorum) and pushes (a stale_base push): at most once per `quorum_timeout_s` per
-fragment, only while running, and never while that fragment's merge is due or under way.
+fragment, only while running, and never while that fragment's merge is due or under way (its params
+are changing and the next broadcast comes anyway).
 """
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
 """The syncer's intake: four durable pull consumers (CTL: hello, ack; HB: heartbeats, the newest per island;
 INIT: initial weights; PUSH: push chunks) turned into round-machine events on the shell's queue.
 
-Per identity (the subject's island token), CTL and heartbeat messages beyond a rate are dropped before
-they are decoded, and rejections beyond a rate are counted but taped once per burst
-(services/syncer/intake_limit.py): one island's flood cannot keep intake or the tape busy.
-
-Bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values, unknown
-fragment, digest mismatch, an island id that does not match its subject, a protocol version outside the
-accepted range: schemas/versions.py) is acked (never redelivered), counted, written to the EVENTS tape, and
-changes no state. Push chunks are checked and acked at once,
-their payloads left in the stream (the ledger records where); a push holding NaN/Inf is well-formed but
-poisonous: its chunks' norms and non-finite counts go to the round machine, which quarantines it. INIT
-chunk bytes wait in `init_pending` until the machine answers InitStore or InitDrop; intake pauses while
-more than `INIT_PENDING_BYTES` of them wait (the machine loop is slower than a fetch: unbounded, one
-syncer held 3.3x the model during INIT in bench/syncer_memory.py), for at most `INIT_ROOM_WAIT_S` per
-chunk, so chunks held for a hello that has not arrived yet can never stall intake for good.
+Invariants: bad input from the wire (malformed JSON, schema violations, wrong sizes, NaN/Inf INIT values,
+unknown fragment, digest mismatch, an island id that does not match its subject, a protocol version
+outside the accepted range: schemas/versions.py) is acked (never redelivered), counted, written to the
+EVENTS tape, and changes no state. Per identity (the subject's island token), CTL and heartbeat messages
+beyond a rate are dropped before they are decoded, and rejections beyond a rate are taped once per burst
+(services/syncer/intake_limit.py). Push chunks are checked and acked at once, their payloads left in the
+stream (the ledger records where); a push holding NaN/Inf is well-formed but poisonous: its chunks' norms
+and non-finite counts go to the round machine, which quarantines it. INIT chunk bytes wait in
+`init_pending` until the machine answers InitStore or InitDrop, and intake pauses while too many of them
+wait (`_init_room`), so INIT is bounded in memory and never stalls intake for good.
 """
 from __future__ import annotations
 
@@ -231,8 +227,10 @@ class Receiver:
                                          chunks=len(spans), now=time.time()))
 
     async def _init_room(self) -> None:
-        """Wait while the machine has more INIT bytes to answer than INIT_PENDING_BYTES (see the module
-        docstring); never longer than INIT_ROOM_WAIT_S."""
+        """Wait while the machine has more INIT bytes to answer than INIT_PENDING_BYTES (the machine loop
+        is slower than a fetch: unbounded, one syncer held 3.3x the model during INIT in
+        bench/syncer_memory.py); never longer than INIT_ROOM_WAIT_S per chunk, so chunks held for a hello
+        that has not arrived yet can never stall intake for good."""
         if self.init_pending_bytes < INIT_PENDING_BYTES:
             return
         self.counters["init.intake_paused"] += 1

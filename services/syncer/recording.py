@@ -1,25 +1,15 @@
 """The round machine's inputs on the tape, so a run can be replayed (`yeto replay`); pure, no I/O.
 
-The shell feeds every event through `InputRecorder.add(event, actions)` right after the machine
-handled it, and tapes each record the recorder hands back as an `input` record on the run's EVENTS
-stream (`yeto.R.events.input`). One syncer process writes one *segment*:
-
-- batch 0, at start: `detail` = {proc, batch: 0, config: the SyncerConfig as a dict (its `software`: the
-  syncer's release), protocol and state_format: the versions it speaks and writes (schemas/versions.py),
-  restore: None for a fresh run, else the arguments `RoundMachine.restore` got on --resume (session,
-  versions, committed_step, members, now, min_attempts, final), and with it resumed_state: {format,
-  software, migrated_from} of the state it resumed}.
-- batch n >= 1: `detail` = {proc, batch: n, first: index of its first event in the segment,
-  events: [...], actions: {i: [signature, ...]}} — the events in the order fed (`events.event_to_json`;
-  a Tick is written as its bare `now`, the commonest event kept small), and for each event that
-  produced actions, their signatures `<ActionType>:<action_digest>` in order (an event the machine
-  refused with an exception gets `["raise:<ExceptionType>"]`).
-
-Heartbeats and Ticks (several a second) must not flood the tape: events are batched, one record per
-`MAX_BATCH_AGE_S` second at most (or per `MAX_BATCH_EVENTS` events / `MAX_BATCH_BYTES` bytes, whichever
-comes first), flushed at exit. A syncer killed -9 loses at most its last second of inputs: the replay
-then stops where the tape does. `proc` names the process (the shell's tape key prefix); batches are
-numbered so a replay sees a lost record as a gap.
+Owns `InputRecorder`: the shell feeds every event through `InputRecorder.add(event, actions)` right after
+the machine handled it, and tapes each record the recorder hands back as an `input` record on the run's
+EVENTS stream (`yeto.R.events.input`). One syncer process writes one *segment*: batch 0 at start (the
+config, the versions it speaks, what it restored), then batches of the events fed and their actions'
+signatures (the record formats: `InputRecorder`'s doc).
+Invariants: heartbeats and Ticks (several a second) must not flood the tape: events are batched, one
+record per `MAX_BATCH_AGE_S` second at most (or per `MAX_BATCH_EVENTS` events / `MAX_BATCH_BYTES` bytes,
+whichever comes first), flushed at exit. A syncer killed -9 loses at most its last second of inputs: the
+replay then stops where the tape does. `proc` names the process (the shell's tape key prefix); batches
+are numbered so a replay sees a lost record as a gap.
 """
 from __future__ import annotations
 
@@ -50,7 +40,19 @@ def encode_event(event: Event) -> Any:
 
 
 class InputRecorder:
-    """Batches fed events and their actions' signatures into `input` tape records (see the module doc)."""
+    """Batches fed events and their actions' signatures into `input` tape records (see the module doc).
+
+    - batch 0, at start: `detail` = {proc, batch: 0, config: the SyncerConfig as a dict (its `software`:
+      the syncer's release), protocol and state_format: the versions it speaks and writes
+      (schemas/versions.py), restore: None for a fresh run, else the arguments `RoundMachine.restore` got
+      on --resume (session, versions, committed_step, members, now, min_attempts, final), and with it
+      resumed_state: {format, software, migrated_from} of the state it resumed}.
+    - batch n >= 1: `detail` = {proc, batch: n, first: index of its first event in the segment,
+      events: [...], actions: {i: [signature, ...]}} — the events in the order fed (`events.event_to_json`;
+      a Tick is written as its bare `now`, the commonest event kept small), and for each event that
+      produced actions, their signatures `<ActionType>:<action_digest>` in order (an event the machine
+      refused with an exception gets `["raise:<ExceptionType>"]`).
+    """
 
     def __init__(self, proc: str, *, max_events: int = MAX_BATCH_EVENTS, max_bytes: int = MAX_BATCH_BYTES):
         self.proc = proc

@@ -1,9 +1,10 @@
 """Rounds in flight: deadlines, hopeless attempts, restarts, re-broadcasts, the commit order, launches and
 pacing (rules of `RoundMachine`).
 
-Rule functions of services/syncer/rounds.RoundMachine over (state, config, output): see machine_state.py. The rules it
-carries out (commit order, pacing, strict mode, restarts with no live member, hopeless attempts,
-re-broadcast) are the choices listed in services/syncer/rounds.py's module docstring.
+Rule functions of services/syncer/rounds.RoundMachine over (state, config, output): see machine_state.py. The
+choices the design (docs/design.md §4.4, §4.5) leaves open are decided in their docs: the commit order
+(`emit_merge`), pacing (`launch_time`), strict mode, hopeless attempts and a restart with no live member
+(`check_round`); re-broadcasts are rebroadcasts.py's.
 """
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ def _hopeful(s: MachineState, cfg: SyncerConfig, out: Output, r: Round) -> int:
 
 
 def check_round(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, now: float) -> None:
+    """Complete, restart or keep waiting for one round in flight.
+
+    - **Strict (lockstep)**: a round completes only when every expected member answered (no quorum, no
+      grace); a passed deadline tapes an error and moves the deadline one timeout on (no attempt bump).
+    - **Hopeless attempts restart early** (not strict): while the answers still possible (slots not
+      answered, not refused as stale/future/invalid, member still live) cannot reach quorum, the attempt
+      restarts `HOPELESS_RESTART_S` after that began (counted `restart_early`), not at its deadline.
+    - **Restart with no live member** keeps the attempt and moves the deadline on (nobody to ask): such a
+      round is never hopeless, it waits for a hello or a heartbeat, and time only ever moves its due time
+      forward (`next_wakeup()` is never in the past after a Tick).
+    """
     # A member that said it leaves will not answer: excused from the quorum (pushes.excuse), so the round
     # completes with the others' pushes now instead of restarting and asking them again (docs/design.md §7.1).
     if not cfg.strict and any(slot.answer is None and pushes.left_on_purpose(s, i, slot.gen)
@@ -111,6 +123,10 @@ def _quorum_for(s: MachineState, cfg: SyncerConfig, out: Output, expected: int) 
 
 
 def emit_merge(s: MachineState, cfg: SyncerConfig, out: Output, now: float) -> None:
+    """The commit order: at most one `Merge` is outstanding; it is emitted for the lowest in-flight step
+    only once that round is complete, and the next one only after its `MergeDone`. Rounds that complete
+    early wait (they stop accepting pushes). A round stays in flight (holding a pipeline slot and its
+    fragment) until its `MergeDone`, so the next round on that fragment always has the new base version."""
     if s.merging is not None or not s.rounds:
         return
     r = s.rounds[min(s.rounds)]
@@ -132,7 +148,20 @@ def can_launch_now(s: MachineState, cfg: SyncerConfig, out: Output) -> tuple[int
 
 
 def launch_time(s: MachineState, cfg: SyncerConfig, out: Output, t: int, live: list[Member]) -> float:
-    """Earliest time the pacing rules allow round t (outside strict mode)."""
+    """Earliest time the pacing rules allow round t (outside strict mode; strict launches as soon as the
+    pipeline and the fragment allow). Round t is due H/P inner steps after round t-1; it launches when
+    the pipeline and the fragment allow AND either
+        (time)     now >= previous launch (or V0Done) + (H/P) · slowest live member's EMA step time, or
+        (progress) every live member's estimated progress reached its due point:
+                   est_local(now) >= ref_local + (t - ref_step)·H/P - launch_lead_steps,
+    where a member's (ref_step, ref_local) is (0, its estimated local step) at V0Done, and (last launched
+    step, 0) when it is admitted later or returns with a new generation (its local step restarts at 0).
+    est_local extrapolates the last reported local step with the EMA step time. The time rule alone always
+    makes progress once step times are known; the progress rule lets the syncer catch up when islands are
+    ahead (e.g. after a slow merge) and never waits on a newcomer's load time. Without any step-time
+    report and no progress, no round launches (islands heartbeat every few seconds, so this only delays
+    the first round). `launch_lead_steps` (default 1) makes the pull arrive one step before the boundary
+    it is due at."""
     spr = cfg.steps_per_round
     emas = [m.ema_step_s for m in live if m.ema_step_s]
     # A shard's consecutive rounds are (t - its last launched step) rounds apart (1 unsharded).

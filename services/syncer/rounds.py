@@ -1,73 +1,18 @@
 """The syncer's round state machine: pure, deterministic, no I/O, no clock.
 
 The I/O shell (services/syncer/service.py) turns what it reads from NATS into *events*, feeds them to
-`RoundMachine.handle(event)` one at a time, and carries out the *actions* it gets back, in order.
-Time comes only with events (`now`, seconds; use wall-clock `time.time()` so tape times and the members
-KV read sensibly across restarts). A `now` older than one already seen is treated as the newest seen,
-so a late event never moves the machine's clock backwards. Every event, whatever its kind, also runs
-the time-driven checks (liveness, grace windows, deadlines, pacing, final timeout); `Tick(now)` carries
-nothing else. `next_wakeup()` says when the next of those fires, so the shell can sleep until then
-(but should still tick every second or so). Given the same events the machine emits the same actions:
-no clock, no randomness, and every collection that reaches an action is iterated in sorted (or
-arrival) order. The shell records its inputs so `yeto replay` can check exactly that
-(services/syncer/recording.py, services/syncer/replay.py).
-
-Lifecycle (`phase`, a `state.Phase`; it moves only through `MachineState.enter`, which checks the legal
-transitions, machine_state.TRANSITIONS):
-  pinning -> init -> committing_v0 -> running -> finalizing -> done
-
-Where it lives: config.py (SyncerConfig, constants), events.py (inputs) and actions.py (outputs), both
-with their JSON form; state.py (Phase, Member, Round: plain data); machine_state.py (`MachineState`, the
-machine's whole state in one typed object, the phase transitions, and `Output`); this module
-(`RoundMachine`: restore, `handle` with its table of handlers, one per event type, and its table of
-ticks, one per phase: the time-driven checks, next_wakeup) and the rule modules it calls, plain
-functions over (state, config, output) that keep nothing of their own: membership.py (hellos, session,
-generations, heartbeats), init_rules.py (INIT, version 0), round_rules.py (rounds in flight: deadlines,
-restarts, commit order, launches, pacing), rebroadcasts.py, pushes.py (dispositions, quarantine,
-merges), finalize.py (final cut, manifests, acks), sharding.py (what a machine that is one of several
-syncer shards adds: followers mirroring the coordinator's records, per-shard final cuts) and
-settings_rules.py (`yeto run set`). Their imports of each other form no cycle and none imports this
-module (tests/test_machine_state.py). The rules of each are in its module docstring.
-
-Choices the design leaves open, decided here (the parts' modules decide the rest):
-- **Attempts are 1-based, pull `seq` and push `try` 0-based** (as the schemas say).
-- **Commit order**: at most one `Merge` is outstanding; it is emitted for the lowest in-flight step
-  only once that round is complete, and the next one only after its `MergeDone`. Rounds that complete
-  early wait (they stop accepting pushes). A round stays in flight (holding a pipeline slot and its
-  fragment) until its `MergeDone`, so the next round on that fragment always has the new base version.
-- **Pacing outside strict mode** (round t, due H/P inner steps after round t-1): launch when the
-  pipeline and the fragment allow AND either
-    (time)     now >= previous launch (or V0Done) + (H/P) · slowest live member's EMA step time, or
-    (progress) every live member's estimated progress reached its due point:
-               est_local(now) >= ref_local + (t - ref_step)·H/P - launch_lead_steps,
-  where a member's (ref_step, ref_local) is (0, its estimated local step) at V0Done, and
-  (last launched step, 0) when it is admitted later or returns with a new generation (its local
-  step restarts at 0). est_local extrapolates the last reported local step with the EMA step time.
-  The time rule alone always makes progress once step times are known; the progress rule lets the
-  syncer catch up when islands are ahead (e.g. after a slow merge) and never waits on a newcomer's
-  load time. Without any step-time report and no progress, no round launches (islands heartbeat
-  every few seconds, so this only delays the first round). `launch_lead_steps` (default 1) makes the
-  pull arrive one step before the boundary it is due at.
-- **Strict (lockstep)**: launch as soon as pipeline and fragment allow; a round completes only when
-  every expected member answered (no quorum, no grace); a passed deadline tapes an error and moves
-  the deadline one timeout on (no attempt bump).
-- **Restart with no live member** keeps the attempt and moves the deadline on (nobody to ask); a round
-  with no live member is never hopeless: it waits for a hello or a heartbeat, and time only ever moves
-  its due time forward (`next_wakeup()` is never in the past after a Tick).
-- **Hopeless attempts restart early** (not strict): while the answers still possible (slots not answered,
-  not refused as stale/future/invalid, member still live) cannot reach quorum, the attempt restarts
-  `HOPELESS_RESTART_S` after that began (counted `restart_early`), not at its deadline.
-- **Re-broadcast**: BCAST keeps one message per chunk subject, so a forged chunk, a purge or a broker
-  that lost its last writes can leave a fragment's committed version incomplete there for good: the
-  islands stay on an older version, push stale bases, and no round of that fragment commits again.
-  The machine emits `Rebroadcast(fragment, version)` of the committed version when a round of that
-  fragment passes its deadline below quorum (restart, or strict deadline) or a push of it is
-  `stale_base`; at most once per `quorum_timeout_s` per fragment, and never while that fragment's
-  merge is due or under way (its params are changing and the next broadcast comes anyway).
-- **Release**: the machine tells the shell which push payloads it may delete from the PUSH stream at
-  once (rejected pushes, pushes discarded by a restart). It never releases the identity of a push that
-  a pending merge still needs; the shell deletes accepted pushes after `MergeDone` itself. Release may
-  repeat for the same identity: make deletion idempotent.
+`RoundMachine.handle(event)` one at a time, and carries out the *actions* it gets back, in order. Time
+comes only with events (`now`: wall-clock seconds, so tape times and the members KV read sensibly across
+restarts); every event also runs the time-driven checks (liveness, grace windows, deadlines, pacing,
+final timeout), `Tick(now)` carries nothing else, and `next_wakeup()` says when the next fires (the shell
+should still tick every second or so). Owns `RoundMachine`: restore, `handle` with its handlers (one per
+event type) and ticks (one per phase). Inputs: events.py, outputs: actions.py, state: machine_state.py;
+the rules live in rule modules, each stating its own: membership.py, init_rules.py, round_rules.py,
+rebroadcasts.py, pushes.py, finalize.py, sharding.py, settings_rules.py (no import cycle among them, and
+none imports this module: tests/test_machine_state.py).
+Invariants: given the same events the machine emits the same actions (no randomness; every collection
+that reaches an action is iterated in sorted or arrival order; `yeto replay` checks it from the inputs
+recording.py tapes); a `now` older than one already seen is taken as the newest seen.
 """
 from __future__ import annotations
 

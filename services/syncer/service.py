@@ -1,24 +1,18 @@
 """The syncer's I/O shell: NATS JetStream in, the round machine in the middle, checkpoint + NATS out.
 
-Four durable pull consumers (services/syncer/receive.py: CTL hello/ack, HB heartbeats, INIT chunks, PUSH
-chunks checked and acked at once, payloads left in the stream) feed one event queue (hellos and
-heartbeats first: services/syncer/event_queue.py); one task feeds the
-queue's events to the pure `RoundMachine` and carries out its actions in order (`_do`). Long actions (a
-merge: services/syncer/merge.py; version 0 and the final cut: services/syncer/cut.py) run as tasks that
-feed their completion back as events, so intake never stops while a fragment is merged. Every event fed,
-and a digest of what it produced, is recorded on the tape (services/syncer/recording.py) for
-`yeto replay`; the tape itself is written by services/syncer/tape.py.
-
-Memory: params and momentum of every fragment (f32) plus O(members x chunk) bytes for a merge.
-Status for operators: every `status_every_s` and at exit a log line and the `state` KV key `syncer`.
-State KV key `pulls` (step -> highest attempt published) is written *before* a pull is published, so a
-restarted syncer relaunches an in-flight round with a higher attempt (a new pull id). `yeto run set`:
-services/syncer/settings_desk.py.
-
-Syncer shards (`--shard K --shards N`, schemas/shards.py, docs/design.md §8): this process owns fragments
-f mod N == K, their INIT and PUSH consumers, its checkpoint directory and state keys (`syncer.<K>`,
-`commit.<K>`, `pulls.<K>`); CTL and HB only in the coordinator (shard 0); services/syncer/shard_watch.py reads
-the other shards. With one shard every name, key and record is the unsharded one.
+Four durable pull consumers (services/syncer/receive.py) feed one event queue (hellos and heartbeats
+first: services/syncer/event_queue.py); one task feeds the queue's events to the pure `RoundMachine` and
+carries out its actions in order (`_do`). Long actions (a merge: services/syncer/merge.py; version 0 and
+the final cut: services/syncer/cut.py) run as tasks that feed their completion back as events, so intake
+never stops while a fragment is merged. Every event fed, and a digest of what it produced, is recorded on
+the tape (services/syncer/recording.py, written by services/syncer/tape.py) for `yeto replay`. `yeto run
+set`: services/syncer/settings_desk.py. Memory: params and momentum of every fragment (f32) plus
+O(members x chunk) bytes for a merge. Status: every `status_every_s` and at exit a log line and the
+`state` KV key `syncer`.
+Invariants: state KV key `pulls` (step -> highest attempt published) is written *before* a pull is
+published, so a restarted syncer relaunches an in-flight round with a higher attempt (a new pull id). A
+shard (`--shard K --shards N`, docs/design.md §10) owns only its fragments' consumers, checkpoint and
+state keys, CTL and HB only the coordinator; with one shard every name, key and record is the unsharded one.
 """
 from __future__ import annotations
 

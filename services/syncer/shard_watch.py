@@ -3,18 +3,14 @@ owns what; services/syncer/sharding.py is what the round machine does with it).
 
 - **A follower** (shard K > 0) polls, every `poll_s` (0.5 s), the state KV's `session` key until its
   machine has pinned a session (-> `SessionSeen`) and the members KV (-> `MemberSeen`, one per record
-  that changed since it last fed that island's record). Members are read cheaply: the bucket's stream
-  last sequence says whether anything changed; a few changes are read by sequence, many (or a first
-  read) by listing the keys.
+  that changed since it last fed that island's record; `_poll_members` reads them cheaply).
 - **The coordinator** (shard 0) polls `final.<K>` of every other shard (-> `ShardFinal` per new
-  revision, after adding that shard's digests to the cut publisher's `final_digests`: the manifests and
-  the run's `final` key need every fragment's) and, every status interval, `syncer.<K>`: a shard with no
-  status record, one whose record stopped changing, or one that exited before its final cut, for
-  `missing_after_s` (3 x --status-every, at least 15 s) is *missing*: taped once as an `error` record
-  `shard K missing: ...`, `shard K back` when it returns, and listed in `missing`.
-
-Freshness is judged by the record's KV revision on this process's clock (monotonic), never by the
-other host's `updated_at`, so clock skew between shard hosts cannot make a shard look missing.
+  revision, after adding that shard's digests to the cut publisher's `final_digests`) and, every status
+  interval, `syncer.<K>`: a shard with no status record, one whose record stopped changing, or one that
+  exited before its final cut, for `missing_after_s` (3 x --status-every, at least 15 s) is *missing*:
+  taped once as an `error` record `shard K missing: ...`, `shard K back` when it returns (`missing`).
+Invariants: freshness is judged by the record's KV revision on this process's clock (monotonic), never
+by the other host's `updated_at`, so clock skew between shard hosts cannot make a shard look missing.
 Everything read is checked; a record that is not what the writer writes is counted, taped once per
 revision, and not fed. Errors of one poll are counted and the next poll tries again.
 """
@@ -160,6 +156,8 @@ class ShardWatch:
         # read before the session until it has one).
 
     async def _poll_members(self) -> None:
+        """Members are read cheaply: the bucket's stream last sequence says whether anything changed; a
+        few changes are read by sequence, many (or a first read) by listing the keys."""
         kv = self.members_kv
         info = await self.js.stream_info(kv._stream)
         last = info.state.last_seq
@@ -207,6 +205,8 @@ class ShardWatch:
     # ---- coordinator ------------------------------------------------------------------------------
 
     async def _poll_finals(self) -> None:
+        """Each shard's final cut: its digests go to the cut publisher (the manifests and the run's `final`
+        key need every fragment's)."""
         for k in range(1, self.cfg.shards):
             e = await self._entry(self.state_kv, SH.final_key(k))
             if e is None or e.revision == self._final_rev.get(k):

@@ -1,32 +1,18 @@
-"""Shards: the rules a sharded machine adds (rules of `RoundMachine`; schemas/shards.py says who owns what).
+"""Shards: the rules a sharded machine adds (rules of `RoundMachine`; schemas/shards.py says who owns what,
+docs/design.md §10 the design). Rule functions over (state, config, output): see machine_state.py. With
+one shard (`config.shards == 1`) none of this runs and the machine behaves exactly as it always did.
 
-Rule functions of services/syncer/rounds.RoundMachine over (state, config, output): see machine_state.py. With one shard
-(`config.shards == 1`) none of this runs and the machine behaves exactly as it always did.
-
-- **Every shard** runs the rounds of its own fragments (round t belongs to shard ((t-1) mod P) mod N),
-  with every rule of an unsharded machine: quorum, attempts, grace, dispositions, strict mode, commit
-  order (among its own rounds), durable before broadcast. Its `versions` and `committed_step` are its
-  own fragments' and its own rounds' (the highest own step committed).
-- **Pacing**: a shard launches round t no sooner than (t - its last launched step) x H/P x the slowest
-  member's step time after its last launch, or when the members' progress says t is due (the same
-  rule as unsharded, where that difference is always 1). The estimates come from the coordinator:
-  it writes them into the members KV records (`ema_step_s`, `reported_at`, `ref_step`, `ref_local`).
+- **Every shard** runs the rounds of its own fragments (round t belongs to shard ((t-1) mod P) mod N)
+  with every rule of an unsharded machine; its `versions` and `committed_step` are its own fragments'
+  and its own rounds'. It launches round t no sooner than (t - its last launched step) x H/P x the
+  slowest member's step time after its last launch, or when the members' progress says t is due, on the
+  estimates the coordinator writes into the members KV (`ema_step_s`, `reported_at`, `ref_step`, `ref_local`).
 - **The coordinator** (shard 0) alone takes hellos, heartbeats and acks, pins the session, admits,
-  judges liveness and writes the members KV; the others follow what it wrote: `SessionSeen` (the
-  session record) and `MemberSeen` (a members record that changed: admission, a new generation —
-  whose unanswered slots are rebound and re-pulled, as on the coordinator — liveness, progress). A
-  follower never judges liveness: while the coordinator is down it keeps the membership it last read.
-  A follower's member is admitted without a `join` tape record (the coordinator wrote it). A record
-  that is not a well-formed member record is counted (`rejected.member_record`), taped, and ignored.
-- **Finalization**: once every own round up to --total-steps is committed a shard emits one
-  `PublishShardFinal` (its fragments' f32 cut); after its `FinalPublished` a follower is done
-  (`Done(True, ())`). The coordinator keeps admitting (other shards still run rounds) and collects
-  `ShardFinal` from every other shard; when all N are in it freezes the live members as targets,
-  records the finalization (RecordFinal: versions of every fragment) and sends the manifests; acks,
-  the final timeout and Shutdown are as unsharded. `ShardFinal` of an unknown shard, a second one of a
-  shard, or one naming fragments the shard does not own is counted and taped, and changes nothing.
-- **Events a shard does not own** (a hello, heartbeat or ack fed to a follower; SessionSeen /
-  MemberSeen fed to the coordinator) are counted (`ignored.not_owner`) and change nothing.
+  judges liveness and writes the members KV; followers follow what it wrote (`on_session_seen`,
+  `on_member_seen`) and never judge liveness. Each shard publishes its own final cut
+  (`start_shard_final`); the coordinator collects the others' (`on_shard_final`), then sends the manifests.
+Invariants: an event a shard does not own (a hello, heartbeat or ack fed to a follower; SessionSeen,
+MemberSeen or ShardFinal fed to the coordinator) is counted (`ignored.not_owner`) and changes nothing.
 """
 from __future__ import annotations
 
@@ -102,6 +88,11 @@ def on_session_seen(s: MachineState, cfg: SyncerConfig, out: Output, ev: Session
 
 
 def on_member_seen(s: MachineState, cfg: SyncerConfig, out: Output, ev: MemberSeen, now: float) -> None:
+    """A follower takes a members record that changed: admission, a new generation (whose unanswered
+    slots are rebound and re-pulled, as on the coordinator), liveness, progress. While the coordinator is
+    down it keeps the membership it last read; its member is admitted without a `join` tape record (the
+    coordinator wrote it). A record that is not a well-formed member record is counted
+    (`rejected.member_record`), taped, and ignored."""
     if cfg.coordinator:
         s.counters["ignored.not_owner"] += 1
         return
@@ -162,6 +153,7 @@ def own_rounds_done(s: MachineState, cfg: SyncerConfig, out: Output) -> bool:
 
 
 def start_shard_final(s: MachineState, cfg: SyncerConfig, out: Output, now: float) -> None:
+    """Every own round up to --total-steps is committed: one `PublishShardFinal` (its fragments' f32 cut)."""
     s.own_final_started = True
     if not cfg.coordinator:
         # nothing left to launch; a follower only publishes its cut
@@ -172,6 +164,8 @@ def start_shard_final(s: MachineState, cfg: SyncerConfig, out: Output, now: floa
 
 
 def shard_final_published(s: MachineState, cfg: SyncerConfig, out: Output, now: float) -> None:
+    """After its `FinalPublished` a follower is done (`Done(True, ())`); the coordinator keeps admitting
+    (other shards still run rounds) and counts its own cut in."""
     if not s.own_final_started or s.own_final_out:
         raise ValueError("FinalPublished without an outstanding PublishShardFinal")
     s.own_final_out = True
@@ -185,6 +179,11 @@ def shard_final_published(s: MachineState, cfg: SyncerConfig, out: Output, now: 
 
 
 def on_shard_final(s: MachineState, cfg: SyncerConfig, out: Output, ev: ShardFinal, now: float) -> None:
+    """The coordinator collects every other shard's final cut; when all N are in it records the
+    finalization (`start_manifests`: RecordFinal, versions of every fragment) and sends the manifests;
+    acks, the final timeout and Shutdown are as unsharded. A ShardFinal of an unknown shard, or one naming
+    fragments the shard does not own, is counted and taped; a second one of a shard is counted; neither
+    changes anything."""
     if not cfg.coordinator:
         s.counters["ignored.not_owner"] += 1
         return

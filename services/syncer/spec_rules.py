@@ -1,21 +1,17 @@
 """The speculative merge's decisions — pure: which merge a round will most likely get, whether the
 round's real Merge is that merge, which chunks can be summed now, and whether a buffer fits.
 
-While a round's pushes arrive, the shell (services/syncer/speculate.py) sums chunk k of the pushes of
-the members the round machine will most likely merge, with the weights it would give them, as soon as
-every one of those chunk k's is in. What it sums is only the outer gradient Δ of that chunk (a buffer
-of the fragment's f32 size beside the committed params and momentum, which it never touches), so
-nothing is visible before the Merge, and the durable intent, the checkpoint files, the state store and
-the broadcast all happen in the merge as before. When the Merge comes, the sums are adopted only if
-every input of Δ is the same: its fragment, step, attempt, version and base version, its members (island,
-gen, try, in order) and their weights (exactly equal floats), and the outer lr and momentum (which Δ does
-not use, but a merge whose hyper-parameters changed under it is not the one that was forecast). Else
-they are thrown away and the merge reads the pushes as it always did.
-
-The forecast: every member the round's pull asked (sorted by island, as the machine orders its
-answers), each with the one push try seen for it (none, or two, or an invalid one: no forecast), and
-the weights the machine gives a round where every member answered: the claims capped as
-weights.cap_claims does, normalized by weights.weights_for. A round merged without one of its members
+The shell (services/syncer/speculate.py; the design: docs/design.md §4.6) sums chunk k's outer gradient Δ
+of the pushes of the members the round machine will most likely merge, with the weights it would give
+them, as soon as every one of those chunk k's is in. `forecast`: every member the round's pull asked
+(sorted by island, as the machine orders its answers), each with the one push try seen for it, weighted
+as a round where every member answered (weights.cap_claims, then weights.weights_for).
+Invariants: the sums are adopted (`mismatch` is None) only if every input of Δ is the same: fragment,
+step, attempt, version and base version, the members (island, gen, try, in order) and their weights
+(exactly equal floats), and the outer lr and momentum (which Δ does not use, but a merge whose
+hyper-parameters changed under it is not the one that was forecast); else they are thrown away and the
+merge reads the pushes as it always did. Δ is a buffer beside the committed params and momentum, which
+it never touches, so nothing is visible before the Merge. A round merged without one of its members
 (quorum, a quarantine) or with another try simply does not match.
 """
 from __future__ import annotations

@@ -2,20 +2,17 @@
 while its pushes arrive, adopted by the merge when the round's Merge is the one forecast
 (services/syncer/spec_rules.py says what is decided and why it is safe; this is the shell around it).
 
-Intake calls `on_chunk` after the ledger recorded a push chunk. Once every member of the round's pull has
-a try in the ledger, the forecast (members, tries, weights) is fixed; chunk k is then taken from the
-ledger's held pushes (intake.PushLedger.take: freed there) as soon as every member's chunk k is held,
-and its Δ summed into the round's gradient buffer on a worker thread (outer.OuterStep.gradient). A
-chunk that was not held (the push budget was full, a restart) is not speculated: the merge reads it
-from PUSH as before. `adopt` (the merge, on its Merge) waits for the sums in flight and hands the
-buffer over only on an exact match; the merge then finishes each summed chunk with
-OuterStep.presummed, the same bits as a merge of the pushes themselves.
-
-Memory: one f32 buffer of the fragment's size per speculated round, at most `budget` bytes of them (by
-default the largest own fragment's f32 size: one round at a time), allocated at its first summed chunk
-and freed when its merge ends or its round is abandoned. The pushes it sums leave the ledger's held
-bytes as they are summed, so with pushes held in memory (f32 pushes of 2 islands hold 8 bytes a
-parameter) it usually holds less than the pushes it replaces.
+Owns `Speculator`: intake calls `on_chunk` after the ledger recorded a push chunk; once every member of
+the round's pull has a try in the ledger the forecast is fixed, and chunk k is taken from the ledger's
+held pushes (intake.PushLedger.take: freed there) as soon as every member's chunk k is held, its Δ summed
+into the round's buffer on a worker thread (outer.OuterStep.gradient). `adopt` (the merge, on its Merge)
+waits for the sums in flight and hands the buffer over only on an exact match; the merge then finishes
+each summed chunk with OuterStep.presummed, the same bits as a merge of the pushes themselves.
+Invariants: a chunk that was not held (the push budget was full, a restart) is not speculated: the merge
+reads it from PUSH. Memory: one f32 buffer of the fragment's size per speculated round, at most `budget`
+bytes of them (by default the largest own fragment's: one round at a time), allocated at its first summed
+chunk and freed when its merge ends or its round is abandoned; the pushes it sums leave the ledger's held
+bytes as they are summed.
 """
 from __future__ import annotations
 
@@ -83,6 +80,9 @@ class Speculation:
 
 
 class Speculator:
+    """The rounds being speculated (see the module doc). With pushes held in memory (f32 pushes of 2
+    islands hold 8 bytes a parameter) its buffer usually holds less than the pushes it replaces."""
+
     def __init__(self, model: ModelStore, ledger: PushLedger, counters: Counter, *, lr: float, momentum: float,
                  max_token_factor: float | None, equal_weights: bool, budget: int | None = None):
         self.model, self.ledger, self.counters = model, ledger, counters

@@ -1,32 +1,16 @@
-"""The syncer's committed state in JetStream (docs/design.md §8, §11): what a standby on another host, with an empty
-`--checkpoint-dir`, needs to continue the run — the committed params and momentum of every fragment,
-the checkpoint manifest, and the merge intents — kept in the run's `ckpt` KV bucket (its `--replicas`),
-a bucket of its own because only the syncer identity may read it: islands and observers read the state KV
-(session, commit record, final manifest), and the observer is promised no weights (README "Secured runs"). The checkpoint directory stays the owner's working copy (resume reads it;
-`yeto export` can too); this is what outlives the host.
-
-Keys (per shard K; `<K>` is 0 with one shard):
-  `ckpt.<K>.manifest`          the CheckpointState JSON and the chunk size
-  `ckpt.<K>.f<F>.v<N>.p.<k>`   params of fragment F at version N, chunk k (raw little-endian f32)
-  `ckpt.<K>.f<F>.v<N>.m.<k>`   its momentum, chunk k
-  `ckpt.<K>.intent.f<F>`       the merge intent (checkpoint.CheckpointDir.write_intent), before a
-                               cut-through version's first chunk goes out
-
-Order, as in the directory: a version's chunks, then the manifest that names it, then the previous
+"""The syncer's committed state in JetStream (docs/design.md §8, §11): what a standby on another host, with an
+empty `--checkpoint-dir`, needs to continue the run — the committed params and momentum of every fragment,
+the checkpoint manifest, and the merge intents — kept in the run's `ckpt` KV bucket (its `--replicas`;
+the keys: `StateStore`'s doc and §3.2), a bucket of its own because only the syncer identity may read it.
+The checkpoint directory stays the owner's working copy (resume reads it; `yeto export` can too); this is
+what outlives the host. A standby keeps the cut warm (`warm`).
+Invariants, as in the directory: a version's chunks, then the manifest that names it, then the previous
 version's chunks are purged; a crash in between leaves the old manifest naming complete old chunks (or a
-leftover of chunks no manifest names, which the next owner purges when it starts: `purge_unnamed`). The save runs
-before the commit record and the seal ("durable before the seal"), under the lease's guard. A restore
-writes everything into a checkpoint directory, and the resume there checks every fragment against the
-version digests it recorded.
-
-A standby keeps the cut warm (`warm`): while it waits for the lease, it fetches each own fragment's
-committed version it lacks into `<its checkpoint dir>/.standby-warm/` (the same file names as a
-checkpoint), once per version, so a takeover fetches only what was committed since its last pass and
-moves the rest into place (`restore_into(..., warm=)`); the resume then checks every fragment against its
-version digest, warm or not. Streaming DiLoCo changes one fragment per round, so that is about one
-fragment, not the shard.
-
-Why KV keys and not the Object Store: nats-py's object store client is too slow for large objects
+leftover of chunks no manifest names, which the next owner purges when it starts: `purge_unnamed`). The
+save runs before the commit record and the seal ("durable before the seal"), under the lease's guard. A
+restore writes everything into a checkpoint directory, and the resume there checks every fragment
+against the version digests it recorded, warm or not.
+KV keys and not the Object Store: nats-py's object store client is too slow for large objects
 (docs/design.md §15.3); these are the same chunked, pipelined publishes the broadcast uses.
 """
 from __future__ import annotations
@@ -64,6 +48,15 @@ async def _no_guard() -> None:
 
 
 class StateStore:
+    """One shard's committed state in the `ckpt` KV (see the module doc). Keys (`<K>` is 0 with one shard):
+
+      `ckpt.<K>.manifest`          the CheckpointState JSON and the chunk size
+      `ckpt.<K>.f<F>.v<N>.p.<k>`   params of fragment F at version N, chunk k (raw little-endian f32)
+      `ckpt.<K>.f<F>.v<N>.m.<k>`   its momentum, chunk k
+      `ckpt.<K>.intent.f<F>`       the merge intent (checkpoint.CheckpointDir.write_intent), before a
+                                   cut-through version's first chunk goes out
+    """
+
     def __init__(self, js, run_id: str, kv, counters: Counter, *, shard: int, chunk_bytes: int,
                  guard: Callable[[], Awaitable[None]] = _no_guard):
         self.js, self.run_id, self.kv, self.counters = js, run_id, kv, counters
@@ -198,10 +191,14 @@ class StateStore:
         return t
 
     async def warm(self, warm: CheckpointDir, numels: dict[int, int]) -> int:
-        """One pass of a standby keeping the cut warm (module doc): every fragment of `numels` whose
-        committed version `warm` lacks is fetched into it (params and momentum, each file written whole
-        and renamed), and that fragment's older warm files go. Returns the fragments fetched. A version
-        purged under the pass (a newer commit) is skipped: the next pass takes the newer one."""
+        """One pass of a standby keeping the cut warm while it waits for the lease: every fragment of
+        `numels` whose committed version `warm` (`<its checkpoint dir>/.standby-warm/`, the same file names
+        as a checkpoint) lacks is fetched into it (params and momentum, each file written whole and
+        renamed), once per version, and that fragment's older warm files go; a takeover then fetches only
+        what was committed since its last pass and moves the rest into place (`restore_into(..., warm=)`).
+        Streaming DiLoCo changes one fragment per round, so that is about one fragment, not the shard.
+        Returns the fragments fetched. A version purged under the pass (a newer commit) is skipped: the
+        next pass takes the newer one."""
         m = await self._manifest()
         if m is None:
             return 0

@@ -41,13 +41,21 @@ def weights_for(members: Sequence[Any], equal_weights: bool) -> list[float]:
 def cap_claims(answers: Sequence[tuple[str, int, int]], factor: float | None,
                equal_weights: bool) -> tuple[list[int | float], dict[str, dict]]:
     """The c_tokens each answer (island, c_tokens, c_steps) weighs with, and {island: {claimed, used,
-    limit}} of the claims that were cut (services/syncer/pushes.py's module docstring says why): a claim
-    is capped at the larger of F x R_claim and F x R_tps x min(c_steps, F x R_steps), F = `factor`,
-    R_claim the lower median of the positive claims, R_tps the lower median of their tokens per step
+    limit}} of the claims that were cut: a claim is capped at the larger of F x R_claim and
+    F x R_tps x min(c_steps, F x R_steps), F = `factor`, R_claim the lower median (the smaller middle value
+    for an even count) of the positive claims, R_tps the lower median of their tokens per step
     (c_tokens / c_steps) and R_steps the lower median of their c_steps. Computed in exact rationals (F
-    as the decimal it was given, e.g. 2.5 is 5/2): a cut claim weighs with the exact limit, an int when
-    it is whole, else the nearest float. Pure, so the round machine and the shell's speculative merge
-    (which forecasts the Merge's weights) compute the same values."""
+    as the decimal it was given, e.g. 2.5 caps a median of 3 at 7.5, not 7): a cut claim weighs with the
+    exact limit, an int when it is whole, else the nearest float. Pure, so the round machine and the
+    shell's speculative merge (which forecasts the Merge's weights) compute the same values.
+
+    Why: the syncer cannot check a claim (tokens per step differ per island, and c_steps is claimed too),
+    but it can refuse to let one island's word outweigh the others'. Claims of 0 take no part, so an
+    island that counts no tokens changes nothing. The second term keeps an honest island's accumulated
+    claim (one that skipped rounds, or trains faster, covers more steps: 1408 tokens over 11 steps beside
+    256 over 4 was cut to 1024 by the first term alone), while a claim of 2^53-1 gets at most F x the
+    tokens per step of the others over at most F x their steps. With lower medians one island of a round
+    of two or more never moves a reference by lying."""
     from yeto.services.syncer.state import lower_median
 
     claims = [int(c) for _, c, _ in answers]
