@@ -137,6 +137,26 @@ async def test_a_release_over_a_stale_revision_still_leaves_the_key_to_a_standby
     assert await b.acquire()                        # no 30 s wait
 
 
+async def test_a_standby_whose_question_goes_unanswered_still_takes_a_released_lease_at_once(state_kv):
+    """A request whose reply is lost (a broker node restarting) held a standby for the client's 30 s JetStream
+    timeout although the key was free (soak/rolling.py: 22 s gaps at a hand-over): each look is bounded now."""
+    a = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
+    assert await a.acquire()
+    b = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
+    assert not await b.acquire()
+
+    async def unanswered() -> bool:
+        await asyncio.sleep(60)
+        return True
+
+    waiting = asyncio.create_task(b.wait_for_lapse(unanswered))
+    await asyncio.sleep(0.3)
+    await a.release()
+    t0 = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(waiting, 10) is True
+    assert asyncio.get_running_loop().time() - t0 < 5.0 and b.book.role == "owner"
+
+
 async def test_a_release_leaves_a_key_another_owner_holds(state_kv):
     a = RunLease(state_kv, "lease", ttl_s=30.0, flags=FLAGS)
     assert await a.acquire()

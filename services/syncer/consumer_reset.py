@@ -1,10 +1,11 @@
-"""The syncer's pull consumers after its connection moved to another server (docs/design.md §7.1).
+"""The syncer's pull consumers holding deliveries nobody will ack (docs/design.md §7.1).
 
-A message the server handed to a fetch on the lost connection is redelivered only after the consumer's ack
-wait (30 s), and for that long the round it belongs to waits (soak/rolling.py saw a 30 s stall right after a
-broker roll). So each consumer holding deliveries nobody acked is made again with its own config, from the
-message after its ack floor: they come again at once. Messages acked past the floor come again too; intake
-takes a redelivered message as it takes one after a syncer restart (dropped as a duplicate). Never raises.
+A message the server handed to a fetch on a lost connection, or to a predecessor that was handed over, killed
+or fenced, is redelivered only after the consumer's ack wait (30 s), and for that long its round waits
+(soak/rolling.py: 20-30 s gaps after a broker roll and at hand-overs). So after a reconnect and at takeover
+each consumer of this syncer holding unacked deliveries is made again with its own config, from the message
+after its ack floor: they come again at once. Messages acked past the floor come again too; intake takes a
+redelivered message as one after a syncer restart (dropped as a duplicate). Never raises.
 """
 from __future__ import annotations
 
@@ -15,9 +16,18 @@ from collections import Counter
 
 from nats.js import api
 
-from yeto.schemas import subjects as S
+from yeto.schemas import shards as SH, subjects as S
 
 log = logging.getLogger("yeto.syncer")
+
+
+def own_consumers(shard: int, shards: int, coordinator: bool) -> dict[str, str]:
+    """Stream kind -> the durable a syncer shard reads it with (only the coordinator reads CTL and HB)."""
+    out = {"INIT": SH.consumer(S.SYNCER_INIT_CONSUMER, shard, shards),
+           "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, shard, shards)}
+    if coordinator:
+        out.update(HB=S.SYNCER_HB_CONSUMER, CTL=S.SYNCER_CTL_CONSUMER)
+    return out
 
 
 async def reset_lost_deliveries(js, run: str, consumers: dict[str, str], counters: Counter) -> int:

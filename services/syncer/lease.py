@@ -118,6 +118,7 @@ _OPEN: set[str] = set()
 
 _FINISHED = object()   # RunLease._poll_once: the run is over
 SLOW_POLL_S = 2.0
+LOOK_S = 1.5   # a standby's longest wait for one answer (run finished? the key)
 RELEASE_ATTEMPTS = 3
 
 
@@ -211,12 +212,17 @@ class RunLease:
     async def _poll_once(self, finished: Callable[[], Awaitable[bool]]):
         """_FINISHED when the run is finished; None after a failed read (a broker away: the caller sleeps
         and looks again, its clock running on); else the key as read, (revision, record)."""
+        # Each question bounded by LOOK_S: a request whose reply was lost (a broker node restarting) would
+        # otherwise hold the standby for the client's whole JetStream timeout (30 s) while the key is free.
         t0 = time.monotonic()
-        if await finished():
-            return _FINISHED
+        try:
+            if await asyncio.wait_for(finished(), LOOK_S):
+                return _FINISHED
+        except asyncio.TimeoutError:
+            pass   # no answer now: ask again at the next poll, look at the key meanwhile
         t1 = time.monotonic()
         try:
-            return await self._read()
+            return await asyncio.wait_for(self._read(), LOOK_S)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.debug("lease read failed: %r", exc)
             return None

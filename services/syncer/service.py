@@ -38,7 +38,7 @@ from yeto.services.syncer.actions import (
 from yeto.services.syncer.events import Event, FinalPublished, Tick, V0Done
 from yeto.services.syncer.rounds import RoundMachine
 from yeto.services.syncer.checkpoint import CheckpointDir
-from yeto.services.syncer.consumer_reset import reset_lost_deliveries
+from yeto.services.syncer.consumer_reset import own_consumers, reset_lost_deliveries
 from yeto.services.syncer.cut import CTL_PUBLISH_ATTEMPTS, CutPublisher
 from yeto.services.syncer.event_queue import EventQueue
 from yeto.services.syncer.handover import HANDED_OVER, HandOver, install as install_handover
@@ -113,10 +113,7 @@ class SyncerService:
         self.handover: HandOver | None = None   # SIGTERM to the owner: the run goes to a standby now
         self.desk: SettingsDesk | None = None   # `yeto run set` requests, while this process owns its shard
         # stream kind -> the durable this shard reads it with (only the coordinator reads CTL and HB)
-        self._consumers = {"INIT": SH.consumer(S.SYNCER_INIT_CONSUMER, mc.shard, mc.shards),
-                           "PUSH": SH.consumer(S.SYNCER_PUSH_CONSUMER, mc.shard, mc.shards)}
-        if mc.coordinator:
-            self._consumers.update(HB=S.SYNCER_HB_CONSUMER, CTL=S.SYNCER_CTL_CONSUMER)
+        self._consumers = own_consumers(mc.shard, mc.shards, mc.coordinator)
         self._reading = False   # the intake tasks run: a reconnect from here on may have lost deliveries
         self._side_tasks: set[asyncio.Task] = set()
 
