@@ -120,6 +120,7 @@ class Session(Message):
     sync_every: int
     created: float
     software: str | None = None
+    outer: dict | None = None     # the sparse mode's pinned settings (schemas/outer_mode.py); None = dense
 
 
 @dataclass(frozen=True)
