@@ -298,6 +298,10 @@ def run(args) -> int:
         if value not in allowed:   # an environment default escapes argparse's choices
             print(f"yeto syncer: {flag} must be one of {', '.join(allowed)}, got {value!r}", file=sys.stderr)
             return 2
+    if mc.outer is not None and args.speculate == "on":
+        print("yeto syncer: --speculate on sums dense pushes; it is for --outer diloco, got --outer sparseloco",
+              file=sys.stderr)
+        return 2
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
                         connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"
                                                          + (f"-s{mc.shard}" if mc.sharded else "")),
