@@ -65,7 +65,7 @@ def receiver(sess: dict):
     return rx, broker, tape, queue
 
 
-def chunks(spans, payload: bytes, *, step=1, encoding=None, sizes=None):
+def chunks(spans, payload: bytes, *, step=1, encoding=None):
     stream = PushStream(spans, run=RUN, island="a", gen=GEN, fragment=0, step=step, attempt=1, try_=0,
                         base_version=0, local_step=2, c_steps=2, c_tokens=4, dtype="f32", encoding=encoding)
     for s in spans:

@@ -1,5 +1,6 @@
-"""docs/design.md §4.10: a real sparse run — nats-server, `yeto syncer --strict --outer sparseloco`, islands `a`
-and `b` (one process each, `python -m yeto.learner.demo` with YETO_LOCKSTEP=1) — finishes, both islands end
+"""docs/design.md §4.10: a real sparse run — nats-server, `yeto syncer --strict --outer sparseloco`, island `a`
+(one process) and island `b` (two data-parallel gloo ranks: d gathered to rank 0, which encodes the push),
+both `python -m yeto.learner.demo` with YETO_LOCKSTEP=1 — finishes, both islands end
 bit for bit on the final cut, and that cut equals, to f32 rounding, an in-process SparseLoCo reference with
 the same seeds, data, inner optimizer, α and round schedule (tests/sparseloco_reference.py: the round
 schedule and training of tests/diloco_reference.py, the outer step of tests/sparse_reference.py, written
@@ -50,7 +51,8 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
         log=tmp_path / "syncer.log").start()
     env = {"YETO_LOCKSTEP": "1", "YETO_DILOCO_ALPHA": str(ALPHA)}
     args = ("--step-delay", "0", "--batch", str(BATCH), "--lr", str(INNER_LR))
-    islands = {name: IslandProc(nats_url, run_id, name, tmp_path, env=env, args=args).start() for name in ("a", "b")}
+    islands = {name: IslandProc(nats_url, run_id, name, tmp_path, ranks=ranks, env=env, args=args).start()
+               for name, ranks in (("a", 1), ("b", 2))}
     procs = {"syncer": syncer, **islands}
     try:
         rcs = await wait_exit(procs, 150)
@@ -73,7 +75,7 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
     frags = tuple(tuple(t["name"] for t in f["tensors"]) for f in sorted(session["fragments"], key=lambda f: f["id"]))
 
     expected = ref.run(ref.Spec(
-        islands=(dref.IslandSpec("a", 1, BATCH, INNER_LR), dref.IslandSpec("b", 1, BATCH, INNER_LR)),
+        islands=(dref.IslandSpec("a", 1, BATCH, INNER_LR), dref.IslandSpec("b", 2, BATCH, INNER_LR)),
         init_island="a", fragments=frags, sync_every=H, rounds=ROUNDS, sparse=SPARSE, beta=BETA, alpha=ALPHA,
         outer_lr=OUTER_LR))
     assert {int(k): v for k, v in commit["versions"].items()} == expected.versions
