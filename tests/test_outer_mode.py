@@ -115,3 +115,30 @@ def test_the_machine_pins_its_outer_mode_in_the_session_it_writes():
         (ws,) = [a for a in acts if isinstance(a, WriteSession)]
         codec.validate("session", ws.session)
         assert ws.session.get("outer") == outer and OM.from_session(ws.session) == OM.parse_pin(outer)
+
+
+def test_a_follower_shard_adopts_only_a_session_of_its_own_outer_mode():
+    from yeto.services.syncer.actions import AdoptSession
+    from yeto.services.syncer.events import SessionSeen
+    from yeto.services.syncer.rounds import RoundMachine
+
+    base = dict(run="r", islands=1, fragments=2, sync_every=2, total_steps=2, shard=1, shards=2)
+    sparse = OM.pin(build_session(LAYOUT, 2, run="r", push_dtype="f32", bulk_dtype="f32", chunk_bytes=4096,
+                                  init_island="a", sync_every=2), OM.check_outer("sparseloco"))
+    dense = {k: v for k, v in sparse.items() if k != "outer"}
+    for outer, seen, adopts in ((None, sparse, False), (OM.check_outer("sparseloco", k=8), sparse, False),
+                                (None, dense, True), (OM.check_outer("sparseloco"), sparse, True)):
+        m = RoundMachine(SyncerConfig(**base, outer=outer))
+        acts = m.handle(SessionSeen(seen, 0.1))
+        assert bool([a for a in acts if isinstance(a, AdoptSession)]) == adopts
+        if not adopts:
+            assert m.counters["rejected.session_record"] == 1
+            (err,) = [a.event for a in acts if getattr(a, "event", {}).get("kind") == "error"]
+            assert err["detail"] == {"code": "outer_mismatch", "field": "outer"}
+
+
+def test_yeto_syncer_refuses_speculate_with_the_sparse_mode(capsys):
+    args = build_parser().parse_args(["syncer", "--run", "r", "--outer", "sparseloco", "--speculate", "on",
+                                      "--nats", "nats://127.0.0.1:9"])
+    assert run_syncer(args) == 2
+    assert "--speculate" in capsys.readouterr().err
