@@ -18,7 +18,7 @@ from yeto.schemas.provision import remove_run
 from yeto.services.cmd_export import export
 from tests import diloco_reference as dref
 from tests import sparseloco_reference as ref
-from tests.e2e_procs import IslandProc, kv_json, tails, wait_exit
+from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit
 from tests.scripted import SyncerProc, tape
 
 pytestmark = pytest.mark.e2e
@@ -100,3 +100,32 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
         want = torch.tensor(expected.losses[name], dtype=torch.float64)
         assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), (name, json.dumps({"got": got.tolist(),
                                                                                     "want": want.tolist()}))
+
+
+@pytest.mark.timeout(180)
+async def test_a_streaming_sparse_run_finishes_with_both_islands_on_the_final_cut(nc, nats_url, run_id, tmp_path):
+    """Not lockstep: islands train on while pushes, merges and broadcasts go on in the background (pushes
+    encoded on the sync worker), rounds overlap (`--pipeline 2`) and the default grace applies."""
+    js = nc.jetstream()
+    syncer = SyncerProc(
+        nats_url, run_id, tmp_path / "syncer",
+        "--islands", "2", "--fragments", str(P), "--sync-every", str(H), "--total-steps", "12", "--pipeline", "2",
+        "--init-island", "a", "--outer", "sparseloco", "--sparse-tile", "8", "--sparse-k", "16",
+        "--member-timeout", "30", "--quorum-timeout", "60", "--final-timeout", "60", "--chunk-bytes", "1024",
+        log=tmp_path / "syncer.log").start()
+    islands = {name: IslandProc(nats_url, run_id, name, tmp_path, args=("--step-delay", "0.02")).start()
+               for name in ("a", "b")}
+    procs = {"syncer": syncer, **islands}
+    try:
+        rcs = await wait_exit(procs, 150)
+        assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(js, run_id, "commit")
+        merges = [r for r in await tape(js, run_id, "merge") if r.get("step")]
+        accepted = [r for r in await tape(js, run_id, "disposition") if r.get("disposition") == "accepted"]
+    finally:
+        for p in procs.values():
+            p.stop()
+        await remove_run(js, run_id)
+    assert commit["committed_step"] == 12 and len(merges) == 12 and len(accepted) >= 12
+    assert all(r["detail"]["outer_mode"] == "sparseloco" and r["detail"]["sparse_entries"] > 0 for r in merges)
+    assert_islands_hold_the_final_cut(tmp_path / "syncer", tmp_path / "final.safetensors", run_id, islands.values())
