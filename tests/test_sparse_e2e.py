@@ -12,13 +12,14 @@ import json
 
 import pytest
 import torch
+from nats.js.errors import BucketNotFoundError
 from safetensors.torch import load_file
 
 from yeto.schemas.provision import remove_run
 from yeto.services.cmd_export import export
 from tests import diloco_reference as dref
 from tests import sparseloco_reference as ref
-from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit
+from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc, tape
 
 pytestmark = pytest.mark.e2e
@@ -128,4 +129,44 @@ async def test_a_streaming_sparse_run_finishes_with_both_islands_on_the_final_cu
         await remove_run(js, run_id)
     assert commit["committed_step"] == 12 and len(merges) == 12 and len(accepted) >= 12
     assert all(r["detail"]["outer_mode"] == "sparseloco" and r["detail"]["sparse_entries"] > 0 for r in merges)
+    assert_islands_hold_the_final_cut(tmp_path / "syncer", tmp_path / "final.safetensors", run_id, islands.values())
+
+
+@pytest.mark.timeout(240)
+async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_the_final_cut(nc, nats_url, run_id,
+                                                                                              tmp_path):
+    """SIGKILL of the syncer of a streaming sparse run after a few commits, then `--resume` with the same
+    flags: the pinned mode matches, any merge it had begun is redone from the same pushes, and the run
+    finishes with both islands on the final cut."""
+    js = nc.jetstream()
+    flags = ("--islands", "2", "--fragments", str(P), "--sync-every", str(H), "--total-steps", "16",
+             "--init-island", "a", "--outer", "sparseloco", "--sparse-tile", "8", "--sparse-k", "16",
+             "--member-timeout", "60", "--quorum-timeout", "60", "--final-timeout", "60", "--chunk-bytes", "1024")
+    syncer = SyncerProc(nats_url, run_id, tmp_path / "syncer", *flags, log=tmp_path / "syncer.log").start()
+    islands = {name: IslandProc(nats_url, run_id, name, tmp_path, args=("--step-delay", "0.03")).start()
+               for name in ("a", "b")}
+    procs = {"syncer": syncer, **islands}
+    try:
+        async def committed_past_4():
+            try:
+                c = await kv_json(js, run_id, "commit")
+            except BucketNotFoundError:   # the syncer has not provisioned the run yet
+                return False
+            return c is not None and c["committed_step"] >= 4
+
+        await wait_until(committed_past_4, 90, "four commits")
+        syncer.kill()
+        syncer.wait(10)
+        syncer.start("--resume")
+        rcs = await wait_exit(procs, 150)
+        assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
+        commit = await kv_json(js, run_id, "commit")
+        merges = [r for r in await tape(js, run_id, "merge") if r.get("step")]
+    finally:
+        for p in procs.values():
+            p.stop()
+        await remove_run(js, run_id)
+    assert commit["committed_step"] == 16
+    assert {r["step"] for r in merges} == set(range(1, 17))
+    assert all(r["detail"]["outer_mode"] == "sparseloco" for r in merges)
     assert_islands_hold_the_final_cut(tmp_path / "syncer", tmp_path / "final.safetensors", run_id, islands.values())
