@@ -170,3 +170,21 @@ async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_th
     assert {r["step"] for r in merges} == set(range(1, 17))
     assert all(r["detail"]["outer_mode"] == "sparseloco" for r in merges)
     assert_islands_hold_the_final_cut(tmp_path / "syncer", tmp_path / "final.safetensors", run_id, islands.values())
+
+
+@pytest.mark.timeout(200)
+def test_yeto_demo_runs_the_sparse_mode(nats_url, tmp_path):
+    """`yeto demo --outer sparseloco` hands the mode to its syncer: the run pins it, finishes, and every
+    island ends on the final cut."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-P", "-m", "yeto.services.cli", "demo", "--nats", nats_url, "--outer",
+                        "sparseloco", "--rounds", "6", "--workdir", str(tmp_path), "--timeout", "150"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["rounds"] == 6 and summary["max_abs_diff_vs_final_cut"] == 0.0, summary
+    from yeto.services.syncer.checkpoint import CheckpointDir
+
+    assert CheckpointDir(tmp_path / "syncer").read_session()["outer"]["mode"] == "sparseloco"
