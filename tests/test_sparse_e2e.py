@@ -20,7 +20,7 @@ from yeto.services.cmd_export import export
 from tests import diloco_reference as dref
 from tests import sparseloco_reference as ref
 from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit, wait_until
-from tests.scripted import SyncerProc, tape
+from tests.scripted import SyncerProc, replay_segments, tape
 
 pytestmark = pytest.mark.e2e
 
@@ -162,10 +162,13 @@ async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_th
         assert rcs == {"syncer": 0, "a": 0, "b": 0}, tails(procs)
         commit = await kv_json(js, run_id, "commit")
         merges = [r for r in await tape(js, run_id, "merge") if r.get("step")]
+        # both syncer processes' recorded inputs rebuild their machines (config with `outer`) identically
+        segs = replay_segments(nats_url, run_id)
     finally:
         for p in procs.values():
             p.stop()
         await remove_run(js, run_id)
+    assert len(segs) == 2 and all(line.endswith(" identical") for line in segs), segs
     assert commit["committed_step"] == 16
     assert {r["step"] for r in merges} == set(range(1, 17))
     assert all(r["detail"]["outer_mode"] == "sparseloco" for r in merges)
