@@ -42,6 +42,10 @@ class Broker:
         self.deleted: list[int] = []
 
     async def get_msg(self, stream, seq, direct=False):
+        from nats.js.errors import NotFoundError
+
+        if seq not in self.msgs:
+            raise NotFoundError()
         return SimpleNamespace(data=self.msgs[seq])
 
     async def delete_msg(self, stream, seq):
@@ -134,3 +138,15 @@ async def test_a_message_the_decoder_refuses_makes_its_try_invalid_counted_and_t
     assert not done.valid and "sparse push refused" in done.reason and "format" in done.reason
     assert rx.counters["rejected.malformed"] == 1
     assert tape.records[-1]["detail"]["field"] == "header.format"
+
+
+async def test_a_sparse_push_whose_chunk_is_gone_from_push_completes_invalid_not_never():
+    sess = session(True)
+    rx, broker, tape, queue = receiver(sess)
+    items = list(chunks(SM.push_spans(sess["fragments"][0], OUTER, 1024), sparse_message(sess), encoding="sparseloco"))
+    await feed(rx, broker, items[:-1])
+    del broker.msgs[1]   # purged before the try completed (max_age, an operator)
+    await feed(rx, broker, items[-1:], seq0=len(items))
+    done = queue.get_nowait()
+    assert not done.valid and "gone from the stream" in done.reason
+    assert rx.counters["rejected"] == 1

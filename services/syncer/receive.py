@@ -40,7 +40,7 @@ from yeto.services.syncer.events import FinalAck, Heartbeat, Hello, InitChunk, P
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.intake_limit import IntakeLimits
 from yeto.services.syncer import sparse_merge as SM
-from yeto.services.syncer.merge import MergeError, delete_push_seqs, read_push_bytes
+from yeto.services.syncer.merge import delete_push_seqs, read_push_bytes
 from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import delta_view
 from yeto.services.syncer.speculate import Speculator
@@ -346,7 +346,9 @@ class Receiver:
                     parts[k] = await read_push_bytes(self.js, self.run_id, t.seqs[k], t.digests[k])
             data = b"".join(bytes(p) for p in parts)
             return SM.norm(await asyncio.to_thread(SM.decode, self.model.session["fragments"][fid], self.outer(), data))
-        except (WireError, MergeError) as exc:
+        except Exception as exc:
+            # refused bytes (DecodeError naming the field), a chunk gone from PUSH (MergeError), or a read
+            # that failed: the try is invalid now, never left without its PushComplete
             t.invalidate(f"sparse push refused: {exc}")
             await self.reject(f"sparse push of {island_} step {step}", exc, island=island, gen=gen,
                               extra={"step": step, "attempt": attempt, "try": try_})
