@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from yeto.schemas import outer_mode as OM
 from yeto.schemas.errors import WireError
 from yeto.schemas.layout import layout_fingerprint
 from yeto.schemas.versions import software
@@ -357,6 +358,10 @@ class Island:
             raise IslandUnhealthy(f"island {cfg.island}: this model's layout fingerprint {fp[:12]}… differs from the "
                                   f"session's {session['layout_fingerprint'][:12]}… (another model, or other "
                                   f"trainable parameters, than the INIT island {session['init_island']})")
+        try:   # the outer mode the syncer pinned (absent: dense); a pin this release cannot follow stops here
+            OM.from_session(session)
+        except WireError as exc:
+            raise IslandUnhealthy(f"island {cfg.island}: cannot follow the session's outer mode: {exc}") from None
         for name in ("push_dtype", "bulk_dtype"):
             want = getattr(cfg, name)
             if want != "auto" and want != session[name]:

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import nats.errors
+import torch
 
 from yeto.schemas import codec
+from yeto.schemas import outer_mode as OM
 from yeto.schemas import subjects as S
 from yeto.schemas.dtypes import as_bytes_view
 from yeto.schemas.errors import WireError
@@ -38,6 +40,7 @@ from .island_modes import Mode, foreground_mode
 from .island_ranks import RankOps
 from .pulls import PendingPull
 from .rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
+from .sparse_push import SparsePushes
 
 log = logging.getLogger("yeto.island")
 
@@ -83,6 +86,9 @@ class IslandWire:
         self.client, self.config, self.session, self.gen, self.ops = client, config, session, gen, ops
         self._lead = lead
         self.frags = {f["id"]: f for f in session["fragments"]}
+        # the sparse outer mode (the session's `outer`): pushes are error-feedback messages (learner/sparse_push.py)
+        outer = OM.from_session(session)
+        self.sparse = None if outer is None else SparsePushes(session, outer)
         self.reader = CutReader(session)  # BCAST
         self.counters: Counter[str] = Counter()
         self.stats = WireStats()
@@ -448,6 +454,8 @@ class IslandWire:
         fid = p.fragment
         dtype = p.push_dtype or self.session["push_dtype"]   # a round's own after `yeto run set push_dtype`
         run, island, gen = self.config.run, self.config.island, self.gen
+        if self.sparse is not None:
+            return self._push_sparse(op, dtype)
         stream = PushStream(self.ops.spans(fid, dtype), run=run, island=island, gen=gen, fragment=fid, step=p.step,
                             attempt=p.attempt, try_=p.try_, base_version=op.base_version, local_step=op.local_step,
                             c_steps=op.c_steps, c_tokens=op.c_tokens, dtype=dtype)
@@ -461,8 +469,39 @@ class IslandWire:
 
         return self.mode.sender.send(ExportOp(fid, dtype, "push"), items)
 
+    def _push_sparse(self, op: Push, dtype: str) -> PublishHandle:
+        """A sparse run's push: d gathered in f32 as a dense push's (the same senders, so off the training
+        thread where they are), then, where the chunks are published, the whole fragment's error-feedback
+        message (learner/sparse_push.py) sent as opaque byte chunks with `encoding` sparseloco. The header's
+        `dtype` is the one the round asks for (the syncer checks it as for any push); the payload is the message."""
+        p = op.pull
+        fid = p.fragment
+        run, island, gen = self.config.run, self.config.island, self.gen
+        spans = self.sparse.spans(fid)
+        stream = PushStream(spans, run=run, island=island, gen=gen, fragment=fid, step=p.step, attempt=p.attempt,
+                            try_=p.try_, base_version=op.base_version, local_step=op.local_step, c_steps=op.c_steps,
+                            c_tokens=op.c_tokens, dtype=dtype, encoding=OM.SPARSE)
+        subject = S.push(run, island, fid)
+        numel = self.frags[fid]["numel"]
+
+        def items(chunks):
+            d = torch.empty(numel, dtype=torch.float32)
+            for s, packed in chunks:   # f32 bytes of d = local − anchor, chunk by chunk in order
+                d[s.elem_offset: s.elem_offset + s.elem_count] = packed.view(torch.float32)
+            msg = memoryview(self.sparse.encode(fid, d))
+            for s in spans:
+                payload = msg[s.byte_offset: s.byte_offset + s.nbytes]
+                yield (subject, payload, S.push_msg_id(island, gen, fid, p.step, p.attempt, p.try_, s.index),
+                       {codec.CHUNK_HEADER: stream.chunk(s.index, payload).header()})
+
+        return self.mode.sender.send(ExportOp(fid, "f32", "push"), items)
+
     def _settle_push(self, p: PendingPull, ok: bool) -> None:
-        """A push's acks are all in (ok) or it failed: q4 keeps its working residual only if ok."""
+        """A push's acks are all in (ok) or it failed: q4 keeps its working residual only if ok, the
+        sparse mode its accumulators."""
+        if self.sparse is not None:
+            self.sparse.settle(p.fragment, ok)
+            return
         if self.session["push_dtype"] == "q4":
             self._lead(ResidualOp(p.fragment, ok))
 

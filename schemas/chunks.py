@@ -132,6 +132,17 @@ def _plan(n: int, wire_dtype: str, chunk_bytes: int) -> tuple[ChunkSpan, ...]:
                  for i, off in enumerate(range(0, n, per_chunk)))
 
 
+def byte_plan(total: int, chunk_bytes: int) -> list[ChunkSpan]:
+    """Cut `total` opaque bytes (a sparse push message) into chunks of at most `chunk_bytes`; a span's
+    elements are its bytes (elem_offset == byte_offset), so the framing and checks above apply as they are."""
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise WireError("must be a positive integer", field="chunk_bytes", value=chunk_bytes)
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+        raise WireError("a message must hold at least one byte", field="total", value=total)
+    return [ChunkSpan(i, off, min(chunk_bytes, total - off), off, min(chunk_bytes, total - off))
+            for i, off in enumerate(range(0, total, chunk_bytes))]
+
+
 def plan_nbytes(spans: Sequence[ChunkSpan]) -> int:
     """The fragment's bytes on the wire (the header's `total`)."""
     return spans[-1].byte_offset + spans[-1].nbytes

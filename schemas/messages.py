@@ -120,6 +120,7 @@ class Session(Message):
     sync_every: int
     created: float
     software: str | None = None
+    outer: dict | None = None     # the sparse mode's pinned settings (schemas/outer_mode.py); None = dense
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,7 @@ class PushChunk(Chunk):
     total: int
     digest: str
     push_digest: str | None = None
+    encoding: str | None = None   # "sparseloco": the payload is a sparse push message (schemas/outer_mode.py)
 
     def check_subject(self, run: str, island: str | None, fragment: str) -> None:
         """The header names the run, island and fragment of the subject it arrived on (push.<island>.<fragment>)."""
@@ -364,11 +366,12 @@ class PushStream:
     push digest over the chunk digests on the last one (the seal the syncer checks the whole push by)."""
 
     def __init__(self, spans: Sequence, *, run: str, island: str, gen: str, fragment: int, step: int, attempt: int,
-                 try_: int, base_version: int, local_step: int, c_steps: int, c_tokens: int, dtype: str):
+                 try_: int, base_version: int, local_step: int, c_steps: int, c_tokens: int, dtype: str,
+                 encoding: str | None = None):
         self.spans = spans
         self.try_fields = dict(run=run, island=island, gen=gen, fragment=fragment, step=step, attempt=attempt,
                                try_=try_, base_version=base_version, local_step=local_step, c_steps=c_steps,
-                               c_tokens=c_tokens, dtype=dtype)
+                               c_tokens=c_tokens, dtype=dtype, encoding=encoding)
         self.digests: list[str] = []
 
     def chunk(self, index: int, payload: Any) -> PushChunk:

@@ -8,7 +8,7 @@ one JSON line: rounds, final_loss per island, eval_loss of the exported final cu
 `--datacenters 2`: a hub (broker in domain `hub`, the syncer, island a) and a datacenter `dc1` (a leaf
 node, islands b and c reading their local mirror); the line adds `wan` (leaf-link bytes over the cut's
 bytes, services/leaf.py). `--secure`: one auth directory, the leaf dialling with dc1's identity over TLS.
-`--model-mib` widens the MLP. `--syncer-shards N`: N shard processes (at most `--fragments`), the final cut
+`--model-mib` widens the MLP; `--outer sparseloco` runs the sparse outer mode (docs/design.md §4.10). `--syncer-shards N`: N shard processes (at most `--fragments`), the final cut
 exported from all their directories together.
 Every process logs to WORK/<name>.log (services/run_harness.py); the demo echoes the lines worth watching.
 """
@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=8, help="H, inner steps between two syncs of one fragment")
     p.add_argument("--push-dtype", default="f32", choices=PUSH_DTYPES)
+    p.add_argument("--outer", default="diloco", choices=("diloco", "sparseloco"),
+                   help="the syncer's outer mode (yeto syncer --outer, with its default --sparse-* settings)")
     p.add_argument("--workdir", default=None, help="keep logs, step logs and weights here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=170.0, help="give up after this many seconds")
     p.add_argument("--replicas", type=int, default=1,
@@ -212,7 +214,7 @@ def run(args) -> int:
             syncer_cmd = [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run_id,
                           "--islands", str(len(islands)), "--fragments", str(args.fragments),
                           "--sync-every", str(args.sync_every),
-                          "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype,
+                          "--total-steps", str(args.rounds), "--push-dtype", args.push_dtype, "--outer", args.outer,
                           "--checkpoint-dir", str(work / name), "--small-limits", "--replicas", str(args.replicas),
                           "--quorum-timeout", "30",
                           "--member-timeout", "20", "--final-timeout", "60"]

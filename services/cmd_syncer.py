@@ -111,7 +111,18 @@ def add_parser(sub) -> None:
                         "(env YETO_PUSH_NORM_FACTOR; default %(default)s)")
     g = p.add_argument_group("outer optimizer")
     _flag(g, "--outer-lr", "YETO_OUTER_LR", float, 0.7, "outer learning rate")
-    _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum")
+    _flag(g, "--outer-momentum", "YETO_OUTER_MOMENTUM", float, 0.9, "outer Nesterov momentum (diloco only)")
+    g.add_argument("--outer", default=_env("YETO_OUTER", "diloco"), metavar="{diloco,sparseloco}",
+                   help="outer mode, pinned in the session so islands follow it: diloco (dense pushes, Nesterov "
+                        "outer step) or sparseloco (islands push Q(TopK(error feedback)) messages; the syncer takes "
+                        "the clipped per-coordinate mean times --outer-lr, no momentum; docs/design.md §4.10) "
+                        "(env YETO_OUTER; default %(default)s)")
+    _flag(g, "--sparse-tile", "YETO_SPARSE_TILE", int, 64, "sparseloco: side of a 2-D tile (tile*tile <= 4096)")
+    _flag(g, "--sparse-k", "YETO_SPARSE_K", int, 64, "sparseloco: values kept per full 2-D tile")
+    _flag(g, "--sparse-chunk-1d", "YETO_SPARSE_CHUNK_1D", int, 64, "sparseloco: values per chunk of a 1-D tensor")
+    _flag(g, "--sparse-k-1d", "YETO_SPARSE_K_1D", int, 64, "sparseloco: values kept per full 1-D chunk")
+    _flag(g, "--sparse-value-bits", "YETO_SPARSE_VALUE_BITS", int, 2, "sparseloco: bits per kept value (1, 2, 4, 8)")
+    _flag(g, "--sparse-beta", "YETO_SPARSE_BETA", float, 0.95, "sparseloco: the islands' error-feedback decay in [0, 1]")
     g = p.add_argument_group("wire")
     g.add_argument("--push-dtype", choices=PUSH_DTYPES, default=_choice_env("YETO_PUSH_DTYPE", PUSH_DTYPES, "f32"),
                    help="dtype of pushes (env YETO_PUSH_DTYPE, where `auto`, the islands' default, means this "
@@ -240,6 +251,7 @@ def run(args) -> int:
             print(f"yeto syncer: {line}", file=sys.stderr)
         return 2
     from yeto.schemas import shards as SH
+    from yeto.schemas.outer_mode import check_outer
     from yeto.schemas.provision import ProvisionError, RunLimits
     from yeto.services.syncer.config import SyncerConfig
     from yeto.services.syncer.service import SyncerService
@@ -256,6 +268,8 @@ def run(args) -> int:
         for h in logging.getLogger().handlers:
             h.addFilter(_ShardLabel(args.shards, args.shard))
     try:
+        outer = check_outer(args.outer, tile=args.sparse_tile, k=args.sparse_k, chunk_1d=args.sparse_chunk_1d,
+                            k_1d=args.sparse_k_1d, value_bits=args.sparse_value_bits, beta=args.sparse_beta)
         mc = SyncerConfig(
             run=args.run, islands=args.islands, fragments=args.fragments, sync_every=args.sync_every,
             total_steps=args.total_steps, pipeline=args.pipeline, quorum=args.quorum,
@@ -266,7 +280,7 @@ def run(args) -> int:
             max_push_norm=args.max_push_norm, outlier_factor=args.outlier_factor,
             max_token_factor=None if args.max_token_factor == 0 else args.max_token_factor,
             push_norm_factor=None if args.push_norm_factor == 0 else args.push_norm_factor,
-            shard=args.shard, shards=args.shards, software=versions.software(),
+            shard=args.shard, shards=args.shards, software=versions.software(), outer=outer,
         )
     except ValueError as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)
@@ -284,6 +298,10 @@ def run(args) -> int:
         if value not in allowed:   # an environment default escapes argparse's choices
             print(f"yeto syncer: {flag} must be one of {', '.join(allowed)}, got {value!r}", file=sys.stderr)
             return 2
+    if mc.outer is not None and args.speculate == "on":
+        print("yeto syncer: --speculate on sums dense pushes; it is for --outer diloco, got --outer sparseloco",
+              file=sys.stderr)
+        return 2
     cfg = ServiceConfig(machine=mc, outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
                         connect=ConnectOptions.from_args(args, name=f"yeto-syncer-{args.run}"
                                                          + (f"-s{mc.shard}" if mc.sharded else "")),

@@ -151,3 +151,16 @@ def test_a_push_dtype_change_rides_on_the_pulls_of_rounds_launched_after_it_and_
     assert back.ok and m.config.push_dtype == "f32"
     (q4,) = of(m.handle(Reconfigure("d3", {"push_dtype": "q4"}, "ops", 9.6)), ApplySettings)
     assert not q4.ok and q4.field == "push_dtype" and "q4 only as the session's" in q4.error
+
+
+def test_the_sparse_mode_refuses_momentum_and_push_dtype_and_takes_the_lr():
+    from yeto.schemas.outer_mode import check_outer
+
+    m = nonstrict(quorum=1, fragments=2, sync_every=8, quorum_timeout_s=100.0, grace_ms=0.0,
+                  outer=check_outer("sparseloco"))
+    launch_first(m)
+    for key, value in (("outer_momentum", 0.5), ("push_dtype", "bf16")):
+        (ap,) = of(m.handle(Reconfigure(f"bad-{key}", {key: value}, "ops", 5.0)), ApplySettings)
+        assert not ap.ok and ap.field == key and "sparse outer mode" in ap.error
+    (ap,) = of(m.handle(Reconfigure("lr", {"outer_lr": 0.5}, "ops", 5.0)), ApplySettings)
+    assert ap.ok and ap.changed == {"outer_lr": 0.5}

@@ -167,7 +167,7 @@ for i, (name, argv) in enumerate(cases):
 """
 
 
-@pytest.mark.timeout(600)  # on a loaded CI machine: two runs to version 0, then one process for eight refusals
+@pytest.mark.timeout(600)  # on a loaded CI machine: two runs to version 0, then one process for nine refusals
 async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats_url, run_id, tmp_path):
     base = ("--islands", "1", "--fragments", "1", "--sync-every", "1", "--total-steps", "1", "--strict",
             "--chunk-bytes", "1024")
@@ -214,6 +214,8 @@ async def test_resume_and_fresh_start_over_the_wrong_checkpoint_are_refused(nats
             "no_checkpoint": (tmp_path / "empty", ["--resume", "--state-store", "local"], ["no checkpoint"]),
             "fragments": (ck1, ["--resume", "--fragments", "2", "--sync-every", "2"], ["--fragments is 2"]),
             "dtype": (ck1, ["--resume", "--push-dtype", "bf16"], ["--push-dtype", "bf16"]),
+            # the outer mode is pinned (docs/design.md §4.10): a dense run is not resumed as a sparse one
+            "outer": (ck1, ["--resume", "--outer", "sparseloco"], ["pinned with outer diloco", "--outer gives"]),
             # a checkpoint directory is continued without --resume too (docs/design.md §11: the same command twice is
             # the HA set-up): one of another run is refused as with --resume
             "fresh_over_checkpoint": (ck2, [], [f"belongs to run {run2!r}"]),

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from yeto.schemas import outer_mode as OM
 from yeto.schemas import shards as SH
 from yeto.schemas.codec import load_schema
 from yeto.schemas.dtypes import BULK_DTYPES, PUSH_DTYPES
@@ -63,6 +64,9 @@ class SyncerConfig:
     # The syncer's release ("yeto-nats X.Y.Z", schemas/versions.py), stated in the session it pins; a
     # config field, not read by the shell at pin time, so a replay pins the same session. None = not stated.
     software: str | None = None
+    # `--outer sparseloco`: the session's `outer` object (schemas/outer_mode.py, checked here), pinned with
+    # the session; None = the dense DiLoCo outer step. A dict, so the start record and replay carry it as is.
+    outer: dict | None = None
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: Any) -> None:
@@ -108,6 +112,15 @@ class SyncerConfig:
             bad("--push-dtype", f"must be one of {PUSH_DTYPES}", self.push_dtype)
         if self.bulk_dtype not in BULK_DTYPES:
             bad("--bulk-dtype", f"must be one of {BULK_DTYPES}", self.bulk_dtype)
+        try:
+            OM.parse_pin(self.outer)
+        except ValueError as exc:
+            bad("--outer", f"settings refused: {exc}", self.outer)
+
+    @property
+    def sparse(self) -> "OM.SparseOuter | None":
+        """The sparse mode's settings, or None for the dense outer step."""
+        return OM.parse_pin(self.outer)
 
     @property
     def steps_per_round(self) -> int:

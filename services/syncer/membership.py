@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from yeto.schemas import outer_mode as OM
+
 from yeto.services.syncer.actions import PublishPull, WriteSession
 from yeto.services.syncer.config import UNKNOWN_MEMBER, SyncerConfig
 from yeto.services.syncer.events import Heartbeat, Hello
@@ -113,6 +115,7 @@ def _pin(s: MachineState, cfg: SyncerConfig, out: Output, ev: Hello, now: float,
         return False
     if cfg.software is not None:   # after the builder: a test's stub builder need not know it
         session = {**session, "software": cfg.software}
+    session = OM.pin(session, cfg.outer)   # the outer mode islands follow (a dense run's session as before)
     s.session = session
     s.init_island = ev.island
     s.layout_fp = fp

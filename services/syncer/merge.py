@@ -22,6 +22,7 @@ from collections import Counter
 
 import torch
 
+from yeto.schemas import outer_mode as OM
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest as chunk_digest
 from yeto.services.syncer.actions import Merge, action_from_json, action_to_json
@@ -29,6 +30,7 @@ from yeto.services.syncer.cut import CutPublisher
 from yeto.services.syncer.events import MergeDone
 from yeto.services.syncer.intake import PushLedger, PushTry
 from yeto.services.syncer.lease import Fenced
+from yeto.services.syncer import sparse_merge as SM
 from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import OuterStep, delta_dtype, delta_view, prewarm
 from yeto.services.syncer.speculate import Speculator
@@ -64,6 +66,27 @@ async def delete_push_seqs(js, run_id: str, counters: Counter, seqs) -> None:
             counters["delete_error"] += 1
 
 
+async def read_push_bytes(js, run_id: str, seq: int, want_digest: str | None):
+    """A push chunk's bytes read back from PUSH by its stream sequence and checked against its chunk
+    digest (MergeError when it is gone or changed)."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        m = await js.get_msg(S.stream(run_id, "PUSH"), seq=seq, direct=True)
+    except NotFoundError:
+        # Any replica answers a direct get; one still catching up (a cluster node just restarted)
+        # does not hold the message yet. The stream leader does.
+        try:
+            m = await js.get_msg(S.stream(run_id, "PUSH"), seq=seq)
+        except NotFoundError:
+            # Gone from the stream (max_age, an operator's purge). nats-py's bare NotFoundError()
+            # names nothing: the tape's record of a failed redo must say which message is missing.
+            raise MergeError(f"PUSH message {seq} is gone from the stream (max_age or a purge)") from None
+    if want_digest is not None and chunk_digest(m.data) != want_digest:
+        raise MergeError(f"PUSH message {seq} changed in the stream (digest mismatch)")
+    return m.data
+
+
 class Merger:
     def __init__(self, js, run_id: str, counters: Counter, model: ModelStore, publisher: CutPublisher,
                  ledger: PushLedger, tape: TapeWriter, *, lr: float, momentum: float, attempts: dict[int, int],
@@ -93,7 +116,7 @@ class Merger:
         cache) in the background once the session is known, so the first merge uses it (outer.prewarm;
         another member count, a merge with islands missing, is built when first needed)."""
         s = self.model.session
-        if s is None:
+        if s is None or s.get("outer") is not None:   # the sparse mode has no outer-step loop
             return
         for n in sorted({chunk_plan(fr.numel, s["push_dtype"], s["chunk_bytes"])[0].elem_count
                          for fr in self.model.frags.values()}):
@@ -105,29 +128,30 @@ class Merger:
     async def _read_push_chunk(self, t: PushTry, k: int, dtype: str, count: int) -> torch.Tensor:
         """Chunk k of push try t: the bytes intake kept (checked against the chunk digest there), else
         read back from PUSH by its stream sequence and checked again."""
-        from nats.js.errors import NotFoundError
+        return delta_view(await self._push_bytes(t, k), dtype, count)  # read in place: never written
 
+    async def _push_bytes(self, t: PushTry, k: int):
+        """Chunk k of push try t: the bytes intake kept, else read back from PUSH (`read_push_bytes`)."""
         data = self.ledger.take(t, k)
         if data is not None:
             self.counters["merge.push_chunk_held"] += 1
-            return delta_view(data, dtype, count)
+            return data
         self.counters["merge.push_chunk_read"] += 1
-        seq, want_digest = t.seqs[k], t.digests[k]
-        try:
-            m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq, direct=True)
-        except NotFoundError:
-            # Any replica answers a direct get; one still catching up (a cluster node just restarted)
-            # does not hold the message yet. The stream leader does.
+        return await read_push_bytes(self.js, self.run_id, t.seqs[k], t.digests[k])
+
+    async def _sparse_step(self, a: Merge, tries: list[PushTry]) -> SM.FragmentStep:
+        """The sparse mode's merge input: every accepted push read whole, decoded (checked at intake: a
+        failure now is a MergeError) and aggregated in member order with this merge's lr."""
+        frag = self.model.session["fragments"][a.fragment]
+        outer = OM.from_session(self.model.session)
+        pushes = []
+        for t in tries:
+            data = b"".join([bytes(await self._push_bytes(t, k)) for k in range(t.chunks)])
             try:
-                m = await self.js.get_msg(S.stream(self.run_id, "PUSH"), seq=seq)
-            except NotFoundError:
-                # Gone from the stream (max_age, an operator's purge). nats-py's bare NotFoundError()
-                # names nothing: the tape's record of a failed redo must say which message is missing.
-                raise MergeError(f"PUSH message {seq} is gone from the stream (max_age or a purge)") from None
-        data = m.data
-        if want_digest is not None and chunk_digest(data) != want_digest:
-            raise MergeError(f"PUSH message {seq} changed in the stream (digest mismatch)")
-        return delta_view(data, dtype, count)  # read in place: the merge never writes a delta
+                pushes.append(await asyncio.to_thread(SM.decode, frag, outer, data))
+            except ValueError as exc:
+                raise MergeError(f"merge of step {a.step}: push of {t.key[0]} no longer decodes: {exc}") from None
+        return await asyncio.to_thread(SM.FragmentStep.of, frag, pushes, self.hyper(a)[0])
 
     def use_outer(self, settings: dict) -> None:
         """`yeto run set`'s outer values in force: the speculative merge forecasts the next merge with them
@@ -185,7 +209,8 @@ class Merger:
         of this very round (speculate.py) is adopted here: its chunks are finished from their summed Δ."""
         t0 = time.time()
         lr, momentum = self.hyper(a)
-        spec = None if redone or self.spec is None else await self.spec.adopt(a, lr=lr, momentum=momentum)
+        sparse = self.model.session.get("outer") is not None   # never speculated (the service makes no speculator)
+        spec = None if redone or self.spec is None or sparse else await self.spec.adopt(a, lr=lr, momentum=momentum)
         try:
             return await self._merge(a, redone, spec, t0)
         finally:
@@ -196,7 +221,9 @@ class Merger:
         fid = a.fragment
         session = self.model.session
         dtype = self.ledger.push_dtype(fid, a.step, a.attempt, session["push_dtype"])
-        spans = chunk_plan(self.model.frags[fid].numel, dtype, session["chunk_bytes"])
+        sparse = session.get("outer") is not None
+        # the merge loop's spans: the pushes' chunks (dense), the f32 plan of the params (sparse)
+        spans = chunk_plan(self.model.frags[fid].numel, "f32" if sparse else dtype, session["chunk_bytes"])
         tries = []
         for m in a.members:
             t = self.ledger.tries.get((m.island, m.gen, fid, a.step, a.attempt, m.try_))
@@ -208,21 +235,25 @@ class Merger:
         # time, compiled in the background) here, not per chunk
         # (in a thread: YETO_OUTER_COMPILE=sync waits for the compile there, not on the event loop)
         lr, momentum = self.hyper(a)
-        outer_step = await asyncio.to_thread(OuterStep, [m.weight for m in a.members], lr, momentum,
-                                        delta_dtypes=[delta_dtype(dtype)] * len(tries),
-                                        chunk_numel=spans[0].elem_count)
+        held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
+        # sparse: the whole step decoded and aggregated up front (a few values per tile), applied span by span
+        sparse_step = await self._sparse_step(a, tries) if sparse else None
+        outer_step = None if sparse else await asyncio.to_thread(
+            OuterStep, [m.weight for m in a.members], lr, momentum, delta_dtypes=[delta_dtype(dtype)] * len(tries),
+            chunk_numel=spans[0].elem_count)
         presummed = None if spec is None else await asyncio.to_thread(OuterStep.presummed, lr, momentum,
                                                                       chunk_numel=spans[0].elem_count)
 
         async def fetch(k):
             s = spans[k]
+            if sparse:
+                return None
             if spec is not None and k in spec.done:
                 # summed while the pushes came in, from the chunks kept at intake: counted as held
                 self.counters["merge.push_chunk_held"] += len(tries)
                 return None
             return await asyncio.gather(*[self._read_push_chunk(t, k, dtype, s.elem_count) for t in tries])
 
-        held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
         nxt = asyncio.create_task(fetch(0))
         # The new params of a chunk are final after its outer step: pack and hash them there, in the same
         # thread hop, so the version digest is ready when the loop ends (the broadcast sends these bytes).
@@ -246,7 +277,10 @@ class Merger:
         def step(deltas, s):
             # the outer step of span s, in place in the model store (its one writer of a merged fragment)
             t = time.perf_counter()
-            if deltas is None:
+            if sparse_step is not None:   # θ ← θ − s on this span; momentum untouched (none in this mode)
+                self.model.update(fid, s.elem_offset, s.elem_count,
+                                  lambda params, momentum: sparse_step.apply(params, s.elem_offset))
+            elif deltas is None:
                 sl = slice(s.elem_offset, s.elem_offset + s.elem_count)
                 self.model.update(fid, s.elem_offset, s.elem_count, lambda params, momentum: presummed(
                     params, momentum, [spec.grad[sl]], out=scratch[: s.elem_count]))
@@ -294,13 +328,18 @@ class Merger:
                          "push_chunks_held": self.counters["merge.push_chunk_held"] - held0,
                          "push_chunks_read": self.counters["merge.push_chunk_read"] - read0,
                          # chunks the compiled outer loop stepped, and the eager twin (or SGD form)
-                         "outer_compiled_chunks": outer_step.compiled_calls + (presummed.compiled_calls if presummed else 0),
-                         "outer_eager_chunks": outer_step.eager_calls + (presummed.eager_calls if presummed else 0),
+                         "outer_compiled_chunks": (outer_step.compiled_calls if outer_step else 0)
+                         + (presummed.compiled_calls if presummed else 0),
+                         "outer_eager_chunks": (outer_step.eager_calls if outer_step else 0)
+                         + (presummed.eager_calls if presummed else 0),
                          # chunks whose Δ a speculative merge summed while the pushes came in (speculate.py)
                          "speculated_chunks": len(spec.done) if spec is not None else 0}
         if stream is not None:
             rec["detail"]["intent_s"] = intent_s
             rec["detail"]["chunks_in_loop"] = stream.early   # sent while the loop ran (cut-through), not after
+        if sparse:
+            rec["detail"]["outer_mode"] = OM.SPARSE
+            rec["detail"]["sparse_entries"] = int(sparse_step.index.numel())   # coordinates this step moved
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
         try:

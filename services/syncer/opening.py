@@ -120,6 +120,10 @@ class RunOpening:
                 f"--resume: checkpoint {self.ckpt.path} holds another layout (session fingerprint "
                 f"{session['session_fingerprint'][:12]}…) than run {self.run_id}'s state KV "
                 f"({kv_session.get('session_fingerprint', '?')[:12]}…)")
+        if session.get("outer") != mc.outer:
+            raise SyncerError(f"--resume: checkpoint {self.ckpt.path} was pinned with outer "
+                              f"{session.get('outer') or 'diloco (dense)'}, this syncer's --outer gives "
+                              f"{mc.outer or 'diloco (dense)'}")
         if len(session["fragments"]) != mc.fragments:
             raise SyncerError(f"--resume: checkpoint has {len(session['fragments'])} fragments, --fragments is {mc.fragments}")
         own = list(mc.own_fragments)

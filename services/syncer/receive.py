@@ -24,6 +24,7 @@ from typing import Awaitable, Callable
 import torch
 
 from yeto.schemas import codec, subjects as S
+from yeto.schemas import outer_mode as OM
 from yeto.schemas.chunks import check_chunk, chunk_plan, plan_nbytes
 from yeto.schemas.errors import WireError
 from yeto.schemas.ids import GEN_RE
@@ -34,7 +35,8 @@ from yeto.services.syncer.actions import InitDrop, InitStore, SendError
 from yeto.services.syncer.events import FinalAck, Heartbeat, Hello, InitChunk, PushComplete
 from yeto.services.syncer.intake import PushLedger
 from yeto.services.syncer.intake_limit import IntakeLimits
-from yeto.services.syncer.merge import delete_push_seqs
+from yeto.services.syncer import sparse_merge as SM
+from yeto.services.syncer.merge import delete_push_seqs, read_push_bytes
 from yeto.services.syncer.model_store import ModelStore
 from yeto.services.syncer.outer import delta_view
 from yeto.services.syncer.speculate import Speculator
@@ -59,6 +61,8 @@ class Receiver:
         self.init_pending: dict[tuple[str, int, int], tuple] = {}   # (gen, fragment, chunk) -> (span, values)
         self.init_pending_bytes = 0
         self.spec = speculator   # the speculative merge (speculate.py), told of every push chunk recorded
+        self._outer: OM.SparseOuter | None = None   # the pinned session's sparse settings (`outer`)
+        self._outer_of: dict | None = None          # ... read from this session record
 
     async def consume(self, kind: str, durable: str, handler, batch: int, *,
                       ready: Callable[[], bool] | None = None) -> None:
@@ -276,20 +280,29 @@ class Receiver:
             return
         else:
             try:
+                outer = self.outer()
+                SM.check_encoding(meta, outer)   # a sparse push in a dense run, or the other way: refused
                 want = self.ledger.push_dtype(meta["fragment"], meta["step"], meta["attempt"], self.model.session["push_dtype"])
                 if meta["dtype"] != want:
                     whose = "session's" if want == self.model.session["push_dtype"] else "round's (yeto run set)"
                     raise WireError(f"push dtype must be the {whose} {want}", field="dtype", value=meta["dtype"])
-                spans = chunk_plan(fr.numel, meta["dtype"], self.model.session["chunk_bytes"])
-                expected_total = plan_nbytes(spans)
-                span = check_chunk(spans, meta, msg.data)
-                values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
-                # The quarantine figures, one chunk at a time (never the whole push in memory); the round
-                # machine decides (NaN/Inf, --max-push-norm, --outlier-factor). Squares of f32 values
-                # summed in float64 cannot overflow, so a non-finite sum means NaN/Inf values.
-                sumsq = float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
-                if not math.isfinite(sumsq):
-                    non_finite, sumsq = values.numel() - int(torch.isfinite(values).sum()), 0.0
+                if outer is not None:
+                    # one message in opaque byte chunks: decoded whole once the try completes (below)
+                    spans = SM.push_spans(self.model.session["fragments"][meta["fragment"]], outer,
+                                          self.model.session["chunk_bytes"])
+                    expected_total = plan_nbytes(spans)
+                    check_chunk(spans, meta, msg.data)
+                else:
+                    spans = chunk_plan(fr.numel, meta["dtype"], self.model.session["chunk_bytes"])
+                    expected_total = plan_nbytes(spans)
+                    span = check_chunk(spans, meta, msg.data)
+                    values = delta_view(msg.data, meta["dtype"], span.elem_count)  # a view: no copy per chunk
+                    # The quarantine figures, one chunk at a time (never the whole push in memory); the round
+                    # machine decides (NaN/Inf, --max-push-norm, --outlier-factor). Squares of f32 values
+                    # summed in float64 cannot overflow, so a non-finite sum means NaN/Inf values.
+                    sumsq = float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+                    if not math.isfinite(sumsq):
+                        non_finite, sumsq = values.numel() - int(torch.isfinite(values).sum()), 0.0
             except WireError as exc:
                 # The try is invalid (its disposition says so once complete), but a try whose other
                 # chunks never come would never be taped: tape the chunk's rejection now.
@@ -304,10 +317,40 @@ class Receiver:
             self.spec.on_chunk(meta)
         if t is not None:
             island, gen, fid, step, attempt, try_ = t.key
+            norm = t.norm
+            if t.invalid is None and self.outer() is not None:
+                norm = await self._decode_sparse(t, subj_island)
             await self.queue.put(PushComplete(
                 island=island, gen=gen, fragment=fid, step=step, attempt=attempt, try_=try_,
                 base_version=t.base_version, local_step=t.local_step, c_steps=t.c_steps, c_tokens=t.c_tokens,
-                valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=t.norm, non_finite=t.non_finite))
+                valid=t.invalid is None, reason=t.invalid, now=time.time(), norm=norm, non_finite=t.non_finite))
+
+    def outer(self) -> OM.SparseOuter | None:
+        """The run's sparse settings (None: dense), read from the pinned session once per session record."""
+        s = self.model.session
+        if s is not self._outer_of:
+            self._outer, self._outer_of = OM.from_session(s), s
+        return self._outer
+
+    async def _decode_sparse(self, t, island: str | None) -> float:
+        """A complete sparse try decoded whole (its chunks kept at intake, else read back from PUSH): its
+        norm for the quarantine rules, or, for bytes the decoder refuses, the try made invalid (counted,
+        taped; the merge never sees it). Returns the norm (0 for a refused try)."""
+        island_, gen, fid, step, attempt, try_ = t.key
+        try:
+            parts = [t.held.get(k) for k in range(t.chunks)]
+            for k, part in enumerate(parts):
+                if part is None:
+                    parts[k] = await read_push_bytes(self.js, self.run_id, t.seqs[k], t.digests[k])
+            data = b"".join(bytes(p) for p in parts)
+            return SM.norm(await asyncio.to_thread(SM.decode, self.model.session["fragments"][fid], self.outer(), data))
+        except Exception as exc:
+            # refused bytes (DecodeError naming the field), a chunk gone from PUSH (MergeError), or a read
+            # that failed: the try is invalid now, never left without its PushComplete
+            t.invalidate(f"sparse push refused: {exc}")
+            await self.reject(f"sparse push of {island_} step {step}", exc, island=island, gen=gen,
+                              extra={"step": step, "attempt": attempt, "try": try_})
+            return 0.0
 
     def _delete_later(self, seq: int) -> None:
         """Delete a refused push chunk from PUSH off intake's path: awaited one by one, the deletes held a

@@ -199,7 +199,7 @@ class SyncerService:
             # the speculative merge: intake tells it of every push chunk recorded, the merge adopts its sums
             spec = Speculator(self.model, self.ledger, self.counters, lr=self.cfg.outer.lr,
                               momentum=self.cfg.outer.momentum, max_token_factor=mc.max_token_factor,
-                              equal_weights=mc.equal_weights) if self.cfg.speculate else None
+                              equal_weights=mc.equal_weights) if self.cfg.speculate and mc.outer is None else None
             self.receiver = Receiver(self.js, self.run_id, self.counters, self.model, self.ledger, self.tape, self.queue,
                                      self._do, speculator=spec)
             self.merger = self._new_merger(speculator=spec)

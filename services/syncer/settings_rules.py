@@ -37,6 +37,11 @@ def on_reconfigure(s: MachineState, cfg: SyncerConfig, out: Output, ev: Reconfig
         return None
     try:
         changed = check_settings(ev.settings)
+        for key in ("outer_momentum", "push_dtype"):
+            if base.outer is not None and key in changed:
+                # the sparse outer mode (docs/design.md §4.10) has no momentum, and its pushes are messages
+                raise ConfigError(f"{key} does not apply in the sparse outer mode (--outer sparseloco)",
+                                  field=key, value=changed[key])
         if "push_dtype" in changed:
             if s.session is None:
                 raise ConfigError("push_dtype changes only once the session is pinned (start the syncer with "

@@ -69,6 +69,12 @@ def on_session_seen(s: MachineState, cfg: SyncerConfig, out: Output, ev: Session
             out.tape("error", now, reason="the state KV's session differs from the one this shard pinned; ignored",
                           detail={"code": "session_changed", "seen": ev.session.get("session_fingerprint")})
         return
+    if ev.session.get("outer") != cfg.outer:
+        # a follower merges as the run is pinned: one started with another --outer must not adopt it
+        s.counters["rejected.session_record"] += 1
+        out.tape("error", now, reason=f"session record pins outer {ev.session.get('outer')!r}, this shard's --outer "
+                                      f"gives {cfg.outer!r}: ignored", detail={"code": "outer_mismatch", "field": "outer"})
+        return
     frags = ev.session.get("fragments")
     if not isinstance(frags, list) or len(frags) != cfg.fragments:
         s.counters["rejected.session_record"] += 1

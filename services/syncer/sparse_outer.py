@@ -56,15 +56,18 @@ def aggregate(pushes: Sequence[Sequence[SparseTensor]]) -> list[SparseTensor]:
     return out
 
 
-def outer_step_(params: Sequence[torch.Tensor], agg: Sequence[SparseTensor], lr: float) -> list[SparseTensor]:
-    """θ ← θ − f32(lr)·aggregate on the fragment's f32 params, in place; returns the steps applied (what
-    the version's update carries)."""
+def step_amounts(agg: Sequence[SparseTensor], lr: float) -> list[SparseTensor]:
+    """The steps s = f32(lr)·aggregate per tensor (what `outer_step_` subtracts and an update carries)."""
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"outer lr must be finite and >= 0, got {lr!r}")
     alpha = torch.tensor(lr, dtype=torch.float32)
-    steps = []
-    for p, a in zip(params, agg, strict=True):
-        step = SparseTensor(a.indices, a.values * alpha)
+    return [SparseTensor(a.indices, a.values * alpha) for a in agg]
+
+
+def outer_step_(params: Sequence[torch.Tensor], agg: Sequence[SparseTensor], lr: float) -> list[SparseTensor]:
+    """θ ← θ − f32(lr)·aggregate on the fragment's f32 params, in place; returns the steps applied (what
+    the version's update carries)."""
+    steps = step_amounts(agg, lr)
+    for p, step in zip(params, steps, strict=True):
         apply_step_(p, step)
-        steps.append(step)
     return steps
