@@ -31,7 +31,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from yeto.schemas import codec, leader_watch
 from yeto.schemas import provision as P
 from yeto.schemas import subjects as S
-from yeto.schemas.conn import connect
+from yeto.schemas.conn import across_moves, connect
 from yeto.schemas.errors import ConnectError, WireError
 from yeto.schemas.ids import new_generation
 from yeto.schemas.messages import Ack, Heartbeat, Hello
@@ -80,6 +80,8 @@ class Fetch:
         try:
             return self._fut.result(None if self._deadline is None else max(0.0, self._deadline - time.monotonic()))
         except FutureTimeout:
+            if self._fut.done():
+                raise   # the call's own timeout (a NATS request's: the same class on 3.11), not this deadline
             self._fut.cancel()
             raise TimeoutError(f"NATS call did not finish within {self._timeout:.1f}s") from None
 
@@ -310,7 +312,7 @@ class IslandClient:
 
         async def one(subject: str):
             try:
-                return await js.get_msg(stream, subject=subject, direct=True)
+                return await across_moves(self.nc, lambda: js.get_msg(stream, subject=subject, direct=True))
             except NotFoundError:
                 return None
 

@@ -36,6 +36,8 @@ class StreamPublisher:
         try:
             return fut.result(timeout)
         except FutureTimeout:
+            if fut.done():
+                raise   # the call's own timeout (a NATS request's: the same class on 3.11), not this deadline
             fut.cancel()
             raise TimeoutError(f"NATS call did not finish within {timeout:.1f}s") from None
 

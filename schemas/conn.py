@@ -12,6 +12,7 @@ import os
 import re
 import ssl
 from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
 
 from .errors import ConfigError
 from .ids import check_run
@@ -279,6 +280,26 @@ async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extr
             raise ConnectError(f"cannot connect to NATS at {where} within {bound:.0f}s{why}; is the broker running "
                                f"there? ({CONNECT_TIMEOUT_ENV} sets how long to wait)")
         await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0.0)))
+
+
+MOVE_POLL_S = 0.05   # how often a request in flight looks whether its client moved to another server
+
+
+async def across_moves(nc, make: Callable[[], Awaitable[Any]], *, tries: int = 3) -> Any:
+    """Await `make()`, a request (a direct get, a JetStream API call), asked again at once when its client
+    moves to another server while it waits (a node in lame duck mode or restarting, docs/design.md §7.1): its
+    reply went to the connection left behind and never comes, and waiting out the request's own timeout cost
+    islands 5 s and the syncer 30 s at a broker roll. The last try is waited out as usual. `nc` None: plain."""
+    for _ in range(tries - 1 if nc is not None else 0):
+        moved_from = nc.stats["reconnects"]
+        task = asyncio.ensure_future(make())
+        while not task.done() and nc.stats["reconnects"] == moved_from:
+            await asyncio.wait({task}, timeout=MOVE_POLL_S)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return await make()
 
 
 def server_max_payload(nc) -> int:

@@ -471,3 +471,21 @@ async def test_deliveries_lost_with_a_connection_come_again_at_once_after_the_re
     await asyncio.sleep(0.2)
     await reader.after_reconnect()                            # nothing unacked: the consumer is left alone
     assert reader.counters["ctl_consumer_reset"] == 1
+
+
+def test_a_calls_own_timeout_is_reported_as_itself_not_as_the_calls_deadline():
+    """On Python 3.11 a NATS request's timeout and a future's wait timeout are one class: a request that timed out
+    (its reply lost with a move, say) was reported as 'did not finish within 60.0s' seconds after it began
+    (soak/rolling.py). The deadline's own message is kept for a call still running at the deadline."""
+    import concurrent.futures
+
+    from yeto.learner.client import Fetch
+
+    done = concurrent.futures.Future()
+    done.set_exception(TimeoutError("nats: timeout"))
+    with pytest.raises(TimeoutError, match="^nats: timeout$"):
+        Fetch(done, 60.0).result()
+    running = concurrent.futures.Future()
+    with pytest.raises(TimeoutError, match="did not finish within 0.1s"):
+        Fetch(running, 0.1).result()
+    assert running.cancelled()
