@@ -31,7 +31,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from yeto.schemas import codec, leader_watch
 from yeto.schemas import provision as P
 from yeto.schemas import subjects as S
-from yeto.schemas.conn import across_moves, connect
+from yeto.schemas.conn import connect
 from yeto.schemas.errors import ConnectError, WireError
 from yeto.schemas.ids import new_generation
 from yeto.schemas.messages import Ack, Heartbeat, Hello
@@ -312,7 +312,7 @@ class IslandClient:
 
         async def one(subject: str):
             try:
-                return await across_moves(self.nc, lambda: js.get_msg(stream, subject=subject, direct=True))
+                return await js.get_msg(stream, subject=subject, direct=True)   # asked again on a move (conn.py)
             except NotFoundError:
                 return None
 

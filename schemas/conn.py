@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import ssl
@@ -189,7 +190,6 @@ async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extr
     Once connected, reconnects follow the caller's policy. A bad URL or creds file is a ConfigError first."""
     import logging
 
-    import nats
     from .errors import ConnectError
 
     check_urls(opts.url)
@@ -250,7 +250,7 @@ async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extr
             kw[name] = after_connect(kw[name])
     deadline = asyncio.get_running_loop().time() + bound
     while True:
-        nc = nats.NATS()
+        nc = _client_class()()   # nats.NATS, with requests that survive a move (above)
         attempt = asyncio.ensure_future(nc.connect(**kw))
         stop = asyncio.ensure_future(refused.wait())
         left = deadline - asyncio.get_running_loop().time()
@@ -282,14 +282,15 @@ async def connect(opts: ConnectOptions, *, within_s: float | None = None, **extr
         await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0.0)))
 
 
-MOVE_POLL_S = 0.05   # how often a request in flight looks whether its client moved to another server
+MOVE_POLL_S = 0.1   # how often a request in flight looks whether its client moved to another server
 
 
 async def across_moves(nc, make: Callable[[], Awaitable[Any]], *, tries: int = 3) -> Any:
     """Await `make()`, a request (a direct get, a JetStream API call), asked again at once when its client
     moves to another server while it waits (a node in lame duck mode or restarting, docs/design.md §7.1): its
     reply went to the connection left behind and never comes, and waiting out the request's own timeout cost
-    islands 5 s and the syncer 30 s at a broker roll. The last try is waited out as usual. `nc` None: plain."""
+    islands 5 s and the syncer 30 s at a broker roll. The last try is waited out as usual. `nc` None: plain.
+    Every client `connect` makes asks its requests this way."""
     for _ in range(tries - 1 if nc is not None else 0):
         moved_from = nc.stats["reconnects"]
         task = asyncio.ensure_future(make())
@@ -300,6 +301,25 @@ async def across_moves(nc, make: Callable[[], Awaitable[Any]], *, tries: int = 3
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     return await make()
+
+
+@functools.cache
+def _client_class():
+    import nats.aio.client
+
+    base = nats.aio.client.Client
+
+    class Client(base):
+        """nats-py's client, its requests (JetStream API calls, direct gets, KV reads, JetStream publishes: all
+        go through `request`) asked again when it moves to another server (`across_moves`). A request asked
+        twice is one the server may see twice: JetStream publishes carry a Nats-Msg-Id, the rest read, or
+        are revision-checked writes whose callers read a refused one back."""
+
+        async def request(self, subject, payload=b"", timeout=0.5, old_style=False, headers=None):
+            return await across_moves(self, lambda: base.request(self, subject, payload, timeout=timeout,
+                                                                 old_style=old_style, headers=headers))
+
+    return Client
 
 
 def server_max_payload(nc) -> int:

@@ -25,7 +25,6 @@ import torch
 from yeto.schemas import outer_mode as OM
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest as chunk_digest
-from yeto.schemas.conn import across_moves
 from yeto.services.syncer.actions import Merge, action_from_json, action_to_json
 from yeto.services.syncer.cut import CutPublisher
 from yeto.services.syncer.events import MergeDone
@@ -73,9 +72,7 @@ async def read_push_bytes(js, run_id: str, seq: int, want_digest: str | None):
     from nats.js.errors import NotFoundError
 
     try:
-        # nats-py's context keeps its client as `_nc`: a reply lost with a move would hold the merge 30 s
-        m = await across_moves(getattr(js, "_nc", None), lambda: js.get_msg(S.stream(run_id, "PUSH"), seq=seq,
-                                                                            direct=True))
+        m = await js.get_msg(S.stream(run_id, "PUSH"), seq=seq, direct=True)   # asked again on a move (conn.py)
     except NotFoundError:
         # Any replica answers a direct get; one still catching up (a cluster node just restarted)
         # does not hold the message yet. The stream leader does.
