@@ -535,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
                   f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}, "
-                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}, --state-store {args.state_store}, "
-                  f"--outer {args.outer}; "
+                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}, --state-store {args.state_store}"
+                  # named only off the default, so a dense run prints what it printed before --outer
+                  + (f", --outer {args.outer}" if args.outer != "diloco" else "") + "; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             monitor = f"http://127.0.0.1:{broker.http_port}" if broker is not None else args.nats_monitor
