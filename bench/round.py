@@ -2,6 +2,7 @@
 """Round benchmark: one streaming-DiLoCo round of ours vs the peers' gloo all_reduce of the same tensor.
 
     python bench/round.py [--size-mib 256] [--islands 2] [--rounds 5] [--push-dtype f32] [--bulk-dtype f32]
+                          [--outer {diloco,sparseloco}]
 
 A fresh run on the embedded nats-server (or `--nats`): the real `yeto syncer` (`--strict`: the round
 waits for every island; one fragment; H = 1, so every island step is a round) and N real islands
@@ -58,6 +59,9 @@ Bytes per round through the broker: the broker's /connz (the embedded one's moni
 first push of those rounds is accepted, a point where no island is reading a version); per timed round, what
 the islands sent and received and what the syncer sent and received, each also in model sizes (the
 fragment's f32 bytes), then `round bytes_per_model_byte=<x>` (all of it: in and out of the broker).
+`--outer sparseloco` starts the syncer in the sparse outer mode (docs/design.md §4.10; the islands follow the
+session's pin): the same breakdown and bytes, plus a line with the pushes' bytes per round to 4 decimals of a
+model size; BCAST still carries dense full cuts, so the round's bytes are mostly the version's and its state's.
 The last line is `round ratio_vs_allreduce=<x>`: median round / median all_reduce (the headline is
 f32 push and bulk, 2 islands).
 """
@@ -237,6 +241,14 @@ def fmt_traffic(t: dict[str, float], model_bytes: int) -> str:
             + f"round bytes_per_model_byte={per(t['total']):.2f}")
 
 
+def fmt_sparse_pushes(t: dict[str, float], model_bytes: int, islands: int) -> str:
+    """The push side of `traffic` in bytes and in model sizes to 4 decimals (the islands' side includes their step
+    logs and heartbeats), next to what f32 pushes would move: one model size per island."""
+    per = (lambda x: x / model_bytes) if model_bytes else (lambda x: math.nan)
+    return (f"sparse pushes per round: from islands {t['islands_out']:.0f} B ({per(t['islands_out']):.4f}), to the "
+            f"syncer {t['syncer_in']:.0f} B ({per(t['syncer_in']):.4f}) model sizes; f32 pushes: {islands} each way")
+
+
 class Observer:
     """Records when pulls, chunk 0 of each broadcast version and tape records go by. Chunk 0 alone
     (one chunk per version, not the whole broadcast) keeps the observer off the server's budget."""
@@ -398,7 +410,7 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch, monitor: str | None = 
                  "--init-island", names[0], "--strict", "--push-dtype", args.push_dtype, "--bulk-dtype", args.bulk_dtype,
                  "--chunk-bytes", str(args.chunk_bytes), "--checkpoint-dir", str(work / "ckpt"),
                  "--quorum-timeout", "900", "--member-timeout", "900", "--final-timeout", "300", "--status-every", "30",
-                 "--push-memory-mib", str(args.push_memory_mib)],
+                 "--push-memory-mib", str(args.push_memory_mib), "--outer", args.outer],
                 work / "syncer.log",
                 env=dict(env, YETO_OUTER_COMPILE=args.outer_compile, YETO_CHECKPOINT_WRITER=args.checkpoint_writer,
                          YETO_BROADCAST=args.broadcast, YETO_SPECULATE=args.speculate,
@@ -491,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-store", choices=("jetstream", "local"), default="jetstream",
                    help="the syncer's --state-store (default jetstream, the syncer's: the committed state also kept "
                         "in the run's ckpt KV; local: the checkpoint directory only)")
+    p.add_argument("--outer", choices=("diloco", "sparseloco"), default="diloco",
+                   help="the syncer's --outer (default diloco: dense pushes, Nesterov outer step; sparseloco: sparse "
+                   "pushes at the syncer's default --sparse-* settings, islands following the session's pin; BCAST "
+                   "stays a dense full cut, docs/design.md §4.10)")
     p.add_argument("--allreduce-repeat", type=int, default=5)
     p.add_argument("--nats", default=None, help="use this server instead of the embedded one")
     p.add_argument("--nats-monitor", default=None, help="with --nats: its monitoring URL (http://host:8222), for the "
@@ -500,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0 or args.size_mib <= 0:
         p.error("--rounds must be >= 1, --warmup >= 0 and --size-mib > 0")
+    if args.outer == "sparseloco" and args.speculate == "on":
+        # the syncer refuses the pair (speculation sums dense pushes): say so before starting a broker
+        p.error("--speculate on is for --outer diloco")
 
     work = Path(tempfile.mkdtemp(prefix="yeto-round-"))
     broker = None
@@ -516,7 +535,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"f32, push {args.push_dtype}, bulk {args.bulk_dtype}, chunks {args.chunk_bytes / MiB:g} MiB, "
                   f"{args.warmup} warm-up + {args.rounds} timed rounds, YETO_OUTER_COMPILE={args.outer_compile}, "
                   f"--checkpoint-writer {args.checkpoint_writer}, --broadcast {args.broadcast}, "
-                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}, --state-store {args.state_store}; "
+                  f"--push-memory-mib {args.push_memory_mib:g}, --speculate {args.speculate}, --state-store {args.state_store}"
+                  # named only off the default, so a dense run prints what it printed before --outer
+                  + (f", --outer {args.outer}" if args.outer != "diloco" else "") + "; "
                   f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
             t0 = time.monotonic()
             monitor = f"http://127.0.0.1:{broker.http_port}" if broker is not None else args.nats_monitor
@@ -542,8 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         # between the first accepted pushes of the warm-up's and the last round (versions warm-up .. last-1)
         keys = [("merge", args.warmup), ("merge", total), ("accept", args.warmup), ("accept", total)]
         if all(snaps.get(k) for k in keys):
-            print(fmt_traffic(traffic(snaps[keys[0]], snaps[keys[1]], args.rounds, reads=(snaps[keys[2]], snaps[keys[3]])),
-                              numel * 4), flush=True)
+            tr = traffic(snaps[keys[0]], snaps[keys[1]], args.rounds, reads=(snaps[keys[2]], snaps[keys[3]]))
+            print(fmt_traffic(tr, numel * 4), flush=True)
+            if args.outer == "sparseloco":
+                # the line above rounds to 0.01 model sizes, which a sparse push is well under
+                print(fmt_sparse_pushes(tr, numel * 4, args.islands), flush=True)
         else:
             print("bytes per round through the broker: - (no monitoring endpoint: give --nats-monitor with --nats)",
                   flush=True)

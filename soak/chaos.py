@@ -3,11 +3,14 @@
 and check from what the run leaves behind that nothing was lost, doubled or torn.
 
     python soak/chaos.py [--rounds 200] [--islands 4] [--seed 1] [--quick] [--no-baseline] [--workdir DIR]
+                         [--outer {diloco,sparseloco}]
 
 Everything is a real process: the embedded nats-server (services.broker.Broker, own port and store
 dir), the syncer (`python -m yeto.services.cli syncer`, restarted with `--resume`), and N islands
 (`python -m yeto.learner.demo`; island `b` has 2 gloo ranks). Each runs in its own process group, so a
-SIGKILL takes a whole island (launcher and ranks) down at once, as a dead node would.
+SIGKILL takes a whole island (launcher and ranks) down at once, as a dead node would. `--outer sparseloco`
+starts every syncer in the sparse outer mode (docs/design.md §4.10, with `--sparse-tile`/`--sparse-k`); the
+islands follow the session's pin, restarted ones too.
 
 Moments are detected only from what the product already publishes: a monitor holds a core NATS
 subscription on `yeto.<run>.>` and sees pulls, push chunks, INIT chunks, broadcast and final chunks
@@ -55,7 +58,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -73,7 +75,7 @@ from yeto.services.run_harness import clean_env, read_tape  # noqa: E402
 
 # the run's processes: soak/chaos_procs.py, beside this script (its directory is on sys.path)
 from chaos_procs import BrokerChild, Child, IslandChild, group_members, log  # noqa: E402,F401  (group_members: tests)
-from chaos_checks import Kill, Watch, score_dir, verdict  # noqa: E402
+from chaos_checks import Kill, Watch, fmt_recovery, score_dir, verdict  # noqa: E402
 
 MID_KINDS = ("island-after-pull", "island-mid-push", "syncer-mid-merge", "syncer-mid-broadcast",
              "broker-mid-broadcast", "broker-mid-push")
@@ -138,6 +140,9 @@ class Chaos:
                "--init-island", a.init_island, "--chunk-bytes", str(a.chunk_bytes), "--quorum-timeout", str(a.quorum_timeout),
                "--member-timeout", str(a.member_timeout), "--final-timeout", "60", "--status-every", "2",
                "--replicas", str(a.replicas)]
+        # rolling.py's arguments have no --outer: its syncers run the dense default
+        if getattr(a, "outer", "diloco") == "sparseloco":
+            cmd += ["--outer", "sparseloco", "--sparse-tile", str(a.sparse_tile), "--sparse-k", str(a.sparse_k)]
         if resume:
             cmd.append("--resume")
         child = Child(f"syncer-{n}", cmd, self.work / f"syncer-{n}.log", clean_env()).start()
@@ -471,21 +476,6 @@ class Chaos:
         return verdict(self, recs, wall, left, timed_out)
 
 
-def _fmt_recovery(rec: dict) -> list[str]:
-    lines = []
-    for kind in ALL_KINDS:
-        if kind not in rec:
-            continue
-        got = [x for x in rec[kind] if x is not None]
-        miss = len(rec[kind]) - len(got)
-        if got:
-            lines.append(f"  {kind:22s} n={len(rec[kind])} recovery median {statistics.median(got):.1f}s "
-                         f"max {max(got):.1f}s" + (f" ({miss} never recovered)" if miss else ""))
-        else:
-            lines.append(f"  {kind:22s} n={len(rec[kind])} never recovered")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="soak/chaos.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -494,8 +484,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=8, help="H: inner steps between two syncs of one fragment")
     p.add_argument("--step-delay", type=float, default=0.02, help="seconds of simulated compute per inner step")
-    p.add_argument("--chunk-bytes", type=int, default=4096,
-                   help="chunk size: small, so pushes and broadcasts of the tiny model have several chunks")
+    p.add_argument("--chunk-bytes", type=int, default=None,
+                   help="chunk size: small, so pushes and broadcasts of the tiny model have several chunks (default "
+                        "4096; 1024 with --outer sparseloco, whose pushes of fragment 0 are 1838 bytes)")
+    p.add_argument("--outer", choices=("diloco", "sparseloco"), default="diloco",
+                   help="the syncers' --outer (pinned in the session, which the islands follow; docs/design.md §4.10)")
+    p.add_argument("--sparse-tile", type=int, default=8, help="with --outer sparseloco: the syncers' --sparse-tile "
+                   "(default %(default)s: the demo's 64 x 64 weight in several tiles)")
+    p.add_argument("--sparse-k", type=int, default=16, help="with --outer sparseloco: the syncers' --sparse-k")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kinds", default=",".join(ALL_KINDS), help="comma-separated kill kinds (default: all)")
     p.add_argument("--kills-per-kind", type=int, default=4, help="kills of each mid-run kind (default %(default)s)")
@@ -537,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         a.kills_per_kind = min(a.kills_per_kind, 2)
         a.first_kill_after, a.gap_min, a.gap_max = 2, 1, 2
     a.rounds = a.rounds or 200
+    # a push of one chunk never arms island-mid-push or broker-mid-push (they fire at chunk 0 of several)
+    a.chunk_bytes = a.chunk_bytes or (1024 if a.outer == "sparseloco" else 4096)
     a.kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     bad = [k for k in a.kinds if k not in ALL_KINDS]
     if bad:
@@ -556,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
           f"last merge), kills {res['kills']}/{res['planned']}, useful island-steps {res['useful_steps']} "
           f"({res['goodput']:.2f}/s)", flush=True)
     print("recovery per kill kind (SIGKILL -> next round committed with the part back):", flush=True)
-    for line in _fmt_recovery(res["recovery"]):
+    for line in fmt_recovery(res["recovery"], ALL_KINDS):
         print(line, flush=True)
     for key in ("lost_rounds", "double_rounds", "double_versions", "bad_apply", "crashes", "left", "off_target"):
         if res[key]:

@@ -1,10 +1,11 @@
 """The bookkeeping and the checks of soak/chaos.py: the kills planned and fired (`Kill`), what the monitor saw
 (`Watch`), the useful work of a run (for goodput), and the verdict of a finished run: nothing lost, doubled or
-torn, every island holding the exported final cut.
+torn, every island holding the exported final cut; and the recovery lines it prints per kill kind.
 """
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from collections import defaultdict
@@ -200,3 +201,19 @@ def verdict(self, recs: list[dict], wall: float, left: dict, timed_out: bool) ->
         "final_versions": versions, "pgids": {c.name: c.pgid for c in self.children} | {
             f"nats-server-{i}": g for i, g in enumerate(self.broker.pgids)},
     }
+
+
+def fmt_recovery(rec: dict, kinds: tuple[str, ...]) -> list[str]:
+    """One line per kill kind of `rec` (kind -> recovery seconds, None where never recovered), in `kinds`' order."""
+    lines = []
+    for kind in kinds:
+        if kind not in rec:
+            continue
+        got = [x for x in rec[kind] if x is not None]
+        miss = len(rec[kind]) - len(got)
+        if got:
+            lines.append(f"  {kind:22s} n={len(rec[kind])} recovery median {statistics.median(got):.1f}s "
+                         f"max {max(got):.1f}s" + (f" ({miss} never recovered)" if miss else ""))
+        else:
+            lines.append(f"  {kind:22s} n={len(rec[kind])} never recovered")
+    return lines

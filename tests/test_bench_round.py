@@ -1,5 +1,5 @@
-"""bench/round.py: a smoke run on a 2 MiB fragment (output contract, the islands agree at the end), and
-its stage arithmetic on hand-made timestamps.
+"""bench/round.py: a smoke run on a 2 MiB fragment (output contract, the islands agree at the end), the same in
+the sparse outer mode (pushes a small fraction of the dense ones), and its stage arithmetic on hand-made timestamps.
 
 Not a timed assertion: round times on 2 shared cores are too noisy to gate on; the 256 MiB figures live
 in bench/README.md.
@@ -103,6 +103,46 @@ def test_round_bench_smoke_prints_the_breakdown_and_the_ratio_last_and_islands_a
     # the ratio is the quotient of the two printed medians (round to 3 decimals, all_reduce to 4)
     r, a = float(rows["median"]["round"]), float(ar["s"])
     assert (r - 0.0005) / (a + 0.00005) - 0.01 <= ratio <= (r + 0.0005) / max(a - 0.00005, 1e-9) + 0.01, out
+
+
+SPARSE_PUSHES = re.compile(r"^sparse pushes per round: from islands (?P<isl_b>\d+) B \((?P<isl>[0-9.]+)\), to the syncer "
+                           r"(?P<syn_b>\d+) B \((?P<syn>[0-9.]+)\) model sizes; f32 pushes: 2 each way$", re.M)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.e2e
+def test_round_bench_sparse_smoke_pushes_a_small_fraction_of_a_model_and_islands_agree():
+    """`--outer sparseloco` (docs/design.md §4.10): the same output contract, the islands on the same final cut,
+    and the pushes through the broker a small fraction of a model size per round while BCAST is still dense."""
+    proc = subprocess.run([sys.executable, str(ROUND), "--size-mib", "2", "--rounds", "2", "--allreduce-repeat", "2",
+                           "--outer", "sparseloco"], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    out = proc.stdout
+    assert "--outer sparseloco;" in out.splitlines()[0], out
+    last = LAST_LINE.match(out.strip().splitlines()[-1])
+    assert last and math.isfinite(float(last["x"])) and float(last["x"]) > 0, out
+    rows = {m["label"]: m for m in ROW.finditer(out)}
+    assert set(rows) == {"round 2", "round 3", "median"}, out
+    for label, m in rows.items():
+        stages = [float(m[s]) for s in ("push", "members", "merge", "checkpoint", "broadcast", "apply")]
+        assert all(s >= 0 for s in stages) and sum(stages) == pytest.approx(float(m["round"]), abs=0.004), (label, out)
+    v = VERSIONS.search(out)
+    assert v and dict(kv.split("=") for kv in v["v"].split()) == {"i0": "3", "i1": "3"} and v["eq"] == "true", out
+
+    t = TRAFFIC.search(out)
+    assert t, out
+    figs = {k: float(t[k]) for k in ("isl_out", "syn_in", "syn_out", "isl_in", "total")}
+    # dense f32 pushes are 1 model size per island (the dense smoke: 2.0 each way); sparse ones at the syncer's
+    # default spec (64 of a 64 x 64 tile, 2-bit values) about 0.007 each, step logs and heartbeats on top
+    assert figs["isl_out"] < 0.1 and figs["syn_in"] < 0.1, out
+    # BCAST is still a dense full cut: the syncer sent the version (and its state to the state KV), each island read
+    # it (once BCAST carries sparse updates, design §4.10 "Next", this is the figure that falls)
+    assert figs["syn_out"] > 1.9 and figs["isl_in"] > 1.9, out
+    sp = SPARSE_PUSHES.search(out)
+    assert sp, out
+    # the 4-decimal line agrees with the rounded one, and something was pushed each round
+    assert float(sp["isl"]) == pytest.approx(figs["isl_out"], abs=0.006) and float(sp["syn"]) == pytest.approx(figs["syn_in"], abs=0.006)
+    assert 0 < float(sp["syn"]) < 0.1 and int(sp["syn_b"]) > 0, out
 
 
 def _obs(bench, step=4, **kw):

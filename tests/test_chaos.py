@@ -2,7 +2,8 @@
 b with 2 gloo ranks) in which islands, the syncer and the broker are SIGKILLed at every kind of moment the
 harness knows (INIT, after a pull, mid-push, mid-merge, mid-broadcast, the broker mid-push and
 mid-broadcast, the final cut) and restarted; one kill of each kind. It must lose no round, double
-nothing, end with every island bitwise on the exported final cut, and leave no process behind.
+nothing, end with every island bitwise on the exported final cut, and leave no process behind. The same with a
+standby taking over, and in the sparse outer mode (`--outer sparseloco`).
 """
 from __future__ import annotations
 
@@ -98,4 +99,40 @@ def test_chaos_standby_owner_killed_never_restarted_loses_nothing(tmp_path):
     logs = [p.read_text() for p in (tmp_path / "work" / "chaos").glob("syncer-*.log")]
     assert "owns the run now" in out and any("restored run" in text for text in logs), tail
     assert res["left"] == {}, tail
+    assert proc.returncode == 0, tail
+
+
+@pytest.mark.timeout(420)
+def test_chaos_sparse_outer_mode_syncer_and_island_killed_loses_nothing(tmp_path):
+    """docs/design.md §4.10: `soak/chaos.py --outer sparseloco`: the syncer (restarted with --resume) and islands
+    SIGKILLed mid-merge, mid-broadcast, mid-push (a sparse push of several 1 KiB chunks) and in the final cut of a
+    sparse run. Nothing lost, nothing doubled, every island bitwise on the exported final cut, every merge sparse."""
+    out_json = tmp_path / "chaos.json"
+    # sized like the standby test above: a few kills, seed-scheduled a few rounds apart
+    cmd = [sys.executable, str(ROOT / "soak" / "chaos.py"), "--outer", "sparseloco", "--rounds", "24",
+           "--kills-per-kind", "1", "--kinds", "island-mid-push,syncer-mid-merge,syncer-mid-broadcast,syncer-final",
+           "--first-kill-after", "2", "--gap-min", "2", "--gap-max", "3", "--seed", "3", "--no-baseline",
+           "--quorum-timeout", "30", "--step-delay", "0.05", "--member-timeout", "90", "--progress-every", "30",
+           "--timeout", "330", "--workdir", str(tmp_path / "work"), "--json", str(out_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    m = LAST.match(last)
+    assert m, f"no summary line (rc {proc.returncode}):\n{out[-6000:]}"
+    n, kills, lost, double, final_equal, _ = m.groups()
+    res = json.loads(out_json.read_text())["chaos"]
+    tail = f"\n--- soak/chaos.py output (tail) ---\n{out[-8000:]}"
+    # the syncer and an island each died at least once mid-run, and each kill recovered
+    assert set(res["recovery"]) >= {"island-mid-push", "syncer-mid-merge", "syncer-mid-broadcast"}, tail
+    assert {k: v for k, v in res["recovery"].items() if any(x is None for x in v)} == {}, tail
+    assert int(kills) >= 3 and int(n) == 24, tail
+    assert (int(lost), int(double)) == (0, 0), (f"lost rounds {res['lost_rounds']}, doubled rounds {res['double_rounds']}, "
+                                                f"doubled versions {res['double_versions']}{tail}")
+    assert final_equal == "true", f"islands equal to the final cut: {res['islands_equal']}{tail}"
+    assert res["bad_apply"] == [] and res["crashes"] == [] and not res["timed_out"] and res["left"] == {}, tail
+    # the run was sparse from its first merge to its last, the resumed syncers' too (the pin survives --resume)
+    tape = [json.loads(line) for line in (tmp_path / "work" / "chaos" / "tape.jsonl").read_text().splitlines() if line]
+    merges = [r for r in tape if r.get("kind") == "merge"]
+    assert merges and all(r["detail"].get("outer_mode") == "sparseloco" for r in merges), tail
+    assert any(r["detail"].get("sparse_entries", 0) > 0 for r in merges), tail
     assert proc.returncode == 0, tail
