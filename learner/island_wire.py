@@ -41,6 +41,7 @@ from .island_ranks import RankOps
 from .pulls import PendingPull
 from .rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
 from .sparse_push import SparsePushes
+from .update_reader import UpdateReader
 
 log = logging.getLogger("yeto.island")
 
@@ -89,6 +90,7 @@ class IslandWire:
         # the sparse outer mode (the session's `outer`): pushes are error-feedback messages (learner/sparse_push.py)
         outer = OM.from_session(session)
         self.sparse = None if outer is None else SparsePushes(session, outer)
+        self.updates = UpdateReader.of(session, config.run)   # BCAST's sparse updates, applied on rank 0
         self.reader = CutReader(session)  # BCAST
         self.counters: Counter[str] = Counter()
         self.stats = WireStats()
@@ -158,6 +160,7 @@ class IslandWire:
                 try:
                     out = Counter(self.counters)
                     out.update({f"bcast.{k}": v for k, v in self.reader.counters.items()})
+                    out.update({f"bcast.update.{k}": v for k, v in (self.updates.counters if self.updates else {}).items()})
                     return out
                 except RuntimeError:   # the worker's reader added a key mid-copy: copy again
                     continue
@@ -179,7 +182,6 @@ class IslandWire:
             self._dirty.add(fid)
         self.mode = mode
 
-
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
     def read_broadcasts(self, complete: Callable[[int, int, str], None]) -> list[int]:
@@ -195,14 +197,16 @@ class IslandWire:
             if self.mode.staging.holds_other(fid):
                 continue   # rank 0 keeps one fragment's bytes for the ranks at a time (StageDeferred)
             examined: set[int] = set()
-            res = self._read_fragment(self.reader, "BCAST", fid, examined)
+            res = self._read_update(fid) if self.updates is not None else None
+            updated = res == "complete"   # it stays dirty: the next read looks for the update after it
+            res = res or self._read_fragment(self.reader, "BCAST", fid, examined)
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
             if res == "complete":
                 version, vdigest = self.reader.held[fid]
                 complete(fid, version, vdigest)
                 applied.append(fid)
-            if res == "restart":
+            if res == "restart" or updated:
                 continue  # read again at the next boundary (still dirty, its notices kept for the probe)
             # Whatever the reading did (waited at a chunk the version being read has not reached, was
             # refused at a bad chunk, completed), the chunks noticed that it did not look at are checked
@@ -213,6 +217,23 @@ class IslandWire:
             self._noticed.pop(fid, None)
             self._dirty.discard(fid)
         return applied
+
+    def _read_update(self, fid: int) -> str | None:
+        """The next version from its sparse update (learner/update_reader.py), staged whole like a full cut:
+        "complete", "transient", or None (none now; a refused one is counted, a full cut read instead)."""
+        try:
+            got = self.updates.read(fid, self.reader.held_version(fid), functools.partial(self.client.fetch_last, "BCAST"))
+        except TRANSIENT as exc:
+            log.warning("island %s: fetching the update of fragment %d: %r", self.config.island, fid, exc)
+            return "transient"
+        except WireError as exc:
+            return self._reject(f"bcast update of fragment {fid}", exc)
+        if got is not None:
+            self._bytes_in(got[3])
+            self._abort_staging(fid, self.reader)   # a full cut half-read: its staging is replaced
+            self._stage(fid, got[0], "f32", UpdateReader.chunks(got[2], self.reader.spans[fid]))
+            self.reader.hold(fid, got[0], got[1])
+            return "complete"
 
     def park(self, fid: int, version: int, digest: str) -> None:
         """The worker's `complete`: a version read whole waits in `ready` for the boundary to install it."""
@@ -227,6 +248,12 @@ class IslandWire:
         which version (what `_read_fragment` batches by). Also called between a reading's batches, so
         a version landing while it is read is fetched many chunks per request, not one by one."""
         for n in self.client.bcast.drain():
+            if n.meta.get("encoding") is not None:   # a sparse update's chunk (learner/update_reader.py)
+                try:
+                    self._dirty.update([n.fragment] if UpdateReader.notice(self.updates, n, self.session) else [])
+                except WireError as exc:
+                    self._reject(f"bcast update notice {n.subject}", exc)
+                continue
             try:
                 # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
                 # carries a version digest, so chunk digests tell a re-issued version apart.
@@ -348,6 +375,8 @@ class IslandWire:
                     if verdict in ("accept", "complete"):
                         staged[s.index] = data
                         version = meta["version"]
+                        if self.updates is not None and reader is self.reader:   # the mirror updates apply to
+                            self.updates.capture(fid, s, data, version if verdict == "complete" else None)
                         if verdict == "complete":
                             self._stage(fid, version, reader.dtype, staged)
                             return "complete"
@@ -504,7 +533,6 @@ class IslandWire:
             return
         if self.session["push_dtype"] == "q4":
             self._lead(ResidualOp(p.fragment, ok))
-
 
     # ---- the final cut -----------------------------------------------------------------------------
 

@@ -54,6 +54,23 @@ def update_subject(run: str, fragment: int, slot_: int, chunk: int) -> str:
     return f"{S.root(run)}.bcast.{fragment}.u{slot_}-{chunk}"
 
 
+def parse_update_token(token: str) -> tuple[int, int] | None:
+    """(slot, chunk) of an update subject's last token `u<slot>-<chunk>`, None for anything else."""
+    if not token.startswith("u") or token.count("-") != 1:
+        return None
+    a, b = token[1:].split("-")
+    if not (a.isdigit() and b.isdigit() and a.isascii() and b.isascii()):
+        return None
+    return int(a), int(b)
+
+
+def update_msg_id(fragment: int, version: int, chunk: int, resend: int | None = None) -> str:
+    """The Nats-Msg-Id of an update chunk (apart from the full cut's `bcast.F.V.C`; a re-issued version's
+    chunks go under its resend id, as a full cut's)."""
+    base = f"bcast.{fragment}.{version}.u{chunk}"
+    return base if resend is None else f"{base}.r{resend}"
+
+
 @dataclass(frozen=True)
 class UpdateHead:
     """What an update chunk's header claims: the version it makes and the version it applies to."""
@@ -89,10 +106,10 @@ def check_head(meta: Mapping, *, sparse: bool, bulk_dtype: str) -> UpdateHead | 
 
 
 def update_chunks(message, *, run: str, fragment: int, version: int, version_digest: str, chunk_bytes: int,
-                  full_every: int) -> list[tuple[str, memoryview, BcastChunk]]:
-    """(subject, payload, header) of every chunk of the update `message` that makes `version` from the one
-    before: byte chunks of at most `chunk_bytes`, the last sealed with `version_digest` (the full f32
-    params' digest after the update), on the subjects of the version's slot."""
+                  full_every: int, resend: int | None = None) -> list[tuple[str, str, memoryview, BcastChunk]]:
+    """(subject, Nats-Msg-Id, payload, header) of every chunk of the update `message` that makes `version`
+    from the one before: byte chunks of at most `chunk_bytes`, the last sealed with `version_digest` (the
+    full f32 params' digest after the update), on the subjects of the version's slot."""
     buf = memoryview(message).cast("B")
     spans = byte_plan(buf.nbytes, chunk_bytes)
     out = []
@@ -100,7 +117,8 @@ def update_chunks(message, *, run: str, fragment: int, version: int, version_dig
         payload = buf[s.byte_offset: s.byte_offset + s.nbytes]
         meta = cut_chunk(spans, s.index, payload, run=run, fragment=fragment, version=version, dtype="f32",
                          version_digest=version_digest, base_version=version - 1)
-        out.append((update_subject(run, fragment, slot(version, full_every), s.index), payload, meta))
+        out.append((update_subject(run, fragment, slot(version, full_every), s.index),
+                    update_msg_id(fragment, version, s.index, resend), payload, meta))
     return out
 
 
@@ -150,4 +168,4 @@ def plan(held: int | None, newest: int, full_at: int | None, full_every: int) ->
 
 
 __all__ = ["ENCODING", "UpdateHead", "check_head", "decide", "plan", "sends_full", "sends_update", "slot",
-           "apply_update", "update_chunks", "update_subject"]
+           "apply_update", "parse_update_token", "update_chunks", "update_msg_id", "update_subject"]

@@ -139,9 +139,9 @@ def test_update_chunks_are_byte_chunks_on_the_slot_subjects_sealed_with_the_full
     msg = encode_update(random_steps(frag, 8), SM.shapes(frag), OUTER.spec)
     out = SB.update_chunks(msg, run="r", fragment=0, version=6, version_digest="b" * 64, chunk_bytes=256,
                            full_every=OUTER.full_every)
-    assert len(out) > 1 and b"".join(bytes(p) for _, p, _ in out) == msg
-    for i, (subject, payload, meta) in enumerate(out):
-        assert subject == f"yeto.r.bcast.0.u2-{i}"
+    assert len(out) > 1 and b"".join(bytes(p) for _, _, p, _ in out) == msg
+    for i, (subject, msg_id, payload, meta) in enumerate(out):
+        assert subject == f"yeto.r.bcast.0.u2-{i}" and msg_id == f"bcast.0.6.u{i}"
         wire = codec.decode_header("bcast_chunk", meta.header())
         assert (wire["encoding"], wire["base_version"], wire["version"]) == ("sparse-update", 5, 6)
         assert ("version_digest" in wire) == (i == len(out) - 1)
