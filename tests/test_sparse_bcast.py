@@ -215,3 +215,80 @@ def test_bcast_bytes_per_round_dense_vs_sparse(capsys):
               f"sparse update {sparse:,} ({100 * sparse / dense:.2f} %); with a full cut every 16 versions "
               f"{dense / 16 + sparse:,.0f} a round on average")
     assert sparse < dense / 20
+
+
+def test_the_cut_watcher_takes_update_chunks_on_their_slot_subjects_only():
+    """learner/cut_notices.py: an update chunk's notice is taken on bcast.F.u<slot>-<chunk> (any slot: the
+    reader fetches the slot it computes), refused on a full cut's subject or another chunk's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from yeto.learner.cut_notices import notice_callback
+    from yeto.learner.inbox import CutInbox
+
+    s = session(chunk_bytes=256)
+    frag = s["fragments"][0]
+    msg = encode_update(random_steps(frag, 8), SM.shapes(frag), OUTER.spec)
+    chunks = SB.update_chunks(msg, run="r", fragment=0, version=6, version_digest="b" * 64, chunk_bytes=256,
+                              full_every=OUTER.full_every)
+    inbox, rejected = CutInbox(), []
+    cb = notice_callback("bcast_chunk", "r", inbox, lambda what, exc: rejected.append(exc.field))
+    _, _, payload, meta = chunks[1]
+    for subject in ("yeto.r.bcast.0.u2-1", "yeto.r.bcast.0.1", "yeto.r.bcast.0.u2-0", "yeto.r.bcast.1.u2-1",
+                    "yeto.r.bcast.0.u2x1"):
+        asyncio.run(cb(SimpleNamespace(subject=subject, headers={codec.CHUNK_HEADER: meta.header()}, data=payload)))
+    got = inbox.drain()
+    assert [n.subject for n in got] == ["yeto.r.bcast.0.u2-1"] and got[0].meta["encoding"] == "sparse-update"
+    assert rejected == ["subject"] * 4
+    assert SB.parse_update_token("u2-1") == (2, 1) and SB.parse_update_token("3") is None
+    assert SB.parse_update_token("u-1") is None and SB.parse_update_token("u1-2-3") is None
+
+
+def test_the_update_reader_applies_only_on_its_mirror_of_the_base_and_reads_a_refused_update_never_again():
+    """learner/update_reader.py without a broker: the decision rules as the island applies them."""
+    from types import SimpleNamespace
+
+    from yeto.learner.update_reader import UpdateReader
+
+    s = session(chunk_bytes=256)
+    frag = s["fragments"][0]
+    ur = UpdateReader.of(s, "r")
+    assert ur is not None and UpdateReader.of({**s, "bulk_dtype": "bf16"}, "r") is None
+    assert UpdateReader.of({k: v for k, v in s.items() if k != "outer"}, "r") is None
+    base = torch.randn(frag["numel"], generator=torch.Generator().manual_seed(7))
+    steps = random_steps(frag, 8)
+    new = base.clone()
+    SM.FragmentStep(torch.cat([t.indices + int(f["offset"]) for t, f in zip(steps, frag["tensors"])]),
+                    torch.cat([t.values for t in steps])).apply(new, 0)
+    vd = VersionDigest().update(new).hexdigest()
+    msg = encode_update(steps, SM.shapes(frag), OUTER.spec)
+    chunks = SB.update_chunks(msg, run="r", fragment=0, version=4, version_digest=vd, chunk_bytes=256,
+                              full_every=OUTER.full_every)
+    store = {subj: SimpleNamespace(headers={codec.CHUNK_HEADER: meta.header()}, data=bytes(p))
+             for subj, _, p, meta in chunks}
+    seal = codec.decode_header("bcast_chunk", chunks[-1][3].header())
+    assert not ur.note(0, codec.decode_header("bcast_chunk", chunks[0][3].header()))   # not the seal
+    assert ur.note(0, seal)
+    fetch = lambda subjects: [store.get(x) for x in subjects]   # noqa: E731
+    assert ur.read(0, 3, fetch) is None               # a joiner: no mirror (it reads a full cut)
+    for sp in chunk_plan(frag["numel"], "f32", 256):  # a full cut of version 2 read: the mirror is at 2
+        ur.capture(0, sp, base[sp.elem_offset: sp.elem_offset + sp.elem_count].numpy().tobytes(),
+                   2 if sp.index == len(chunk_plan(frag["numel"], "f32", 256)) - 1 else None)
+    assert ur.mirror[0][0] == 2 and ur.read(0, 2, fetch) is None   # held 2: v4's update is not the next one
+    ur.mirror[0] = (3, base.clone())                  # held 3 (as if v3 were applied on this mirror)
+    got = ur.read(0, 3, fetch)
+    assert got[0] == 4 and got[1] == vd and torch.equal(got[2], new) and ur.mirror[0][0] == 4
+    # a chunk overwritten by a newer version: not all of v4 is there, read again later
+    ur.mirror[0] = (3, base.clone())
+    ur.note(0, seal)
+    newer = SB.update_chunks(msg, run="r", fragment=0, version=8, version_digest=vd, chunk_bytes=256,
+                             full_every=OUTER.full_every)
+    store2 = dict(store)
+    store2[chunks[0][0]] = SimpleNamespace(headers={codec.CHUNK_HEADER: newer[0][3].header()}, data=bytes(newer[0][2]))
+    assert ur.read(0, 3, lambda subjects: [store2.get(x) for x in subjects]) is None
+    # a refused update (an anchor that is not the base: the seal does not match) is never read again
+    ur.mirror[0] = (3, base + 1)
+    with pytest.raises(DigestMismatch):
+        ur.read(0, 3, fetch)
+    assert ur.mirror[0][0] == 3 and ur.counters["refused"] == 1
+    assert not ur.note(0, seal) and ur.read(0, 3, fetch) is None
