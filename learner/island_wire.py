@@ -198,8 +198,8 @@ class IslandWire:
                 continue   # rank 0 keeps one fragment's bytes for the ranks at a time (StageDeferred)
             examined: set[int] = set()
             res = self._read_update(fid) if self.updates is not None else None
-            updated = res == "complete"   # it stays dirty: the next read looks for the update after it
             res = res or self._read_fragment(self.reader, "BCAST", fid, examined)
+            updated = res == "complete" and self.updates is not None   # stays dirty: the next read looks for the update after it
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
             if res == "complete":

@@ -123,3 +123,29 @@ async def test_a_dense_run_refuses_update_chunks_naming_encoding(island_env):
     await until(lambda: len(island.client.bcast) >= n, what="update notices")
     assert await boundary(island)
     assert island.state.version(1) == 0 and island.counters["rejected.invalid"] == n, island.counters
+
+
+async def test_a_joiner_reads_the_full_cut_then_the_updates_kept_after_it(island_env):
+    """The island starts after version 0's full cut and the updates of versions 1 and 2 are on BCAST (the
+    watcher announces the newest message of every subject): it installs the full cut, then each update in
+    turn at the next boundaries, without a new notice, ending on the syncer's v2 bit for bit."""
+    island, session, syncer = island_env(net())
+    session = OM.pin(session, OUTER)
+    syncer.session = session
+    fid, frag = 1, session["fragments"][1]
+    spec = OM.parse_pin(OUTER).spec
+    v = [syncer.values(fid, 2)]
+    await syncer.bcast(0, 0, syncer.values(0, 1))
+    await syncer.bcast(fid, 0, v[0])
+    n = 1 + syncer.bcast_chunks(fid)
+    for version in (1, 2):
+        steps = step_of(frag, 10 + version)
+        v.append(stepped(frag, v[-1], steps))
+        n += await publish_update(syncer.js, syncer.run, session, fid, version, encode_update(steps, SM.shapes(frag), spec),
+                             version_digest(pack(v[-1], "f32")))
+    await started(island_env, island, session)
+    await until(lambda: len(island.client.bcast) >= n, what="notices")
+    for _ in range(4):
+        assert await boundary(island)
+    assert island.state.version(fid) == 2 and torch.equal(anchor_flat(island, fid), v[2])
+    assert island.counters["bcast.update.applied"] == 2
