@@ -87,8 +87,7 @@ class IslandWire:
         self.client, self.config, self.session, self.gen, self.ops = client, config, session, gen, ops
         self._lead = lead
         self.frags = {f["id"]: f for f in session["fragments"]}
-        # the sparse outer mode (the session's `outer`): pushes are error-feedback messages (learner/sparse_push.py)
-        outer = OM.from_session(session)
+        outer = OM.from_session(session)   # sparse outer mode: pushes are error-feedback messages (sparse_push.py)
         self.sparse = None if outer is None else SparsePushes(session, outer)
         self.updates = UpdateReader.of(session, config.run)   # BCAST's sparse updates, applied on rank 0
         self.reader = CutReader(session)  # BCAST
@@ -199,6 +198,7 @@ class IslandWire:
             examined: set[int] = set()
             res = self._read_update(fid) if self.updates is not None else None
             res = res or self._read_fragment(self.reader, "BCAST", fid, examined)
+            res = (self._read_update(fid) or "restart") if res == "update" else res
             updated = res == "complete" and self.updates is not None   # stays dirty: the next read looks for the update after it
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
@@ -219,8 +219,7 @@ class IslandWire:
         return applied
 
     def _read_update(self, fid: int) -> str | None:
-        """The next version from its sparse update (learner/update_reader.py), staged whole like a full cut:
-        "complete", "transient", or None (none now; a refused one is counted, a full cut read instead)."""
+        """The next version from its update (learner/update_reader.py), staged whole: "complete", "transient", None."""
         try:
             got = self.updates.read(fid, self.reader.held_version(fid), functools.partial(self.client.fetch_last, "BCAST"))
         except TRANSIENT as exc:
@@ -311,7 +310,8 @@ class IslandWire:
     def _read_fragment(self, reader: CutReader, kind: str, fid: int, examined: set[int] | None = None) -> str:
         """Fetch the fragment's next chunks in order (bounded batches) and stage them on the ranks.
         Returns "complete" (staged whole, digest verified: commit it), "wait", "restart" (newer
-        versions kept overwriting it), "failed" (a bad chunk: that version is dropped) or
+        versions kept overwriting it), "update" (its sparse update can be applied instead: the reading
+        dropped), "failed" (a bad chunk: that version is dropped) or
         "transient" (a fetch failed: later). `examined` collects the chunks handed to the reader
         (the others noticed are probed, see _probe)."""
         header = "bcast_chunk" if kind == "BCAST" else "final_chunk"
@@ -322,6 +322,8 @@ class IslandWire:
             while True:
                 if kind == "BCAST":
                     self._take_notices()  # the chunks that landed since the last batch join the next one
+                    if self.updates is not None and self.updates.next_update(fid, reader.held_version(fid)):
+                        return self._abort_staging(fid, reader) or "update"   # its update sealed meanwhile: cheaper
                 landed = self._landed.get(fid, {}) if kind == "BCAST" else {}
                 rd = reader.reading(fid)
                 # A cut-through broadcast lands chunk by chunk while the syncer merges: past the next chunk,

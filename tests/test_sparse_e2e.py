@@ -104,13 +104,14 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
         saved = load_file(str(isl.out))
         assert all(torch.equal(saved[n], final[n]) for n in final), name
     # the islands took the versions after 0 from BCAST's update messages (schemas/sparse_bcast.py), none
-    # refused, and still hold the final cut bit for bit (above); the last round's version may come as the
-    # final cut first (the island stops reading BCAST once the manifest is there)
+    # refused, and still hold the final cut bit for bit (above): at least the odd versions, which go out as
+    # updates only (an even one may be read as its full cut when that lands first, and the last one may
+    # come as the final cut; measured: all 8 from updates in most runs)
     dense = sum(f["numel"] for f in session["fragments"]) * 4 / P   # a full f32 cut of a round's fragment
     for name, isl in islands.items():
         c = result_counters(isl)
         n = c.get("bcast.update.applied", 0)
-        assert n >= ROUNDS - 1 and not c.get("bcast.update.refused") and not c.get("rejected"), (name, c)
+        assert n >= ROUNDS // 2 and not c.get("bcast.update.refused") and not c.get("rejected"), (name, c)
         print(f"\nisland {name}: {n} versions from update messages; BCAST bytes per round, dense {dense:,.0f} "
               f"(a full f32 cut), sparse {c['bcast.update.bytes'] / n:,.0f} (an update message, "
               f"{c['bcast.update.bytes'] / n / dense:.1%})")
