@@ -292,3 +292,35 @@ def test_the_update_reader_applies_only_on_its_mirror_of_the_base_and_reads_a_re
         ur.read(0, 3, fetch)
     assert ur.mirror[0][0] == 3 and ur.counters["refused"] == 1
     assert not ur.note(0, seal) and ur.read(0, 3, fetch) is None
+
+
+def test_the_syncer_sends_the_merge_step_as_its_update_and_a_full_cut_only_where_needed():
+    """services/syncer: the merge's step as an update message (`FragmentStep.update_message`) applied to the
+    base gives the merge's params bit for bit; `CutPublisher.needs_full` (version 0, every `full_every`-th,
+    any version not sent as an update, any dense run)."""
+    from collections import Counter
+
+    from yeto.services.syncer.cut import CutPublisher
+    from yeto.services.syncer.model_store import ModelStore
+
+    s = session(chunk_bytes=1024)
+    frag = s["fragments"][0]
+    steps = random_steps(frag, 8, seed=5)
+    fs = SM.FragmentStep(torch.cat([t.indices + int(f["offset"]) for t, f in zip(steps, frag["tensors"])]),
+                         torch.cat([t.values for t in steps]))
+    base = torch.randn(frag["numel"], generator=torch.Generator().manual_seed(6))
+    params = base.clone()
+    for sp in chunk_plan(frag["numel"], "f32", 1024):   # span by span, as the merge loop steps
+        fs.apply(params[sp.elem_offset: sp.elem_offset + sp.elem_count], sp.elem_offset)
+    msg = fs.update_message(frag, OUTER)
+    assert msg == encode_update(steps, SM.shapes(frag), OUTER.spec)
+    assert torch.equal(SB.apply_update(base, msg, frag, OUTER.spec, VersionDigest().update(params).hexdigest()), params)
+
+    model = ModelStore(None, "r", Counter(), None)
+    model.set_session(s)
+    pub = CutPublisher(None, "r", Counter(), model, None)
+    assert [v for v in range(1, 10) if pub.needs_full(v, True)] == [4, 8]
+    assert all(pub.needs_full(v, False) for v in range(10))
+    model.set_session({k: v for k, v in s.items() if k != "outer"})
+    assert all(pub.needs_full(v, True) for v in range(10))
+    assert SB.update_msg_id(1, 4, 2) == "bcast.1.4.u2" and SB.update_msg_id(1, 4, 2, 77) == "bcast.1.4.u2.r77"
