@@ -95,9 +95,9 @@ class UpdateReader:
         return [SB.update_subject(self.run, fid, slot, i) for i in range(chunks)]
 
     def assemble(self, fid: int, version: int, vdigest: str, msgs: list) -> bytes | None:
-        """The update message from its fetched chunk messages (None where a subject holds another version:
-        not all landed, or overwritten by a newer one; read again at a later notice). WireError naming the
-        field for a chunk that does not check."""
+        """The update message from its fetched chunk messages (None where a subject holds no message or
+        another version: the seal goes out last, so the update was overwritten by a newer one in its slot,
+        or purged). WireError naming the field for a chunk that does not check."""
         parts, spans = [], None
         for i, m in enumerate(msgs):
             if m is None:
@@ -142,7 +142,9 @@ class UpdateReader:
         msgs = fetch(self.subjects(fid, version, chunks))
         try:
             message = self.assemble(fid, version, vd, msgs)
-            if message is None:
+            if message is None:   # its seal was there, so the update is gone (a newer one took the slot): a full cut
+                self.seals.get(fid, {}).pop(version, None)
+                self.counters["gone"] += 1
                 return None
             new = self.apply(fid, version, vd, message)
             self.counters["bytes"] += len(message)

@@ -278,14 +278,16 @@ def test_the_update_reader_applies_only_on_its_mirror_of_the_base_and_reads_a_re
     ur.mirror[0] = (3, base.clone())                  # held 3 (as if v3 were applied on this mirror)
     got = ur.read(0, 3, fetch)
     assert got[0] == 4 and got[1] == vd and torch.equal(got[2], new) and ur.mirror[0][0] == 4
-    # a chunk overwritten by a newer version: not all of v4 is there, read again later
+    # a chunk overwritten by a newer version in the slot: v4's update is gone, the island reads a full cut
     ur.mirror[0] = (3, base.clone())
-    ur.note(0, seal)
+    assert ur.note(0, seal)
     newer = SB.update_chunks(msg, run="r", fragment=0, version=8, version_digest=vd, chunk_bytes=256,
                              full_every=OUTER.full_every)
     store2 = dict(store)
     store2[chunks[0][0]] = SimpleNamespace(headers={codec.CHUNK_HEADER: newer[0][3].header()}, data=bytes(newer[0][2]))
     assert ur.read(0, 3, lambda subjects: [store2.get(x) for x in subjects]) is None
+    assert ur.next_update(0, 3) is None and ur.counters["gone"] == 1
+    assert ur.note(0, seal)   # announced again (a re-send): read again
     # a refused update (an anchor that is not the base: the seal does not match) is never read again
     ur.mirror[0] = (3, base + 1)
     with pytest.raises(DigestMismatch):
