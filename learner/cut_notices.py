@@ -13,6 +13,7 @@ from typing import Callable
 
 from yeto.schemas import codec
 from yeto.schemas import provision as P
+from yeto.schemas import sparse_bcast as SB
 from yeto.schemas import subjects as S
 from yeto.schemas.errors import DecodeError, WireError
 from yeto.schemas.messages import BcastChunk, FinalChunk
@@ -104,7 +105,13 @@ def notice_callback(kind: str, run: str, inbox: CutInbox, reject: Callable[[str,
             toks = S.parse(run, msg.subject)
             if meta.run != run:
                 raise WireError("chunk names another run", field="run", value=meta.run)
-            if toks != (prefix, str(meta.fragment), str(meta.chunk)):
+            # a sparse update's chunk (schemas/sparse_bcast.py) lives on bcast.F.u<slot>-<chunk>
+            if kind == "bcast_chunk" and meta.encoding is not None:
+                tok = SB.parse_update_token(toks[2]) if len(toks) == 3 else None
+                ok = tuple(toks[:2]) == (prefix, str(meta.fragment)) and tok is not None and tok[1] == meta.chunk
+            else:
+                ok = toks == (prefix, str(meta.fragment), str(meta.chunk))
+            if not ok:
                 raise WireError("chunk header does not match its subject", field="subject", value=msg.subject)
             size = int((msg.headers or {}).get("Nats-Msg-Size", meta.nbytes))
             if size != meta.nbytes:

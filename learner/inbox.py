@@ -72,7 +72,7 @@ class Inbox:
 
 
 class CutInbox:
-    """The newest notice per chunk subject (fragment, chunk), for BCAST / FINAL.
+    """The newest notice per chunk subject, for BCAST / FINAL.
 
     A chunk subject holds one message, so an older notice of the same subject is obsolete: keeping
     only the newest bounds the inbox by the number of chunks of the model, however many versions
@@ -81,12 +81,12 @@ class CutInbox:
     claiming version 10^4 must not hide the real chunk that overwrote it."""
 
     def __init__(self, arrivals: Arrivals | None = None) -> None:
-        self._d: dict[tuple[int, int], ChunkNotice] = {}
+        self._d: dict[str, ChunkNotice] = {}
         self._lock = threading.Lock()
         self._arrivals = arrivals
 
     def put(self, n: ChunkNotice) -> None:
-        key = (n.fragment, n.chunk)
+        key = n.subject   # one per chunk subject: a full cut's (fragment, chunk), or a sparse update's slot chunk
         with self._lock:
             self._d[key] = n
         if self._arrivals is not None:

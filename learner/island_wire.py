@@ -41,6 +41,7 @@ from .island_ranks import RankOps
 from .pulls import PendingPull
 from .rank_ops import CommitOp, ExportOp, ResidualOp, StageOp
 from .sparse_push import SparsePushes
+from .update_reader import UpdateReader
 
 log = logging.getLogger("yeto.island")
 
@@ -86,9 +87,9 @@ class IslandWire:
         self.client, self.config, self.session, self.gen, self.ops = client, config, session, gen, ops
         self._lead = lead
         self.frags = {f["id"]: f for f in session["fragments"]}
-        # the sparse outer mode (the session's `outer`): pushes are error-feedback messages (learner/sparse_push.py)
-        outer = OM.from_session(session)
+        outer = OM.from_session(session)   # sparse outer mode: pushes are error-feedback messages (sparse_push.py)
         self.sparse = None if outer is None else SparsePushes(session, outer)
+        self.updates = UpdateReader.of(session, config.run)   # BCAST's sparse updates, applied on rank 0
         self.reader = CutReader(session)  # BCAST
         self.counters: Counter[str] = Counter()
         self.stats = WireStats()
@@ -158,6 +159,7 @@ class IslandWire:
                 try:
                     out = Counter(self.counters)
                     out.update({f"bcast.{k}": v for k, v in self.reader.counters.items()})
+                    out.update({f"bcast.update.{k}": v for k, v in (self.updates.counters if self.updates else {}).items()})
                     return out
                 except RuntimeError:   # the worker's reader added a key mid-copy: copy again
                     continue
@@ -179,7 +181,6 @@ class IslandWire:
             self._dirty.add(fid)
         self.mode = mode
 
-
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
     def read_broadcasts(self, complete: Callable[[int, int, str], None]) -> list[int]:
@@ -195,14 +196,17 @@ class IslandWire:
             if self.mode.staging.holds_other(fid):
                 continue   # rank 0 keeps one fragment's bytes for the ranks at a time (StageDeferred)
             examined: set[int] = set()
-            res = self._read_fragment(self.reader, "BCAST", fid, examined)
+            res = self._read_update(fid) if self.updates is not None else None
+            res = res or self._read_fragment(self.reader, "BCAST", fid, examined)
+            res = (self._read_update(fid) or "restart") if res == "update" else res
+            updated = res == "complete" and self.updates is not None   # stays dirty: the next read looks for the update after it
             if res == "transient":
                 break  # the rest waits for the next boundary (still dirty)
             if res == "complete":
                 version, vdigest = self.reader.held[fid]
                 complete(fid, version, vdigest)
                 applied.append(fid)
-            if res == "restart":
+            if res == "restart" or updated:
                 continue  # read again at the next boundary (still dirty, its notices kept for the probe)
             # Whatever the reading did (waited at a chunk the version being read has not reached, was
             # refused at a bad chunk, completed), the chunks noticed that it did not look at are checked
@@ -213,6 +217,22 @@ class IslandWire:
             self._noticed.pop(fid, None)
             self._dirty.discard(fid)
         return applied
+
+    def _read_update(self, fid: int) -> str | None:
+        """The next version from its update (learner/update_reader.py), staged whole: "complete", "transient", None."""
+        try:
+            got = self.updates.read(fid, self.reader.held_version(fid), functools.partial(self.client.fetch_last, "BCAST"))
+        except TRANSIENT as exc:
+            log.warning("island %s: fetching the update of fragment %d: %r", self.config.island, fid, exc)
+            return "transient"
+        except WireError as exc:
+            return self._reject(f"bcast update of fragment {fid}", exc)
+        if got is not None:
+            self._bytes_in(got[3])
+            self._abort_staging(fid, self.reader)   # a full cut half-read: its staging is replaced
+            self._stage(fid, got[0], "f32", UpdateReader.chunks(got[2], self.reader.spans[fid]))
+            self.reader.hold(fid, got[0], got[1])
+            return "complete"
 
     def park(self, fid: int, version: int, digest: str) -> None:
         """The worker's `complete`: a version read whole waits in `ready` for the boundary to install it."""
@@ -227,6 +247,12 @@ class IslandWire:
         which version (what `_read_fragment` batches by). Also called between a reading's batches, so
         a version landing while it is read is fetched many chunks per request, not one by one."""
         for n in self.client.bcast.drain():
+            if n.meta.get("encoding") is not None:   # a sparse update's chunk (learner/update_reader.py)
+                try:
+                    self._dirty.update([n.fragment] if UpdateReader.notice(self.updates, n, self.session) else [])
+                except WireError as exc:
+                    self._reject(f"bcast update notice {n.subject}", exc)
+                continue
             try:
                 # A reading is (version, chunk 0's chunk digest): only the last chunk (the seal)
                 # carries a version digest, so chunk digests tell a re-issued version apart.
@@ -284,7 +310,8 @@ class IslandWire:
     def _read_fragment(self, reader: CutReader, kind: str, fid: int, examined: set[int] | None = None) -> str:
         """Fetch the fragment's next chunks in order (bounded batches) and stage them on the ranks.
         Returns "complete" (staged whole, digest verified: commit it), "wait", "restart" (newer
-        versions kept overwriting it), "failed" (a bad chunk: that version is dropped) or
+        versions kept overwriting it), "update" (its sparse update can be applied instead: the reading
+        dropped), "failed" (a bad chunk: that version is dropped) or
         "transient" (a fetch failed: later). `examined` collects the chunks handed to the reader
         (the others noticed are probed, see _probe)."""
         header = "bcast_chunk" if kind == "BCAST" else "final_chunk"
@@ -295,6 +322,8 @@ class IslandWire:
             while True:
                 if kind == "BCAST":
                     self._take_notices()  # the chunks that landed since the last batch join the next one
+                    if self.updates is not None and self.updates.next_update(fid, reader.held_version(fid)):
+                        return self._abort_staging(fid, reader) or "update"   # its update sealed meanwhile: cheaper
                 landed = self._landed.get(fid, {}) if kind == "BCAST" else {}
                 rd = reader.reading(fid)
                 # A cut-through broadcast lands chunk by chunk while the syncer merges: past the next chunk,
@@ -348,6 +377,8 @@ class IslandWire:
                     if verdict in ("accept", "complete"):
                         staged[s.index] = data
                         version = meta["version"]
+                        if self.updates is not None and reader is self.reader:   # the mirror updates apply to
+                            self.updates.capture(fid, s, data, version if verdict == "complete" else None)
                         if verdict == "complete":
                             self._stage(fid, version, reader.dtype, staged)
                             return "complete"
@@ -504,7 +535,6 @@ class IslandWire:
             return
         if self.session["push_dtype"] == "q4":
             self._lead(ResidualOp(p.fragment, ok))
-
 
     # ---- the final cut -----------------------------------------------------------------------------
 

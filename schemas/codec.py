@@ -282,6 +282,16 @@ def _check_chunk(kind: str, m: dict) -> None:
         if not last and seal in m:
             raise _fail(kind, seal, m[seal], f"belongs on the last chunk only (this is chunk {chunk} of {chunks})",
                         "last_chunk_only")
+    if kind == "bcast_chunk" and ("encoding" in m or "base_version" in m):
+        # A sparse update (schemas/sparse_bcast.py): the step from base_version, which must be the version before.
+        if "encoding" not in m:
+            raise _fail(kind, "base_version", m["base_version"], "belongs to an update chunk only (no encoding)",
+                        "update_fields")
+        if "base_version" not in m:
+            raise _fail(kind, "base_version", None, f"is required with encoding {m['encoding']!r}", "update_fields")
+        if m["base_version"] != m["version"] - 1:
+            raise _fail(kind, "base_version", m["base_version"],
+                        f"must be the version before ({m['version'] - 1}): an update is one step", "update_base")
 
 
 def _check_session(kind: str, m: dict) -> None:

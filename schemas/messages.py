@@ -333,6 +333,8 @@ class BcastChunk(Chunk):
     total: int
     digest: str
     version_digest: str | None = None
+    encoding: str | None = None       # "sparse-update": the payload is an update message (schemas/sparse_bcast.py)
+    base_version: int | None = None   # with encoding: the version it applies to (version - 1)
 
 
 @dataclass(frozen=True)
@@ -390,16 +392,20 @@ def init_chunk(spans: Sequence, index: int, payload: Any, *, run: str, island: s
 
 
 def cut_chunk(spans: Sequence, index: int, payload: Any, *, run: str, fragment: int, version: int, dtype: str,
-              version_digest: str | None, final_step: int | None = None) -> BcastChunk | FinalChunk:
+              version_digest: str | None, final_step: int | None = None,
+              base_version: int | None = None) -> BcastChunk | FinalChunk:
     """The header of one BCAST chunk, or with `final_step` one FINAL chunk. BCAST seals the version with its
     digest on the last chunk only, so the other chunks can go out before the whole version is merged and
-    durable (cut-through); FINAL carries it on every chunk."""
+    durable (cut-through); FINAL carries it on every chunk. `base_version`: a chunk of a sparse update
+    message from that version (schemas/sparse_bcast.py), `encoding` sparse-update."""
     framing = chunk_header(spans, index, payload)
     if final_step is not None:
         return FinalChunk(run=run, fragment=fragment, version=version, dtype=dtype, **framing,
                           version_digest=version_digest, final_step=final_step)
     seal = version_digest if index == len(spans) - 1 else None
-    return BcastChunk(run=run, fragment=fragment, version=version, dtype=dtype, **framing, version_digest=seal)
+    update = {} if base_version is None else {"encoding": "sparse-update", "base_version": base_version}
+    return BcastChunk(run=run, fragment=fragment, version=version, dtype=dtype, **framing, version_digest=seal,
+                      **update)
 
 
 def read_chunk(cls: type[M], headers: Mapping | None, run: str) -> M:

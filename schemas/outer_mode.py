@@ -2,13 +2,14 @@
 
 Owns the optional `outer` object of the session record (schemas/json/session.schema.json): absent = the
 dense DiLoCo outer step (every pin written before this field existed); present = `{"mode": "sparseloco",
-tile, k, chunk_1d, k_1d, value_bits, beta}`, the compression spec (schemas/sparse_chunks.SparseSpec) and
-the islands' error-feedback decay. The outer lr stays the syncer's (`--outer-lr`, runtime settings).
+tile, k, chunk_1d, k_1d, value_bits, beta[, full_every]}`, the compression spec (schemas/sparse_chunks.SparseSpec),
+the islands' error-feedback decay and how often BCAST carries a full cut (schemas/sparse_bcast.py). The outer lr stays the syncer's (`--outer-lr`, runtime settings).
 `check_outer` turns `yeto syncer`'s flags into that object (ConfigError naming the flag and the value);
 `from_session` reads it back (a pinned object that does not check is a WireError naming the field);
 `pin` adds it to a session record and folds it into the session fingerprint, so a resume or a shard with
 another mode is refused as another session.
-Invariant: dense pins stay byte for byte as before (no key, the same fingerprint).
+Invariant: dense pins stay byte for byte as before (no key, the same fingerprint); so do sparse pins at the
+default `full_every` (the key is written only when it is not the default).
 """
 from __future__ import annotations
 
@@ -27,19 +28,27 @@ MODES = (DENSE, SPARSE)
 SPEC_FIELDS = ("tile", "k", "chunk_1d", "k_1d", "value_bits")
 # The `yeto syncer` flag of each pinned field (what an operator's error names).
 FLAGS = {"tile": "--sparse-tile", "k": "--sparse-k", "chunk_1d": "--sparse-chunk-1d", "k_1d": "--sparse-k-1d",
-         "value_bits": "--sparse-value-bits", "beta": "--sparse-beta"}
+         "value_bits": "--sparse-value-bits", "beta": "--sparse-beta", "full_every": "--sparse-full-every"}
 DEFAULT_BETA = 0.95
+# A full cut on BCAST every so many versions (schemas/sparse_bcast.py); the others go out as update messages.
+DEFAULT_FULL_EVERY = 16
+MAX_FULL_EVERY = 4096
 
 
 @dataclass(frozen=True)
 class SparseOuter:
-    """A sparse run's pinned settings: the compression spec and the error-feedback decay β."""
+    """A sparse run's pinned settings: the compression spec, the error-feedback decay β and the period of
+    BCAST's full cuts (`full_every` versions)."""
 
     spec: SparseSpec
     beta: float
+    full_every: int = DEFAULT_FULL_EVERY
 
     def to_pin(self) -> dict:
-        return {"mode": SPARSE, **{f: getattr(self.spec, f) for f in SPEC_FIELDS}, "beta": self.beta}
+        pin = {"mode": SPARSE, **{f: getattr(self.spec, f) for f in SPEC_FIELDS}, "beta": self.beta}
+        if self.full_every != DEFAULT_FULL_EVERY:
+            pin["full_every"] = self.full_every
+        return pin
 
 
 def _message(exc: ConfigError) -> str:
@@ -62,17 +71,22 @@ def _build(fields: Mapping[str, Any], name_of) -> SparseOuter:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) \
             or not 0.0 <= beta <= 1.0:
         raise ConfigError("must be a number in [0, 1]", field=name_of("beta"), value=beta)
-    return SparseOuter(spec, float(beta))
+    every = fields.get("full_every", DEFAULT_FULL_EVERY)
+    if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_FULL_EVERY:
+        raise ConfigError(f"must be an integer in [1, {MAX_FULL_EVERY}]", field=name_of("full_every"), value=every)
+    return SparseOuter(spec, float(beta), every)
 
 
 def check_outer(mode: str, *, tile: int = 64, k: int = 64, chunk_1d: int = 64, k_1d: int = 64,
-                value_bits: int = 2, beta: float = DEFAULT_BETA) -> dict | None:
+                value_bits: int = 2, beta: float = DEFAULT_BETA,
+                full_every: int = DEFAULT_FULL_EVERY) -> dict | None:
     """`yeto syncer --outer MODE` and its `--sparse-*` flags -> the pin's `outer` object (None: dense)."""
     if mode not in MODES:
         raise ConfigError(f"must be one of {', '.join(MODES)}", field="--outer", value=mode)
     if mode == DENSE:
         return None
-    return _build(dict(tile=tile, k=k, chunk_1d=chunk_1d, k_1d=k_1d, value_bits=value_bits, beta=beta),
+    return _build(dict(tile=tile, k=k, chunk_1d=chunk_1d, k_1d=k_1d, value_bits=value_bits, beta=beta,
+                       full_every=full_every),
                   FLAGS.__getitem__).to_pin()
 
 
@@ -103,4 +117,4 @@ def pin(session: dict, outer: Mapping | None) -> dict:
     return {**session, "outer": dict(outer), "session_fingerprint": hashlib.sha256(body.encode()).hexdigest()}
 
 
-__all__ = ["DENSE", "FLAGS", "MODES", "SPARSE", "SparseOuter", "check_outer", "from_session", "parse_pin", "pin"]
+__all__ = ["DEFAULT_FULL_EVERY", "DENSE", "FLAGS", "MAX_FULL_EVERY", "MODES", "SPARSE", "SparseOuter", "check_outer", "from_session", "parse_pin", "pin"]

@@ -123,6 +123,8 @@ def add_parser(sub) -> None:
     _flag(g, "--sparse-k-1d", "YETO_SPARSE_K_1D", int, 64, "sparseloco: values kept per full 1-D chunk")
     _flag(g, "--sparse-value-bits", "YETO_SPARSE_VALUE_BITS", int, 2, "sparseloco: bits per kept value (1, 2, 4, 8)")
     _flag(g, "--sparse-beta", "YETO_SPARSE_BETA", float, 0.95, "sparseloco: the islands' error-feedback decay in [0, 1]")
+    _flag(g, "--sparse-full-every", "YETO_SPARSE_FULL_EVERY", int, 16,
+          "sparseloco: a full cut on BCAST every N versions, pinned with the session (1..4096)")
     g = p.add_argument_group("wire")
     g.add_argument("--push-dtype", choices=PUSH_DTYPES, default=_choice_env("YETO_PUSH_DTYPE", PUSH_DTYPES, "f32"),
                    help="dtype of pushes (env YETO_PUSH_DTYPE, where `auto`, the islands' default, means this "
@@ -269,7 +271,8 @@ def run(args) -> int:
             h.addFilter(_ShardLabel(args.shards, args.shard))
     try:
         outer = check_outer(args.outer, tile=args.sparse_tile, k=args.sparse_k, chunk_1d=args.sparse_chunk_1d,
-                            k_1d=args.sparse_k_1d, value_bits=args.sparse_value_bits, beta=args.sparse_beta)
+                            k_1d=args.sparse_k_1d, value_bits=args.sparse_value_bits, beta=args.sparse_beta,
+                            full_every=args.sparse_full_every)
         mc = SyncerConfig(
             run=args.run, islands=args.islands, fragments=args.fragments, sync_every=args.sync_every,
             total_steps=args.total_steps, pipeline=args.pipeline, quorum=args.quorum,

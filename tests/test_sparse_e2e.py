@@ -36,6 +36,13 @@ SPARSE = ref.SparseSpec(tile=8, k=24, chunk_1d=16, k_1d=8, value_bits=2)
 ATOL, RTOL = 1e-5, 1e-5
 
 
+def result_counters(isl: IslandProc) -> dict:
+    """The counters of the island's RESULT line (learner/demo.py)."""
+    lines = [ln for ln in isl.log.read_text().splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"no RESULT line in {isl.log}"
+    return json.loads(lines[-1][len("RESULT "):])["counters"]
+
+
 @pytest.mark.timeout(180)
 async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc, nats_url, run_id, tmp_path):
     js = nc.jetstream()
@@ -46,6 +53,8 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
         "--outer", "sparseloco", "--outer-lr", str(OUTER_LR), "--sparse-beta", str(BETA),
         "--sparse-tile", str(SPARSE.tile), "--sparse-k", str(SPARSE.k), "--sparse-chunk-1d", str(SPARSE.chunk_1d),
         "--sparse-k-1d", str(SPARSE.k_1d), "--sparse-value-bits", str(SPARSE.value_bits),
+        # BCAST: version 0 and every 2nd a full cut too, every version after 0 an update message
+        "--sparse-full-every", "2",
         "--member-timeout", "30", "--quorum-timeout", "60", "--final-timeout", "60",
         # no push bytes kept in memory: intake's decode and the merge read every chunk back from PUSH
         "--chunk-bytes", "1024", "--push-memory-mib", "0",
@@ -67,7 +76,7 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
             p.stop()
         await remove_run(js, run_id)
 
-    assert session["outer"] == {"mode": "sparseloco", **SPARSE.__dict__, "beta": BETA}
+    assert session["outer"] == {"mode": "sparseloco", **SPARSE.__dict__, "beta": BETA, "full_every": 2}
     assert commit["committed_step"] == ROUNDS and not refused, refused
     assert len(merges) == ROUNDS and all(r["detail"]["outer_mode"] == "sparseloco" for r in merges)
     assert all(r["detail"]["outer_compiled_chunks"] + r["detail"]["outer_eager_chunks"] == 0 for r in merges)
@@ -94,6 +103,18 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
     for name, isl in islands.items():   # every island ended on the final cut, bit for bit
         saved = load_file(str(isl.out))
         assert all(torch.equal(saved[n], final[n]) for n in final), name
+    # the islands took the versions after 0 from BCAST's update messages (schemas/sparse_bcast.py), none
+    # refused, and still hold the final cut bit for bit (above): at least the odd versions, which go out as
+    # updates only (an even one may be read as its full cut when that lands first, and the last one may
+    # come as the final cut; measured: all 8 from updates in most runs)
+    dense = sum(f["numel"] for f in session["fragments"]) * 4 / P   # a full f32 cut of a round's fragment
+    for name, isl in islands.items():
+        c = result_counters(isl)
+        n = c.get("bcast.update.applied", 0)
+        assert n >= ROUNDS // 2 and not c.get("bcast.update.refused") and not c.get("rejected"), (name, c)
+        print(f"\nisland {name}: {n} versions from update messages; BCAST bytes per round, dense {dense:,.0f} "
+              f"(a full f32 cut), sparse {c['bcast.update.bytes'] / n:,.0f} (an update message, "
+              f"{c['bcast.update.bytes'] / n / dense:.1%})")
     steps = ROUNDS * H // P
     for name, isl in islands.items():   # and trained the reference's trajectory up to the last round
         rows = isl.steplog_rows()

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import orjson
 import torch
 
-from yeto.schemas import codec, shards as SH, subjects as S
+from yeto.schemas import codec, outer_mode as OM, shards as SH, sparse_bcast as SB, subjects as S
 from yeto.schemas.chunks import VersionDigest, chunk_plan
 from yeto.schemas.dtypes import pack, packed_nbytes
 from yeto.schemas.messages import cut_chunk
@@ -214,7 +214,7 @@ class CutPublisher:
                      records: list[dict] = (), packed: dict[int, BulkBytes] | None = None,
                      streamed: dict[int, VersionFiles] | None = None,
                      streams: dict[int, BroadcastStream] | None = None,
-                     stored: dict | None = None) -> dict[str, float]:
+                     stored: dict | None = None, updates: dict[int, bytes] | None = None) -> dict[str, float]:
         """Durable (checkpoint files + state KV) before broadcast. The commit's tape records (`records`
         plus one `commit` record per fragment) are written with the checkpoint and taped after the
         broadcast under Nats-Msg-Ids keyed by fragment and version (see _retape). `packed`: fragments
@@ -226,7 +226,9 @@ class CutPublisher:
         checkpoint's copy has none: they are not known yet when it is written). `streams`: fragments
         whose chunks already went out before the seal (cut-through, BroadcastStream): only the seal is
         sent here, once the version is durable. `stored`: fragments whose chunks the merge already put into
-        the state KV (state_store.StateStream): the state save only waits for their acks."""
+        the state KV (state_store.StateStream): the state save only waits for their acks. `updates` (the
+        sparse mode): fragments whose version goes out as an update message (schemas/sparse_bcast.py), sealed
+        like the full cut; the full cut then only at a `full_every`-th version (`needs_full`)."""
         t0 = time.perf_counter()
         packed = dict(packed or {})
         for fid in new_versions:
@@ -247,10 +249,13 @@ class CutPublisher:
         t_ckpt = time.perf_counter()
         await self.model.write_commit_record(state)
         t_kv = time.perf_counter()
+        updates = dict(updates or {})
         for fid, v in new_versions.items():
+            if fid in updates:
+                await self.broadcast_update(fid, v, digests[fid], updates[fid])
             if fid in streams:
                 await streams[fid].seal(digests[fid])
-            else:
+            elif self.needs_full(v, fid in updates):
                 await self.broadcast(fid, v, digests[fid], packed=packed[fid])
         t_bcast = time.perf_counter()
         timings = {"digest_s": t_digest - t0, "pack_s": sum(packed[fid].seconds for fid in new_versions),
@@ -286,6 +291,30 @@ class CutPublisher:
                 resend = self.resend_id(fid, version)
             subject, msg_id = S.bcast(self.run_id, fid, s.index), S.bcast_msg_id(fid, version, s.index, resend)
         return subject, msg_id, {codec.CHUNK_HEADER: meta.header()}
+
+    def needs_full(self, version: int, updated: bool) -> bool:
+        """Whether committed `version` goes out as a full cut too: always, unless it went out as a sparse update
+        and is not a `full_every`-th version (schemas/sparse_bcast.py)."""
+        outer = OM.from_session(self.model.session)
+        return not updated or outer is None or SB.sends_full(version, outer.full_every)
+
+    async def broadcast_update(self, fid: int, version: int, vdigest: str, message: bytes) -> int:
+        """The sparse update that makes `version` from the one before, on its slot's update subjects, sealed
+        with the full params' version digest (schemas/sparse_bcast.py); counted in `bytes_broadcast`."""
+        outer = OM.from_session(self.model.session)
+        pipe = self.pipeline()
+        sent = 0
+        for subject, msg_id, payload, meta in SB.update_chunks(
+                message, run=self.run_id, fragment=fid, version=version, version_digest=vdigest,
+                chunk_bytes=self.model.session["chunk_bytes"], full_every=outer.full_every,
+                resend=self.resend_id(fid, version)):
+            await self.guard()   # a deposed owner sends no chunk (lease.py)
+            await pipe.put(subject, payload, msg_id, {codec.CHUNK_HEADER: meta.header()})
+            sent += payload.nbytes
+        await pipe.flush()
+        self.counters["bytes_broadcast"] += sent
+        self.counters["bytes_broadcast.update"] += sent
+        return sent
 
     def pipeline(self) -> Pipeline:
         # The syncer sits next to the hub: an ack slower than BCAST_ACK_S is lost (a stream leader's node

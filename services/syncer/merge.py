@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 
 from yeto.schemas import outer_mode as OM
+from yeto.schemas import sparse_bcast as SB
 from yeto.schemas import subjects as S
 from yeto.schemas.chunks import chunk_plan, digest as chunk_digest
 from yeto.services.syncer.actions import Merge, action_from_json, action_to_json
@@ -203,6 +204,11 @@ class Merger:
             await self.model.reload(a.fragment, a.version - 1)
             raise
 
+    def _updates(self, version: int) -> bool:
+        """Whether `version` goes out on BCAST as a sparse update message (schemas/sparse_bcast.py)."""
+        session = self.model.session
+        return session.get("outer") is not None and SB.sends_update(version, session["bulk_dtype"])
+
     async def merge(self, a: Merge, *, redone: bool = False) -> tuple[MergeDone, list[int]]:
         """Merge, outer step, durable commit, broadcast: the MergeDone to feed back, and the PUSH
         sequences of the round for `cleanup` (after MergeDone, off the commit path). A speculative merge
@@ -264,7 +270,9 @@ class Merger:
         if self.broadcast in EARLY_MODES:
             # Durable before the first chunk goes out: a restarted syncer must send these same bytes.
             await self.model.write_intent(fid, self.intent(a, tries))
-            stream = self.publisher.stream(fid, a.version, bulk)
+            # sparse: a version sent as an update only has no full cut to stream (schemas/sparse_bcast.py)
+            if self.publisher.needs_full(a.version, self._updates(a.version)):
+                stream = self.publisher.stream(fid, a.version, bulk)
         intent_s = time.perf_counter() - t_intent
         # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
         files = None
@@ -342,8 +350,13 @@ class Merger:
             rec["detail"]["sparse_entries"] = int(sparse_step.index.numel())   # coordinates this step moved
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
+        updates = None
+        if sparse and self._updates(a.version):
+            updates = {fid: await asyncio.to_thread(sparse_step.update_message, self.model.session["fragments"][fid],
+                                                    OM.from_session(self.model.session))}
         try:
             await self.publisher.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
+                                  updates=updates,
                                   packed={fid: bulk}, streamed={fid: files} if files is not None else None,
                                   streams={fid: stream} if stream is not None else None,
                                   stored={fid: stored} if stored is not None else None)

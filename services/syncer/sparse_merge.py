@@ -21,7 +21,7 @@ from yeto.schemas import outer_mode as OM
 from yeto.schemas.chunks import ChunkSpan, byte_plan
 from yeto.schemas.errors import WireError
 from yeto.schemas.sparse import SparseTensor, decode_push, push_nbytes
-from yeto.schemas.sparse_update import apply_step_
+from yeto.schemas.sparse_update import apply_step_, encode_update
 from yeto.services.syncer.sparse_outer import aggregate, step_amounts
 
 
@@ -69,6 +69,16 @@ class FragmentStep:
         steps = step_amounts(aggregate(pushes), lr)
         return cls(torch.cat([t.indices + int(f["offset"]) for t, f in zip(steps, frag["tensors"], strict=True)]),
                    torch.cat([t.values for t in steps]))
+
+    def update_message(self, frag: Mapping, outer: OM.SparseOuter) -> bytes:
+        """This step as the update message BCAST carries (schemas/sparse_update.py): per tensor the entries
+        that fall in it, as indices local to the tensor."""
+        steps = []
+        for t in frag["tensors"]:
+            off, n = int(t["offset"]), int(t["numel"])
+            lo, hi = torch.searchsorted(self.index, torch.tensor([off, off + n])).tolist()
+            steps.append(SparseTensor(self.index[lo:hi] - off, self.step[lo:hi]))
+        return encode_update(steps, shapes(frag), outer.spec)
 
     def apply(self, params: torch.Tensor, elem_offset: int) -> None:
         """θ ← θ − s (`apply_step_`) on the span of the fragment's params that starts at `elem_offset`."""
