@@ -254,8 +254,9 @@ class Observer:
     (one chunk per version, not the whole broadcast) keeps the observer off the server's budget."""
 
     def __init__(self, url: str, run: str, rounds: dict[int, RoundObs], *, monitor: str | None = None,
-                 snap_steps: tuple[int, ...] = ()):
+                 snap_steps: tuple[int, ...] = (), sparse: bool = False):
         self.url, self.run, self.rounds = url, run, rounds
+        self.sparse = sparse   # versions also come as update messages, on their own subjects (schemas/sparse_bcast)
         # the broker's monitoring URL: /connz snapshots when the merge records and the first accepted pushes of
         # `snap_steps` go by
         self.monitor, self.snap_steps = monitor, snap_steps
@@ -306,7 +307,8 @@ class Observer:
             now = time.time()
             try:
                 meta = codec.decode_header("bcast_chunk", (msg.headers or {}).get(codec.CHUNK_HEADER, b""))
-                self.bcast_bytes = meta["total"]
+                if meta.get("encoding") is None:   # a full cut: the fragment's size (an update is far smaller)
+                    self.bcast_bytes = meta["total"]
                 by_version.setdefault(meta["version"], now)
                 o = self.rounds.get(meta["version"])  # one fragment: version t is round t's
                 if o is not None and o.bcast0 is None:
@@ -341,6 +343,12 @@ class Observer:
 
         await nc.subscribe(S.pull(self.run), cb=on_pull)
         await nc.subscribe(S.bcast(self.run, 0, 0), cb=on_bcast)
+        if self.sparse:   # chunk 0 of every kept update slot (the bench runs the default --sparse-full-every)
+            from yeto.schemas.outer_mode import DEFAULT_FULL_EVERY
+            from yeto.schemas.sparse_bcast import update_subject
+
+            for slot in range(DEFAULT_FULL_EVERY):
+                await nc.subscribe(update_subject(self.run, 0, slot, 0), cb=on_bcast)
         await nc.subscribe(S.events_all(self.run), cb=on_event)
         await nc.flush()
         self._ready.set()
@@ -402,7 +410,8 @@ def run_rounds(args, url: str, work: Path, rss: RssWatch, monitor: str | None = 
     env = clean_env(YETO_PROGRESS="0")
     procs: dict[str, Child] = {}
     info: dict = {"run": run}
-    with Observer(url, run, rounds, monitor=monitor, snap_steps=(args.warmup, total)) as obs:
+    with Observer(url, run, rounds, monitor=monitor, snap_steps=(args.warmup, total),
+                  sparse=args.outer == "sparseloco") as obs:
         try:
             procs["syncer"] = Child(
                 "syncer", [sys.executable, "-P", "-m", "yeto.services.cli", "syncer", "--nats", url, "--run", run,

@@ -184,20 +184,21 @@ class IslandWire:
     # ---- reading cuts (BCAST, FINAL) ------------------------------------------------------------
 
     def read_broadcasts(self, complete: Callable[[int, int, str], None]) -> list[int]:
-        """Read the fragments with new BCAST notices; hand every version read whole to `complete`
-        (the boundary installs it, the sync worker parks it). Returns those fragments."""
+        """Read the fragments with new BCAST notices; hand every version read whole to `complete` (the boundary
+        installs it, the sync worker parks it). Returns those fragments."""
         self._take_notices()
         applied: list[int] = []
         if not self.client.connected:
             return applied  # a request now would only wait out its timeout: fetch after the reconnect
         for fid in sorted(self._dirty):
-            if fid in self.ready:
-                continue   # its staging holds a version waiting for the boundary: read after that (dirty)
-            if self.mode.staging.holds_other(fid):
-                continue   # rank 0 keeps one fragment's bytes for the ranks at a time (StageDeferred)
+            if fid in self.ready or self.mode.staging.holds_other(fid):
+                # its staging holds a version waiting for the boundary (read after that: dirty), or rank 0
+                continue   # keeps another fragment's bytes for the ranks (one at a time: StageDeferred)
             examined: set[int] = set()
             res = self._read_update(fid) if self.updates is not None else None
-            res = res or self._read_fragment(self.reader, "BCAST", fid, examined)
+            # a full cut only when a newer one was announced or is half-read (the slot mostly holds an old one)
+            ahead = self.reader.announced.get(fid, -1) > self.reader.held_version(fid) or self.reader.reading(fid)
+            res = res or (self._read_fragment(self.reader, "BCAST", fid, examined) if ahead else None)
             res = (self._read_update(fid) or "restart") if res == "update" else res
             updated = res == "complete" and self.updates is not None   # stays dirty: the next read looks for the update after it
             if res == "transient":
@@ -208,10 +209,9 @@ class IslandWire:
                 applied.append(fid)
             if res == "restart" or updated:
                 continue  # read again at the next boundary (still dirty, its notices kept for the probe)
-            # Whatever the reading did (waited at a chunk the version being read has not reached, was
-            # refused at a bad chunk, completed), the chunks noticed that it did not look at are checked
-            # now: a bad one is refused (and counted) when it lands, not when some later reading meets
-            # it, which may be never (the real chunk overwrites it first).
+            # Whatever the reading did (waited at a chunk the version read has not reached, was refused at a bad
+            # chunk, completed), the chunks noticed that it did not look at are checked now: a bad one is refused
+            # (and counted) when it lands, not when a later reading meets it, maybe never (the real one overwrites it).
             if not self._probe(fid, examined):
                 break  # a fetch failed: read and probe again at the next boundary (still dirty)
             self._noticed.pop(fid, None)
