@@ -43,7 +43,8 @@ if str(ROOT) not in sys.path:
 
 from yeto.learner.sparse_outer import ErrorFeedback, pseudo_gradient  # noqa: E402
 from yeto.schemas.sparse import decode_push, push_nbytes  # noqa: E402
-from yeto.schemas.sparse_chunks import SparseSpec, grid_of  # noqa: E402
+from yeto.schemas.sparse_chunks import grid_of  # noqa: E402
+from yeto.schemas.sparse_spec import SparseSpec  # noqa: E402
 from yeto.schemas.sparse_update import apply_step_, decode_update, encode_update, update_nbytes  # noqa: E402
 from yeto.services.syncer.sparse_outer import aggregate, outer_step_  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 
 from yeto.schemas.errors import ConfigError
 from yeto.schemas.sparse import decode_push, encode_push
-from yeto.schemas.sparse_chunks import SparseSpec
+from yeto.schemas.sparse_spec import SparseSpec
 
 
 def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Owns the optional `outer` object of the session record (schemas/json/session.schema.json): absent = the
 dense DiLoCo outer step (every pin written before this field existed); present = `{"mode": "sparseloco",
-tile, k, chunk_1d, k_1d, value_bits, beta[, full_every]}`, the compression spec (schemas/sparse_chunks.SparseSpec),
+tile, k, chunk_1d, k_1d, value_bits, beta[, full_every]}`, the compression spec (schemas/sparse_spec.SparseSpec),
 the islands' error-feedback decay and how often BCAST carries a full cut (schemas/sparse_bcast.py). The outer lr stays the syncer's (`--outer-lr`, runtime settings).
 `check_outer` turns `yeto syncer`'s flags into that object (ConfigError naming the flag and the value);
 `from_session` reads it back (a pinned object that does not check is a WireError naming the field);
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ConfigError, WireError
-from .sparse_chunks import SparseSpec
+from .sparse_spec import SparseSpec
 
 DENSE = "diloco"
 SPARSE = "sparseloco"

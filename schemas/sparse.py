@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from .errors import DecodeError, WireError
-from .sparse_chunks import Grid, SparseSpec, grid_of, pack12, pack_codes, packed_codes_nbytes, unpack12, unpack_codes
+from .sparse_chunks import Grid, grid_of, pack12, pack_codes, packed_codes_nbytes, unpack12, unpack_codes
+from .sparse_spec import SparseSpec
 
 MAGIC = b"YSPK"
 FORMAT = 1

@@ -23,7 +23,7 @@ from .chunks import VersionDigest, byte_plan, check_digest
 from .errors import WireError
 from .messages import BcastChunk, cut_chunk
 from .sparse import SparseTensor
-from .sparse_chunks import SparseSpec
+from .sparse_spec import SparseSpec
 from .sparse_update import apply_step_, decode_update
 
 ENCODING = "sparse-update"

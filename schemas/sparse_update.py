@@ -23,7 +23,8 @@ import torch
 
 from .errors import DecodeError, WireError
 from .sparse import SparseTensor, ByteReader, check_chunk_order, index_nbytes
-from .sparse_chunks import SparseSpec, grid_of, pack12, unpack12
+from .sparse_chunks import grid_of, pack12, unpack12
+from .sparse_spec import SparseSpec
 
 MAGIC = b"YSPU"
 FORMAT = 1

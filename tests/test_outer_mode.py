@@ -10,7 +10,7 @@ from yeto.schemas import outer_mode as OM
 from yeto.schemas.errors import ConfigError, WireError
 from yeto.schemas.layout import build_session
 from yeto.schemas.messages import Session
-from yeto.schemas.sparse_chunks import SparseSpec
+from yeto.schemas.sparse_spec import SparseSpec
 from yeto.services.cli import build_parser
 from yeto.services.cmd_syncer import run as run_syncer
 from yeto.services.syncer.config import SyncerConfig

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from yeto.schemas import sparse
 from yeto.schemas.errors import ConfigError, DecodeError, WireError
 from yeto.schemas.sparse import decode_push, encode_push, push_nbytes
-from yeto.schemas.sparse_chunks import SparseSpec
+from yeto.schemas.sparse_spec import SparseSpec
 
 from tests.sparse_reference import ref_chunks, ref_quantize, ref_select
 

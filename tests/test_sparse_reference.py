@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from yeto.learner.sparse_outer import ErrorFeedback, pseudo_gradient
 from yeto.schemas.errors import DecodeError, WireError
 from yeto.schemas.sparse import SparseTensor, decode_push
-from yeto.schemas.sparse_chunks import SparseSpec, grid_of
+from yeto.schemas.sparse_chunks import grid_of
+from yeto.schemas.sparse_spec import SparseSpec
 from yeto.schemas.sparse_update import apply_step_, decode_update, encode_update, update_nbytes
 from yeto.services.syncer.sparse_outer import aggregate, clip_factors, outer_step_
 
