@@ -66,6 +66,15 @@ class IslandProc(Child):
         return read_jsonl(self.steplog)
 
 
+def lockstep_islands(url: str, run: str, work: Path, *, alpha: float, batch: int, lr: float) -> dict[str, IslandProc]:
+    """The two islands the reference e2e runs compare with their in-process references: `a` of one rank, `b` of two
+    gloo ranks, lockstep, no step delay, the given blend alpha, batch and inner lr. Started."""
+    env = {"YETO_LOCKSTEP": "1", "YETO_DILOCO_ALPHA": str(alpha)}
+    args = ("--step-delay", "0", "--batch", str(batch), "--lr", str(lr))
+    return {name: IslandProc(url, run, name, work, ranks=ranks, env=env, args=args).start()
+            for name, ranks in (("a", 1), ("b", 2))}
+
+
 async def wait_exit(procs: dict, timeout: float) -> dict[str, int]:
     """Wait (without blocking the event loop) until every process (IslandProc or SyncerProc) exited;
     their return codes. On timeout, fails naming who is still running with the tail of their output."""

@@ -17,7 +17,7 @@ from yeto.schemas.layout import build_fragments
 from yeto.schemas.provision import remove_run
 from yeto.services.cmd_export import export
 from tests import diloco_reference as ref
-from tests.e2e_procs import IslandProc, kv_json, tails, wait_exit
+from tests.e2e_procs import kv_json, lockstep_islands, tails, wait_exit
 from tests.scripted import SyncerProc, tape
 
 H, P, ROUNDS = 4, 2, 10          # 2 inner steps per round, 20 inner steps in all
@@ -47,10 +47,7 @@ async def test_lockstep_run_equals_the_in_process_diloco_reference(nc, nats_url,
         # chunks as kept at intake and reads the rest back from PUSH, and both must give the reference
         "--chunk-bytes", "1024", "--push-memory-mib", str(10 / 1024),
         log=tmp_path / "syncer.log").start()
-    env = {"YETO_LOCKSTEP": "1", "YETO_DILOCO_ALPHA": str(ALPHA)}
-    args = ("--step-delay", "0", "--batch", str(BATCH), "--lr", str(INNER_LR))
-    islands = {name: IslandProc(nats_url, run_id, name, tmp_path, ranks=ranks, env=env, args=args).start()
-               for name, ranks in (("a", 1), ("b", 2))}
+    islands = lockstep_islands(nats_url, run_id, tmp_path, alpha=ALPHA, batch=BATCH, lr=INNER_LR)
     procs = {"syncer": syncer, **islands}
     try:
         rcs = await wait_exit(procs, 120)

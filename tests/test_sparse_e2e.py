@@ -19,7 +19,7 @@ from yeto.schemas.provision import remove_run
 from yeto.services.cmd_export import export
 from tests import diloco_reference as dref
 from tests import sparseloco_reference as ref
-from tests.e2e_procs import IslandProc, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit, wait_until
+from tests.e2e_procs import IslandProc, lockstep_islands, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit, wait_until
 from tests.scripted import SyncerProc, replay_segments, tape
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +59,7 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
         # no push bytes kept in memory: intake's decode and the merge read every chunk back from PUSH
         "--chunk-bytes", "1024", "--push-memory-mib", "0",
         log=tmp_path / "syncer.log").start()
-    env = {"YETO_LOCKSTEP": "1", "YETO_DILOCO_ALPHA": str(ALPHA)}
-    args = ("--step-delay", "0", "--batch", str(BATCH), "--lr", str(INNER_LR))
-    islands = {name: IslandProc(nats_url, run_id, name, tmp_path, ranks=ranks, env=env, args=args).start()
-               for name, ranks in (("a", 1), ("b", 2))}
+    islands = lockstep_islands(nats_url, run_id, tmp_path, alpha=ALPHA, batch=BATCH, lr=INNER_LR)
     procs = {"syncer": syncer, **islands}
     try:
         rcs = await wait_exit(procs, 150)
