@@ -104,6 +104,30 @@ def test_an_attacker_cannot_ratchet_the_reference_up_over_rounds():
     assert all(v <= 4.0 for v in m.state.accepted_norms[0]["b"]) and len(m.state.accepted_norms[0]["b"]) <= NORM_HISTORY
 
 
+def test_an_island_the_bound_quarantined_is_on_probation_at_half_the_factor():
+    # a steady 5x pusher whose true delta dips to 0.78 x the other's pushed 3.9 <= 4 and got in (a loaded CI
+    # run: 7 of 24 rounds, eval loss 15x a clean run's); on probation (NORM_PROBATION_STEPS after its last
+    # norm quarantine) its limit is 2 x the reference, and it ends when the island stays within it
+    from yeto.services.syncer.config import NORM_PROBATION_STEPS
+    m = launched(islands=("a", "b"), total_steps=40)
+    plan = {1: 5.0, 2: 3.9, 3: 1.9} | {s: 1.0 for s in range(4, 3 + NORM_PROBATION_STEPS)}
+    plan[2 + NORM_PROBATION_STEPS + 1] = 3.9                  # the first step off probation
+    got = {}
+    for step, nb in plan.items():
+        _, qs = run_rounds_from(m, step, {"a": 1.0, "b": nb})
+        got[step] = [q["detail"]["quarantine"] for q in qs]
+    assert got[1] == [{"rule": "norm_bound", "norm": 5.0, "limit": 4.0, "reference": 1.0, "islands": 2}]
+    assert got[2] == [{"rule": "norm_bound", "norm": 3.9, "limit": 2.0, "reference": 1.0, "islands": 2,
+                       "probation_since": 1}]
+    assert all(not got[s] for s in plan if s > 2), got            # 1.9 on probation, 1.0s, then 3.9 off it
+    assert m.state.norm_quarantined_at == {"b": 2} and m.counters["quarantine.norm_bound"] == 2
+    # a lenient factor keeps a lenient probation (half of it), never below 1 x the reference
+    m = launched(islands=("a", "b"), total_steps=4, push_norm_factor=1.5)
+    _, qs = run_rounds_from(m, 1, {"a": 1.0, "b": 1.6})
+    _, qs2 = run_rounds_from(m, 2, {"a": 1.0, "b": 1.05})
+    assert [q["detail"]["quarantine"]["limit"] for q in qs + qs2] == [1.5, 1.0]
+
+
 def run_rounds_from(m, step, norms):
     now = 10.0 * step
     if step > 1:

@@ -39,8 +39,8 @@ def test_a_compromised_island_is_bounded_by_the_default_flags(nats_url, tmp_path
             assert clamped >= 20 and quarantined == 0, m[0]        # every round's claim capped
         else:
             rule = "non_finite" if kind == "nan" else "norm_bound"
-            # every push of island a, nearly; a 5x push can pass when a's true delta is small beside b's
-            # (it is within 4 x the reference then: bounded, which is the point)
-            assert quarantined >= (12 if kind == "norm5x" else 20) and f'"{rule}"' in m[9], m[0]
+            # every push of island a, nearly: a 5x push once passed whenever a's true delta was under 0.8 x
+            # b's (17 of 24 quarantined, ratio 14.9 in a loaded CI run); probation (K/2) closed that
+            assert quarantined >= 20 and f'"{rule}"' in m[9], m[0]
     assert proc.stdout.strip().splitlines()[-1].startswith("poison ok=true"), out[-4000:]
     assert proc.returncode == 0, out[-4000:]

@@ -28,6 +28,12 @@ OUTLIER_MIN_PUSHES = 3
 # or more (one island alone is no reference for itself: a single-island run is never judged).
 NORM_HISTORY = 8
 NORM_MIN_ISLANDS = 2
+# Probation: for NORM_PROBATION_STEPS global steps after the norm bound quarantined an island's push, that
+# island's pushes are judged against NORM_PROBATION_SHARE x the factor (at least 1). Without it a steady 5x
+# pusher got in whenever its true delta was under 0.8 x the others' (7 of 24 rounds in a loaded CI run),
+# and each 5x merge enlarged the next honest deltas, hence the reference: the eval loss ran 15x a clean run's.
+NORM_PROBATION_STEPS = 16
+NORM_PROBATION_SHARE = 0.5
 # Restart this soon once quorum is out of reach (capped by the quorum timeout).
 HOPELESS_RESTART_S = 2.0
 

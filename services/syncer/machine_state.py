@@ -72,6 +72,7 @@ class MachineState:
     min_attempts: dict[int, int] = field(default_factory=dict)   # restore: step -> lowest attempt a relaunch uses
     rebroadcast_at: dict[int, float] = field(default_factory=dict)   # fragment -> when its last Rebroadcast went out
     accepted_norms: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # fragment -> island -> merged norms
+    norm_quarantined_at: dict[str, int] = field(default_factory=dict)  # island -> last step the norm bound quarantined it
     # -- finalization (finalize.py) --
     final: _Final | None = None          # the finalization in progress (targets, acks, versions, cut out)
     restored_finished: bool = False      # restore: the run had finished; the next event ends it (Done)

@@ -21,7 +21,8 @@ from typing import Sequence
 
 from yeto.schemas.run_settings import OUTER_KEYS
 from yeto.services.syncer.actions import Merge, MergeInput, Release
-from yeto.services.syncer.config import HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, OUTLIER_MIN_PUSHES, SyncerConfig
+from yeto.services.syncer.config import (HOPELESS_DISPOSITIONS, NORM_HISTORY, NORM_MIN_ISLANDS, NORM_PROBATION_SHARE,
+                                         NORM_PROBATION_STEPS, OUTLIER_MIN_PUSHES, SyncerConfig)
 from yeto.services.syncer.events import MergeDone, PushComplete
 from yeto.services.syncer.machine_state import MachineState, Output
 from yeto.services.syncer.rebroadcasts import rebroadcast
@@ -216,15 +217,37 @@ def _screen_norm_bound(s: MachineState, cfg: SyncerConfig, out: Output, r: Round
     removed = False
     for island, slot in sorted(r.slots.items()):
         a = slot.answer
-        if a is None or a.norm is None or a.norm <= limit:
+        since = _on_probation(s, r, island)
+        own_factor = max(1.0, factor * NORM_PROBATION_SHARE) if since is not None else factor
+        own_limit = own_factor * reference
+        if a is None or a.norm is None or a.norm <= own_limit:
             continue
         removed = True
+        rule = {"rule": "norm_bound", "norm": float(a.norm), "limit": float(own_limit), "reference": float(reference),
+                "islands": sources}
+        why = f"--push-norm-factor {factor:g}"
+        if since is not None:
+            rule["probation_since"] = since
+            why = f"{own_factor:g} (on probation: the norm bound quarantined it at step {since})"
+        s.norm_quarantined_at[island] = r.step
         _quarantine_answer(
-            s, cfg, out, r, island, now, rule={"rule": "norm_bound", "norm": float(a.norm), "limit": float(limit),
-                                  "reference": float(reference), "islands": sources},
-            reason=(f"quarantined: push norm {a.norm:.6g} exceeds --push-norm-factor {factor:g} x the reference "
-                    f"norm {reference:.6g} (limit {limit:.6g}: {basis}); supersedes its accepted record"))
+            s, cfg, out, r, island, now, rule=rule,
+            reason=(f"quarantined: push norm {a.norm:.6g} exceeds {why} x the reference "
+                    f"norm {reference:.6g} (limit {own_limit:.6g}: {basis}); supersedes its accepted record"))
     return removed
+
+
+def _on_probation(s: MachineState, r: Round, island: str) -> int | None:
+    """The step at which the norm bound last quarantined `island`, when round r is within
+    NORM_PROBATION_STEPS after it (an earlier step: this round's own removal never tightens its own
+    judgement), else None. On probation its pushes are judged against NORM_PROBATION_SHARE x the factor:
+    an island that pushed more than K x the others' recently is not trusted up to K x again at once, so a
+    steady attacker gets in only when its scaled push is within ~K/2 x an honest one. Kept by the machine
+    (rebuilt by `yeto replay`), not the checkpoint, as the norm history is."""
+    at = s.norm_quarantined_at.get(island)
+    if at is None or not 0 < r.step - at <= NORM_PROBATION_STEPS:
+        return None
+    return at
 
 
 def _quarantine_answer(s: MachineState, cfg: SyncerConfig, out: Output, r: Round, island: str, now: float, *, rule: dict, reason: str) -> None:
