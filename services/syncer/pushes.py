@@ -186,7 +186,7 @@ def _screen_norm_bound(s: MachineState, cfg: SyncerConfig, out: Output, r: Round
 
     On by default (K = 4, `--push-norm-factor`): it needs no tuning and works from two islands and the
     first round on (in a round of two, the smaller member's value is the reference). Honest pushes are
-    untouched while they stay within K x the others' (the demo's runs peak near 1.5: soak/hostile.py
+    untouched while they stay within K x the others' (the demo's runs peak near 1.5, 1.85 loaded: soak/hostile.py
     --poison prints `max_norm_ratio`); an island whose pushes are honestly more than K x larger (more than
     K x faster, say) is quarantined: raise K or turn the bound off (`--push-norm-factor off`). When every
     push of an attempt (two or more) exceeds the history's limit, the attempt's own lower median is the
