@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -222,7 +223,15 @@ def _train(rank: int, world: int, args, result_q=None) -> None:
         dist.destroy_process_group()
 
 
+def _log_with_time() -> None:
+    """The island's log records (warnings and up, as before) with a timestamp: a soak's or a test's island
+    log is read beside the syncer's, which has one, to find when a stall began."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def _spawn_rank(rank, world, args):
+    _log_with_time()            # a spawned rank starts with the interpreter's default logging
     _train(rank, world, args)
     # Leave without running the interpreter's and C++'s exit-time destructors: even after the barrier
     # and destroy_process_group above, a rank still died in them now and then with SIGABRT
@@ -263,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-mib", type=float, default=0.0, help="widen the MLP to about this many MiB of f32 "
                    "parameters (default 0: the tiny model)")
     args = p.parse_args(argv)
+    _log_with_time()
     from yeto.schemas.errors import ConfigError
 
     from yeto.learner.errors import IslandUnhealthy

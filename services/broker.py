@@ -14,7 +14,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+from collections import deque
 from importlib import resources
 from pathlib import Path
 
@@ -147,16 +149,16 @@ class Broker:
         # log_file "-": the server writes to our stderr (`yeto broker --log -`, e.g. under a supervisor that
         # collects stderr)
         to_stderr = str(self.log_file) == "-"
-        out = sys.stderr if to_stderr else open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        out = sys.stderr if to_stderr else open(self.log_file, "ab") if self.log_file else subprocess.PIPE
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        if out not in (subprocess.DEVNULL, sys.stderr):
+        if out not in (subprocess.PIPE, sys.stderr):
             out.close()  # the child holds its own descriptor
+        tail = _keep_tail(self.proc) if out is subprocess.PIPE else None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BrokerError(
-                    f"nats-server exited with {self.proc.returncode} at start (command: {' '.join(self.command())})"
-                )
+                raise BrokerError(f"nats-server exited with {self.proc.returncode} at start (command: "
+                                  f"{' '.join(self.command())}){_said(self.proc, tail, self.log_file)}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.settimeout(2.0)
@@ -192,6 +194,31 @@ class Broker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _keep_tail(proc: subprocess.Popen, lines: int = 20) -> deque:
+    """With no log file, nats-server's output is read and dropped, keeping its last `lines` lines: a server
+    that exits at start (a port taken between the probe and its bind, a bad flag) then says why in our error
+    instead of nothing, and a long run's output costs no disk and no unbounded memory."""
+    tail: deque = deque(maxlen=lines)
+
+    def drain() -> None:
+        for raw in proc.stdout:
+            tail.append(raw.decode(errors="replace").rstrip())
+        proc.stdout.close()
+
+    threading.Thread(target=drain, name="nats-server-output", daemon=True).start()
+    return tail
+
+
+def _said(proc: subprocess.Popen, tail: deque | None, log_file) -> str:
+    """What the server printed before it exited (its last lines), or where to read it."""
+    if tail is None:
+        return f"; its output: {log_file}" if log_file and str(log_file) != "-" else ""
+    deadline = time.monotonic() + 2.0
+    while proc.stdout is not None and not proc.stdout.closed and time.monotonic() < deadline:
+        time.sleep(0.02)       # the reader thread drains what the server wrote before it exited
+    return ("; it said:\n  " + "\n  ".join(tail)) if tail else "; it printed nothing"
 
 
 def port_held(host: str, port: int) -> str | None:

@@ -100,6 +100,29 @@ def test_check_config_reports_the_servers_words(tmp_path):
     assert str(bad) in str(e.value) and "line 1" in str(e.value)
 
 
+@pytest.mark.e2e
+def test_a_server_that_exits_at_start_says_why_in_the_error(tmp_path):
+    # with no log file its output went to /dev/null: a soak's cluster node "exited with 1 at start" and nothing
+    # said why; now its last lines are in the error (here: the monitoring port another process holds)
+    import socket
+
+    from yeto.services.broker import BrokerError, free_port
+
+    with socket.socket() as held:
+        port = free_port()
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(BrokerError) as e:
+            Broker(store_dir=tmp_path / "s", http_port=port).start(10)
+    msg = str(e.value)
+    assert "exited with 1 at start" in msg and f"127.0.0.1:{port}" in msg and "address already in use" in msg, msg
+    # with a log file the error names it, and the output is there
+    log = tmp_path / "server.log"
+    with pytest.raises(BrokerError) as e:
+        Broker(store_dir=tmp_path / "t", log_file=log, extra_args=["--no_such_flag"]).start(10)
+    assert f"its output: {log}" in str(e.value) and "no_such_flag" in log.read_text(), str(e.value)
+
+
 def _conf_values(text: str) -> str:
     return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
 
