@@ -294,8 +294,14 @@ async def across_moves(nc, make: Callable[[], Awaitable[Any]], *, tries: int = 3
     for _ in range(tries - 1 if nc is not None else 0):
         moved_from = nc.stats["reconnects"]
         task = asyncio.ensure_future(make())
-        while not task.done() and nc.stats["reconnects"] == moved_from:
-            await asyncio.wait({task}, timeout=MOVE_POLL_S)
+        try:
+            while not task.done() and nc.stats["reconnects"] == moved_from:
+                await asyncio.wait({task}, timeout=MOVE_POLL_S)
+        except asyncio.CancelledError:
+            # our caller gave up (its own deadline): the request must not live on unawaited and end in
+            # "Task exception was never retrieved" (an island's log, a chaos run with a node killed)
+            task.cancel()
+            raise
         if task.done():
             return task.result()
         task.cancel()

@@ -56,3 +56,21 @@ async def test_a_direct_get_in_flight_when_its_client_moves_is_asked_again_at_on
         await raw.close()
         await nc.close()
         await admin.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_its_caller_gave_up_on_does_not_live_on(tmp_path):
+    # a caller's own deadline (a publish's, a fetch's) cancels the request: before, the inner request task lived
+    # on and ended in "Task exception was never retrieved ... TimeoutError" in an island's log (a chaos run)
+    from yeto.services.broker import Broker
+
+    with Broker(store_dir=tmp_path / "b") as b:
+        nc = await connect(ConnectOptions(url=b.url))
+        sub = await nc.subscribe("silent")          # a responder that never answers
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.request("silent", b"?", timeout=5), 0.3)
+        await asyncio.sleep(0.2)
+        left = [t for t in asyncio.all_tasks() if "Client.request" in repr(t.get_coro()) and not t.done()]
+        assert left == [], left
+        await sub.unsubscribe()
+        await nc.close()
