@@ -166,7 +166,26 @@ async def provision_run(
     race to another config is re-read and compared like an existing one.
     """
     _check_run_id(run)
-    log = log or log_.info
+    for attempt in range(1, PROVISION_TRIES + 1):
+        try:
+            return await _provision_once(js, run, limits, push_headers_only=push_headers_only, log=log or log_.info,
+                                         shard=shard, shards=shards, fragments=fragments)
+        except nats.errors.TimeoutError:
+            # A JetStream API request whose reply was lost with a node killed under it (the meta or a stream
+            # leader's) waits out its whole timeout: a standby starting then exited 1 (soak/chaos.py --cluster 3
+            # --standby). Every step reads or makes an identical config, so asking again is safe.
+            if attempt == PROVISION_TRIES:
+                raise
+            log_.warning("run %s: the JetStream API did not answer while provisioning (a node down?); asking "
+                         "again (%d of %d)", run, attempt + 1, PROVISION_TRIES)
+    raise AssertionError("unreachable")
+
+
+PROVISION_TRIES = 3
+
+
+async def _provision_once(js, run: str, limits: RunLimits, *, push_headers_only: bool, log: Callable[[str], None],
+                          shard: int, shards: int, fragments: int | None) -> ProvisionReport:
     report = ProvisionReport(run)
     streams = stream_configs(run, limits)
     kvs = kv_configs(run, limits)

@@ -473,3 +473,29 @@ async def test_kv_put_writes_the_runs_bucket_once_per_call(js, run_id):
     with pytest.raises(WireError) as e:
         await kv_put(js, run_id, "nope", "probe", b"")
     assert (e.value.field, e.value.value) == ("kind", "nope")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+async def test_provisioning_asks_again_when_the_jetstream_api_did_not_answer(tmp_path, run_id, caplog):
+    # a standby's provisioning request lost with a killed node waited out its timeout and the syncer exited 1
+    # (soak/chaos.py --cluster 3 --standby); here the server is stopped (SIGSTOP) past the first try's timeout
+    import signal
+
+    from yeto.schemas.conn import ConnectOptions, connect
+    from yeto.services.broker import Broker
+
+    with Broker(store_dir=tmp_path / "b") as b:
+        nc = await connect(ConnectOptions(url=b.url))
+        js = nc.jetstream(timeout=0.5)
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            task = asyncio.ensure_future(provision_run(js, run_id))
+            await asyncio.sleep(0.8)                 # the first try times out meanwhile
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        report = await asyncio.wait_for(task, 20)
+        assert "asking again (2 of 3)" in caplog.text and report.created, (caplog.text, report)
+        await check_run(js, run_id)
+        await remove_run(js, run_id)
+        await nc.close()
