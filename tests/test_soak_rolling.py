@@ -45,7 +45,7 @@ def test_rolling_maintenance_loses_nothing_and_never_stalls(tmp_path):
     set_at = next(o["round"] for o in res["ops"] if o["name"] == "outer-lr")
     assert res["outer_lr_from"] is not None and set_at < res["outer_lr_from"] <= set_at + 10, tail
     assert res["committed"] == 320, tail
-    # the bound, strict since issue 42's last open item (design §7.1): every run since the fixes met it, loaded
+    # the bound, strict since its last open gap was closed (design §7.1): every run since the fixes met it, loaded
     # (soak/README.md: 4 + 3 runs two at once, two full CI rehearsals)
     assert float(gap) <= float(median) + 3.0, f"max_commit_gap_s={gap} > median_round_s={median} + 3{tail}"
     assert proc.returncode == 0, tail
