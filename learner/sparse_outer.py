@@ -48,6 +48,24 @@ class ErrorFeedback:
                 raise ValueError(f"pseudo-gradient shape {tuple(d.shape)} != accumulator shape {tuple(e.shape)}")
             # two roundings (β·e, then + Δ), no fused multiply-add: the reference computes the same bits
             e.mul_(self.beta).add_(d.to(e.device, torch.float32))
+        return self.compress()
+
+    @classmethod
+    def folded(cls, prev: "ErrorFeedback | None", spec: SparseSpec, beta: float, shapes: Sequence,
+               d: Sequence[torch.Tensor]) -> "ErrorFeedback":
+        """New accumulators β·e + Δ from `prev`'s (None: zeros) and d = local − anchor (Δ = −d + 0.0),
+        written once, `prev` untouched: the bits of `push`'s fold, in three passes instead of a copy of
+        e, a Δ and the fold. (β·e − d) + 0.0 equals β·e + (−d + 0.0) bit for bit: x − d is x + (−d) in
+        IEEE arithmetic, and the + 0.0 turns the one zero that differs (−0 − +0 = −0) into +0."""
+        out = cls(shapes, spec, beta, device="meta")
+        if prev is None:
+            out.acc = [torch.neg(x.float()).add_(0.0) for x in d]
+        else:
+            out.acc = [torch.mul(e, out.beta).sub_(x.float()).add_(0.0) for e, x in zip(prev.acc, d, strict=True)]
+        return out
+
+    def compress(self) -> bytes:
+        """The push message of the accumulators as they are; what it carries is subtracted from them."""
         msg = encode_push(self.acc, self.spec)
         for e, sent in zip(self.acc, decode_push(msg, self.shapes, self.spec)):
             flat = e.view(-1)
