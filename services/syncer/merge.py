@@ -244,6 +244,11 @@ class Merger:
         held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
         # sparse: the whole step decoded and aggregated up front (a few values per tile), applied span by span
         sparse_step = await self._sparse_step(a, tries) if sparse else None
+        # the version's update message (BCAST), made on a thread while the loop below steps and writes
+        upd = None
+        if sparse and self._updates(a.version):
+            upd = asyncio.ensure_future(asyncio.to_thread(
+                sparse_step.update_message, session["fragments"][fid], OM.from_session(session)))
         outer_step = None if sparse else await asyncio.to_thread(
             OuterStep, [m.weight for m in a.members], lr, momentum, delta_dtypes=[delta_dtype(dtype)] * len(tries),
             chunk_numel=spans[0].elem_count)
@@ -318,6 +323,8 @@ class Merger:
         except BaseException as exc:
             if not nxt.done():
                 nxt.cancel()
+            if upd is not None:
+                upd.cancel()   # its result is not wanted (the thread finishes on its own)
             # never named by a manifest; deleted now, not left behind. Not by a deposed owner: its files'
             # names may be the new owner's own work in progress (a checkpoint directory both mount).
             if files is not None and not isinstance(exc, Fenced):
@@ -350,10 +357,7 @@ class Merger:
             rec["detail"]["sparse_entries"] = int(sparse_step.index.numel())   # coordinates this step moved
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
-        updates = None
-        if sparse and self._updates(a.version):
-            updates = {fid: await asyncio.to_thread(sparse_step.update_message, self.model.session["fragments"][fid],
-                                                    OM.from_session(self.model.session))}
+        updates = None if upd is None else {fid: await upd}
         try:
             await self.publisher.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
                                   updates=updates,
