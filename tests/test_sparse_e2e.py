@@ -8,7 +8,10 @@ from the design without the learner's or the syncer's code).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -188,6 +191,11 @@ async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_th
         # both syncer processes' recorded inputs rebuild their machines (config with `outer`) identically
         segs = replay_segments(nats_url, run_id)
         ckpt_keys = await kv_keys(await kv_handle(js, run_id, "ckpt"))
+        # the committed cut exported from the state KV alone (params only in this mode)
+        from_js = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-P", "-m", "yeto.services.cli", "export", "--run", run_id, "--from",
+                             "jetstream", "--nats", nats_url, "--out", str(tmp_path / "from-js.safetensors")],
+            capture_output=True, text=True, timeout=120)
     finally:
         for p in procs.values():
             p.stop()
@@ -200,6 +208,9 @@ async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_th
     assert not list((tmp_path / "syncer").glob("*.momentum*")), sorted((tmp_path / "syncer").iterdir())
     assert [k for k in ckpt_keys if ".p." in k] and not [k for k in ckpt_keys if ".m." in k], sorted(ckpt_keys)
     assert_islands_hold_the_final_cut(tmp_path / "syncer", tmp_path / "final.safetensors", run_id, islands.values())
+    assert from_js.returncode == 0, from_js.stdout + from_js.stderr
+    final, js_cut = load_file(str(tmp_path / "final.safetensors")), load_file(str(tmp_path / "from-js.safetensors"))
+    assert sorted(final) == sorted(js_cut) and all(torch.equal(final[n], js_cut[n]) for n in final)
 
 
 @pytest.mark.timeout(200)
