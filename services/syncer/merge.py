@@ -145,13 +145,14 @@ class Merger:
         failure now is a MergeError) and aggregated in member order with this merge's lr."""
         frag = self.model.session["fragments"][a.fragment]
         outer = OM.from_session(self.model.session)
-        pushes = []
-        for t in tries:
+        async def decode(t):
             data = b"".join([bytes(await self._push_bytes(t, k)) for k in range(t.chunks)])
             try:
-                pushes.append(await asyncio.to_thread(SM.decode, frag, outer, data))
+                return await asyncio.to_thread(SM.decode, frag, outer, data)
             except ValueError as exc:
                 raise MergeError(f"merge of step {a.step}: push of {t.key[0]} no longer decodes: {exc}") from None
+
+        pushes = await asyncio.gather(*(decode(t) for t in tries))   # on threads side by side, kept in member order
         return await asyncio.to_thread(SM.FragmentStep.of, frag, pushes, self.hyper(a)[0])
 
     def use_outer(self, settings: dict) -> None:
