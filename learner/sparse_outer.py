@@ -22,6 +22,8 @@ from yeto.schemas.errors import ConfigError
 from yeto.schemas.sparse import decode_push, encode_push
 from yeto.schemas.sparse_spec import SparseSpec
 
+FOLD_BLOCK = 1 << 18   # values folded at a time (1 MiB of f32): each block stays in cache for its three ops
+
 
 def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """Δ = anchor − local in f32: the direction the outer step θ ← θ − α·aggregate descends."""
@@ -48,6 +50,35 @@ class ErrorFeedback:
                 raise ValueError(f"pseudo-gradient shape {tuple(d.shape)} != accumulator shape {tuple(e.shape)}")
             # two roundings (β·e, then + Δ), no fused multiply-add: the reference computes the same bits
             e.mul_(self.beta).add_(d.to(e.device, torch.float32))
+        return self.compress()
+
+    @classmethod
+    def folded(cls, prev: "ErrorFeedback | None", spec: SparseSpec, beta: float, d: Sequence[torch.Tensor]
+               ) -> "ErrorFeedback":
+        """New accumulators β·e + Δ from `prev`'s (None: zeros; `prev` untouched) and d = local − anchor
+        (f32, Δ = −d + 0.0), written over `d` itself (consumed: its tensors become the accumulators), block
+        by block so each block is read once from memory. (β·e − d) + 0.0 is β·e + (−d + 0.0) bit for bit:
+        x − d is x + (−d) in IEEE arithmetic, and the + 0.0 turns the one zero that differs (−0 − +0 = −0)
+        into +0, as the reference's fold gives."""
+        out = cls([x.shape for x in d], spec, beta, device="meta")
+        out.acc = list(d)
+        tmp = torch.empty(FOLD_BLOCK, dtype=torch.float32)
+        for i, x in enumerate(out.acc):
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                raise ValueError(f"pseudo-gradient {i} must be contiguous f32, got {x.dtype}")
+            flat = x.view(-1)
+            e = None if prev is None else prev.acc[i].reshape(-1)
+            for o in range(0, flat.numel(), FOLD_BLOCK):
+                xs = flat[o: o + FOLD_BLOCK]
+                if e is None:
+                    xs.neg_()
+                else:   # two roundings as `push`'s mul_ then add_: β·e, then − d
+                    torch.sub(torch.mul(e[o: o + FOLD_BLOCK], out.beta, out=tmp[: xs.numel()]), xs, out=xs)
+                xs.add_(0.0)
+        return out
+
+    def compress(self) -> bytes:
+        """The push message of the accumulators as they are; what it carries is subtracted from them."""
         msg = encode_push(self.acc, self.spec)
         for e, sent in zip(self.acc, decode_push(msg, self.shapes, self.spec)):
             flat = e.view(-1)

@@ -6,7 +6,7 @@ May touch: nothing outside; the wire (learner/island_wire.py) hands it d = local
 fragment (gathered in f32 chunk by chunk, rank 0) and sends the bytes it returns, chunked as opaque
 bytes (`spans`, schemas/chunks.byte_plan).
 Invariants: Δ = anchor − local is taken as −d + 0.0, the same bits as anchor − local (a zero is +0);
-`encode` never changes the kept accumulators: it folds Δ into a copy, and `settle(ok=True)` (every chunk
+`encode` never changes the kept accumulators: it folds Δ into new ones written over d (`ErrorFeedback.folded`), and `settle(ok=True)` (every chunk
 acknowledged) keeps that copy, a failed push drops it (the next try folds its own Δ into the old ones,
 never Δ twice). Thread-safe: `encode` runs where the push is packed (the sync worker in the background
 modes), `settle` at a boundary.
@@ -42,15 +42,14 @@ class SparsePushes:
         return byte_plan(push_nbytes(self.shapes(fid), self.outer.spec), self.chunk_bytes)
 
     def encode(self, fid: int, d: torch.Tensor) -> bytes:
-        """d = local − anchor of fragment `fid` (f32, flat in layout order) -> the push message; the
-        accumulators after it wait for `settle`."""
-        deltas = [torch.neg(d[off: off + n]).add_(0.0).view(shape) for off, n, shape in self.tensors[fid]]
-        cand = ErrorFeedback(self.shapes(fid), self.outer.spec, self.outer.beta)
+        """d = local − anchor of fragment `fid` (f32, flat in layout order; consumed: its storage becomes
+        the new accumulators) -> the push message; the accumulators after it wait for `settle`."""
+        ds = [d[off: off + n].view(shape) for off, n, shape in self.tensors[fid]]
         with self._lock:
             kept = self._kept.get(fid)
-        if kept is not None:
-            cand.load_state_dict(kept.state_dict())
-        msg = cand.push(deltas)
+        # β·e + Δ written over d (the kept accumulators stay as they are until `settle`)
+        cand = ErrorFeedback.folded(kept, self.outer.spec, self.outer.beta, ds)
+        msg = cand.compress()
         with self._lock:
             self._pending[fid] = cand
         return msg

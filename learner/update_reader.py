@@ -121,11 +121,13 @@ class UpdateReader:
 
     def apply(self, fid: int, version: int, vdigest: str, message: bytes) -> torch.Tensor:
         """The new version (flat f32) from the mirror and the message, checked against the seal; the mirror
-        then holds it. DecodeError / DigestMismatch (WireErrors naming the field) leave the mirror as it was."""
-        base, anchor = self.mirror[fid]
+        then holds it: the update is applied in place (`apply_update_`, no copy of the fragment), and the
+        tensor returned is the mirror's, to be copied before the next update. DecodeError / DigestMismatch
+        (WireErrors naming the field) leave the mirror as it was, bit for bit."""
+        base, new = self.mirror[fid]
         if base != version - 1:
             raise WireError(f"the island holds version {base}", field="base_version", value=version - 1)
-        new = SB.apply_update(anchor, message, self.frags[fid], self.outer.spec, vdigest)
+        SB.apply_update_(new, message, self.frags[fid], self.outer.spec, vdigest)
         self.mirror[fid] = (version, new)
         self.counters["applied"] += 1
         return new

@@ -108,6 +108,11 @@ def from_session(session: Mapping) -> SparseOuter | None:
     return parse_pin(session.get("outer"))
 
 
+def has_momentum(session: Mapping) -> bool:
+    """Whether the run's syncer keeps an outer momentum (and writes it durably): the dense mode only."""
+    return session.get("outer") is None
+
+
 def pin(session: dict, outer: Mapping | None) -> dict:
     """`session` with `outer` pinned and folded into its fingerprint; a dense run's session unchanged."""
     if outer is None:
@@ -117,4 +122,4 @@ def pin(session: dict, outer: Mapping | None) -> dict:
     return {**session, "outer": dict(outer), "session_fingerprint": hashlib.sha256(body.encode()).hexdigest()}
 
 
-__all__ = ["DEFAULT_FULL_EVERY", "DENSE", "FLAGS", "MAX_FULL_EVERY", "MODES", "SPARSE", "SparseOuter", "check_outer", "from_session", "parse_pin", "pin"]
+__all__ = ["DEFAULT_FULL_EVERY", "DENSE", "FLAGS", "MAX_FULL_EVERY", "MODES", "SPARSE", "SparseOuter", "check_outer", "from_session", "has_momentum", "parse_pin", "pin"]

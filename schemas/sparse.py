@@ -64,31 +64,53 @@ def push_nbytes(shapes: Sequence, spec: SparseSpec) -> int:
 
 # ---------------------------------------------------------------- selection
 
-def _select(tiles: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k by magnitude of every row of `tiles` (N, n), ties to the lower index, in index order:
-    (local indices int64 (N, k), values (N, k))."""
-    n_rows, n = tiles.shape
-    if k == n:
-        return torch.arange(n, device=tiles.device).expand(n_rows, n), tiles
-    a = tiles.abs()
-    # The k-th largest magnitude of each row: everything above it is kept, and of the values equal to it
-    # the first ones (by index) that make up k.
-    kth = torch.topk(a, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+def _ties_to_lower(a: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of magnitudes `a` (R, n) whose k-th largest is `kth` (R, 1): the k local indices kept, in
+    index order — everything above kth, and of the values equal to it the first ones that make up k."""
     above = a > kth
     need = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)
     tied = a == kth
     take = above | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= need))
-    local = take.nonzero()[:, 1].view(n_rows, k)
-    return local, tiles.gather(1, local)
+    return take.nonzero()[:, 1].view(a.shape[0], k)
 
 
-def _tiles(block: torch.Tensor, th: int, tw: int) -> torch.Tensor:
-    """The th × tw tiles of `block` (b·th, g·tw) as rows (b·g, th·tw), tiles in row-major order."""
+def _select(block: torch.Tensor, th: int, tw: int, k: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by magnitude of every th × tw tile of `block` (b·th, g·tw), tiles in row-major order, ties to
+    the lower local index, in index order: (local indices int64 (b·g, k), values (b·g, k)). The tiles'
+    magnitudes are written once into a (b·g, th·tw) buffer; one topk of k + 1 per tile: where its smallest
+    value is unique, the other k are exactly the kept set (sorted), else (a tie across the k-th value,
+    rare with real data) `_ties_to_lower` decides. Refuses a non-finite value (WireError naming `field`):
+    topk ranks NaN above every number, so a tile holding one has it (or an inf) among its k + 1."""
     b, g = block.shape[0] // th, block.shape[1] // tw
-    return block.reshape(b, th, g, tw).permute(0, 2, 1, 3).reshape(b * g, th * tw)
+    n, rows = th * tw, b * g
+    t4 = block.reshape(b, th, g, tw).permute(0, 2, 1, 3)   # a view: tile (i, j), row r, column c
+    a = torch.empty((b, g, th, tw), dtype=block.dtype, device=block.device)
+    torch.abs(t4, out=a)
+    a = a.view(rows, n)
+    if k == n:
+        if not bool(torch.isfinite(a.amax())):   # amax propagates NaN
+            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+        local = torch.arange(n, device=block.device).expand(rows, n)
+    else:
+        top, idx = torch.topk(a, k + 1, dim=1, sorted=False)
+        if not bool(torch.isfinite(top).all()):
+            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+        low, at = top.min(dim=1, keepdim=True)
+        idx.scatter_(1, at, n)   # the (k+1)-th largest sorts last and is cut off
+        local = idx.sort(dim=1).values[:, :k].contiguous()
+        crowded = ((top == low).sum(dim=1) > 1).nonzero()[:, 0]
+        if crowded.numel():   # there the (k+1)-th largest equals the k-th
+            local[crowded] = _ties_to_lower(a[crowded], low[crowded], k)
+    # the values, read from `block` at each kept entry's flat offset (no copy of the tiles)
+    flat = block.reshape(-1)   # a view unless the block is a group of columns of a wider band
+    stride = block.shape[1]
+    tile = torch.arange(rows, device=block.device).unsqueeze(1)
+    ti = torch.div(tile, g, rounding_mode="floor")
+    r = torch.div(local, tw, rounding_mode="floor")
+    return local, flat[(ti * th + r) * stride + (tile - ti * g) * tw + (local - r * tw)]
 
 
-def _band(band: torch.Tensor, grid: Grid, th: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _band(band: torch.Tensor, grid: Grid, th: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Selection in one band of whole tile rows (b·th rows): entries in chunk order."""
     b = band.shape[0] // th
     fc, ec, tw = grid.full_cols, grid.edge_cols, grid.tw
@@ -96,11 +118,11 @@ def _band(band: torch.Tensor, grid: Grid, th: int) -> tuple[torch.Tensor, torch.
     locs, vals = [], []
     for c0 in range(0, fc, max(per_group, 1)):
         g = min(per_group, fc - c0)
-        loc, val = _select(_tiles(band[:, c0 * tw:(c0 + g) * tw], th, tw), grid.keep(th * tw))
+        loc, val = _select(band[:, c0 * tw:(c0 + g) * tw], th, tw, grid.keep(th * tw), field)
         locs.append(loc.reshape(b, -1))
         vals.append(val.reshape(b, -1))
     if ec:
-        loc, val = _select(_tiles(band[:, fc * tw:], th, ec), grid.keep(th * ec))
+        loc, val = _select(band[:, fc * tw:], th, ec, grid.keep(th * ec), field)
         locs.append(loc.reshape(b, -1))
         vals.append(val.reshape(b, -1))
     return torch.cat(locs, dim=1).reshape(-1), torch.cat(vals, dim=1).reshape(-1)
@@ -120,10 +142,7 @@ def select(x: torch.Tensor, spec: SparseSpec, field: str = "x") -> tuple[torch.T
         bands.append((fr, 1, grid.edge_rows))
     locs, vals = [], []
     for t0, b, h in bands if grid.cols else ():
-        band = m[t0 * th:t0 * th + b * h].to(torch.float32)
-        if not bool(torch.isfinite(band).all()):
-            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
-        loc, val = _band(band, grid, h)
+        loc, val = _band(m[t0 * th:t0 * th + b * h].to(torch.float32), grid, h, field)
         locs.append(loc)
         vals.append(val)
     if not locs:

@@ -127,14 +127,30 @@ def apply_update(anchor: torch.Tensor, message, frag: Mapping, spec: SparseSpec,
     and one update `message`: a new flat f32 tensor, returned only if its bytes hash to `version_digest` (the
     seal; DigestMismatch naming `version_digest` otherwise). A malformed message is a DecodeError naming its
     field. `apply_step_` per tensor at its offset, the syncer's own subtraction, so the bits are its."""
+    out = anchor.detach().to(torch.float32).contiguous().clone()
+    apply_update_(out, message, frag, spec, version_digest)
+    return out
+
+
+def apply_update_(params: torch.Tensor, message, frag: Mapping, spec: SparseSpec, version_digest: str) -> None:
+    """`apply_update` in place on `params` (flat contiguous f32: the base version's exact params), with no
+    copy of the fragment: the values it moves are saved first and put back when the result does not hash to
+    `version_digest` (DigestMismatch), so a refused update leaves `params` bit for bit as they were; a
+    DecodeError comes before any change."""
+    if params.dtype != torch.float32 or not params.is_contiguous() or params.dim() != 1:
+        raise ValueError("apply_update_ needs flat contiguous float32 params")
     shapes = [tuple(t["shape"]) for t in frag["tensors"]]
     steps = decode_update(message, shapes, spec)
-    out = anchor.detach().to(torch.float32).contiguous().clone()
-    for t, step in zip(frag["tensors"], steps, strict=True):
-        off = int(t["offset"])
-        apply_step_(out[off: off + int(t["numel"])], SparseTensor(step.indices, step.values))
-    check_digest(version_digest, VersionDigest().update(out).hexdigest(), field="version_digest")
-    return out
+    moved = [(int(t["offset"]), step.indices, params[int(t["offset"]) + step.indices])
+             for t, step in zip(frag["tensors"], steps, strict=True)]
+    for (off, _, _), t, step in zip(moved, frag["tensors"], steps):
+        apply_step_(params[off: off + int(t["numel"])], SparseTensor(step.indices, step.values))
+    try:
+        check_digest(version_digest, VersionDigest().update(params).hexdigest(), field="version_digest")
+    except WireError:
+        for off, idx, old in moved:
+            params[off + idx] = old
+        raise
 
 
 def decide(held: int | None, head: UpdateHead) -> str:
@@ -168,4 +184,4 @@ def plan(held: int | None, newest: int, full_at: int | None, full_every: int) ->
 
 
 __all__ = ["ENCODING", "UpdateHead", "check_head", "decide", "plan", "sends_full", "sends_update", "slot",
-           "apply_update", "parse_update_token", "update_chunks", "update_msg_id", "update_subject"]
+           "apply_update", "apply_update_", "parse_update_token", "update_chunks", "update_msg_id", "update_subject"]

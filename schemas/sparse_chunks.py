@@ -86,26 +86,35 @@ class Grid:
 
     def chunk_of_entries(self, counts: torch.Tensor) -> torch.Tensor:
         """The chunk of every entry of a stream with `counts[c]` entries in chunk c, in chunk order."""
-        ends = torch.cumsum(counts, 0)
-        n = int(ends[-1]) if ends.numel() else 0
-        return torch.searchsorted(ends, torch.arange(n, device=counts.device), right=True)
+        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+
+    def _narrow(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`ts` as int32 when every flat index of the tensor fits (the same integers, divided about
+        twice as fast as int64 on a CPU), else unchanged."""
+        if self.rows * self.cols < 2 ** 31 and all(t.dtype == torch.int64 for t in ts):
+            return tuple(t.to(torch.int32) for t in ts)
+        return ts
 
     def to_global(self, chunk: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """Flat (row-major) index in the tensor of `local` in `chunk` (int64 tensors of equal shape)."""
+        """Flat (row-major) index in the tensor of `local` in `chunk` (int64 tensors of equal shape, and
+        in range: decoders check them first)."""
+        chunk, local = self._narrow(chunk, local)
         ti = torch.div(chunk, self.tile_cols, rounding_mode="floor")
         tj = chunk - ti * self.tile_cols
-        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols)
+        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols).to(local.dtype)
         lr = torch.div(local, w, rounding_mode="floor")
-        return (ti * self.th + lr) * self.cols + tj * self.tw + (local - lr * w)
+        return ((ti * self.th + lr) * self.cols + tj * self.tw + (local - lr * w)).to(torch.int64)
 
     def to_chunk(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chunk, local) of flat row-major indices: the inverse of `to_global`."""
+        """(chunk, local) of flat row-major indices (in range): the inverse of `to_global`."""
+        (flat,) = self._narrow(flat)
         r = torch.div(flat, self.cols, rounding_mode="floor")
         c = flat - r * self.cols
         ti = torch.div(r, self.th, rounding_mode="floor")
         tj = torch.div(c, self.tw, rounding_mode="floor")
-        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols)
-        return ti * self.tile_cols + tj, (r - ti * self.th) * w + (c - tj * self.tw)
+        w = torch.where(tj < self.full_cols, self.tw, self.edge_cols).to(flat.dtype)
+        return ((ti * self.tile_cols + tj).to(torch.int64),
+                ((r - ti * self.th) * w + (c - tj * self.tw)).to(torch.int64))
 
 
 def grid_of(shape: tuple[int, ...] | torch.Size, spec: SparseSpec) -> Grid:

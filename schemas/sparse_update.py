@@ -55,7 +55,8 @@ def encode_update(steps: Sequence[SparseTensor], shapes: Sequence, spec: SparseS
         if not bool(torch.isfinite(step.values).all()):
             raise WireError("an update carries finite values only", field=f"tensors.{i}.values", value="non-finite")
         chunk, local = grid.to_chunk(step.indices.cpu())
-        order = torch.argsort(chunk * 4096 + local)
+        key = chunk * 4096 + local   # unique (indices are): any sort gives the one order
+        order = torch.argsort(key.to(torch.int32) if grid.n_chunks < 2 ** 19 else key)
         counts = torch.bincount(chunk, minlength=grid.n_chunks)
         parts.append(_TENSOR.pack(math.prod(shape), step.indices.numel()))
         parts.append(counts.numpy().astype("<u2").tobytes())

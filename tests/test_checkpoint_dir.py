@@ -141,3 +141,21 @@ def test_missing_and_torn_files_are_refused_naming_them(tmp_path):
         ck.load_fragment(0, 3, 32)
     with pytest.raises(CheckpointError, match=f"{p} holds 128 bytes, expected 132"):
         ck.load_fragment(0, 3, 33)  # the session says another size: refused, never read short
+
+
+def test_the_sparse_mode_writes_and_reads_params_alone(tmp_path):
+    """docs/design.md §4.10: the sparse outer mode has no momentum, so a version is its params file alone; a
+    commit's next version replaces it, and a missing params file is refused naming it."""
+    ck = CheckpointDir(tmp_path)
+    p0, p1 = pair(0, 32)[0], pair(1, 32)[0]
+    ck.commit(state({0: 1}), {0: (p0, None)})
+    assert names(ck) == {MANIFEST, "frag-0-v1.params"}
+    assert ck.files(0, 1, momentum=False) == (tmp_path / "frag-0-v1.params",)
+    got, mom = ck.load_fragment(0, 1, 32, momentum=False)
+    assert mom is None and got.numpy().tobytes() == f32_bytes(p0)
+    with pytest.raises(CheckpointError, match=r"lacks fragment 0 version 1 \(frag-0-v1.params, frag-0-v1.momentum\)"):
+        ck.load_fragment(0, 1, 32)   # read as a dense run's: its momentum file is not there
+    ck.commit(state({0: 2}, step=2), {0: (p1, None)})
+    assert names(ck) == {MANIFEST, "frag-0-v2.params"}
+    with pytest.raises(CheckpointError, match=r"lacks fragment 0 version 1 \(frag-0-v1.params\)$"):
+        ck.load_fragment(0, 1, 32, momentum=False)

@@ -65,6 +65,23 @@ def test_streamed_files_are_byte_identical_to_a_whole_write(tmp_path, thread, ch
     assert vf.seconds > 0 and vf.written == numel
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_a_version_without_momentum_streams_its_params_file_alone(tmp_path, thread):
+    """The sparse mode (docs/design.md §4.10): VersionFiles with momentum None writes the params file only,
+    byte for byte the whole write's."""
+    params = _tensors(2, 5000)[0]
+    whole, streamed = CheckpointDir(tmp_path / "whole"), CheckpointDir(tmp_path / "streamed")
+    whole.commit(_state({0: 3}, 3), {0: (params, None)})
+    vf = VersionFiles(streamed, 0, 3, params, None, thread=thread)
+    for o, c in _spans(5000, 777):
+        vf.add(o, c)
+    streamed.commit(_state({0: 3}, 3), {0: (params, None)}, {0: vf})
+    assert sorted(q.name for q in streamed.path.iterdir()) == ["checkpoint.json", "frag-0-v3.params"]
+    assert whole.files(0, 3)[0].read_bytes() == streamed.files(0, 3)[0].read_bytes()
+    p, m = streamed.load_fragment(0, 3, 5000, momentum=False)
+    assert m is None and torch.equal(p, params)
+
+
 def test_streaming_starts_the_writeback_of_every_byte_in_order_and_pruning_can_wait(tmp_path, monkeypatch):
     """VersionFiles asks the kernel to start writing each file back every WRITEBACK_BYTES (so the
     commit's fsync finds little left): the ranges it hands to sync_file_range cover each file once,

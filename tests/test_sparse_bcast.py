@@ -174,6 +174,18 @@ def test_apply_update_gives_the_syncers_bytes_and_refuses_a_wrong_anchor_or_bad_
     with pytest.raises(DecodeError) as ei:
         SB.apply_update(anchor, b"XXXX" + msg[4:], frag, OUTER.spec, vdigest)
     assert ei.value.field == "header.magic"
+    # in place (the island's mirror): the same bits, and a refused update leaves the params as they were
+    mirror = anchor.clone()
+    SB.apply_update_(mirror, msg, frag, OUTER.spec, vdigest)
+    assert torch.equal(mirror.view(torch.int32), params.view(torch.int32))
+    wrong = anchor + 1e-3
+    before = wrong.clone()
+    with pytest.raises(DigestMismatch):
+        SB.apply_update_(wrong, msg, frag, OUTER.spec, vdigest)
+    assert torch.equal(wrong.view(torch.int32), before.view(torch.int32))
+    with pytest.raises(DecodeError):
+        SB.apply_update_(wrong, msg[:-3], frag, OUTER.spec, vdigest)
+    assert torch.equal(wrong.view(torch.int32), before.view(torch.int32))
 
 
 # ---- the flag ---------------------------------------------------------------------------------------

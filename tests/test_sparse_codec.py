@@ -140,6 +140,28 @@ def test_ties_go_to_the_lower_index_whatever_the_input_order():
     assert d.indices.tolist() == [0, 1]
 
 
+def test_tiles_with_and_without_ties_at_the_kth_value_side_by_side_match_the_reference():
+    """select's two paths (docs/design.md §4.10): tiles whose (k+1)-th magnitude equals the k-th (a tie
+    across the cut: resolved to the lower index) beside tiles without one, at the default 64 x 64 tiles,
+    with edge tiles and a band split in the middle; the bytes are the reference's."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(200, 300, generator=g)
+    x[:64, :64] = torch.randint(-3, 4, (64, 64), generator=g).float()   # few magnitudes: ties at the cut
+    x[64:128, 128:192] = 0.5                                            # all equal: the first 64 kept
+    x[130, 5] = x[130, 6] = -x[130, 7]                                  # a tie inside a random tile
+    check_against_reference([x], DEFAULT)
+
+
+@pytest.mark.parametrize("where", [(0, 0), (63, 63), (100, 200), (199, 299)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_value_anywhere_in_a_tile_is_refused(where, bad):
+    x = torch.randn(200, 300, generator=torch.Generator().manual_seed(12))
+    x[where] = bad
+    with pytest.raises(WireError) as e:
+        encode_push([x], DEFAULT, names=["w"])
+    assert e.value.field == "tensors.w"
+
+
 def test_constant_values_decode_exactly_and_values_keep_their_sign():
     x = torch.full((64, 64), 0.25)
     (d,) = decode_push(encode_push([x], DEFAULT), [x.shape], DEFAULT)

@@ -8,18 +8,22 @@ from the design without the learner's or the syncer's code).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from nats.js.errors import BucketNotFoundError
 from safetensors.torch import load_file
 
-from yeto.schemas.provision import remove_run
+from yeto.schemas.provision import kv as kv_handle, remove_run
 from yeto.services.cmd_export import export
 from tests import diloco_reference as dref
 from tests import sparseloco_reference as ref
-from tests.e2e_procs import IslandProc, lockstep_islands, assert_islands_hold_the_final_cut, kv_json, tails, wait_exit, wait_until
+from tests.e2e_procs import (IslandProc, assert_islands_hold_the_final_cut, kv_json, kv_keys, lockstep_islands, tails,
+                              wait_exit, wait_until)
 from tests.scripted import SyncerProc, replay_segments, tape
 
 pytestmark = pytest.mark.e2e
@@ -186,6 +190,12 @@ async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_th
         merges = [r for r in await tape(js, run_id, "merge") if r.get("step")]
         # both syncer processes' recorded inputs rebuild their machines (config with `outer`) identically
         segs = replay_segments(nats_url, run_id)
+        ckpt_keys = await kv_keys(await kv_handle(js, run_id, "ckpt"))
+        # the committed cut exported from the state KV alone (params only in this mode)
+        from_js = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-P", "-m", "yeto.services.cli", "export", "--run", run_id, "--from",
+                             "jetstream", "--nats", nats_url, "--out", str(tmp_path / "from-js.safetensors")],
+            capture_output=True, text=True, timeout=120)
     finally:
         for p in procs.values():
             p.stop()
@@ -194,7 +204,13 @@ async def test_a_sparse_syncer_killed_mid_run_resumes_and_the_run_finishes_on_th
     assert commit["committed_step"] == 16
     assert {r["step"] for r in merges} == set(range(1, 17))
     assert all(r["detail"]["outer_mode"] == "sparseloco" for r in merges)
+    # no momentum in this mode, so none durable: params only in the checkpoint and the state KV
+    assert not list((tmp_path / "syncer").glob("*.momentum*")), sorted((tmp_path / "syncer").iterdir())
+    assert [k for k in ckpt_keys if ".p." in k] and not [k for k in ckpt_keys if ".m." in k], sorted(ckpt_keys)
     assert_islands_hold_the_final_cut(tmp_path / "syncer", tmp_path / "final.safetensors", run_id, islands.values())
+    assert from_js.returncode == 0, from_js.stdout + from_js.stderr
+    final, js_cut = load_file(str(tmp_path / "final.safetensors")), load_file(str(tmp_path / "from-js.safetensors"))
+    assert sorted(final) == sorted(js_cut) and all(torch.equal(final[n], js_cut[n]) for n in final)
 
 
 @pytest.mark.timeout(200)

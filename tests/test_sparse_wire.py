@@ -46,7 +46,7 @@ def test_the_island_pushes_error_feedback_messages_kept_only_when_the_push_got_t
     shapes = SM.shapes(frag)
     for rnd in range(3):
         d = torch.randn(frag["numel"], generator=g)
-        msg = sp.encode(0, d)
+        msg = sp.encode(0, d.clone())   # consumed: its storage becomes the new accumulators
         assert len(msg) == push_nbytes(shapes, OUTER.spec) == plan_nbytes(sp.spans(0))
         # Δ = anchor − local = −d, per tensor in layout order
         deltas = [(-d[t["offset"]: t["offset"] + t["numel"]]).view(t["shape"]) for t in frag["tensors"]]
@@ -57,6 +57,30 @@ def test_the_island_pushes_error_feedback_messages_kept_only_when_the_push_got_t
         sp.settle(0, True)
         for got, want in zip(sp.accumulators(0), ref.acc):
             assert torch.equal(got, want)
+
+
+def test_the_fold_over_d_is_bitwise_the_reference_fold_on_signed_zeros_and_underflow():
+    """ErrorFeedback.folded writes (β·e − d) + 0.0 over d block by block; `push` folds β·e + (−d + 0.0):
+    the same bits, signed zeros, values whose β·e underflows to −0, and β·e == d included."""
+    from yeto.learner import sparse_outer as SO
+
+    g = torch.Generator().manual_seed(7)
+    n = 3 * SO.FOLD_BLOCK + 123   # several blocks and a short last one
+    e = torch.randn(n, generator=g)
+    d = torch.randn(n, generator=g)
+    special = torch.tensor([-0.0, 0.0, -1e-45, 1e-45, -0.0, 0.0, 2.0, -3.0])
+    e[:8], d[:8] = special, torch.tensor([0.0, -0.0, 0.0, -0.0, -0.0, 0.0, 1.9, -2.85])
+    d[8:16] = e[8:16] * 0.95                     # β·e == d: an exact zero
+    shapes = [(n,)]
+    prev = ErrorFeedback(shapes, OUTER.spec, 0.95)
+    prev.acc = [e.clone()]
+    ref = ErrorFeedback(shapes, OUTER.spec, 0.95)
+    ref.acc = [e.clone()]
+    want_msg = ref.push([torch.neg(d).add_(0.0)])
+    got = ErrorFeedback.folded(prev, OUTER.spec, 0.95, [d.clone()])
+    assert torch.equal(prev.acc[0].view(torch.int32), e.view(torch.int32))   # untouched
+    assert got.compress() == want_msg
+    assert torch.equal(got.acc[0].view(torch.int32), ref.acc[0].view(torch.int32))
 
 
 def test_delta_zero_is_plus_zero_as_anchor_minus_local():

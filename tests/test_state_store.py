@@ -228,3 +228,35 @@ async def test_a_save_refuses_a_stream_of_another_version(store, run_id):
     stream = st.stream(0, 2, p, m)
     with pytest.raises(RuntimeError, match="version 2 was streamed, the commit names 1"):
         await st.save(_state(run_id, {0: 1}, 1), {0: (p, m)}, {}, streamed={0: stream})
+
+
+async def test_a_sparse_run_stores_and_restores_params_alone(store, run_id, tmp_path):
+    """docs/design.md §4.10: the sparse outer mode has no momentum: a save puts params chunks only (streamed
+    or whole), a standby's warm pass and a takeover's restore fetch and write params only, bitwise."""
+    from yeto.services.syncer.state_store import WARM_DIR
+
+    st, kv = store
+    session = {**SESSION, "outer": {"mode": "sparseloco", "tile": 64, "k": 64, "chunk_1d": 64, "k_1d": 64,
+                                    "value_bits": 2, "beta": 0.95}}
+    numels = {0: 1000, 1: 37}
+    p0 = {0: _frag(1, 1000)[0], 1: _frag(2, 37)[0]}
+    await st.save(_state(run_id, {0: 0, 1: 0}, 0), {f: (p, None) for f, p in p0.items()}, {})
+    ckpt = CheckpointDir(tmp_path / "standby")
+    warm = CheckpointDir(ckpt.path / WARM_DIR)
+    assert await st.warm(warm, numels, momentum=False) == 2
+    assert sorted(p.name for p in warm.path.iterdir()) == ["frag-0-v0.params", "frag-1-v0.params"]
+    params = p0[0].clone()   # version 1 streamed while "the merge" steps it in place
+    stream = st.stream(0, 1, params, None)
+    new = _frag(3, 1000)[0]
+    for off in range(0, 1000, 100):
+        params[off: off + 100] = new[off: off + 100]
+        await stream.put_ready(off + 100)
+    await st.save(_state(run_id, {0: 1, 1: 0}, 1), {0: (params, None)}, {0: 0}, streamed={0: stream})
+    keys = await kv_keys(kv)
+    assert [k for k in keys if ".p." in k] and not [k for k in keys if ".m." in k], sorted(keys)
+    state = await st.restore_into(ckpt, session, numels, warm=warm)
+    assert state.versions == {0: 1, 1: 0} and st.counters["state_store.restored_warm"] == 1   # fragment 1 moved
+    assert sorted(p.name for p in ckpt.path.glob("frag-*")) == ["frag-0-v1.params", "frag-1-v0.params"]
+    for fid, v, want in ((0, 1, new), (1, 0, p0[1])):
+        got, mom = ckpt.load_fragment(fid, v, want.numel(), momentum=False)
+        assert mom is None and torch.equal(got, want)

@@ -36,10 +36,10 @@ TTL = "2"
 ROUNDS = int(os.environ.get("YETO_TEST_STANDBY_ROUNDS", "60"))
 
 
-def _syncer(url, run, ckpt, rounds, log, ttl: str = TTL):
+def _syncer(url, run, ckpt, rounds, log, ttl: str = TTL, extra: tuple = ()):
     return SyncerProc(url, run, ckpt, "--islands", "2", "--fragments", str(P), "--sync-every", str(H),
                       "--total-steps", str(rounds), "--init-island", "a", "--quorum-timeout", "30",
-                      "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", ttl, log=log)
+                      "--member-timeout", "20", "--final-timeout", "60", "--lease-ttl", ttl, *extra, log=log)
 
 
 def _islands(url, run, tmp):
@@ -125,15 +125,18 @@ async def test_a_second_syncer_started_a_second_later_stands_by_and_the_run_fini
 
 
 @pytest.mark.timeout(240 + 2 * ROUNDS)
-@pytest.mark.parametrize("dirs", ["own", "shared"])
+@pytest.mark.parametrize("dirs", ["own", "shared", "own-sparse"])
 async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finishes(nc, nats_url, run_id, tmp_path,
                                                                                       dirs):
     js = nc.jetstream()
-    rounds = ROUNDS
+    # own-sparse: the sparse outer mode (§4.10), whose state KV holds params alone (no momentum), restored
+    sparse = dirs == "own-sparse"
+    dirs, rounds = ("own", min(ROUNDS, 20)) if sparse else (dirs, ROUNDS)
+    extra = ("--outer", "sparseloco", "--sparse-tile", "8", "--sparse-k", "16") if sparse else ()
     d1, d2 = (tmp_path / "s1", tmp_path / "s2") if dirs == "own" else (tmp_path / "shared",) * 2
-    first = _syncer(nats_url, run_id, d1, rounds, tmp_path / "s1.log").start()
+    first = _syncer(nats_url, run_id, d1, rounds, tmp_path / "s1.log", extra=extra).start()
     await asyncio.sleep(1.0)
-    second = _syncer(nats_url, run_id, d2, rounds, tmp_path / "s2.log").start()
+    second = _syncer(nats_url, run_id, d2, rounds, tmp_path / "s2.log", extra=extra).start()
     where = {id(first): d1, id(second): d2}
     isl = _islands(nats_url, run_id, tmp_path)
     procs = {"first": first, "second": second, **isl}
@@ -151,6 +154,9 @@ async def test_the_owner_killed_mid_run_the_standby_takes_over_and_the_run_finis
         assert rcs == {"second": 0, "a": 0, "b": 0}, tails(procs)
         commit = await kv_json(js, run_id, "commit")
         await _one_digest_per_version(js, run_id)
+        if sparse:
+            assert (await kv_json(js, run_id, "session"))["outer"]["mode"] == "sparseloco"
+            assert not list(ckpt.glob("*.momentum*")), sorted(ckpt.iterdir())
         steps = [m["step"] for m in await merges(js, run_id)]
         # `yeto replay` holds across the takeover: both processes' inputs replay to the same actions
         replay = await asyncio.to_thread(

@@ -1,7 +1,8 @@
 """The syncer's checkpoint directory: the source of truth for the bytes of every committed version.
 
 One pair of raw little-endian f32 files per fragment and version (`frag-F-vN.params`,
-`frag-F-vN.momentum`) and `checkpoint.json`, which names the current files, the version per fragment,
+`frag-F-vN.momentum`; the params file alone in the sparse outer mode, which has no momentum: `files`'
+`momentum=False`, docs/design.md §4.10) and `checkpoint.json`, which names the current files, the version per fragment,
 the committed global step and the session fingerprint; a merge streams its new version into them as it
 goes (`VersionFiles`), and a cut-through merge records its **intent** first (`write_intent`; the seal and
 the intent: docs/design.md §8).
@@ -94,8 +95,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 class VersionFiles:
     """A fragment's new version written chunk by chunk while the merge runs: `add(offset, count)` (in
     order, after the chunk's outer step; the slices must not change until `finish`) writes the chunk's
-    params and momentum into `frag-F-vN.params.tmp` / `.momentum.tmp`; `finish` (in CheckpointDir.commit)
-    waits for the writes, fsyncs both files once and renames them. `thread=True` writes on a thread of
+    params and momentum (None: no momentum file) into `frag-F-vN.params.tmp` / `.momentum.tmp`; `finish`
+    (in CheckpointDir.commit) waits for the writes, fsyncs the files once and renames them. `thread=True` writes on a thread of
     its own beside the merge (add only queues the chunk); else add writes inline. `seconds`: time spent
     writing (page cache); `wait_s`: how long `finish` waited for a writer thread still behind.
     `abort` closes and deletes the .tmp files (a failed merge; a crash leaves them to the next commit).
@@ -109,14 +110,15 @@ class VersionFiles:
     0.01 s, the writes +0.05 s)."""
 
     def __init__(self, ckpt: "CheckpointDir", fragment: int, version: int, params: torch.Tensor,
-                 momentum: torch.Tensor, *, thread: bool = False):
+                 momentum: torch.Tensor | None, *, thread: bool = False):
         assert sys.byteorder == "little", "checkpoint files are little-endian f32"
-        if params.numel() != momentum.numel():
+        if momentum is not None and params.numel() != momentum.numel():
             raise CheckpointError(f"fragment {fragment}: params hold {params.numel()} values, momentum {momentum.numel()}")
         ckpt.path.mkdir(parents=True, exist_ok=True)
         self.fragment, self.version, self.numel = fragment, version, params.numel()
         self.params, self.momentum = params, momentum
-        self.final = ckpt.files(fragment, version)
+        self.tensors = (params,) if momentum is None else (params, momentum)
+        self.final = ckpt.files(fragment, version, momentum=momentum is not None)
         self.tmp = tuple(q.with_suffix(q.suffix + ".tmp") for q in self.final)
         # "wb": a leftover of an earlier attempt at this version (a crash) is truncated, never appended to
         self._f = [open(q, "wb") for q in self.tmp]
@@ -147,8 +149,8 @@ class VersionFiles:
     def _write(self, elem_offset: int, elem_count: int) -> None:
         t0 = time.perf_counter()
         sl = slice(elem_offset, elem_offset + elem_count)
-        self._f[0].write(_tensor_bytes(self.params[sl]))
-        self._f[1].write(_tensor_bytes(self.momentum[sl]))
+        for f, t in zip(self._f, self.tensors):
+            f.write(_tensor_bytes(t[sl]))
         self.written += elem_count
         if (self.written - self.flushed) * 4 >= WRITEBACK_BYTES or self.written == self.numel:
             for f in self._f:  # unbuffered for chunks this size; flush() makes sure of it
@@ -180,7 +182,7 @@ class VersionFiles:
         """Both files durable under their final names (not yet named by the manifest)."""
         self._join()
         if self._error is not None:
-            raise CheckpointError(f"writing {self.tmp[0].name} / {self.tmp[1].name} failed: {self._error!r}")
+            raise CheckpointError(f"writing {' / '.join(q.name for q in self.tmp)} failed: {self._error!r}")
         if self.written != self.numel:
             raise CheckpointError(f"fragment {self.fragment} version {self.version}: {self.written} of {self.numel} "
                                   f"values streamed to {self.tmp[0].name}; the version is not complete")
@@ -278,8 +280,10 @@ class CheckpointDir:
     def exists(self) -> bool:
         return (self.path / MANIFEST).is_file()
 
-    def files(self, fragment: int, version: int) -> tuple[Path, Path]:
-        return (self.path / f"frag-{fragment}-v{version}.params", self.path / f"frag-{fragment}-v{version}.momentum")
+    def files(self, fragment: int, version: int, *, momentum: bool = True) -> tuple[Path, ...]:
+        """The version's files: params and momentum, or (`momentum=False`, the sparse mode) params alone."""
+        p = self.path / f"frag-{fragment}-v{version}.params"
+        return (p, self.path / f"frag-{fragment}-v{version}.momentum") if momentum else (p,)
 
     def session_path(self) -> Path:
         return self.path / "session.json"
@@ -323,12 +327,13 @@ class CheckpointDir:
     def commit(
         self,
         state: CheckpointState,
-        fragments: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        fragments: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
         streamed: dict[int, VersionFiles] | None = None,
         *,
         prune: bool = True,
     ) -> None:
-        """Durably write the given fragments' params and momentum at state.versions, then the manifest.
+        """Durably write the given fragments' params and momentum (None: none, no file) at state.versions,
+        then the manifest.
         `streamed`: fragments whose new version the merge already wrote (VersionFiles): only fsynced
         and renamed here; the others are written whole. Then the older files go (`prune`; False:
         the caller prunes later)."""
@@ -344,7 +349,8 @@ class CheckpointDir:
                 continue
             p, m = self.files(fid, state.versions[fid])
             _write_tensor(p, params)
-            _write_tensor(m, momentum)
+            if momentum is not None:
+                _write_tensor(m, momentum)
         tmp = self.path / (MANIFEST + ".tmp")
         with open(tmp, "wb") as f:
             f.write(state.to_json())
@@ -406,11 +412,15 @@ class CheckpointDir:
     def drop_intent(self, fragment: int) -> None:
         self.intent_path(fragment).unlink(missing_ok=True)
 
-    def load_fragment(self, fragment: int, version: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p, m = self.files(fragment, version)
-        if not p.is_file() or not m.is_file():
-            raise CheckpointError(f"checkpoint {self.path} lacks fragment {fragment} version {version} ({p.name}, {m.name})")
-        return _read_tensor(p, numel), _read_tensor(m, numel)
+    def load_fragment(self, fragment: int, version: int, numel: int, *,
+                      momentum: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The version's params and momentum (`momentum=False`: the params and None, the sparse mode)."""
+        files = self.files(fragment, version, momentum=momentum)
+        if not all(q.is_file() for q in files):
+            raise CheckpointError(f"checkpoint {self.path} lacks fragment {fragment} version {version} "
+                                  f"({', '.join(q.name for q in files)})")
+        got = [_read_tensor(q, numel) for q in files]
+        return got[0], (got[1] if momentum else None)
 
 
 def sha256_of(t: torch.Tensor) -> str:

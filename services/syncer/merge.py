@@ -145,13 +145,14 @@ class Merger:
         failure now is a MergeError) and aggregated in member order with this merge's lr."""
         frag = self.model.session["fragments"][a.fragment]
         outer = OM.from_session(self.model.session)
-        pushes = []
-        for t in tries:
+        async def decode(t):
             data = b"".join([bytes(await self._push_bytes(t, k)) for k in range(t.chunks)])
             try:
-                pushes.append(await asyncio.to_thread(SM.decode, frag, outer, data))
+                return await asyncio.to_thread(SM.decode, frag, outer, data)
             except ValueError as exc:
                 raise MergeError(f"merge of step {a.step}: push of {t.key[0]} no longer decodes: {exc}") from None
+
+        pushes = await asyncio.gather(*(decode(t) for t in tries))   # on threads side by side, kept in member order
         return await asyncio.to_thread(SM.FragmentStep.of, frag, pushes, self.hyper(a)[0])
 
     def use_outer(self, settings: dict) -> None:
@@ -244,6 +245,11 @@ class Merger:
         held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
         # sparse: the whole step decoded and aggregated up front (a few values per tile), applied span by span
         sparse_step = await self._sparse_step(a, tries) if sparse else None
+        # the version's update message (BCAST), made on a thread while the loop below steps and writes
+        upd = None
+        if sparse and self._updates(a.version):
+            upd = asyncio.ensure_future(asyncio.to_thread(
+                sparse_step.update_message, session["fragments"][fid], OM.from_session(session)))
         outer_step = None if sparse else await asyncio.to_thread(
             OuterStep, [m.weight for m in a.members], lr, momentum, delta_dtypes=[delta_dtype(dtype)] * len(tries),
             chunk_numel=spans[0].elem_count)
@@ -318,6 +324,8 @@ class Merger:
         except BaseException as exc:
             if not nxt.done():
                 nxt.cancel()
+            if upd is not None:
+                upd.cancel()   # its result is not wanted (the thread finishes on its own)
             # never named by a manifest; deleted now, not left behind. Not by a deposed owner: its files'
             # names may be the new owner's own work in progress (a checkpoint directory both mount).
             if files is not None and not isinstance(exc, Fenced):
@@ -350,10 +358,7 @@ class Merger:
             rec["detail"]["sparse_entries"] = int(sparse_step.index.numel())   # coordinates this step moved
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
-        updates = None
-        if sparse and self._updates(a.version):
-            updates = {fid: await asyncio.to_thread(sparse_step.update_message, self.model.session["fragments"][fid],
-                                                    OM.from_session(self.model.session))}
+        updates = None if upd is None else {fid: await upd}
         try:
             await self.publisher.commit({fid: a.version}, step=a.step, attempts=self.attempts, records=[rec],
                                   updates=updates,

@@ -11,6 +11,8 @@ before its seal goes out.
 
 Syncer shards (schemas/shards.py): a shard's store holds its own fragments only (`set_session` keeps
 those), so params and momentum take memory per shard; its commit record is `commit.<K>`.
+The sparse outer mode (docs/design.md §4.10) has no momentum: a fragment's is None, and neither the
+checkpoint nor the state KV holds one (`OM.has_momentum`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 import torch
 
+from yeto.schemas import outer_mode as OM
 from yeto.schemas import shards as SH, versions
 from yeto.schemas.chunks import VersionDigest, chunk_plan
 from yeto.schemas.dtypes import pack
@@ -36,8 +39,9 @@ from yeto.services.syncer.state_store import WARM_DIR, StateStore, StateStream
 
 @dataclass(frozen=True)
 class Frag:
-    """One own fragment: its size, and its params and momentum once INIT or a checkpoint gave them. Frozen:
-    the store replaces a fragment's record when it loads other tensors, and steps the tensors in place."""
+    """One own fragment: its size, and its params and momentum once INIT or a checkpoint gave them (momentum
+    None in the sparse mode). Frozen: the store replaces a fragment's record when it loads other tensors,
+    and steps the tensors in place."""
     numel: int
     params: torch.Tensor | None = None
     momentum: torch.Tensor | None = None
@@ -77,6 +81,11 @@ class ModelStore:
     def read_state(self) -> CheckpointState:
         return self.ckpt.read_state()
 
+    @property
+    def momentum(self) -> bool:
+        """Whether this run keeps an outer momentum (dense) or not (sparse): what is held and written."""
+        return OM.has_momentum(self.session)
+
     # ---- the session and the tensors ------------------------------------------------------------------
 
     def set_session(self, session: dict) -> None:
@@ -90,33 +99,38 @@ class ModelStore:
         self.ckpt.write_session(session)
 
     def init_chunk(self, fid: int, elem_offset: int, values: torch.Tensor) -> None:
-        """INIT: one chunk of version 0's params (momentum starts at zero)."""
+        """INIT: one chunk of version 0's params (momentum starts at zero; none in the sparse mode)."""
         fr = self.frags[fid]
         params = fr.params
         if params is None:
             params = torch.zeros(fr.numel, dtype=torch.float32)
-            self.frags[fid] = Frag(fr.numel, params, torch.zeros(fr.numel, dtype=torch.float32))
+            self.frags[fid] = Frag(fr.numel, params,
+                                   torch.zeros(fr.numel, dtype=torch.float32) if self.momentum else None)
         params[elem_offset: elem_offset + values.numel()] = values
 
     def load(self, versions: dict[int, int]) -> None:
         """--resume: every own fragment's params and momentum at `versions` from the checkpoint directory
         (CheckpointError when a file is missing or short, KeyError when a fragment has no version)."""
         for fid, fr in list(self.frags.items()):
-            self.frags[fid] = Frag(fr.numel, *self.ckpt.load_fragment(fid, versions[fid], fr.numel))
+            self.frags[fid] = Frag(fr.numel, *self.ckpt.load_fragment(fid, versions[fid], fr.numel,
+                                                                      momentum=self.momentum))
 
     async def reload(self, fid: int, version: int) -> None:
         """Back to a checkpointed version, read again from its files (a redo that failed may have stepped
         some spans) rather than a whole copy held beside the fragment."""
         fr = self.frags[fid]
-        params, momentum = await asyncio.to_thread(self.ckpt.load_fragment, fid, version, fr.numel)
+        params, momentum = await asyncio.to_thread(self.ckpt.load_fragment, fid, version, fr.numel,
+                                                   momentum=self.momentum)
         self.frags[fid] = Frag(fr.numel, params, momentum)
 
-    def update(self, fid: int, elem_offset: int, elem_count: int, step: Callable[[torch.Tensor, torch.Tensor], Any]):
-        """The merge's outer step on one span, in place: `step(params[span], momentum[span])`, whose result
-        is returned. The spans' new bytes are then packed, written and broadcast before the next commit of
-        this fragment (the commit order: one merge of a fragment at a time)."""
+    def update(self, fid: int, elem_offset: int, elem_count: int,
+               step: Callable[[torch.Tensor, torch.Tensor | None], Any]):
+        """The merge's outer step on one span, in place: `step(params[span], momentum[span])` (momentum None in
+        the sparse mode), whose result is returned. The spans' new bytes are then packed, written and
+        broadcast before the next commit of this fragment (the commit order: one merge of a fragment at a time)."""
         fr = self.frags[fid]
-        return step(fr.params[elem_offset: elem_offset + elem_count], fr.momentum[elem_offset: elem_offset + elem_count])
+        sl = slice(elem_offset, elem_offset + elem_count)
+        return step(fr.params[sl], None if fr.momentum is None else fr.momentum[sl])
 
     # ---- the durable copies ---------------------------------------------------------------------------
 
@@ -231,9 +245,10 @@ class ModelStore:
     async def has_stored_state(self) -> bool:
         return self.state_store is not None and await self.state_store.has_state()
 
-    async def warm(self, numels: dict[int, int]) -> int:
-        """A standby's pass over the warm copy (state_store.StateStore.warm); the fragments fetched."""
-        return await self.state_store.warm(CheckpointDir(self.warm_path), numels)
+    async def warm(self, numels: dict[int, int], *, momentum: bool = True) -> int:
+        """A standby's pass over the warm copy (state_store.StateStore.warm); the fragments fetched.
+        `momentum`: the run's session keeps one (dense); a standby may hold no session yet, so it is told."""
+        return await self.state_store.warm(CheckpointDir(self.warm_path), numels, momentum=momentum)
 
     async def drop_warm(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.warm_path, True)

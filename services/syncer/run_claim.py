@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from yeto.schemas import outer_mode as OM
 from yeto.schemas import shards as SH
 from yeto.services.syncer.checkpoint import CheckpointError
 from yeto.services.syncer.config import SyncerConfig
@@ -122,7 +123,7 @@ class RunClaim:
         """A standby's warm copy of the committed cut (state_store.py `warm`), refreshed every half lease TTL
         (at least every 2 s) until the takeover cancels it. Never raises: a pass that fails is tried again."""
         every = max(0.5, min(2.0, self.lease_ttl_s / 2))
-        numels = None
+        numels, momentum = None, True
         while True:
             if self.ckpt.exists():
                 # The owner's checkpoint appeared in this directory: it is shared (a volume both mount), and the
@@ -135,8 +136,9 @@ class RunClaim:
                     if session is not None:
                         own = set(self.mc.own_fragments)
                         numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in own}
+                        momentum = OM.has_momentum(session)   # the sparse mode stores none
                 if numels is not None:
-                    n = await self.model.warm(numels)
+                    n = await self.model.warm(numels, momentum=momentum)
                     if n:
                         log.info("standby: %d fragment version%s fetched into the warm copy %s", n,
                                  "s" if n > 1 else "", self.model.warm_path)

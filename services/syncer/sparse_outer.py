@@ -49,7 +49,10 @@ def aggregate(pushes: Sequence[Sequence[SparseTensor]]) -> list[SparseTensor]:
         idx = torch.cat([m.indices for m in msgs])
         vals = torch.cat([m.values if f == 1.0 else m.values * torch.tensor(f, dtype=torch.float32)
                           for m, f in zip(msgs, factors)])
-        uniq, inv = torch.unique(idx, sorted=True, return_inverse=True)
+        # the same sorted indices from int32 keys where they fit (a sort about twice as fast)
+        narrow = idx.numel() > 0 and int(idx.max()) < 2 ** 31
+        uniq, inv = torch.unique(idx.to(torch.int32) if narrow else idx, sorted=True, return_inverse=True)
+        uniq = uniq.to(torch.int64)
         mean = torch.zeros(uniq.numel(), dtype=torch.float32)
         mean.scatter_reduce_(0, inv, vals, reduce="mean", include_self=False)
         out.append(SparseTensor(uniq, mean))

@@ -1,9 +1,9 @@
 """The syncer's committed state in JetStream (docs/design.md §8, §11): what a standby on another host, with an
-empty `--checkpoint-dir`, needs to continue the run — the committed params and momentum of every fragment,
-the checkpoint manifest, and the merge intents — kept in the run's `ckpt` KV bucket (its `--replicas`;
-the keys: `StateStore`'s doc and §3.2), a bucket of its own because only the syncer identity may read it.
-The checkpoint directory stays the owner's working copy (resume reads it; `yeto export` can too); this is
-what outlives the host. A standby keeps the cut warm (`warm`).
+empty `--checkpoint-dir`, needs to continue the run — the committed params and momentum of every fragment
+(params alone in the sparse outer mode, which has none: §4.10), the checkpoint manifest, and the merge
+intents — kept in the run's `ckpt` KV bucket (its `--replicas`; the keys: `StateStore`'s doc and §3.2), a
+bucket of its own because only the syncer identity may read it. The checkpoint directory stays the owner's
+working copy (resume and `yeto export` read it); this outlives the host. A standby keeps the cut warm (`warm`).
 Invariants, as in the directory: a version's chunks, then the manifest that names it, then the previous
 version's chunks are purged; a crash in between leaves the old manifest naming complete old chunks (or a
 leftover of chunks no manifest names, which the next owner purges when it starts: `purge_unnamed`). The
@@ -26,6 +26,7 @@ import numpy as np
 import orjson
 import torch
 
+from yeto.schemas import outer_mode as OM
 from yeto.schemas import subjects as S
 from yeto.schemas.provision import kv_put
 from yeto.schemas.publish import Pipeline
@@ -52,7 +53,7 @@ class StateStore:
 
       `ckpt.<K>.manifest`          the CheckpointState JSON and the chunk size
       `ckpt.<K>.f<F>.v<N>.p.<k>`   params of fragment F at version N, chunk k (raw little-endian f32)
-      `ckpt.<K>.f<F>.v<N>.m.<k>`   its momentum, chunk k
+      `ckpt.<K>.f<F>.v<N>.m.<k>`   its momentum, chunk k (none in the sparse mode)
       `ckpt.<K>.intent.f<F>`       the merge intent (checkpoint.CheckpointDir.write_intent), before a
                                    cut-through version's first chunk goes out
     """
@@ -67,9 +68,10 @@ class StateStore:
     def key(self, *parts) -> str:
         return ".".join(["ckpt", str(self.shard), *map(str, parts)])
 
-    def stream(self, fid: int, version: int, params: torch.Tensor, momentum: torch.Tensor) -> "StateStream":
+    def stream(self, fid: int, version: int, params: torch.Tensor, momentum: torch.Tensor | None) -> "StateStream":
         """A new version's chunks, put as they become final (StateStream): the merge puts them while it
-        makes them, and `save` then only waits for their acks before the manifest."""
+        makes them, and `save` then only waits for their acks before the manifest. momentum None: the
+        params only (the sparse mode)."""
         return StateStream(self, fid, version, params, momentum)
 
     async def put_chunk(self, pipe: Pipeline, fid: int, version: int, kind: str, k: int, piece: torch.Tensor,
@@ -80,7 +82,7 @@ class StateStore:
                        f"kv.state.{key}.{attempt}")
         self.counters["state_store.chunks"] += 1
 
-    async def save(self, state: CheckpointState, frags: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    async def save(self, state: CheckpointState, frags: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
                    previous: dict[int, int], streamed: dict[int, "StateStream"] | None = None) -> float:
         """The new versions' params and momentum, then the manifest, then the older versions' chunks go.
         `streamed`: fragments whose chunks the merge already put (StateStream): only their acks are
@@ -190,7 +192,7 @@ class StateStore:
                 self.counters[counter] += 1
         return t
 
-    async def warm(self, warm: CheckpointDir, numels: dict[int, int]) -> int:
+    async def warm(self, warm: CheckpointDir, numels: dict[int, int], *, momentum: bool = True) -> int:
         """One pass of a standby keeping the cut warm while it waits for the lease: every fragment of
         `numels` whose committed version `warm` (`<its checkpoint dir>/.standby-warm/`, the same file names
         as a checkpoint) lacks is fetched into it (params and momentum, each file written whole and
@@ -198,7 +200,7 @@ class StateStore:
         what was committed since its last pass and moves the rest into place (`restore_into(..., warm=)`).
         Streaming DiLoCo changes one fragment per round, so that is about one fragment, not the shard.
         Returns the fragments fetched. A version purged under the pass (a newer commit) is skipped: the
-        next pass takes the newer one."""
+        next pass takes the newer one. `momentum=False` (the sparse mode): params only."""
         m = await self._manifest()
         if m is None:
             return 0
@@ -207,25 +209,25 @@ class StateStore:
         for fid, v in sorted(state.versions.items()):
             if fid not in numels:
                 continue
-            p_path, m_path = warm.files(fid, v)
-            if p_path.is_file() and m_path.is_file():
+            paths = warm.files(fid, v, momentum=momentum)
+            if all(q.is_file() for q in paths):
                 continue
             try:
-                params = await self._fetch(fid, v, "p", numels[fid], elems, "state_store.warm_chunks")
-                momentum = await self._fetch(fid, v, "m", numels[fid], elems, "state_store.warm_chunks")
+                tensors = [await self._fetch(fid, v, kind, numels[fid], elems, "state_store.warm_chunks")
+                           for kind in "pm"[:len(paths)]]
             except _Gone:
                 self.counters["state_store.warm_moved_on"] += 1
                 continue
 
             def write():
                 warm.path.mkdir(parents=True, exist_ok=True)
-                for path, t in ((p_path, params), (m_path, momentum)):
+                for path, t in zip(paths, tensors):
                     tmp = path.with_suffix(path.suffix + ".tmp")
                     with open(tmp, "wb") as f:   # no fsync: a cache, checked by digest before any use
                         f.write(memoryview(t.view(torch.uint8).numpy()))
                     os.replace(tmp, path)
                 for old in warm.path.glob(f"frag-{fid}-v*"):
-                    if old.name not in (p_path.name, m_path.name):
+                    if old.name not in {q.name for q in paths}:
                         old.unlink(missing_ok=True)
             await asyncio.to_thread(write)
             fetched += 1
@@ -234,26 +236,30 @@ class StateStore:
     async def restore_into(self, ckpt: CheckpointDir, session: dict, numels: dict[int, int],
                            warm: CheckpointDir | None = None) -> CheckpointState:
         """Write the committed state kept here into `ckpt` (an empty directory): session, every fragment's
-        params and momentum at its committed version, the manifest, the intents. `numels`: elements per
+        params and momentum (params only when the session is sparse) at its committed version, the
+        manifest, the intents. `numels`: elements per
         fragment (the session's layout). A fragment whose version `warm` holds (a standby's warm copy) is
         moved into place instead of fetched. Raises CheckpointError-like RuntimeError naming what is missing."""
         m = await self._manifest()
         if m is None:
             raise RuntimeError(f"the ckpt KV holds no checkpoint manifest ({self.key('manifest')})")
         state, elems = m
+        mom = OM.has_momentum(session)
         frags = {}
         moved = []
         for fid, v in sorted(state.versions.items()):
             n = numels[fid]
-            if warm is not None and all(f.is_file() and f.stat().st_size == n * ELEM for f in warm.files(fid, v)):
+            if warm is not None and all(f.is_file() and f.stat().st_size == n * ELEM
+                                        for f in warm.files(fid, v, momentum=mom)):
                 moved.append(fid)
                 continue
             frags[fid] = (await self._fetch(fid, v, "p", n, elems, "state_store.restore_chunks"),
-                          await self._fetch(fid, v, "m", n, elems, "state_store.restore_chunks"))
+                          await self._fetch(fid, v, "m", n, elems, "state_store.restore_chunks") if mom else None)
         ckpt.write_session(session)
         ckpt.path.mkdir(parents=True, exist_ok=True)
         for fid in moved:   # same filesystem (WARM_DIR is inside ckpt): renames, before the manifest names them
-            for src, dst in zip(warm.files(fid, state.versions[fid]), ckpt.files(fid, state.versions[fid])):
+            v = state.versions[fid]
+            for src, dst in zip(warm.files(fid, v, momentum=mom), ckpt.files(fid, v, momentum=mom)):
                 os.replace(src, dst)
         self.counters["state_store.restored_warm"] += len(moved)
         ckpt.commit(state, frags)
@@ -269,17 +275,20 @@ class StateStream:
     """One fragment's new version put into the ckpt KV chunk by chunk while the merge makes it, so the
     commit's `save` waits only for the last acks (measured with bench/round.py: the save after the merge
     loop was the round's largest stage, about 2 s of 5.7 at 256 MiB). `put_ready(done)` puts every chunk
-    of params and momentum whose elements are all final (the merge steps chunks in order, in place);
-    `flush` puts the rest and waits for every ack.
+    of params and momentum (params alone when momentum is None) whose elements are all final (the merge
+    steps chunks in order, in place); `flush` puts the rest and waits for every ack.
 
     Safe before the manifest, as in `save`: chunks no manifest names are a torn save's leftover (the next
     owner's `purge_unnamed` removes them, a later save of that version overwrites them). The Nats-Msg-Id
     carries an attempt id of this stream: a redone merge that gives the same version other bytes (its
     round ran again) puts the same keys, and JetStream's duplicate window would drop them."""
 
-    def __init__(self, store: StateStore, fid: int, version: int, params: torch.Tensor, momentum: torch.Tensor):
+    def __init__(self, store: StateStore, fid: int, version: int, params: torch.Tensor,
+                 momentum: torch.Tensor | None):
         self.store, self.fid, self.version = store, fid, version
-        self.params, self.momentum = params.detach().reshape(-1), momentum.detach().reshape(-1)
+        self.params = params.detach().reshape(-1)
+        self.kinds = (("p", self.params),) if momentum is None else (("p", self.params),
+                                                                   ("m", momentum.detach().reshape(-1)))
         self.pipe = Pipeline(store.js, timeout=10.0, counters=store.counters)
         self.attempt = time.time_ns()
         self.next = 0            # index of the next chunk to put
@@ -290,7 +299,7 @@ class StateStream:
         while self.next * elems < n and min((self.next + 1) * elems, n) <= done:
             t0 = time.perf_counter()
             sl = slice(self.next * elems, min((self.next + 1) * elems, n))
-            for kind, t in (("p", self.params), ("m", self.momentum)):
+            for kind, t in self.kinds:
                 await self.store.put_chunk(self.pipe, self.fid, self.version, kind, self.next, t[sl], self.attempt)
             self.next += 1
             self.seconds += time.perf_counter() - t0
