@@ -95,7 +95,9 @@ def run_id(request) -> str:
 async def nc(nats_url):
     import nats
 
-    conn = await nats.connect(nats_url)
+    # drain_timeout: a test's pull subscription left bound (its fetch still waiting) held the default 30 s drain
+    # at teardown (the slowest-tests list: test_learner_client's re-hello test, 30 s of teardown)
+    conn = await nats.connect(nats_url, drain_timeout=3)
     try:
         yield conn
     finally:
