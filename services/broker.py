@@ -214,7 +214,13 @@ def _keep_tail(proc: subprocess.Popen, lines: int = 20) -> deque:
 def _said(proc: subprocess.Popen, tail: deque | None, log_file) -> str:
     """What the server printed before it exited (its last lines), or where to read it."""
     if tail is None:
-        return f"; its output: {log_file}" if log_file and str(log_file) != "-" else ""
+        if not log_file or str(log_file) == "-":
+            return ""
+        try:   # the file holds every start's output: its last lines are this one's
+            last = Path(log_file).read_text(errors="replace").strip().splitlines()[-3:]
+        except OSError:
+            last = []
+        return f"; its output: {log_file}" + ("; it ends:\n  " + "\n  ".join(last) if last else "")
     deadline = time.monotonic() + 2.0
     while proc.stdout is not None and not proc.stdout.closed and time.monotonic() < deadline:
         time.sleep(0.02)       # the reader thread drains what the server wrote before it exited
