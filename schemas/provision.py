@@ -166,19 +166,18 @@ async def provision_run(
     race to another config is re-read and compared like an existing one.
     """
     _check_run_id(run)
-    for attempt in range(1, PROVISION_TRIES + 1):
+    kw = dict(push_headers_only=push_headers_only, log=log or log_.info, shard=shard, shards=shards,
+              fragments=fragments)
+    for attempt in range(1, PROVISION_TRIES):
         try:
-            return await _provision_once(js, run, limits, push_headers_only=push_headers_only, log=log or log_.info,
-                                         shard=shard, shards=shards, fragments=fragments)
+            return await _provision_once(js, run, limits, **kw)
         except nats.errors.TimeoutError:
             # A JetStream API request whose reply was lost with a node killed under it (the meta or a stream
             # leader's) waits out its whole timeout: a standby starting then exited 1 (soak/chaos.py --cluster 3
             # --standby). Every step reads or makes an identical config, so asking again is safe.
-            if attempt == PROVISION_TRIES:
-                raise
             log_.warning("run %s: the JetStream API did not answer while provisioning (a node down?); asking "
                          "again (%d of %d)", run, attempt + 1, PROVISION_TRIES)
-    raise AssertionError("unreachable")
+    return await _provision_once(js, run, limits, **kw)
 
 
 PROVISION_TRIES = 3

@@ -153,12 +153,12 @@ class Broker:
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         if out not in (subprocess.PIPE, sys.stderr):
             out.close()  # the child holds its own descriptor
-        tail = _keep_tail(self.proc) if out is subprocess.PIPE else None
+        kept = _keep_tail(self.proc) if out is subprocess.PIPE else None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise BrokerError(f"nats-server exited with {self.proc.returncode} at start (command: "
-                                  f"{' '.join(self.command())}){_said(self.proc, tail, self.log_file)}")
+                                  f"{' '.join(self.command())}){_said(kept, self.log_file)}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.settimeout(2.0)
@@ -196,7 +196,7 @@ class Broker:
         self.stop()
 
 
-def _keep_tail(proc: subprocess.Popen, lines: int = 20) -> deque:
+def _keep_tail(proc: subprocess.Popen, lines: int = 20) -> tuple[deque, threading.Thread]:
     """With no log file, nats-server's output is read and dropped, keeping its last `lines` lines: a server
     that exits at start (a port taken between the probe and its bind, a bad flag) then says why in our error
     instead of nothing, and a long run's output costs no disk and no unbounded memory."""
@@ -207,13 +207,14 @@ def _keep_tail(proc: subprocess.Popen, lines: int = 20) -> deque:
             tail.append(raw.decode(errors="replace").rstrip())
         proc.stdout.close()
 
-    threading.Thread(target=drain, name="nats-server-output", daemon=True).start()
-    return tail
+    reader = threading.Thread(target=drain, name="nats-server-output", daemon=True)
+    reader.start()
+    return tail, reader
 
 
-def _said(proc: subprocess.Popen, tail: deque | None, log_file) -> str:
+def _said(kept: tuple[deque, threading.Thread] | None, log_file) -> str:
     """What the server printed before it exited (its last lines), or where to read it."""
-    if tail is None:
+    if kept is None:
         if not log_file or str(log_file) == "-":
             return ""
         try:   # the file holds every start's output: its last lines are this one's
@@ -221,9 +222,8 @@ def _said(proc: subprocess.Popen, tail: deque | None, log_file) -> str:
         except OSError:
             last = []
         return f"; its output: {log_file}" + ("; it ends:\n  " + "\n  ".join(last) if last else "")
-    deadline = time.monotonic() + 2.0
-    while proc.stdout is not None and not proc.stdout.closed and time.monotonic() < deadline:
-        time.sleep(0.02)       # the reader thread drains what the server wrote before it exited
+    tail, reader = kept
+    reader.join(2.0)       # it reads what the server wrote before it exited, up to the pipe's end
     return ("; it said:\n  " + "\n  ".join(tail)) if tail else "; it printed nothing"
 
 
