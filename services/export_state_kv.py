@@ -5,6 +5,8 @@ Owns: reading every shard's `ckpt.<K>.manifest` and its versions' chunks (`ckpt.
 written by services/syncer/state_store.py; only the syncer identity may read them) into files of a scratch
 directory, one chunk in memory at a time, then handing them to the directory export's writer, so both
 exports write the same file for the same cut. May touch: the run's `ckpt` and `state` KV, read only.
+A version the sparse mode keeps as updates (state_chain.py: the manifest's `chains`) is spooled as its chain's
+full version with the updates after it applied, each checked against its digest.
 Invariants: the spooled bytes match the version digest the manifest recorded (with a bf16 bulk dtype that
 covers the bf16 rounding only) and, once the run is finished, the f32 digest of the final manifest (every
 bit). A chunk missing under a manifest that has since moved on (a running syncer purges older chunks once
@@ -36,6 +38,7 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
 
     from yeto.schemas.chunks import VersionDigest, chunk_plan
     from yeto.schemas.conn import connect, redact
+    from yeto.services.syncer import state_chain as SC
     from yeto.services.syncer.checkpoint import CheckpointError, CheckpointState
 
     nc = await connect(opts)
@@ -91,6 +94,10 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
                     except (CheckpointError, KeyError, ValueError) as exc:
                         raise error(f"run {run}: ckpt KV {mkey} is not a checkpoint manifest: {exc}", 1) from None
                     elems = int(doc["chunk_elems"])
+                    try:
+                        chains = SC.from_manifest(doc, state.versions, state.version_digests, f"ckpt KV {mkey}")
+                    except SC.ChainError as exc:
+                        raise error(f"run {run}: {exc}", 1) from None
                     files = {}
                     for fid, v in sorted(state.versions.items()):
                         if fid not in numels:
@@ -98,9 +105,10 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
                                         f"(fragments 0..{len(numels) - 1}) does not have", 1)
                         n = numels[fid]
                         path = scratch / f"s{k}-f{fid}-v{v}.f32"
+                        base = chains[fid].base if fid in chains else v   # a chain: its full version, then updates
                         with open(path, "wb") as w:
                             for c, off in enumerate(range(0, n, elems)):
-                                key = f"ckpt.{k}.f{fid}.v{v}.p.{c}"
+                                key = f"ckpt.{k}.f{fid}.v{base}.p.{c}"
                                 data, _ = await get(key)
                                 want = min(elems, n - off) * ELEM
                                 if data is None:
@@ -113,6 +121,8 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
                                     raise error(f"run {run}: ckpt KV {key} holds {len(data)} bytes, not {want}: the "
                                                 f"committed state of fragment {fid} version {v} is corrupt", 1)
                                 w.write(data)
+                        if fid in chains:
+                            await _apply_chain(path, chains[fid], session, fid, n, elems, k, get, mkey, rev, run, error)
                         want_digest = state.version_digests.get(fid)
                         if want_digest is not None:
                             got = await asyncio.to_thread(_digest, path, n, session, VersionDigest, chunk_plan)
@@ -144,6 +154,47 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
         raise error(f"run {run}: its committed state kept changing under the export ({attempts} tries); try again", 1)
     finally:
         await nc.close()
+
+
+async def _apply_chain(path: Path, chain, session: dict, fid: int, n: int, elems: int, shard: int, get, mkey: str,
+                       rev: int, run: str, error) -> None:
+    """The spooled full version of `chain` turned into its top version: every update after it fetched
+    (`ckpt.<K>.f<F>.v<N>.u.<k>`) and applied with `apply_step_`, each result checked against its digest
+    (state_chain.py); the fragment is held whole in memory for this."""
+    import torch
+
+    from yeto.schemas import outer_mode as OM
+    from yeto.services.syncer import state_chain as SC
+    from yeto.services.syncer.checkpoint import sha256_of
+
+    t = torch.from_file(str(path), shared=False, size=n, dtype=torch.float32).clone()
+    if await asyncio.to_thread(sha256_of, t) != chain.digest(chain.base):
+        raise error(f"run {run}: ckpt KV ckpt.{shard}.f{fid}.v{chain.base}.p.* do not hash to the digest {mkey}'s "
+                    f"chain recorded for version {chain.base}: corrupt state", 1)
+    frag = next(f for f in session["fragments"] if f["id"] == fid)
+    spec = OM.from_session(session).spec
+    step = elems * ELEM
+    for u in range(chain.base + 1, chain.top + 1):
+        msg = bytearray()
+        for c, off in enumerate(range(0, max(1, chain.size(u)), step)):
+            key = f"ckpt.{shard}.f{fid}.v{u}.u.{c}"
+            data, _ = await get(key)
+            want = min(step, chain.size(u) - off)
+            if data is None:
+                _, now_rev = await get(mkey)
+                if now_rev != rev:
+                    raise _Moved(key)
+                raise error(f"run {run}: ckpt KV {key} is missing under an unchanged {mkey}: the update making "
+                            f"fragment {fid} version {u} is gone", 1)
+            if len(data) != want:
+                raise error(f"run {run}: ckpt KV {key} holds {len(data)} bytes, not {want}: corrupt state", 1)
+            msg += data
+        try:
+            await asyncio.to_thread(SC.apply, t, bytes(msg), frag, spec, chain.digest(u), f"ckpt.{shard}.f{fid}.v{u}.u.*")
+        except SC.ChainError as exc:
+            raise error(f"run {run}: {exc}", 1) from None
+    with open(path, "wb") as w:
+        w.write(memoryview(t.view(torch.uint8).numpy()))
 
 
 def _digest(path: Path, numel: int, session: dict, VersionDigest, chunk_plan) -> str:

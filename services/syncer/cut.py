@@ -245,7 +245,7 @@ class CutPublisher:
         await self.guard()   # a deposed owner writes no checkpoint and sends no chunk (lease.py)
         await asyncio.gather(self.model.save_checkpoint(state, new_versions, streamed),
                              *(st.flush() for st in streams.values()))
-        store_s = await self.model.save_state_store(state, new_versions, prev, stored)
+        store_s = await self.model.save_state_store(state, new_versions, prev, stored, updates)
         t_ckpt = time.perf_counter()
         await self.model.write_commit_record(state)
         t_kv = time.perf_counter()

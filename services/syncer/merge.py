@@ -286,7 +286,8 @@ class Merger:
             files = await asyncio.to_thread(self.model.version_files, fid, a.version,
                                             thread=self.ckpt_writer == "thread")
         # ... and into the state KV, so the commit waits only for the last acks (state_store.StateStream)
-        stored = self.model.state_stream(fid, a.version)
+        # (not when the state store keeps the version as its update message: state_chain.py)
+        stored = self.model.state_stream(fid, a.version, update=upd is not None)
 
         def step(deltas, s):
             # the outer step of span s, in place in the model store (its one writer of a merged fragment)

@@ -139,9 +139,15 @@ class ModelStore:
         fr = self.frags[fid]
         return VersionFiles(self.ckpt, fid, version, fr.params, fr.momentum, thread=thread)
 
-    def state_stream(self, fid: int, version: int) -> StateStream | None:
-        """The new version put into the state store span by span as the merge makes it (None: no store)."""
-        if self.state_store is None:
+    def _full_every(self) -> int:
+        outer = OM.from_session(self.session)
+        return 1 if outer is None else outer.full_every
+
+    def state_stream(self, fid: int, version: int, *, update: bool = False) -> StateStream | None:
+        """The new version put into the state store span by span as the merge makes it (None: no store, or
+        `update` — the merge makes the version's update message — and the store will keep that instead:
+        state_chain.py)."""
+        if self.state_store is None or (update and self.state_store.plans_update(fid, version, self._full_every())):
             return None
         fr = self.frags[fid]
         return self.state_store.stream(fid, version, fr.params, fr.momentum)
@@ -182,14 +188,18 @@ class ModelStore:
         await asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False)
 
     async def save_state_store(self, state: CheckpointState, fids, prev: CheckpointState | None,
-                               stored: dict[int, StateStream] | None) -> float:
-        """The new versions into the state store (those the merge streamed: their acks only), then its
+                               stored: dict[int, StateStream] | None, updates: dict[int, bytes] | None = None) -> float:
+        """The new versions into the state store (those the merge streamed: their acks only; `updates`: the
+        sparse mode's update messages, kept instead of the params where the chain allows), then its
         manifest; returns the seconds it took (0 without a store)."""
         if self.state_store is None:
             return 0.0
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in fids}
         previous = {fid: prev.versions[fid] for fid in fids if prev and fid in prev.versions}
-        return await self.state_store.save(state, frags, previous, streamed=stored)
+        before = {fid: prev.version_digests.get(fid) for fid in fids
+                  if prev and prev.versions.get(fid) == state.versions[fid] - 1}
+        return await self.state_store.save(state, frags, previous, streamed=stored, updates=updates,
+                                           digests_before=before, full_every=self._full_every())
 
     async def prune(self, state: CheckpointState, fids) -> None:
         await asyncio.to_thread(self.ckpt.prune, state, fids)
@@ -245,10 +255,12 @@ class ModelStore:
     async def has_stored_state(self) -> bool:
         return self.state_store is not None and await self.state_store.has_state()
 
-    async def warm(self, numels: dict[int, int], *, momentum: bool = True) -> int:
+    async def warm(self, numels: dict[int, int], *, momentum: bool = True, session: dict | None = None) -> int:
         """A standby's pass over the warm copy (state_store.StateStore.warm); the fragments fetched.
-        `momentum`: the run's session keeps one (dense); a standby may hold no session yet, so it is told."""
-        return await self.state_store.warm(CheckpointDir(self.warm_path), numels, momentum=momentum)
+        `momentum`: the run's session keeps one (dense); a standby may hold no session yet, so it is told
+        (`session`: what reading a version held as updates needs)."""
+        return await self.state_store.warm(CheckpointDir(self.warm_path), numels, momentum=momentum,
+                                           session=session)
 
     async def drop_warm(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.warm_path, True)

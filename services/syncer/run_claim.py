@@ -123,7 +123,7 @@ class RunClaim:
         """A standby's warm copy of the committed cut (state_store.py `warm`), refreshed every half lease TTL
         (at least every 2 s) until the takeover cancels it. Never raises: a pass that fails is tried again."""
         every = max(0.5, min(2.0, self.lease_ttl_s / 2))
-        numels, momentum = None, True
+        numels, momentum, session = None, True, None
         while True:
             if self.ckpt.exists():
                 # The owner's checkpoint appeared in this directory: it is shared (a volume both mount), and the
@@ -138,7 +138,7 @@ class RunClaim:
                         numels = {f["id"]: f["numel"] for f in session["fragments"] if f["id"] in own}
                         momentum = OM.has_momentum(session)   # the sparse mode stores none
                 if numels is not None:
-                    n = await self.model.warm(numels, momentum=momentum)
+                    n = await self.model.warm(numels, momentum=momentum, session=session)
                     if n:
                         log.info("standby: %d fragment version%s fetched into the warm copy %s", n,
                                  "s" if n > 1 else "", self.model.warm_path)

@@ -31,7 +31,8 @@ from yeto.schemas import subjects as S
 from yeto.schemas.provision import kv_put
 from yeto.schemas.publish import Pipeline
 from yeto.schemas.stream_configs import kv_stream_name
-from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState
+from yeto.services.syncer import state_chain as SC
+from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, sha256_of
 
 log = logging.getLogger("yeto.syncer")
 
@@ -54,6 +55,10 @@ class StateStore:
       `ckpt.<K>.manifest`          the CheckpointState JSON and the chunk size
       `ckpt.<K>.f<F>.v<N>.p.<k>`   params of fragment F at version N, chunk k (raw little-endian f32)
       `ckpt.<K>.f<F>.v<N>.m.<k>`   its momentum, chunk k (none in the sparse mode)
+      `ckpt.<K>.f<F>.v<N>.u.<k>`   the sparse mode with an f32 bulk: version N as the update message from
+                                   N−1 (byte chunks of the same size), in place of its params; the
+                                   manifest's `chains` names the full version and updates a reader
+                                   needs (state_chain.py), and a save purges what no chain needs
       `ckpt.<K>.intent.f<F>`       the merge intent (checkpoint.CheckpointDir.write_intent), before a
                                    cut-through version's first chunk goes out
     """
@@ -64,6 +69,9 @@ class StateStore:
         self.shard = shard
         self.chunk_elems = max(1, chunk_bytes // ELEM)
         self.guard = guard
+        # Per fragment the chain the last manifest this store read or wrote names (state_chain.py);
+        # None until read (`_load_chains`): the next save's updates continue it, its purges follow it.
+        self.chains: dict[int, SC.Chain] | None = None
 
     def key(self, *parts) -> str:
         return ".".join(["ckpt", str(self.shard), *map(str, parts)])
@@ -82,34 +90,91 @@ class StateStore:
                        f"kv.state.{key}.{attempt}")
         self.counters["state_store.chunks"] += 1
 
+    def plans_update(self, fid: int, version: int, full_every: int) -> bool:
+        """Whether the save of `version` will write its update message, not its params, as far as the chain
+        held tells (the merge then streams no params; `save` checks the digest too and, should it not
+        match, puts the params whole)."""
+        prev = (self.chains or {}).get(fid)
+        return prev is not None and SC.writes_update(prev, version, prev.digests[-1], has_update=True,
+                                                     full_every=full_every)
+
     async def save(self, state: CheckpointState, frags: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
-                   previous: dict[int, int], streamed: dict[int, "StateStream"] | None = None) -> float:
-        """The new versions' params and momentum, then the manifest, then the older versions' chunks go.
-        `streamed`: fragments whose chunks the merge already put (StateStream): only their acks are
-        waited for here; the others are put now. Returns the seconds it took (the commit's `state_store_s`)."""
+                   previous: dict[int, int], streamed: dict[int, "StateStream"] | None = None, *,
+                   updates: dict[int, bytes] | None = None, digests_before: dict[int, str] | None = None,
+                   full_every: int = 1) -> float:
+        """The new versions, then the manifest, then the chunks no chain needs any more go. `streamed`:
+        fragments whose chunks the merge already put (StateStream): only their acks are waited for here;
+        the others are put now — as their update message (`updates`, the sparse f32 mode) where
+        state_chain.writes_update allows (`digests_before`: the digests of the versions before), else their
+        params and momentum. Returns the seconds it took (the commit's `state_store_s`)."""
         t0 = time.perf_counter()
+        if self.chains is None:
+            await self._load_chains()
         streams = dict(streamed or {})
         for fid, st in streams.items():
             if st.version != state.versions[fid]:
                 raise RuntimeError(f"fragment {fid}: version {st.version} was streamed, the commit names "
                                    f"{state.versions[fid]}")
+        written: dict[int, SC.Chain] = {}
+        pipe = None
         for fid, (params, momentum) in sorted(frags.items()):
+            v, digest, old = state.versions[fid], state.version_digests.get(fid), self.chains.get(fid)
+            if fid not in streams and SC.writes_update(old, v, (digests_before or {}).get(fid),
+                                                       has_update=fid in (updates or {}), full_every=full_every):
+                pipe = pipe or Pipeline(self.js, timeout=10.0, counters=self.counters)
+                await self._put_update(pipe, fid, v, updates[fid])
+                written[fid] = SC.extend(old, v, digest, len(updates[fid]))
+                continue
             if fid not in streams:   # every chunk put now (each stream bounds its bytes in flight)
-                streams[fid] = self.stream(fid, state.versions[fid], params, momentum)
+                streams[fid] = self.stream(fid, v, params, momentum)
                 await streams[fid].put_ready(params.numel())
+            written[fid] = SC.full(v, digest)
         for _, st in sorted(streams.items()):
             await st.flush()
-        await self.save_manifest(state)
-        for fid, old in sorted(previous.items()):
-            if old != state.versions.get(fid):
+        if pipe is not None:
+            await pipe.flush()
+        old_chains = dict(self.chains)
+        await self.save_manifest(state, {**old_chains, **written})
+        for fid, new in sorted(written.items()):
+            gone = set(SC.purgeable(old_chains.get(fid), new))
+            if fid in previous and previous[fid] not in new.versions:
+                gone.add(previous[fid])
+            for old in sorted(gone):
                 await self._purge(fid, old)
         return time.perf_counter() - t0
 
-    async def save_manifest(self, state: CheckpointState) -> None:
+    async def _put_update(self, pipe: Pipeline, fid: int, version: int, message: bytes) -> None:
+        """Version `version` of `fid` as its update message, in byte chunks of the params' chunk size."""
+        step = self.chunk_elems * ELEM
+        buf = np.frombuffer(message, dtype=np.uint8)
+        attempt = time.time_ns()   # a redone merge's other bytes under the same keys (StateStream's doc)
+        for k, off in enumerate(range(0, max(1, len(buf)), step)):
+            await self.guard()
+            key = self.key(f"f{fid}", f"v{version}", "u", k)
+            await pipe.put(S.kv_key(self.run_id, "ckpt", key), buf[off: off + step], f"kv.state.{key}.{attempt}")
+            self.counters["state_store.update_chunks"] += 1
+        self.counters["state_store.update_bytes"] += len(buf)
+
+    async def save_manifest(self, state: CheckpointState, chains: dict[int, SC.Chain] | None = None) -> None:
+        """The manifest naming `state`, with the chains of its fragments held as updates (`chains`; None:
+        those held now, e.g. the final mark)."""
+        if chains is None:
+            if self.chains is None:
+                await self._load_chains()
+            chains = self.chains
+        chains = {f: c for f, c in chains.items() if state.versions.get(f) == c.top}
+        doc = {"state": orjson.loads(state.to_json()), "chunk_elems": self.chunk_elems}
+        named = SC.to_manifest(chains, state.versions)
+        if named:   # left out otherwise: a dense or bf16 run's manifest is as before, byte for byte
+            doc["chains"] = named
         await self.guard()
-        await kv_put(self.js, self.run_id, "ckpt", self.key("manifest"),
-                     orjson.dumps({"state": orjson.loads(state.to_json()), "chunk_elems": self.chunk_elems}),
-                     counters=self.counters)
+        await kv_put(self.js, self.run_id, "ckpt", self.key("manifest"), orjson.dumps(doc), counters=self.counters)
+        self.chains = chains
+
+    async def _load_chains(self) -> None:
+        m = await self._manifest()
+        self.chains = {} if m is None else {f: m[2].get(f, SC.full(v, m[0].version_digests.get(f)))
+                                            for f, v in m[0].versions.items()}
 
     async def put_intent(self, fid: int, intent: dict) -> None:
         await self.guard()
@@ -124,16 +189,18 @@ class StateStore:
             m = await self._manifest()
             if m is None:
                 return 0
-            state, _ = m
+            state, _, chains = m
+            self.chains = {f: chains.get(f, SC.full(v, state.version_digests.get(f))) for f, v in state.versions.items()}
+            keep = SC.needed(chains, state.versions)
             stream = kv_stream_name(S.kv_bucket(self.run_id, "ckpt"))
             info = await self.js.stream_info(stream, subjects_filter=S.kv_key(self.run_id, "ckpt", self.key(">")))
             found: set[tuple[int, int]] = set()
             prefix = S.kv_key(self.run_id, "ckpt", self.key(""))
             for subject in info.state.subjects or {}:
-                parts = subject[len(prefix):].split(".")   # f<F>, v<N>, p|m, <k>  (or manifest, intent.f<F>)
+                parts = subject[len(prefix):].split(".")   # f<F>, v<N>, p|m|u, <k>  (or manifest, intent.f<F>)
                 if len(parts) == 4 and parts[0][:1] == "f" and parts[1][:1] == "v":
                     found.add((int(parts[0][1:]), int(parts[1][1:])))
-            torn = sorted((f, v) for f, v in found if state.versions.get(f) != v)
+            torn = sorted((f, v) for f, v in found if v not in keep.get(f, ()))
             for f, v in torn:
                 await self._purge(f, v)
             self.counters["state_store.purged_unnamed"] += len(torn)
@@ -164,12 +231,15 @@ class StateStore:
     async def has_state(self) -> bool:
         return await self._get(self.key("manifest")) is not None
 
-    async def _manifest(self) -> tuple[CheckpointState, int] | None:
+    async def _manifest(self) -> tuple[CheckpointState, int, dict[int, SC.Chain]] | None:
+        """The manifest's state, chunk size and chains (ChainError naming the key for a bad chain)."""
         raw = await self._get(self.key("manifest"))
         if raw is None:
             return None
         doc = orjson.loads(raw)
-        return CheckpointState.from_json(orjson.dumps(doc["state"])), int(doc["chunk_elems"])
+        state = CheckpointState.from_json(orjson.dumps(doc["state"]))
+        return state, int(doc["chunk_elems"]), SC.from_manifest(doc, state.versions, state.version_digests,
+                                                                self.key("manifest"))
 
     async def _fetch(self, fid: int, v: int, kind: str, n: int, elems: int, counter: str) -> torch.Tensor:
         """Fragment `fid` version `v`'s params ("p") or momentum ("m"), `n` elements, chunk by chunk."""
@@ -192,7 +262,52 @@ class StateStore:
                 self.counters[counter] += 1
         return t
 
-    async def warm(self, warm: CheckpointDir, numels: dict[int, int], *, momentum: bool = True) -> int:
+    async def _fetch_bytes(self, fid: int, v: int, nbytes: int, elems: int, counter: str) -> bytes:
+        """Version `v`'s update message (`nbytes`, byte chunks of `elems` f32 values each)."""
+        step = elems * ELEM
+        offsets = list(range(0, max(1, nbytes), step))
+        out = bytearray()
+        for first in range(0, len(offsets), FETCH_WINDOW):
+            ks = range(first, min(first + FETCH_WINDOW, len(offsets)))
+            keys = [self.key(f"f{fid}", f"v{v}", "u", k) for k in ks]
+            for k, key, data in zip(ks, keys, await asyncio.gather(*(self._get(key) for key in keys))):
+                want = min(step, nbytes - offsets[k])
+                if data is None or len(data) != want:
+                    raise _Gone(f"the ckpt KV's {key} is {'missing' if data is None else f'{len(data)} bytes'}"
+                                f" (want {want}): the update making version {v} of fragment {fid} is incomplete")
+                out += data
+                self.counters[counter] += 1
+        return bytes(out)
+
+    async def _params(self, fid: int, v: int, chain: SC.Chain | None, n: int, elems: int, session: dict | None,
+                      counter: str, start: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Fragment `fid`'s params at committed version `v`: its `p` chunks, or (a chain, state_chain.py)
+        the chain's full version, its digest checked, and the updates after it applied one by one, each
+        result checked against its version digest. `start`: (u, params of version u) already held (a warm
+        copy), the updates applied from there instead. ChainError / _Gone naming the key otherwise."""
+        if chain is None or not chain.sizes:
+            return await self._fetch(fid, v, "p", n, elems, counter)
+        if session is None:
+            raise SC.ChainError(f"fragment {fid} version {v} is held as updates: reading it needs the session")
+        if start is not None and chain.base <= start[0] <= v:
+            first, t = start
+        else:
+            first, t = chain.base, await self._fetch(fid, chain.base, "p", n, elems, counter)
+            got = await asyncio.to_thread(sha256_of, t)
+            if got != chain.digest(chain.base):
+                raise SC.ChainError(f"the ckpt KV's {self.key(f'f{fid}', f'v{chain.base}', 'p')}.* hash to "
+                                    f"{got[:12]}…, the manifest's chain recorded {chain.digest(chain.base)[:12]}…")
+        frag = next(f for f in session["fragments"] if f["id"] == fid)
+        spec = OM.from_session(session).spec
+        for u in range(first + 1, v + 1):
+            msg = await self._fetch_bytes(fid, u, chain.size(u), elems, counter)
+            await asyncio.to_thread(SC.apply, t, msg, frag, spec, chain.digest(u),
+                                    f"{self.key(f'f{fid}', f'v{u}', 'u')}.*")
+        self.counters["state_store.chain_reads"] += 1
+        return t
+
+    async def warm(self, warm: CheckpointDir, numels: dict[int, int], *, momentum: bool = True,
+                   session: dict | None = None) -> int:
         """One pass of a standby keeping the cut warm while it waits for the lease: every fragment of
         `numels` whose committed version `warm` (`<its checkpoint dir>/.standby-warm/`, the same file names
         as a checkpoint) lacks is fetched into it (params and momentum, each file written whole and
@@ -200,11 +315,13 @@ class StateStore:
         what was committed since its last pass and moves the rest into place (`restore_into(..., warm=)`).
         Streaming DiLoCo changes one fragment per round, so that is about one fragment, not the shard.
         Returns the fragments fetched. A version purged under the pass (a newer commit) is skipped: the
-        next pass takes the newer one. `momentum=False` (the sparse mode): params only."""
+        next pass takes the newer one. `momentum=False` (the sparse mode): params only. A version held as
+        updates (state_chain.py) is made from the warm copy's older version when it is in the chain (only the
+        updates after it fetched), else from the chain's full version; that needs `session`."""
         m = await self._manifest()
         if m is None:
             return 0
-        state, elems = m
+        state, elems, chains = m
         fetched = 0
         for fid, v in sorted(state.versions.items()):
             if fid not in numels:
@@ -213,8 +330,11 @@ class StateStore:
             if all(q.is_file() for q in paths):
                 continue
             try:
-                tensors = [await self._fetch(fid, v, kind, numels[fid], elems, "state_store.warm_chunks")
-                           for kind in "pm"[:len(paths)]]
+                if fid in chains:
+                    tensors = [await self._warm_chain(warm, fid, v, chains[fid], numels[fid], elems, session)]
+                else:
+                    tensors = [await self._fetch(fid, v, kind, numels[fid], elems, "state_store.warm_chunks")
+                               for kind in "pm"[:len(paths)]]
             except _Gone:
                 self.counters["state_store.warm_moved_on"] += 1
                 continue
@@ -233,6 +353,21 @@ class StateStore:
             fetched += 1
         return fetched
 
+    async def _warm_chain(self, warm: CheckpointDir, fid: int, v: int, chain: SC.Chain, n: int, elems: int,
+                          session: dict | None) -> torch.Tensor:
+        """Version `v` from the newest warm file in `chain` (its updates after it), else from the chain's start."""
+        held = sorted((int(q.name.rsplit("-v", 1)[1].split(".")[0]), q) for q in warm.path.glob(f"frag-{fid}-v*.params")
+                      if q.stat().st_size == n * ELEM) if warm.path.is_dir() else []
+        for u, q in reversed(held):
+            if chain.base <= u < v:
+                t = await asyncio.to_thread(_read_f32, q, n)
+                try:
+                    return await self._params(fid, v, chain, n, elems, session, "state_store.warm_chunks", start=(u, t))
+                except SC.ChainError:   # the warm file was not version u's bytes after all: from the start
+                    self.counters["state_store.warm_chain_restart"] += 1
+                break
+        return await self._params(fid, v, chain, n, elems, session, "state_store.warm_chunks")
+
     async def restore_into(self, ckpt: CheckpointDir, session: dict, numels: dict[int, int],
                            warm: CheckpointDir | None = None) -> CheckpointState:
         """Write the committed state kept here into `ckpt` (an empty directory): session, every fragment's
@@ -243,7 +378,7 @@ class StateStore:
         m = await self._manifest()
         if m is None:
             raise RuntimeError(f"the ckpt KV holds no checkpoint manifest ({self.key('manifest')})")
-        state, elems = m
+        state, elems, chains = m
         mom = OM.has_momentum(session)
         frags = {}
         moved = []
@@ -253,7 +388,10 @@ class StateStore:
                                         for f in warm.files(fid, v, momentum=mom)):
                 moved.append(fid)
                 continue
-            frags[fid] = (await self._fetch(fid, v, "p", n, elems, "state_store.restore_chunks"),
+            if fid in chains and warm is not None:   # the warm copy's older version, if in the chain
+                frags[fid] = (await self._warm_chain(warm, fid, v, chains[fid], n, elems, session), None)
+                continue
+            frags[fid] = (await self._params(fid, v, chains.get(fid), n, elems, session, "state_store.restore_chunks"),
                           await self._fetch(fid, v, "m", n, elems, "state_store.restore_chunks") if mom else None)
         ckpt.write_session(session)
         ckpt.path.mkdir(parents=True, exist_ok=True)
@@ -269,6 +407,13 @@ class StateStore:
                 ckpt.write_intent(fid, orjson.loads(intent))
         self.counters["state_store.restored"] += 1
         return state
+
+
+def _read_f32(path, n: int) -> torch.Tensor:
+    t = torch.empty(n, dtype=torch.float32)
+    with open(path, "rb") as f:
+        f.readinto(memoryview(t.view(torch.uint8).numpy()))
+    return t
 
 
 class StateStream:
