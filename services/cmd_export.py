@@ -122,14 +122,34 @@ def _open_consistent(path: Path) -> _Shard:
             files: dict[int, IO[bytes]] = {}
             try:
                 for fid, version in sorted(state.versions.items()):
-                    files[fid] = open(ck.files(fid, version)[0], "rb")
+                    files[fid] = _open_version(ck, session, state, fid, version)
                 return _Shard(path, session, state, files)
             except FileNotFoundError:
                 for fh in files.values():
                     fh.close()
+            except CheckpointError:   # a chain's file pruned under us, or a corrupt one: which, the state says
+                for fh in files.values():
+                    fh.close()
+                if ck.read_state() == state:
+                    raise
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     raise ExportError(f"checkpoint {path} kept changing under the export; try again")
+
+
+def _open_version(ck, session: dict, state, fid: int, version: int) -> IO[bytes]:
+    """The version's params file, or (the sparse mode's chains, state_chain.py) its params rebuilt in
+    memory from the chain's full version and updates, each checked against its digest."""
+    import io
+
+    import torch
+
+    chain = state.chains.get(fid)
+    if chain is None or chain.top != version or chain.top == chain.base:
+        return open(ck.files(fid, version)[0], "rb")
+    numel = next(int(f["numel"]) for f in session["fragments"] if f["id"] == fid)
+    params, _ = ck.load_fragment(fid, version, numel, momentum=False, chain=chain)
+    return io.BytesIO(memoryview(params.view(torch.uint8).numpy()).tobytes())
 
 
 def _check_together(shards: list[_Shard], run: str | None) -> None:

@@ -2,7 +2,7 @@
 message from the one before (services/syncer/state_store.py, state_chain.py), against a real nats-server: a
 chain (a full version, then updates) restores and warms bitwise equal to params stepped with plain torch, a
 full version frees the chain before it, and a missing or corrupt update, or bytes that do not hash to the
-recorded digest, are refused naming the key."""
+recorded digest, are refused naming the key; the checkpoint directory keeps the same chains as files."""
 from __future__ import annotations
 
 from collections import Counter
@@ -166,3 +166,50 @@ async def test_a_missing_or_corrupt_update_or_base_is_refused_naming_the_key(cha
     await kv.put("ckpt.0.f0.v0.p.3", bytes(base))
     with pytest.raises(RuntimeError, match=r"ckpt\.0\.f0\.v0\.p\.\* hash to .* the manifest's chain recorded"):
         await st.restore_into(CheckpointDir(tmp_path / "d"), SESSION, {0: N})
+
+
+async def test_the_checkpoint_directory_keeps_the_same_chains_and_loads_them_bitwise(tmp_path):
+    """The directory's side (checkpoint.py, model_store.py): versions between full ones are
+    `frag-F-vN.update` files named by checkpoint.json's `chains`, a resume loads them bitwise, a full
+    version prunes the chain before it, and a corrupt or missing update file is refused naming it."""
+    from yeto.services.syncer.checkpoint import CheckpointError
+    from yeto.services.syncer.model_store import ModelStore
+
+    params, msgs = _versions(5)
+    digests = [sha256_of(p) for p in params]
+    ckpt = CheckpointDir(tmp_path / "ckpt")
+    ckpt.write_session(SESSION)
+    model = ModelStore(None, "r", Counter(), ckpt)
+    model.set_session(SESSION)
+
+    async def commit(v):
+        model.frags[0] = model.frags[0].__class__(N, params[v].clone(), None)
+        updates = {0: msgs[v]} if v else None
+        assert model.dir_plans_update(0, v) == (v not in (0, EVERY))
+        state, _ = model.next_state({0: v}, {0: digests[v]}, step=v, attempts={}, records=[], updates=updates)
+        await model.save_checkpoint(state, {0: v}, {}, updates)
+        await model.prune(state, {0: v})
+        return state
+
+    for v in range(4):
+        state = await commit(v)
+    names = sorted(q.name for q in ckpt.path.glob("frag-*"))
+    assert names == ["frag-0-v0.params", "frag-0-v1.update", "frag-0-v2.update", "frag-0-v3.update"], names
+    assert ckpt.read_state().chains == state.chains and list(state.chains[0].versions) == [0, 1, 2, 3]
+    again = ModelStore(None, "r", Counter(), ckpt)
+    again.set_session(SESSION)
+    again.load(ckpt.read_state().versions, ckpt.read_state().chains)
+    assert torch.equal(again.frags[0].params.view(torch.int32), params[3].view(torch.int32))
+    (ckpt.path / "frag-0-v2.update").write_bytes(b"\0" * 40)
+    with pytest.raises(CheckpointError, match=r"frag-0-v2\.update is refused: .*header"):
+        again.load(state.versions, state.chains)
+    (ckpt.path / "frag-0-v2.update").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks frag-0-v2\.update"):
+        again.load(state.versions, state.chains)
+    (ckpt.path / "frag-0-v2.update").write_bytes(msgs[2])
+    for v in (4, 5):
+        state = await commit(v)
+    names = sorted(q.name for q in ckpt.path.glob("frag-*"))
+    assert names == ["frag-0-v4.params", "frag-0-v5.update"], names
+    again.load(state.versions, state.chains)
+    assert torch.equal(again.frags[0].params.view(torch.int32), params[5].view(torch.int32))

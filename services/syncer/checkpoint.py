@@ -2,7 +2,9 @@
 
 One pair of raw little-endian f32 files per fragment and version (`frag-F-vN.params`,
 `frag-F-vN.momentum`; the params file alone in the sparse outer mode, which has no momentum: `files`'
-`momentum=False`, docs/design.md §4.10) and `checkpoint.json`, which names the current files, the version per fragment,
+`momentum=False`, docs/design.md §4.10; there, with an f32 bulk, a version between full cuts is
+`frag-F-vN.update`, its update message, and the manifest's `chains` names what it needs: state_chain.py)
+and `checkpoint.json`, which names the current files, the version per fragment,
 the committed global step and the session fingerprint; a merge streams its new version into them as it
 goes (`VersionFiles`), and a cut-through merge records its **intent** first (`write_intent`; the seal and
 the intent: docs/design.md §8).
@@ -31,6 +33,7 @@ import orjson
 import torch
 
 from yeto.schemas import versions
+from yeto.services.syncer import state_chain as SC
 
 MANIFEST = "checkpoint.json"
 # The state format written (schemas/versions.py): `format` and `software` on the manifest and the intents.
@@ -83,6 +86,15 @@ def _write_tensor(path: Path, t: torch.Tensor) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "wb") as f:
         f.write(_tensor_bytes(t))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -226,6 +238,9 @@ class CheckpointState:
     tape: list[dict] = field(default_factory=list)
     # The finalization record (rounds.RecordFinal): targets, acks, finished.
     final_record: dict | None = None
+    # The sparse mode's fragments kept as a full version and updates (state_chain.py); written only when
+    # not empty, so a dense or bf16 manifest is as before.
+    chains: dict[int, SC.Chain] = field(default_factory=dict)
     # Who wrote the state read (None: not stated, format 1) and the older format it was migrated from
     # (None: read as written). Provenance, not state: not compared, never written back (to_json states
     # this process's release and format).
@@ -246,6 +261,7 @@ class CheckpointState:
             "final": self.final,
             "tape": self.tape,
             "final_record": self.final_record,
+            **({"chains": SC.to_manifest(self.chains, self.versions)} if self.chains else {}),
         }, option=orjson.OPT_INDENT_2)
 
     @classmethod
@@ -257,7 +273,13 @@ class CheckpointState:
             d = versions.migrate_state(d, "the checkpoint manifest")
         except versions.StateFormatError as exc:
             raise CheckpointError(str(exc)) from None
+        try:
+            chains = SC.from_manifest(d, {int(k): int(v) for k, v in d["versions"].items()},
+                                      {int(k): v for k, v in d.get("version_digests", {}).items()}, "the manifest")
+        except SC.ChainError as exc:
+            raise CheckpointError(str(exc)) from None
         return cls(
+            chains=chains,
             run=d["run"],
             session_fingerprint=d["session_fingerprint"],
             layout_fingerprint=d["layout_fingerprint"],
@@ -284,6 +306,10 @@ class CheckpointDir:
         """The version's files: params and momentum, or (`momentum=False`, the sparse mode) params alone."""
         p = self.path / f"frag-{fragment}-v{version}.params"
         return (p, self.path / f"frag-{fragment}-v{version}.momentum") if momentum else (p,)
+
+    def update_path(self, fragment: int, version: int) -> Path:
+        """A version kept as its update message from the version before (state_chain.py)."""
+        return self.path / f"frag-{fragment}-v{version}.update"
 
     def session_path(self) -> Path:
         return self.path / "session.json"
@@ -331,6 +357,7 @@ class CheckpointDir:
         streamed: dict[int, VersionFiles] | None = None,
         *,
         prune: bool = True,
+        updates: dict[int, bytes] | None = None,
     ) -> None:
         """Durably write the given fragments' params and momentum (None: none, no file) at state.versions,
         then the manifest.
@@ -346,6 +373,13 @@ class CheckpointDir:
         for fid, (params, momentum) in fragments.items():
             if fid in streamed:
                 streamed[fid].finish()
+                continue
+            chain = state.chains.get(fid)
+            if chain is not None and chain.top == state.versions[fid] and chain.top != chain.base:
+                if fid not in (updates or {}):   # the state's chain says so: never a version without its bytes
+                    raise CheckpointError(f"fragment {fid} version {chain.top}: the manifest keeps it as an update, "
+                                          f"none was given")
+                _write_bytes(self.update_path(fid, chain.top), updates[fid])
                 continue
             p, m = self.files(fid, state.versions[fid])
             _write_tensor(p, params)
@@ -366,7 +400,10 @@ class CheckpointDir:
         what a crash left. Callers that commit with prune=False run it once the version is out (off the path
         to the state KV record and the seal; a crash before that leaves them to the next commit)."""
         for fid in fragments:
-            keep = {q.name for q in self.files(fid, state.versions[fid])}
+            chain = state.chains.get(fid)
+            keep = ({q.name for q in self.files(fid, chain.base)} | {self.update_path(fid, v).name for v in
+                                                                      chain.versions[1:]} if chain is not None
+                    else {q.name for q in self.files(fid, state.versions[fid])})
             for old in self.path.glob(f"frag-{fid}-v*"):
                 if old.name not in keep:
                     old.unlink(missing_ok=True)
@@ -412,9 +449,33 @@ class CheckpointDir:
     def drop_intent(self, fragment: int) -> None:
         self.intent_path(fragment).unlink(missing_ok=True)
 
-    def load_fragment(self, fragment: int, version: int, numel: int, *,
-                      momentum: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The version's params and momentum (`momentum=False`: the params and None, the sparse mode)."""
+    def load_fragment(self, fragment: int, version: int, numel: int, *, momentum: bool = True,
+                      chain: SC.Chain | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The version's params and momentum (`momentum=False`: the params and None, the sparse mode).
+        `chain` (the manifest's for this fragment, ending at `version`): its full version's params with
+        the updates after it applied (`apply_step_`), each result checked against its version digest."""
+        if chain is not None and chain.top == version and chain.top != chain.base:
+            params, _ = self.load_fragment(fragment, chain.base, numel, momentum=False)
+            if sha256_of(params) != chain.digest(chain.base):
+                raise CheckpointError(f"{self.files(fragment, chain.base)[0]} does not hash to the digest the "
+                                      f"manifest's chain recorded for version {chain.base}")
+            session = self.read_session()
+            frag = next(f for f in session["fragments"] if f["id"] == fragment)
+            from yeto.schemas import outer_mode as OM
+
+            spec = OM.from_session(session).spec
+            for v in chain.versions[1:]:
+                path = self.update_path(fragment, v)
+                try:
+                    data = path.read_bytes()
+                except FileNotFoundError:
+                    raise CheckpointError(f"checkpoint {self.path} lacks {path.name} (fragment {fragment}'s chain "
+                                          f"{chain.base}..{chain.top})") from None
+                try:
+                    SC.apply(params, data, frag, spec, chain.digest(v), str(path))
+                except SC.ChainError as exc:
+                    raise CheckpointError(str(exc)) from None
+            return params, None
         files = self.files(fragment, version, momentum=momentum)
         if not all(q.is_file() for q in files):
             raise CheckpointError(f"checkpoint {self.path} lacks fragment {fragment} version {version} "

@@ -236,14 +236,16 @@ class CutPublisher:
                 packed[fid] = await asyncio.to_thread(self.bulk_bytes, fid)
         digests = {fid: packed[fid].hexdigest() for fid in new_versions}
         t_digest = time.perf_counter()
-        state, prev = self.model.next_state(new_versions, digests, step=step, attempts=attempts, records=records)
         streamed = dict(streamed or {})
+        # a version whose params the merge streamed into its file is kept full in the directory
+        state, prev = self.model.next_state(new_versions, digests, step=step, attempts=attempts, records=records,
+                                            updates={f: u for f, u in (updates or {}).items() if f not in streamed})
         streams = dict(streams or {})
         # While the version is made durable, the chunks before the seal go out (with-commit; cut-through sent
         # them during the merge) and their acks come in: they must be in BCAST before the seal (which makes
         # the version whole for the islands) goes out.
         await self.guard()   # a deposed owner writes no checkpoint and sends no chunk (lease.py)
-        await asyncio.gather(self.model.save_checkpoint(state, new_versions, streamed),
+        await asyncio.gather(self.model.save_checkpoint(state, new_versions, streamed, updates),
                              *(st.flush() for st in streams.values()))
         store_s = await self.model.save_state_store(state, new_versions, prev, stored, updates)
         t_ckpt = time.perf_counter()

@@ -281,8 +281,9 @@ class Merger:
                 stream = self.publisher.stream(fid, a.version, bulk)
         intent_s = time.perf_counter() - t_intent
         # The new version's checkpoint files, chunk by chunk into the page cache (the commit fsyncs them once).
+        # (none when the directory keeps this version as its update message: state_chain.py)
         files = None
-        if self.ckpt_writer != "whole":
+        if self.ckpt_writer != "whole" and not (upd is not None and self.model.dir_plans_update(fid, a.version)):
             files = await asyncio.to_thread(self.model.version_files, fid, a.version,
                                             thread=self.ckpt_writer == "thread")
         # ... and into the state KV, so the commit waits only for the last acks (state_store.StateStream)

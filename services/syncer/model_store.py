@@ -32,9 +32,22 @@ from yeto.schemas import shards as SH, versions
 from yeto.schemas.chunks import VersionDigest, chunk_plan
 from yeto.schemas.dtypes import pack
 from yeto.schemas.provision import kv_put
+from yeto.services.syncer import state_chain as SC
 from yeto.services.syncer.checkpoint import CheckpointDir, CheckpointState, VersionFiles
 from yeto.services.syncer.lease import Fenced
 from yeto.services.syncer.state_store import WARM_DIR, StateStore, StateStream
+
+
+def _chain_of(state: CheckpointState, fid: int) -> SC.Chain | None:
+    """The chain `state` keeps fragment `fid` as (a full version alone where it names none)."""
+    if fid in state.chains:
+        return state.chains[fid]
+    v = state.versions.get(fid)
+    return None if v is None else SC.full(v, state.version_digests.get(fid))
+
+
+def _digest_before(state: CheckpointState, fid: int, version: int) -> str | None:
+    return state.version_digests.get(fid) if state.versions.get(fid) == version - 1 else None
 
 
 @dataclass(frozen=True)
@@ -108,19 +121,22 @@ class ModelStore:
                                    torch.zeros(fr.numel, dtype=torch.float32) if self.momentum else None)
         params[elem_offset: elem_offset + values.numel()] = values
 
-    def load(self, versions: dict[int, int]) -> None:
+    def load(self, versions: dict[int, int], chains: dict | None = None) -> None:
         """--resume: every own fragment's params and momentum at `versions` from the checkpoint directory
-        (CheckpointError when a file is missing or short, KeyError when a fragment has no version)."""
+        (CheckpointError when a file is missing or short, KeyError when a fragment has no version);
+        `chains`: the manifest's (a version kept as updates: state_chain.py)."""
         for fid, fr in list(self.frags.items()):
             self.frags[fid] = Frag(fr.numel, *self.ckpt.load_fragment(fid, versions[fid], fr.numel,
-                                                                      momentum=self.momentum))
+                                                                      momentum=self.momentum,
+                                                                      chain=(chains or {}).get(fid)))
 
     async def reload(self, fid: int, version: int) -> None:
         """Back to a checkpointed version, read again from its files (a redo that failed may have stepped
         some spans) rather than a whole copy held beside the fragment."""
         fr = self.frags[fid]
+        chain = self.ckpt.read_state().chains.get(fid) if self.ckpt.exists() else None
         params, momentum = await asyncio.to_thread(self.ckpt.load_fragment, fid, version, fr.numel,
-                                                   momentum=self.momentum)
+                                                   momentum=self.momentum, chain=chain)
         self.frags[fid] = Frag(fr.numel, params, momentum)
 
     def update(self, fid: int, elem_offset: int, elem_count: int,
@@ -162,10 +178,25 @@ class ModelStore:
     def drop_intent(self, fid: int) -> None:
         self.ckpt.drop_intent(fid)
 
-    def next_state(self, new_versions: dict[int, int], digests: dict[int, str], *, step: int,
-                   attempts: dict[int, int], records: list[dict]) -> tuple[CheckpointState, CheckpointState | None]:
-        """The checkpoint state after committing `new_versions` (their digests) at `step`, and the one before."""
+    def dir_plans_update(self, fid: int, version: int) -> bool:
+        """Whether the checkpoint directory will keep `version` as its update message (the merge then
+        streams no params file): the chain rule of state_chain.py on the directory's manifest."""
         prev = self.ckpt.read_state() if self.ckpt.exists() else None
+        return prev is not None and SC.writes_update(_chain_of(prev, fid), version, _digest_before(prev, fid, version),
+                                                     has_update=True, full_every=self._full_every())
+
+    def next_state(self, new_versions: dict[int, int], digests: dict[int, str], *, step: int,
+                   attempts: dict[int, int], records: list[dict],
+                   updates: dict[int, bytes] | None = None) -> tuple[CheckpointState, CheckpointState | None]:
+        """The checkpoint state after committing `new_versions` (their digests) at `step`, and the one before.
+        `updates`: fragments whose update message may be kept instead of params (state_chain.py)."""
+        prev = self.ckpt.read_state() if self.ckpt.exists() else None
+        chains = {f: c for f, c in (prev.chains if prev else {}).items() if f not in new_versions}
+        for fid, v in new_versions.items():
+            old = _chain_of(prev, fid) if prev else None
+            if SC.writes_update(old, v, _digest_before(prev, fid, v) if prev else None,
+                                has_update=fid in (updates or {}), full_every=self._full_every()):
+                chains[fid] = SC.extend(old, v, digests[fid], len(updates[fid]))
         vers = dict(prev.versions) if prev else {}
         vdig = dict(prev.version_digests) if prev else {}
         vers.update(new_versions)
@@ -174,18 +205,20 @@ class ModelStore:
             run=self.run_id, session_fingerprint=self.session["session_fingerprint"],
             layout_fingerprint=self.session["layout_fingerprint"],
             committed_step=max(step, prev.committed_step if prev else 0), versions=vers, version_digests=vdig,
-            attempts={s: a for s, a in attempts.items() if s > step},
+            attempts={s: a for s, a in attempts.items() if s > step}, chains=chains,
             tape=list(records) + [{"kind": "commit", "t": time.time(), "step": step, "fragment": fid, "version": v,
                                    "detail": {"version_digest": digests[fid]}} for fid, v in new_versions.items()],
         )
         return state, prev
 
-    async def save_checkpoint(self, state: CheckpointState, fids, streamed: dict[int, VersionFiles]) -> None:
-        """The new versions' files (streamed ones only fsynced and renamed) and the manifest naming them;
+    async def save_checkpoint(self, state: CheckpointState, fids, streamed: dict[int, VersionFiles],
+                              updates: dict[int, bytes] | None = None) -> None:
+        """The new versions' files (streamed ones only fsynced and renamed; `updates`: the update messages
+        of the versions the state's chains keep so) and the manifest naming them;
         older files stay until `prune` (the version is out by then)."""
         await self.guard()   # a deposed owner writes no checkpoint (lease.py): the directory may be a standby's too
         frags = {fid: (self.frags[fid].params, self.frags[fid].momentum) for fid in fids}
-        await asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False)
+        await asyncio.to_thread(self.ckpt.commit, state, frags, streamed, prune=False, updates=updates)
 
     async def save_state_store(self, state: CheckpointState, fids, prev: CheckpointState | None,
                                stored: dict[int, StateStream] | None, updates: dict[int, bytes] | None = None) -> float:

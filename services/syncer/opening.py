@@ -145,7 +145,7 @@ class RunOpening:
         self.model.set_session(session)
         self.ledger.resume(state.committed_step, hold_bytes=self.push_budget())
         try:
-            self.model.load(state.versions)
+            self.model.load(state.versions, state.chains)
         except (CheckpointError, KeyError) as exc:
             raise SyncerError(f"--resume: checkpoint {self.ckpt.path} is incomplete: {exc}") from None
         # The checkpoint is the source of truth for bytes: check it against the digests it recorded

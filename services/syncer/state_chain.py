@@ -122,4 +122,4 @@ def apply(params, message, frag: Mapping, spec, digest: str, key: str) -> None:
     try:
         apply_update_(params, message, frag, spec, digest)
     except WireError as exc:   # DecodeError and DigestMismatch are WireErrors
-        raise ChainError(f"the ckpt KV's update {key} is refused: {exc}") from None
+        raise ChainError(f"the update {key} is refused: {exc}") from None

@@ -16,6 +16,7 @@ KV keys and not the Object Store: nats-py's object store client is too slow for 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -400,7 +401,7 @@ class StateStore:
             for src, dst in zip(warm.files(fid, v, momentum=mom), ckpt.files(fid, v, momentum=mom)):
                 os.replace(src, dst)
         self.counters["state_store.restored_warm"] += len(moved)
-        ckpt.commit(state, frags)
+        ckpt.commit(dataclasses.replace(state, chains={}), frags)   # every fragment written full here
         for fid in sorted(numels):
             intent = await self._get(self.key("intent", f"f{fid}"))
             if intent is not None:
