@@ -1,20 +1,17 @@
 """The syncer's checkpoint directory: the source of truth for the bytes of every committed version.
 
-One pair of raw little-endian f32 files per fragment and version (`frag-F-vN.params`,
-`frag-F-vN.momentum`; the params file alone in the sparse outer mode, which has no momentum: `files`'
-`momentum=False`, docs/design.md §4.10; there, with an f32 bulk, a version between full cuts is
-`frag-F-vN.update`, its update message, and the manifest's `chains` names what it needs: state_chain.py)
-and `checkpoint.json`, which names the current files, the version per fragment,
-the committed global step and the session fingerprint; a merge streams its new version into them as it
-goes (`VersionFiles`), and a cut-through merge records its **intent** first (`write_intent`; the seal and
-the intent: docs/design.md §8).
+One pair of raw little-endian f32 files per fragment and version (`frag-F-vN.params`, `frag-F-vN.momentum`;
+the params alone in the sparse outer mode, docs/design.md §4.10, where with an f32 bulk a version between
+full cuts is `frag-F-vN.update`, named by the manifest's `chains`: state_chain.py) and `checkpoint.json`,
+which names the current files, the version per fragment, the committed global step and the session
+fingerprint; a merge streams its new version into them as it goes (`VersionFiles`), and a cut-through merge
+records its **intent** first (`write_intent`; the seal and the intent: docs/design.md §8).
 Invariants: a commit writes the new fragment files (fsync), then replaces `checkpoint.json` atomically
-(write, fsync, rename, fsync the directory), then deletes the fragment's older files: a crash at any
-point leaves either the old or the new version complete, never a mix, so a restarted syncer never
-re-issues a version number with different bytes. What a crash leaves behind (a `*.tmp` file, the new
-version's files the manifest never named) is never read, and the fragment's next commit deletes it. A
-file that cannot be used (missing, torn, not the manifest's format) raises CheckpointError naming it.
-Files, not the Object Store: its client is too slow for GB objects (docs/design.md §15.3).
+(write, fsync, rename, fsync the directory), then deletes the files no chain needs: a crash at any point
+leaves either the old or the new version complete, never a mix, so a restarted syncer never re-issues a
+version number with different bytes. What a crash leaves behind (a `*.tmp` file, files the manifest never
+named) is never read, and the fragment's next commit deletes it. A file that cannot be used (missing, torn,
+not the manifest's format) raises CheckpointError naming it. Files, not the Object Store (§15.3).
 """
 from __future__ import annotations
 
