@@ -22,7 +22,7 @@ from yeto.schemas.errors import ConfigError
 from yeto.schemas.sparse import decode_push, encode_push
 from yeto.schemas.sparse_spec import SparseSpec
 
-FOLD_BLOCK = 1 << 18   # values folded at a time (1 MiB of f32): each block stays in cache for its three ops
+FOLD_BLOCK = 1 << 16   # values folded at a time (256 KiB of f32): the block, its e and β·e stay in L2 for the three ops
 
 
 def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
