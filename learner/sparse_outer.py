@@ -82,8 +82,9 @@ class ErrorFeedback:
         msg = encode_push(self.acc, self.spec)
         for e, sent in zip(self.acc, decode_push(msg, self.shapes, self.spec)):
             flat = e.view(-1)
-            idx = sent.indices.to(flat.device)
-            flat[idx] = flat[idx] - sent.values.to(flat.device)
+            # e + (−v) is e − v bit for bit (IEEE defines the one as the other); the indices are unique, and
+            # one index_add_ pass costs a third of a gather and a scatter
+            flat.index_add_(0, sent.indices.to(flat.device), sent.values.to(flat.device).neg())
         return msg
 
     def state_dict(self) -> dict:
