@@ -50,6 +50,11 @@ class _MemSlab:
     def clone(self) -> "_MemSlab":
         return _MemSlab({}, values={n: v.clone() for n, v in self.t.items()})
 
+    def release(self) -> list[torch.Tensor]:
+        """Hand the arrays out (to be written again by a new owner) and hold none."""
+        out, self.t = list(self.t.values()), {}
+        return out
+
     def nbytes(self) -> int:
         return sum(v.numel() * _F32 for v in self.t.values())
 
@@ -164,9 +169,8 @@ class AnchorStore:
         """A slab no longer read (the anchor a commit replaced): its arrays become the spare."""
         if isinstance(slab, _MemSlab):
             by_size: dict[int, list[torch.Tensor]] = {}
-            for t in slab.t.values():
+            for t in slab.release():
                 by_size.setdefault(t.numel(), []).append(t)
-            slab.t = {}
             with self._spare_lock:
                 self._spare = by_size
         else:
