@@ -7,7 +7,10 @@ Owns, per session fragment, flat float32 values for this rank's own pieces (neve
   anchor of the rank's *owner* pieces (a replica never pushes);
 * **residual** — the q4 error feedback of the owner pieces; a push works on a copy, kept only once the
   push got through.
-Memory: the rank's own share (one f32 copy for anchors, plus the staging of the fragments arriving).
+Memory: the rank's own share (one f32 copy for anchors, plus the staging of the fragments arriving). In
+memory, the anchor a commit replaces is kept (one at most, `spare`) for the next staging to write into:
+a fresh slab costs its page faults again on every version (as much as the copy into it), and a staging
+is as big in any case.
 `directory=...` keeps all three in files there instead (pread/pwrite: page cache, not process memory) for
 hosts where that copy does not fit in RAM; the values are the same bit for bit.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from typing import Iterable, Mapping
 
@@ -45,6 +49,11 @@ class _MemSlab:
 
     def clone(self) -> "_MemSlab":
         return _MemSlab({}, values={n: v.clone() for n, v in self.t.items()})
+
+    def release(self) -> list[torch.Tensor]:
+        """Hand the arrays out (to be written again by a new owner) and hold none."""
+        out, self.t = list(self.t.values()), {}
+        return out
 
     def nbytes(self) -> int:
         return sum(v.numel() * _F32 for v in self.t.values())
@@ -132,12 +141,40 @@ class AnchorStore:
         self._residual: dict[int, object] = {}
         self._work: dict[int, object] = {}  # q4 residual working copy of the push in progress
         self._numels: dict[int, dict[str, int]] = {}
+        # the arrays of the last anchor replaced, by size, for the next staging (the worker stages while
+        # the training thread commits, hence the lock)
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._spare_lock = threading.Lock()
 
     def _slab(self, kind: str, fid: int, numels: Mapping[str, int], zero: bool = False):
         if self.directory is None:
+            if kind == "stage":
+                return _MemSlab({}, values=self._reuse(numels))
             return _MemSlab(numels, zero)
         path = os.path.join(self.directory, f"{self._tag}-{kind}-f{fid}-{uuid.uuid4().hex[:6]}.f32")
         return _FileSlab(path, numels, zero)
+
+    def _reuse(self, numels: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """Arrays for a staging of `numels`: the spare's of the same sizes, new ones for the rest; the
+        spare's other arrays are let go."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, {}
+        out = {}
+        for n, k in numels.items():
+            same = spare.get(k)
+            out[n] = same.pop() if same else torch.empty(k, dtype=torch.float32)
+        return out
+
+    def _recycle(self, slab) -> None:
+        """A slab no longer read (the anchor a commit replaced): its arrays become the spare."""
+        if isinstance(slab, _MemSlab):
+            by_size: dict[int, list[torch.Tensor]] = {}
+            for t in slab.release():
+                by_size.setdefault(t.numel(), []).append(t)
+            with self._spare_lock:
+                self._spare = by_size
+        else:
+            slab.close()
 
     # ---- staging --------------------------------------------------------------------------------
 
@@ -169,9 +206,9 @@ class AnchorStore:
         _, slab = self._staging.pop(fid)
         slab.keep(owned)
         old = self._anchor.pop(fid, None)
-        if old is not None:
-            old.close()
         self._anchor[fid] = slab
+        if old is not None:
+            self._recycle(old)
 
     def drop_staged(self, fid: int) -> None:
         """Forget the staged version without making it the anchor (a final cut)."""
@@ -226,7 +263,9 @@ class AnchorStore:
         """Process memory held (0 for file-backed values)."""
         slabs = [s for _, s in self._staging.values()] + list(self._anchor.values()) + \
             list(self._residual.values()) + list(self._work.values())
-        return sum(s.nbytes() for s in slabs)
+        with self._spare_lock:
+            spare = sum(t.numel() * _F32 for ts in self._spare.values() for t in ts)
+        return sum(s.nbytes() for s in slabs) + spare
 
     def close(self) -> None:
         for fid in list(self._staging):
@@ -235,6 +274,8 @@ class AnchorStore:
             for s in d.values():
                 s.close()
             d.clear()
+        with self._spare_lock:
+            self._spare = {}
 
 
 __all__ = ["AnchorStore"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import torch
+
 from .rank_ops import AbortOp, ExportOp, KeepOp, ResidualOp, SnapshotOp, StageOp
 
 Lead = Callable[..., object]   # (op, payloads=None) -> what rank 0's part returns
@@ -68,7 +70,8 @@ class StageDeferred(StageDirect):
 
     def stage(self, op: StageOp, chunks: dict[int, bytes]) -> None:
         kept = self.kept[op.fid] = [] if op.begin else self.kept.get(op.fid, [])
-        kept.append((op, chunks))
+        # chunks given as tensors are views of rank 0's mirror (learner/update_reader.py), which moves on
+        kept.append((op, {i: c.clone() if isinstance(c, torch.Tensor) else c for i, c in chunks.items()}))
 
     def drop(self, fid: int) -> bool:
         return self.kept.pop(fid, None) is not None

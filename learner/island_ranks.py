@@ -33,7 +33,12 @@ XFER = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 def payload_tensor(payload, dtype: str) -> torch.Tensor:
     """A fetched chunk's bytes as values of its wire dtype (one chunk-sized copy: NATS hands out
-    read-only bytes)."""
+    read-only bytes); a chunk given as values already (a version made on rank 0 from an update,
+    learner/update_reader.py) as they are."""
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != XFER[dtype]:
+            raise ValueError(f"a {payload.dtype} chunk staged as {dtype}")
+        return payload
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(XFER[dtype])
 
 

@@ -22,7 +22,7 @@ from yeto.schemas.errors import ConfigError
 from yeto.schemas.sparse import decode_push, encode_push
 from yeto.schemas.sparse_spec import SparseSpec
 
-FOLD_BLOCK = 1 << 18   # values folded at a time (1 MiB of f32): each block stays in cache for its three ops
+FOLD_BLOCK = 1 << 16   # values folded at a time (256 KiB of f32): the block, its e and β·e stay in L2 for the three ops
 
 
 def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -82,8 +82,9 @@ class ErrorFeedback:
         msg = encode_push(self.acc, self.spec)
         for e, sent in zip(self.acc, decode_push(msg, self.shapes, self.spec)):
             flat = e.view(-1)
-            idx = sent.indices.to(flat.device)
-            flat[idx] = flat[idx] - sent.values.to(flat.device)
+            # e + (−v) is e − v bit for bit (IEEE defines the one as the other); the indices are unique, and
+            # one index_add_ pass costs a third of a gather and a scatter
+            flat.index_add_(0, sent.indices.to(flat.device), sent.values.to(flat.device).neg())
         return msg
 
     def state_dict(self) -> dict:

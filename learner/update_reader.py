@@ -20,7 +20,6 @@ import torch
 from yeto.schemas import outer_mode as OM
 from yeto.schemas import sparse_bcast as SB
 from yeto.schemas.chunks import ChunkSpan, byte_plan, check_chunk
-from yeto.schemas.dtypes import as_bytes_view
 from yeto.schemas.errors import WireError
 from yeto.schemas.messages import BcastChunk, read_chunk
 from yeto.schemas.outer_mode import SparseOuter
@@ -56,10 +55,12 @@ class UpdateReader:
         return updates.note(n.fragment, n.meta)
 
     @staticmethod
-    def chunks(new: torch.Tensor, spans) -> dict[int, bytes]:
-        """A version computed on rank 0 as the f32 chunks a full cut of it would carry (to stage)."""
-        raw = as_bytes_view(new)
-        return {s.index: bytes(raw[s.byte_offset: s.byte_offset + s.nbytes]) for s in spans}
+    def chunks(new: torch.Tensor, spans) -> dict[int, torch.Tensor]:
+        """A version computed on rank 0 as the f32 chunks a full cut of it would carry, to stage: views of
+        `new` (the mirror), no copy. Staging copies them into the ranks' staging as it runs; a staging
+        that keeps them past the call (learner/island_modes.StageDeferred) copies them first, as the
+        mirror takes the next update in place."""
+        return {s.index: new[s.elem_offset: s.elem_offset + s.elem_count] for s in spans}
 
     def note(self, fid: int, meta: Mapping) -> bool:
         """An update chunk's notice (its header, checked by `check_head`: WireError naming the field). True

@@ -74,27 +74,93 @@ def _ties_to_lower(a: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
     return take.nonzero()[:, 1].view(a.shape[0], k)
 
 
-def _select(block: torch.Tensor, th: int, tw: int, k: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+class Scratch:
+    """Buffers reused band after band (by name, grown when too small): a fresh tensor of a band's size
+    costs its page faults again each time, as much as the pass that fills it."""
+
+    def __init__(self):
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple, dtype, device) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
+def _groups(n: int, k: int) -> int:
+    """Groups per tile for `_prefiltered` (0: none, `_select` takes one topk per tile): a power of two
+    ≥ 2k dividing n, with at least 8 values a group (fewer and the filter passes too many to save)."""
+    g = 1 << (2 * k - 1).bit_length()
+    return g if n % g == 0 and n // g >= 8 else 0
+
+
+def _nonfinite(field: str) -> WireError:
+    return WireError("a sparse push carries finite values only", field=field, value="non-finite")
+
+
+def _prefiltered(a: torch.Tensor, k: int, g: int, field: str, scratch: Scratch) -> torch.Tensor:
+    """`_select`'s kept local indices (R, k) of the rows of magnitudes `a` (R, n), through a pre-filter.
+    A row cut into g strided groups (value i in group i mod g) has k groups holding a value ≥ L, the
+    k-th largest group maximum, so L ≤ the row's k-th largest value V: every value ≥ V is among the
+    candidates ≥ L (about 2 % of a random row), which are written in index order into a (R, width) buffer
+    padded with −1 (below every magnitude); V is their k-th largest and `_ties_to_lower` keeps them as on
+    the whole row. A row with more than n/8 candidates (ties, zeros) is decided on the whole row.
+    Refuses a non-finite value (WireError naming `field`): amax propagates NaN, and inf is the maximum."""
+    rows, n = a.shape
+    gm = a.view(rows, n // g, g).amax(dim=1)
+    if not bool(torch.isfinite(gm).all()):
+        raise _nonfinite(field)
+    low = torch.kthvalue(gm, g - k + 1, dim=1, keepdim=True).values
+    mask = scratch.take("mask", (rows, n), torch.bool, a.device)
+    flat = torch.ge(a, low, out=mask).view(-1).nonzero()[:, 0]
+    row = torch.div(flat, n, rounding_mode="floor")
+    counts = torch.bincount(row, minlength=rows)
+    wide = (counts > n // 8).nonzero()[:, 0]
+    if wide.numel():
+        narrow = counts[row] <= n // 8
+        flat, row = flat[narrow], row[narrow]
+        counts[wide] = 0
+    width = max(k, int(counts.max()))
+    pos = torch.arange(flat.numel(), device=a.device) - (counts.cumsum(0) - counts)[row]
+    vals = scratch.take("vals", (rows, width), a.dtype, a.device).fill_(-1.0)
+    vals[row, pos] = a.view(-1)[flat]
+    local = scratch.take("local", (rows, width), torch.int64, a.device).zero_()
+    local[row, pos] = flat - row * n
+    kth = torch.kthvalue(vals, width - k + 1, dim=1, keepdim=True).values
+    out = local.gather(1, _ties_to_lower(vals, kth, k))
+    if wide.numel():
+        whole = a[wide]
+        out[wide] = _ties_to_lower(whole, torch.kthvalue(whole, n - k + 1, dim=1, keepdim=True).values, k)
+    return out
+
+
+def _select(block: torch.Tensor, th: int, tw: int, k: int, field: str, scratch: Scratch
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k by magnitude of every th × tw tile of `block` (b·th, g·tw), tiles in row-major order, ties to
     the lower local index, in index order: (local indices int64 (b·g, k), values (b·g, k)). The tiles'
-    magnitudes are written once into a (b·g, th·tw) buffer; one topk of k + 1 per tile: where its smallest
-    value is unique, the other k are exactly the kept set (sorted), else (a tie across the k-th value,
-    rare with real data) `_ties_to_lower` decides. Refuses a non-finite value (WireError naming `field`):
-    topk ranks NaN above every number, so a tile holding one has it (or an inf) among its k + 1."""
+    magnitudes are written once into a (b·g, th·tw) buffer (`scratch`). Where `_groups` allows it, a
+    pre-filter (`_prefiltered`); else one topk of k + 1 per tile: where its smallest value is unique, the
+    other k are exactly the kept set (sorted), else (a tie across the k-th value, rare with real data)
+    `_ties_to_lower` decides. Refuses a non-finite value (WireError naming `field`): topk ranks NaN above
+    every number, so a tile holding one has it (or an inf) among its k + 1."""
     b, g = block.shape[0] // th, block.shape[1] // tw
     n, rows = th * tw, b * g
     t4 = block.reshape(b, th, g, tw).permute(0, 2, 1, 3)   # a view: tile (i, j), row r, column c
-    a = torch.empty((b, g, th, tw), dtype=block.dtype, device=block.device)
+    a = scratch.take("abs", (b, g, th, tw), block.dtype, block.device)
     torch.abs(t4, out=a)
     a = a.view(rows, n)
     if k == n:
         if not bool(torch.isfinite(a.amax())):   # amax propagates NaN
-            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+            raise _nonfinite(field)
         local = torch.arange(n, device=block.device).expand(rows, n)
+    elif _groups(n, k):
+        local = _prefiltered(a, k, _groups(n, k), field, scratch)
     else:
         top, idx = torch.topk(a, k + 1, dim=1, sorted=False)
         if not bool(torch.isfinite(top).all()):
-            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+            raise _nonfinite(field)
         low, at = top.min(dim=1, keepdim=True)
         idx.scatter_(1, at, n)   # the (k+1)-th largest sorts last and is cut off
         local = idx.sort(dim=1).values[:, :k].contiguous()
@@ -110,7 +176,7 @@ def _select(block: torch.Tensor, th: int, tw: int, k: int, field: str) -> tuple[
     return local, flat[(ti * th + r) * stride + (tile - ti * g) * tw + (local - r * tw)]
 
 
-def _band(band: torch.Tensor, grid: Grid, th: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _band(band: torch.Tensor, grid: Grid, th: int, field: str, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """Selection in one band of whole tile rows (b·th rows): entries in chunk order."""
     b = band.shape[0] // th
     fc, ec, tw = grid.full_cols, grid.edge_cols, grid.tw
@@ -118,11 +184,11 @@ def _band(band: torch.Tensor, grid: Grid, th: int, field: str) -> tuple[torch.Te
     locs, vals = [], []
     for c0 in range(0, fc, max(per_group, 1)):
         g = min(per_group, fc - c0)
-        loc, val = _select(band[:, c0 * tw:(c0 + g) * tw], th, tw, grid.keep(th * tw), field)
+        loc, val = _select(band[:, c0 * tw:(c0 + g) * tw], th, tw, grid.keep(th * tw), field, scratch)
         locs.append(loc.reshape(b, -1))
         vals.append(val.reshape(b, -1))
     if ec:
-        loc, val = _select(band[:, fc * tw:], th, ec, grid.keep(th * ec), field)
+        loc, val = _select(band[:, fc * tw:], th, ec, grid.keep(th * ec), field, scratch)
         locs.append(loc.reshape(b, -1))
         vals.append(val.reshape(b, -1))
     return torch.cat(locs, dim=1).reshape(-1), torch.cat(vals, dim=1).reshape(-1)
@@ -141,8 +207,9 @@ def select(x: torch.Tensor, spec: SparseSpec, field: str = "x") -> tuple[torch.T
     if grid.edge_rows:
         bands.append((fr, 1, grid.edge_rows))
     locs, vals = [], []
+    scratch = Scratch()
     for t0, b, h in bands if grid.cols else ():
-        loc, val = _band(m[t0 * th:t0 * th + b * h].to(torch.float32), grid, h, field)
+        loc, val = _band(m[t0 * th:t0 * th + b * h].to(torch.float32), grid, h, field, scratch)
         locs.append(loc)
         vals.append(val)
     if not locs:

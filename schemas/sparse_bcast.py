@@ -22,7 +22,6 @@ from . import subjects as S
 from .chunks import VersionDigest, byte_plan, check_digest
 from .errors import WireError
 from .messages import BcastChunk, cut_chunk
-from .sparse import SparseTensor
 from .sparse_spec import SparseSpec
 from .sparse_update import apply_step_, decode_update
 
@@ -134,20 +133,20 @@ def apply_update(anchor: torch.Tensor, message, frag: Mapping, spec: SparseSpec,
 
 def apply_update_(params: torch.Tensor, message, frag: Mapping, spec: SparseSpec, version_digest: str) -> None:
     """`apply_update` in place on `params` (flat contiguous f32: the base version's exact params), with no
-    copy of the fragment: the values it moves are saved first and put back when the result does not hash to
-    `version_digest` (DigestMismatch), so a refused update leaves `params` bit for bit as they were; a
-    DecodeError comes before any change."""
+    copy of the fragment: the values it moves are kept as it reads them (`apply_step_` returns them) and put
+    back when the result does not hash to `version_digest` (DigestMismatch) or anything fails midway, so a
+    refused update leaves `params` bit for bit as they were; a DecodeError comes before any change."""
     if params.dtype != torch.float32 or not params.is_contiguous() or params.dim() != 1:
         raise ValueError("apply_update_ needs flat contiguous float32 params")
     shapes = [tuple(t["shape"]) for t in frag["tensors"]]
     steps = decode_update(message, shapes, spec)
-    moved = [(int(t["offset"]), step.indices, params[int(t["offset"]) + step.indices])
-             for t, step in zip(frag["tensors"], steps, strict=True)]
-    for (off, _, _), t, step in zip(moved, frag["tensors"], steps):
-        apply_step_(params[off: off + int(t["numel"])], SparseTensor(step.indices, step.values))
+    moved = []   # (offset, indices, the values before): what puts `params` back
     try:
+        for t, step in zip(frag["tensors"], steps, strict=True):
+            off = int(t["offset"])
+            moved.append((off, step.indices, apply_step_(params[off: off + int(t["numel"])], step)))
         check_digest(version_digest, VersionDigest().update(params).hexdigest(), field="version_digest")
-    except WireError:
+    except BaseException:
         for off, idx, old in moved:
             params[off + idx] = old
         raise

@@ -38,13 +38,16 @@ def update_nbytes(shapes: Sequence, counts: Sequence[int], spec: SparseSpec) -> 
                               for s, n in zip(shapes, counts))
 
 
-def apply_step_(param: torch.Tensor, step: SparseTensor) -> None:
-    """θ[i] ← θ[i] − s[i] in f32, in place (`param` f32 and contiguous; indices unique)."""
+def apply_step_(param: torch.Tensor, step: SparseTensor) -> torch.Tensor:
+    """θ[i] ← θ[i] − s[i] in f32, in place (`param` f32 and contiguous; indices unique). Returns the
+    θ[i] it read (the values before, in the step's order): what puts `param` back, at no second gather."""
     if param.dtype != torch.float32 or not param.is_contiguous():
         raise ValueError(f"apply_step_ needs a contiguous float32 tensor, got {param.dtype}")
     flat = param.view(-1)
     idx = step.indices.to(flat.device)
-    flat[idx] = flat[idx] - step.values.to(flat.device)
+    old = flat[idx]
+    flat[idx] = old - step.values.to(flat.device)
+    return old
 
 
 def encode_update(steps: Sequence[SparseTensor], shapes: Sequence, spec: SparseSpec) -> bytes:

@@ -600,3 +600,24 @@ def test_a_bcast_chunk_breaking_the_seal_rule_is_refused(where):
         r.take(0, idx, meta, c[idx][1], seq=5)
     assert e.value.field == "version_digest" and r.refused == {(0, idx): 5}
     assert 0 not in r.held and r.reading(0) is None
+
+
+def test_a_staging_in_memory_reuses_the_arrays_of_the_anchor_the_last_commit_replaced():
+    store = AnchorStore()
+    numels = {"w": 1000, "b": 10}
+    anchors = []
+    for v in range(3):
+        store.begin(0, v, numels)
+        if v == 2:   # version 1's commit replaced version 0's anchor: its arrays take this staging
+            assert store.staged(0, "w").data_ptr() == anchors[0]
+        for n, k in numels.items():
+            store.stage(0, n, 0, torch.full((k,), float(v)))
+        store.commit(0, owned=list(numels))
+        anchors.append(store.anchor(0, "w", 0, 1000).data_ptr())
+        assert store.anchor(0, "w", 0, 1000).tolist() == [float(v)] * 1000
+        assert store.anchor(0, "b", 0, 10).tolist() == [float(v)] * 10
+    assert store.nbytes() == 2 * 4 * 1010   # the anchor and one spare, never more
+    store.begin(1, 0, {"x": 7})            # other sizes: new arrays, the spare let go
+    assert store.nbytes() == 4 * 1010 + 4 * 7
+    store.close()
+    assert store.nbytes() == 0

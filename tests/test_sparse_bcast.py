@@ -338,3 +338,59 @@ def test_the_syncer_sends_the_merge_step_as_its_update_and_a_full_cut_only_where
     model.set_session({k: v for k, v in s.items() if k != "outer"})
     assert all(pub.needs_full(v, True) for v in range(10))
     assert SB.update_msg_id(1, 4, 2) == "bcast.1.4.u2" and SB.update_msg_id(1, 4, 2, 77) == "bcast.1.4.u2.r77"
+
+
+def test_a_failure_midway_through_an_update_leaves_the_mirror_bit_for_bit(monkeypatch):
+    """apply_update_ keeps the values each tensor's step read (apply_step_ returns them) and puts them
+    back on a digest mismatch or on any failure after the first tensor moved."""
+    from yeto.schemas import sparse_update as SU
+
+    s = session()
+    frag = s["fragments"][0]
+    base = torch.randn(frag["numel"], generator=torch.Generator().manual_seed(5))
+    steps = random_steps(frag, 8, seed=6)
+    msg = encode_update(steps, SM.shapes(frag), OUTER.spec)
+    t = base[:100].clone()
+    old = SU.apply_step_(t, SparseTensor(torch.tensor([3, 7]), torch.tensor([1.0, -2.0])))
+    assert old.tolist() == base[[3, 7]].tolist() and t[3] == base[3] - 1.0 and t[7] == base[7] + 2.0
+    calls = []
+    real = SB.apply_step_
+
+    def fail_second(param, step):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("midway")
+        return real(param, step)
+
+    monkeypatch.setattr(SB, "apply_step_", fail_second)
+    mirror = base.clone()
+    with pytest.raises(RuntimeError):
+        SB.apply_update_(mirror, msg, frag, OUTER.spec, "0" * 64)
+    assert len(calls) == 2 and torch.equal(mirror.view(torch.int32), base.view(torch.int32))
+
+
+def test_an_update_is_staged_from_the_mirror_without_a_copy_and_a_deferred_staging_keeps_its_own():
+    from yeto.learner.island_modes import StageDeferred
+    from yeto.learner.island_ranks import payload_tensor
+    from yeto.learner.rank_ops import StageOp
+    from yeto.learner.update_reader import UpdateReader
+
+    frag = session()["fragments"][0]
+    spans = chunk_plan(frag["numel"], "f32", 256)
+    mirror = torch.randn(frag["numel"], generator=torch.Generator().manual_seed(8))
+    chunks = UpdateReader.chunks(mirror, spans)
+    assert sorted(chunks) == [s.index for s in spans]
+    for s in spans:   # views of the mirror, the bytes a full cut of it carries
+        c = payload_tensor(chunks[s.index], "f32")
+        assert c.data_ptr() == mirror[s.elem_offset:].data_ptr() and c.numel() == s.elem_count
+        assert bytes(c.numpy().tobytes()) == mirror.numpy().tobytes()[s.byte_offset: s.byte_offset + s.nbytes]
+    with pytest.raises(ValueError):
+        payload_tensor(chunks[0], "bf16")
+    led = []
+    deferred = StageDeferred(lambda op, payloads=None: led.append((op, payloads)))
+    deferred.stage(StageOp(0, 5, "f32", tuple(chunks), True), chunks)
+    want = mirror.clone()
+    mirror.add_(1.0)   # the mirror takes the next update in place before the boundary installs
+    deferred.install(0)
+    (op, kept), = led
+    assert torch.equal(torch.cat([kept[i] for i in sorted(kept)]), want)

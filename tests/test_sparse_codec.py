@@ -309,3 +309,98 @@ def test_bad_specs_are_refused_naming_the_setting(kwargs, field):
     with pytest.raises(ConfigError) as e:
         SparseSpec(**kwargs)
     assert e.value.field == field and e.value.value == next(iter(kwargs.values()))
+
+
+# ---------------------------------------------------------------- the pre-filter against the encoder before it
+
+def old_select(block, th, tw, k, field, scratch=None):
+    """`sparse._select` as it was before the pre-filter (one topk of k + 1 per tile, the tie rule where
+    the smallest of them is not unique), kept verbatim as the reference for the bytes."""
+    b, g = block.shape[0] // th, block.shape[1] // tw
+    n, rows = th * tw, b * g
+    t4 = block.reshape(b, th, g, tw).permute(0, 2, 1, 3)
+    a = torch.empty((b, g, th, tw), dtype=block.dtype)
+    torch.abs(t4, out=a)
+    a = a.view(rows, n)
+    if k == n:
+        if not bool(torch.isfinite(a.amax())):
+            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+        local = torch.arange(n).expand(rows, n)
+    else:
+        top, idx = torch.topk(a, k + 1, dim=1, sorted=False)
+        if not bool(torch.isfinite(top).all()):
+            raise WireError("a sparse push carries finite values only", field=field, value="non-finite")
+        low, at = top.min(dim=1, keepdim=True)
+        idx.scatter_(1, at, n)
+        local = idx.sort(dim=1).values[:, :k].contiguous()
+        crowded = ((top == low).sum(dim=1) > 1).nonzero()[:, 0]
+        if crowded.numel():
+            local[crowded] = sparse._ties_to_lower(a[crowded], low[crowded], k)
+    flat = block.reshape(-1)
+    stride = block.shape[1]
+    tile = torch.arange(rows).unsqueeze(1)
+    ti = torch.div(tile, g, rounding_mode="floor")
+    r = torch.div(local, tw, rounding_mode="floor")
+    return local, flat[(ti * th + r) * stride + (tile - ti * g) * tw + (local - r * tw)]
+
+
+def old_encode(xs, spec, monkeypatch, **kw):
+    with monkeypatch.context() as m:
+        m.setattr(sparse, "_select", old_select)
+        return encode_push(xs, spec, **kw)
+
+
+def _hard_cases(g):
+    """Tensors that take every path of the pre-filter: random rows, ties at the k-th value, rows with
+    more than n/8 candidates (zeros, constants), rows holding one huge value, edge tiles, bf16."""
+    x = torch.randn(200, 300, generator=g)
+    x[:64, :64] = torch.randint(-3, 4, (64, 64), generator=g).float()
+    x[64:128, 128:192] = 0.5
+    x[128:192, :64] = 0.0
+    x[128:192, 64:128] = 0.0
+    x[130, 70:75] = torch.tensor([1.0, -2.0, 2.0, 3.0, -3.0])
+    x[0:64, 192:256] *= 1e-30
+    x[70, 200] = 1e30
+    x[100, 5] = x[100, 6] = -x[100, 7]
+    return [x, torch.randn(4096, 4096 // 64, generator=g), torch.randn(5000, generator=g),
+            torch.randint(-2, 3, (256, 128), generator=g).float() * 0.25, torch.zeros(64, 64),
+            torch.randn(3, 70, 70, generator=g).to(torch.bfloat16)]
+
+
+@pytest.mark.parametrize("spec", [DEFAULT, SparseSpec(tile=16, k=4), SparseSpec(tile=32, k=8),
+                                  SparseSpec(tile=16, k=1), SparseSpec(tile=64, k=200, value_bits=4)])
+def test_the_prefilter_gives_the_bytes_of_one_topk_a_tile(spec, monkeypatch):
+    assert sparse._groups(spec.tile * spec.tile, spec.k)   # these specs take the pre-filter
+    g = torch.Generator().manual_seed(21)
+    xs = _hard_cases(g)
+    assert encode_push(xs, spec) == old_encode(xs, spec, monkeypatch)
+    for band in (64 * 64, 3 * 64 * 64 + 5):
+        monkeypatch.setattr(sparse, "BAND_NUMEL", band)
+        assert encode_push(xs, spec) == old_encode(xs, spec, monkeypatch)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 150), cols=st.integers(1, 150), tile=st.sampled_from([8, 16, 32, 64]),
+       kfrac=st.integers(1, 60), seed=st.integers(0, 2**31), levels=st.sampled_from([0, 2, 5, 50]))
+def test_the_prefilter_matches_the_old_encoder_on_random_tensors(rows, cols, tile, kfrac, seed, levels):
+    spec = SparseSpec(tile=tile, k=max(1, tile * tile * kfrac // 100))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    if levels:   # few distinct magnitudes: ties at the cut and rows with many candidates
+        x = torch.randint(-levels, levels + 1, (rows, cols), generator=g).float()
+    with pytest.MonkeyPatch.context() as m:
+        want = old_encode([x], spec, m)
+    assert encode_push([x], spec) == want
+
+
+@pytest.mark.parametrize("where", [(0, 0), (63, 63), (100, 200), (199, 299), (150, 70)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_prefilter_refuses_a_non_finite_value_as_the_old_encoder(where, bad, monkeypatch):
+    x = torch.randn(200, 300, generator=torch.Generator().manual_seed(22))
+    x[128:192, 64:128] = 0.0   # a tile decided on the whole row
+    x[where] = bad
+    for encode in (lambda: encode_push([x], DEFAULT, names=["w"]),
+                   lambda: old_encode([x], DEFAULT, monkeypatch, names=["w"])):
+        with pytest.raises(WireError) as e:
+            encode()
+        assert (e.value.field, e.value.value) == ("tensors.w", "non-finite")

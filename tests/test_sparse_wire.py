@@ -83,6 +83,22 @@ def test_the_fold_over_d_is_bitwise_the_reference_fold_on_signed_zeros_and_under
     assert torch.equal(got.acc[0].view(torch.int32), ref.acc[0].view(torch.int32))
 
 
+def test_compress_subtracts_what_it_sent_bit_for_bit_as_a_gather_and_a_scatter():
+    """`compress` takes e − decode(m) as one index_add_ of −v: the bits of e[i] − v[i], signed zeros and
+    values equal to what was sent (an exact zero) included."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(40, 24, generator=g)
+    x[0, :8] = torch.tensor([-0.0, 0.0, 5.0, -5.0, 1e-45, -1e-45, 3.0, 3.0])
+    x[9:17, 8:16] = 0.25                         # all equal: the kept ones decode to exactly 0.25
+    ef = ErrorFeedback([x.shape], OUTER.spec, 0.9)
+    ef.acc = [x.clone()]
+    msg = ef.compress()
+    (sent,) = decode_push(msg, [x.shape], OUTER.spec)
+    want = x.clone().view(-1)
+    want[sent.indices] = want[sent.indices] - sent.values
+    assert torch.equal(ef.acc[0].view(-1).view(torch.int32), want.view(torch.int32))
+
+
 def test_delta_zero_is_plus_zero_as_anchor_minus_local():
     s = session()
     sp = SparsePushes(s, OUTER)
