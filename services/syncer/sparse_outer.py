@@ -49,24 +49,14 @@ def aggregate(pushes: Sequence[Sequence[SparseTensor]]) -> list[SparseTensor]:
         idx = torch.cat([m.indices for m in msgs])
         vals = torch.cat([m.values if f == 1.0 else m.values * torch.tensor(f, dtype=torch.float32)
                           for m, f in zip(msgs, factors)])
-        uniq, mean = coordinate_means(idx, vals)
+        # the same sorted indices from int32 keys where they fit (a sort about twice as fast)
+        narrow = idx.numel() > 0 and int(idx.max()) < 2 ** 31
+        uniq, inv = torch.unique(idx.to(torch.int32) if narrow else idx, sorted=True, return_inverse=True)
+        uniq = uniq.to(torch.int64)
+        mean = torch.zeros(uniq.numel(), dtype=torch.float32)
+        mean.scatter_reduce_(0, inv, vals, reduce="mean", include_self=False)
         out.append(SparseTensor(uniq, mean))
     return out
-
-
-def coordinate_means(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique indices (int64) and the f32 mean of the values sent for each: the bits of
-    `scatter_reduce_(mean, include_self=False)` (a sum from +0 in the order given, then / count; the
-    definition, tests/test_sparse_aggregate_bits.py), as a serial `index_add_` and one division, which
-    costs a quarter of the scatter's time."""
-    if idx.numel() == 0:
-        return idx.to(torch.int64), vals.new_zeros(0)
-    # the same sorted indices from int32 keys where they fit (a sort about twice as fast)
-    narrow = int(idx.max()) < 2 ** 31
-    uniq, inv, count = torch.unique(idx.to(torch.int32) if narrow else idx, sorted=True, return_inverse=True,
-                                    return_counts=True)
-    acc = torch.zeros(uniq.numel(), dtype=torch.float32).index_add_(0, inv, vals)
-    return uniq.to(torch.int64), acc.div_(count.to(torch.float32))
 
 
 def step_amounts(agg: Sequence[SparseTensor], lr: float) -> list[SparseTensor]:
