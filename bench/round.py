@@ -98,12 +98,16 @@ EXACT = (("fetch_s", "fetch"), ("outer_s", "outer"), ("pack_s", "pack+hash"), ("
 # Recorded by a syncer that streams the checkpoint files during the merge (optional: printed as "-" when
 # absent, so older syncers' records still make a breakdown).
 STREAM = (("ckpt_write_s", "ckpt write"), ("ckpt_wait_s", "writer wait"), ("state_streamed_s", "state KV puts"))
+# The sparse mode's up-front part of the merge (optional, as STREAM): the pushes taken as intake decoded
+# them (or read and decoded again), then aggregated into the step.
+SPARSE = (("sparse_decode_s", "decode"), ("sparse_aggregate_s", "aggregate"))
 # Counts (optional): push chunks the merge took from memory (kept at intake) and read back from PUSH;
 # chunks the compiled outer loop stepped and the eager kernel stepped (a compile not yet done leaves
 # them to the eager twin).
 HELD = (("push_chunks_held", "push chunks held"), ("push_chunks_read", "read back"),
         ("outer_compiled_chunks", "outer compiled"), ("outer_eager_chunks", "eager"),
-        ("speculated_chunks", "speculated"))
+        ("speculated_chunks", "speculated"), ("sparse_pushes_held", "sparse pushes decoded at intake"),
+        ("sparse_pushes_decoded", "decoded again"))
 
 
 # --------------------------------------------------------------------------- pure logic (no I/O)
@@ -156,7 +160,7 @@ def breakdown(o: RoundObs, islands: list[str]) -> dict:
     out["export"] = max(o.export_s.get(i, 0.0) for i in islands)
     out["island_apply"] = max(o.apply_s.get(i, 0.0) for i in islands)
     out.update((k, float(o.exact[k])) for k, _ in EXACT)
-    out.update((k, float(o.exact[k])) for k, _ in STREAM + HELD if k in o.exact)
+    out.update((k, float(o.exact[k])) for k, _ in STREAM + SPARSE + HELD if k in o.exact)
     return out
 
 
@@ -190,7 +194,7 @@ def note_event(rec: dict, seen_at: float, rounds: dict[int, RoundObs]) -> None:
         o.accepted.setdefault(rec["island"], rec["t"])
     elif kind == "merge":
         o.merge_t, o.merge_s, o.taped = rec["t"], rec["detail"]["merge_s"], seen_at
-        o.exact = {k: rec["detail"][k] for k, _ in EXACT + STREAM + HELD if k in rec["detail"]}
+        o.exact = {k: rec["detail"][k] for k, _ in EXACT + STREAM + SPARSE + HELD if k in rec["detail"]}
     elif kind == "commit" and rec.get("fragment") == 0:
         o.commit_t = rec["t"]
 
@@ -479,7 +483,9 @@ def fmt_stage_row(label: str, b: dict) -> str:
             + f"{label} syncer stages: " + ", ".join(f"{name} {b[k]:.3f}" for k, name in EXACT) + "\n"
             + f"{label} checkpoint stream: "
             + ", ".join(f"{name} {b[k]:.3f}" if k in b else f"{name} -" for k, name in STREAM)
-            + "; " + ", ".join(f"{name} {b[k]:.0f}" if k in b else f"{name} -" for k, name in HELD))
+            + "; " + ", ".join(f"{name} {b[k]:.0f}" if k in b else f"{name} -" for k, name in HELD)
+            + ("" if not any(k in b for k, _ in SPARSE) else f"\n{label} sparse merge up front: "
+               + ", ".join(f"{name} {b[k]:.3f}" if k in b else f"{name} -" for k, name in SPARSE)))
 
 
 def main(argv: list[str] | None = None) -> int:

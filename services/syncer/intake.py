@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from yeto.schemas.chunks import push_digest
+from yeto.services.syncer.decoded_pushes import DecodedPushes
 
 PushKey = tuple  # (island, gen, fragment, step, attempt, try)
 
@@ -153,6 +154,8 @@ class PushLedger:
         self.round_dtypes: dict[tuple[int, int, int], str] = {}
         self.dropped: list[DroppedTry] = []        # incomplete tries forgotten, for the shell to tape
         self._tombstones: dict[PushKey, int] = {}  # dropped incomplete try -> committed_step when dropped
+        # sparse mode: a complete try's tensors as intake decoded them (decoded_pushes.py), in the same budget
+        self.decoded = DecodedPushes()
 
     def set_budget(self, hold_bytes: int) -> None:
         """The push bytes kept in memory from now on (the session is known: `--push-memory-mib auto`)."""
@@ -171,6 +174,7 @@ class PushLedger:
     def restore_try(self, t: PushTry) -> None:
         """The redo of an interrupted merge (merge.Merger.redo): a complete try as the merge's intent recorded
         it, its chunks read back from PUSH by their stream sequences."""
+        self._release_key(t.key)
         self.tries[t.key] = t
 
     def closed(self, meta: dict, *, redelivered: bool = False) -> str | None:
@@ -245,8 +249,30 @@ class PushLedger:
             self.held_bytes -= len(data)
         return data
 
+    def keep_decoded(self, t: PushTry, push) -> bool:
+        """Sparse mode: try `t`'s tensors as intake decoded them, kept for the merge in place of its raw
+        chunks (which they make unneeded) when they fit the budget; not for a try that is invalid or no
+        longer the ledger's (forgotten while intake decoded it). Returns whether they were kept."""
+        if t.invalid is not None or self.tries.get(t.key) is not t:
+            return False
+        raw, before = sum(len(d) for d in t.held.values()), self.decoded.nbytes
+        if not self.decoded.keep(t, push, self.hold_bytes - (self.held_bytes - raw)):
+            return False
+        self.held_bytes += self.decoded.nbytes - before - t.drop_held()
+        return True
+
+    def take_decoded(self, t: PushTry):
+        """Try `t`'s decoded tensors kept at intake, handed over once; None when not kept for this try."""
+        push, n = self.decoded.take(t)
+        self.held_bytes -= n
+        return push
+
     def _release(self, t: PushTry) -> None:
         self.held_bytes -= t.drop_held()
+        self._release_key(t.key)
+
+    def _release_key(self, key: PushKey) -> None:
+        self.held_bytes -= self.decoded.drop(key)
 
     def expect_pull(self, pull: dict) -> None:
         """A pull went out: a push dtype it names (`yeto run set push_dtype`) is what its pushes must carry."""

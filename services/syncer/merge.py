@@ -140,20 +140,32 @@ class Merger:
         self.counters["merge.push_chunk_read"] += 1
         return await read_push_bytes(self.js, self.run_id, t.seqs[k], t.digests[k])
 
-    async def _sparse_step(self, a: Merge, tries: list[PushTry]) -> SM.FragmentStep:
-        """The sparse mode's merge input: every accepted push read whole, decoded (checked at intake: a
-        failure now is a MergeError) and aggregated in member order with this merge's lr."""
+    async def _sparse_step(self, a: Merge, tries: list[PushTry]) -> tuple[SM.FragmentStep, dict]:
+        """The sparse mode's merge input: every accepted push as intake decoded it (PushLedger.take_decoded),
+        else read whole and decoded again (checked at intake: a failure now is a MergeError), aggregated in
+        member order with this merge's lr. Also the detail: the seconds of each part, pushes taken/decoded."""
         frag = self.model.session["fragments"][a.fragment]
         outer = OM.from_session(self.model.session)
-        async def decode(t):
+        t0 = time.perf_counter()
+        held = [self.ledger.take_decoded(t) for t in tries]
+
+        async def decode(t, push):
+            if push is not None:
+                return push
             data = b"".join([bytes(await self._push_bytes(t, k)) for k in range(t.chunks)])
             try:
                 return await asyncio.to_thread(SM.decode, frag, outer, data)
             except ValueError as exc:
                 raise MergeError(f"merge of step {a.step}: push of {t.key[0]} no longer decodes: {exc}") from None
 
-        pushes = await asyncio.gather(*(decode(t) for t in tries))   # on threads side by side, kept in member order
-        return await asyncio.to_thread(SM.FragmentStep.of, frag, pushes, self.hyper(a)[0])
+        pushes = await asyncio.gather(*(decode(t, p) for t, p in zip(tries, held)))   # kept in member order
+        t1 = time.perf_counter()
+        step = await asyncio.to_thread(SM.FragmentStep.of, frag, pushes, self.hyper(a)[0])
+        kept = sum(p is not None for p in held)
+        self.counters["merge.sparse_push_decoded_held"] += kept
+        self.counters["merge.sparse_push_decoded_again"] += len(tries) - kept
+        return step, {"sparse_decode_s": t1 - t0, "sparse_aggregate_s": time.perf_counter() - t1,
+                      "sparse_pushes_held": kept, "sparse_pushes_decoded": len(tries) - kept}
 
     def use_outer(self, settings: dict) -> None:
         """`yeto run set`'s outer values in force: the speculative merge forecasts the next merge with them
@@ -244,7 +256,7 @@ class Merger:
         lr, momentum = self.hyper(a)
         held0, read0 = self.counters["merge.push_chunk_held"], self.counters["merge.push_chunk_read"]
         # sparse: the whole step decoded and aggregated up front (a few values per tile), applied span by span
-        sparse_step = await self._sparse_step(a, tries) if sparse else None
+        sparse_step, sparse_detail = await self._sparse_step(a, tries) if sparse else (None, {})
         # the version's update message (BCAST), made on a thread while the loop below steps and writes
         upd = None
         if sparse and self._updates(a.version):
@@ -358,6 +370,8 @@ class Merger:
         if sparse:
             rec["detail"]["outer_mode"] = OM.SPARSE
             rec["detail"]["sparse_entries"] = int(sparse_step.index.numel())   # coordinates this step moved
+            # the up-front part: pushes taken as intake decoded them (or read and decoded again), aggregated
+            rec["detail"].update(sparse_detail)
         if redone:   # a killed syncer had begun this merge (and sent some of its chunks): the same bytes again
             rec["detail"]["redone"] = True
         updates = None if upd is None else {fid: await upd}

@@ -333,8 +333,8 @@ class Receiver:
         return self._outer
 
     async def _decode_sparse(self, t, island: str | None) -> float:
-        """A complete sparse try decoded whole (its chunks kept at intake, else read back from PUSH): its
-        norm for the quarantine rules, or, for bytes the decoder refuses, the try made invalid (counted,
+        """A complete sparse try decoded whole (its chunks kept at intake, else read back from PUSH) and the
+        decoded tensors kept for the merge (PushLedger.keep_decoded): its norm for the quarantine rules, or, for bytes the decoder refuses, the try made invalid (counted,
         taped; the merge never sees it). Returns the norm (0 for a refused try)."""
         island_, gen, fid, step, attempt, try_ = t.key
         try:
@@ -343,7 +343,11 @@ class Receiver:
                 if part is None:
                     parts[k] = await read_push_bytes(self.js, self.run_id, t.seqs[k], t.digests[k])
             data = b"".join(bytes(p) for p in parts)
-            return SM.norm(await asyncio.to_thread(SM.decode, self.model.session["fragments"][fid], self.outer(), data))
+            push, norm = await asyncio.to_thread(SM.decode_norm, self.model.session["fragments"][fid], self.outer(), data)
+            # kept for the merge (no second read and decode) within the push budget; else it reads PUSH
+            self.counters["push.sparse_decoded_kept" if self.ledger.keep_decoded(t, push)
+                          else "push.sparse_decoded_not_kept"] += 1
+            return norm
         except Exception as exc:
             # refused bytes (DecodeError naming the field), a chunk gone from PUSH (MergeError), or a read
             # that failed: the try is invalid now, never left without its PushComplete

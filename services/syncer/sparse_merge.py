@@ -5,9 +5,9 @@ Owns no state beyond one merge's `FragmentStep`. Pure tensor code; the shell (re
 the bytes. A sparse run's push is one schemas/sparse.py message cut into opaque byte chunks
 (schemas/chunks.byte_plan); its header says `encoding` sparseloco, and a dense run's never does.
 Invariants: every accepted push was decoded once at intake (a DecodeError makes its try invalid); the
-merge decodes the same bytes again, aggregates the islands in member order (services/syncer/sparse_outer:
-median-norm clip, per-coordinate mean, islands weighted equally) and subtracts s = f32(lr)·mean from the
-params (the bits of `apply_step_`; a coordinate no island sent does not move). No momentum.
+merge takes that decode (decoded_pushes.py) or decodes the same bytes again, aggregates the islands in
+member order (services/syncer/sparse_outer: median-norm clip, per-coordinate mean, islands weighted
+equally) and subtracts s = f32(lr)·mean from the params (the bits of `apply_step_`; a coordinate no island sent does not move). No momentum.
 """
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def decode(frag: Mapping, outer: OM.SparseOuter, data) -> list[SparseTensor]:
     return decode_push(data, shapes(frag), outer.spec)
 
 
+def decode_norm(frag: Mapping, outer: OM.SparseOuter, data) -> tuple[list[SparseTensor], float]:
+    """`decode` and the `norm` of its result, in one call (one thread hop at intake)."""
+    push = decode(frag, outer, data)
+    return push, norm(push)
+
+
 def norm(push: Sequence[SparseTensor]) -> float:
     """The L2 norm of the decoded values (float64): the figure the quarantine rules judge."""
     return math.sqrt(sum(float(t.values.double().square().sum()) for t in push))
@@ -87,4 +93,4 @@ class FragmentStep:
             apply_step_(params, SparseTensor(self.index[lo:hi] - elem_offset, self.step[lo:hi]))
 
 
-__all__ = ["FragmentStep", "check_encoding", "decode", "norm", "push_spans", "shapes"]
+__all__ = ["FragmentStep", "check_encoding", "decode", "decode_norm", "norm", "push_spans", "shapes"]
