@@ -61,7 +61,8 @@ the islands sent and received and what the syncer sent and received, each also i
 fragment's f32 bytes), then `round bytes_per_model_byte=<x>` (all of it: in and out of the broker).
 `--outer sparseloco` starts the syncer in the sparse outer mode (docs/design.md §4.10; the islands follow the
 session's pin): the same breakdown and bytes, plus a line with the pushes' bytes per round to 4 decimals of a
-model size; BCAST still carries dense full cuts, so the round's bytes are mostly the version's and its state's.
+model size, and the merge's up-front decode and aggregate; BCAST and the state KV carry each version between full
+cuts as its update message, so the round's bytes are a small fraction of a model size.
 The last line is `round ratio_vs_allreduce=<x>`: median round / median all_reduce (the headline is
 f32 push and bulk, 2 islands).
 """

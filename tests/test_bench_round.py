@@ -136,9 +136,10 @@ def test_round_bench_sparse_smoke_pushes_a_small_fraction_of_a_model_and_islands
     # default spec (64 of a 64 x 64 tile, 2-bit values) about 0.007 each, step logs and heartbeats on top
     assert figs["isl_out"] < 0.1 and figs["syn_in"] < 0.1, out
     # BCAST carries each version as its update message from the one before (design §4.10): the islands read a small
-    # fraction of a model a round (dense: 2.0, a full cut each); the syncer writes its params alone into the state
-    # KV (1 model size: this mode keeps no momentum, §4.10), and the small updates to BCAST
-    assert figs["isl_in"] < 0.2 and 0.95 < figs["syn_out"] < 1.3, out
+    # fraction of a model a round (dense: 2.0, a full cut each); the syncer's state KV keeps the same update between
+    # full versions (its chains, §4.10 "Durable state": the timed rounds make versions 2 and 3 of 16), so what it
+    # sends is a small fraction too (1.0 when it put the full params of every version)
+    assert figs["isl_in"] < 0.2 and 0 < figs["syn_out"] < 0.2, out
     sp = SPARSE_PUSHES.search(out)
     assert sp, out
     # the 4-decimal line agrees with the rounded one, and something was pushed each round
