@@ -10,6 +10,7 @@ import signal
 import time
 
 import nats
+import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 
@@ -26,7 +27,17 @@ async def test_a_direct_get_in_flight_when_its_client_moves_is_asked_again_at_on
         ajs = admin.jetstream(timeout=10)
         # one replica: only its server answers a direct get (a stopped replica would keep the ones routed to it)
         info = await ajs.add_stream(StreamConfig(name="MOVES", subjects=["moves.>"], num_replicas=1, allow_direct=True))
-        await ajs.publish("moves.a", b"chunk")
+        # a stream just made on another node: its subjects' interest reaches the admin's server a moment later
+        # (until then "no responders": once in a full CI run)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await ajs.publish("moves.a", b"chunk")
+                break
+            except nats.js.errors.NoStreamResponseError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
         others = [n for n in c.nodes if n is not c.nodes[c.index_of(info.cluster.leader)]]
         nc = await connect(ConnectOptions(url=",".join(n.url for n in others)), max_reconnect_attempts=-1,
                            reconnect_time_wait=0.2, connect_timeout=1)
