@@ -108,19 +108,9 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
                         base = chains[fid].base if fid in chains else v   # a chain: its full version, then updates
                         with open(path, "wb") as w:
                             for c, off in enumerate(range(0, n, elems)):
-                                key = f"ckpt.{k}.f{fid}.v{base}.p.{c}"
-                                data, _ = await get(key)
-                                want = min(elems, n - off) * ELEM
-                                if data is None:
-                                    _, now_rev = await get(mkey)
-                                    if now_rev != rev:
-                                        raise _Moved(key)
-                                    raise error(f"run {run}: ckpt KV {key} is missing under an unchanged {mkey}: the "
-                                                f"committed state of fragment {fid} version {v} is incomplete", 1)
-                                if len(data) != want:
-                                    raise error(f"run {run}: ckpt KV {key} holds {len(data)} bytes, not {want}: the "
-                                                f"committed state of fragment {fid} version {v} is corrupt", 1)
-                                w.write(data)
+                                w.write(await _piece(get, f"ckpt.{k}.f{fid}.v{base}.p.{c}", min(elems, n - off) * ELEM,
+                                                     mkey, rev, run, error,
+                                                     f"the committed state of fragment {fid} version {v}"))
                         if fid in chains:
                             await _apply_chain(path, chains[fid], session, fid, n, elems, k, get, mkey, rev, run, error)
                         want_digest = state.version_digests.get(fid)
@@ -156,6 +146,20 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
         await nc.close()
 
 
+async def _piece(get, key: str, want: int, mkey: str, rev: int, run: str, error, what: str) -> bytes:
+    """One chunk of the ckpt KV, `want` bytes. Missing: `_Moved` when the manifest moved on since it was read
+    (the caller reads again), else an error naming the key; another length: an error naming the key."""
+    data, _ = await get(key)
+    if data is None:
+        _, now_rev = await get(mkey)
+        if now_rev != rev:
+            raise _Moved(key)
+        raise error(f"run {run}: ckpt KV {key} is missing under an unchanged {mkey}: {what} is incomplete", 1)
+    if len(data) != want:
+        raise error(f"run {run}: ckpt KV {key} holds {len(data)} bytes, not {want}: {what} is corrupt", 1)
+    return data
+
+
 async def _apply_chain(path: Path, chain, session: dict, fid: int, n: int, elems: int, shard: int, get, mkey: str,
                        rev: int, run: str, error) -> None:
     """The spooled full version of `chain` turned into its top version: every update after it fetched
@@ -177,18 +181,8 @@ async def _apply_chain(path: Path, chain, session: dict, fid: int, n: int, elems
     for u in range(chain.base + 1, chain.top + 1):
         msg = bytearray()
         for c, off in enumerate(range(0, max(1, chain.size(u)), step)):
-            key = f"ckpt.{shard}.f{fid}.v{u}.u.{c}"
-            data, _ = await get(key)
-            want = min(step, chain.size(u) - off)
-            if data is None:
-                _, now_rev = await get(mkey)
-                if now_rev != rev:
-                    raise _Moved(key)
-                raise error(f"run {run}: ckpt KV {key} is missing under an unchanged {mkey}: the update making "
-                            f"fragment {fid} version {u} is gone", 1)
-            if len(data) != want:
-                raise error(f"run {run}: ckpt KV {key} holds {len(data)} bytes, not {want}: corrupt state", 1)
-            msg += data
+            msg += await _piece(get, f"ckpt.{shard}.f{fid}.v{u}.u.{c}", min(step, chain.size(u) - off), mkey, rev,
+                                run, error, f"the update making fragment {fid} version {u}")
         try:
             await asyncio.to_thread(SC.apply, t, bytes(msg), frag, spec, chain.digest(u), f"ckpt.{shard}.f{fid}.v{u}.u.*")
         except SC.ChainError as exc:
