@@ -108,7 +108,7 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
                         base = chains[fid].base if fid in chains else v   # a chain: its full version, then updates
                         with open(path, "wb") as w:
                             for c, off in enumerate(range(0, n, elems)):
-                                w.write(await _piece(get, f"ckpt.{k}.f{fid}.v{base}.p.{c}", min(elems, n - off) * ELEM,
+                                w.write(await _kv_chunk(get, f"ckpt.{k}.f{fid}.v{base}.p.{c}", min(elems, n - off) * ELEM,
                                                      mkey, rev, run, error,
                                                      f"the committed state of fragment {fid} version {v}"))
                         if fid in chains:
@@ -146,7 +146,7 @@ async def spool_state_kv(opts, run: str, scratch: Path, *, attempts: int, error,
         await nc.close()
 
 
-async def _piece(get, key: str, want: int, mkey: str, rev: int, run: str, error, what: str) -> bytes:
+async def _kv_chunk(get, key: str, want: int, mkey: str, rev: int, run: str, error, what: str) -> bytes:
     """One chunk of the ckpt KV, `want` bytes. Missing: `_Moved` when the manifest moved on since it was read
     (the caller reads again), else an error naming the key; another length: an error naming the key."""
     data, _ = await get(key)
@@ -181,7 +181,7 @@ async def _apply_chain(path: Path, chain, session: dict, fid: int, n: int, elems
     for u in range(chain.base + 1, chain.top + 1):
         msg = bytearray()
         for c, off in enumerate(range(0, max(1, chain.size(u)), step)):
-            msg += await _piece(get, f"ckpt.{shard}.f{fid}.v{u}.u.{c}", min(step, chain.size(u) - off), mkey, rev,
+            msg += await _kv_chunk(get, f"ckpt.{shard}.f{fid}.v{u}.u.{c}", min(step, chain.size(u) - off), mkey, rev,
                                 run, error, f"the update making fragment {fid} version {u}")
         try:
             await asyncio.to_thread(SC.apply, t, bytes(msg), frag, spec, chain.digest(u), f"ckpt.{shard}.f{fid}.v{u}.u.*")
